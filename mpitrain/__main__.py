@@ -1,0 +1,5 @@
+import sys
+
+from mpitrain.cli import main
+
+sys.exit(main())

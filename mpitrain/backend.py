@@ -1,0 +1,107 @@
+"""The array module (NumPy or CuPy), GPU binding, and host<->device staging.
+
+Everything that differs between CPU and GPU lives here; model, optimizer and loops only see
+`backend.xp`. Messages always travel from host buffers: on the GPU those are pinned and the
+copies run on a dedicated non-blocking stream, ordered against compute with events.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mpitrain.config import UsageError
+
+
+class Backend:
+    """NumPy: device arrays ARE the host message buffers, so staging costs nothing."""
+
+    xp = np
+    is_gpu = False
+    description = "CPU (NumPy)"
+
+    def host_alloc(self, nbytes: int) -> np.ndarray:
+        return np.empty(nbytes, np.uint8)
+
+    def mirror(self, host: np.ndarray):
+        """A device array that shadows `host` (the same memory on CPU)."""
+        return host
+
+    def upload(self, dev, host: np.ndarray) -> None:
+        if dev is not host:
+            dev[...] = host
+
+    def download(self, dev, host: np.ndarray) -> None:
+        if dev is not host:
+            host[...] = dev
+
+    def asarray(self, a: np.ndarray):
+        return a
+
+    def to_host(self, a) -> np.ndarray:
+        return np.asarray(a)
+
+
+class CupyBackend(Backend):
+    is_gpu = True
+
+    def __init__(self, cupy, device_id: int):
+        self.cp = cupy
+        self.xp = cupy
+        self.device_id = device_id
+        cupy.cuda.Device(device_id).use()
+        props = cupy.cuda.runtime.getDeviceProperties(device_id)
+        name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+        self.description = f"GPU {device_id} ({name})"
+        self.copy_stream = cupy.cuda.Stream(non_blocking=True)
+
+    def host_alloc(self, nbytes: int) -> np.ndarray:
+        import cupyx
+
+        return cupyx.empty_pinned((nbytes,), np.uint8)  # pinned: DMA straight from/to it
+
+    def mirror(self, host: np.ndarray):
+        return self.cp.asarray(host)
+
+    def upload(self, dev, host: np.ndarray) -> None:
+        cp = self.cp
+        dev.set(host, stream=self.copy_stream)
+        done = cp.cuda.Event()
+        done.record(self.copy_stream)
+        cp.cuda.get_current_stream().wait_event(done)  # compute waits for the copy, not the host
+
+    def download(self, dev, host: np.ndarray) -> None:
+        cp = self.cp
+        ready = cp.cuda.Event()
+        ready.record(cp.cuda.get_current_stream())
+        self.copy_stream.wait_event(ready)  # the copy waits for the compute that wrote `dev`
+        dev.get(stream=self.copy_stream, out=host)
+        self.copy_stream.synchronize()  # MPI reads `host` next
+
+    def asarray(self, a: np.ndarray):
+        return self.cp.asarray(a)
+
+    def to_host(self, a) -> np.ndarray:
+        return self.cp.asnumpy(a)
+
+
+def _import_cupy():
+    try:
+        import cupy
+
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception:  # ImportError, or a CUDA runtime/driver error: no usable GPU either way
+        return None, 0
+    return cupy, n
+
+
+def make_backend(device: str, node_local_rank: int, uses_gpu: bool = True) -> Backend:
+    """`uses_gpu=False` for the parameter server, whose optimizer runs on the host buffers it sends."""
+    if device == "cpu" or not uses_gpu:
+        return Backend()
+    cupy, n = _import_cupy()
+    if n == 0:
+        if device == "gpu":
+            raise UsageError("--device gpu but no GPU is usable here (CuPy missing or no CUDA device); "
+                             "install mpitrain[gpu] on a GPU node, or use --device cpu")
+        return Backend()
+    return CupyBackend(cupy, node_local_rank % n)

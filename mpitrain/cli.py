@@ -1,0 +1,135 @@
+"""Command line: argparse -> TrainConfig, the per-rank flow, and error handling.
+
+Flow on every rank: parse -> setup (data, device, model) -> agree on errors -> train -> report.
+A UsageError anywhere before training is shared with allgather, so every rank exits 2 and
+rank 0 prints one line; nobody waits for a peer that already left. An unexpected exception
+during training aborts the whole job (MPI_Abort) instead of leaving peers hanging.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from mpitrain import __version__
+from mpitrain.config import TrainConfig, UsageError, defaults, validate
+
+# One BLAS thread per rank: at these matrix sizes two threads are slower than one, and ranks
+# already share the cores. Set before NumPy loads; an explicit user setting wins.
+BLAS_THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse would print usage and exit 2 on each rank by itself
+        raise UsageError(f"{message} (see python -m mpitrain --help)")
+
+
+def _hidden(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--hidden takes comma-separated widths like 256,128, not {text!r}") from None
+    if not sizes:
+        raise argparse.ArgumentTypeError("--hidden needs at least one width, e.g. --hidden 100")
+    return sizes
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = defaults()
+    p = _Parser(
+        prog="mpitrain",
+        description="Data-parallel training over MPI: rank 0 is the parameter server, ranks 1..N-1 are workers. "
+                    "Run with `mpirun -np 3 python -m mpitrain` (1 server + 2 workers); one process trains locally.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        add_help=False,
+    )
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--mode", choices=("async", "sync"), default=d.mode,
+                   help="async: workers push gradients to / pull parameters from rank 0 independently; "
+                        "sync: workers average gradients with Allreduce every step")
+    g.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=d.overlap,
+                   help="async: receive the next parameters while computing the next gradient "
+                        "(gradients one exchange staler, no idle round trip)")
+
+    g = p.add_argument_group("model")
+    g.add_argument("--model", choices=("softmax", "mlp"), default=d.model, help="softmax regression or ReLU MLP")
+    g.add_argument("--hidden", type=_hidden, default=d.hidden, metavar="W[,W...]",
+                   help="MLP hidden layer widths, e.g. 500 or 256,128")
+    g.add_argument("--l2", type=float, default=d.l2, help="L2 weight decay on weights (not biases)")
+
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--optimizer", choices=("sgd", "momentum", "adam"), default=d.optimizer)
+    g.add_argument("--lr", type=float, default=d.lr, help="learning rate")
+    g.add_argument("--lr-decay", type=float, default=d.lr_decay,
+                   help="multiply the learning rate by this per epoch of global data (1 = constant)")
+    g.add_argument("--momentum", type=float, default=d.momentum, help="momentum coefficient (--optimizer momentum)")
+    g.add_argument("--batch-size", type=int, default=d.batch_size, help="minibatch size per worker and step")
+    g.add_argument("--epochs", type=int, default=d.epochs,
+                   help="passes of each worker over its shard (default 30 when --steps is not given either)")
+    g.add_argument("--steps", type=int, default=d.steps, help="stop after this many global steps")
+    g.add_argument("--seed", type=int, default=d.seed, help="seeds initialisation, shuffling and synthetic data")
+
+    g = p.add_argument_group("data")
+    g.add_argument("--dataset", choices=("digits", "mnist", "fashion_mnist", "synthetic"), default=d.dataset,
+                   help="digits: scikit-learn's bundled 8x8 digits (offline); mnist/fashion_mnist: IDX files in "
+                        "--data-dir, else tensorflow-datasets; synthetic: seeded clusters")
+    g.add_argument("--data-dir", default=d.data_dir, metavar="DIR",
+                   help="folder with the four MNIST-format IDX .gz files, or a tfds data dir")
+    g.add_argument("--synthetic-samples", type=int, default=d.synthetic_samples, metavar="N")
+    g.add_argument("--synthetic-features", type=int, default=d.synthetic_features, metavar="D")
+
+    g = p.add_argument_group("device")
+    g.add_argument("--device", choices=("auto", "cpu", "gpu"), default=d.device,
+                   help="auto: CuPy on a GPU when one is usable, else NumPy; workers bind GPU node-local-rank %% #GPUs")
+
+    g = p.add_argument_group("output")
+    g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=d.progress,
+                   help="tqdm bar on rank 0's stderr")
+    g.add_argument("--summary-json", default=d.summary_json, metavar="PATH", help="write the run summary here")
+    g.add_argument("-h", "--help", action="store_true", help="show this help and exit")
+    g.add_argument("--version", action="store_true", help="print the version and exit")
+    return p
+
+
+def parse_args(argv: list[str]) -> tuple[TrainConfig | None, argparse.ArgumentParser]:
+    """(config, parser); config is None when --help was asked for."""
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    if ns.help:
+        return None, parser
+    values = {k: v for k, v in vars(ns).items() if k not in ("help", "version")}
+    return validate(TrainConfig(**values)), parser
+
+
+def _pin_blas_threads() -> None:
+    for var in BLAS_THREAD_VARS:
+        os.environ.setdefault(var, "1")
+
+
+def main(argv: list[str] | None = None) -> int:
+    _pin_blas_threads()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--version" in argv:
+        print(f"mpitrain {__version__}")
+        return 0
+    import mpi4py
+
+    mpi4py.rc.thread_level = "funneled"  # MPI is only ever called from the main thread
+    from mpi4py import MPI
+
+    from mpitrain.train import run
+
+    comm = MPI.COMM_WORLD
+    node_rank = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()  # collective: before anyone can fail
+    try:
+        cfg, parser = parse_args(argv)
+    except UsageError as e:
+        cfg, parser, err = None, None, str(e)
+    else:
+        err = None
+    if err is None and cfg is None:
+        if comm.Get_rank() == 0:
+            parser.print_help()
+        return 0
+    return run(cfg, comm, node_rank, err)

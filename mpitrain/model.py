@@ -1,0 +1,144 @@
+"""Softmax regression and MLP over ONE flat float32 parameter vector.
+
+Layer l has a weight matrix W_l (fan_in x fan_out) and a bias b_l; both are views into the flat
+vector, in the order W_0, b_0, W_1, b_1, ... . Gradients use the same layout, so a gradient is
+one contiguous buffer that can be sent as it is. Softmax regression is the MLP with no hidden
+layer. All array work goes through `xp` (numpy or cupy), so one code path serves CPU and GPU.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class MLP:
+    def __init__(self, sizes: tuple[int, ...], l2: float = 0.0, xp=np):
+        if len(sizes) < 2:
+            raise ValueError("need at least input and output sizes")
+        self.sizes = tuple(int(s) for s in sizes)
+        self.l2 = float(l2)
+        self.xp = xp
+        self.slices: list[tuple[slice, tuple[int, int], slice]] = []
+        off = 0
+        for fan_in, fan_out in zip(self.sizes[:-1], self.sizes[1:]):
+            w = slice(off, off + fan_in * fan_out)
+            off = w.stop
+            b = slice(off, off + fan_out)
+            off = b.stop
+            self.slices.append((w, (fan_in, fan_out), b))
+        self.n_params = off
+        self._scratch: dict[int, list] = {}
+
+    @property
+    def description(self) -> str:
+        kind = "softmax" if len(self.sizes) == 2 else "mlp"
+        return f"{kind} {'-'.join(map(str, self.sizes))} ({self.n_params:,} params)"
+
+    def layers(self, flat):
+        """[(W, b), ...] as views into `flat` (parameters or gradients)."""
+        return [(flat[w].reshape(shape), flat[b]) for w, shape, b in self.slices]
+
+    def init_params(self, seed: int) -> np.ndarray:
+        """Host float32 parameters. Softmax starts at zero (as the seeds did); an MLP uses
+        He-uniform weights for ReLU layers and Glorot for the output layer, zero biases."""
+        flat = np.zeros(self.n_params, np.float32)
+        if len(self.sizes) == 2:
+            return flat
+        rng = np.random.default_rng([seed, 0x1A1])
+        last = len(self.slices) - 1
+        for i, (w, (fan_in, fan_out), _) in enumerate(self.slices):
+            limit = np.sqrt(6.0 / fan_in) if i < last else np.sqrt(6.0 / (fan_in + fan_out))
+            flat[w] = rng.uniform(-limit, limit, fan_in * fan_out).astype(np.float32)
+        return flat
+
+    def _buffers(self, batch: int):
+        """Per-batch-size activation buffers, allocated once: the hot loop allocates little."""
+        bufs = self._scratch.get(batch)
+        if bufs is None:
+            xp = self.xp
+            bufs = [xp.empty((batch, s), xp.float32) for s in self.sizes[1:]]
+            self._scratch[batch] = bufs
+        return bufs
+
+    def _forward(self, params, x):
+        """Activations of every layer; the last holds logits. Uses shared scratch buffers."""
+        xp = self.xp
+        acts = self._buffers(x.shape[0])
+        a = x
+        layers = self.layers(params)
+        for i, (W, b) in enumerate(layers):
+            z = acts[i]
+            xp.matmul(a, W, out=z)
+            z += b
+            if i < len(layers) - 1:
+                xp.maximum(z, 0, out=z)  # ReLU in place
+            a = z
+        return acts
+
+    def _log_softmax_(self, logits):
+        """In place: logits -> log-probabilities."""
+        xp = self.xp
+        logits -= logits.max(axis=1, keepdims=True)
+        logits -= xp.log(xp.exp(logits).sum(axis=1, keepdims=True))
+        return logits
+
+    def _l2_term(self, params) -> float:
+        if not self.l2:
+            return 0.0
+        return 0.5 * self.l2 * sum(float((W * W).sum()) for W, _ in self.layers(params))
+
+    def loss_and_grad(self, params, x, y, grad) -> float:
+        """Mean softmax cross-entropy (+ L2 on weights) of the batch; writes d loss/d params into `grad`."""
+        xp = self.xp
+        n = x.shape[0]
+        acts = self._forward(params, x)
+        logp = self._log_softmax_(acts[-1])
+        rows = xp.arange(n)
+        loss = -float(logp[rows, y].sum()) / n
+        # d loss / d logits = softmax - onehot, over n; computed in place of logp.
+        d = logp
+        xp.exp(d, out=d)
+        d[rows, y] -= 1.0
+        d *= 1.0 / n
+        layers = self.layers(params)
+        glayers = self.layers(grad)
+        for i in range(len(layers) - 1, -1, -1):
+            W, _ = layers[i]
+            gW, gb = glayers[i]
+            a_prev = acts[i - 1] if i > 0 else x
+            xp.matmul(a_prev.T, d, out=gW)
+            d.sum(axis=0, out=gb)
+            if self.l2:
+                gW += self.l2 * W
+            if i > 0:
+                d_prev = xp.matmul(d, W.T)
+                d_prev *= a_prev > 0  # ReLU'
+                d = d_prev
+        return loss + self._l2_term(params)
+
+    def evaluate(self, params, x, y, chunk: int = 4096) -> tuple[float, float, np.ndarray]:
+        """(mean loss, accuracy, predictions as host int array) over a whole set, in chunks."""
+        xp = self.xp
+        total_loss = 0.0
+        preds = []
+        for start in range(0, x.shape[0], chunk):
+            xb, yb = x[start : start + chunk], y[start : start + chunk]
+            logits = self._forward_fresh(params, xb)
+            logp = self._log_softmax_(logits)
+            total_loss -= float(logp[xp.arange(xb.shape[0]), yb].sum())
+            preds.append(logp.argmax(axis=1))
+        pred = xp.concatenate(preds)
+        acc = float((pred == y).mean())
+        pred_host = pred.get() if hasattr(pred, "get") else pred
+        return total_loss / x.shape[0] + self._l2_term(params), acc, np.asarray(pred_host)
+
+    def _forward_fresh(self, params, x):
+        """Forward pass with its own buffers (evaluation must not clobber training scratch)."""
+        xp = self.xp
+        a = x
+        layers = self.layers(params)
+        for i, (W, b) in enumerate(layers):
+            a = a @ W + b
+            if i < len(layers) - 1:
+                a = xp.maximum(a, 0)
+        return a

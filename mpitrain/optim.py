@@ -1,0 +1,64 @@
+"""Optimizers on flat parameter vectors, and the learning-rate schedule.
+
+Each optimizer updates `params` in place from a flat gradient of the same layout; its state
+(velocity, Adam moments) is flat too, so it can be saved, sent or compared as one array.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class Optimizer:
+    """SGD, momentum (heavy ball, as tf.train.MomentumOptimizer) or Adam (Kingma & Ba)."""
+
+    def __init__(self, kind: str, n: int, xp=np, momentum: float = 0.9,
+                 beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8):
+        if kind not in ("sgd", "momentum", "adam"):
+            raise ValueError(f"unknown optimizer {kind!r}")
+        self.kind = kind
+        self.xp = xp
+        self.momentum = momentum
+        self.beta1, self.beta2, self.eps = beta1, beta2, eps
+        self.t = 0  # updates applied (Adam's bias correction needs it)
+        self.m = xp.zeros(n, xp.float32) if kind in ("momentum", "adam") else None
+        self.v = xp.zeros(n, xp.float32) if kind == "adam" else None
+        self._tmp = xp.empty(n, xp.float32)
+
+    def step(self, params, grad, lr: float) -> None:
+        xp = self.xp
+        self.t += 1
+        tmp = self._tmp
+        if self.kind == "sgd":
+            xp.multiply(grad, xp.float32(lr), out=tmp)
+            params -= tmp
+        elif self.kind == "momentum":
+            m = self.m
+            m *= xp.float32(self.momentum)
+            m += grad
+            xp.multiply(m, xp.float32(lr), out=tmp)
+            params -= tmp
+        else:
+            b1, b2 = self.beta1, self.beta2
+            m, v = self.m, self.v
+            m *= xp.float32(b1)
+            xp.multiply(grad, xp.float32(1 - b1), out=tmp)
+            m += tmp
+            v *= xp.float32(b2)
+            xp.multiply(grad, grad, out=tmp)
+            tmp *= xp.float32(1 - b2)
+            v += tmp
+            # params -= lr_t * m / (sqrt(v) + eps_t), bias corrections folded into lr_t, eps_t
+            lr_t = lr * np.sqrt(1 - b2 ** self.t) / (1 - b1 ** self.t)
+            eps_t = self.eps * np.sqrt(1 - b2 ** self.t)
+            xp.sqrt(v, out=tmp)
+            tmp += xp.float32(eps_t)
+            xp.divide(m, tmp, out=tmp)
+            tmp *= xp.float32(lr_t)
+            params -= tmp
+
+
+def decayed_lr(lr: float, decay: float, samples_seen: int, n_train: int) -> float:
+    """tf.train.exponential_decay (staircase=False) with one decay period = one epoch of
+    global data: lr * decay ** (samples_seen / n_train)."""
+    return lr * decay ** (samples_seen / n_train)

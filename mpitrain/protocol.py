@@ -1,0 +1,101 @@
+"""The wire format: message tags and the fixed header in front of every payload.
+
+Every hot-path message is ONE contiguous byte buffer: a header of HEADER_SLOTS int64 slots,
+then the payload (float32 parameters or gradients). It travels with the uppercase buffer API
+(`Isend`/`Irecv` of `[buf, MPI.BYTE]`), never pickled. This module is the only place that knows
+the tags, the slot positions and the flag bits.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+MAGIC = 0x4D505452  # "MPTR": catches a peer that is not mpitrain, or a misrouted buffer
+VERSION = 1  # bump when the layout below changes
+
+# Tags (one per message kind, so a posted receive can never match the wrong kind).
+TAG_GRAD = 11  # worker -> PS: a gradient (async)
+TAG_PARAMS = 12  # PS -> worker: parameters (async reply)
+TAG_STATUS = 13  # chief worker -> PS: progress of a sync run, header only
+TAG_FINAL = 14  # chief worker -> PS: final parameters of a sync run
+
+# Header slots.
+H_MAGIC = 0
+H_VERSION = 1
+H_TAG = 2  # the tag it was sent with: a second check that buffer and receive match
+H_COUNT = 3  # number of payload elements (parameters)
+H_STEP = 4  # PS -> worker: global step of these params; worker -> PS: version its gradient used
+H_LOCAL_STEP = 5  # worker's local step count
+H_FLAGS = 6
+H_LOSS = 7  # float64 bits of the minibatch loss
+HEADER_SLOTS = 8
+HEADER_BYTES = HEADER_SLOTS * 8
+
+FLAG_LAST = 1  # worker: this is my last gradient (my epochs are done)
+FLAG_STOP = 2  # PS: stop after this reply
+
+
+class ProtocolError(RuntimeError):
+    """A message that is not what this rank expects: ranks from different versions or models."""
+
+
+class Message:
+    """One header + payload buffer. `payload` is a float32 view into the same memory."""
+
+    def __init__(self, count: int, host_alloc=None):
+        nbytes = HEADER_BYTES + 4 * count
+        raw = host_alloc(nbytes) if host_alloc is not None else np.empty(nbytes, np.uint8)
+        self.buf = raw
+        self.header = raw[:HEADER_BYTES].view(np.int64)
+        self.payload = raw[HEADER_BYTES:].view(np.float32)
+        self.count = count
+        self.header[:] = 0
+
+    def spec(self):
+        from mpi4py import MPI
+
+        return [self.buf, MPI.BYTE]
+
+    def stamp(self, tag: int, step: int, local_step: int = 0, flags: int = 0, loss: float = 0.0) -> None:
+        h = self.header
+        h[H_MAGIC] = MAGIC
+        h[H_VERSION] = VERSION
+        h[H_TAG] = tag
+        h[H_COUNT] = self.count
+        h[H_STEP] = step
+        h[H_LOCAL_STEP] = local_step
+        h[H_FLAGS] = flags
+        h[H_LOSS : H_LOSS + 1].view(np.float64)[0] = loss
+
+    def check(self, tag: int, source: int, count: int | None = None) -> None:
+        """Raise ProtocolError unless this buffer holds a well-formed message of kind `tag`
+        with `count` payload elements (default: the buffer's own size)."""
+        h = self.header
+        count = self.count if count is None else count
+        if h[H_MAGIC] != MAGIC:
+            raise ProtocolError(f"message from rank {source} has a bad magic number {int(h[H_MAGIC]):#x}: "
+                                "is every rank running mpitrain?")
+        if h[H_VERSION] != VERSION:
+            raise ProtocolError(f"rank {source} speaks protocol version {int(h[H_VERSION])}, this rank {VERSION}: "
+                                "install the same mpitrain on every host")
+        if h[H_TAG] != tag:
+            raise ProtocolError(f"rank {source} sent message kind {int(h[H_TAG])} where {tag} was expected")
+        if h[H_COUNT] != count:
+            raise ProtocolError(f"rank {source} sent {int(h[H_COUNT])} parameters where {count} were expected: "
+                                "start every rank with the same model flags")
+
+    @property
+    def step(self) -> int:
+        return int(self.header[H_STEP])
+
+    @property
+    def local_step(self) -> int:
+        return int(self.header[H_LOCAL_STEP])
+
+    @property
+    def flags(self) -> int:
+        return int(self.header[H_FLAGS])
+
+    @property
+    def loss(self) -> float:
+        return float(self.header[H_LOSS : H_LOSS + 1].view(np.float64)[0])

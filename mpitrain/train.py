@@ -1,0 +1,167 @@
+"""One training run on one rank: agree on setup, train in the rank's role, evaluate, report."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import sys
+import traceback
+
+import numpy as np
+from mpi4py import MPI
+
+from mpitrain import __version__
+from mpitrain.config import TrainConfig, UsageError
+from mpitrain.metrics import Progress, human_summary, say, write_json_atomic
+from mpitrain.protocol import ProtocolError
+from mpitrain.runtime import Context, setup
+
+
+def agree_on_setup(cfg: TrainConfig | None, comm, node_rank: int, err: str | None) -> Context | None:
+    """Every rank sets up, then all compare notes. None (after rank 0 printed one line) if any failed."""
+    ctx = None
+    if err is None:
+        try:
+            ctx = setup(cfg, comm, node_rank)
+        except UsageError as e:
+            err = str(e)
+    errors = comm.allgather(err)  # setup-time only; every rank reaches it on every path
+    failed = [(r, e) for r, e in enumerate(errors) if e]
+    if not failed:
+        return ctx
+    if comm.Get_rank() == 0:
+        rank, message = failed[0]
+        where = "" if len(failed) == comm.Get_size() else f" on rank {rank}"
+        say(f"mpitrain: error{where}: {message}", sys.stderr)
+    return None
+
+
+def digest(params: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(params, np.float32).tobytes()).hexdigest()[:16]
+
+
+def total_global_steps(ctx: Context) -> int | None:
+    """For the bar: known in advance unless async runs on epochs only... which is known too."""
+    from mpitrain.worker import sync_total_steps
+
+    if ctx.cfg.mode == "sync" or ctx.local:
+        return sync_total_steps(ctx)
+    budgets = []
+    if ctx.cfg.steps is not None:
+        budgets.append(ctx.cfg.steps)
+    epochs = ctx.cfg.epochs_or_default
+    if epochs is not None:
+        budgets.append(epochs * ctx.steps_per_epoch * ctx.workers)
+    return min(budgets)
+
+
+def _evaluate(ctx: Context, params_host: np.ndarray) -> tuple[float, float]:
+    be = ctx.backend
+    loss, acc, _ = ctx.model.evaluate(be.asarray(params_host), be.asarray(ctx.data.x_test), be.asarray(ctx.data.y_test))
+    return loss, acc
+
+
+def train_role(ctx: Context) -> dict:
+    """Run this rank's part; return what it reports to rank 0 (rank 0 also keeps its state)."""
+    from mpitrain import server, worker
+
+    cfg = ctx.cfg
+    if ctx.is_ps or ctx.local:
+        progress = Progress(cfg.progress, total_global_steps(ctx), ctx.global_batch)
+        try:
+            if ctx.local:
+                state, wres = server.run_local(ctx, progress)
+            elif cfg.mode == "async":
+                state, wres = server.serve_async(ctx, progress), None
+            else:
+                state, wres = server.serve_sync(ctx, progress), None
+        finally:
+            progress.close()
+        loss, acc = _evaluate(ctx, state.params)
+        report = {"state": state, "test_loss": loss, "test_accuracy": acc}
+        if wres is not None:  # local: rank 0 is also the one worker
+            report["worker"] = _worker_report(ctx, wres, (loss, acc))
+        return report
+    wres = worker.run_async(ctx) if cfg.mode == "async" else worker.run_sync(ctx)
+    return {"worker": _worker_report(ctx, wres, _evaluate(ctx, wres["params"]))}
+
+
+def _worker_report(ctx: Context, wres: dict, evaluation: tuple[float, float]) -> dict:
+    t = wres["time"]
+    wall = max(t["wall_s"], 1e-9)
+    return {
+        "rank": ctx.rank,
+        "pushed": wres["pushed"],
+        "test_loss": evaluation[0],
+        "test_accuracy": evaluation[1],
+        "digest": digest(wres["params"]),
+        "time_breakdown": {"compute": t["compute_s"] / wall, "communication_and_wait": t["wait_s"] / wall,
+                           "other": max(0.0, 1 - (t["compute_s"] + t["wait_s"]) / wall)},
+    }
+
+
+def build_summary(ctx: Context, mine: dict, reports: list[dict], placements: list[str]) -> dict:
+    cfg, state = ctx.cfg, mine["state"]
+    workers = [r["worker"] for r in reports if r and "worker" in r]
+    samples = state.global_step * ctx.global_batch
+    return {
+        "mpitrain_version": __version__,
+        "mode": "local" if ctx.local else cfg.mode,
+        "model": cfg.model,
+        "model_description": ctx.model.description,
+        "dataset": ctx.data.name,
+        "world_size": ctx.size,
+        "workers": ctx.workers,
+        "global_step": state.global_step,
+        "local_steps": state.local_steps,
+        "gradients_pushed": [w["pushed"] for w in workers],
+        "wall_seconds": state.train_s,
+        "samples_per_second": samples / max(state.train_s, 1e-9),
+        "test_accuracy": mine["test_accuracy"],
+        "test_loss": mine["test_loss"],
+        "worker_test_accuracy": [w["test_accuracy"] for w in workers],
+        "final_loss": state.final_loss,
+        "dropped_gradients": 0,
+        "param_digest": digest(state.params),
+        "worker_param_digests": [w["digest"] for w in workers],
+        "time_breakdown": [w["time_breakdown"] for w in workers],
+        "ps_busy_fraction": None if ctx.local else state.busy_fraction,
+        "placement": placements,
+        "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(cfg).items()},
+    }
+
+
+def run(cfg: TrainConfig | None, comm, node_rank: int, err: str | None) -> int:
+    ctx = agree_on_setup(cfg, comm, node_rank, err)
+    if ctx is None:
+        return 2
+    if cfg.mode == "sync" and not ctx.local:  # collective on COMM_WORLD: every rank calls it
+        ctx.worker_comm = comm.Split(0 if ctx.rank > 0 else MPI.UNDEFINED, ctx.rank)
+    placements = comm.gather(ctx.placement(), root=0)
+    if ctx.rank == 0:
+        for line in placements:
+            say(line)
+        if ctx.local:
+            say("mpitrain: one process: training locally with no parameter server "
+                "(mpirun -np 3 gives 1 parameter server + 2 workers)")
+    try:
+        mine = train_role(ctx)
+        reports = comm.gather({"worker": mine["worker"]} if "worker" in mine else {}, root=0)
+    except ProtocolError as e:
+        say(f"mpitrain: rank {ctx.rank}: wire-format error: {e}", sys.stderr)
+        comm.Abort(3)
+        return 3
+    except Exception:
+        sys.stderr.write(f"mpitrain: rank {ctx.rank} failed:\n{traceback.format_exc()}")
+        sys.stderr.flush()
+        comm.Abort(1)  # peers may be blocked on this rank: end the whole job, never hang
+        return 1
+    if ctx.rank == 0:
+        summary = build_summary(ctx, mine, reports, placements)
+        for line in human_summary(summary):
+            say(line)
+        if cfg.summary_json:
+            write_json_atomic(cfg.summary_json, summary)
+    if ctx.worker_comm is not None and ctx.worker_comm != MPI.COMM_NULL:
+        ctx.worker_comm.Free()
+    return 0

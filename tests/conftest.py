@@ -1,0 +1,50 @@
+"""Helpers that launch mpitrain under mpirun in a subprocess, always with a timeout."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+MPI_TIMEOUT_S = 120  # a deadlock fails the test instead of hanging CI
+
+
+def mpirun_path() -> str:
+    beside = Path(sys.executable).parent / "mpirun"
+    found = str(beside) if beside.exists() else shutil.which("mpirun")
+    if not found:
+        pytest.skip("no mpirun on PATH (pip install 'mpitrain[mpich]')")
+    return found
+
+
+def child_env() -> dict:
+    env = dict(os.environ)
+    for var in ("SLURM_NTASKS", "SLURM_NPROCS", "SLURM_JOB_ID"):  # tests may run inside a Slurm job
+        env.pop(var, None)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def run_mpitrain(np_: int, *args: str, timeout: float = MPI_TIMEOUT_S, env: dict | None = None,
+                 cwd: str | Path | None = None) -> subprocess.CompletedProcess:
+    """`mpirun -np np_ python -m mpitrain ARGS` (np_ == 0: plain `python -m mpitrain`, no launcher)."""
+    cmd = [sys.executable, "-m", "mpitrain", *args]
+    if np_ > 0:
+        cmd = [mpirun_path(), "-np", str(np_), *cmd]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env or child_env(), cwd=cwd)
+
+
+def train(np_: int, tmp_path: Path, *args: str, **kw) -> dict:
+    """Run a training that must succeed; return its summary JSON."""
+    summary = tmp_path / f"summary-{np_}-{abs(hash(args))}.json"
+    proc = run_mpitrain(np_, "--no-progress", "--summary-json", str(summary), *args, **kw)
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    data = json.loads(summary.read_text())
+    data["_stdout"] = proc.stdout
+    data["_stderr"] = proc.stderr
+    return data

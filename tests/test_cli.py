@@ -1,0 +1,87 @@
+"""Bad input: one clear line, exit 2, on every rank, fast, no traceback."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import MPI_TIMEOUT_S, child_env, mpirun_path, run_mpitrain
+
+BAD = [
+    (["--model", "cnn"], "--model"),
+    (["--mode", "bulk"], "--mode"),
+    (["--dataset", "imagenet"], "--dataset"),
+    (["--batch-size", "0"], "--batch-size must be a positive integer"),
+    (["--lr", "-1"], "--lr must be positive"),
+    (["--epochs", "-2"], "--epochs must be a positive integer"),
+    (["--hidden", "10,x"], "--hidden"),
+    (["--frobnicate"], "unrecognized arguments"),
+    (["--dataset", "mnist", "--data-dir", "/nonexistent/mnist"], "does not exist"),
+    (["--batch-size", "5000"], "larger than each worker's shard"),
+    (["--device", "gpu"], "no GPU is usable"),
+]
+
+
+def per_rank_exit_codes(args):
+    """Run under mpirun with a shell around each rank that reports the rank's own exit code."""
+    script = f'"{sys.executable}" -m mpitrain "$@"; echo "exit-of-rank $PMI_RANK $?"'
+    cmd = [mpirun_path(), "-np", "3", "sh", "-c", script, "sh", *args]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=MPI_TIMEOUT_S, env=child_env())
+    codes = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("exit-of-rank"):
+            _, rank, code = line.split()
+            codes[int(rank)] = int(code)
+    return proc, codes, time.perf_counter() - t0
+
+
+@pytest.mark.parametrize("args,needle", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_input_exits_2_on_every_rank_with_one_line(args, needle):
+    if args == ["--device", "gpu"]:
+        from mpitrain.backend import _import_cupy
+
+        if _import_cupy()[1] > 0:
+            pytest.skip("a GPU is usable here")
+    proc, codes, seconds = per_rank_exit_codes(args)
+    assert codes == {0: 2, 1: 2, 2: 2}, proc.stdout + proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1, proc.stderr  # one line, printed once, no traceback
+    assert errors[0].startswith("mpitrain: error") and needle in errors[0]
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert seconds < 30
+
+
+def test_malformed_idx_exits_2(tmp_path):
+    from test_data import write_idx, write_mnist_dir
+    from mpitrain.data import IDX_FILES
+
+    write_mnist_dir(tmp_path)
+    write_idx(tmp_path / IDX_FILES["test_images"], [[[1, 2], [3, 4]]], magic=1234)
+    proc = run_mpitrain(3, "--dataset", "mnist", "--data-dir", str(tmp_path))
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "magic number 1234" in proc.stderr
+
+
+def test_slurm_tasks_without_pmi_is_refused():
+    env = child_env()
+    env["SLURM_NTASKS"] = "3"
+    proc = run_mpitrain(0, "--steps", "5", env=env)
+    assert proc.returncode == 2 and "--mpi=pmi2" in proc.stderr
+
+
+def test_help_is_grouped_and_printed_once():
+    proc = run_mpitrain(3, "--help")
+    assert proc.returncode == 0
+    assert proc.stdout.count("usage: mpitrain") == 1
+    for group in ("parallelism:", "model:", "optimisation:", "data:", "device:", "output:"):
+        assert group in proc.stdout
+
+
+def test_console_script_is_installed():
+    script = os.path.join(os.path.dirname(sys.executable), "mpitrain")
+    assert os.path.exists(script)
+    proc = subprocess.run([script, "--version"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.startswith("mpitrain ")

@@ -1,0 +1,151 @@
+"""Datasets, the IDX reader, the tfds path and sharding."""
+
+import gzip
+import time
+
+import numpy as np
+import pytest
+
+from mpitrain import data
+from mpitrain.config import UsageError
+from mpitrain.data import IDX_FILES, epoch_batches, load_idx_dir, read_idx, steps_per_epoch
+
+
+def write_idx(path, array, magic=None):
+    array = np.asarray(array, np.uint8)
+    magic = magic if magic is not None else (2051 if array.ndim == 3 else 2049)
+    header = magic.to_bytes(4, "big") + b"".join(d.to_bytes(4, "big") for d in array.shape)
+    with gzip.open(path, "wb") as f:
+        f.write(header + array.tobytes())
+
+
+def write_mnist_dir(directory, n_train=123, n_test=45, seed=0, side=28):
+    """MNIST-format files with learnable content: each class lights up its own band of rows."""
+    rng = np.random.default_rng(seed)
+
+    def make(n):
+        y = rng.integers(0, 10, n)
+        x = rng.integers(0, 60, (n, side, side))
+        for i, label in enumerate(y):
+            rows = slice(label * side // 10, (label + 1) * side // 10)
+            x[i, rows, :] = rng.integers(150, 256, (rows.stop - rows.start, side))
+        return x, y
+
+    (xtr, ytr), (xte, yte) = make(n_train), make(n_test)
+    write_idx(directory / IDX_FILES["train_images"], xtr)
+    write_idx(directory / IDX_FILES["train_labels"], ytr)
+    write_idx(directory / IDX_FILES["test_images"], xte)
+    write_idx(directory / IDX_FILES["test_labels"], yte)
+    return xtr, ytr
+
+
+def test_digits_is_offline_scaled_and_split_fixed():
+    a, b = data.load_digits(), data.load_digits()
+    assert a.x_train.shape == (1438, 64) and a.x_test.shape == (359, 64)
+    assert a.x_train.dtype == np.float32 and 0 <= a.x_train.min() and a.x_train.max() <= 1
+    np.testing.assert_array_equal(a.y_test, b.y_test)
+    assert set(np.unique(a.y_train)) == set(range(10))
+
+
+def test_idx_reader_reads_any_number_of_examples(tmp_path):
+    xtr, ytr = write_mnist_dir(tmp_path, n_train=123, n_test=45)
+    ds = load_idx_dir(tmp_path, "mnist")
+    assert ds.x_train.shape == (123, 784) and ds.x_test.shape == (45, 784)
+    np.testing.assert_allclose(ds.x_train[5], xtr[5].reshape(-1) / 255.0, rtol=1e-6)
+    np.testing.assert_array_equal(ds.y_train, ytr)
+    assert ds.n_classes == 10
+
+
+def test_idx_reader_rejects_wrong_magic(tmp_path):
+    p = tmp_path / "x.gz"
+    write_idx(p, np.zeros((2, 3, 3)), magic=2049)  # a labels magic on an images file
+    with pytest.raises(UsageError, match="magic number 2049 where 2051"):
+        read_idx(p, 2051)
+
+
+def test_idx_reader_rejects_truncated_and_non_gzip(tmp_path):
+    p = tmp_path / "t.gz"
+    header = (2051).to_bytes(4, "big") + b"".join(d.to_bytes(4, "big") for d in (10, 28, 28))
+    with gzip.open(p, "wb") as f:
+        f.write(header + bytes(100))
+    with pytest.raises(UsageError, match="truncated"):
+        read_idx(p, 2051)
+    q = tmp_path / "plain.gz"
+    q.write_bytes(b"not gzip at all")
+    with pytest.raises(UsageError, match="cannot read"):
+        read_idx(q, 2051)
+
+
+def test_idx_label_image_count_mismatch(tmp_path):
+    write_mnist_dir(tmp_path)
+    write_idx(tmp_path / IDX_FILES["train_labels"], np.zeros(7))
+    with pytest.raises(UsageError, match="123 images but .* 7 labels"):
+        load_idx_dir(tmp_path, "mnist")
+
+
+def test_partial_idx_dir_names_the_missing_files(tmp_path):
+    write_mnist_dir(tmp_path)
+    (tmp_path / IDX_FILES["test_labels"]).unlink()
+    with pytest.raises(UsageError, match="missing: t10k-labels-idx1-ubyte.gz"):
+        data.load_mnist_like("mnist", str(tmp_path))
+
+
+def test_tfds_path_under_mock_data():
+    tfds = pytest.importorskip("tensorflow_datasets")
+    with tfds.testing.mock_data(num_examples=40):
+        ds = data.load_mnist_like("fashion_mnist", None)
+    assert ds.x_train.shape == (40, 784) and ds.x_test.shape[1] == 784
+    assert ds.x_train.dtype == np.float32 and 0 <= ds.x_train.min() and ds.x_train.max() <= 1
+    assert ds.y_train.min() >= 0 and ds.y_train.max() < 10
+
+
+def test_tfds_offline_fails_in_seconds(tmp_path, monkeypatch):
+    pytest.importorskip("tensorflow_datasets")
+    monkeypatch.setattr(data, "_online", lambda *a, **k: False)
+    t0 = time.perf_counter()
+    with pytest.raises(UsageError, match="offline"):
+        data.load_mnist_like("mnist", str(tmp_path))
+    assert time.perf_counter() - t0 < 10
+
+
+def test_online_probe_gives_up_quickly():
+    t0 = time.perf_counter()
+    data._online(("192.0.2.1", 9), timeout=0.5)  # TEST-NET-1: never answers
+    assert time.perf_counter() - t0 < 3
+
+
+def test_synthetic_is_seeded_scaled_and_sized():
+    a = data.make_synthetic(600, 30, 10, seed=4)
+    b = data.make_synthetic(600, 30, 10, seed=4)
+    c = data.make_synthetic(600, 30, 10, seed=5)
+    np.testing.assert_array_equal(a.x_train, b.x_train)
+    assert not np.array_equal(a.x_train, c.x_train)
+    assert a.x_train.shape == (500, 30) and a.x_test.shape == (100, 30)
+    assert 0 <= a.x_train.min() and a.x_train.max() <= 1
+
+
+@pytest.mark.parametrize("n,workers,batch", [(1437, 2, 100), (1000, 3, 7), (50, 1, 50)])
+def test_shards_are_disjoint_complete_and_reshuffled(n, workers, batch):
+    spe = steps_per_epoch(n, workers, batch)
+    e0 = [epoch_batches(n, workers, w, batch, 0, seed=1) for w in range(workers)]
+    flat = np.concatenate([b.reshape(-1) for b in e0])
+    assert all(b.shape == (spe, batch) for b in e0)
+    assert len(np.unique(flat)) == len(flat)  # disjoint
+    assert len(flat) == workers * spe * batch  # every worker gets equally many whole batches
+    assert len(flat) >= n - workers * (batch + 1)  # complete but for the remainders
+    e1 = epoch_batches(n, workers, 0, batch, 1, seed=1)
+    assert not np.array_equal(e0[0], e1)  # reshuffled each epoch
+    np.testing.assert_array_equal(e0[0], epoch_batches(n, workers, 0, batch, 0, seed=1))  # from the seed
+
+
+def test_every_example_is_seen_over_epochs():
+    seen = set()
+    for epoch in range(20):
+        for w in range(3):
+            seen.update(epoch_batches(100, 3, w, 10, epoch, seed=0).reshape(-1).tolist())
+    assert seen == set(range(100))
+
+
+def test_batch_larger_than_shard_is_a_usage_error():
+    with pytest.raises(UsageError, match="--batch-size 800 is larger"):
+        data.check_batch_fits(1437, 2, 800)

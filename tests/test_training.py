@@ -1,0 +1,78 @@
+"""End-to-end runs under mpirun: the modes learn, replicas agree, the counts add up."""
+
+import pytest
+
+from conftest import run_mpitrain, train
+from test_data import write_mnist_dir
+
+
+def test_main_job_async_np3_learns_digits(tmp_path):
+    s = train(3, tmp_path)  # the README's main job, defaults only
+    assert s["mode"] == "async" and s["world_size"] == 3 and s["workers"] == 2
+    assert s["test_accuracy"] >= 0.93
+    assert all(a >= 0.90 for a in s["worker_test_accuracy"])
+    # global step = gradients applied at rank 0 = the sum of the workers' applied local steps
+    assert s["global_step"] == sum(s["local_steps"]) and all(k > 0 for k in s["local_steps"])
+    assert s["local_steps"] == s["gradients_pushed"]  # epochs end cleanly: every push applied
+    assert s["wall_seconds"] < 60
+    for key in ("dataset", "samples_per_second", "final_loss", "dropped_gradients", "model"):
+        assert key in s
+    lines = s["_stdout"].splitlines()
+    assert lines[0].startswith("rank 0 parameter-server ") and lines[0].endswith("CPU (NumPy)")
+    assert lines[1].startswith("rank 1 worker ") and lines[2].startswith("rank 2 worker ")
+
+
+def test_sync_np3_learns_and_replicas_stay_identical(tmp_path):
+    s = train(3, tmp_path, "--mode", "sync")
+    assert s["test_accuracy"] >= 0.90
+    # bitwise-identical parameters on every worker and on rank 0
+    assert len(set(s["worker_param_digests"])) == 1
+    assert s["worker_param_digests"][0] == s["param_digest"]
+    assert s["worker_test_accuracy"] == [s["test_accuracy"]] * 2
+    assert s["local_steps"] == [s["global_step"]] * 2
+
+
+def test_sync_same_seed_is_reproducible(tmp_path):
+    a = train(3, tmp_path, "--mode", "sync", "--steps", "40", "--optimizer", "adam", "--lr", "0.01")
+    b = train(3, tmp_path, "--mode", "sync", "--steps", "40", "--optimizer", "adam", "--lr", "0.01")
+    c = train(3, tmp_path, "--mode", "sync", "--steps", "40", "--optimizer", "adam", "--lr", "0.01", "--seed", "1")
+    assert a["param_digest"] == b["param_digest"] != c["param_digest"]
+
+
+def test_async_np4_three_workers_and_step_budget(tmp_path):
+    s = train(4, tmp_path, "--steps", "300", "--hidden", "32,16", "--optimizer", "momentum",
+              "--lr", "0.05", "--momentum", "0.5")
+    assert s["workers"] == 3 and len(s["local_steps"]) == 3
+    assert s["global_step"] == 300 == sum(s["local_steps"])
+    assert "64-32-16-10" in s["model_description"]
+    assert s["test_accuracy"] > 0.8
+
+
+def test_async_no_overlap_np2(tmp_path):
+    s = train(2, tmp_path, "--no-overlap", "--model", "softmax", "--epochs", "20")
+    assert s["workers"] == 1 and s["global_step"] == s["local_steps"][0]
+    assert s["test_accuracy"] >= 0.85
+    assert s["worker_test_accuracy"] == [s["test_accuracy"]]  # its last reply holds the final params
+
+
+def test_one_process_trains_locally(tmp_path):
+    s = train(0, tmp_path, "--model", "softmax")  # plain `python -m mpitrain`, no mpirun
+    assert s["mode"] == "local" and s["world_size"] == 1
+    assert "training locally with no parameter server" in s["_stdout"]
+    assert s["test_accuracy"] >= 0.90
+
+
+def test_mnist_idx_files_end_to_end(tmp_path):
+    write_mnist_dir(tmp_path, n_train=600, n_test=100)
+    for mode in ("async", "sync"):
+        s = train(3, tmp_path, "--dataset", "mnist", "--data-dir", str(tmp_path), "--mode", mode, "--epochs", "5",
+                  "--batch-size", "50", "--lr", "0.1")
+        assert s["dataset"] == "mnist" and "784-100-10" in s["model_description"]
+        assert s["test_accuracy"] >= 0.9
+
+
+def test_progress_bar_on_stderr_by_default(tmp_path):
+    proc = run_mpitrain(3, "--steps", "30")
+    assert proc.returncode == 0, proc.stderr
+    assert "global step" in proc.stderr and "30/30" in proc.stderr
+    assert "mpitrain done" in proc.stdout and "global step" not in proc.stdout.split("mpitrain done")[0]
