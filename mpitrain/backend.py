@@ -23,12 +23,13 @@ class Backend:
         return np.empty(nbytes, np.uint8)
 
     def mirror(self, host: np.ndarray):
-        """A device array that shadows `host` (the same memory on CPU)."""
-        return host
+        """A float32 device array that shadows `host`: the very same memory when that is
+        possible (NumPy, float32), so computing into it needs no staging copy at all."""
+        return host if host.dtype == np.float32 else np.zeros(host.shape, np.float32)
 
     def upload(self, dev, host: np.ndarray) -> None:
         if dev is not host:
-            dev[...] = host
+            dev[...] = host  # casts float16 wire data to float32
 
     def download(self, dev, host: np.ndarray) -> None:
         if dev is not host:
@@ -60,17 +61,22 @@ class CupyBackend(Backend):
         return cupyx.empty_pinned((nbytes,), np.uint8)  # pinned: DMA straight from/to it
 
     def mirror(self, host: np.ndarray):
-        return self.cp.asarray(host)
+        return self.cp.asarray(host, dtype=np.float32)
 
     def upload(self, dev, host: np.ndarray) -> None:
         cp = self.cp
-        dev.set(host, stream=self.copy_stream)
+        landing = dev if dev.dtype == host.dtype else cp.empty(host.shape, host.dtype)
+        landing.set(host, stream=self.copy_stream)
         done = cp.cuda.Event()
         done.record(self.copy_stream)
         cp.cuda.get_current_stream().wait_event(done)  # compute waits for the copy, not the host
+        if landing is not dev:
+            dev[...] = landing  # float16 -> float32 on the device
 
     def download(self, dev, host: np.ndarray) -> None:
         cp = self.cp
+        if dev.dtype != host.dtype:
+            dev = dev.astype(host.dtype)  # float32 -> float16 on the device: half the bytes to copy
         ready = cp.cuda.Event()
         ready.record(cp.cuda.get_current_stream())
         self.copy_stream.wait_event(ready)  # the copy waits for the compute that wrote `dev`

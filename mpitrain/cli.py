@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=d.overlap,
                    help="async: receive the next parameters while computing the next gradient "
                         "(gradients one exchange staler, no idle round trip)")
+    g.add_argument("--compress", choices=("none", "fp16"), default=d.compress,
+                   help="send gradients and parameters as float16 (half the traffic); "
+                        "accumulate and update in float32")
 
     g = p.add_argument_group("model")
     g.add_argument("--model", choices=("softmax", "mlp"), default=d.model, help="softmax regression or ReLU MLP")

@@ -14,6 +14,7 @@ MODELS = ("softmax", "mlp")
 OPTIMIZERS = ("sgd", "momentum", "adam")
 DATASETS = ("digits", "mnist", "fashion_mnist", "synthetic")
 DEVICES = ("auto", "cpu", "gpu")
+COMPRESSIONS = ("none", "fp16")
 
 # Used when neither --epochs nor --steps is given: enough for digits to pass 93%.
 DEFAULT_EPOCHS = 30
@@ -28,6 +29,7 @@ class TrainConfig:
     # parallelism
     mode: str = "async"
     overlap: bool = True
+    compress: str = "none"
     # model
     model: str = "mlp"
     hidden: tuple[int, ...] = (100,)
@@ -56,6 +58,13 @@ class TrainConfig:
     def layer_sizes_hidden(self) -> tuple[int, ...]:
         """Hidden widths actually used: softmax regression has none."""
         return () if self.model == "softmax" else self.hidden
+
+    @property
+    def wire_dtype(self):
+        """Element type of parameters and gradients on the wire (updates are always float32)."""
+        import numpy as np
+
+        return np.float16 if self.compress == "fp16" else np.float32
 
     @property
     def epochs_or_default(self) -> int | None:
@@ -88,6 +97,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _choice("optimizer", cfg.optimizer, OPTIMIZERS)
     _choice("dataset", cfg.dataset, DATASETS)
     _choice("device", cfg.device, DEVICES)
+    _choice("compress", cfg.compress, COMPRESSIONS)
     if cfg.batch_size <= 0:
         raise UsageError(f"--batch-size must be a positive integer (got {cfg.batch_size}); e.g. --batch-size 100")
     if not cfg.lr > 0:

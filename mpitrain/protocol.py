@@ -40,14 +40,15 @@ class ProtocolError(RuntimeError):
 
 
 class Message:
-    """One header + payload buffer. `payload` is a float32 view into the same memory."""
+    """One header + payload buffer. `payload` is a view (float32, or float16 with --compress
+    fp16) into the same memory, so header and payload travel as one message."""
 
-    def __init__(self, count: int, host_alloc=None):
-        nbytes = HEADER_BYTES + 4 * count
+    def __init__(self, count: int, host_alloc=None, dtype=np.float32):
+        nbytes = HEADER_BYTES + np.dtype(dtype).itemsize * count
         raw = host_alloc(nbytes) if host_alloc is not None else np.empty(nbytes, np.uint8)
         self.buf = raw
         self.header = raw[:HEADER_BYTES].view(np.int64)
-        self.payload = raw[HEADER_BYTES:].view(np.float32)
+        self.payload = raw[HEADER_BYTES:].view(dtype)
         self.count = count
         self.header[:] = 0
 

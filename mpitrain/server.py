@@ -18,7 +18,7 @@ from mpitrain.metrics import Progress
 from mpitrain.optim import Optimizer, decayed_lr
 from mpitrain.protocol import FLAG_LAST, FLAG_STOP, TAG_GRAD, TAG_PARAMS, TAG_STATUS, Message
 from mpitrain.runtime import PS_RANK, Context
-from mpitrain.transport import CHIEF_POLL_S, PS_POLL_S, Poller
+from mpitrain.transport import CHIEF_POLL_S, PS_POLL_NO_OVERLAP_S, PS_POLL_S, Poller
 from mpitrain.worker import LOSS_WINDOW, train_sync
 
 
@@ -61,11 +61,16 @@ def serve_async(ctx: Context, progress: Progress) -> ServerState:
     state = ServerState(init_and_broadcast(ctx), local_steps=[0] * W)
     clock = _Clock()
     opt = Optimizer(cfg.optimizer, n, np, momentum=cfg.momentum)
-    inbox = [Message(n) for _ in range(W)]
-    outbox = [Message(n) for _ in range(W)]
+    wire = cfg.wire_dtype
+    inbox = [Message(n, dtype=wire) for _ in range(W)]
+    outbox = [Message(n, dtype=wire) for _ in range(W)]
+    # float16 gradients are widened once, so the optimizer only ever sees float32.
+    grad32 = np.empty(n, np.float32) if wire != np.float32 else None
     recv = [comm.Irecv(inbox[w].spec(), source=w + 1, tag=TAG_GRAD) for w in range(W)]
     sends = [MPI.REQUEST_NULL] * W
-    poller = Poller(PS_POLL_S)
+    # With --overlap a reply is not awaited until the worker's next gradient is computed, so
+    # rank 0 can sleep longer between polls and leave the cores to the workers.
+    poller = Poller(PS_POLL_S if cfg.overlap else PS_POLL_NO_OVERLAP_S)
     stopping = False
     while True:
         done = poller.some(recv)  # [] once every worker has been told to stop
@@ -76,7 +81,11 @@ def serve_async(ctx: Context, progress: Progress) -> ServerState:
             msg.check(TAG_GRAD, w + 1)
             if not stopping:
                 lr = decayed_lr(cfg.lr, cfg.lr_decay, state.global_step * ctx.global_batch, ctx.data.n_train)
-                opt.step(state.params, msg.payload, lr)
+                grad = msg.payload
+                if grad32 is not None:
+                    np.copyto(grad32, grad)
+                    grad = grad32
+                opt.step(state.params, grad, lr)
                 state.global_step += 1
                 state.local_steps[w] += 1
                 state.recent_losses.append(msg.loss)
@@ -85,7 +94,7 @@ def serve_async(ctx: Context, progress: Progress) -> ServerState:
             stop_w = stopping or bool(msg.flags & FLAG_LAST)
             sends[w].Wait()  # the previous reply was consumed before this push: returns at once
             reply = outbox[w]
-            reply.payload[:] = state.params  # a copy: params change while the send is in flight
+            reply.payload[:] = state.params  # a copy (cast with fp16): params change while it is in flight
             reply.stamp(TAG_PARAMS, state.global_step, state.local_steps[w], FLAG_STOP if stop_w else 0)
             sends[w] = comm.Isend(reply.spec(), dest=w + 1, tag=TAG_PARAMS)
             if not stop_w:

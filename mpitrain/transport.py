@@ -11,8 +11,11 @@ import time
 from mpi4py import MPI
 
 # Sleep between polls. A wake-up from sleep costs ~80-100 us on these VMs, so shorter sleeps
-# only cost CPU; the PS (async) sleeps briefly because replies sit on workers' critical path.
-PS_POLL_S = 50e-6
+# only cost CPU. Each of the PS's polls costs ~12 us of CPU (a wake-up plus MPICH progress).
+# With --overlap the reply is off the workers' critical path: 200 us measured best on 2 cores
+# (benchmarks/); without it the reply is on the critical path, so the PS polls sooner.
+PS_POLL_S = 200e-6
+PS_POLL_NO_OVERLAP_S = 50e-6
 WORKER_POLL_S = 20e-6
 CHIEF_POLL_S = 2e-3  # rank 0 in sync mode is off the critical path
 

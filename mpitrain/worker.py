@@ -59,9 +59,12 @@ class WorkerStats:
         return {"wall_s": wall, "compute_s": self.compute_s, "wait_s": wait}
 
 
-def receive_initial_params(ctx: Context, host: np.ndarray) -> None:
-    """Rank 0 initialises the parameters; workers never initialise their own."""
+def receive_initial_params(ctx: Context) -> np.ndarray:
+    """Rank 0 initialises the parameters (float32, whatever the wire format); workers never
+    initialise their own."""
+    host = np.empty(ctx.model.n_params, np.float32)
     ctx.comm.Bcast([host, MPI.FLOAT], root=PS_RANK)
+    return host
 
 
 def run_async(ctx: Context) -> dict:
@@ -69,12 +72,18 @@ def run_async(ctx: Context) -> dict:
     gradient of step k+1 is computed, so a worker never idles on the round trip; each gradient
     is then computed on parameters one exchange older. --no-overlap waits for every reply."""
     model, be, comm = ctx.model, ctx.backend, ctx.comm
-    n = model.n_params
+    n, wire = model.n_params, ctx.cfg.wire_dtype
     overlap = ctx.cfg.overlap
-    inbox = [Message(n, be.host_alloc), Message(n, be.host_alloc)]  # current / next parameters
-    outbox = [Message(n, be.host_alloc), Message(n, be.host_alloc)]  # alternating: one may be in flight
-    receive_initial_params(ctx, inbox[0].payload)
-    params = be.mirror(inbox[0].payload)
+    inbox = [Message(n, be.host_alloc, wire), Message(n, be.host_alloc, wire)]  # current / next parameters
+    outbox = [Message(n, be.host_alloc, wire), Message(n, be.host_alloc, wire)]  # alternating: one in flight
+    # NumPy + float32: compute straight from the receive buffer and into the send buffer.
+    zero_copy = be.mirror(inbox[0].payload) is inbox[0].payload
+    initial = receive_initial_params(ctx)
+    if zero_copy:
+        inbox[0].payload[:] = initial
+        params = inbox[0].payload
+    else:
+        params = be.asarray(initial)
     grads = [be.mirror(m.payload) for m in outbox]
     cur, version = 0, 0
     batches = BatchStream(ctx)
@@ -90,10 +99,10 @@ def run_async(ctx: Context) -> dict:
         nxt = 1 - cur
         inbox[nxt].check(TAG_PARAMS, PS_RANK)
         cur = nxt
-        if be.is_gpu:
-            be.upload(params, inbox[cur].payload)
-        else:
+        if zero_copy:
             params = inbox[cur].payload
+        else:
+            be.upload(params, inbox[cur].payload)
         version = inbox[cur].step
         return bool(inbox[cur].flags & FLAG_STOP)
 
@@ -137,7 +146,12 @@ class SyncStep:
         n = model.n_params
         self.n = n
         self.buf = be.xp.zeros(n + 1, be.xp.float32)  # [gradient..., loss]
-        self.host = be.host_alloc(4 * (n + 1)).view(np.float32) if be.is_gpu else None
+        wire = np.dtype(cfg.wire_dtype)
+        # What travels: the buffer itself (NumPy, float32) or a host copy (GPU, or float16).
+        self.wire = None
+        if be.is_gpu or wire != np.float32:
+            self.wire = be.host_alloc(wire.itemsize * (n + 1)).view(wire)
+        self.mpi_type, self.op = (MPI.FLOAT, MPI.SUM) if wire == np.float32 else (MPI.UINT16_T, fp16_sum_op())
         self.opt = Optimizer(cfg.optimizer, n, be.xp, momentum=cfg.momentum)
         self.comm = ctx.worker_comm
         self.comm_s = 0.0
@@ -149,10 +163,10 @@ class SyncStep:
         buf[self.n] = loss
         if self.comm is not None and self.comm.Get_size() > 1:
             t0 = time.perf_counter()
-            if be.is_gpu:
-                be.download(buf, self.host)
-                self.comm.Allreduce(MPI.IN_PLACE, [self.host, MPI.FLOAT], op=MPI.SUM)
-                be.upload(buf, self.host)
+            if self.wire is not None:
+                be.download(buf, self.wire)
+                self.comm.Allreduce(MPI.IN_PLACE, [self.wire, self.mpi_type], op=self.op)
+                be.upload(buf, self.wire)
             else:
                 self.comm.Allreduce(MPI.IN_PLACE, [buf, MPI.FLOAT], op=MPI.SUM)
             self.comm_s += time.perf_counter() - t0
@@ -160,6 +174,22 @@ class SyncStep:
         samples = step * ctx.global_batch  # examples seen before this update
         self.opt.step(self.params, buf[: self.n], decayed_lr(ctx.cfg.lr, ctx.cfg.lr_decay, samples, ctx.data.n_train))
         return float(buf[self.n])
+
+
+_FP16_SUM = None
+
+
+def fp16_sum_op():
+    """MPI has no portable float16 SUM: a commutative user op over 2-byte elements (the
+    datatype is UINT16_T so MPI never splits an element)."""
+    global _FP16_SUM
+    if _FP16_SUM is None:
+        def fp16_sum(inbuf, inoutbuf, datatype):
+            acc = np.frombuffer(inoutbuf, np.float16)
+            acc += np.frombuffer(inbuf, np.float16)
+
+        _FP16_SUM = MPI.Op.Create(fp16_sum, commute=True)
+    return _FP16_SUM
 
 
 def sync_total_steps(ctx: Context) -> int:
@@ -201,8 +231,7 @@ def run_sync(ctx: Context) -> dict:
     """A sync worker. The first worker (the chief) also keeps rank 0 informed: a header-only
     status every STATUS_EVERY_S, then the final parameters, all on one tag so they arrive in order."""
     n = ctx.model.n_params
-    host = np.empty(n, np.float32)
-    receive_initial_params(ctx, host)
+    host = receive_initial_params(ctx)
     if ctx.worker_index != 0:
         return train_sync(ctx, host)
     status = Message(0)

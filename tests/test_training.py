@@ -76,3 +76,20 @@ def test_progress_bar_on_stderr_by_default(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "global step" in proc.stderr and "30/30" in proc.stderr
     assert "mpitrain done" in proc.stdout and "global step" not in proc.stdout.split("mpitrain done")[0]
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_compress_fp16_keeps_accuracy(tmp_path, mode):
+    full = train(3, tmp_path, "--mode", mode)
+    half = train(3, tmp_path, "--mode", mode, "--compress", "fp16")
+    assert half["config"]["compress"] == "fp16"
+    assert half["test_accuracy"] >= 0.93
+    assert abs(half["test_accuracy"] - full["test_accuracy"]) <= 0.02
+    if mode == "sync":
+        assert half["param_digest"] != full["param_digest"]  # float16 really travelled
+
+
+def test_sync_np4_replicas_identical_with_fp16_allreduce(tmp_path):
+    s = train(4, tmp_path, "--mode", "sync", "--compress", "fp16", "--steps", "60")
+    assert len(s["worker_param_digests"]) == 3
+    assert set(s["worker_param_digests"]) == {s["param_digest"]}

@@ -1,0 +1,262 @@
+"""mpitrain benchmark suite: one command, one table, ratios measured within one run.
+
+    python benchmarks/run.py                  # full run (~6 min on 2 cores), writes benchmarks/RESULTS.md
+    python benchmarks/run.py --reps 1 --quick # a smoke run
+
+Every row is the median of --reps repetitions; repetitions are interleaved (row A, row B, ...,
+then again) so that a noisy minute hurts every row alike. samples/s is training throughput
+(examples per second between the first and last step, start-up excluded). The compute limit
+is the same training code in N independent processes with no communication at all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = sys.executable
+
+
+def mpirun() -> str:
+    beside = Path(PY).parent / "mpirun"
+    return str(beside) if beside.exists() else (shutil.which("mpirun") or "mpirun")
+
+
+def env() -> dict:
+    e = dict(os.environ)
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        e[var] = "1"
+    e.pop("SLURM_NTASKS", None)
+    return e
+
+
+def mpitrain_cmd(np_: int, args: list[str], summary: str) -> list[str]:
+    cmd = [PY, "-m", "mpitrain", "--no-progress", "--summary-json", summary, *args]
+    return cmd if np_ == 0 else [mpirun(), "-np", str(np_), *cmd]
+
+
+def run_mpitrain(np_: int, args: list[str]) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        summary = os.path.join(tmp, "s.json")
+        proc = subprocess.run(mpitrain_cmd(np_, args, summary), capture_output=True, text=True, env=env(),
+                              timeout=600, cwd=ROOT)
+        if proc.returncode != 0:
+            raise RuntimeError(f"mpitrain failed ({proc.returncode}): {proc.stderr[-2000:]}")
+        return json.loads(Path(summary).read_text())
+
+
+def run_independent(n: int, args: list[str]) -> dict:
+    """The compute limit: n single-process trainings at once, no communication; rates add up."""
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = [os.path.join(tmp, f"s{i}.json") for i in range(n)]
+        procs = [subprocess.Popen(mpitrain_cmd(0, args, p), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                  env=env(), cwd=ROOT) for p in paths]
+        for proc in procs:
+            if proc.wait(timeout=600) != 0:
+                raise RuntimeError(f"independent run failed: {proc.stderr.read().decode()[-2000:]}")
+        rates = [json.loads(Path(p).read_text())["samples_per_second"] for p in paths]
+        return {"samples_per_second": sum(rates)}
+
+
+def run_torch(world: int, model: str, steps: int) -> dict | None:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return None
+    cmd = [PY, str(ROOT / "benchmarks" / "torch_ddp.py"), "--world", str(world), "--model", model, "--steps", str(steps)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=900, cwd=ROOT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"torch run failed: {proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def rows_for(model: str, steps: int, compress: bool) -> list[tuple[str, callable]]:
+    base = ["--dataset", "synthetic", "--model", model, "--steps", str(steps)]
+    rows = [
+        ("compute limit: 2 independent processes", lambda: run_independent(2, base)),
+        ("one local process", lambda: run_mpitrain(0, base)),
+        ("async np=2 (1 worker)", lambda: run_mpitrain(2, base)),
+        ("async np=3 (2 workers)", lambda: run_mpitrain(3, base)),
+        ("async np=3 --no-overlap", lambda: run_mpitrain(3, [*base, "--no-overlap"])),
+        ("sync np=2 (1 worker)", lambda: run_mpitrain(2, [*base, "--mode", "sync"])),
+        ("sync np=3 (2 workers)", lambda: run_mpitrain(3, [*base, "--mode", "sync"])),
+    ]
+    if compress:
+        rows += [
+            ("async np=3 --compress fp16", lambda: run_mpitrain(3, [*base, "--compress", "fp16"])),
+            ("sync np=3 --compress fp16", lambda: run_mpitrain(3, [*base, "--mode", "sync", "--compress", "fp16"])),
+        ]
+    torch_steps = max(500, steps // 3)
+    rows += [
+        ("PyTorch CPU, 1 process", lambda: run_torch(1, model, torch_steps)),
+        ("PyTorch DDP gloo, 2 processes", lambda: run_torch(2, model, torch_steps)),
+    ]
+    return rows
+
+
+def median_row(results: list[dict | None]) -> dict | None:
+    results = [r for r in results if r is not None]
+    if not results:
+        return None
+    rates = [r["samples_per_second"] for r in results]
+    mid = sorted(results, key=lambda r: r["samples_per_second"])[len(results) // 2]
+    out = {"rate": statistics.median(rates), "min": min(rates), "max": max(rates), "n": len(rates)}
+    if mid.get("ps_busy_fraction") is not None:
+        out["busy"] = mid["ps_busy_fraction"]
+    if mid.get("time_breakdown") and mid.get("world_size", 1) > 1:
+        tb = mid["time_breakdown"]
+        out["compute"] = statistics.mean(t["compute"] for t in tb)
+        out["wait"] = statistics.mean(t["communication_and_wait"] for t in tb)
+    if "test_accuracy" in mid:
+        out["acc"] = mid["test_accuracy"]
+    return out
+
+
+def accuracy_check(reps: int) -> list[str]:
+    """--compress fp16 must keep digits accuracy within one point (same seed, both modes)."""
+    lines = []
+    for mode in ("async", "sync"):
+        accs = {}
+        for compress in ("none", "fp16"):
+            vals = [run_mpitrain(3, ["--mode", mode, "--compress", compress, "--seed", str(s)])["test_accuracy"]
+                    for s in range(reps)]
+            accs[compress] = statistics.median(vals)
+        delta = 100 * (accs["fp16"] - accs["none"])
+        lines.append(f"| {mode} | {accs['none']:.4f} | {accs['fp16']:.4f} | {delta:+.2f} |")
+    return lines
+
+
+def startup(reps: int) -> tuple[float, float]:
+    helps, mains = [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        subprocess.run([PY, "-m", "mpitrain", "--help"], capture_output=True, env=env(), check=True, cwd=ROOT)
+        helps.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        subprocess.run([mpirun(), "-np", "3", PY, "-m", "mpitrain", "--no-progress"], capture_output=True, env=env(),
+                       check=True, cwd=ROOT)
+        mains.append(time.perf_counter() - t0)
+    return statistics.median(helps), statistics.median(mains)
+
+
+def machine() -> str:
+    cpu = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import numpy
+
+    mpi = subprocess.run([str(Path(PY).parent / "mpichversion")], capture_output=True, text=True).stdout.split("\n")[0] \
+        if (Path(PY).parent / "mpichversion").exists() else "system MPI"
+    try:
+        import torch
+
+        tv = torch.__version__
+    except ImportError:
+        tv = "not installed"
+    return (f"{os.cpu_count()} cores ({cpu}), Python {platform.python_version()}, NumPy {numpy.__version__}, "
+            f"{mpi.strip()}, PyTorch {tv}; no GPU on this machine")
+
+
+def fmt_row(name: str, r: dict | None, limit: float, ddp: float | None) -> str:
+    if r is None:
+        return f"| {name} | skipped: `pip install torch==2.13.0` | | | | | |"
+    ratio_ddp = f"{r['rate'] / ddp:.2f}x" if ddp else "n/a"
+    busy = f"{100 * r['busy']:.0f}%" if "busy" in r else ""
+    tb = f"{100 * r['compute']:.0f}% / {100 * r['wait']:.0f}%" if "compute" in r else ""
+    return (f"| {name} | {r['rate']:,.0f} | {r['min']:,.0f}-{r['max']:,.0f} | {r['rate'] / limit:.2f}x | {ratio_ddp} "
+            f"| {busy} | {tb} |")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=3000, help="global steps per mpitrain run")
+    p.add_argument("--models", default="mlp,softmax")
+    p.add_argument("--quick", action="store_true", help="skip the fp16 accuracy check and start-up timing")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "RESULTS.md"))
+    args = p.parse_args()
+    command = "python benchmarks/run.py " + " ".join(sys.argv[1:])
+    sections = []
+    targets = []
+    for model in args.models.split(","):
+        rows = rows_for(model, args.steps, compress=True)
+        raw: dict[str, list] = {name: [] for name, _ in rows}
+        for rep in range(args.reps):
+            for name, fn in rows:
+                print(f"[{model} rep {rep + 1}/{args.reps}] {name}", file=sys.stderr, flush=True)
+                raw[name].append(fn())
+        med = {name: median_row(v) for name, v in raw.items()}
+        limit = med["compute limit: 2 independent processes"]["rate"]
+        ddp_row = med["PyTorch DDP gloo, 2 processes"]
+        ddp = ddp_row["rate"] if ddp_row else None
+        hidden = "784-100-10" if model == "mlp" else "784-10"
+        lines = [f"### {model} ({hidden}), batch 100, SGD, synthetic MNIST-shaped data, {args.steps} global steps", "",
+                 "| run | samples/s (median) | min-max | vs compute limit | vs PyTorch DDP | rank 0 busy "
+                 "| worker compute / comm+wait |",
+                 "|---|---|---|---|---|---|---|"]
+        lines += [fmt_row(name, med[name], limit, ddp) for name, _ in rows]
+        sections.append("\n".join(lines))
+        if model == "mlp":
+            a3, s3 = med["async np=3 (2 workers)"], med["sync np=3 (2 workers)"]
+            targets += [
+                ("async np=3 >= 0.70x compute limit", a3["rate"] / limit, 0.70),
+                ("sync np=3 >= 0.65x compute limit", s3["rate"] / limit, 0.65),
+                ("rank 0 busy <= 25% of a core (async np=3)", 0.25, a3["busy"]),
+            ]
+            if ddp:
+                targets += [("async np=3 >= 3x PyTorch DDP", a3["rate"] / ddp, 3.0),
+                            ("sync np=3 >= 3x PyTorch DDP", s3["rate"] / ddp, 3.0)]
+    target_lines = ["| target | measured | met? |", "|---|---|---|"]
+    for name, got, need in targets:
+        if name.startswith("rank 0 busy"):
+            target_lines.append(f"| {name} | {100 * need:.0f}% | {'yes' if need <= got else f'no, {100 * (need - got):.0f} points over'} |")
+        else:
+            met = "yes" if got >= need else f"no, {100 * (1 - got / need):.0f}% short"
+            target_lines.append(f"| {name} | {got:.2f}x | {met} |")
+    extra = []
+    if not args.quick:
+        extra += ["## --compress fp16: test accuracy on digits (np=3, median over seeds)", "",
+                  "| mode | float32 | fp16 | difference (points) |", "|---|---|---|---|", *accuracy_check(args.reps), ""]
+        h, m = startup(args.reps)
+        extra += ["## Start-up", "", f"- `python -m mpitrain --help`: {h:.2f} s (median)",
+                  f"- main job `mpirun -np 3 python -m mpitrain --no-progress` (digits, 30 epochs), whole command: "
+                  f"{m:.2f} s (median)", ""]
+    text = "\n".join([
+        "# mpitrain benchmark results", "",
+        f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+        f"- machine: {machine()}",
+        f"- command: `{command.strip()}`",
+        f"- each row: median of {args.reps} interleaved repetitions; one BLAS thread per process; "
+        "3 ranks on 2 cores are oversubscribed (rank 0 shares a core with the workers)", "",
+        "## Targets (MLP, ratios within this run)", "", *target_lines, "",
+        "## Throughput", "", *[s + "\n" for s in sections],
+        "- *rank 0 busy*: rank 0's CPU time / wall time during training (async: serving; sync: following the chief).",
+        "- *worker compute / comm+wait*: mean over workers of the fraction of wall time in gradient (and, sync, "
+        "update) computation, and in communication or waiting for it.", "",
+        *extra,
+        "## GPU", "",
+        "Not measured: no GPU was lent to the session that produced this table. The CuPy path is in the code "
+        "(`--device gpu`); its figures will be recorded here, with the GPU's name, from a machine that has one.", "",
+    ])
+    Path(args.out).write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
