@@ -17,6 +17,7 @@ class Backend:
 
     xp = np
     is_gpu = False
+    cuda_aware = False
     description = "CPU (NumPy)"
 
     def host_alloc(self, nbytes: int) -> np.ndarray:
@@ -45,26 +46,36 @@ class Backend:
 class CupyBackend(Backend):
     is_gpu = True
 
-    def __init__(self, cupy, device_id: int):
+    def __init__(self, cupy, device_id: int, cuda_aware: bool = False):
         self.cp = cupy
         self.xp = cupy
         self.device_id = device_id
+        self.cuda_aware = cuda_aware
         cupy.cuda.Device(device_id).use()
         props = cupy.cuda.runtime.getDeviceProperties(device_id)
         name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
-        self.description = f"GPU {device_id} ({name})"
+        self.description = f"GPU {device_id} ({name})" + (", CUDA-aware MPI" if cuda_aware else "")
         self.copy_stream = cupy.cuda.Stream(non_blocking=True)
 
     def host_alloc(self, nbytes: int) -> np.ndarray:
+        """Message memory. CUDA-aware: device memory, handed to MPI as it is (no staging)."""
+        if self.cuda_aware:
+            return self.cp.empty((nbytes,), self.cp.uint8)
         import cupyx
 
         return cupyx.empty_pinned((nbytes,), np.uint8)  # pinned: DMA straight from/to it
 
     def mirror(self, host: np.ndarray):
+        if self.cuda_aware and host.dtype == np.float32:
+            return host  # already a float32 device array: compute in place, like NumPy
         return self.cp.asarray(host, dtype=np.float32)
 
     def upload(self, dev, host: np.ndarray) -> None:
         cp = self.cp
+        if self.cuda_aware:
+            if dev is not host:
+                dev[...] = host  # device to device (casts float16)
+            return
         landing = dev if dev.dtype == host.dtype else cp.empty(host.shape, host.dtype)
         landing.set(host, stream=self.copy_stream)
         done = cp.cuda.Event()
@@ -75,6 +86,11 @@ class CupyBackend(Backend):
 
     def download(self, dev, host: np.ndarray) -> None:
         cp = self.cp
+        if self.cuda_aware:
+            if dev is not host:
+                host[...] = dev
+            cp.cuda.get_current_stream().synchronize()  # MPI reads this device memory next
+            return
         if dev.dtype != host.dtype:
             dev = dev.astype(host.dtype)  # float32 -> float16 on the device: half the bytes to copy
         ready = cp.cuda.Event()
@@ -100,7 +116,7 @@ def _import_cupy():
     return cupy, n
 
 
-def make_backend(device: str, node_local_rank: int, uses_gpu: bool = True) -> Backend:
+def make_backend(device: str, node_local_rank: int, uses_gpu: bool = True, cuda_aware: bool = False) -> Backend:
     """`uses_gpu=False` for the parameter server, whose optimizer runs on the host buffers it sends."""
     if device == "cpu" or not uses_gpu:
         return Backend()
@@ -110,4 +126,4 @@ def make_backend(device: str, node_local_rank: int, uses_gpu: bool = True) -> Ba
             raise UsageError("--device gpu but no GPU is usable here (CuPy missing or no CUDA device); "
                              "install mpitrain[gpu] on a GPU node, or use --device cpu")
         return Backend()
-    return CupyBackend(cupy, node_local_rank % n)
+    return CupyBackend(cupy, node_local_rank % n, cuda_aware)

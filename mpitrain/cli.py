@@ -13,7 +13,7 @@ import os
 import sys
 
 from mpitrain import __version__
-from mpitrain.config import TrainConfig, UsageError, defaults, validate
+from mpitrain.config import TrainConfig, UsageError, defaults, parse_straggler, validate
 
 # One BLAS thread per rank: at these matrix sizes two threads are slower than one, and ranks
 # already share the cores. Set before NumPy loads; an explicit user setting wins.
@@ -35,6 +35,13 @@ def _hidden(text: str) -> tuple[int, ...]:
     return sizes
 
 
+def _straggler(text: str):
+    try:
+        return parse_straggler(text)
+    except UsageError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     d = defaults()
     p = _Parser(
@@ -54,6 +61,23 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--compress", choices=("none", "fp16"), default=d.compress,
                    help="send gradients and parameters as float16 (half the traffic); "
                         "accumulate and update in float32")
+
+    g.add_argument("--quorum", type=int, default=d.quorum, metavar="Q",
+                   help="sync: each update averages the first Q fresh gradients; later ones are dropped "
+                        "and counted (default: all workers, a plain Allreduce)")
+    g.add_argument("--max-staleness", type=int, default=d.max_staleness, metavar="S",
+                   help="async: hold back a worker's reply so that no applied gradient is more than S updates "
+                        "stale (implies --no-overlap; default: unbounded)")
+    g.add_argument("--staleness-lr", action="store_true", default=d.staleness_lr,
+                   help="async: divide each step's learning rate by its gradient's staleness (Zhang et al. 2016)")
+    g.add_argument("--straggler", action="append", type=_straggler, default=[], dest="stragglers",
+                   metavar="RANK:SEC|RANK:xF",
+                   help="slow a worker down on every step: add SEC seconds, or take F times as long "
+                        "(repeatable; for tests, demos and benchmarks)")
+
+    g.add_argument("--wait", choices=("auto", "spin", "yield"), default=d.wait,
+                   help="how workers wait in collectives: spin (MPICH's blocking Allreduce), or yield "
+                        "(Iallreduce + test-and-sleep); auto yields when a node has more computing ranks than cores")
 
     g = p.add_argument_group("model")
     g.add_argument("--model", choices=("softmax", "mlp"), default=d.model, help="softmax regression or ReLU MLP")
@@ -85,11 +109,16 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("device")
     g.add_argument("--device", choices=("auto", "cpu", "gpu"), default=d.device,
                    help="auto: CuPy on a GPU when one is usable, else NumPy; workers bind GPU node-local-rank %% #GPUs")
+    g.add_argument("--cuda-aware", action="store_true", default=d.cuda_aware,
+                   help="hand GPU buffers straight to MPI (needs a CUDA-aware MPI build) instead of staging "
+                        "them through pinned host memory")
 
     g = p.add_argument_group("output")
     g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=d.progress,
                    help="tqdm bar on rank 0's stderr")
     g.add_argument("--summary-json", default=d.summary_json, metavar="PATH", help="write the run summary here")
+    g.add_argument("--eval-every", type=int, default=d.eval_every, metavar="N",
+                   help="evaluate rank 0's parameters on the test set every N global steps (summary: eval_history)")
     g.add_argument("-h", "--help", action="store_true", help="show this help and exit")
     g.add_argument("--version", action="store_true", help="print the version and exit")
     return p
@@ -102,6 +131,7 @@ def parse_args(argv: list[str]) -> tuple[TrainConfig | None, argparse.ArgumentPa
     if ns.help:
         return None, parser
     values = {k: v for k, v in vars(ns).items() if k not in ("help", "version")}
+    values["stragglers"] = tuple(values["stragglers"])
     return validate(TrainConfig(**values)), parser
 
 
@@ -121,10 +151,11 @@ def main(argv: list[str] | None = None) -> int:
     mpi4py.rc.thread_level = "funneled"  # MPI is only ever called from the main thread
     from mpi4py import MPI
 
+    from mpitrain.runtime import node_info
     from mpitrain.train import run
 
     comm = MPI.COMM_WORLD
-    node_rank = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()  # collective: before anyone can fail
+    node = node_info(comm)  # collective: before anyone can fail
     try:
         cfg, parser = parse_args(argv)
     except UsageError as e:
@@ -135,4 +166,4 @@ def main(argv: list[str] | None = None) -> int:
         if comm.Get_rank() == 0:
             parser.print_help()
         return 0
-    return run(cfg, comm, node_rank, err)
+    return run(cfg, comm, node, err)

@@ -15,6 +15,7 @@ OPTIMIZERS = ("sgd", "momentum", "adam")
 DATASETS = ("digits", "mnist", "fashion_mnist", "synthetic")
 DEVICES = ("auto", "cpu", "gpu")
 COMPRESSIONS = ("none", "fp16")
+WAITS = ("auto", "spin", "yield")
 
 # Used when neither --epochs nor --steps is given: enough for digits to pass 93%.
 DEFAULT_EPOCHS = 30
@@ -30,6 +31,11 @@ class TrainConfig:
     mode: str = "async"
     overlap: bool = True
     compress: str = "none"
+    quorum: int | None = None  # sync: gradients averaged per update (None: every worker)
+    max_staleness: int | None = None  # async: bound on the staleness of every applied gradient
+    staleness_lr: bool = False
+    stragglers: tuple[tuple[int, str, float], ...] = ()  # (rank, "delay"|"factor", value)
+    wait: str = "auto"
     # model
     model: str = "mlp"
     hidden: tuple[int, ...] = (100,)
@@ -50,7 +56,9 @@ class TrainConfig:
     synthetic_features: int = 784
     # device
     device: str = "auto"
+    cuda_aware: bool = False
     # output
+    eval_every: int | None = None
     progress: bool = True
     summary_json: str | None = None
 
@@ -67,11 +75,39 @@ class TrainConfig:
         return np.float16 if self.compress == "fp16" else np.float32
 
     @property
+    def effective_overlap(self) -> bool:
+        """--max-staleness works by holding back replies, which only binds a worker that waits
+        for its reply before computing: it implies --no-overlap."""
+        return self.overlap and self.max_staleness is None
+
+    @property
     def epochs_or_default(self) -> int | None:
         """--epochs if given; the default only when no --steps budget was given either."""
         if self.epochs is not None:
             return self.epochs
         return None if self.steps is not None else DEFAULT_EPOCHS
+
+
+def parse_straggler(text: str) -> tuple[int, str, float]:
+    """RANK:SECONDS (added to every step) or RANK:xFACTOR (every step takes FACTOR times as long)."""
+    rank_s, sep, amount = text.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        rank = int(rank_s)
+        if amount.lower().startswith("x"):
+            kind, value = "factor", float(amount[1:])
+        else:
+            kind, value = "delay", float(amount)
+    except ValueError:
+        raise UsageError(f"--straggler takes RANK:SECONDS or RANK:xFACTOR, e.g. 3:0.01 or 3:x5, not {text!r}") from None
+    if rank < 1:
+        raise UsageError(f"--straggler {text}: rank {rank} is the parameter server (or invalid); name a worker rank >= 1")
+    if kind == "delay" and not value >= 0:
+        raise UsageError(f"--straggler {text}: the delay must be zero or more seconds")
+    if kind == "factor" and not value >= 1:
+        raise UsageError(f"--straggler {text}: the factor must be at least 1 (x5 makes each step 5 times as long)")
+    return rank, kind, value
 
 
 def defaults() -> TrainConfig:
@@ -98,6 +134,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _choice("dataset", cfg.dataset, DATASETS)
     _choice("device", cfg.device, DEVICES)
     _choice("compress", cfg.compress, COMPRESSIONS)
+    _choice("wait", cfg.wait, WAITS)
     if cfg.batch_size <= 0:
         raise UsageError(f"--batch-size must be a positive integer (got {cfg.batch_size}); e.g. --batch-size 100")
     if not cfg.lr > 0:
@@ -118,6 +155,41 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise UsageError(f"--synthetic-samples must be at least 2 (got {cfg.synthetic_samples})")
     if cfg.synthetic_features <= 0:
         raise UsageError(f"--synthetic-features must be positive (got {cfg.synthetic_features})")
+    if cfg.quorum is not None:
+        if cfg.mode != "sync":
+            raise UsageError("--quorum applies to --mode sync; async never waits for a slow worker "
+                             "(bound its staleness with --max-staleness)")
+        if cfg.quorum < 1:
+            raise UsageError(f"--quorum must be at least 1 (got {cfg.quorum}); e.g. --quorum 2")
+    if cfg.max_staleness is not None:
+        if cfg.mode != "async":
+            raise UsageError("--max-staleness applies to --mode async; in sync mode every gradient is fresh")
+        if cfg.max_staleness < 0:
+            raise UsageError(f"--max-staleness must be zero or more (got {cfg.max_staleness})")
+    if cfg.staleness_lr and cfg.mode != "async":
+        raise UsageError("--staleness-lr applies to --mode async (sync gradients are never stale)")
+    if cfg.eval_every is not None and cfg.eval_every <= 0:
+        raise UsageError(f"--eval-every must be a positive number of global steps (got {cfg.eval_every})")
+    if cfg.cuda_aware and cfg.device == "cpu":
+        raise UsageError("--cuda-aware hands GPU buffers to MPI and needs --device gpu (or auto), not cpu")
+    if cfg.cuda_aware and cfg.compress == "fp16" and cfg.mode == "sync":
+        raise UsageError("--compress fp16 in sync mode sums float16 on the host and cannot use --cuda-aware; "
+                         "drop one of the two")
     if cfg.data_dir is not None and cfg.dataset in ("digits", "synthetic"):
         raise UsageError(f"--data-dir is only read for mnist/fashion_mnist, not {cfg.dataset}; drop it or pick --dataset mnist")
     return cfg
+
+
+def validate_for_world(cfg: TrainConfig, size: int) -> None:
+    """The checks that need the world size (known on every rank, identically)."""
+    workers = max(1, size - 1)
+    for rank, _, _ in cfg.stragglers:
+        if rank >= size:
+            raise UsageError(f"--straggler names rank {rank}, but ranks here are 0..{size - 1} "
+                             f"(rank 0 is the parameter server); name a worker rank 1..{max(1, size - 1)}")
+    if cfg.quorum is not None and cfg.quorum > workers:
+        raise UsageError(f"--quorum {cfg.quorum} is more than the {workers} worker(s); use 1..{workers}")
+    if cfg.max_staleness is not None and size > 1 and cfg.max_staleness < workers - 1:
+        raise UsageError(f"--max-staleness {cfg.max_staleness} cannot hold with {workers} workers: when all "
+                         f"compute on the same parameters one of them is {workers - 1} updates stale; "
+                         f"use {workers - 1} or more")

@@ -75,6 +75,47 @@ def write_json_atomic(path: str, obj: dict) -> None:
         raise
 
 
+def staleness_summary(counts: dict) -> dict:
+    """mean, p50, p99, max of applied gradients' staleness, from a {staleness: count} histogram."""
+    total = sum(counts.values())
+    if not total:
+        return {"mean": 0.0, "p50": 0, "p99": 0, "max": 0, "gradients": 0}
+    values = sorted(counts)
+
+    def quantile(q: float) -> int:
+        seen = 0
+        for v in values:
+            seen += counts[v]
+            if seen >= q * total:
+                return int(v)
+        return int(values[-1])
+
+    mean = sum(v * c for v, c in counts.items()) / total
+    return {"mean": mean, "p50": quantile(0.5), "p99": quantile(0.99), "max": int(values[-1]), "gradients": total}
+
+
+def straggler_line(s: dict) -> str | None:
+    """One line on what slow workers did to the run, when there were any (or drops)."""
+    slow = ", ".join(f"rank {r} ({'x' + format(v, 'g') if k == 'factor' else format(v, 'g') + ' s/step'})"
+                     for r, k, v in s["config"]["stragglers"])
+    if not slow and not s["dropped_gradients"]:
+        return None
+    who = slow or "no injected straggler"
+    rate = f"{s['steps_per_second']:,.1f} global steps/s"
+    if s["mode"] == "async":
+        shares = [f"{100 * k / max(1, s['global_step']):.0f}%" for k in s["local_steps"]]
+        st = s["staleness"]
+        bound = s["config"]["max_staleness"]
+        waited = "nobody waited" if bound is None else f"replies held back to keep staleness <= {bound}"
+        return (f"  straggler effect: {who}; {waited} ({rate}); workers' shares of the updates "
+                f"[{', '.join(shares)}]; staleness mean {st['mean']:.1f}, max {st['max']}")
+    if s["quorum"] is None or s["quorum"] == s["workers"]:
+        return f"  straggler effect: {who}; sync without --quorum waits for the slowest every step ({rate})"
+    per = s["dropped_gradients_per_worker"]
+    return (f"  straggler effect: {who}; quorum {s['quorum']} of {s['workers']} went on without it ({rate}); "
+            f"{s['dropped_gradients']} late gradients dropped, per worker {per}")
+
+
 def human_summary(s: dict) -> list[str]:
     ranks = "1 process, local" if s["world_size"] == 1 else f"{s['world_size']} ranks: 1 PS + {s['workers']} workers"
     workers_acc = ", ".join(f"{a:.4f}" for a in s["worker_test_accuracy"])
@@ -84,4 +125,4 @@ def human_summary(s: dict) -> list[str]:
         f" | {s['samples_per_second']:,.0f} samples/s",
         f"  test accuracy {s['test_accuracy']:.4f} (rank 0) | per worker [{workers_acc}] | test loss "
         f"{s['test_loss']:.4f} | final train loss {s['final_loss']:.4f} | dropped gradients {s['dropped_gradients']}",
-    ]
+    ] + ([line] if (line := straggler_line(s)) else [])

@@ -16,8 +16,9 @@ VERSION = 1  # bump when the layout below changes
 # Tags (one per message kind, so a posted receive can never match the wrong kind).
 TAG_GRAD = 11  # worker -> PS: a gradient (async)
 TAG_PARAMS = 12  # PS -> worker: parameters (async reply)
-TAG_STATUS = 13  # chief worker -> PS: progress of a sync run, header only
-TAG_FINAL = 14  # chief worker -> PS: final parameters of a sync run
+TAG_STATUS = 13  # chief worker -> PS: progress of a sync run (header only), or parameters (EVAL/STOP)
+TAG_READY = 15  # sync --quorum, worker -> PS: my gradient for step H_STEP is ready (header only)
+TAG_DECISION = 16  # sync --quorum, PS -> worker: the step's weights, one float32 per worker
 
 # Header slots.
 H_MAGIC = 0
@@ -32,7 +33,8 @@ HEADER_SLOTS = 8
 HEADER_BYTES = HEADER_SLOTS * 8
 
 FLAG_LAST = 1  # worker: this is my last gradient (my epochs are done)
-FLAG_STOP = 2  # PS: stop after this reply
+FLAG_STOP = 2  # PS: stop after this reply; chief/READY: my last message
+FLAG_EVAL = 4  # chief -> PS: these parameters are for --eval-every
 
 
 class ProtocolError(RuntimeError):

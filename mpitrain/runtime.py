@@ -12,11 +12,36 @@ import socket
 from dataclasses import dataclass
 
 from mpitrain.backend import Backend, make_backend
-from mpitrain.config import TrainConfig, UsageError
+from mpitrain.config import TrainConfig, UsageError, validate_for_world
 from mpitrain.data import Dataset, check_batch_fits, load_dataset, steps_per_epoch
 from mpitrain.model import MLP
 
 PS_RANK = 0
+
+
+@dataclass(frozen=True)
+class Node:
+    """This rank's host as MPI sees it: node-local rank, ranks here, ranks here that compute."""
+
+    rank: int
+    size: int
+    busy: int  # ranks on this node other than the parameter server (which mostly sleeps)
+    cores: int
+
+    @property
+    def oversubscribed(self) -> bool:
+        return self.busy > self.cores
+
+
+def node_info(comm) -> Node:
+    """Collective over COMM_WORLD: call it on every rank before anything can fail."""
+    from mpi4py import MPI
+
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    ps_here = node.allreduce(1 if comm.Get_rank() == PS_RANK and comm.Get_size() > 1 else 0)
+    info = Node(node.Get_rank(), node.Get_size(), node.Get_size() - ps_here, len(os.sched_getaffinity(0)))
+    node.Free()
+    return info
 
 
 @dataclass
@@ -25,7 +50,7 @@ class Context:
     comm: object  # MPI.COMM_WORLD
     rank: int
     size: int
-    node_rank: int
+    node: Node
     host: str
     backend: Backend
     data: Dataset
@@ -60,8 +85,20 @@ class Context:
 
     @property
     def global_batch(self) -> int:
-        """Examples behind one global step: one worker's batch in async, all workers' in sync."""
-        return self.cfg.batch_size * (self.workers if self.cfg.mode == "sync" else 1)
+        """Examples behind one global step: one worker's batch in async; in sync, the batches of
+        the Q (--quorum) or all workers averaged into the update."""
+        if self.cfg.mode == "async" or self.local:
+            return self.cfg.batch_size
+        return self.cfg.batch_size * (self.cfg.quorum or self.workers)
+
+    @property
+    def yield_in_collectives(self) -> bool:
+        """--wait: MPICH's blocking collectives spin. With more computing ranks than cores, a
+        spinning rank holds the core its peer needs to reach the collective (measured: a 3-worker
+        Allreduce on 2 cores 16x slower than Iallreduce + Test-and-sleep); otherwise spinning wins."""
+        if self.cfg.wait == "auto":
+            return self.node.oversubscribed
+        return self.cfg.wait == "yield"
 
     def placement(self) -> str:
         """The seeds' log_device_placement, one line per rank."""
@@ -76,15 +113,16 @@ def check_launch(size: int, env=os.environ) -> None:
                          "`srun --mpi=pmi2 python -m mpitrain` (or `mpirun -np $SLURM_NTASKS ...`)")
 
 
-def setup(cfg: TrainConfig, comm, node_rank: int) -> Context:
+def setup(cfg: TrainConfig, comm, node: Node) -> Context:
     """Raises UsageError for anything the user must fix. Performs no communication."""
     rank, size = comm.Get_rank(), comm.Get_size()
     check_launch(size)
+    validate_for_world(cfg, size)
     is_ps = rank == PS_RANK and size > 1
-    backend = make_backend(cfg.device, node_rank, uses_gpu=not is_ps)
+    backend = make_backend(cfg.device, node.rank, uses_gpu=not is_ps, cuda_aware=cfg.cuda_aware)
     data = load_dataset(cfg)
     workers = 1 if size == 1 else size - 1
     check_batch_fits(data.n_train, workers, cfg.batch_size)
     sizes = (data.n_features, *cfg.layer_sizes_hidden, data.n_classes)
     model = MLP(sizes, cfg.l2, backend.xp)
-    return Context(cfg, comm, rank, size, node_rank, socket.gethostname(), backend, data, model)
+    return Context(cfg, comm, rank, size, node, socket.gethostname(), backend, data, model)

@@ -1,14 +1,16 @@
 """Rank 0, the parameter server: owns the master parameters, the optimizer, the global step.
 
 Async: one pre-posted Irecv per worker; whichever gradient completes is applied and answered
-with fresh parameters. Sync: the workers average among themselves; rank 0 follows their
-progress from the chief worker's status messages and receives the final parameters.
+with fresh parameters (held back, with --max-staleness, while applying it would leave another
+worker's gradient too stale). Sync: the workers average among themselves; rank 0 follows the
+chief worker's status messages, decides each quorum step (--quorum), and receives the final
+parameters.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -16,11 +18,11 @@ from mpi4py import MPI
 
 from mpitrain.metrics import Progress
 from mpitrain.optim import Optimizer, decayed_lr
-from mpitrain.protocol import FLAG_LAST, FLAG_STOP, TAG_GRAD, TAG_PARAMS, TAG_STATUS, Message
+from mpitrain.protocol import (FLAG_EVAL, FLAG_LAST, FLAG_STOP, TAG_DECISION, TAG_GRAD, TAG_PARAMS, TAG_READY,
+                               TAG_STATUS, Message)
 from mpitrain.runtime import PS_RANK, Context
-from mpitrain.transport import CHIEF_POLL_S, PS_POLL_NO_OVERLAP_S, PS_POLL_S, Poller
-from mpitrain.worker import LOSS_WINDOW, train_sync
-
+from mpitrain.transport import CHIEF_POLL_S, PS_POLL_NO_OVERLAP_S, PS_POLL_S, QUORUM_POLL_S, Poller
+from mpitrain.worker import LOSS_WINDOW, sync_total_steps, train_sync
 
 
 @dataclass
@@ -29,6 +31,8 @@ class ServerState:
     global_step: int = 0
     local_steps: list[int] = field(default_factory=list)
     recent_losses: deque = field(default_factory=lambda: deque(maxlen=LOSS_WINDOW))
+    staleness: Counter = field(default_factory=Counter)  # staleness -> applied gradients
+    eval_history: list[dict] = field(default_factory=list)
     train_s: float = 0.0
     busy_fraction: float = 0.0
 
@@ -50,81 +54,215 @@ class _Clock:
     def __init__(self):
         self.wall0, self.cpu0 = time.perf_counter(), time.process_time()
 
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.wall0
+
     def stop(self, state: ServerState) -> None:
-        state.train_s = time.perf_counter() - self.wall0
+        state.train_s = self.elapsed()
         state.busy_fraction = (time.process_time() - self.cpu0) / max(state.train_s, 1e-9)
 
 
+def record_eval(ctx: Context, state: ServerState, clock: _Clock, params: np.ndarray, step: int) -> None:
+    """--eval-every: test-set loss and accuracy of rank 0's parameters, with the wall time."""
+    loss, acc, _ = ctx.model.evaluate(params, ctx.data.x_test, ctx.data.y_test)
+    state.eval_history.append({"global_step": step, "seconds": clock.elapsed(), "test_accuracy": acc,
+                               "test_loss": loss})
+
+
+class AsyncServer:
+    """The async serve loop and its bookkeeping, one method per decision."""
+
+    def __init__(self, ctx: Context, progress: Progress):
+        cfg = ctx.cfg
+        self.ctx, self.cfg, self.comm, self.progress = ctx, cfg, ctx.comm, progress
+        n, W = ctx.model.n_params, ctx.workers
+        self.state = ServerState(init_and_broadcast(ctx), local_steps=[0] * W)
+        self.clock = _Clock()
+        self.opt = Optimizer(cfg.optimizer, n, np, momentum=cfg.momentum)
+        wire = cfg.wire_dtype
+        self.inbox = [Message(n, dtype=wire) for _ in range(W)]
+        self.outbox = [Message(n, dtype=wire) for _ in range(W)]
+        # float16 gradients are widened once, so the optimizer only ever sees float32.
+        self.grad32 = np.empty(n, np.float32) if wire != np.float32 else None
+        self.recv = [self.comm.Irecv(self.inbox[w].spec(), source=w + 1, tag=TAG_GRAD) for w in range(W)]
+        self.sends = [MPI.REQUEST_NULL] * W
+        # With --overlap a reply is not awaited until the worker's next gradient is computed, so
+        # rank 0 can sleep longer between polls and leave the cores to the workers.
+        self.poller = Poller(PS_POLL_S if cfg.effective_overlap else PS_POLL_NO_OVERLAP_S)
+        self.active = set(range(W))  # workers not yet told to stop
+        self.held: list[int] = []  # gradients received, not yet applied (--max-staleness)
+        self.basis = [0] * W  # version the worker's next gradient is computed on (no-overlap)
+        self.stopping = False
+
+    def run(self) -> ServerState:
+        while self.active:
+            self._apply_held()
+            if self.held and not any(self.recv[w] != MPI.REQUEST_NULL for w in self.active):
+                self._apply(self._oldest_held(), forced=True)  # never reached with S >= W-1; no hang regardless
+                continue
+            for w in self.poller.some(self.recv):
+                self.inbox[w].check(TAG_GRAD, w + 1)
+                self.held.append(w)
+        self.poller.all(self.sends)
+        self.clock.stop(self.state)
+        return self.state
+
+    def _oldest_held(self) -> int:
+        return min(self.held, key=lambda w: self.inbox[w].step)
+
+    def _may_apply(self, w: int) -> bool:
+        """Applying w's gradient moves the global step on by one; with --max-staleness S that must
+        leave every other worker's pending gradient at most S updates stale."""
+        bound = self.cfg.max_staleness
+        if bound is None:
+            return True
+        after = self.state.global_step + 1
+        return all(after - self.basis[u] <= bound for u in self.active if u != w)
+
+    def _apply_held(self) -> None:
+        progressed = True
+        while self.held and progressed:
+            progressed = False
+            if self.stopping:
+                for w in list(self.held):
+                    self.held.remove(w)
+                    self._reply(w, stop=True)
+                return
+            w = self._oldest_held()
+            if self._may_apply(w):
+                self._apply(w)
+                progressed = True
+
+    def _apply(self, w: int, forced: bool = False) -> None:
+        cfg, state, msg = self.cfg, self.state, self.inbox[w]
+        self.held.remove(w)
+        staleness = state.global_step - msg.step
+        lr = decayed_lr(cfg.lr, cfg.lr_decay, state.global_step * self.ctx.global_batch, self.ctx.data.n_train)
+        if cfg.staleness_lr:
+            lr /= max(1, staleness)
+        grad = msg.payload
+        if self.grad32 is not None:
+            np.copyto(self.grad32, grad)
+            grad = self.grad32
+        self.opt.step(state.params, grad, lr)
+        state.global_step += 1
+        state.local_steps[w] += 1
+        state.staleness[staleness] += 1
+        state.recent_losses.append(msg.loss)
+        self.progress.update(state.global_step, msg.loss)
+        if cfg.eval_every and state.global_step % cfg.eval_every == 0:
+            record_eval(self.ctx, state, self.clock, state.params, state.global_step)
+        self.stopping = cfg.steps is not None and state.global_step >= cfg.steps
+        self._reply(w, stop=self.stopping or bool(msg.flags & FLAG_LAST))
+
+    def _reply(self, w: int, stop: bool) -> None:
+        state = self.state
+        self.sends[w].Wait()  # the previous reply was consumed before this push: returns at once
+        reply = self.outbox[w]
+        reply.payload[:] = state.params  # a copy (cast with fp16): params change while it is in flight
+        reply.stamp(TAG_PARAMS, state.global_step, state.local_steps[w], FLAG_STOP if stop else 0)
+        self.sends[w] = self.comm.Isend(reply.spec(), dest=w + 1, tag=TAG_PARAMS)
+        self.basis[w] = state.global_step
+        if stop:
+            self.active.discard(w)
+        else:
+            self.recv[w] = self.comm.Irecv(self.inbox[w].spec(), source=w + 1, tag=TAG_GRAD)
+
+
 def serve_async(ctx: Context, progress: Progress) -> ServerState:
-    cfg, comm = ctx.cfg, ctx.comm
-    n, W = ctx.model.n_params, ctx.workers
-    state = ServerState(init_and_broadcast(ctx), local_steps=[0] * W)
-    clock = _Clock()
-    opt = Optimizer(cfg.optimizer, n, np, momentum=cfg.momentum)
-    wire = cfg.wire_dtype
-    inbox = [Message(n, dtype=wire) for _ in range(W)]
-    outbox = [Message(n, dtype=wire) for _ in range(W)]
-    # float16 gradients are widened once, so the optimizer only ever sees float32.
-    grad32 = np.empty(n, np.float32) if wire != np.float32 else None
-    recv = [comm.Irecv(inbox[w].spec(), source=w + 1, tag=TAG_GRAD) for w in range(W)]
-    sends = [MPI.REQUEST_NULL] * W
-    # With --overlap a reply is not awaited until the worker's next gradient is computed, so
-    # rank 0 can sleep longer between polls and leave the cores to the workers.
-    poller = Poller(PS_POLL_S if cfg.overlap else PS_POLL_NO_OVERLAP_S)
-    stopping = False
-    while True:
-        done = poller.some(recv)  # [] once every worker has been told to stop
-        if not done:
-            break
-        for w in done:
-            msg = inbox[w]
-            msg.check(TAG_GRAD, w + 1)
-            if not stopping:
-                lr = decayed_lr(cfg.lr, cfg.lr_decay, state.global_step * ctx.global_batch, ctx.data.n_train)
-                grad = msg.payload
-                if grad32 is not None:
-                    np.copyto(grad32, grad)
-                    grad = grad32
-                opt.step(state.params, grad, lr)
-                state.global_step += 1
-                state.local_steps[w] += 1
-                state.recent_losses.append(msg.loss)
-                progress.update(state.global_step, msg.loss)
-                stopping = cfg.steps is not None and state.global_step >= cfg.steps
-            stop_w = stopping or bool(msg.flags & FLAG_LAST)
-            sends[w].Wait()  # the previous reply was consumed before this push: returns at once
-            reply = outbox[w]
-            reply.payload[:] = state.params  # a copy (cast with fp16): params change while it is in flight
-            reply.stamp(TAG_PARAMS, state.global_step, state.local_steps[w], FLAG_STOP if stop_w else 0)
-            sends[w] = comm.Isend(reply.spec(), dest=w + 1, tag=TAG_PARAMS)
-            if not stop_w:
-                recv[w] = comm.Irecv(msg.spec(), source=w + 1, tag=TAG_GRAD)
-    poller.all(sends)
-    clock.stop(state)
-    return state
+    return AsyncServer(ctx, progress).run()
+
+
+class QuorumCoordinator:
+    """--quorum Q: for each step, the first Q workers whose gradient on the current parameters is
+    ready (a header-only READY message) are told to contribute; every other worker contributes zero
+    weight to that step's Allreduce. READY messages for a step already decided are late: ignored
+    here, and the worker counts its dropped gradient itself."""
+
+    def __init__(self, ctx: Context):
+        W = ctx.workers
+        self.ctx, self.W, self.Q = ctx, W, ctx.cfg.quorum
+        self.ready = [Message(0) for _ in range(W)]
+        self.recv = [ctx.comm.Irecv(self.ready[w].spec(), source=w + 1, tag=TAG_READY) for w in range(W)]
+        self.decision = Message(W)
+        self.sends: list = []
+        self.step = 0
+        self.total = sync_total_steps(ctx)
+        self.chosen: list[int] = []
+        self.losses: list[float] = []
+        self.finished = 0  # workers whose final READY (FLAG_STOP) arrived
+
+    @property
+    def done(self) -> bool:
+        return self.finished == self.W
+
+    def requests(self) -> list:
+        return self.recv
+
+    def handle(self, w: int, progress: Progress) -> None:
+        msg = self.ready[w]
+        msg.check(TAG_READY, w + 1)
+        if msg.flags & FLAG_STOP:
+            self.finished += 1
+            return  # that worker sends nothing more: its receive is not re-posted
+        if msg.step == self.step and self.step < self.total and w not in self.chosen:
+            self.chosen.append(w)
+            self.losses.append(msg.loss)
+            if len(self.chosen) == self.Q:
+                self._decide(progress)
+        self.recv[w] = self.ctx.comm.Irecv(msg.spec(), source=w + 1, tag=TAG_READY)
+
+    def _decide(self, progress: Progress) -> None:
+        MPI.Request.Waitall(self.sends)  # tiny eager messages of the previous step: long done
+        weights = np.zeros(self.W, np.float32)
+        weights[self.chosen] = 1.0
+        self.decision.payload[:] = weights
+        self.decision.stamp(TAG_DECISION, self.step)
+        self.sends = [self.ctx.comm.Isend(self.decision.spec(), dest=w + 1, tag=TAG_DECISION) for w in range(self.W)]
+        self.step += 1
+        progress.update(self.step, float(np.mean(self.losses)))
+        self.chosen, self.losses = [], []
+
+    def close(self) -> None:
+        MPI.Request.Waitall(self.sends)
 
 
 def serve_sync(ctx: Context, progress: Progress) -> ServerState:
-    """Follow the chief worker. Status messages are header-only; the last one (FLAG_STOP)
-    carries the final parameters. Same tag, so MPI's ordering delivers the final one last."""
+    """Follow the chief worker: header-only status messages for the bar, full ones (FLAG_EVAL)
+    to evaluate, and the last one (FLAG_STOP) with the final parameters; one tag, so MPI's
+    ordering delivers the final one last. With --quorum, also decide every step."""
+    cfg = ctx.cfg
     n, W = ctx.model.n_params, ctx.workers
     state = ServerState(init_and_broadcast(ctx), local_steps=[0] * W)
     clock = _Clock()
     chief = PS_RANK + 1
     box = Message(n)
-    poller = Poller(CHIEF_POLL_S)
-    while True:
-        req = ctx.comm.Irecv(box.spec(), source=chief, tag=TAG_STATUS)
-        poller.all([req])
-        final = bool(box.flags & FLAG_STOP)
-        box.check(TAG_STATUS, chief, count=n if final else 0)
-        state.global_step = box.step
-        progress.update(state.global_step, box.loss)
-        if final:  # its loss is the chief's mean over the last LOSS_WINDOW steps
-            state.recent_losses.clear()
-            state.recent_losses.append(box.loss)
-            state.params[:] = box.payload
-            break
+    quorum = QuorumCoordinator(ctx) if cfg.quorum is not None and cfg.quorum < W else None
+    poller = Poller(QUORUM_POLL_S if quorum else CHIEF_POLL_S)
+    status = ctx.comm.Irecv(box.spec(), source=chief, tag=TAG_STATUS)
+    final_seen = False
+    while not (final_seen and (quorum is None or quorum.done)):
+        reqs = [status] + (quorum.requests() if quorum else [])
+        for i in poller.some(reqs):
+            if i > 0:
+                quorum.handle(i - 1, progress)
+                continue
+            final, full = bool(box.flags & FLAG_STOP), bool(box.flags & (FLAG_STOP | FLAG_EVAL))
+            box.check(TAG_STATUS, chief, count=n if full else 0)
+            if quorum is None:
+                progress.update(box.step, box.loss)
+            if box.flags & FLAG_EVAL:
+                record_eval(ctx, state, clock, box.payload, box.step)
+            if final:  # its loss is the chief's mean over the last LOSS_WINDOW steps
+                state.global_step = box.step
+                state.recent_losses.append(box.loss)
+                state.params[:] = box.payload
+                final_seen = True
+                status = MPI.REQUEST_NULL
+            else:
+                status = ctx.comm.Irecv(box.spec(), source=chief, tag=TAG_STATUS)
+    if quorum:
+        quorum.close()
     state.local_steps = [state.global_step] * W
     clock.stop(state)
     return state
@@ -135,13 +273,15 @@ def run_local(ctx: Context, progress: Progress) -> tuple[ServerState, dict]:
     state = ServerState(init_and_broadcast(ctx), local_steps=[0])
     clock = _Clock()
 
-    def on_step(step: int, loss: float) -> None:
-        state.recent_losses.append(loss)
+    def on_step(step: int, loss: float, params=None) -> None:
         progress.update(step, loss)
+        if params is not None:
+            record_eval(ctx, state, clock, ctx.backend.to_host(params), step)
 
     result = train_sync(ctx, state.params, on_step)
     state.params = result["params"]
     state.global_step = result["pushed"]
     state.local_steps = [result["pushed"]]
+    state.recent_losses.append(result["recent_loss"])
     clock.stop(state)
     return state, result

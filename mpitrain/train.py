@@ -12,17 +12,17 @@ from mpi4py import MPI
 
 from mpitrain import __version__
 from mpitrain.config import TrainConfig, UsageError
-from mpitrain.metrics import Progress, human_summary, say, write_json_atomic
+from mpitrain.metrics import Progress, human_summary, say, staleness_summary, write_json_atomic
 from mpitrain.protocol import ProtocolError
-from mpitrain.runtime import Context, setup
+from mpitrain.runtime import Context, Node, setup
 
 
-def agree_on_setup(cfg: TrainConfig | None, comm, node_rank: int, err: str | None) -> Context | None:
+def agree_on_setup(cfg: TrainConfig | None, comm, node: Node, err: str | None) -> Context | None:
     """Every rank sets up, then all compare notes. None (after rank 0 printed one line) if any failed."""
     ctx = None
     if err is None:
         try:
-            ctx = setup(cfg, comm, node_rank)
+            ctx = setup(cfg, comm, node)
         except UsageError as e:
             err = str(e)
     errors = comm.allgather(err)  # setup-time only; every rank reaches it on every path
@@ -92,6 +92,8 @@ def _worker_report(ctx: Context, wres: dict, evaluation: tuple[float, float]) ->
     return {
         "rank": ctx.rank,
         "pushed": wres["pushed"],
+        "dropped": wres["dropped"],
+        "contributed": wres.get("contributed"),
         "test_loss": evaluation[0],
         "test_accuracy": evaluation[1],
         "digest": digest(wres["params"]),
@@ -103,6 +105,11 @@ def _worker_report(ctx: Context, wres: dict, evaluation: tuple[float, float]) ->
 def build_summary(ctx: Context, mine: dict, reports: list[dict], placements: list[str]) -> dict:
     cfg, state = ctx.cfg, mine["state"]
     workers = [r["worker"] for r in reports if r and "worker" in r]
+    if cfg.mode == "sync" or ctx.local:  # gradients each worker had in the averaged updates
+        state.local_steps = [w["contributed"] for w in workers]
+    quorum = None
+    if cfg.mode == "sync" and not ctx.local:
+        quorum = cfg.quorum if cfg.quorum is not None else ctx.workers
     samples = state.global_step * ctx.global_batch
     return {
         "mpitrain_version": __version__,
@@ -121,7 +128,12 @@ def build_summary(ctx: Context, mine: dict, reports: list[dict], placements: lis
         "test_loss": mine["test_loss"],
         "worker_test_accuracy": [w["test_accuracy"] for w in workers],
         "final_loss": state.final_loss,
-        "dropped_gradients": 0,
+        "dropped_gradients": sum(w["dropped"] for w in workers),
+        "dropped_gradients_per_worker": [w["dropped"] for w in workers],
+        "staleness": staleness_summary(state.staleness),
+        "quorum": quorum,
+        "steps_per_second": state.global_step / max(state.train_s, 1e-9),
+        "eval_history": state.eval_history,
         "param_digest": digest(state.params),
         "worker_param_digests": [w["digest"] for w in workers],
         "time_breakdown": [w["time_breakdown"] for w in workers],
@@ -131,8 +143,8 @@ def build_summary(ctx: Context, mine: dict, reports: list[dict], placements: lis
     }
 
 
-def run(cfg: TrainConfig | None, comm, node_rank: int, err: str | None) -> int:
-    ctx = agree_on_setup(cfg, comm, node_rank, err)
+def run(cfg: TrainConfig | None, comm, node: Node, err: str | None) -> int:
+    ctx = agree_on_setup(cfg, comm, node, err)
     if ctx is None:
         return 2
     if cfg.mode == "sync" and not ctx.local:  # collective on COMM_WORLD: every rank calls it

@@ -18,6 +18,7 @@ PS_POLL_S = 200e-6
 PS_POLL_NO_OVERLAP_S = 50e-6
 WORKER_POLL_S = 20e-6
 CHIEF_POLL_S = 2e-3  # rank 0 in sync mode is off the critical path
+QUORUM_POLL_S = 50e-6  # ... unless it decides --quorum steps: then every step waits for it
 
 
 class Poller:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+import threading
 import time
 from collections import deque
 
@@ -10,12 +12,14 @@ from mpi4py import MPI
 
 from mpitrain.data import epoch_batches
 from mpitrain.optim import Optimizer, decayed_lr
-from mpitrain.protocol import FLAG_LAST, FLAG_STOP, TAG_GRAD, TAG_PARAMS, TAG_STATUS, Message, ProtocolError
+from mpitrain.protocol import (FLAG_EVAL, FLAG_LAST, FLAG_STOP, TAG_DECISION, TAG_GRAD, TAG_PARAMS, TAG_READY,
+                               TAG_STATUS, Message, ProtocolError)
 from mpitrain.runtime import PS_RANK, Context
 from mpitrain.transport import WORKER_POLL_S, Poller
 
 STATUS_EVERY_S = 0.2  # sync chief -> PS progress reports; off the hot path
 LOSS_WINDOW = 20  # final_loss: mean minibatch loss of the last LOSS_WINDOW global steps
+SWITCH_INTERVAL_S = 1e-4  # --quorum: GIL hand-over between the MPI thread and the compute thread
 
 
 class BatchStream:
@@ -73,7 +77,7 @@ def run_async(ctx: Context) -> dict:
     is then computed on parameters one exchange older. --no-overlap waits for every reply."""
     model, be, comm = ctx.model, ctx.backend, ctx.comm
     n, wire = model.n_params, ctx.cfg.wire_dtype
-    overlap = ctx.cfg.overlap
+    overlap = ctx.cfg.effective_overlap
     inbox = [Message(n, be.host_alloc, wire), Message(n, be.host_alloc, wire)]  # current / next parameters
     outbox = [Message(n, be.host_alloc, wire), Message(n, be.host_alloc, wire)]  # alternating: one in flight
     # NumPy + float32: compute straight from the receive buffer and into the send buffer.
@@ -87,7 +91,7 @@ def run_async(ctx: Context) -> dict:
     grads = [be.mirror(m.payload) for m in outbox]
     cur, version = 0, 0
     batches = BatchStream(ctx)
-    poller, stats = Poller(WORKER_POLL_S), WorkerStats()
+    poller, stats, straggler = Poller(WORKER_POLL_S), WorkerStats(), Straggler(ctx)
     reqs: list = []
     pushed = 0
     sent_last = False
@@ -120,6 +124,7 @@ def run_async(ctx: Context) -> dict:
         used_version = version
         loss = model.loss_and_grad(params, x, y, grads[slot])
         be.download(grads[slot], outbox[slot].payload)
+        straggler.pause(time.perf_counter() - t0)
         stats.compute_s += time.perf_counter() - t0
         if reqs:
             stop = adopt_reply()
@@ -132,45 +137,71 @@ def run_async(ctx: Context) -> dict:
                 comm.Isend(outbox[slot].spec(), dest=PS_RANK, tag=TAG_GRAD)]
         pushed += 1
         sent_last = last
-    return {"pushed": pushed, "params": be.to_host(params).copy(), "time": stats.as_dict(poller)}
+    return {"pushed": pushed, "params": be.to_host(params).copy(), "dropped": 0, "time": stats.as_dict(poller)}
 
 
 class SyncStep:
     """One synchronous update: average the workers' gradients with Allreduce, then apply the same
-    optimizer step on every worker, so replicas stay bitwise identical. The loss rides along as
-    one extra element, so every worker also knows the mean loss (and would stop together)."""
+    optimizer step on every worker, so replicas stay bitwise identical. The buffer is
+    [gradient..., loss, weight]: the loss rides along so every worker knows the mean loss, and the
+    weight (1, or 0 for a worker left out of a --quorum step) so the sum divides by the number of
+    gradients actually in it."""
 
     def __init__(self, ctx: Context, params):
         cfg, be, model = ctx.cfg, ctx.backend, ctx.model
         self.ctx, self.params = ctx, params
         n = model.n_params
         self.n = n
-        self.buf = be.xp.zeros(n + 1, be.xp.float32)  # [gradient..., loss]
+        self.buf = be.xp.zeros(n + 2, be.xp.float32)
         wire = np.dtype(cfg.wire_dtype)
-        # What travels: the buffer itself (NumPy, float32) or a host copy (GPU, or float16).
+        # What travels: the buffer itself (NumPy or CUDA-aware, float32), else a staged copy.
         self.wire = None
-        if be.is_gpu or wire != np.float32:
-            self.wire = be.host_alloc(wire.itemsize * (n + 1)).view(wire)
+        if wire != np.float32 or (be.is_gpu and not be.cuda_aware):
+            self.wire = be.host_alloc(wire.itemsize * (n + 2)).view(wire)
         self.mpi_type, self.op = (MPI.FLOAT, MPI.SUM) if wire == np.float32 else (MPI.UINT16_T, fp16_sum_op())
         self.opt = Optimizer(cfg.optimizer, n, be.xp, momentum=cfg.momentum)
         self.comm = ctx.worker_comm
         self.comm_s = 0.0
+        self.polite = Poller(WORKER_POLL_S) if ctx.yield_in_collectives else None  # see Context
 
-    def __call__(self, x, y, step: int) -> float:
-        ctx, be = self.ctx, self.ctx.backend
+    def compute(self, x, y) -> float:
+        """This worker's gradient on the current parameters, weight 1."""
         buf = self.buf
-        loss = ctx.model.loss_and_grad(self.params, x, y, buf[: self.n])
+        loss = self.ctx.model.loss_and_grad(self.params, x, y, buf[: self.n])
         buf[self.n] = loss
+        buf[self.n + 1] = 1.0
+        return loss
+
+    def load(self, grad, loss: float) -> None:
+        """A gradient computed elsewhere (the quorum helper thread), weight 1."""
+        self.buf[: self.n] = grad
+        self.buf[self.n] = loss
+        self.buf[self.n + 1] = 1.0
+
+    def abstain(self) -> None:
+        """Weight 0: join the collective without a gradient."""
+        self.buf[...] = 0.0
+
+    def _allreduce(self, spec, op) -> None:
+        if self.polite is None:
+            self.comm.Allreduce(MPI.IN_PLACE, spec, op=op)
+        else:
+            self.polite.all([self.comm.Iallreduce(MPI.IN_PLACE, spec, op=op)])
+
+    def reduce_and_apply(self, step: int) -> float:
+        """Sum over workers, divide by the summed weight, apply; returns the mean loss."""
+        ctx, be, buf = self.ctx, self.ctx.backend, self.buf
         if self.comm is not None and self.comm.Get_size() > 1:
             t0 = time.perf_counter()
             if self.wire is not None:
                 be.download(buf, self.wire)
-                self.comm.Allreduce(MPI.IN_PLACE, [self.wire, self.mpi_type], op=self.op)
+                self._allreduce([self.wire, self.mpi_type], self.op)
                 be.upload(buf, self.wire)
             else:
-                self.comm.Allreduce(MPI.IN_PLACE, [buf, MPI.FLOAT], op=MPI.SUM)
+                be.download(buf, buf)  # NumPy: nothing; CUDA-aware: finish compute before MPI reads
+                self._allreduce([buf, MPI.FLOAT], MPI.SUM)
             self.comm_s += time.perf_counter() - t0
-            buf *= be.xp.float32(1.0 / self.comm.Get_size())
+            buf *= be.xp.float32(1.0) / buf[self.n + 1]
         samples = step * ctx.global_batch  # examples seen before this update
         self.opt.step(self.params, buf[: self.n], decayed_lr(ctx.cfg.lr, ctx.cfg.lr_decay, samples, ctx.data.n_train))
         return float(buf[self.n])
@@ -204,41 +235,188 @@ def sync_total_steps(ctx: Context) -> int:
     return min(budgets)
 
 
+def _eval_due(ctx: Context, step: int) -> bool:
+    return bool(ctx.cfg.eval_every) and step % ctx.cfg.eval_every == 0
+
+
 def train_sync(ctx: Context, params_host: np.ndarray, on_step=None) -> dict:
-    """The sync loop shared by sync workers and the local (one-process) run.
-    `on_step(step, loss)` reports progress: to rank 0 (chief worker) or to the bar (local)."""
+    """The sync loop shared by sync workers and the local (one-process) run. `on_step(step, loss,
+    params_or_None)` reports progress (params at --eval-every steps): to rank 0 or to the bar."""
+    if ctx.cfg.quorum is not None and ctx.cfg.quorum < ctx.workers:
+        return train_sync_quorum(ctx, params_host, on_step)
     be = ctx.backend
     params = be.asarray(params_host)
     step_fn = SyncStep(ctx, params)
     batches = BatchStream(ctx)
-    stats = WorkerStats()
+    stats, straggler = WorkerStats(), Straggler(ctx)
     total = sync_total_steps(ctx)
     recent = deque(maxlen=LOSS_WINDOW)
     for step in range(total):
         x, y = batches.next()
         t0 = time.perf_counter()
-        loss = step_fn(x, y, step)
+        step_fn.compute(x, y)
+        straggler.pause(time.perf_counter() - t0)
+        loss = step_fn.reduce_and_apply(step)
         stats.compute_s += time.perf_counter() - t0
         recent.append(loss)
         if on_step is not None:
-            on_step(step + 1, loss)
+            on_step(step + 1, loss, params if _eval_due(ctx, step + 1) else None)
     stats.compute_s -= step_fn.comm_s
     return {"pushed": total, "params": be.to_host(params).copy(), "recent_loss": float(np.mean(recent)),
-            "time": stats.as_dict(None, step_fn.comm_s)}
+            "dropped": 0, "contributed": total, "time": stats.as_dict(None, step_fn.comm_s)}
+
+
+class GradientThread:
+    """--quorum: computes gradients off the main thread, so the main thread can join every step's
+    collectives (with zero weight when it has nothing fresh) while a slow gradient is still being
+    computed. It works on its own snapshot of the parameters; the main thread owns all MPI calls."""
+
+    def __init__(self, ctx: Context):
+        be, n = ctx.backend, ctx.model.n_params
+        self.ctx = ctx
+        self.snapshot = be.xp.empty(n, be.xp.float32)
+        self.grad = be.xp.empty(n, be.xp.float32)
+        self.batches = BatchStream(ctx)
+        self.straggler = Straggler(ctx)
+        self.version: int | None = None  # None: idle; else the step its parameters belong to
+        self.loss = float("nan")
+        self.compute_s = 0.0
+        self.error: BaseException | None = None
+        self._go, self._done, self._quit = threading.Event(), threading.Event(), False
+        self._thread = threading.Thread(target=self._run, name="mpitrain-gradient", daemon=True)
+        self._thread.start()
+
+    def start(self, params, version: int) -> None:
+        self.snapshot[...] = params
+        self.version = version
+        self._done.clear()
+        self._go.set()
+
+    @property
+    def idle(self) -> bool:
+        return self.version is None
+
+    @property
+    def finished(self) -> bool:
+        if self.error is not None:
+            raise RuntimeError("the gradient thread failed") from self.error
+        return self.version is not None and self._done.is_set()
+
+    def discard(self) -> None:
+        self.version = None
+
+    def close(self) -> None:
+        self._done.wait()  # a gradient still being computed at the end is simply not used
+        self._quit = True
+        self._go.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        be = self.ctx.backend
+        if be.is_gpu:
+            be.cp.cuda.Device(be.device_id).use()  # CuPy's current device is per thread
+        self._done.set()
+        while True:
+            self._go.wait()
+            self._go.clear()
+            if self._quit:
+                return
+            try:
+                x, y = self.batches.next()
+                t0 = time.perf_counter()
+                self.loss = self.ctx.model.loss_and_grad(self.snapshot, x, y, self.grad)
+                self.straggler.pause(time.perf_counter() - t0)
+                self.compute_s += time.perf_counter() - t0
+            except BaseException as e:  # surfaced on the main thread by `finished`
+                self.error = e
+            self._done.set()
+
+
+def train_sync_quorum(ctx: Context, params_host: np.ndarray, on_step=None) -> dict:
+    """Sync with --quorum Q < workers. Per step: the helper computes on the current parameters;
+    when done, the main thread tells rank 0 (READY); rank 0 answers every worker with the step's
+    DECISION, the weights of the first Q ready workers; everyone joins the Allreduce, with zero
+    weight if not chosen. A gradient that was not chosen, or finishes after its step closed, is
+    dropped and counted; the helper then starts again from the current parameters."""
+    be, comm = ctx.backend, ctx.comm
+    params = be.asarray(params_host)
+    step_fn = SyncStep(ctx, params)
+    helper = GradientThread(ctx)
+    # The main thread polls MPI between short sleeps; by default CPython lets the compute
+    # thread keep the GIL for 5 ms before handing it back, which would make every step wait.
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
+    ready, decision = Message(0), Message(ctx.workers)
+    ready_req = MPI.REQUEST_NULL
+    poller, started = Poller(WORKER_POLL_S), time.perf_counter()
+    total = sync_total_steps(ctx)
+    recent = deque(maxlen=LOSS_WINDOW)
+    dropped = contributed = 0
+    for step in range(total):
+        decided = comm.Irecv(decision.spec(), source=PS_RANK, tag=TAG_DECISION)
+        reported = False
+        t0 = time.perf_counter()
+        while not decided.Test():
+            if helper.idle:
+                helper.start(params, step)
+            elif helper.finished and not reported:
+                if helper.version == step:
+                    ready_req.Wait()
+                    ready.stamp(TAG_READY, step, 0, 0, helper.loss)
+                    ready_req = comm.Isend(ready.spec(), dest=PS_RANK, tag=TAG_READY)
+                    reported = True
+                else:  # computed on parameters of a step that closed without it
+                    dropped += 1
+                    helper.discard()
+                    continue
+            time.sleep(WORKER_POLL_S)
+        poller.waited_s += time.perf_counter() - t0
+        decision.check(TAG_DECISION, PS_RANK, count=ctx.workers)
+        if decision.step != step:
+            raise ProtocolError(f"rank 0 decided step {decision.step} while this worker is at step {step}")
+        if decision.payload[ctx.worker_index] > 0:
+            step_fn.load(helper.grad, helper.loss)  # rank 0 only chooses READY workers: it is finished
+            helper.discard()
+            contributed += 1
+        else:
+            step_fn.abstain()
+            if helper.finished and helper.version == step:
+                dropped += 1  # ready, but after Q others
+                helper.discard()
+        loss = step_fn.reduce_and_apply(step)
+        recent.append(loss)
+        if on_step is not None:
+            on_step(step + 1, loss, params if _eval_due(ctx, step + 1) else None)
+    helper.close()
+    sys.setswitchinterval(switch)
+    ready_req.Wait()
+    ready.stamp(TAG_READY, total, 0, FLAG_STOP)  # no more READY from this worker
+    comm.Send(ready.spec(), dest=PS_RANK, tag=TAG_READY)
+    wall = time.perf_counter() - started
+    return {"pushed": total, "params": be.to_host(params).copy(), "recent_loss": float(np.mean(recent)),
+            "dropped": dropped, "contributed": contributed,
+            "time": {"wall_s": wall, "compute_s": helper.compute_s, "wait_s": poller.waited_s + step_fn.comm_s}}
 
 
 def run_sync(ctx: Context) -> dict:
     """A sync worker. The first worker (the chief) also keeps rank 0 informed: a header-only
-    status every STATUS_EVERY_S, then the final parameters, all on one tag so they arrive in order."""
+    status every STATUS_EVERY_S, the parameters at --eval-every steps, then the final parameters,
+    all on one tag so they arrive in order."""
     n = ctx.model.n_params
     host = receive_initial_params(ctx)
     if ctx.worker_index != 0:
         return train_sync(ctx, host)
-    status = Message(0)
-    pending = [MPI.REQUEST_NULL]
+    status, full = Message(0), Message(n)
+    pending = [MPI.REQUEST_NULL, MPI.REQUEST_NULL]  # one status, one full message in flight at most
     last_sent = [0.0]
 
-    def report(step: int, loss: float) -> None:
+    def report(step: int, loss: float, params=None) -> None:
+        if params is not None:
+            pending[1].Wait()
+            full.payload[:] = ctx.backend.to_host(params)
+            full.stamp(TAG_STATUS, step, step, FLAG_EVAL, loss)
+            pending[1] = ctx.comm.Isend(full.spec(), dest=PS_RANK, tag=TAG_STATUS)
+            return
         now = time.perf_counter()
         if now - last_sent[0] < STATUS_EVERY_S or not pending[0].Test():
             return  # rate-limited, and never more than one status in flight
@@ -247,9 +425,25 @@ def run_sync(ctx: Context) -> dict:
         last_sent[0] = now
 
     result = train_sync(ctx, host, report)
-    pending[0].Wait()
-    final = Message(n)
-    final.payload[:] = result["params"]
-    final.stamp(TAG_STATUS, result["pushed"], result["pushed"], FLAG_STOP, result["recent_loss"])
-    ctx.comm.Send(final.spec(), dest=PS_RANK, tag=TAG_STATUS)
+    MPI.Request.Waitall(pending)
+    full.payload[:] = result["params"]
+    full.stamp(TAG_STATUS, result["pushed"], result["pushed"], FLAG_STOP, result["recent_loss"])
+    ctx.comm.Send(full.spec(), dest=PS_RANK, tag=TAG_STATUS)
     return result
+
+
+class Straggler:
+    """--straggler RANK:SECONDS / RANK:xFACTOR for this rank: sleep after each gradient."""
+
+    def __init__(self, ctx: Context):
+        specs = [(kind, value) for rank, kind, value in ctx.cfg.stragglers if rank == ctx.rank and not ctx.local]
+        self.delay = sum(v for k, v in specs if k == "delay")
+        self.factor = 1.0
+        for k, v in specs:
+            if k == "factor":
+                self.factor *= v
+
+    def pause(self, compute_s: float) -> None:
+        extra = self.delay + (self.factor - 1.0) * compute_s
+        if extra > 0:
+            time.sleep(extra)
