@@ -62,3 +62,9 @@ def decayed_lr(lr: float, decay: float, samples_seen: int, n_train: int) -> floa
     """tf.train.exponential_decay (staircase=False) with one decay period = one epoch of
     global data: lr * decay ** (samples_seen / n_train)."""
     return lr * decay ** (samples_seen / n_train)
+
+
+def staleness_scaled_lr(lr: float, staleness: int) -> float:
+    """--staleness-lr (Zhang et al. 2016, "Staleness-aware async-SGD"): divide the step of a
+    gradient computed on parameters `staleness` updates old by that staleness."""
+    return lr / max(1, staleness)

@@ -17,7 +17,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpitrain.metrics import Progress
-from mpitrain.optim import Optimizer, decayed_lr
+from mpitrain.optim import Optimizer, decayed_lr, staleness_scaled_lr
 from mpitrain.protocol import (FLAG_EVAL, FLAG_LAST, FLAG_STOP, TAG_DECISION, TAG_GRAD, TAG_PARAMS, TAG_READY,
                                TAG_STATUS, Message)
 from mpitrain.runtime import PS_RANK, Context
@@ -139,7 +139,7 @@ class AsyncServer:
         staleness = state.global_step - msg.step
         lr = decayed_lr(cfg.lr, cfg.lr_decay, state.global_step * self.ctx.global_batch, self.ctx.data.n_train)
         if cfg.staleness_lr:
-            lr /= max(1, staleness)
+            lr = staleness_scaled_lr(lr, staleness)
         grad = msg.payload
         if self.grad32 is not None:
             np.copyto(self.grad32, grad)

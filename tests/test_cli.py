@@ -21,6 +21,16 @@ BAD = [
     (["--dataset", "mnist", "--data-dir", "/nonexistent/mnist"], "does not exist"),
     (["--batch-size", "5000"], "larger than each worker's shard"),
     (["--device", "gpu"], "no GPU is usable"),
+    (["--mode", "sync", "--quorum", "3"], "more than the 2 worker(s)"),
+    (["--mode", "sync", "--quorum", "0"], "--quorum must be at least 1"),
+    (["--quorum", "1"], "--quorum applies to --mode sync"),
+    (["--max-staleness", "0"], "cannot hold with 2 workers"),
+    (["--max-staleness", "-1"], "zero or more"),
+    (["--mode", "sync", "--max-staleness", "3"], "applies to --mode async"),
+    (["--straggler", "0:1"], "parameter server"),
+    (["--straggler", "5:1"], "ranks here are 0..2"),
+    (["--straggler", "1:-0.5"], "zero or more seconds"),
+    (["--mode", "sync", "--staleness-lr"], "--staleness-lr applies to --mode async"),
 ]
 
 

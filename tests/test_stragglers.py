@@ -1,0 +1,91 @@
+"""Stragglers, the sync quorum, async bounded staleness (np=4: 1 parameter server + 3 workers)."""
+
+import pytest
+
+from conftest import train
+from mpitrain.config import UsageError, parse_straggler
+from mpitrain.metrics import staleness_summary
+from mpitrain.optim import staleness_scaled_lr
+
+DIGITS_NP4 = ["--epochs", "40"]
+
+
+def test_quorum_with_a_straggler_drops_late_gradients_and_keeps_replicas_identical(tmp_path):
+    s = train(4, tmp_path, "--mode", "sync", "--quorum", "2", "--straggler", "3:x5", *DIGITS_NP4)
+    assert s["quorum"] == 2
+    assert s["dropped_gradients"] > 0
+    assert s["dropped_gradients"] == sum(s["dropped_gradients_per_worker"])
+    assert s["dropped_gradients_per_worker"][2] > 0  # rank 3, the straggler
+    # every update averaged exactly 2 gradients: the contributions add up to 2 per global step
+    assert sum(s["local_steps"]) == 2 * s["global_step"]
+    assert s["local_steps"][2] < s["local_steps"][0]  # the straggler contributed least
+    assert set(s["worker_param_digests"]) == {s["param_digest"]}  # replicas identical
+    assert s["test_accuracy"] >= 0.90
+    assert "straggler effect: rank 3 (x5); quorum 2 of 3" in s["_stdout"]
+
+
+def test_quorum_equal_to_workers_drops_nothing(tmp_path):
+    s = train(4, tmp_path, "--mode", "sync", "--quorum", "3", "--straggler", "3:x3", "--steps", "40")
+    assert s["quorum"] == 3 and s["dropped_gradients"] == 0
+    assert s["local_steps"] == [40, 40, 40]
+    assert s["staleness"]["max"] == 0  # sync gradients are never stale
+    assert "waits for the slowest every step" in s["_stdout"]
+
+
+def test_max_staleness_is_never_exceeded(tmp_path):
+    bounded = train(4, tmp_path, "--max-staleness", "2", "--straggler", "3:x5", *DIGITS_NP4)
+    assert bounded["staleness"]["gradients"] == bounded["global_step"]
+    assert bounded["staleness"]["max"] <= 2
+    assert bounded["test_accuracy"] >= 0.90
+    free = train(4, tmp_path, "--straggler", "3:x5", *DIGITS_NP4)
+    assert free["staleness"]["max"] > 2  # without the bound it is exceeded: the bound binds
+    assert free["staleness"]["p50"] <= free["staleness"]["p99"] <= free["staleness"]["max"]
+
+
+def test_staleness_lr_trains(tmp_path):
+    plain = train(3, tmp_path, "--steps", "200")
+    scaled = train(3, tmp_path, "--steps", "200", "--staleness-lr")
+    assert scaled["param_digest"] != plain["param_digest"]
+    assert scaled["test_accuracy"] >= 0.85
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_eval_every_records_history(tmp_path, mode):
+    s = train(3, tmp_path, "--mode", mode, "--steps", "120", "--eval-every", "40")
+    steps = [e["global_step"] for e in s["eval_history"]]
+    assert steps == [40, 80, 120]
+    seconds = [e["seconds"] for e in s["eval_history"]]
+    assert seconds == sorted(seconds)
+    assert s["eval_history"][-1]["test_accuracy"] > s["eval_history"][0]["test_accuracy"] - 0.05
+    if mode == "sync":  # the last evaluation is of the final parameters
+        assert s["eval_history"][-1]["test_accuracy"] == pytest.approx(s["test_accuracy"])
+
+
+def test_eval_every_with_quorum(tmp_path):
+    s = train(4, tmp_path, "--mode", "sync", "--quorum", "2", "--steps", "60", "--eval-every", "30")
+    assert [e["global_step"] for e in s["eval_history"]] == [30, 60]
+
+
+@pytest.mark.parametrize("text,expected", [("3:x5", (3, "factor", 5.0)), ("1:0.01", (1, "delay", 0.01)),
+                                           ("2:X2.5", (2, "factor", 2.5))])
+def test_straggler_spec(text, expected):
+    assert parse_straggler(text) == expected
+
+
+@pytest.mark.parametrize("text,needle", [("0:1", "parameter server"), ("1:-1", "zero or more"),
+                                         ("1:x0.5", "at least 1"), ("x:1", "RANK:SECONDS"), ("3", "RANK:SECONDS")])
+def test_bad_straggler_spec(text, needle):
+    with pytest.raises(UsageError, match=needle):
+        parse_straggler(text)
+
+
+def test_staleness_summary_quantiles():
+    s = staleness_summary({0: 50, 1: 40, 9: 10})
+    assert (s["p50"], s["p99"], s["max"], s["gradients"]) == (0, 9, 9, 100)
+    assert s["mean"] == pytest.approx(0.4 + 0.9)
+    assert staleness_summary({}) == {"mean": 0.0, "p50": 0, "p99": 0, "max": 0, "gradients": 0}
+
+
+def test_staleness_scaled_lr():
+    assert staleness_scaled_lr(0.3, 0) == 0.3 and staleness_scaled_lr(0.3, 1) == 0.3
+    assert staleness_scaled_lr(0.3, 3) == pytest.approx(0.1)
