@@ -234,7 +234,7 @@ def main() -> int:
                   "| mode | float32 | fp16 | difference (points) |", "|---|---|---|---|", *accuracy_check(args.reps), ""]
         h, m = startup(args.reps)
         extra += ["## Start-up", "", f"- `python -m mpitrain --help`: {h:.2f} s (median)",
-                  f"- main job `mpirun -np 3 python -m mpitrain --no-progress` (digits, 30 epochs), whole command: "
+                  f"- main job `mpirun -np 3 python -m mpitrain --no-progress` (digits, default epochs), whole command: "
                   f"{m:.2f} s (median)", ""]
     text = "\n".join([
         "# mpitrain benchmark results", "",

@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--momentum", type=float, default=d.momentum, help="momentum coefficient (--optimizer momentum)")
     g.add_argument("--batch-size", type=int, default=d.batch_size, help="minibatch size per worker and step")
     g.add_argument("--epochs", type=int, default=d.epochs,
-                   help="passes of each worker over its shard (default 30 when --steps is not given either)")
+                   help="passes of each worker over its shard (default 50 when --steps is not given either)")
     g.add_argument("--steps", type=int, default=d.steps, help="stop after this many global steps")
     g.add_argument("--seed", type=int, default=d.seed, help="seeds initialisation, shuffling and synthetic data")
 

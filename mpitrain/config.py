@@ -18,7 +18,7 @@ COMPRESSIONS = ("none", "fp16")
 WAITS = ("auto", "spin", "yield")
 
 # Used when neither --epochs nor --steps is given: enough for digits to pass 93%.
-DEFAULT_EPOCHS = 30
+DEFAULT_EPOCHS = 50
 
 
 class UsageError(Exception):
@@ -42,7 +42,7 @@ class TrainConfig:
     l2: float = 0.0
     # optimisation
     optimizer: str = "sgd"  # the seeds' GradientDescentOptimizer; momentum + async staleness is fragile
-    lr: float = 0.3
+    lr: float = 0.1
     lr_decay: float = 0.99
     momentum: float = 0.9
     batch_size: int = 100
@@ -138,7 +138,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if cfg.batch_size <= 0:
         raise UsageError(f"--batch-size must be a positive integer (got {cfg.batch_size}); e.g. --batch-size 100")
     if not cfg.lr > 0:
-        raise UsageError(f"--lr must be positive (got {cfg.lr}); e.g. --lr 0.3")
+        raise UsageError(f"--lr must be positive (got {cfg.lr}); e.g. --lr 0.1")
     if not 0 < cfg.lr_decay <= 1:
         raise UsageError(f"--lr-decay must be in (0, 1] (got {cfg.lr_decay}); 1 turns decay off")
     if not 0 <= cfg.momentum < 1:

@@ -40,10 +40,9 @@ def test_sync_same_seed_is_reproducible(tmp_path):
 
 
 def test_async_np4_three_workers_and_step_budget(tmp_path):
-    s = train(4, tmp_path, "--steps", "300", "--hidden", "32,16", "--optimizer", "momentum",
-              "--lr", "0.05", "--momentum", "0.5")
+    s = train(4, tmp_path, "--steps", "400", "--hidden", "32,16")
     assert s["workers"] == 3 and len(s["local_steps"]) == 3
-    assert s["global_step"] == 300 == sum(s["local_steps"])
+    assert s["global_step"] == 400 == sum(s["local_steps"])
     assert "64-32-16-10" in s["model_description"]
     assert s["test_accuracy"] > 0.8
 
