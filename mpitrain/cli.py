@@ -143,6 +143,10 @@ def _pin_blas_threads() -> None:
 def main(argv: list[str] | None = None) -> int:
     _pin_blas_threads()
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["launch"]:  # no MPI here: it starts mpirun itself
+        from mpitrain.launch import main as launch_main
+
+        return launch_main(argv[1:])
     if "--version" in argv:
         print(f"mpitrain {__version__}")
         return 0

@@ -1,0 +1,108 @@
+"""`mpitrain launch`: check a hostfile, then start the job with mpirun across its hosts.
+
+    mpitrain launch -f hostfiles/mpich.hosts [-np N] [trainer flags...]
+
+A hostfile mistake (missing file, bad line, zero slots, more ranks than slots) is reported in one
+line with exit code 2 before any process starts, instead of as an MPI launcher error. Both
+MPICH (`host:slots`) and Open MPI (`host slots=N`) syntax are read; mpirun gets a hostfile in
+the syntax of the MPI it belongs to.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from mpitrain.config import UsageError
+from mpitrain.metrics import say
+
+_MPICH_LINE = re.compile(r"^(?P<host>[^\s:#]+)(?::(?P<slots>\S+))?$")
+_OPENMPI_LINE = re.compile(r"^(?P<host>[^\s:#=]+)(?P<opts>(?:\s+\S+=\S+)*)$")
+
+
+def parse_hostfile(path: str) -> list[tuple[str, int]]:
+    """[(host, slots), ...] in file order. Raises UsageError naming the file and line."""
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"hostfile {path} does not exist; see hostfiles/ for examples")
+    hosts = []
+    for number, raw in enumerate(p.read_text().splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        where = f"{path}:{number}: {raw.strip()!r}"
+        m = _MPICH_LINE.match(line)
+        if m:
+            host, slots = m["host"], m["slots"] if m["slots"] is not None else "1"
+        else:
+            m = _OPENMPI_LINE.match(line)
+            if not m:
+                raise UsageError(f"{where} is not a hostfile line; write HOST:SLOTS (MPICH) or "
+                                 "HOST slots=N (Open MPI)")
+            host, slots = m["host"], "1"
+            for opt in m["opts"].split():
+                key, _, value = opt.partition("=")
+                if key == "slots":
+                    slots = value
+                elif key != "max_slots":
+                    raise UsageError(f"{where}: unknown option {key!r}; only slots=N and max_slots=N are read")
+        if not slots.isdigit():
+            raise UsageError(f"{where}: slots must be a whole number, not {slots!r}")
+        if int(slots) == 0:
+            raise UsageError(f"{where}: zero slots; give the host at least one slot or remove the line")
+        hosts.append((host, int(slots)))
+    if not hosts:
+        raise UsageError(f"hostfile {path} names no host; one line per host, e.g. node-a:2")
+    return hosts
+
+
+def _is_openmpi(mpirun: str) -> bool:
+    out = subprocess.run([mpirun, "--version"], capture_output=True, text=True, timeout=30)
+    return "Open MPI" in out.stdout + out.stderr or "OpenRTE" in out.stdout + out.stderr
+
+
+def build_command(mpirun: str, hosts: list[tuple[str, int]], np_: int, openmpi: bool, hostfile_out: Path,
+                  trainer_args: list[str]) -> list[str]:
+    if openmpi:
+        hostfile_out.write_text("".join(f"{h} slots={s}\n" for h, s in hosts))
+        flag = ["--hostfile", str(hostfile_out)]
+    else:
+        hostfile_out.write_text("".join(f"{h}:{s}\n" for h, s in hosts))
+        flag = ["-f", str(hostfile_out)]
+    return [mpirun, *flag, "-np", str(np_), sys.executable, "-m", "mpitrain", *trainer_args]
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="mpitrain launch", description=__doc__.splitlines()[0])
+    p.add_argument("-f", "--hostfile", required=True)
+    p.add_argument("-np", "--np", type=int, dest="np_", help="number of ranks (default: all slots)")
+    p.add_argument("--mpirun", default=None, help="the mpirun to use (default: the one beside this Python, else PATH)")
+    p.add_argument("--dry-run", action="store_true", help="print the mpirun command instead of running it")
+    args, trainer_args = p.parse_known_args(argv)
+    try:
+        hosts = parse_hostfile(args.hostfile)
+        total = sum(s for _, s in hosts)
+        np_ = args.np_ if args.np_ is not None else total
+        if np_ < 1:
+            raise UsageError(f"-np must be at least 1 (got {np_})")
+        if np_ > total:
+            raise UsageError(f"-np {np_} is more than the {total} slots in {args.hostfile}; add slots or lower -np")
+        beside = Path(sys.executable).parent / "mpirun"
+        mpirun = args.mpirun or (str(beside) if beside.exists() else shutil.which("mpirun"))
+        if not mpirun:
+            raise UsageError("no mpirun found; pip install 'mpitrain[mpich]' or load your MPI module")
+    except UsageError as e:
+        say(f"mpitrain launch: error: {e}", sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = build_command(mpirun, hosts, np_, _is_openmpi(mpirun), Path(tmp) / "hosts", trainer_args)
+        if args.dry_run:
+            say(" ".join(cmd))
+            return 0
+        return subprocess.call(cmd, env=os.environ)

@@ -1,0 +1,58 @@
+"""`mpitrain launch`: hostfile checks before anything starts, then mpirun across the hosts."""
+
+import json
+
+import pytest
+
+from conftest import run_mpitrain
+from mpitrain.config import UsageError
+from mpitrain.launch import parse_hostfile
+
+
+def test_reads_mpich_and_openmpi_syntax(tmp_path):
+    f = tmp_path / "hosts"
+    f.write_text("# comment\nnode-a:3\n\nnode-b  # one slot\nnode-c slots=2 max_slots=4\n")
+    assert parse_hostfile(str(f)) == [("node-a", 3), ("node-b", 1), ("node-c", 2)]
+
+
+def test_example_hostfiles_parse():
+    assert parse_hostfile("hostfiles/mpich.hosts") == [("node-a", 3), ("node-b", 2)]
+    assert parse_hostfile("hostfiles/openmpi.hosts") == [("node-a", 3), ("node-b", 2)]
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("node-a:0\n", "zero slots"),
+    ("node-a:two\n", "slots must be a whole number"),
+    ("node-a slots=2 cpus=4\n", "unknown option 'cpus'"),
+    ("node a b\n", "is not a hostfile line"),
+    ("# nothing\n", "names no host"),
+])
+def test_bad_hostfile_lines(tmp_path, text, needle):
+    f = tmp_path / "hosts"
+    f.write_text(text)
+    with pytest.raises(UsageError, match=needle):
+        parse_hostfile(str(f))
+
+
+@pytest.mark.parametrize("content,args,needle", [
+    (None, [], "does not exist"),
+    ("localhost:0\n", [], "zero slots"),
+    ("localhost:2\n", ["-np", "3"], "-np 3 is more than the 2 slots"),
+])
+def test_launch_refuses_bad_hostfiles_in_one_line(tmp_path, content, args, needle):
+    f = tmp_path / "hosts"
+    if content is not None:
+        f.write_text(content)
+    proc = run_mpitrain(0, "launch", "-f", str(f), *args)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and needle in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_launch_runs_the_trainer_on_the_hostfile(tmp_path):
+    f = tmp_path / "hosts"
+    f.write_text("localhost slots=3\n")  # Open MPI syntax, handed to MPICH as localhost:3
+    summary = tmp_path / "s.json"
+    proc = run_mpitrain(0, "launch", "-f", str(f), "--no-progress", "--epochs", "5", "--summary-json", str(summary))
+    assert proc.returncode == 0, proc.stderr
+    s = json.loads(summary.read_text())
+    assert s["world_size"] == 3 and s["config"]["epochs"] == 5

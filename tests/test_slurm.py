@@ -1,0 +1,63 @@
+"""The jobs/*.sbatch scripts, submitted to a real single-node Slurm that this test brings up."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from slurm_cluster import SlurmCluster, Unavailable
+
+ROOT = Path(__file__).resolve().parent.parent
+CPU_JOBS = ["async", "sync", "sync-quorum"]
+pytestmark = pytest.mark.timeout(900)
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
+    try:
+        cluster.start()
+    except Unavailable as e:
+        cluster.stop()
+        pytest.skip(f"no real Slurm here: {e}")
+    yield cluster
+    cluster.stop()
+
+
+def job_env(args: str) -> dict:
+    return {"MPITRAIN_VENV": sys.prefix, "MPITRAIN_ARGS": args, "PYTHONUNBUFFERED": "1"}
+
+
+@pytest.mark.parametrize("name", CPU_JOBS)
+def test_job_script_completes_and_learns(slurm, tmp_path, name):
+    job = slurm.submit(ROOT / "jobs" / f"{name}.sbatch", tmp_path, job_env("--epochs 20"))
+    info = slurm.wait(job)
+    out = (tmp_path / f"mpitrain-{job}.out").read_text() if (tmp_path / f"mpitrain-{job}.out").exists() else ""
+    assert info["JobState"] == "COMPLETED", f"{info.get('JobState')} {info.get('ExitCode')}\n{out}"
+    summary = json.loads((tmp_path / "runs" / str(job) / "summary.json").read_text())
+    assert summary["world_size"] == (4 if name == "sync-quorum" else 3)  # one MPI world, not N singletons
+    assert summary["test_accuracy"] >= 0.85
+    assert summary["mode"] == ("async" if name == "async" else "sync")
+    if name == "sync-quorum":
+        assert summary["quorum"] == 2
+    assert (tmp_path / "runs" / str(job) / "train.log").read_text().count("mpitrain done") == 1
+
+
+def test_bad_submission_fails_with_the_trainers_message(slurm, tmp_path):
+    job = slurm.submit(ROOT / "jobs" / "sync-quorum.sbatch", tmp_path, job_env("--quorum 9"))
+    info = slurm.wait(job)
+    assert info["JobState"] == "FAILED"
+    out = (tmp_path / f"mpitrain-{job}.out").read_text()
+    assert "mpitrain: error: --quorum 9 is more than the 3 worker(s)" in out
+    assert "Traceback" not in out
+
+
+def test_plain_srun_without_pmi_is_refused(slurm, tmp_path):
+    script = tmp_path / "bad.sbatch"
+    script.write_text(f"#!/bin/bash\n#SBATCH --ntasks=2\n#SBATCH --output=bad-%j.out\n"
+                      f"srun --mpi=none {sys.executable} -m mpitrain --no-progress --steps 5\n")
+    job = slurm.submit(script, tmp_path, {})
+    info = slurm.wait(job)
+    assert info["JobState"] == "FAILED"
+    assert "--mpi=pmi2" in (tmp_path / f"bad-{job}.out").read_text()
