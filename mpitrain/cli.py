@@ -113,6 +113,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hand GPU buffers straight to MPI (needs a CUDA-aware MPI build) instead of staging "
                         "them through pinned host memory")
 
+    g = p.add_argument_group("checkpoints (rank 0 writes them; a run resumes from the newest)")
+    g.add_argument("--checkpoint-dir", default=d.checkpoint_dir, metavar="DIR",
+                   help="save checkpoints here, and resume from the newest one found here")
+    g.add_argument("--checkpoint-every-secs", type=float, default=d.checkpoint_every_secs, metavar="S")
+    g.add_argument("--checkpoint-every-steps", type=int, default=d.checkpoint_every_steps, metavar="N")
+    g.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints, metavar="K")
+    g.add_argument("--fresh", action="store_true", default=d.fresh,
+                   help="ignore checkpoints in --checkpoint-dir and start from scratch (they are kept)")
+
     g = p.add_argument_group("output")
     g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=d.progress,
                    help="tqdm bar on rank 0's stderr")

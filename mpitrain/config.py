@@ -57,6 +57,12 @@ class TrainConfig:
     # device
     device: str = "auto"
     cuda_aware: bool = False
+    # checkpoints
+    checkpoint_dir: str | None = None
+    checkpoint_every_secs: float = 60.0
+    checkpoint_every_steps: int | None = None
+    keep_checkpoints: int = 3
+    fresh: bool = False
     # output
     eval_every: int | None = None
     progress: bool = True
@@ -170,6 +176,13 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise UsageError("--staleness-lr applies to --mode async (sync gradients are never stale)")
     if cfg.eval_every is not None and cfg.eval_every <= 0:
         raise UsageError(f"--eval-every must be a positive number of global steps (got {cfg.eval_every})")
+    if cfg.checkpoint_every_secs <= 0:
+        raise UsageError(f"--checkpoint-every-secs must be positive (got {cfg.checkpoint_every_secs}); e.g. 60")
+    if cfg.checkpoint_every_steps is not None and cfg.checkpoint_every_steps <= 0:
+        raise UsageError(f"--checkpoint-every-steps must be a positive number of global steps "
+                         f"(got {cfg.checkpoint_every_steps})")
+    if cfg.keep_checkpoints < 1:
+        raise UsageError(f"--keep-checkpoints must be at least 1 (got {cfg.keep_checkpoints})")
     if cfg.cuda_aware and cfg.device == "cpu":
         raise UsageError("--cuda-aware hands GPU buffers to MPI and needs --device gpu (or auto), not cpu")
     if cfg.cuda_aware and cfg.compress == "fp16" and cfg.mode == "sync":

@@ -25,6 +25,13 @@ class Optimizer:
         self.v = xp.zeros(n, xp.float32) if kind == "adam" else None
         self._tmp = xp.empty(n, xp.float32)
 
+    def restore(self, t: int, m, v) -> None:
+        """Continue from a checkpoint (host arrays; `m`/`v` are None for optimizers without them)."""
+        self.t = t
+        for mine, saved in ((self.m, m), (self.v, v)):
+            if mine is not None and saved is not None:
+                mine[...] = self.xp.asarray(saved)
+
     def step(self, params, grad, lr: float) -> None:
         xp = self.xp
         self.t += 1

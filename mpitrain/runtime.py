@@ -10,7 +10,11 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 
+import numpy as np
+
+from mpitrain import checkpoint
 from mpitrain.backend import Backend, make_backend
 from mpitrain.config import TrainConfig, UsageError, validate_for_world
 from mpitrain.data import Dataset, check_batch_fits, load_dataset, steps_per_epoch
@@ -56,6 +60,7 @@ class Context:
     data: Dataset
     model: MLP
     worker_comm: object = None  # sync mode: the workers only (rank 0 is not in the hot collective)
+    resume: object = None  # rank 0: (path, checkpoint.TrainState) found in --checkpoint-dir
 
     @property
     def local(self) -> bool:
@@ -92,6 +97,10 @@ class Context:
         return self.cfg.batch_size * (self.cfg.quorum or self.workers)
 
     @property
+    def fingerprint(self) -> dict:
+        return checkpoint.fingerprint(self.model.sizes, self.cfg.optimizer)
+
+    @property
     def yield_in_collectives(self) -> bool:
         """--wait: MPICH's blocking collectives spin. With more computing ranks than cores, a
         spinning rank holds the core its peer needs to reach the collective (measured: a 3-worker
@@ -125,4 +134,36 @@ def setup(cfg: TrainConfig, comm, node: Node) -> Context:
     check_batch_fits(data.n_train, workers, cfg.batch_size)
     sizes = (data.n_features, *cfg.layer_sizes_hidden, data.n_classes)
     model = MLP(sizes, cfg.l2, backend.xp)
-    return Context(cfg, comm, rank, size, node, socket.gethostname(), backend, data, model)
+    ctx = Context(cfg, comm, rank, size, node, socket.gethostname(), backend, data, model)
+    if rank == PS_RANK and cfg.checkpoint_dir and not cfg.fresh:
+        ctx.resume = checkpoint.load_latest(Path(cfg.checkpoint_dir), ctx.fingerprint)
+    return ctx
+
+
+def start_state(ctx: Context) -> checkpoint.TrainState:
+    """Rank 0 initialises the parameters (or takes them from the checkpoint it resumes) and
+    broadcasts them with the optimizer state, the global step and each worker's data position;
+    workers never initialise their own. Called once, at start, on every rank."""
+    from mpi4py import MPI
+
+    W = ctx.workers
+    if ctx.rank == PS_RANK:
+        state = ctx.resume[1] if ctx.resume else checkpoint.TrainState(ctx.model.init_params(ctx.cfg.seed))
+        # a run resumed with another number of workers re-shards: positions beyond the saved ones start at 0
+        state.positions = [state.position(w) for w in range(W)]
+        if ctx.local:
+            return state
+    else:
+        state = checkpoint.TrainState(np.empty(ctx.model.n_params, np.float32), positions=[0] * W)
+    head = np.array([state.global_step, state.opt_t, state.opt_m is not None, state.opt_v is not None,
+                     *state.positions], np.int64)
+    ctx.comm.Bcast([head, MPI.INT64_T], root=PS_RANK)
+    state.global_step, state.opt_t = int(head[0]), int(head[1])
+    state.positions = [int(p) for p in head[4:]]
+    ctx.comm.Bcast([state.params, MPI.FLOAT], root=PS_RANK)
+    for name, present in (("opt_m", head[2]), ("opt_v", head[3])):
+        if present:
+            arr = getattr(state, name) if ctx.rank == PS_RANK else np.empty(ctx.model.n_params, np.float32)
+            ctx.comm.Bcast([arr, MPI.FLOAT], root=PS_RANK)
+            setattr(state, name, arr)
+    return state

@@ -16,13 +16,15 @@ from dataclasses import dataclass, field
 import numpy as np
 from mpi4py import MPI
 
+from mpitrain import checkpoint
+from mpitrain.checkpoint import Checkpointer, TrainState
 from mpitrain.metrics import Progress
 from mpitrain.optim import Optimizer, decayed_lr, staleness_scaled_lr
-from mpitrain.protocol import (FLAG_EVAL, FLAG_LAST, FLAG_STOP, TAG_DECISION, TAG_GRAD, TAG_PARAMS, TAG_READY,
+from mpitrain.protocol import (FLAG_CKPT, FLAG_EVAL, FLAG_LAST, FLAG_STOP, TAG_DECISION, TAG_GRAD, TAG_PARAMS, TAG_READY,
                                TAG_STATUS, Message)
-from mpitrain.runtime import PS_RANK, Context
+from mpitrain.runtime import PS_RANK, Context, start_state
 from mpitrain.transport import CHIEF_POLL_S, PS_POLL_NO_OVERLAP_S, PS_POLL_S, QUORUM_POLL_S, Poller
-from mpitrain.worker import LOSS_WINDOW, sync_total_steps, train_sync
+from mpitrain.worker import LOSS_WINDOW, eval_due, sync_total_steps, train_sync
 
 
 @dataclass
@@ -33,6 +35,7 @@ class ServerState:
     recent_losses: deque = field(default_factory=lambda: deque(maxlen=LOSS_WINDOW))
     staleness: Counter = field(default_factory=Counter)  # staleness -> applied gradients
     eval_history: list[dict] = field(default_factory=list)
+    checkpoints: list[str] = field(default_factory=list)  # written by this run, oldest first
     train_s: float = 0.0
     busy_fraction: float = 0.0
 
@@ -41,11 +44,15 @@ class ServerState:
         return float(np.mean(self.recent_losses)) if self.recent_losses else float("nan")
 
 
-def init_and_broadcast(ctx: Context) -> np.ndarray:
-    params = ctx.model.init_params(ctx.cfg.seed)
-    if not ctx.local:
-        ctx.comm.Bcast([params, MPI.FLOAT], root=PS_RANK)
-    return params
+def begin(ctx: Context) -> tuple[TrainState, ServerState, Checkpointer]:
+    """The start state (fresh or resumed, broadcast to the workers), rank 0's view of it, and the
+    checkpointer (which will not save the step it resumed from again)."""
+    start = start_state(ctx)
+    state = ServerState(start.params, global_step=start.global_step, local_steps=list(start.positions))
+    ckpt = Checkpointer(ctx.cfg, ctx.fingerprint)
+    ckpt.mark(start.global_step)
+    state.checkpoints = ckpt.saved  # the same list: it grows as rank 0 saves
+    return start, state, ckpt
 
 
 class _Clock:
@@ -76,9 +83,10 @@ class AsyncServer:
         cfg = ctx.cfg
         self.ctx, self.cfg, self.comm, self.progress = ctx, cfg, ctx.comm, progress
         n, W = ctx.model.n_params, ctx.workers
-        self.state = ServerState(init_and_broadcast(ctx), local_steps=[0] * W)
+        start, self.state, self.ckpt = begin(ctx)
         self.clock = _Clock()
         self.opt = Optimizer(cfg.optimizer, n, np, momentum=cfg.momentum)
+        self.opt.restore(start.opt_t, start.opt_m, start.opt_v)
         wire = cfg.wire_dtype
         self.inbox = [Message(n, dtype=wire) for _ in range(W)]
         self.outbox = [Message(n, dtype=wire) for _ in range(W)]
@@ -91,7 +99,7 @@ class AsyncServer:
         self.poller = Poller(PS_POLL_S if cfg.effective_overlap else PS_POLL_NO_OVERLAP_S)
         self.active = set(range(W))  # workers not yet told to stop
         self.held: list[int] = []  # gradients received, not yet applied (--max-staleness)
-        self.basis = [0] * W  # version the worker's next gradient is computed on (no-overlap)
+        self.basis = [self.state.global_step] * W  # version each worker's next gradient is computed on
         self.stopping = False
 
     def run(self) -> ServerState:
@@ -105,7 +113,12 @@ class AsyncServer:
                 self.held.append(w)
         self.poller.all(self.sends)
         self.clock.stop(self.state)
+        self._checkpoint()  # the final one
         return self.state
+
+    def _checkpoint(self) -> None:
+        st = self.state
+        self.ckpt.save(TrainState(st.params, st.global_step, self.opt.t, self.opt.m, self.opt.v, list(st.local_steps)))
 
     def _oldest_held(self) -> int:
         return min(self.held, key=lambda w: self.inbox[w].step)
@@ -152,6 +165,8 @@ class AsyncServer:
         self.progress.update(state.global_step, msg.loss)
         if cfg.eval_every and state.global_step % cfg.eval_every == 0:
             record_eval(self.ctx, state, self.clock, state.params, state.global_step)
+        if self.ckpt.due(state.global_step):
+            self._checkpoint()
         self.stopping = cfg.steps is not None and state.global_step >= cfg.steps
         self._reply(w, stop=self.stopping or bool(msg.flags & FLAG_LAST))
 
@@ -233,10 +248,11 @@ def serve_sync(ctx: Context, progress: Progress) -> ServerState:
     ordering delivers the final one last. With --quorum, also decide every step."""
     cfg = ctx.cfg
     n, W = ctx.model.n_params, ctx.workers
-    state = ServerState(init_and_broadcast(ctx), local_steps=[0] * W)
+    _, state, ckpt = begin(ctx)
     clock = _Clock()
     chief = PS_RANK + 1
-    box = Message(n)
+    full_count = n * (1 + checkpoint.optimizer_arrays(cfg.optimizer))  # [params, optimizer state...]
+    box = Message(full_count)
     quorum = QuorumCoordinator(ctx) if cfg.quorum is not None and cfg.quorum < W else None
     poller = Poller(QUORUM_POLL_S if quorum else CHIEF_POLL_S)
     status = ctx.comm.Irecv(box.spec(), source=chief, tag=TAG_STATUS)
@@ -247,16 +263,18 @@ def serve_sync(ctx: Context, progress: Progress) -> ServerState:
             if i > 0:
                 quorum.handle(i - 1, progress)
                 continue
-            final, full = bool(box.flags & FLAG_STOP), bool(box.flags & (FLAG_STOP | FLAG_EVAL))
-            box.check(TAG_STATUS, chief, count=n if full else 0)
+            final, full = bool(box.flags & FLAG_STOP), bool(box.flags & (FLAG_STOP | FLAG_EVAL | FLAG_CKPT))
+            box.check(TAG_STATUS, chief, count=full_count if full else 0)
             if quorum is None:
                 progress.update(box.step, box.loss)
             if box.flags & FLAG_EVAL:
-                record_eval(ctx, state, clock, box.payload, box.step)
+                record_eval(ctx, state, clock, box.payload[:n], box.step)
+            if box.flags & (FLAG_CKPT | FLAG_STOP):
+                ckpt.save(checkpoint.from_flat(box.payload, n, box.step, [box.step] * W))
             if final:  # its loss is the chief's mean over the last LOSS_WINDOW steps
                 state.global_step = box.step
                 state.recent_losses.append(box.loss)
-                state.params[:] = box.payload
+                state.params[:] = box.payload[:n]
                 final_seen = True
                 status = MPI.REQUEST_NULL
             else:
@@ -269,19 +287,23 @@ def serve_sync(ctx: Context, progress: Progress) -> ServerState:
 
 
 def run_local(ctx: Context, progress: Progress) -> tuple[ServerState, dict]:
-    """One process: the sync loop with one worker, reporting straight to the bar."""
-    state = ServerState(init_and_broadcast(ctx), local_steps=[0])
+    """One process: the sync loop with one worker, reporting straight to the bar and saving
+    checkpoints itself."""
+    start, state, ckpt = begin(ctx)
     clock = _Clock()
 
-    def on_step(step: int, loss: float, params=None) -> None:
+    def on_step(step: int, loss: float, sync_step) -> None:
         progress.update(step, loss)
-        if params is not None:
-            record_eval(ctx, state, clock, ctx.backend.to_host(params), step)
+        if eval_due(ctx, step):
+            record_eval(ctx, state, clock, ctx.backend.to_host(sync_step.params), step)
+        if ckpt.due(step):
+            ckpt.save(sync_step.train_state(step))
 
-    result = train_sync(ctx, state.params, on_step)
+    result = train_sync(ctx, start, on_step)
     state.params = result["params"]
     state.global_step = result["pushed"]
     state.local_steps = [result["pushed"]]
     state.recent_losses.append(result["recent_loss"])
     clock.stop(state)
+    ckpt.save(result["train_state"])
     return state, result

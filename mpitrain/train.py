@@ -6,11 +6,12 @@ import dataclasses
 import hashlib
 import sys
 import traceback
+from pathlib import Path
 
 import numpy as np
 from mpi4py import MPI
 
-from mpitrain import __version__
+from mpitrain import __version__, checkpoint
 from mpitrain.config import TrainConfig, UsageError
 from mpitrain.metrics import Progress, human_summary, say, staleness_summary, write_json_atomic
 from mpitrain.protocol import ProtocolError
@@ -78,7 +79,7 @@ def train_role(ctx: Context) -> dict:
         finally:
             progress.close()
         loss, acc = _evaluate(ctx, state.params)
-        report = {"state": state, "test_loss": loss, "test_accuracy": acc}
+        report = {"state": state, "test_loss": loss, "test_accuracy": acc, "checkpoints": state.checkpoints}
         if wres is not None:  # local: rank 0 is also the one worker
             report["worker"] = _worker_report(ctx, wres, (loss, acc))
         return report
@@ -138,6 +139,8 @@ def build_summary(ctx: Context, mine: dict, reports: list[dict], placements: lis
         "worker_param_digests": [w["digest"] for w in workers],
         "time_breakdown": [w["time_breakdown"] for w in workers],
         "ps_busy_fraction": None if ctx.local else state.busy_fraction,
+        "resumed_from": str(ctx.resume[0]) if ctx.resume else None,
+        "checkpoints": mine["checkpoints"],
         "placement": placements,
         "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(cfg).items()},
     }
@@ -156,6 +159,13 @@ def run(cfg: TrainConfig | None, comm, node: Node, err: str | None) -> int:
         if ctx.local:
             say("mpitrain: one process: training locally with no parameter server "
                 "(mpirun -np 3 gives 1 parameter server + 2 workers)")
+        if ctx.resume:
+            path, st = ctx.resume
+            say(f"mpitrain: resuming from {path} (global step {st.global_step}); --fresh starts over")
+        elif cfg.fresh and cfg.checkpoint_dir:
+            moved = checkpoint.set_aside(Path(cfg.checkpoint_dir))
+            if moved:
+                say(f"mpitrain: --fresh: earlier checkpoints kept in {moved}")
     try:
         mine = train_role(ctx)
         reports = comm.gather({"worker": mine["worker"]} if "worker" in mine else {}, root=0)

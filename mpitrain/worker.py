@@ -10,11 +10,12 @@ from collections import deque
 import numpy as np
 from mpi4py import MPI
 
+from mpitrain.checkpoint import Checkpointer, TrainState, flat_state, optimizer_arrays
 from mpitrain.data import epoch_batches
 from mpitrain.optim import Optimizer, decayed_lr
-from mpitrain.protocol import (FLAG_EVAL, FLAG_LAST, FLAG_STOP, TAG_DECISION, TAG_GRAD, TAG_PARAMS, TAG_READY,
+from mpitrain.protocol import (FLAG_CKPT, FLAG_EVAL, FLAG_LAST, FLAG_STOP, TAG_DECISION, TAG_GRAD, TAG_PARAMS, TAG_READY,
                                TAG_STATUS, Message, ProtocolError)
-from mpitrain.runtime import PS_RANK, Context
+from mpitrain.runtime import PS_RANK, Context, start_state
 from mpitrain.transport import WORKER_POLL_S, Poller
 
 STATUS_EVERY_S = 0.2  # sync chief -> PS progress reports; off the hot path
@@ -26,7 +27,7 @@ class BatchStream:
     """This worker's minibatches, epoch after epoch, reshuffled each epoch from --seed.
     `budget` is the number of local steps allowed by --epochs (None: endless)."""
 
-    def __init__(self, ctx: Context):
+    def __init__(self, ctx: Context, taken: int = 0):
         cfg, be = ctx.cfg, ctx.backend
         self.ctx = ctx
         self.x = be.asarray(ctx.data.x_train)  # the whole train set lives on the device once
@@ -34,13 +35,13 @@ class BatchStream:
         self.spe = ctx.steps_per_epoch
         epochs = cfg.epochs_or_default
         self.budget = None if epochs is None else epochs * self.spe
-        self.taken = 0
+        self.taken = taken  # batches already taken (a resumed run continues the same order)
         self._epoch_idx = None
 
     def next(self):
         ctx = self.ctx
         epoch, k = divmod(self.taken, self.spe)
-        if k == 0:
+        if k == 0 or self._epoch_idx is None:
             idx = epoch_batches(ctx.data.n_train, ctx.workers, ctx.worker_index, ctx.cfg.batch_size, epoch, ctx.cfg.seed)
             self._epoch_idx = ctx.backend.asarray(idx)
         self.taken += 1
@@ -63,14 +64,6 @@ class WorkerStats:
         return {"wall_s": wall, "compute_s": self.compute_s, "wait_s": wait}
 
 
-def receive_initial_params(ctx: Context) -> np.ndarray:
-    """Rank 0 initialises the parameters (float32, whatever the wire format); workers never
-    initialise their own."""
-    host = np.empty(ctx.model.n_params, np.float32)
-    ctx.comm.Bcast([host, MPI.FLOAT], root=PS_RANK)
-    return host
-
-
 def run_async(ctx: Context) -> dict:
     """Pull/compute/push. With --overlap (default) the reply to push k is received while the
     gradient of step k+1 is computed, so a worker never idles on the round trip; each gradient
@@ -82,15 +75,15 @@ def run_async(ctx: Context) -> dict:
     outbox = [Message(n, be.host_alloc, wire), Message(n, be.host_alloc, wire)]  # alternating: one in flight
     # NumPy + float32: compute straight from the receive buffer and into the send buffer.
     zero_copy = be.mirror(inbox[0].payload) is inbox[0].payload
-    initial = receive_initial_params(ctx)
+    start = start_state(ctx)
     if zero_copy:
-        inbox[0].payload[:] = initial
+        inbox[0].payload[:] = start.params
         params = inbox[0].payload
     else:
-        params = be.asarray(initial)
+        params = be.asarray(start.params)
     grads = [be.mirror(m.payload) for m in outbox]
-    cur, version = 0, 0
-    batches = BatchStream(ctx)
+    cur, version = 0, start.global_step
+    batches = BatchStream(ctx, start.position(ctx.worker_index))
     poller, stats, straggler = Poller(WORKER_POLL_S), WorkerStats(), Straggler(ctx)
     reqs: list = []
     pushed = 0
@@ -147,7 +140,7 @@ class SyncStep:
     weight (1, or 0 for a worker left out of a --quorum step) so the sum divides by the number of
     gradients actually in it."""
 
-    def __init__(self, ctx: Context, params):
+    def __init__(self, ctx: Context, params, start: TrainState | None = None):
         cfg, be, model = ctx.cfg, ctx.backend, ctx.model
         self.ctx, self.params = ctx, params
         n = model.n_params
@@ -160,9 +153,18 @@ class SyncStep:
             self.wire = be.host_alloc(wire.itemsize * (n + 2)).view(wire)
         self.mpi_type, self.op = (MPI.FLOAT, MPI.SUM) if wire == np.float32 else (MPI.UINT16_T, fp16_sum_op())
         self.opt = Optimizer(cfg.optimizer, n, be.xp, momentum=cfg.momentum)
+        if start is not None:
+            self.opt.restore(start.opt_t, start.opt_m, start.opt_v)
         self.comm = ctx.worker_comm
         self.comm_s = 0.0
         self.polite = Poller(WORKER_POLL_S) if ctx.yield_in_collectives else None  # see Context
+
+    def train_state(self, step: int) -> TrainState:
+        """Host copies of what a checkpoint needs (plain sync: every worker is at `step`)."""
+        host = self.ctx.backend.to_host
+        arrays = [np.array(host(a), np.float32) for a in flat_state(self.params, self.opt)]
+        return TrainState(arrays[0], step, self.opt.t, arrays[1] if len(arrays) > 1 else None,
+                          arrays[2] if len(arrays) > 2 else None, [step] * self.ctx.workers)
 
     def compute(self, x, y) -> float:
         """This worker's gradient on the current parameters, weight 1."""
@@ -235,23 +237,24 @@ def sync_total_steps(ctx: Context) -> int:
     return min(budgets)
 
 
-def _eval_due(ctx: Context, step: int) -> bool:
+def eval_due(ctx: Context, step: int) -> bool:
     return bool(ctx.cfg.eval_every) and step % ctx.cfg.eval_every == 0
 
 
-def train_sync(ctx: Context, params_host: np.ndarray, on_step=None) -> dict:
-    """The sync loop shared by sync workers and the local (one-process) run. `on_step(step, loss,
-    params_or_None)` reports progress (params at --eval-every steps): to rank 0 or to the bar."""
+def train_sync(ctx: Context, start: TrainState, on_step=None) -> dict:
+    """The sync loop shared by sync workers and the local (one-process) run, from global step
+    `start.global_step` (a resumed run) to the budget. `on_step(step, loss, sync_step)` reports
+    each step: to rank 0 (chief worker) or to the bar and checkpoints (local)."""
     if ctx.cfg.quorum is not None and ctx.cfg.quorum < ctx.workers:
-        return train_sync_quorum(ctx, params_host, on_step)
+        return train_sync_quorum(ctx, start, on_step)
     be = ctx.backend
-    params = be.asarray(params_host)
-    step_fn = SyncStep(ctx, params)
-    batches = BatchStream(ctx)
+    params = be.asarray(start.params)
+    step_fn = SyncStep(ctx, params, start)
+    batches = BatchStream(ctx, start.position(ctx.worker_index))
     stats, straggler = WorkerStats(), Straggler(ctx)
     total = sync_total_steps(ctx)
-    recent = deque(maxlen=LOSS_WINDOW)
-    for step in range(total):
+    recent = deque([float("nan")], maxlen=LOSS_WINDOW)  # nan only if resumed at the budget
+    for step in range(start.global_step, total):
         x, y = batches.next()
         t0 = time.perf_counter()
         step_fn.compute(x, y)
@@ -260,10 +263,17 @@ def train_sync(ctx: Context, params_host: np.ndarray, on_step=None) -> dict:
         stats.compute_s += time.perf_counter() - t0
         recent.append(loss)
         if on_step is not None:
-            on_step(step + 1, loss, params if _eval_due(ctx, step + 1) else None)
+            on_step(step + 1, loss, step_fn)
     stats.compute_s -= step_fn.comm_s
-    return {"pushed": total, "params": be.to_host(params).copy(), "recent_loss": float(np.mean(recent)),
-            "dropped": 0, "contributed": total, "time": stats.as_dict(None, step_fn.comm_s)}
+    done = max(total, start.global_step)
+    return {"pushed": done, "params": be.to_host(params).copy(), "recent_loss": _mean_loss(recent),
+            "dropped": 0, "contributed": done, "train_state": step_fn.train_state(done),
+            "time": stats.as_dict(None, step_fn.comm_s)}
+
+
+def _mean_loss(recent: deque) -> float:
+    values = [v for v in recent if v == v]  # drop the nan placeholder
+    return float(np.mean(values)) if values else float("nan")
 
 
 class GradientThread:
@@ -271,12 +281,12 @@ class GradientThread:
     collectives (with zero weight when it has nothing fresh) while a slow gradient is still being
     computed. It works on its own snapshot of the parameters; the main thread owns all MPI calls."""
 
-    def __init__(self, ctx: Context):
+    def __init__(self, ctx: Context, taken: int = 0):
         be, n = ctx.backend, ctx.model.n_params
         self.ctx = ctx
         self.snapshot = be.xp.empty(n, be.xp.float32)
         self.grad = be.xp.empty(n, be.xp.float32)
-        self.batches = BatchStream(ctx)
+        self.batches = BatchStream(ctx, taken)
         self.straggler = Straggler(ctx)
         self.version: int | None = None  # None: idle; else the step its parameters belong to
         self.loss = float("nan")
@@ -332,16 +342,16 @@ class GradientThread:
             self._done.set()
 
 
-def train_sync_quorum(ctx: Context, params_host: np.ndarray, on_step=None) -> dict:
+def train_sync_quorum(ctx: Context, start: TrainState, on_step=None) -> dict:
     """Sync with --quorum Q < workers. Per step: the helper computes on the current parameters;
     when done, the main thread tells rank 0 (READY); rank 0 answers every worker with the step's
     DECISION, the weights of the first Q ready workers; everyone joins the Allreduce, with zero
     weight if not chosen. A gradient that was not chosen, or finishes after its step closed, is
     dropped and counted; the helper then starts again from the current parameters."""
     be, comm = ctx.backend, ctx.comm
-    params = be.asarray(params_host)
-    step_fn = SyncStep(ctx, params)
-    helper = GradientThread(ctx)
+    params = be.asarray(start.params)
+    step_fn = SyncStep(ctx, params, start)
+    helper = GradientThread(ctx, start.position(ctx.worker_index))
     # The main thread polls MPI between short sleeps; by default CPython lets the compute
     # thread keep the GIL for 5 ms before handing it back, which would make every step wait.
     switch = sys.getswitchinterval()
@@ -350,9 +360,9 @@ def train_sync_quorum(ctx: Context, params_host: np.ndarray, on_step=None) -> di
     ready_req = MPI.REQUEST_NULL
     poller, started = Poller(WORKER_POLL_S), time.perf_counter()
     total = sync_total_steps(ctx)
-    recent = deque(maxlen=LOSS_WINDOW)
+    recent = deque([float("nan")], maxlen=LOSS_WINDOW)
     dropped = contributed = 0
-    for step in range(total):
+    for step in range(start.global_step, total):
         decided = comm.Irecv(decision.spec(), source=PS_RANK, tag=TAG_DECISION)
         reported = False
         t0 = time.perf_counter()
@@ -386,36 +396,44 @@ def train_sync_quorum(ctx: Context, params_host: np.ndarray, on_step=None) -> di
         loss = step_fn.reduce_and_apply(step)
         recent.append(loss)
         if on_step is not None:
-            on_step(step + 1, loss, params if _eval_due(ctx, step + 1) else None)
+            on_step(step + 1, loss, step_fn)
     helper.close()
     sys.setswitchinterval(switch)
     ready_req.Wait()
     ready.stamp(TAG_READY, total, 0, FLAG_STOP)  # no more READY from this worker
     comm.Send(ready.spec(), dest=PS_RANK, tag=TAG_READY)
     wall = time.perf_counter() - started
-    return {"pushed": total, "params": be.to_host(params).copy(), "recent_loss": float(np.mean(recent)),
-            "dropped": dropped, "contributed": contributed,
+    done = max(total, start.global_step)
+    return {"pushed": done, "params": be.to_host(params).copy(), "recent_loss": _mean_loss(recent),
+            "dropped": dropped, "contributed": contributed, "train_state": step_fn.train_state(done),
             "time": {"wall_s": wall, "compute_s": helper.compute_s, "wait_s": poller.waited_s + step_fn.comm_s}}
 
 
 def run_sync(ctx: Context) -> dict:
-    """A sync worker. The first worker (the chief) also keeps rank 0 informed: a header-only
-    status every STATUS_EVERY_S, the parameters at --eval-every steps, then the final parameters,
-    all on one tag so they arrive in order."""
-    n = ctx.model.n_params
-    host = receive_initial_params(ctx)
+    """A sync worker. The first worker (the chief) also keeps rank 0 informed, all on one tag so
+    the messages arrive in order: a header-only status every STATUS_EVERY_S; its parameters and
+    optimizer state at --eval-every and checkpoint steps; the same, flagged STOP, at the end."""
+    start = start_state(ctx)
     if ctx.worker_index != 0:
-        return train_sync(ctx, host)
-    status, full = Message(0), Message(n)
+        return train_sync(ctx, start)
+    n = ctx.model.n_params
+    status, full = Message(0), Message(n * (1 + optimizer_arrays(ctx.cfg.optimizer)))
     pending = [MPI.REQUEST_NULL, MPI.REQUEST_NULL]  # one status, one full message in flight at most
     last_sent = [0.0]
+    ckpt = Checkpointer(ctx.cfg, ctx.fingerprint)  # only decides when; rank 0 writes
 
-    def report(step: int, loss: float, params=None) -> None:
-        if params is not None:
-            pending[1].Wait()
-            full.payload[:] = ctx.backend.to_host(params)
-            full.stamp(TAG_STATUS, step, step, FLAG_EVAL, loss)
-            pending[1] = ctx.comm.Isend(full.spec(), dest=PS_RANK, tag=TAG_STATUS)
+    def send_full(state: TrainState, flags: int, loss: float) -> None:
+        pending[1].Wait()
+        full.payload[:] = np.concatenate([a for a in (state.params, state.opt_m, state.opt_v) if a is not None])
+        full.stamp(TAG_STATUS, state.global_step, state.global_step, flags, loss)
+        pending[1] = ctx.comm.Isend(full.spec(), dest=PS_RANK, tag=TAG_STATUS)
+
+    def report(step: int, loss: float, sync_step: SyncStep) -> None:
+        flags = (FLAG_EVAL if eval_due(ctx, step) else 0) | (FLAG_CKPT if ckpt.due(step) else 0)
+        if flags:
+            if flags & FLAG_CKPT:
+                ckpt.mark(step)
+            send_full(sync_step.train_state(step), flags, loss)
             return
         now = time.perf_counter()
         if now - last_sent[0] < STATUS_EVERY_S or not pending[0].Test():
@@ -424,11 +442,9 @@ def run_sync(ctx: Context) -> dict:
         pending[0] = ctx.comm.Isend(status.spec(), dest=PS_RANK, tag=TAG_STATUS)
         last_sent[0] = now
 
-    result = train_sync(ctx, host, report)
+    result = train_sync(ctx, start, report)
+    send_full(result["train_state"], FLAG_STOP, result["recent_loss"])
     MPI.Request.Waitall(pending)
-    full.payload[:] = result["params"]
-    full.stamp(TAG_STATUS, result["pushed"], result["pushed"], FLAG_STOP, result["recent_loss"])
-    ctx.comm.Send(full.spec(), dest=PS_RANK, tag=TAG_STATUS)
     return result
 
 

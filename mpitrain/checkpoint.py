@@ -1,0 +1,175 @@
+"""Checkpoints: one .npz per save (no pickle), written atomically, validated on load.
+
+A checkpoint holds everything needed to continue: the flat parameters, the optimizer state, the
+global step, each worker's position in its data stream, and a fingerprint of the model (layer
+sizes, optimizer) that a resumed run must match. The data order needs no RNG state: every
+epoch's shuffle is a pure function of (--seed, epoch), so the position alone restores it.
+Saving writes a temporary file in the same folder, fsyncs it, then os.replace()s it into place:
+a job killed at any moment leaves every finished checkpoint intact and loadable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from mpitrain.config import UsageError
+
+NAME = re.compile(r"^ckpt-(\d{9})\.npz$")
+FORMAT = 1
+
+
+@dataclass
+class TrainState:
+    """What a run starts from (fresh or resumed) and what a checkpoint stores."""
+
+    params: np.ndarray
+    global_step: int = 0
+    opt_t: int = 0
+    opt_m: np.ndarray | None = None
+    opt_v: np.ndarray | None = None
+    positions: list[int] = field(default_factory=list)  # batches each worker has taken
+
+    def position(self, worker: int) -> int:
+        return self.positions[worker] if worker < len(self.positions) else 0
+
+
+def optimizer_arrays(kind: str) -> int:
+    """Flat state arrays an optimizer keeps besides the parameters: momentum 1, Adam 2."""
+    return {"sgd": 0, "momentum": 1, "adam": 2}[kind]
+
+
+def flat_state(params, opt) -> list:
+    """[params, m?, v?]: the arrays a sync chief sends rank 0 so that rank 0 can checkpoint."""
+    return [params] + [a for a in (opt.m, opt.v) if a is not None]
+
+
+def from_flat(flat: np.ndarray, n: int, step: int, positions: list[int]) -> TrainState:
+    parts = [flat[i * n : (i + 1) * n].copy() for i in range(len(flat) // n)]
+    return TrainState(parts[0], step, step, parts[1] if len(parts) > 1 else None,
+                      parts[2] if len(parts) > 2 else None, list(positions))
+
+
+class Checkpointer:
+    """When rank 0 saves: every --checkpoint-every-steps global steps and/or every
+    --checkpoint-every-secs seconds, and once at the end. Inactive without --checkpoint-dir."""
+
+    def __init__(self, cfg, fp: dict, clock=None):
+        import time
+
+        self.cfg, self.fp = cfg, fp
+        self.clock = clock or time.monotonic
+        self.enabled = cfg.checkpoint_dir is not None
+        self.dir = Path(cfg.checkpoint_dir) if self.enabled else None
+        self.last_time = self.clock()
+        self.last_step = None
+        self.saved: list[str] = []
+
+    def due(self, step: int) -> bool:
+        if not self.enabled:
+            return False
+        every = self.cfg.checkpoint_every_steps
+        return bool(every and step % every == 0) or self.clock() - self.last_time >= self.cfg.checkpoint_every_secs
+
+    def mark(self, step: int) -> None:
+        """A save was started at `step` (by rank 0, or by the chief sending its state)."""
+        self.last_time, self.last_step = self.clock(), step
+
+    def save(self, state: TrainState) -> None:
+        if self.enabled and state.global_step != self.last_step:
+            self.saved.append(str(save(self.dir, state, self.fp, self.cfg.keep_checkpoints)))
+        self.mark(state.global_step)
+
+
+def fingerprint(sizes: tuple[int, ...], optimizer: str) -> dict:
+    return {"format": FORMAT, "layer_sizes": list(sizes), "optimizer": optimizer}
+
+
+def path_for(directory: Path, step: int) -> Path:
+    return directory / f"ckpt-{step:09d}.npz"
+
+
+def list_checkpoints(directory: Path) -> list[Path]:
+    """Finished checkpoints, oldest first (temporary files of interrupted saves are not listed)."""
+    if not directory.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := NAME.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def save(directory: Path, state: TrainState, fp: dict, keep: int) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    arrays = {"params": state.params, "global_step": np.int64(state.global_step), "opt_t": np.int64(state.opt_t),
+              "positions": np.asarray(state.positions, np.int64), "fingerprint": np.array(json.dumps(fp))}
+    if state.opt_m is not None:
+        arrays["opt_m"] = state.opt_m
+    if state.opt_v is not None:
+        arrays["opt_v"] = state.opt_v
+    target = path_for(directory, state.global_step)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, **arrays)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    for old in list_checkpoints(directory)[:-keep]:
+        old.unlink()
+    return target
+
+
+def load(path: Path, fp: dict | None = None) -> TrainState:
+    """Read and validate one checkpoint; UsageError (one line) when it is unusable."""
+    fix = f"delete or move {path.name}, or pass --fresh to start over (nothing was deleted)"
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            data = {k: z[k] for k in z.files}  # reads every member: a truncated file fails here
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, KeyError) as e:
+        raise UsageError(f"checkpoint {path} is corrupt or truncated ({type(e).__name__}); {fix}") from None
+    missing = {"params", "global_step", "opt_t", "positions", "fingerprint"} - set(data)
+    if missing:
+        raise UsageError(f"checkpoint {path} lacks {', '.join(sorted(missing))}: not an mpitrain checkpoint; {fix}")
+    saved = json.loads(str(data["fingerprint"]))
+    if fp is not None and saved != fp:
+        raise UsageError(f"checkpoint {path} is of another model ({saved['layer_sizes']}, {saved['optimizer']}) "
+                         f"than this run ({fp['layer_sizes']}, {fp['optimizer']}); use the same --model/--hidden/"
+                         f"--optimizer/dataset, another --checkpoint-dir, or --fresh")
+    params = data["params"]
+    if params.dtype != np.float32 or not np.isfinite(params).all():
+        raise UsageError(f"checkpoint {path} holds non-finite or non-float32 parameters; {fix}")
+    return TrainState(params=params, global_step=int(data["global_step"]), opt_t=int(data["opt_t"]),
+                      opt_m=data.get("opt_m"), opt_v=data.get("opt_v"),
+                      positions=[int(p) for p in data["positions"]])
+
+
+def set_aside(directory: Path) -> Path | None:
+    """--fresh: move earlier checkpoints into a subfolder so that the new run's pruning
+    (--keep-checkpoints) never deletes them. Returns that folder, or None if there were none."""
+    import time
+
+    found = list_checkpoints(directory)
+    if not found:
+        return None
+    target = directory / time.strftime("superseded-%Y%m%d-%H%M%S")
+    target.mkdir()
+    for p in found:
+        os.replace(p, target / p.name)
+    return target
+
+
+def load_latest(directory: Path, fp: dict | None = None) -> tuple[Path, TrainState] | None:
+    found = list_checkpoints(directory)
+    if not found:
+        return None
+    return found[-1], load(found[-1], fp)

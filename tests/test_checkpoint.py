@@ -1,0 +1,144 @@
+"""Checkpoints: atomic, validated, pruned; exact resume in sync mode; a SIGKILL never costs the
+newest complete checkpoint."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import zipfile
+
+import numpy as np
+import pytest
+
+from conftest import child_env, mpirun_path, run_mpitrain, train
+from mpitrain import checkpoint
+from mpitrain.checkpoint import TrainState
+from mpitrain.config import UsageError
+
+FP = checkpoint.fingerprint((4, 3, 2), "adam")
+
+
+def _state(step, n=5):
+    return TrainState(np.arange(n, dtype=np.float32) + step, step, step, np.ones(n, np.float32),
+                      np.full(n, 2, np.float32), [step, step + 1])
+
+
+def test_save_load_round_trip_without_pickle(tmp_path):
+    path = checkpoint.save(tmp_path, _state(7), FP, keep=3)
+    assert path.name == "ckpt-000000007.npz"
+    with np.load(path, allow_pickle=False) as z:  # a plain .npz: no object arrays inside
+        assert all(z[k].dtype != object for k in z.files)
+    got = checkpoint.load(path, FP)
+    assert got.global_step == 7 and got.positions == [7, 8]
+    np.testing.assert_array_equal(got.params, _state(7).params)
+    np.testing.assert_array_equal(got.opt_v, np.full(5, 2))
+
+
+def test_keeps_the_last_k_and_ignores_interrupted_saves(tmp_path):
+    for step in (1, 2, 3, 4):
+        checkpoint.save(tmp_path, _state(step), FP, keep=2)
+    (tmp_path / ".ckpt-000000005.npz.abc.tmp").write_bytes(b"half a save")
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["ckpt-000000003.npz", "ckpt-000000004.npz"]
+    path, st = checkpoint.load_latest(tmp_path, FP)
+    assert st.global_step == 4
+
+
+def test_truncated_checkpoint_is_a_usage_error_and_stays(tmp_path):
+    path = checkpoint.save(tmp_path, _state(3), FP, keep=3)
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(UsageError, match="corrupt or truncated.*--fresh"):
+        checkpoint.load(path, FP)
+    assert path.exists()
+
+
+def test_other_model_is_refused(tmp_path):
+    path = checkpoint.save(tmp_path, _state(3), FP, keep=3)
+    with pytest.raises(UsageError, match="another model"):
+        checkpoint.load(path, checkpoint.fingerprint((4, 8, 2), "adam"))
+
+
+def test_checkpointer_schedule():
+    class Cfg:
+        checkpoint_dir, checkpoint_every_steps, checkpoint_every_secs, keep_checkpoints = "x", 10, 60.0, 3
+
+    now = [0.0]
+    c = checkpoint.Checkpointer(Cfg, FP, clock=lambda: now[0])
+    assert c.due(10) and not c.due(11)
+    now[0] = 61.0
+    assert c.due(11)
+    c.mark(11)
+    assert not c.due(12)
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "momentum"])
+def test_sync_resume_is_exact(tmp_path, optimizer):
+    args = ["--mode", "sync", "--optimizer", optimizer, "--lr", "0.01" if optimizer == "adam" else "0.05"]
+    whole = train(3, tmp_path, *args, "--steps", "60")
+    ck = tmp_path / "ck"
+    first = train(3, tmp_path, *args, "--steps", "25", "--checkpoint-dir", str(ck))
+    assert first["global_step"] == 25 and first["checkpoints"][-1].endswith("ckpt-000000025.npz")
+    second = train(3, tmp_path, *args, "--steps", "60", "--checkpoint-dir", str(ck))
+    assert "resuming from" in second["_stdout"] and second["resumed_from"].endswith("ckpt-000000025.npz")
+    assert second["global_step"] == 60  # --steps counts from the start of training
+    assert second["param_digest"] == whole["param_digest"]
+    a = checkpoint.load_latest(ck, None)[1].params
+    b = checkpoint.load(ck / "ckpt-000000060.npz").params
+    np.testing.assert_array_equal(a, b)
+
+
+def test_async_resume_continues_the_global_step(tmp_path):
+    ck = tmp_path / "ck"
+    train(3, tmp_path, "--steps", "100", "--checkpoint-dir", str(ck), "--checkpoint-every-steps", "40")
+    assert [p.name for p in checkpoint.list_checkpoints(ck)] == ["ckpt-000000040.npz", "ckpt-000000080.npz",
+                                                                  "ckpt-000000100.npz"]
+    s = train(3, tmp_path, "--steps", "300", "--checkpoint-dir", str(ck))
+    assert s["resumed_from"].endswith("ckpt-000000100.npz") and s["global_step"] == 300
+    assert sum(s["local_steps"]) == 300 and s["test_accuracy"] >= 0.9
+
+
+def test_local_run_checkpoints_and_fresh_keeps_the_old_ones(tmp_path):
+    ck = tmp_path / "ck"
+    train(0, tmp_path, "--steps", "30", "--checkpoint-dir", str(ck), "--checkpoint-every-steps", "10")
+    assert len(checkpoint.list_checkpoints(ck)) == 3
+    s = train(0, tmp_path, "--steps", "20", "--checkpoint-dir", str(ck), "--fresh")
+    assert s["resumed_from"] is None and "--fresh: earlier checkpoints kept in" in s["_stdout"]
+    aside = [p for p in ck.iterdir() if p.name.startswith("superseded-")]
+    assert len(aside) == 1 and len(checkpoint.list_checkpoints(aside[0])) == 3
+
+
+def test_corrupt_or_mismatched_checkpoint_exits_2_and_deletes_nothing(tmp_path):
+    ck = tmp_path / "ck"
+    train(3, tmp_path, "--steps", "20", "--checkpoint-dir", str(ck))
+    proc = run_mpitrain(3, "--steps", "40", "--checkpoint-dir", str(ck), "--hidden", "50")
+    assert proc.returncode == 2 and "another model" in proc.stderr and proc.stderr.count("\n") == 1
+    newest = checkpoint.list_checkpoints(ck)[-1]
+    newest.write_bytes(newest.read_bytes()[:-50])
+    before = sorted(p.name for p in ck.iterdir())
+    proc = run_mpitrain(3, "--steps", "40", "--checkpoint-dir", str(ck))
+    assert proc.returncode == 2 and "corrupt or truncated" in proc.stderr and "Traceback" not in proc.stderr
+    assert sorted(p.name for p in ck.iterdir()) == before
+
+
+def test_sigkill_at_any_moment_leaves_the_newest_checkpoint_loadable(tmp_path):
+    """Kill the whole job (rank 0 included) while it saves a ~6 MB checkpoint every few steps."""
+    ck = tmp_path / "ck"
+    model = ["--dataset", "synthetic", "--synthetic-features", "784", "--hidden", "2000"]
+    big = [*model, "--steps", "100000", "--checkpoint-dir", str(ck), "--checkpoint-every-steps", "3",
+           "--keep-checkpoints", "2", "--no-progress"]
+    for delay in (1.5, 2.2, 2.9):
+        proc = subprocess.Popen([mpirun_path(), "-np", "3", sys.executable, "-m", "mpitrain", *big],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=child_env(),
+                                start_new_session=True)
+        deadline = time.time() + 60
+        while not checkpoint.list_checkpoints(ck) and time.time() < deadline:
+            time.sleep(0.05)
+        time.sleep(delay - 1.0)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        path, st = checkpoint.load_latest(ck, None)  # raises if the newest is not complete
+        assert st.global_step > 0 and np.isfinite(st.params).all()
+        with zipfile.ZipFile(path) as z:
+            assert z.testzip() is None
+    resumed = train(3, tmp_path, *model, "--steps", str(st.global_step + 6), "--checkpoint-dir", str(ck))
+    assert resumed["resumed_from"] is not None and resumed["global_step"] == st.global_step + 6
