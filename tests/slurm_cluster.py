@@ -147,8 +147,10 @@ class SlurmCluster:
                 time.sleep(0.1)
         self.pids.clear()
 
-    def submit(self, script: Path, cwd: Path, env: dict, *args: str) -> int:
-        proc = _run(["sbatch", "--parsable", str(script), *args], env={**self.env, **env}, cwd=cwd, timeout=60)
+    def submit(self, script: Path, cwd: Path, env: dict, *args: str, sbatch_args=()) -> int:
+        """sbatch [sbatch_args] SCRIPT [args: the script's own, i.e. trainer flags]."""
+        proc = _run(["sbatch", "--parsable", *sbatch_args, str(script), *args], env={**self.env, **env}, cwd=cwd,
+                    timeout=60)
         if proc.returncode != 0:
             raise AssertionError(f"sbatch failed: {proc.stderr}")
         return int(proc.stdout.strip().split(";")[0])

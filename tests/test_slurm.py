@@ -61,3 +61,15 @@ def test_plain_srun_without_pmi_is_refused(slurm, tmp_path):
     info = slurm.wait(job)
     assert info["JobState"] == "FAILED"
     assert "--mpi=pmi2" in (tmp_path / f"bad-{job}.out").read_text()
+
+
+def test_chained_job_resumes_from_the_shared_checkpoint_dir(slurm, tmp_path):
+    env = {**job_env("--mode sync --optimizer adam --lr 0.01"), "MPITRAIN_CKPT_DIR": str(tmp_path / "ck")}
+    first = slurm.submit(ROOT / "jobs" / "sync.sbatch", tmp_path, env, "--steps", "20")
+    second = slurm.submit(ROOT / "jobs" / "sync.sbatch", tmp_path, env, "--steps", "40",
+                          sbatch_args=[f"--dependency=afterany:{first}"])
+    assert slurm.wait(first)["JobState"] == "COMPLETED"
+    assert slurm.wait(second)["JobState"] == "COMPLETED"
+    s = json.loads((tmp_path / "runs" / str(second) / "summary.json").read_text())
+    assert s["resumed_from"].endswith("ckpt-000000020.npz") and s["global_step"] == 40
+    assert (tmp_path / "ck" / "ckpt-000000040.npz").exists()
