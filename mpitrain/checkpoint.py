@@ -36,25 +36,27 @@ class TrainState:
     opt_m: np.ndarray | None = None
     opt_v: np.ndarray | None = None
     positions: list[int] = field(default_factory=list)  # batches each worker has taken
+    ema: np.ndarray | None = None  # --ema-decay: moving average of the parameters
 
     def position(self, worker: int) -> int:
         return self.positions[worker] if worker < len(self.positions) else 0
 
 
-def optimizer_arrays(kind: str) -> int:
-    """Flat state arrays an optimizer keeps besides the parameters: momentum 1, Adam 2."""
-    return {"sgd": 0, "momentum": 1, "adam": 2}[kind]
+def state_arrays(cfg) -> list[str]:
+    """Names of a training state's flat arrays, in the order they travel (sync chief -> rank 0)."""
+    names = ["params"] + {"sgd": [], "momentum": ["opt_m"], "adam": ["opt_m", "opt_v"]}[cfg.optimizer]
+    return names + (["ema"] if cfg.ema_decay else [])
 
 
-def flat_state(params, opt) -> list:
-    """[params, m?, v?]: the arrays a sync chief sends rank 0 so that rank 0 can checkpoint."""
-    return [params] + [a for a in (opt.m, opt.v) if a is not None]
+def to_flat(state: TrainState, names: list[str]) -> np.ndarray:
+    return np.concatenate([getattr(state, name) for name in names])
 
 
-def from_flat(flat: np.ndarray, n: int, step: int, positions: list[int]) -> TrainState:
-    parts = [flat[i * n : (i + 1) * n].copy() for i in range(len(flat) // n)]
-    return TrainState(parts[0], step, step, parts[1] if len(parts) > 1 else None,
-                      parts[2] if len(parts) > 2 else None, list(positions))
+def from_flat(flat: np.ndarray, names: list[str], n: int, step: int, positions: list[int]) -> TrainState:
+    state = TrainState(flat[:n].copy(), step, step, positions=list(positions))
+    for i, name in enumerate(names[1:], 1):
+        setattr(state, name, flat[i * n : (i + 1) * n].copy())
+    return state
 
 
 class Checkpointer:
@@ -112,6 +114,8 @@ def save(directory: Path, state: TrainState, fp: dict, keep: int) -> Path:
         arrays["opt_m"] = state.opt_m
     if state.opt_v is not None:
         arrays["opt_v"] = state.opt_v
+    if state.ema is not None:
+        arrays["ema"] = state.ema
     target = path_for(directory, state.global_step)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=directory)
     try:
@@ -150,7 +154,7 @@ def load(path: Path, fp: dict | None = None) -> TrainState:
         raise UsageError(f"checkpoint {path} holds non-finite or non-float32 parameters; {fix}")
     return TrainState(params=params, global_step=int(data["global_step"]), opt_t=int(data["opt_t"]),
                       opt_m=data.get("opt_m"), opt_v=data.get("opt_v"),
-                      positions=[int(p) for p in data["positions"]])
+                      positions=[int(p) for p in data["positions"]], ema=data.get("ema"))
 
 
 def set_aside(directory: Path) -> Path | None:

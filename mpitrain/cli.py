@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lr-decay", type=float, default=d.lr_decay,
                    help="multiply the learning rate by this per epoch of global data (1 = constant)")
     g.add_argument("--momentum", type=float, default=d.momentum, help="momentum coefficient (--optimizer momentum)")
+    g.add_argument("--ema-decay", type=float, default=d.ema_decay, metavar="D",
+                   help="keep a moving average of the weights on the chief (e.g. 0.99); evaluated beside the raw "
+                        "weights and checkpointed")
     g.add_argument("--batch-size", type=int, default=d.batch_size, help="minibatch size per worker and step")
     g.add_argument("--epochs", type=int, default=d.epochs,
                    help="passes of each worker over its shard (default 50 when --steps is not given either)")

@@ -45,6 +45,7 @@ class TrainConfig:
     lr: float = 0.1
     lr_decay: float = 0.99
     momentum: float = 0.9
+    ema_decay: float | None = None
     batch_size: int = 100
     epochs: int | None = None
     steps: int | None = None
@@ -149,6 +150,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise UsageError(f"--lr-decay must be in (0, 1] (got {cfg.lr_decay}); 1 turns decay off")
     if not 0 <= cfg.momentum < 1:
         raise UsageError(f"--momentum must be in [0, 1) (got {cfg.momentum}); e.g. --momentum 0.9")
+    if cfg.ema_decay is not None and not 0 < cfg.ema_decay < 1:
+        raise UsageError(f"--ema-decay must be in (0, 1) (got {cfg.ema_decay}); the seeds used 0.99")
     if cfg.l2 < 0:
         raise UsageError(f"--l2 must be zero or positive (got {cfg.l2}); e.g. --l2 1e-4")
     if cfg.epochs is not None and cfg.epochs <= 0:

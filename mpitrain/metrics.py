@@ -123,6 +123,8 @@ def human_summary(s: dict) -> list[str]:
         f"mpitrain done: {s['mode']} | {s['model_description']} | {s['dataset']} | {ranks}",
         f"  global step {s['global_step']:,} | local steps {s['local_steps']} | {s['wall_seconds']:.2f} s training"
         f" | {s['samples_per_second']:,.0f} samples/s",
-        f"  test accuracy {s['test_accuracy']:.4f} (rank 0) | per worker [{workers_acc}] | test loss "
+        f"  test accuracy {s['test_accuracy']:.4f} (rank 0)"
+        + (f", EMA {s['ema_test_accuracy']:.4f}" if s.get("ema_test_accuracy") is not None else "")
+        + f" | per worker [{workers_acc}] | test loss "
         f"{s['test_loss']:.4f} | final train loss {s['final_loss']:.4f} | dropped gradients {s['dropped_gradients']}",
     ] + ([line] if (line := straggler_line(s)) else [])

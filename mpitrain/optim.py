@@ -75,3 +75,32 @@ def staleness_scaled_lr(lr: float, staleness: int) -> float:
     """--staleness-lr (Zhang et al. 2016, "Staleness-aware async-SGD"): divide the step of a
     gradient computed on parameters `staleness` updates old by that staleness."""
     return lr / max(1, staleness)
+
+
+class WeightEMA:
+    """--ema-decay: a moving average of the parameters, as tf.train.ExponentialMovingAverage with
+    num_updates: the decay is min(decay, (1 + t) / (10 + t)), so early averages are not dominated
+    by the initial weights. Starts equal to the parameters."""
+
+    def __init__(self, decay: float, params, xp=np, t: int = 0):
+        self.decay, self.xp, self.t = decay, xp, t
+        self.avg = params.copy()
+        self._tmp = xp.empty_like(self.avg)
+
+    def update(self, params) -> None:
+        xp = self.xp
+        d = min(self.decay, (1 + self.t) / (10 + self.t))
+        self.t += 1
+        self.avg *= xp.float32(d)
+        xp.multiply(params, xp.float32(1 - d), out=self._tmp)
+        self.avg += self._tmp
+
+
+def make_ema(decay: float | None, params, xp=np, t: int = 0, saved=None) -> WeightEMA | None:
+    """The moving average for --ema-decay (None when off), continued from a checkpoint's `saved`."""
+    if not decay:
+        return None
+    ema = WeightEMA(decay, params, xp, t)
+    if saved is not None:
+        ema.avg[...] = xp.asarray(saved)
+    return ema

@@ -155,13 +155,14 @@ def start_state(ctx: Context) -> checkpoint.TrainState:
             return state
     else:
         state = checkpoint.TrainState(np.empty(ctx.model.n_params, np.float32), positions=[0] * W)
-    head = np.array([state.global_step, state.opt_t, state.opt_m is not None, state.opt_v is not None,
+    names = ("opt_m", "opt_v", "ema")
+    head = np.array([state.global_step, state.opt_t, *(getattr(state, a) is not None for a in names),
                      *state.positions], np.int64)
     ctx.comm.Bcast([head, MPI.INT64_T], root=PS_RANK)
     state.global_step, state.opt_t = int(head[0]), int(head[1])
-    state.positions = [int(p) for p in head[4:]]
+    state.positions = [int(p) for p in head[2 + len(names):]]
     ctx.comm.Bcast([state.params, MPI.FLOAT], root=PS_RANK)
-    for name, present in (("opt_m", head[2]), ("opt_v", head[3])):
+    for name, present in zip(names, head[2:]):
         if present:
             arr = getattr(state, name) if ctx.rank == PS_RANK else np.empty(ctx.model.n_params, np.float32)
             ctx.comm.Bcast([arr, MPI.FLOAT], root=PS_RANK)

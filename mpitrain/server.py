@@ -19,7 +19,7 @@ from mpi4py import MPI
 from mpitrain import checkpoint
 from mpitrain.checkpoint import Checkpointer, TrainState
 from mpitrain.metrics import Progress
-from mpitrain.optim import Optimizer, decayed_lr, staleness_scaled_lr
+from mpitrain.optim import Optimizer, decayed_lr, make_ema, staleness_scaled_lr
 from mpitrain.protocol import (FLAG_CKPT, FLAG_EVAL, FLAG_LAST, FLAG_STOP, TAG_DECISION, TAG_GRAD, TAG_PARAMS, TAG_READY,
                                TAG_STATUS, Message)
 from mpitrain.runtime import PS_RANK, Context, start_state
@@ -36,6 +36,7 @@ class ServerState:
     staleness: Counter = field(default_factory=Counter)  # staleness -> applied gradients
     eval_history: list[dict] = field(default_factory=list)
     checkpoints: list[str] = field(default_factory=list)  # written by this run, oldest first
+    ema: np.ndarray | None = None  # --ema-decay: the averaged parameters at the end
     train_s: float = 0.0
     busy_fraction: float = 0.0
 
@@ -69,11 +70,15 @@ class _Clock:
         state.busy_fraction = (time.process_time() - self.cpu0) / max(state.train_s, 1e-9)
 
 
-def record_eval(ctx: Context, state: ServerState, clock: _Clock, params: np.ndarray, step: int) -> None:
-    """--eval-every: test-set loss and accuracy of rank 0's parameters, with the wall time."""
+def record_eval(ctx: Context, state: ServerState, clock: _Clock, params: np.ndarray, step: int,
+                ema: np.ndarray | None = None) -> None:
+    """--eval-every: test-set loss and accuracy of rank 0's parameters (and of their moving
+    average), with the wall time."""
     loss, acc, _ = ctx.model.evaluate(params, ctx.data.x_test, ctx.data.y_test)
-    state.eval_history.append({"global_step": step, "seconds": clock.elapsed(), "test_accuracy": acc,
-                               "test_loss": loss})
+    entry = {"global_step": step, "seconds": clock.elapsed(), "test_accuracy": acc, "test_loss": loss}
+    if ema is not None:
+        entry["ema_test_loss"], entry["ema_test_accuracy"], _ = ctx.model.evaluate(ema, ctx.data.x_test, ctx.data.y_test)
+    state.eval_history.append(entry)
 
 
 class AsyncServer:
@@ -87,6 +92,7 @@ class AsyncServer:
         self.clock = _Clock()
         self.opt = Optimizer(cfg.optimizer, n, np, momentum=cfg.momentum)
         self.opt.restore(start.opt_t, start.opt_m, start.opt_v)
+        self.ema = make_ema(cfg.ema_decay, start.params, np, start.global_step, start.ema)
         wire = cfg.wire_dtype
         self.inbox = [Message(n, dtype=wire) for _ in range(W)]
         self.outbox = [Message(n, dtype=wire) for _ in range(W)]
@@ -113,12 +119,14 @@ class AsyncServer:
                 self.held.append(w)
         self.poller.all(self.sends)
         self.clock.stop(self.state)
+        self.state.ema = self.ema.avg if self.ema else None
         self._checkpoint()  # the final one
         return self.state
 
     def _checkpoint(self) -> None:
         st = self.state
-        self.ckpt.save(TrainState(st.params, st.global_step, self.opt.t, self.opt.m, self.opt.v, list(st.local_steps)))
+        self.ckpt.save(TrainState(st.params, st.global_step, self.opt.t, self.opt.m, self.opt.v, list(st.local_steps),
+                                  self.ema.avg if self.ema else None))
 
     def _oldest_held(self) -> int:
         return min(self.held, key=lambda w: self.inbox[w].step)
@@ -158,13 +166,15 @@ class AsyncServer:
             np.copyto(self.grad32, grad)
             grad = self.grad32
         self.opt.step(state.params, grad, lr)
+        if self.ema:
+            self.ema.update(state.params)
         state.global_step += 1
         state.local_steps[w] += 1
         state.staleness[staleness] += 1
         state.recent_losses.append(msg.loss)
         self.progress.update(state.global_step, msg.loss)
         if cfg.eval_every and state.global_step % cfg.eval_every == 0:
-            record_eval(self.ctx, state, self.clock, state.params, state.global_step)
+            record_eval(self.ctx, state, self.clock, state.params, state.global_step, self.ema.avg if self.ema else None)
         if self.ckpt.due(state.global_step):
             self._checkpoint()
         self.stopping = cfg.steps is not None and state.global_step >= cfg.steps
@@ -251,7 +261,8 @@ def serve_sync(ctx: Context, progress: Progress) -> ServerState:
     _, state, ckpt = begin(ctx)
     clock = _Clock()
     chief = PS_RANK + 1
-    full_count = n * (1 + checkpoint.optimizer_arrays(cfg.optimizer))  # [params, optimizer state...]
+    names = checkpoint.state_arrays(cfg)  # [params, optimizer state..., ema]
+    full_count = n * len(names)
     box = Message(full_count)
     quorum = QuorumCoordinator(ctx) if cfg.quorum is not None and cfg.quorum < W else None
     poller = Poller(QUORUM_POLL_S if quorum else CHIEF_POLL_S)
@@ -267,14 +278,16 @@ def serve_sync(ctx: Context, progress: Progress) -> ServerState:
             box.check(TAG_STATUS, chief, count=full_count if full else 0)
             if quorum is None:
                 progress.update(box.step, box.loss)
+            received = checkpoint.from_flat(box.payload, names, n, box.step, [box.step] * W) if full else None
             if box.flags & FLAG_EVAL:
-                record_eval(ctx, state, clock, box.payload[:n], box.step)
+                record_eval(ctx, state, clock, received.params, box.step, received.ema)
             if box.flags & (FLAG_CKPT | FLAG_STOP):
-                ckpt.save(checkpoint.from_flat(box.payload, n, box.step, [box.step] * W))
+                ckpt.save(received)
             if final:  # its loss is the chief's mean over the last LOSS_WINDOW steps
                 state.global_step = box.step
                 state.recent_losses.append(box.loss)
-                state.params[:] = box.payload[:n]
+                state.params[:] = received.params
+                state.ema = received.ema
                 final_seen = True
                 status = MPI.REQUEST_NULL
             else:
@@ -295,7 +308,8 @@ def run_local(ctx: Context, progress: Progress) -> tuple[ServerState, dict]:
     def on_step(step: int, loss: float, sync_step) -> None:
         progress.update(step, loss)
         if eval_due(ctx, step):
-            record_eval(ctx, state, clock, ctx.backend.to_host(sync_step.params), step)
+            st = sync_step.train_state(step)
+            record_eval(ctx, state, clock, st.params, step, st.ema)
         if ckpt.due(step):
             ckpt.save(sync_step.train_state(step))
 
@@ -305,5 +319,6 @@ def run_local(ctx: Context, progress: Progress) -> tuple[ServerState, dict]:
     state.local_steps = [result["pushed"]]
     state.recent_losses.append(result["recent_loss"])
     clock.stop(state)
+    state.ema = result["train_state"].ema
     ckpt.save(result["train_state"])
     return state, result

@@ -79,7 +79,8 @@ def train_role(ctx: Context) -> dict:
         finally:
             progress.close()
         loss, acc = _evaluate(ctx, state.params)
-        report = {"state": state, "test_loss": loss, "test_accuracy": acc, "checkpoints": state.checkpoints}
+        report = {"state": state, "test_loss": loss, "test_accuracy": acc, "checkpoints": state.checkpoints,
+                  "ema": _evaluate(ctx, state.ema) if state.ema is not None else (None, None)}
         if wres is not None:  # local: rank 0 is also the one worker
             report["worker"] = _worker_report(ctx, wres, (loss, acc))
         return report
@@ -127,6 +128,8 @@ def build_summary(ctx: Context, mine: dict, reports: list[dict], placements: lis
         "samples_per_second": samples / max(state.train_s, 1e-9),
         "test_accuracy": mine["test_accuracy"],
         "test_loss": mine["test_loss"],
+        "ema_test_loss": mine["ema"][0],
+        "ema_test_accuracy": mine["ema"][1],
         "worker_test_accuracy": [w["test_accuracy"] for w in workers],
         "final_loss": state.final_loss,
         "dropped_gradients": sum(w["dropped"] for w in workers),

@@ -10,9 +10,9 @@ from collections import deque
 import numpy as np
 from mpi4py import MPI
 
-from mpitrain.checkpoint import Checkpointer, TrainState, flat_state, optimizer_arrays
+from mpitrain.checkpoint import Checkpointer, TrainState, state_arrays, to_flat
 from mpitrain.data import epoch_batches
-from mpitrain.optim import Optimizer, decayed_lr
+from mpitrain.optim import Optimizer, decayed_lr, make_ema
 from mpitrain.protocol import (FLAG_CKPT, FLAG_EVAL, FLAG_LAST, FLAG_STOP, TAG_DECISION, TAG_GRAD, TAG_PARAMS, TAG_READY,
                                TAG_STATUS, Message, ProtocolError)
 from mpitrain.runtime import PS_RANK, Context, start_state
@@ -153,18 +153,22 @@ class SyncStep:
             self.wire = be.host_alloc(wire.itemsize * (n + 2)).view(wire)
         self.mpi_type, self.op = (MPI.FLOAT, MPI.SUM) if wire == np.float32 else (MPI.UINT16_T, fp16_sum_op())
         self.opt = Optimizer(cfg.optimizer, n, be.xp, momentum=cfg.momentum)
+        self.ema = None
         if start is not None:
             self.opt.restore(start.opt_t, start.opt_m, start.opt_v)
+            if ctx.worker_index == 0:  # the chief (or the local run) keeps the moving average
+                self.ema = make_ema(cfg.ema_decay, params, be.xp, start.global_step, start.ema)
         self.comm = ctx.worker_comm
         self.comm_s = 0.0
         self.polite = Poller(WORKER_POLL_S) if ctx.yield_in_collectives else None  # see Context
 
     def train_state(self, step: int) -> TrainState:
         """Host copies of what a checkpoint needs (plain sync: every worker is at `step`)."""
-        host = self.ctx.backend.to_host
-        arrays = [np.array(host(a), np.float32) for a in flat_state(self.params, self.opt)]
-        return TrainState(arrays[0], step, self.opt.t, arrays[1] if len(arrays) > 1 else None,
-                          arrays[2] if len(arrays) > 2 else None, [step] * self.ctx.workers)
+        def host(a):
+            return None if a is None else np.array(self.ctx.backend.to_host(a), np.float32)
+
+        return TrainState(host(self.params), step, self.opt.t, host(self.opt.m), host(self.opt.v),
+                          [step] * self.ctx.workers, host(self.ema.avg) if self.ema else None)
 
     def compute(self, x, y) -> float:
         """This worker's gradient on the current parameters, weight 1."""
@@ -206,6 +210,8 @@ class SyncStep:
             buf *= be.xp.float32(1.0) / buf[self.n + 1]
         samples = step * ctx.global_batch  # examples seen before this update
         self.opt.step(self.params, buf[: self.n], decayed_lr(ctx.cfg.lr, ctx.cfg.lr_decay, samples, ctx.data.n_train))
+        if self.ema:
+            self.ema.update(self.params)
         return float(buf[self.n])
 
 
@@ -417,14 +423,15 @@ def run_sync(ctx: Context) -> dict:
     if ctx.worker_index != 0:
         return train_sync(ctx, start)
     n = ctx.model.n_params
-    status, full = Message(0), Message(n * (1 + optimizer_arrays(ctx.cfg.optimizer)))
+    names = state_arrays(ctx.cfg)
+    status, full = Message(0), Message(n * len(names))
     pending = [MPI.REQUEST_NULL, MPI.REQUEST_NULL]  # one status, one full message in flight at most
     last_sent = [0.0]
     ckpt = Checkpointer(ctx.cfg, ctx.fingerprint)  # only decides when; rank 0 writes
 
     def send_full(state: TrainState, flags: int, loss: float) -> None:
         pending[1].Wait()
-        full.payload[:] = np.concatenate([a for a in (state.params, state.opt_m, state.opt_v) if a is not None])
+        full.payload[:] = to_flat(state, names)
         full.stamp(TAG_STATUS, state.global_step, state.global_step, flags, loss)
         pending[1] = ctx.comm.Isend(full.spec(), dest=PS_RANK, tag=TAG_STATUS)
 

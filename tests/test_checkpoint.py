@@ -142,3 +142,32 @@ def test_sigkill_at_any_moment_leaves_the_newest_checkpoint_loadable(tmp_path):
             assert z.testzip() is None
     resumed = train(3, tmp_path, *model, "--steps", str(st.global_step + 6), "--checkpoint-dir", str(ck))
     assert resumed["resumed_from"] is not None and resumed["global_step"] == st.global_step + 6
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_ema_is_evaluated_saved_and_restored(tmp_path, mode):
+    ck = tmp_path / "ck"
+    args = ["--mode", mode, "--ema-decay", "0.99", "--checkpoint-dir", str(ck), "--eval-every", "20"]
+    s = train(3, tmp_path, *args, "--steps", "40")
+    assert 0.5 < s["ema_test_accuracy"] <= 1 and s["ema_test_accuracy"] != s["test_accuracy"]
+    assert "EMA" in s["_stdout"] and all("ema_test_accuracy" in e for e in s["eval_history"])
+    saved = checkpoint.load_latest(ck, None)[1]
+    assert saved.ema is not None and not np.array_equal(saved.ema, saved.params)
+    resumed = train(3, tmp_path, *args, "--steps", "60")
+    assert resumed["resumed_from"] and resumed["ema_test_accuracy"] is not None
+    if mode == "sync":  # the average continues from the saved one: same as one uninterrupted run
+        whole = train(3, tmp_path, "--mode", "sync", "--ema-decay", "0.99", "--steps", "60")
+        assert resumed["ema_test_accuracy"] == whole["ema_test_accuracy"]
+
+
+def test_weight_ema_follows_tf_semantics():
+    from mpitrain.optim import WeightEMA
+
+    p = np.zeros(3, np.float32)
+    ema = WeightEMA(0.99, p)
+    p[:] = 1
+    ema.update(p)  # t=0: decay min(0.99, 1/10) = 0.1
+    np.testing.assert_allclose(ema.avg, 0.9)
+    for _ in range(1000):
+        ema.update(p)
+    np.testing.assert_allclose(ema.avg, 1, atol=1e-4)
