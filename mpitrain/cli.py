@@ -20,6 +20,9 @@ from mpitrain.config import TrainConfig, UsageError, defaults, parse_straggler, 
 BLAS_THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
 
+SUBCOMMANDS = {"launch": "mpitrain.launch", "evaluate": "mpitrain.evaluate", "plot": "mpitrain.plot"}
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # argparse would print usage and exit 2 on each rank by itself
         raise UsageError(f"{message} (see python -m mpitrain --help)")
@@ -47,7 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="mpitrain",
         description="Data-parallel training over MPI: rank 0 is the parameter server, ranks 1..N-1 are workers. "
-                    "Run with `mpirun -np 3 python -m mpitrain` (1 server + 2 workers); one process trains locally.",
+                    "Run with `mpirun -np 3 python -m mpitrain` (1 server + 2 workers); one process trains locally. "
+                    "Other commands: `mpitrain launch -f HOSTFILE ...`, `mpitrain evaluate CHECKPOINT`, "
+                    "`mpitrain plot RUN_DIR... -o curves.png`.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         add_help=False,
     )
@@ -129,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=d.progress,
                    help="tqdm bar on rank 0's stderr")
     g.add_argument("--summary-json", default=d.summary_json, metavar="PATH", help="write the run summary here")
+    g.add_argument("--log-dir", default=d.log_dir, metavar="DIR",
+                   help="write events.jsonl and TensorBoard event files here (rank 0)")
+    g.add_argument("--log-every", type=int, default=d.log_every, metavar="N", help="log training scalars every N global steps")
     g.add_argument("--eval-every", type=int, default=d.eval_every, metavar="N",
                    help="evaluate rank 0's parameters on the test set every N global steps (summary: eval_history)")
     g.add_argument("-h", "--help", action="store_true", help="show this help and exit")
@@ -155,10 +163,10 @@ def _pin_blas_threads() -> None:
 def main(argv: list[str] | None = None) -> int:
     _pin_blas_threads()
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["launch"]:  # no MPI here: it starts mpirun itself
-        from mpitrain.launch import main as launch_main
+    if argv[:1] and argv[0] in SUBCOMMANDS:  # no MPI for these: launch starts mpirun itself
+        import importlib
 
-        return launch_main(argv[1:])
+        return importlib.import_module(SUBCOMMANDS[argv[0]]).main(argv[1:])
     if "--version" in argv:
         print(f"mpitrain {__version__}")
         return 0

@@ -66,6 +66,8 @@ class TrainConfig:
     fresh: bool = False
     # output
     eval_every: int | None = None
+    log_dir: str | None = None
+    log_every: int = 10
     progress: bool = True
     summary_json: str | None = None
 
@@ -177,6 +179,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             raise UsageError(f"--max-staleness must be zero or more (got {cfg.max_staleness})")
     if cfg.staleness_lr and cfg.mode != "async":
         raise UsageError("--staleness-lr applies to --mode async (sync gradients are never stale)")
+    if cfg.log_every <= 0:
+        raise UsageError(f"--log-every must be a positive number of global steps (got {cfg.log_every})")
     if cfg.eval_every is not None and cfg.eval_every <= 0:
         raise UsageError(f"--eval-every must be a positive number of global steps (got {cfg.eval_every})")
     if cfg.checkpoint_every_secs <= 0:

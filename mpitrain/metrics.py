@@ -57,6 +57,56 @@ class Progress:
             self.bar.close()
 
 
+class RunLog:
+    """--log-dir on rank 0: events.jsonl (one JSON object a line) and, when tensorboardX is
+    installed, TensorBoard event files with the same scalars (`tensorboard --logdir DIR`)."""
+
+    def __init__(self, log_dir: str, start: dict, every: int):
+        self.dir = Path(log_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.every = every
+        self.jsonl = open(self.dir / "events.jsonl", "a", buffering=1)  # a line at a time: readable while it runs
+        try:
+            from tensorboardX import SummaryWriter
+
+            self.tb = SummaryWriter(str(self.dir))
+            self.tb.add_scalar("run/start_step", start.get("start_step", 0), start.get("start_step", 0))
+            self.tb.flush()  # the first write is slow (lazy set-up): not inside training time
+        except ImportError:
+            self.tb = None
+            say("mpitrain: --log-dir: tensorboardX is not installed, writing events.jsonl only "
+                "(pip install 'mpitrain[tensorboard]')", sys.stderr)
+        self.t0 = time.time()  # after the (slow) tensorboardX import: seconds count training time
+        self._write({"event": "start", **start})
+
+    def _write(self, obj: dict) -> None:
+        obj = {"time": time.time(), "seconds": time.time() - self.t0, **obj}
+        self.jsonl.write(json.dumps(obj, default=float) + "\n")
+
+    def _scalars(self, step: int, prefix: str, values: dict) -> None:
+        if self.tb is not None:
+            for key, value in values.items():
+                if isinstance(value, (int, float)) and value == value:
+                    self.tb.add_scalar(f"{prefix}/{key}", value, step)
+
+    def train(self, step: int, force: bool = False, **values) -> None:
+        """Training scalars at global `step` (every --log-every steps unless forced)."""
+        if force or step % self.every == 0:
+            self._write({"event": "train", "global_step": step, **values})
+            self._scalars(step, "train", {k: v for k, v in values.items() if not isinstance(v, (list, dict))})
+
+    def eval(self, entry: dict) -> None:
+        self._write({"event": "eval", **entry})
+        self._scalars(entry["global_step"], "eval", {k: v for k, v in entry.items() if k != "global_step"})
+
+    def close(self, summary: dict) -> None:
+        keep = ("global_step", "test_accuracy", "test_loss", "ema_test_accuracy", "samples_per_second", "wall_seconds")
+        self._write({"event": "end", **{k: summary.get(k) for k in keep}})
+        self.jsonl.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
 def write_json_atomic(path: str, obj: dict) -> None:
     """Write to a temporary file beside `path`, then os.replace: never a half-written file."""
     target = Path(path)

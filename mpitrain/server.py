@@ -18,7 +18,7 @@ from mpi4py import MPI
 
 from mpitrain import checkpoint
 from mpitrain.checkpoint import Checkpointer, TrainState
-from mpitrain.metrics import Progress
+from mpitrain.metrics import Progress, RunLog
 from mpitrain.optim import Optimizer, decayed_lr, make_ema, staleness_scaled_lr
 from mpitrain.protocol import (FLAG_CKPT, FLAG_EVAL, FLAG_LAST, FLAG_STOP, TAG_DECISION, TAG_GRAD, TAG_PARAMS, TAG_READY,
                                TAG_STATUS, Message)
@@ -37,6 +37,8 @@ class ServerState:
     eval_history: list[dict] = field(default_factory=list)
     checkpoints: list[str] = field(default_factory=list)  # written by this run, oldest first
     ema: np.ndarray | None = None  # --ema-decay: the averaged parameters at the end
+    start_step: int = 0  # > 0 when resumed
+    log: RunLog | None = None  # --log-dir
     train_s: float = 0.0
     busy_fraction: float = 0.0
 
@@ -49,7 +51,13 @@ def begin(ctx: Context) -> tuple[TrainState, ServerState, Checkpointer]:
     """The start state (fresh or resumed, broadcast to the workers), rank 0's view of it, and the
     checkpointer (which will not save the step it resumed from again)."""
     start = start_state(ctx)
-    state = ServerState(start.params, global_step=start.global_step, local_steps=list(start.positions))
+    state = ServerState(start.params, global_step=start.global_step, local_steps=list(start.positions),
+                        start_step=start.global_step)
+    cfg = ctx.cfg
+    if cfg.log_dir:
+        state.log = RunLog(cfg.log_dir, {"mode": "local" if ctx.local else cfg.mode, "model": ctx.model.description,
+                                         "dataset": ctx.data.name, "world_size": ctx.size, "workers": ctx.workers,
+                                         "start_step": start.global_step}, cfg.log_every)
     ckpt = Checkpointer(ctx.cfg, ctx.fingerprint)
     ckpt.mark(start.global_step)
     state.checkpoints = ckpt.saved  # the same list: it grows as rank 0 saves
@@ -79,6 +87,18 @@ def record_eval(ctx: Context, state: ServerState, clock: _Clock, params: np.ndar
     if ema is not None:
         entry["ema_test_loss"], entry["ema_test_accuracy"], _ = ctx.model.evaluate(ema, ctx.data.x_test, ctx.data.y_test)
     state.eval_history.append(entry)
+    if state.log:
+        state.log.eval(entry)
+
+
+def log_train(ctx: Context, state: ServerState, clock: _Clock, step: int, loss: float, force: bool = False,
+              **extra) -> None:
+    """--log-dir: the training scalars at a global step (loss, lr, samples/s, and what the caller adds)."""
+    if state.log is None:
+        return
+    lr = decayed_lr(ctx.cfg.lr, ctx.cfg.lr_decay, step * ctx.global_batch, ctx.data.n_train)
+    rate = (step - state.start_step) * ctx.global_batch / max(clock.elapsed(), 1e-9)
+    state.log.train(step, force, loss=loss, lr=lr, samples_per_second=rate, **extra)
 
 
 class AsyncServer:
@@ -173,6 +193,8 @@ class AsyncServer:
         state.staleness[staleness] += 1
         state.recent_losses.append(msg.loss)
         self.progress.update(state.global_step, msg.loss)
+        log_train(self.ctx, state, self.clock, state.global_step, msg.loss, staleness=staleness,
+                  local_steps=list(state.local_steps))
         if cfg.eval_every and state.global_step % cfg.eval_every == 0:
             record_eval(self.ctx, state, self.clock, state.params, state.global_step, self.ema.avg if self.ema else None)
         if self.ckpt.due(state.global_step):
@@ -278,6 +300,7 @@ def serve_sync(ctx: Context, progress: Progress) -> ServerState:
             box.check(TAG_STATUS, chief, count=full_count if full else 0)
             if quorum is None:
                 progress.update(box.step, box.loss)
+            log_train(ctx, state, clock, box.step, box.loss, force=True)  # the chief already rate-limits
             received = checkpoint.from_flat(box.payload, names, n, box.step, [box.step] * W) if full else None
             if box.flags & FLAG_EVAL:
                 record_eval(ctx, state, clock, received.params, box.step, received.ema)
@@ -307,6 +330,7 @@ def run_local(ctx: Context, progress: Progress) -> tuple[ServerState, dict]:
 
     def on_step(step: int, loss: float, sync_step) -> None:
         progress.update(step, loss)
+        log_train(ctx, state, clock, step, loss)
         if eval_due(ctx, step):
             st = sync_step.train_state(step)
             record_eval(ctx, state, clock, st.params, step, st.ema)

@@ -187,6 +187,8 @@ def run(cfg: TrainConfig | None, comm, node: Node, err: str | None) -> int:
             say(line)
         if cfg.summary_json:
             write_json_atomic(cfg.summary_json, summary)
+        if mine["state"].log:
+            mine["state"].log.close(summary)
     if ctx.worker_comm is not None and ctx.worker_comm != MPI.COMM_NULL:
         ctx.worker_comm.Free()
     return 0

@@ -1,0 +1,81 @@
+"""`mpitrain evaluate CHECKPOINT`: test-set accuracy, loss and confusion matrix of a checkpoint.
+
+    mpitrain evaluate runs/exp1/ckpt-000002000.npz --dataset mnist --data-dir /data/mnist
+
+One process, no MPI. The model's layer sizes come from the checkpoint's fingerprint; a dataset
+whose feature or class count does not fit them is refused in one line (exit 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from mpitrain import checkpoint
+from mpitrain.config import DATASETS, TrainConfig, UsageError
+from mpitrain.metrics import say, write_json_atomic
+
+
+def confusion_matrix(y_true: np.ndarray, y_pred: np.ndarray, classes: int) -> np.ndarray:
+    """counts[i, j] = examples of class i predicted as j."""
+    return np.bincount(y_true * classes + y_pred, minlength=classes * classes).reshape(classes, classes)
+
+
+def format_matrix(m: np.ndarray) -> list[str]:
+    width = max(5, len(str(int(m.max()))) + 1)
+    head = "true\\pred" + "".join(f"{j:>{width}}" for j in range(m.shape[1]))
+    return [head] + [f"{i:>9}" + "".join(f"{v:>{width}}" for v in row) for i, row in enumerate(m)]
+
+
+def evaluate(path: str, dataset: str, data_dir: str | None) -> dict:
+    from mpitrain.data import load_dataset
+    from mpitrain.model import MLP
+
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"checkpoint {path} does not exist; pass a ckpt-*.npz file from a --checkpoint-dir")
+    state = checkpoint.load(p)
+    with np.load(p, allow_pickle=False) as z:
+        import json
+
+        sizes = tuple(json.loads(str(z["fingerprint"]))["layer_sizes"])
+    data = load_dataset(TrainConfig(dataset=dataset, data_dir=data_dir))
+    if (data.n_features, data.n_classes) != (sizes[0], sizes[-1]):
+        raise UsageError(f"{dataset} has {data.n_features} features and {data.n_classes} classes but the checkpoint's "
+                         f"model is {'-'.join(map(str, sizes))}; evaluate it on the dataset it was trained on")
+    model = MLP(sizes)
+    out = {"checkpoint": str(p), "global_step": state.global_step, "dataset": dataset,
+           "model_description": model.description, "test_examples": int(len(data.y_test))}
+    for name, params in (("", state.params), ("ema_", state.ema)):
+        if params is None:
+            continue
+        loss, acc, pred = model.evaluate(params, data.x_test, data.y_test)
+        out[f"{name}test_accuracy"], out[f"{name}test_loss"] = acc, loss
+        out[f"{name}confusion_matrix"] = confusion_matrix(data.y_test, pred, data.n_classes).tolist()
+    return out
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="mpitrain evaluate", description=__doc__.splitlines()[0])
+    p.add_argument("checkpoint")
+    p.add_argument("--dataset", choices=DATASETS, default="digits")
+    p.add_argument("--data-dir", default=None)
+    p.add_argument("--summary-json", default=None, metavar="PATH")
+    args = p.parse_args(argv)
+    try:
+        out = evaluate(args.checkpoint, args.dataset, args.data_dir)
+    except UsageError as e:
+        say(f"mpitrain evaluate: error: {e}", sys.stderr)
+        return 2
+    say(f"{out['checkpoint']} (global step {out['global_step']}, {out['model_description']}) on {out['dataset']} "
+        f"test set ({out['test_examples']} examples):")
+    say(f"  accuracy {out['test_accuracy']:.4f} | loss {out['test_loss']:.4f}"
+        + (f" | EMA accuracy {out['ema_test_accuracy']:.4f}, loss {out['ema_test_loss']:.4f}" if "ema_test_accuracy" in out else ""))
+    for line in format_matrix(np.array(out["confusion_matrix"])):
+        say("  " + line)
+    if args.summary_json:
+        write_json_atomic(args.summary_json, out)
+    return 0

@@ -1,0 +1,97 @@
+"""--log-dir (JSONL + TensorBoard), `mpitrain plot`, `mpitrain evaluate`."""
+
+import json
+import struct
+
+import numpy as np
+import pytest
+
+from conftest import run_mpitrain, train
+from mpitrain.evaluate import confusion_matrix
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runs")
+    out = {}
+    for mode in ("async", "sync"):
+        d = root / f"digits-{mode}"
+        s = train(3, root, "--mode", mode, "--log-dir", str(d), "--eval-every", "20", "--log-every", "5",
+                  "--checkpoint-dir", str(d / "ck"), "--ema-decay", "0.99")
+        out[mode] = (d, s)
+    return out
+
+
+def test_jsonl_log_has_training_and_eval_events(two_runs):
+    d, s = two_runs["async"]
+    events = [json.loads(line) for line in (d / "events.jsonl").read_text().splitlines()]
+    assert events[0]["event"] == "start" and events[0]["mode"] == "async"
+    train_ev = [e for e in events if e["event"] == "train"]
+    assert [e["global_step"] for e in train_ev[:3]] == [5, 10, 15]
+    for key in ("loss", "lr", "samples_per_second", "staleness", "local_steps", "time"):
+        assert key in train_ev[-1]
+    evals = [e for e in events if e["event"] == "eval"]
+    assert len(evals) == s["global_step"] // 20 and "ema_test_accuracy" in evals[-1]
+    assert events[-1]["event"] == "end" and events[-1]["test_accuracy"] == s["test_accuracy"]
+
+
+def test_tensorboard_events_are_readable(two_runs):
+    tb = pytest.importorskip("tensorboardX")  # noqa: F841
+    from tensorboardX.proto import event_pb2
+
+    d, _ = two_runs["sync"]
+    files = list(d.glob("events.out.tfevents.*"))
+    assert len(files) == 1
+    tags = set()
+    data = files[0].read_bytes()
+    pos = 0
+    while pos < len(data):  # TFRecord framing: length, crc, payload, crc
+        (length,) = struct.unpack("<Q", data[pos : pos + 8])
+        event = event_pb2.Event.FromString(data[pos + 12 : pos + 12 + length])
+        tags.update(v.tag for v in event.summary.value)
+        pos += 12 + length + 4
+    assert {"train/loss", "train/lr", "eval/test_accuracy", "eval/ema_test_accuracy"} <= tags
+
+
+def test_plot_overlays_runs_in_a_png(two_runs, tmp_path):
+    out = tmp_path / "curves.png"
+    proc = run_mpitrain(0, "plot", str(two_runs["async"][0]), str(two_runs["sync"][0]), "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    from PIL import Image
+
+    with Image.open(out) as img:
+        assert img.format == "PNG" and img.size == (1100, 750)
+        colours = np.unique(np.asarray(img.convert("RGB")).reshape(-1, 3), axis=0)
+        assert len(colours) > 20  # curves, not a blank canvas
+
+
+def test_plot_refuses_a_folder_without_log(tmp_path):
+    proc = run_mpitrain(0, "plot", str(tmp_path), "-o", str(tmp_path / "x.png"))
+    assert proc.returncode == 2 and "no events.jsonl" in proc.stderr and proc.stderr.count("\n") == 1
+
+
+def test_evaluate_prints_accuracy_and_confusion_matrix(two_runs, tmp_path):
+    d, s = two_runs["sync"]
+    ckpt = sorted((d / "ck").glob("ckpt-*.npz"))[-1]
+    out = tmp_path / "eval.json"
+    proc = run_mpitrain(0, "evaluate", str(ckpt), "--dataset", "digits", "--summary-json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "accuracy" in proc.stdout and "true\\pred" in proc.stdout
+    e = json.loads(out.read_text())
+    assert e["test_accuracy"] == pytest.approx(s["test_accuracy"])
+    assert e["ema_test_accuracy"] == pytest.approx(s["ema_test_accuracy"])
+    m = np.array(e["confusion_matrix"])
+    assert m.shape == (10, 10) and m.sum() == e["test_examples"]
+    assert np.trace(m) / m.sum() == pytest.approx(e["test_accuracy"])
+
+
+def test_evaluate_refuses_a_dataset_of_another_shape(two_runs):
+    d, _ = two_runs["async"]
+    ckpt = sorted((d / "ck").glob("ckpt-*.npz"))[-1]
+    proc = run_mpitrain(0, "evaluate", str(ckpt), "--dataset", "synthetic")
+    assert proc.returncode == 2 and "784 features" in proc.stderr and "64-100-10" in proc.stderr
+
+
+def test_confusion_matrix_counts():
+    m = confusion_matrix(np.array([0, 1, 1, 2]), np.array([0, 1, 2, 2]), 3)
+    assert m.tolist() == [[1, 0, 0], [0, 1, 1], [0, 0, 1]]
