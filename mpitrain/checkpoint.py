@@ -90,8 +90,10 @@ class Checkpointer:
         self.mark(state.global_step)
 
 
-def fingerprint(sizes: tuple[int, ...], optimizer: str) -> dict:
-    return {"format": FORMAT, "layer_sizes": list(sizes), "optimizer": optimizer}
+def fingerprint(sizes: tuple[int, ...], optimizer: str, dataset: str = "", seed: int = 0) -> dict:
+    """What a resumed run must share with the checkpoint: the model's shape and optimizer (the
+    state's layout), and the dataset and --seed (the data order it continues)."""
+    return {"format": FORMAT, "layer_sizes": list(sizes), "optimizer": optimizer, "dataset": dataset, "seed": seed}
 
 
 def path_for(directory: Path, step: int) -> Path:
@@ -146,9 +148,9 @@ def load(path: Path, fp: dict | None = None) -> TrainState:
         raise UsageError(f"checkpoint {path} lacks {', '.join(sorted(missing))}: not an mpitrain checkpoint; {fix}")
     saved = json.loads(str(data["fingerprint"]))
     if fp is not None and saved != fp:
-        raise UsageError(f"checkpoint {path} is of another model ({saved['layer_sizes']}, {saved['optimizer']}) "
-                         f"than this run ({fp['layer_sizes']}, {fp['optimizer']}); use the same --model/--hidden/"
-                         f"--optimizer/dataset, another --checkpoint-dir, or --fresh")
+        differ = ", ".join(f"{k} {saved.get(k)} vs {fp[k]} here" for k in fp if saved.get(k) != fp[k])
+        raise UsageError(f"checkpoint {path} is of another model or run ({differ}); use the same --model/--hidden/"
+                         f"--optimizer/--dataset/--seed, another --checkpoint-dir, or --fresh")
     params = data["params"]
     if params.dtype != np.float32 or not np.isfinite(params).all():
         raise UsageError(f"checkpoint {path} holds non-finite or non-float32 parameters; {fix}")

@@ -98,7 +98,7 @@ class Context:
 
     @property
     def fingerprint(self) -> dict:
-        return checkpoint.fingerprint(self.model.sizes, self.cfg.optimizer)
+        return checkpoint.fingerprint(self.model.sizes, self.cfg.optimizer, self.data.name, self.cfg.seed)
 
     @property
     def yield_in_collectives(self) -> bool:

@@ -54,8 +54,10 @@ def test_truncated_checkpoint_is_a_usage_error_and_stays(tmp_path):
 
 def test_other_model_is_refused(tmp_path):
     path = checkpoint.save(tmp_path, _state(3), FP, keep=3)
-    with pytest.raises(UsageError, match="another model"):
+    with pytest.raises(UsageError, match=r"another model or run \(layer_sizes \[4, 3, 2\] vs \[4, 8, 2\] here\)"):
         checkpoint.load(path, checkpoint.fingerprint((4, 8, 2), "adam"))
+    with pytest.raises(UsageError, match="seed 0 vs 5 here"):
+        checkpoint.load(path, checkpoint.fingerprint((4, 3, 2), "adam", seed=5))
 
 
 def test_checkpointer_schedule():
@@ -112,6 +114,8 @@ def test_corrupt_or_mismatched_checkpoint_exits_2_and_deletes_nothing(tmp_path):
     train(3, tmp_path, "--steps", "20", "--checkpoint-dir", str(ck))
     proc = run_mpitrain(3, "--steps", "40", "--checkpoint-dir", str(ck), "--hidden", "50")
     assert proc.returncode == 2 and "another model" in proc.stderr and proc.stderr.count("\n") == 1
+    proc = run_mpitrain(3, "--steps", "40", "--checkpoint-dir", str(ck), "--seed", "3")
+    assert proc.returncode == 2 and "seed 0 vs 3 here" in proc.stderr
     newest = checkpoint.list_checkpoints(ck)[-1]
     newest.write_bytes(newest.read_bytes()[:-50])
     before = sorted(p.name for p in ck.iterdir())
@@ -171,3 +175,13 @@ def test_weight_ema_follows_tf_semantics():
     for _ in range(1000):
         ema.update(p)
     np.testing.assert_allclose(ema.avg, 1, atol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_time_based_checkpoints(tmp_path, mode):
+    ck = tmp_path / "ck"
+    s = train(3, tmp_path, "--mode", mode, "--checkpoint-dir", str(ck), "--checkpoint-every-secs", "0.02",
+              "--keep-checkpoints", "100", "--dataset", "synthetic", "--steps", "400")
+    steps = [checkpoint.load(p).global_step for p in checkpoint.list_checkpoints(ck)]
+    assert len(steps) >= 3 and steps[-1] == 400 and steps == sorted(steps)
+    assert len(s["checkpoints"]) == len(steps)
