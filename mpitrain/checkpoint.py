@@ -13,13 +13,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from mpitrain.atomic import write_atomic
 from mpitrain.config import UsageError
 
 NAME = re.compile(r"^ckpt-(\d{9})\.npz$")
@@ -112,24 +112,8 @@ def save(directory: Path, state: TrainState, fp: dict, keep: int) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     arrays = {"params": state.params, "global_step": np.int64(state.global_step), "opt_t": np.int64(state.opt_t),
               "positions": np.asarray(state.positions, np.int64), "fingerprint": np.array(json.dumps(fp))}
-    if state.opt_m is not None:
-        arrays["opt_m"] = state.opt_m
-    if state.opt_v is not None:
-        arrays["opt_v"] = state.opt_v
-    if state.ema is not None:
-        arrays["ema"] = state.ema
-    target = path_for(directory, state.global_step)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    arrays.update({name: getattr(state, name) for name in ("opt_m", "opt_v", "ema") if getattr(state, name) is not None})
+    target = write_atomic(path_for(directory, state.global_step), lambda f: np.savez(f, **arrays), binary=True)
     for old in list_checkpoints(directory)[:-keep]:
         old.unlink()
     return target

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
+
+from mpitrain.atomic import write_atomic
 
 
 def say(line: str, stream=None) -> None:
@@ -108,21 +108,12 @@ class RunLog:
 
 
 def write_json_atomic(path: str, obj: dict) -> None:
-    """Write to a temporary file beside `path`, then os.replace: never a half-written file."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=2, sort_keys=True)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    """Never a half-written summary: temporary file, then os.replace."""
+    def write(f) -> None:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+    write_atomic(Path(path), write)
 
 
 def staleness_summary(counts: dict) -> dict:

@@ -89,6 +89,18 @@ class Context:
         return steps_per_epoch(self.data.n_train, self.workers, self.cfg.batch_size)
 
     @property
+    def global_step_budget(self) -> int:
+        """The global step at which training ends: --steps, or where --epochs run out, whichever
+        comes first. Sync: one global step per batch of every worker; async: one per worker batch."""
+        cfg = self.cfg
+        budgets = [] if cfg.steps is None else [cfg.steps]
+        epochs = cfg.epochs_or_default
+        if epochs is not None:
+            per_step = 1 if cfg.mode == "sync" or self.local else self.workers
+            budgets.append(epochs * self.steps_per_epoch * per_step)
+        return min(budgets)
+
+    @property
     def global_batch(self) -> int:
         """Examples behind one global step: one worker's batch in async; in sync, the batches of
         the Q (--quorum) or all workers averaged into the update."""

@@ -24,7 +24,7 @@ from mpitrain.protocol import (FLAG_CKPT, FLAG_EVAL, FLAG_LAST, FLAG_STOP, TAG_D
                                TAG_STATUS, Message)
 from mpitrain.runtime import PS_RANK, Context, start_state
 from mpitrain.transport import CHIEF_POLL_S, PS_POLL_NO_OVERLAP_S, PS_POLL_S, QUORUM_POLL_S, Poller
-from mpitrain.worker import LOSS_WINDOW, eval_due, sync_total_steps, train_sync
+from mpitrain.worker import LOSS_WINDOW, eval_due, train_sync
 
 
 @dataclass
@@ -234,7 +234,7 @@ class QuorumCoordinator:
         self.decision = Message(W)
         self.sends: list = []
         self.step = 0
-        self.total = sync_total_steps(ctx)
+        self.total = ctx.global_step_budget
         self.chosen: list[int] = []
         self.losses: list[float] = []
         self.finished = 0  # workers whose final READY (FLAG_STOP) arrived

@@ -41,21 +41,6 @@ def digest(params: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(params, np.float32).tobytes()).hexdigest()[:16]
 
 
-def total_global_steps(ctx: Context) -> int | None:
-    """For the bar: known in advance unless async runs on epochs only... which is known too."""
-    from mpitrain.worker import sync_total_steps
-
-    if ctx.cfg.mode == "sync" or ctx.local:
-        return sync_total_steps(ctx)
-    budgets = []
-    if ctx.cfg.steps is not None:
-        budgets.append(ctx.cfg.steps)
-    epochs = ctx.cfg.epochs_or_default
-    if epochs is not None:
-        budgets.append(epochs * ctx.steps_per_epoch * ctx.workers)
-    return min(budgets)
-
-
 def _evaluate(ctx: Context, params_host: np.ndarray) -> tuple[float, float]:
     be = ctx.backend
     loss, acc, _ = ctx.model.evaluate(be.asarray(params_host), be.asarray(ctx.data.x_test), be.asarray(ctx.data.y_test))
@@ -68,7 +53,7 @@ def train_role(ctx: Context) -> dict:
 
     cfg = ctx.cfg
     if ctx.is_ps or ctx.local:
-        progress = Progress(cfg.progress, total_global_steps(ctx), ctx.global_batch)
+        progress = Progress(cfg.progress, ctx.global_step_budget, ctx.global_batch)
         try:
             if ctx.local:
                 state, wres = server.run_local(ctx, progress)

@@ -231,18 +231,6 @@ def fp16_sum_op():
     return _FP16_SUM
 
 
-def sync_total_steps(ctx: Context) -> int:
-    """Every worker computes the same number: sync steps are deterministic."""
-    cfg = ctx.cfg
-    budgets = []
-    if cfg.steps is not None:
-        budgets.append(cfg.steps)
-    epochs = cfg.epochs_or_default
-    if epochs is not None:
-        budgets.append(epochs * ctx.steps_per_epoch)
-    return min(budgets)
-
-
 def eval_due(ctx: Context, step: int) -> bool:
     return bool(ctx.cfg.eval_every) and step % ctx.cfg.eval_every == 0
 
@@ -258,7 +246,7 @@ def train_sync(ctx: Context, start: TrainState, on_step=None) -> dict:
     step_fn = SyncStep(ctx, params, start)
     batches = BatchStream(ctx, start.position(ctx.worker_index))
     stats, straggler = WorkerStats(), Straggler(ctx)
-    total = sync_total_steps(ctx)
+    total = ctx.global_step_budget
     recent = deque([float("nan")], maxlen=LOSS_WINDOW)  # nan only if resumed at the budget
     for step in range(start.global_step, total):
         x, y = batches.next()
@@ -365,7 +353,7 @@ def train_sync_quorum(ctx: Context, start: TrainState, on_step=None) -> dict:
     ready, decision = Message(0), Message(ctx.workers)
     ready_req = MPI.REQUEST_NULL
     poller, started = Poller(WORKER_POLL_S), time.perf_counter()
-    total = sync_total_steps(ctx)
+    total = ctx.global_step_budget
     recent = deque([float("nan")], maxlen=LOSS_WINDOW)
     dropped = contributed = 0
     for step in range(start.global_step, total):

@@ -1,0 +1,27 @@
+"""Write a file so that readers only ever see the old version or the complete new one."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Callable, IO
+
+
+def write_atomic(target: Path, write: Callable[[IO], None], binary: bool = False) -> Path:
+    """`write(f)` into a temporary file beside `target`, fsync, then os.replace onto `target`.
+    A crash (even SIGKILL) at any moment leaves `target` as it was, plus at most a `.*.tmp` file."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb" if binary else "w") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return target
