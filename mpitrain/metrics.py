@@ -30,7 +30,7 @@ class Progress:
 
             self.bar = tqdm(total=total, unit="step", desc="global step", file=sys.stderr,
                             mininterval=0.25, dynamic_ncols=True, leave=True)
-            self._last_post = 0.0
+            self._last_post = time.perf_counter()  # first postfix after 0.25 s, with a meaningful rate
 
     def update(self, step: int, loss: float) -> None:
         if self.bar is None:
