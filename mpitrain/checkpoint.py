@@ -85,6 +85,9 @@ class Checkpointer:
         self.last_time, self.last_step = self.clock(), step
 
     def save(self, state: TrainState) -> None:
+        if self.enabled and not np.isfinite(state.params).all():
+            self.mark(state.global_step)  # never write a non-finite state: the last good one stays newest
+            return
         if self.enabled and state.global_step != self.last_step:
             self.saved.append(str(save(self.dir, state, self.fp, self.cfg.keep_checkpoints)))
         self.mark(state.global_step)

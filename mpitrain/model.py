@@ -88,7 +88,12 @@ class MLP:
         return 0.5 * self.l2 * sum(float((W * W).sum()) for W, _ in self.layers(params))
 
     def loss_and_grad(self, params, x, y, grad) -> float:
-        """Mean softmax cross-entropy (+ L2 on weights) of the batch; writes d loss/d params into `grad`."""
+        """Mean softmax cross-entropy (+ L2 on weights) of the batch; writes d loss/d params into `grad`.
+        Overflow yields inf/nan quietly: the caller checks the result (worker.Divergence)."""
+        with np.errstate(over="ignore", invalid="ignore"):
+            return self._loss_and_grad(params, x, y, grad)
+
+    def _loss_and_grad(self, params, x, y, grad) -> float:
         xp = self.xp
         n = x.shape[0]
         acts = self._forward(params, x)
@@ -118,6 +123,10 @@ class MLP:
 
     def evaluate(self, params, x, y, chunk: int = 4096) -> tuple[float, float, np.ndarray]:
         """(mean loss, accuracy, predictions as host int array) over a whole set, in chunks."""
+        with np.errstate(over="ignore", invalid="ignore"):  # a diverged model evaluates to nan/inf quietly
+            return self._evaluate(params, x, y, chunk)
+
+    def _evaluate(self, params, x, y, chunk: int) -> tuple[float, float, np.ndarray]:
         xp = self.xp
         total_loss = 0.0
         preds = []

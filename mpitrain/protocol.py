@@ -36,6 +36,7 @@ FLAG_LAST = 1  # worker: this is my last gradient (my epochs are done)
 FLAG_STOP = 2  # PS: stop after this reply; chief/READY: my last message
 FLAG_EVAL = 4  # chief -> PS: these parameters are for --eval-every
 FLAG_CKPT = 8  # chief -> PS: checkpoint this state (parameters, then the optimizer's arrays)
+FLAG_DIVERGED = 16  # a non-finite loss: training stops (PS -> workers in async, chief -> PS in sync)
 
 
 class ProtocolError(RuntimeError):

@@ -9,6 +9,7 @@ parameters.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ from mpitrain import checkpoint
 from mpitrain.checkpoint import Checkpointer, TrainState
 from mpitrain.metrics import Progress, RunLog
 from mpitrain.optim import Optimizer, decayed_lr, make_ema, staleness_scaled_lr
-from mpitrain.protocol import (FLAG_CKPT, FLAG_EVAL, FLAG_LAST, FLAG_STOP, TAG_DECISION, TAG_GRAD, TAG_PARAMS, TAG_READY,
+from mpitrain.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_LAST, FLAG_STOP, TAG_DECISION, TAG_GRAD, TAG_PARAMS, TAG_READY,
                                TAG_STATUS, Message)
 from mpitrain.runtime import PS_RANK, Context, start_state
 from mpitrain.transport import CHIEF_POLL_S, PS_POLL_NO_OVERLAP_S, PS_POLL_S, QUORUM_POLL_S, Poller
@@ -38,6 +39,7 @@ class ServerState:
     checkpoints: list[str] = field(default_factory=list)  # written by this run, oldest first
     ema: np.ndarray | None = None  # --ema-decay: the averaged parameters at the end
     start_step: int = 0  # > 0 when resumed
+    diverged: dict | None = None  # {"global_step", "ranks", "loss"} once a loss was not finite
     log: RunLog | None = None  # --log-dir
     train_s: float = 0.0
     busy_fraction: float = 0.0
@@ -132,7 +134,7 @@ class AsyncServer:
         while self.active:
             self._apply_held()
             if self.held and not any(self.recv[w] != MPI.REQUEST_NULL for w in self.active):
-                self._apply(self._oldest_held(), forced=True)  # never reached with S >= W-1; no hang regardless
+                self._apply(self._oldest_held())  # never reached with S >= W-1; no hang regardless
                 continue
             for w in self.poller.some(self.recv):
                 self.inbox[w].check(TAG_GRAD, w + 1)
@@ -174,9 +176,14 @@ class AsyncServer:
                 self._apply(w)
                 progressed = True
 
-    def _apply(self, w: int, forced: bool = False) -> None:
+    def _apply(self, w: int) -> None:
         cfg, state, msg = self.cfg, self.state, self.inbox[w]
         self.held.remove(w)
+        if not math.isfinite(msg.loss):  # diverged: never applied, and every worker is stopped
+            state.diverged = {"global_step": state.global_step, "ranks": [w + 1], "loss": msg.loss}
+            self.stopping = True
+            self._reply(w, stop=True)
+            return
         staleness = state.global_step - msg.step
         lr = decayed_lr(cfg.lr, cfg.lr_decay, state.global_step * self.ctx.global_batch, self.ctx.data.n_train)
         if cfg.staleness_lr:
@@ -207,7 +214,8 @@ class AsyncServer:
         self.sends[w].Wait()  # the previous reply was consumed before this push: returns at once
         reply = self.outbox[w]
         reply.payload[:] = state.params  # a copy (cast with fp16): params change while it is in flight
-        reply.stamp(TAG_PARAMS, state.global_step, state.local_steps[w], FLAG_STOP if stop else 0)
+        flags = (FLAG_STOP | (FLAG_DIVERGED if state.diverged else 0)) if stop else 0
+        reply.stamp(TAG_PARAMS, state.global_step, state.local_steps[w], flags)
         self.sends[w] = self.comm.Isend(reply.spec(), dest=w + 1, tag=TAG_PARAMS)
         self.basis[w] = state.global_step
         if stop:
@@ -306,6 +314,8 @@ def serve_sync(ctx: Context, progress: Progress) -> ServerState:
                 record_eval(ctx, state, clock, received.params, box.step, received.ema)
             if box.flags & (FLAG_CKPT | FLAG_STOP):
                 ckpt.save(received)
+            if final and box.flags & FLAG_DIVERGED:
+                state.diverged = {"global_step": box.step, "ranks": [], "loss": float("nan")}
             if final:  # its loss is the chief's mean over the last LOSS_WINDOW steps
                 state.global_step = box.step
                 state.recent_losses.append(box.loss)
@@ -344,5 +354,8 @@ def run_local(ctx: Context, progress: Progress) -> tuple[ServerState, dict]:
     state.recent_losses.append(result["recent_loss"])
     clock.stop(state)
     state.ema = result["train_state"].ema
+    if result["diverged"]:
+        state.diverged = {"global_step": result["diverged"]["global_step"], "ranks": [0],
+                          "loss": result["diverged"]["loss"]}
     ckpt.save(result["train_state"])
     return state, result

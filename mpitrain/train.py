@@ -17,6 +17,8 @@ from mpitrain.metrics import Progress, human_summary, say, staleness_summary, wr
 from mpitrain.protocol import ProtocolError
 from mpitrain.runtime import Context, Node, setup
 
+EXIT_DIVERGED = 4  # every rank, after the summary: training stopped on a non-finite loss
+
 
 def agree_on_setup(cfg: TrainConfig | None, comm, node: Node, err: str | None) -> Context | None:
     """Every rank sets up, then all compare notes. None (after rank 0 printed one line) if any failed."""
@@ -80,6 +82,7 @@ def _worker_report(ctx: Context, wres: dict, evaluation: tuple[float, float]) ->
         "rank": ctx.rank,
         "pushed": wres["pushed"],
         "dropped": wres["dropped"],
+        "diverged": wres.get("diverged"),
         "contributed": wres.get("contributed"),
         "test_loss": evaluation[0],
         "test_accuracy": evaluation[1],
@@ -166,8 +169,10 @@ def run(cfg: TrainConfig | None, comm, node: Node, err: str | None) -> int:
         sys.stderr.flush()
         comm.Abort(1)  # peers may be blocked on this rank: end the whole job, never hang
         return 1
+    diverged = _divergence(ctx, mine, reports)
     if ctx.rank == 0:
         summary = build_summary(ctx, mine, reports, placements)
+        summary["diverged"] = diverged
         for line in human_summary(summary):
             say(line)
         if cfg.summary_json:
@@ -176,4 +181,27 @@ def run(cfg: TrainConfig | None, comm, node: Node, err: str | None) -> int:
             mine["state"].log.close(summary)
     if ctx.worker_comm is not None and ctx.worker_comm != MPI.COMM_NULL:
         ctx.worker_comm.Free()
+    if diverged:
+        if ctx.rank == 0:
+            say(divergence_line(diverged, mine["checkpoints"]), sys.stderr)
+        return EXIT_DIVERGED
     return 0
+
+
+def _divergence(ctx: Context, mine: dict, reports: list | None) -> dict | None:
+    """Rank 0: where training diverged and whose loss it was; workers: whether it did."""
+    if ctx.rank != 0:
+        return mine["worker"]["diverged"]
+    d = mine["state"].diverged
+    if d is None:
+        return None
+    ranks = d["ranks"] or [r["worker"]["rank"] for r in reports if r and r["worker"].get("diverged", {}) and
+                           r["worker"]["diverged"].get("mine")]
+    return {**d, "ranks": ranks}
+
+
+def divergence_line(d: dict, checkpoints: list[str]) -> str:
+    who = f"worker rank {', '.join(map(str, d['ranks']))}" if d["ranks"] else "the workers' mean"
+    kept = f"; the last good checkpoint is {checkpoints[-1]}" if checkpoints else ""
+    return (f"mpitrain: error: training diverged at global step {d['global_step']}: non-finite loss from {who}; "
+            f"lower --lr (or use --optimizer adam / --l2){kept}")

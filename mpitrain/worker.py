@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import os
 import sys
 import threading
 import time
@@ -13,7 +15,7 @@ from mpi4py import MPI
 from mpitrain.checkpoint import Checkpointer, TrainState, state_arrays, to_flat
 from mpitrain.data import epoch_batches
 from mpitrain.optim import Optimizer, decayed_lr, make_ema
-from mpitrain.protocol import (FLAG_CKPT, FLAG_EVAL, FLAG_LAST, FLAG_STOP, TAG_DECISION, TAG_GRAD, TAG_PARAMS, TAG_READY,
+from mpitrain.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_LAST, FLAG_STOP, TAG_DECISION, TAG_GRAD, TAG_PARAMS, TAG_READY,
                                TAG_STATUS, Message, ProtocolError)
 from mpitrain.runtime import PS_RANK, Context, start_state
 from mpitrain.transport import WORKER_POLL_S, Poller
@@ -53,6 +55,26 @@ class BatchStream:
         return self.budget is not None and self.taken >= self.budget
 
 
+class Divergence:
+    """A gradient is only usable when its loss and all its entries are finite. One BLAS dot
+    product checks the entries (~1% of a step): NaN or inf anywhere makes it non-finite, and so do
+    entries beyond ~1e19, which only a diverging run produces. A non-finite result is reported as
+    a NaN loss, which stops training on every rank. MPITRAIN_INJECT_NAN=RANK:STEP (for fault tests)
+    makes worker RANK report NaN at its local step STEP."""
+
+    def __init__(self, ctx: Context):
+        self.xp = ctx.backend.xp
+        rank, _, step = os.environ.get("MPITRAIN_INJECT_NAN", "").partition(":")
+        self.inject_at = int(step) if rank.isdigit() and int(rank) == ctx.rank and step.isdigit() else None
+        self.steps = 0
+
+    def check(self, loss: float, grad) -> float:
+        self.steps += 1
+        if self.steps == self.inject_at or not math.isfinite(loss) or not math.isfinite(float(self.xp.dot(grad, grad))):
+            return float("nan")
+        return loss
+
+
 class WorkerStats:
     def __init__(self):
         self.compute_s = 0.0
@@ -84,10 +106,11 @@ def run_async(ctx: Context) -> dict:
     grads = [be.mirror(m.payload) for m in outbox]
     cur, version = 0, start.global_step
     batches = BatchStream(ctx, start.position(ctx.worker_index))
-    poller, stats, straggler = Poller(WORKER_POLL_S), WorkerStats(), Straggler(ctx)
+    poller, stats, straggler, divergence = Poller(WORKER_POLL_S), WorkerStats(), Straggler(ctx), Divergence(ctx)
     reqs: list = []
     pushed = 0
     sent_last = False
+    diverged: dict = {}  # filled when rank 0 stops the run because a loss was not finite
 
     def adopt_reply() -> bool:
         """Wait for the pending reply; make it the current parameters. True when told to stop."""
@@ -101,6 +124,8 @@ def run_async(ctx: Context) -> dict:
         else:
             be.upload(params, inbox[cur].payload)
         version = inbox[cur].step
+        if inbox[cur].flags & FLAG_DIVERGED:
+            diverged["global_step"] = version
         return bool(inbox[cur].flags & FLAG_STOP)
 
     while True:
@@ -115,7 +140,7 @@ def run_async(ctx: Context) -> dict:
         slot = pushed % 2
         t0 = time.perf_counter()
         used_version = version
-        loss = model.loss_and_grad(params, x, y, grads[slot])
+        loss = divergence.check(model.loss_and_grad(params, x, y, grads[slot]), grads[slot])
         be.download(grads[slot], outbox[slot].payload)
         straggler.pause(time.perf_counter() - t0)
         stats.compute_s += time.perf_counter() - t0
@@ -130,7 +155,8 @@ def run_async(ctx: Context) -> dict:
                 comm.Isend(outbox[slot].spec(), dest=PS_RANK, tag=TAG_GRAD)]
         pushed += 1
         sent_last = last
-    return {"pushed": pushed, "params": be.to_host(params).copy(), "dropped": 0, "time": stats.as_dict(poller)}
+    return {"pushed": pushed, "params": be.to_host(params).copy(), "dropped": 0, "time": stats.as_dict(poller),
+            "diverged": diverged or None}
 
 
 class SyncStep:
@@ -154,6 +180,8 @@ class SyncStep:
         self.mpi_type, self.op = (MPI.FLOAT, MPI.SUM) if wire == np.float32 else (MPI.UINT16_T, fp16_sum_op())
         self.opt = Optimizer(cfg.optimizer, n, be.xp, momentum=cfg.momentum)
         self.ema = None
+        self.own_loss = 0.0  # this worker's own minibatch loss in the step being reduced
+        self.divergence = Divergence(ctx)
         if start is not None:
             self.opt.restore(start.opt_t, start.opt_m, start.opt_v)
             if ctx.worker_index == 0:  # the chief (or the local run) keeps the moving average
@@ -172,20 +200,24 @@ class SyncStep:
 
     def compute(self, x, y) -> float:
         """This worker's gradient on the current parameters, weight 1."""
-        buf = self.buf
-        loss = self.ctx.model.loss_and_grad(self.params, x, y, buf[: self.n])
-        buf[self.n] = loss
-        buf[self.n + 1] = 1.0
+        grad = self.buf[: self.n]
+        loss = self.divergence.check(self.ctx.model.loss_and_grad(self.params, x, y, grad), grad)
+        self._weigh(loss)
         return loss
 
     def load(self, grad, loss: float) -> None:
         """A gradient computed elsewhere (the quorum helper thread), weight 1."""
         self.buf[: self.n] = grad
+        self._weigh(loss)
+
+    def _weigh(self, loss: float) -> None:
+        self.own_loss = loss
         self.buf[self.n] = loss
         self.buf[self.n + 1] = 1.0
 
     def abstain(self) -> None:
         """Weight 0: join the collective without a gradient."""
+        self.own_loss = 0.0
         self.buf[...] = 0.0
 
     def _allreduce(self, spec, op) -> None:
@@ -208,11 +240,14 @@ class SyncStep:
                 self._allreduce([buf, MPI.FLOAT], MPI.SUM)
             self.comm_s += time.perf_counter() - t0
             buf *= be.xp.float32(1.0) / buf[self.n + 1]
+        loss = float(buf[self.n])
+        if not math.isfinite(loss):
+            return loss  # diverged: every worker sees the same mean, and none applies it
         samples = step * ctx.global_batch  # examples seen before this update
         self.opt.step(self.params, buf[: self.n], decayed_lr(ctx.cfg.lr, ctx.cfg.lr_decay, samples, ctx.data.n_train))
         if self.ema:
             self.ema.update(self.params)
-        return float(buf[self.n])
+        return loss
 
 
 _FP16_SUM = None
@@ -255,6 +290,8 @@ def train_sync(ctx: Context, start: TrainState, on_step=None) -> dict:
         straggler.pause(time.perf_counter() - t0)
         loss = step_fn.reduce_and_apply(step)
         stats.compute_s += time.perf_counter() - t0
+        if not math.isfinite(loss):
+            return _diverged(ctx, step_fn, step, loss, stats.as_dict(None, step_fn.comm_s))
         recent.append(loss)
         if on_step is not None:
             on_step(step + 1, loss, step_fn)
@@ -262,7 +299,15 @@ def train_sync(ctx: Context, start: TrainState, on_step=None) -> dict:
     done = max(total, start.global_step)
     return {"pushed": done, "params": be.to_host(params).copy(), "recent_loss": _mean_loss(recent),
             "dropped": 0, "contributed": done, "train_state": step_fn.train_state(done),
-            "time": stats.as_dict(None, step_fn.comm_s)}
+            "time": stats.as_dict(None, step_fn.comm_s), "diverged": None}
+
+
+def _diverged(ctx: Context, step_fn: SyncStep, step: int, loss: float, timing: dict) -> dict:
+    """Sync: the mean loss of update `step` was not finite, so it was not applied; the state
+    is the last good one. Whether this worker's own loss was the culprit goes to rank 0."""
+    return {"pushed": step, "params": ctx.backend.to_host(step_fn.params).copy(), "recent_loss": loss,
+            "dropped": 0, "contributed": step, "train_state": step_fn.train_state(step), "time": timing,
+            "diverged": {"global_step": step, "loss": loss, "mine": not math.isfinite(step_fn.own_loss)}}
 
 
 def _mean_loss(recent: deque) -> float:
@@ -282,6 +327,7 @@ class GradientThread:
         self.grad = be.xp.empty(n, be.xp.float32)
         self.batches = BatchStream(ctx, taken)
         self.straggler = Straggler(ctx)
+        self.divergence = Divergence(ctx)
         self.version: int | None = None  # None: idle; else the step its parameters belong to
         self.loss = float("nan")
         self.compute_s = 0.0
@@ -328,7 +374,7 @@ class GradientThread:
             try:
                 x, y = self.batches.next()
                 t0 = time.perf_counter()
-                self.loss = self.ctx.model.loss_and_grad(self.snapshot, x, y, self.grad)
+                self.loss = self.divergence.check(self.ctx.model.loss_and_grad(self.snapshot, x, y, self.grad), self.grad)
                 self.straggler.pause(time.perf_counter() - t0)
                 self.compute_s += time.perf_counter() - t0
             except BaseException as e:  # surfaced on the main thread by `finished`
@@ -356,6 +402,7 @@ def train_sync_quorum(ctx: Context, start: TrainState, on_step=None) -> dict:
     total = ctx.global_step_budget
     recent = deque([float("nan")], maxlen=LOSS_WINDOW)
     dropped = contributed = 0
+    diverged = None
     for step in range(start.global_step, total):
         decided = comm.Irecv(decision.spec(), source=PS_RANK, tag=TAG_DECISION)
         reported = False
@@ -388,6 +435,9 @@ def train_sync_quorum(ctx: Context, start: TrainState, on_step=None) -> dict:
                 dropped += 1  # ready, but after Q others
                 helper.discard()
         loss = step_fn.reduce_and_apply(step)
+        if not math.isfinite(loss):
+            diverged = step
+            break
         recent.append(loss)
         if on_step is not None:
             on_step(step + 1, loss, step_fn)
@@ -396,11 +446,14 @@ def train_sync_quorum(ctx: Context, start: TrainState, on_step=None) -> dict:
     ready_req.Wait()
     ready.stamp(TAG_READY, total, 0, FLAG_STOP)  # no more READY from this worker
     comm.Send(ready.spec(), dest=PS_RANK, tag=TAG_READY)
-    wall = time.perf_counter() - started
+    timing = {"wall_s": time.perf_counter() - started, "compute_s": helper.compute_s,
+              "wait_s": poller.waited_s + step_fn.comm_s}
+    if diverged is not None:
+        return _diverged(ctx, step_fn, diverged, loss, timing)
     done = max(total, start.global_step)
     return {"pushed": done, "params": be.to_host(params).copy(), "recent_loss": _mean_loss(recent),
             "dropped": dropped, "contributed": contributed, "train_state": step_fn.train_state(done),
-            "time": {"wall_s": wall, "compute_s": helper.compute_s, "wait_s": poller.waited_s + step_fn.comm_s}}
+            "time": timing, "diverged": None}
 
 
 def run_sync(ctx: Context) -> dict:
@@ -438,7 +491,7 @@ def run_sync(ctx: Context) -> dict:
         last_sent[0] = now
 
     result = train_sync(ctx, start, report)
-    send_full(result["train_state"], FLAG_STOP, result["recent_loss"])
+    send_full(result["train_state"], FLAG_STOP | (FLAG_DIVERGED if result["diverged"] else 0), result["recent_loss"])
     MPI.Request.Waitall(pending)
     return result
 
