@@ -14,6 +14,7 @@ from mpi4py import MPI
 from mpitrain import __version__, checkpoint
 from mpitrain.config import TrainConfig, UsageError
 from mpitrain.metrics import Progress, human_summary, say, staleness_summary, write_json_atomic
+from mpitrain.protocol import VERSION as PROTOCOL_VERSION
 from mpitrain.protocol import ProtocolError
 from mpitrain.runtime import Context, Node, setup
 
@@ -28,8 +29,10 @@ def agree_on_setup(cfg: TrainConfig | None, comm, node: Node, err: str | None) -
             ctx = setup(cfg, comm, node)
         except UsageError as e:
             err = str(e)
-    errors = comm.allgather(err)  # setup-time only; every rank reaches it on every path
-    failed = [(r, e) for r, e in enumerate(errors) if e]
+    notes = comm.allgather((err, identity(ctx)))  # setup-time only; every rank reaches it on every path
+    failed = [(r, e) for r, (e, _) in enumerate(notes) if e]
+    if not failed:
+        failed = mismatches([ident for _, ident in notes])
     if not failed:
         return ctx
     if comm.Get_rank() == 0:
@@ -37,6 +40,32 @@ def agree_on_setup(cfg: TrainConfig | None, comm, node: Node, err: str | None) -
         where = "" if len(failed) == comm.Get_size() else f" on rank {rank}"
         say(f"mpitrain: error{where}: {message}", sys.stderr)
     return None
+
+
+# What every rank must agree on before exchanging a single buffer: the code, the wire format, and
+# the flags that shape messages and the protocol (a mixed install or MPMD launch fails here, in one
+# line, instead of in a truncated message or on garbage).
+AGREED = ("mode", "model", "hidden", "optimizer", "batch_size", "compress", "quorum", "max_staleness", "seed",
+          "dataset", "overlap")
+
+
+def identity(ctx: Context | None) -> dict | None:
+    if ctx is None:
+        return None
+    return {"mpitrain": __version__, "protocol": PROTOCOL_VERSION, "layer_sizes": list(ctx.model.sizes),
+            **{k: getattr(ctx.cfg, k) for k in AGREED}}
+
+
+def mismatches(idents: list[dict | None]) -> list[tuple[int, str]]:
+    ref = idents[0]
+    out = []
+    for rank, ident in enumerate(idents[1:], 1):
+        diff = [k for k in ref if ident.get(k) != ref[k]]
+        if diff:
+            detail = ", ".join(f"{k} {ident.get(k)} vs {ref[k]}" for k in diff)
+            out.append((rank, f"it disagrees with rank 0 ({detail}); start every rank from the same "
+                              f"mpitrain install with the same flags"))
+    return out
 
 
 def digest(params: np.ndarray) -> str:

@@ -46,3 +46,19 @@ def test_checkpointer_never_writes_non_finite_parameters(tmp_path):
     c.save(checkpoint.TrainState(np.ones(6, np.float32), 1, 1, positions=[1]))
     c.save(checkpoint.TrainState(np.full(6, np.nan, np.float32), 2, 2, positions=[2]))
     assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["ckpt-000000001.npz"]
+
+
+def test_ranks_started_with_different_models_stop_before_training():
+    """MPMD launch: rank 0 with one model, the workers with another (as a mixed install would)."""
+    import subprocess
+    import sys
+
+    from conftest import mpirun_path
+
+    cmd = [mpirun_path(), "-np", "1", sys.executable, "-m", "mpitrain", "--no-progress", ":",
+           "-np", "2", sys.executable, "-m", "mpitrain", "--no-progress", "--hidden", "50"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=child_env())
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1
+    assert "error on rank 1: it disagrees with rank 0 (layer_sizes [64, 50, 10] vs [64, 100, 10]" in proc.stderr
+    assert "mpitrain done" not in proc.stdout
