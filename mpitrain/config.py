@@ -6,7 +6,6 @@ It imports nothing heavy, so `--help` and bad flags answer fast.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 MODES = ("async", "sync")
@@ -121,10 +120,6 @@ def parse_straggler(text: str) -> tuple[int, str, float]:
 
 def defaults() -> TrainConfig:
     return TrainConfig()
-
-
-def field_names() -> list[str]:
-    return [f.name for f in dataclasses.fields(TrainConfig)]
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
