@@ -169,7 +169,7 @@ def machine() -> str:
     except ImportError:
         tv = "not installed"
     return (f"{os.cpu_count()} cores ({cpu}), Python {platform.python_version()}, NumPy {numpy.__version__}, "
-            f"{mpi.strip()}, PyTorch {tv}; no GPU on this machine")
+            f"{' '.join(mpi.split())}, PyTorch {tv}; no GPU on this machine")
 
 
 def fmt_row(name: str, r: dict | None, limit: float, ddp: float | None) -> str:
