@@ -308,7 +308,8 @@ def serve_sync(ctx: Context, progress: Progress) -> ServerState:
             box.check(TAG_STATUS, chief, count=full_count if full else 0)
             if quorum is None:
                 progress.update(box.step, box.loss)
-            log_train(ctx, state, clock, box.step, box.loss, force=True)  # the chief already rate-limits
+            log_train(ctx, state, clock, box.step, box.loss, force=True,  # the chief already rate-limits
+                      staleness=0, local_steps=[box.step] * W)
             received = checkpoint.from_flat(box.payload, names, n, box.step, [box.step] * W) if full else None
             if box.flags & FLAG_EVAL:
                 record_eval(ctx, state, clock, received.params, box.step, received.ema)
@@ -340,7 +341,7 @@ def run_local(ctx: Context, progress: Progress) -> tuple[ServerState, dict]:
 
     def on_step(step: int, loss: float, sync_step) -> None:
         progress.update(step, loss)
-        log_train(ctx, state, clock, step, loss)
+        log_train(ctx, state, clock, step, loss, staleness=0, local_steps=[step])
         if eval_due(ctx, step):
             st = sync_step.train_state(step)
             record_eval(ctx, state, clock, st.params, step, st.ema)

@@ -22,12 +22,14 @@ def two_runs(tmp_path_factory):
     return out
 
 
-def test_jsonl_log_has_training_and_eval_events(two_runs):
-    d, s = two_runs["async"]
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_jsonl_log_has_training_and_eval_events(two_runs, mode):
+    d, s = two_runs[mode]
     events = [json.loads(line) for line in (d / "events.jsonl").read_text().splitlines()]
-    assert events[0]["event"] == "start" and events[0]["mode"] == "async"
+    assert events[0]["event"] == "start" and events[0]["mode"] == mode
     train_ev = [e for e in events if e["event"] == "train"]
-    assert [e["global_step"] for e in train_ev[:3]] == [5, 10, 15]
+    if mode == "async":  # every --log-every steps; sync logs what the chief reports (every 0.2 s)
+        assert [e["global_step"] for e in train_ev[:3]] == [5, 10, 15]
     for key in ("loss", "lr", "samples_per_second", "staleness", "local_steps", "time"):
         assert key in train_ev[-1]
     evals = [e for e in events if e["event"] == "eval"]
