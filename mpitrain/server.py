@@ -103,6 +103,12 @@ def log_train(ctx: Context, state: ServerState, clock: _Clock, step: int, loss: 
     state.log.train(step, force, loss=loss, lr=lr, samples_per_second=rate, **extra)
 
 
+def staleness_feasible(global_step: int, other_bases: list[int], bound: int) -> bool:
+    """After one more update, can every other pending gradient (computed on parameters of step
+    `basis`) still be applied, oldest first, with staleness <= bound? The k-th goes at step g+k."""
+    return all(global_step + k - b <= bound for k, b in enumerate(sorted(other_bases), start=1))
+
+
 class AsyncServer:
     """The async serve loop and its bookkeeping, one method per decision."""
 
@@ -154,13 +160,15 @@ class AsyncServer:
         return min(self.held, key=lambda w: self.inbox[w].step)
 
     def _may_apply(self, w: int) -> bool:
-        """Applying w's gradient moves the global step on by one; with --max-staleness S that must
-        leave every other worker's pending gradient at most S updates stale."""
+        """--max-staleness S: apply w's gradient only if every other pending gradient can still be
+        applied within S updates of its basis. Applying moves the global step to g+1; at best the
+        others follow oldest basis first, the k-th at step g+k, so it needs g + k - basis <= S for
+        each (earliest-deadline-first: the oldest pending gradient then always qualifies, so this
+        cannot deadlock when S >= workers-1)."""
         bound = self.cfg.max_staleness
         if bound is None:
             return True
-        after = self.state.global_step + 1
-        return all(after - self.basis[u] <= bound for u in self.active if u != w)
+        return staleness_feasible(self.state.global_step, [self.basis[u] for u in self.active if u != w], bound)
 
     def _apply_held(self) -> None:
         progressed = True

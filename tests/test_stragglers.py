@@ -89,3 +89,15 @@ def test_staleness_summary_quantiles():
 def test_staleness_scaled_lr():
     assert staleness_scaled_lr(0.3, 0) == 0.3 and staleness_scaled_lr(0.3, 1) == 0.3
     assert staleness_scaled_lr(0.3, 3) == pytest.approx(0.1)
+
+
+def test_staleness_rule_keeps_every_pending_gradient_within_the_bound():
+    from mpitrain.server import staleness_feasible
+
+    # 3 workers, S=2, all start on step 0's parameters; A was applied at step 0 (basis 1 now).
+    # Applying A again at g=1 would leave B and C, both on step 0, needing steps 2 and 3: C at 3.
+    assert not staleness_feasible(1, [0, 0], 2)
+    # B (basis 0) may go: then C (0) at step 2 and A (1) at step 3 are both 2 stale
+    assert staleness_feasible(1, [0, 1], 2)
+    assert staleness_feasible(0, [0, 0], 2)  # the first update of a run
+    assert not staleness_feasible(0, [0, 0, 0], 2)  # 4 workers on the same parameters need S >= 3
