@@ -19,6 +19,7 @@ from mpitrain.backend import Backend, make_backend
 from mpitrain.config import TrainConfig, UsageError, validate_for_world
 from mpitrain.data import Dataset, check_batch_fits, load_dataset, steps_per_epoch
 from mpitrain.model import MLP
+from mpitrain.optim import decayed_lr
 
 PS_RANK = 0
 
@@ -99,6 +100,11 @@ class Context:
             per_step = 1 if cfg.mode == "sync" or self.local else self.workers
             budgets.append(epochs * self.steps_per_epoch * per_step)
         return min(budgets)
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of the update that makes global step `step + 1`: decayed by the
+        epochs of global data seen before it (--lr-decay)."""
+        return decayed_lr(self.cfg.lr, self.cfg.lr_decay, step * self.global_batch, self.data.n_train)
 
     @property
     def global_batch(self) -> int:

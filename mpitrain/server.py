@@ -20,7 +20,7 @@ from mpi4py import MPI
 from mpitrain import checkpoint
 from mpitrain.checkpoint import Checkpointer, TrainState
 from mpitrain.metrics import Progress, RunLog
-from mpitrain.optim import Optimizer, decayed_lr, make_ema, staleness_scaled_lr
+from mpitrain.optim import Optimizer, make_ema, staleness_scaled_lr
 from mpitrain.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_LAST, FLAG_STOP, TAG_DECISION, TAG_GRAD, TAG_PARAMS, TAG_READY,
                                TAG_STATUS, Message)
 from mpitrain.runtime import PS_RANK, Context, start_state
@@ -98,7 +98,7 @@ def log_train(ctx: Context, state: ServerState, clock: _Clock, step: int, loss: 
     """--log-dir: the training scalars at a global step (loss, lr, samples/s, and what the caller adds)."""
     if state.log is None:
         return
-    lr = decayed_lr(ctx.cfg.lr, ctx.cfg.lr_decay, step * ctx.global_batch, ctx.data.n_train)
+    lr = ctx.lr_at(step)
     rate = (step - state.start_step) * ctx.global_batch / max(clock.elapsed(), 1e-9)
     state.log.train(step, force, loss=loss, lr=lr, samples_per_second=rate, **extra)
 
@@ -193,7 +193,7 @@ class AsyncServer:
             self._reply(w, stop=True)
             return
         staleness = state.global_step - msg.step
-        lr = decayed_lr(cfg.lr, cfg.lr_decay, state.global_step * self.ctx.global_batch, self.ctx.data.n_train)
+        lr = self.ctx.lr_at(state.global_step)
         if cfg.staleness_lr:
             lr = staleness_scaled_lr(lr, staleness)
         grad = msg.payload

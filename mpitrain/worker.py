@@ -14,7 +14,7 @@ from mpi4py import MPI
 
 from mpitrain.checkpoint import Checkpointer, TrainState, state_arrays, to_flat
 from mpitrain.data import epoch_batches
-from mpitrain.optim import Optimizer, decayed_lr, make_ema
+from mpitrain.optim import Optimizer, make_ema
 from mpitrain.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_LAST, FLAG_STOP, TAG_DECISION, TAG_GRAD, TAG_PARAMS, TAG_READY,
                                TAG_STATUS, Message, ProtocolError)
 from mpitrain.runtime import PS_RANK, Context, start_state
@@ -243,8 +243,7 @@ class SyncStep:
         loss = float(buf[self.n])
         if not math.isfinite(loss):
             return loss  # diverged: every worker sees the same mean, and none applies it
-        samples = step * ctx.global_batch  # examples seen before this update
-        self.opt.step(self.params, buf[: self.n], decayed_lr(ctx.cfg.lr, ctx.cfg.lr_decay, samples, ctx.data.n_train))
+        self.opt.step(self.params, buf[: self.n], ctx.lr_at(step))
         if self.ema:
             self.ema.update(self.params)
         return loss
@@ -291,23 +290,26 @@ def train_sync(ctx: Context, start: TrainState, on_step=None) -> dict:
         loss = step_fn.reduce_and_apply(step)
         stats.compute_s += time.perf_counter() - t0
         if not math.isfinite(loss):
-            return _diverged(ctx, step_fn, step, loss, stats.as_dict(None, step_fn.comm_s))
+            return _sync_result(step_fn, step, loss, stats.as_dict(None, step_fn.comm_s), contributed=step)
         recent.append(loss)
         if on_step is not None:
             on_step(step + 1, loss, step_fn)
     stats.compute_s -= step_fn.comm_s
     done = max(total, start.global_step)
-    return {"pushed": done, "params": be.to_host(params).copy(), "recent_loss": _mean_loss(recent),
-            "dropped": 0, "contributed": done, "train_state": step_fn.train_state(done),
-            "time": stats.as_dict(None, step_fn.comm_s), "diverged": None}
+    return _sync_result(step_fn, done, _mean_loss(recent), stats.as_dict(None, step_fn.comm_s), contributed=done)
 
 
-def _diverged(ctx: Context, step_fn: SyncStep, step: int, loss: float, timing: dict) -> dict:
-    """Sync: the mean loss of update `step` was not finite, so it was not applied; the state
-    is the last good one. Whether this worker's own loss was the culprit goes to rank 0."""
-    return {"pushed": step, "params": ctx.backend.to_host(step_fn.params).copy(), "recent_loss": loss,
-            "dropped": 0, "contributed": step, "train_state": step_fn.train_state(step), "time": timing,
-            "diverged": {"global_step": step, "loss": loss, "mine": not math.isfinite(step_fn.own_loss)}}
+def _sync_result(step_fn: SyncStep, step: int, loss: float, timing: dict, contributed: int,
+                 dropped: int = 0) -> dict:
+    """What a sync worker (or the local run) reports at global step `step`. A non-finite `loss`
+    means update `step` diverged and was not applied: the state is the last good one, and
+    whether this worker's own loss was the culprit goes to rank 0."""
+    state = step_fn.train_state(step)  # host copies; its params are the result's params
+    diverged = None
+    if not math.isfinite(loss):
+        diverged = {"global_step": step, "loss": loss, "mine": not math.isfinite(step_fn.own_loss)}
+    return {"pushed": step, "params": state.params, "recent_loss": loss, "dropped": dropped,
+            "contributed": contributed, "train_state": state, "time": timing, "diverged": diverged}
 
 
 def _mean_loss(recent: deque) -> float:
@@ -449,11 +451,8 @@ def train_sync_quorum(ctx: Context, start: TrainState, on_step=None) -> dict:
     timing = {"wall_s": time.perf_counter() - started, "compute_s": helper.compute_s,
               "wait_s": poller.waited_s + step_fn.comm_s}
     if diverged is not None:
-        return _diverged(ctx, step_fn, diverged, loss, timing)
-    done = max(total, start.global_step)
-    return {"pushed": done, "params": be.to_host(params).copy(), "recent_loss": _mean_loss(recent),
-            "dropped": dropped, "contributed": contributed, "train_state": step_fn.train_state(done),
-            "time": timing, "diverged": None}
+        return _sync_result(step_fn, diverged, loss, timing, contributed, dropped)
+    return _sync_result(step_fn, max(total, start.global_step), _mean_loss(recent), timing, contributed, dropped)
 
 
 def run_sync(ctx: Context) -> dict:
