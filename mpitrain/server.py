@@ -147,14 +147,18 @@ class AsyncServer:
                 self.held.append(w)
         self.poller.all(self.sends)
         self.clock.stop(self.state)
-        self.state.ema = self.ema.avg if self.ema else None
+        self.state.ema = self._ema_avg
         self._checkpoint()  # the final one
         return self.state
+
+    @property
+    def _ema_avg(self) -> np.ndarray | None:
+        return self.ema.avg if self.ema else None
 
     def _checkpoint(self) -> None:
         st = self.state
         self.ckpt.save(TrainState(st.params, st.global_step, self.opt.t, self.opt.m, self.opt.v, list(st.local_steps),
-                                  self.ema.avg if self.ema else None))
+                                  self._ema_avg))
 
     def _oldest_held(self) -> int:
         return min(self.held, key=lambda w: self.inbox[w].step)
@@ -211,7 +215,7 @@ class AsyncServer:
         log_train(self.ctx, state, self.clock, state.global_step, msg.loss, staleness=staleness,
                   local_steps=list(state.local_steps))
         if cfg.eval_every and state.global_step % cfg.eval_every == 0:
-            record_eval(self.ctx, state, self.clock, state.params, state.global_step, self.ema.avg if self.ema else None)
+            record_eval(self.ctx, state, self.clock, state.params, state.global_step, self._ema_avg)
         if self.ckpt.due(state.global_step):
             self._checkpoint()
         self.stopping = cfg.steps is not None and state.global_step >= cfg.steps
