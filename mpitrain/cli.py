@@ -83,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--wait", choices=("auto", "spin", "yield"), default=d.wait,
                    help="how workers wait in collectives: spin (MPICH's blocking Allreduce), or yield "
                         "(Iallreduce + test-and-sleep); auto yields when a node has more computing ranks than cores")
+    g.add_argument("--worker-timeout", type=float, default=d.worker_timeout, metavar="SEC",
+                   help="declare a rank lost after SEC seconds without a heartbeat (0: never). Async: rank 0 "
+                        "finishes with the other workers (launch with `mpirun -disable-auto-cleanup`); "
+                        "sync: the job stops, naming the rank")
 
     g = p.add_argument_group("model")
     g.add_argument("--model", choices=("softmax", "mlp"), default=d.model, help="softmax regression or ReLU MLP")
@@ -170,9 +174,13 @@ def main(argv: list[str] | None = None) -> int:
     if "--version" in argv:
         print(f"mpitrain {__version__}")
         return 0
+    from mpitrain.supervise import supervise
+
+    supervise()  # under hydra: a dying rank must not take its peers down (see supervise.py)
     import mpi4py
 
-    mpi4py.rc.thread_level = "funneled"  # MPI is only ever called from the main thread
+    # Training runs on the main thread; a worker's heartbeat thread (liveness.py) also sends.
+    mpi4py.rc.thread_level = "multiple"
     from mpi4py import MPI
 
     from mpitrain.runtime import node_info

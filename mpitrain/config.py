@@ -18,6 +18,9 @@ WAITS = ("auto", "spin", "yield")
 
 # Used when neither --epochs nor --steps is given: enough for digits to pass 93%.
 DEFAULT_EPOCHS = 50
+# Seconds of silence (no heartbeat, no message) after which a rank is declared lost. Heartbeats
+# come from a thread, so a slow step never counts as silence.
+DEFAULT_WORKER_TIMEOUT_S = 30.0
 
 
 class UsageError(Exception):
@@ -35,6 +38,7 @@ class TrainConfig:
     staleness_lr: bool = False
     stragglers: tuple[tuple[int, str, float], ...] = ()  # (rank, "delay"|"factor", value)
     wait: str = "auto"
+    worker_timeout: float = DEFAULT_WORKER_TIMEOUT_S  # 0: never declare a rank lost
     # model
     model: str = "mlp"
     hidden: tuple[int, ...] = (100,)
@@ -139,6 +143,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _choice("device", cfg.device, DEVICES)
     _choice("compress", cfg.compress, COMPRESSIONS)
     _choice("wait", cfg.wait, WAITS)
+    if not (cfg.worker_timeout >= 0 and cfg.worker_timeout < float("inf")):
+        raise UsageError(f"--worker-timeout must be zero (never) or a positive number of seconds "
+                         f"(got {cfg.worker_timeout}); e.g. --worker-timeout 30")
     if cfg.batch_size <= 0:
         raise UsageError(f"--batch-size must be a positive integer (got {cfg.batch_size}); e.g. --batch-size 100")
     if not cfg.lr > 0:

@@ -95,6 +95,10 @@ class RunLog:
             self._write({"event": "train", "global_step": step, **values})
             self._scalars(step, "train", {k: v for k, v in values.items() if not isinstance(v, (list, dict))})
 
+    def event(self, name: str, **fields) -> None:
+        """A one-off event (e.g. worker_lost), in events.jsonl only."""
+        self._write({"event": name, **fields})
+
     def eval(self, entry: dict) -> None:
         self._write({"event": "eval", **entry})
         self._scalars(entry["global_step"], "eval", {k: v for k, v in entry.items() if k != "global_step"})
@@ -168,4 +172,9 @@ def human_summary(s: dict) -> list[str]:
         + (f", EMA {s['ema_test_accuracy']:.4f}" if s.get("ema_test_accuracy") is not None else "")
         + f" | per worker [{workers_acc}] | test loss "
         f"{s['test_loss']:.4f} | final train loss {s['final_loss']:.4f} | dropped gradients {s['dropped_gradients']}",
-    ] + ([line] if (line := straggler_line(s)) else [])
+    ] + ([line] if (line := straggler_line(s)) else []) + lost_lines(s)
+
+
+def lost_lines(s: dict) -> list[str]:
+    return [f"  lost worker rank {x['rank']} at global step {x['global_step']:,} ({x['reason']})"
+            for x in s.get("lost_workers") or []]

@@ -19,6 +19,8 @@ TAG_PARAMS = 12  # PS -> worker: parameters (async reply)
 TAG_STATUS = 13  # chief worker -> PS: progress of a sync run (header only), or parameters (EVAL/STOP)
 TAG_READY = 15  # sync --quorum, worker -> PS: my gradient for step H_STEP is ready (header only)
 TAG_DECISION = 16  # sync --quorum, PS -> worker: the step's weights, one float32 per worker
+TAG_HEARTBEAT = 17  # any rank -> its watchers: I am alive (header only; liveness.py)
+TAG_REPORT = 18  # at the end, worker -> PS: its report (JSON bytes, once); PS -> worker: goodbye (header)
 
 # Header slots.
 H_MAGIC = 0
@@ -37,6 +39,7 @@ FLAG_STOP = 2  # PS: stop after this reply; chief/READY: my last message
 FLAG_EVAL = 4  # chief -> PS: these parameters are for --eval-every
 FLAG_CKPT = 8  # chief -> PS: checkpoint this state (parameters, then the optimizer's arrays)
 FLAG_DIVERGED = 16  # a non-finite loss: training stops (PS -> workers in async, chief -> PS in sync)
+FLAG_PEER_LOST = 32  # PS -> worker, goodbye: a rank was lost, so nobody may call MPI_Finalize
 
 
 class ProtocolError(RuntimeError):

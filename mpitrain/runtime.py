@@ -62,6 +62,7 @@ class Context:
     model: MLP
     worker_comm: object = None  # sync mode: the workers only (rank 0 is not in the hot collective)
     resume: object = None  # rank 0: (path, checkpoint.TrainState) found in --checkpoint-dir
+    watch: object = None  # liveness.Watch (or NoWatch): the peers this rank waits on
 
     @property
     def local(self) -> bool:

@@ -10,6 +10,7 @@ parameters.
 from __future__ import annotations
 
 import math
+import sys
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -19,7 +20,8 @@ from mpi4py import MPI
 
 from mpitrain import checkpoint
 from mpitrain.checkpoint import Checkpointer, TrainState
-from mpitrain.metrics import Progress, RunLog
+from mpitrain.liveness import PeerLost
+from mpitrain.metrics import Progress, RunLog, say
 from mpitrain.optim import Optimizer, make_ema, staleness_scaled_lr
 from mpitrain.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_LAST, FLAG_STOP, TAG_DECISION, TAG_GRAD, TAG_PARAMS, TAG_READY,
                                TAG_STATUS, Message)
@@ -41,6 +43,7 @@ class ServerState:
     start_step: int = 0  # > 0 when resumed
     diverged: dict | None = None  # {"global_step", "ranks", "loss"} once a loss was not finite
     log: RunLog | None = None  # --log-dir
+    lost_workers: list[dict] = field(default_factory=list)  # async: workers declared lost, in order
     train_s: float = 0.0
     busy_fraction: float = 0.0
 
@@ -109,6 +112,29 @@ def staleness_feasible(global_step: int, other_bases: list[int], bound: int) -> 
     return all(global_step + k - b <= bound for k, b in enumerate(sorted(other_bases), start=1))
 
 
+def failing_ranks(error: Exception, reqs: list, ranks: list[int]) -> dict[int, str]:
+    """After an MPI error in Test*/Testsome: the ranks whose own request fails when tested alone
+    (re-raises `error` if none does)."""
+    broken = {}
+    for req, rank in zip(reqs, ranks):
+        try:
+            req.Test()
+        except MPI.Exception as e:
+            broken[rank] = f"MPI error: {str(e).strip().splitlines()[-1]}"
+    if not broken:
+        raise error
+    return broken
+
+
+def record_lost(state: ServerState, rank: int, why: str, then: str = "") -> None:
+    """A worker declared lost: in the summary (lost_workers), on stderr, and in the log."""
+    info = {"rank": rank, "global_step": state.global_step, "reason": why}
+    state.lost_workers.append(info)
+    say(f"mpitrain: worker rank {rank} lost at global step {state.global_step} ({why}){then}", sys.stderr)
+    if state.log:
+        state.log.event("worker_lost", **info)
+
+
 class AsyncServer:
     """The async serve loop and its bookkeeping, one method per decision."""
 
@@ -130,7 +156,7 @@ class AsyncServer:
         self.sends = [MPI.REQUEST_NULL] * W
         # With --overlap a reply is not awaited until the worker's next gradient is computed, so
         # rank 0 can sleep longer between polls and leave the cores to the workers.
-        self.poller = Poller(PS_POLL_S if cfg.effective_overlap else PS_POLL_NO_OVERLAP_S)
+        self.poller = Poller(PS_POLL_S if cfg.effective_overlap else PS_POLL_NO_OVERLAP_S, ctx.watch)
         self.active = set(range(W))  # workers not yet told to stop
         self.held: list[int] = []  # gradients received, not yet applied (--max-staleness)
         self.basis = [self.state.global_step] * W  # version each worker's next gradient is computed on
@@ -142,14 +168,54 @@ class AsyncServer:
             if self.held and not any(self.recv[w] != MPI.REQUEST_NULL for w in self.active):
                 self._apply(self._oldest_held())  # never reached with S >= W-1; no hang regardless
                 continue
-            for w in self.poller.some(self.recv):
+            try:
+                arrived = self.poller.some(self.recv)
+            except PeerLost as e:
+                self._lose(e.lost)
+                continue
+            except MPI.Exception as e:  # a gradient from a process that died while sending it
+                self._lose(self._broken(e))
+                continue
+            for w in arrived:
                 self.inbox[w].check(TAG_GRAD, w + 1)
+                self.ctx.watch.heard(w + 1)
                 self.held.append(w)
-        self.poller.all(self.sends)
+        self._drain_sends()
         self.clock.stop(self.state)
         self.state.ema = self._ema_avg
         self._checkpoint()  # the final one
         return self.state
+
+    def _broken(self, error: Exception) -> dict[int, str]:
+        """After an MPI error in Testsome: the workers whose receives fail on their own."""
+        if not self.ctx.watch.watched:  # --worker-timeout 0: nobody may be declared lost
+            raise error
+        active = sorted(self.active)
+        return failing_ranks(error, [self.recv[w] for w in active], [w + 1 for w in active])
+
+    def _lose(self, lost: dict[int, str]) -> None:
+        """Carry on without these workers: their gradients in flight are dropped, nothing is sent
+        to them again, and the budget is finished by the others."""
+        for rank, why in lost.items():
+            w = rank - 1
+            self.ctx.watch.declare(rank, why)
+            self.active.discard(w)
+            if w in self.held:
+                self.held.remove(w)
+            # Requests to or from a dead process never complete: dropped (never waited on), and
+            # the job ends without MPI_Finalize, which would wait for them (see train.py).
+            self.recv[w] = MPI.REQUEST_NULL
+            self.sends[w] = MPI.REQUEST_NULL
+            record_lost(self.state, rank, why, f"; continuing with {len(self.active)} worker(s)" if self.active else "")
+
+    def _drain_sends(self) -> None:
+        """Wait for the last replies, giving up on any worker lost meanwhile."""
+        while True:
+            try:
+                self.poller.all(self.sends)
+                return
+            except PeerLost as e:
+                self._lose(e.lost)
 
     @property
     def _ema_avg(self) -> np.ndarray | None:
@@ -307,12 +373,17 @@ def serve_sync(ctx: Context, progress: Progress) -> ServerState:
     full_count = n * len(names)
     box = Message(full_count)
     quorum = QuorumCoordinator(ctx) if cfg.quorum is not None and cfg.quorum < W else None
-    poller = Poller(QUORUM_POLL_S if quorum else CHIEF_POLL_S)
+    poller = Poller(QUORUM_POLL_S if quorum else CHIEF_POLL_S, ctx.watch)  # PeerLost ends the job (train.py)
     status = ctx.comm.Irecv(box.spec(), source=chief, tag=TAG_STATUS)
     final_seen = False
     while not (final_seen and (quorum is None or quorum.done)):
         reqs = [status] + (quorum.requests() if quorum else [])
-        for i in poller.some(reqs):
+        try:
+            arrived = poller.some(reqs)
+        except MPI.Exception as e:  # a message from a worker that died while sending it
+            broken = failing_ranks(e, reqs, [chief] + [w + 1 for w in range(len(reqs) - 1)])
+            raise PeerLost(broken) from e  # sync cannot go on: train.py ends the job, naming it
+        for i in arrived:
             if i > 0:
                 quorum.handle(i - 1, progress)
                 continue

@@ -4,21 +4,29 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
+import os
 import sys
+import time
 import traceback
 from pathlib import Path
 
 import numpy as np
 from mpi4py import MPI
 
-from mpitrain import __version__, checkpoint
+from mpitrain import __version__, checkpoint, liveness
 from mpitrain.config import TrainConfig, UsageError
 from mpitrain.metrics import Progress, human_summary, say, staleness_summary, write_json_atomic
+from mpitrain.liveness import PeerLost
+from mpitrain.protocol import FLAG_PEER_LOST, TAG_REPORT, Message, ProtocolError
 from mpitrain.protocol import VERSION as PROTOCOL_VERSION
-from mpitrain.protocol import ProtocolError
-from mpitrain.runtime import Context, Node, setup
+from mpitrain.runtime import PS_RANK, Context, Node, setup
+from mpitrain.server import record_lost
+from mpitrain.transport import Poller
 
 EXIT_DIVERGED = 4  # every rank, after the summary: training stopped on a non-finite loss
+EXIT_PEER_LOST = 5  # a rank this one cannot go on without was lost (--worker-timeout)
+REPORT_POLL_S = 1e-3  # end of run: off the hot path
 
 
 def agree_on_setup(cfg: TrainConfig | None, comm, node: Node, err: str | None) -> Context | None:
@@ -129,7 +137,7 @@ def build_summary(ctx: Context, mine: dict, reports: list[dict], placements: lis
     quorum = None
     if cfg.mode == "sync" and not ctx.local:
         quorum = cfg.quorum if cfg.quorum is not None else ctx.workers
-    samples = state.global_step * ctx.global_batch
+    samples = (state.global_step - state.start_step) * ctx.global_batch  # this run only, when resumed
     return {
         "mpitrain_version": __version__,
         "mode": "local" if ctx.local else cfg.mode,
@@ -147,8 +155,13 @@ def build_summary(ctx: Context, mine: dict, reports: list[dict], placements: lis
         "test_loss": mine["test_loss"],
         "ema_test_loss": mine["ema"][0],
         "ema_test_accuracy": mine["ema"][1],
+        "worker_ranks": [w["rank"] for w in workers],
         "worker_test_accuracy": [w["test_accuracy"] for w in workers],
         "final_loss": state.final_loss,
+        "lost_workers": state.lost_workers,
+        "max_rss_mb": [{"rank": 0, "start": mine["max_rss_mb"][0], "end": mine["max_rss_mb"][1]}]
+        + [{"rank": w["rank"], "start": w["max_rss_mb"][0], "end": w["max_rss_mb"][1]} for w in workers
+           if w["rank"] != 0 and "max_rss_mb" in w],
         "dropped_gradients": sum(w["dropped"] for w in workers),
         "dropped_gradients_per_worker": [w["dropped"] for w in workers],
         "staleness": staleness_summary(state.staleness),
@@ -172,23 +185,20 @@ def run(cfg: TrainConfig | None, comm, node: Node, err: str | None) -> int:
         return 2
     if cfg.mode == "sync" and not ctx.local:  # collective on COMM_WORLD: every rank calls it
         ctx.worker_comm = comm.Split(0 if ctx.rank > 0 else MPI.UNDEFINED, ctx.rank)
-    placements = comm.gather(ctx.placement(), root=0)
+    placements = comm.gather(ctx.placement(), root=0)  # the last collective over every rank
     if ctx.rank == 0:
-        for line in placements:
-            say(line)
-        if ctx.local:
-            say("mpitrain: one process: training locally with no parameter server "
-                "(mpirun -np 3 gives 1 parameter server + 2 workers)")
-        if ctx.resume:
-            path, st = ctx.resume
-            say(f"mpitrain: resuming from {path} (global step {st.global_step}); --fresh starts over")
-        elif cfg.fresh and cfg.checkpoint_dir:
-            moved = checkpoint.set_aside(Path(cfg.checkpoint_dir))
-            if moved:
-                say(f"mpitrain: --fresh: earlier checkpoints kept in {moved}")
+        announce(ctx, placements)
+    heartbeat, ctx.watch = liveness.start(comm, ctx.rank, ctx.size, cfg.worker_timeout)
+    rss_start = max_rss_mb()
     try:
         mine = train_role(ctx)
-        reports = comm.gather({"worker": mine["worker"]} if "worker" in mine else {}, root=0)
+        mine["max_rss_mb"] = [rss_start, max_rss_mb()]  # start and end of training (benchmarks/soak.py)
+        if ctx.rank == 0:
+            reports = collect_reports(ctx, mine)
+        else:
+            send_report(ctx, {**mine["worker"], "max_rss_mb": mine["max_rss_mb"]})
+    except PeerLost as e:
+        return peer_lost(ctx, e)
     except ProtocolError as e:
         say(f"mpitrain: rank {ctx.rank}: wire-format error: {e}", sys.stderr)
         comm.Abort(3)
@@ -198,23 +208,156 @@ def run(cfg: TrainConfig | None, comm, node: Node, err: str | None) -> int:
         sys.stderr.flush()
         comm.Abort(1)  # peers may be blocked on this rank: end the whole job, never hang
         return 1
-    diverged = _divergence(ctx, mine, reports)
+    diverged = _divergence(ctx, mine, reports if ctx.rank == 0 else None)
     if ctx.rank == 0:
+        state = mine["state"]
         summary = build_summary(ctx, mine, reports, placements)
         summary["diverged"] = diverged
         for line in human_summary(summary):
             say(line)
         if cfg.summary_json:
             write_json_atomic(cfg.summary_json, summary)
-        if mine["state"].log:
-            mine["state"].log.close(summary)
-    if ctx.worker_comm is not None and ctx.worker_comm != MPI.COMM_NULL:
-        ctx.worker_comm.Free()
+        if state.log:
+            state.log.close(summary)
+        peer_was_lost = bool(state.lost_workers)
+        say_goodbye(ctx, [r["worker"]["rank"] for r in reports], peer_was_lost)
+    else:
+        try:
+            peer_was_lost = await_goodbye(ctx)
+        except PeerLost as e:
+            return peer_lost(ctx, e)
+    # Retire the heartbeats (each rank's last beat closes its peer's receive); a peer that dies
+    # now makes MPI_Finalize unsafe too.
+    lost = set(ctx.watch.lost) | ({i["rank"] for i in mine["state"].lost_workers} if ctx.rank == 0 else set())
+    if heartbeat and not heartbeat.close(lost):
+        peer_was_lost = True
+    if not ctx.watch.close():
+        peer_was_lost = True
+    code = 0
+    if ctx.rank == 0 and not ctx.local and len(reports) == 0:
+        code = EXIT_PEER_LOST  # every worker was lost: the budget was not finished
     if diverged:
         if ctx.rank == 0:
             say(divergence_line(diverged, mine["checkpoints"]), sys.stderr)
-        return EXIT_DIVERGED
-    return 0
+        code = EXIT_DIVERGED
+    if peer_was_lost:
+        exit_without_finalize(code)
+    if ctx.worker_comm is not None and ctx.worker_comm != MPI.COMM_NULL:
+        ctx.worker_comm.Free()
+    return code
+
+
+def announce(ctx: Context, placements: list[str]) -> None:
+    """Rank 0, before training: where every rank runs, and what this run starts from."""
+    cfg = ctx.cfg
+    for line in placements:
+        say(line)
+    if ctx.local:
+        say("mpitrain: one process: training locally with no parameter server "
+            "(mpirun -np 3 gives 1 parameter server + 2 workers)")
+    if ctx.resume:
+        path, st = ctx.resume
+        say(f"mpitrain: resuming from {path} (global step {st.global_step}); --fresh starts over")
+    elif cfg.fresh and cfg.checkpoint_dir:
+        moved = checkpoint.set_aside(Path(cfg.checkpoint_dir))
+        if moved:
+            say(f"mpitrain: --fresh: earlier checkpoints kept in {moved}")
+
+
+def send_report(ctx: Context, report: dict) -> None:
+    """A worker's end-of-run report to rank 0: JSON bytes, point to point, so that it works with
+    a peer lost (a collective would wait for the dead)."""
+    data = json.dumps(report).encode()
+    ctx.comm.Send([data, MPI.BYTE], dest=PS_RANK, tag=TAG_REPORT)
+
+
+def collect_reports(ctx: Context, mine: dict) -> list[dict]:
+    """Rank 0: every live worker's report (and its own, when local), by rank. A worker lost
+    before reporting is recorded in lost_workers and left out; so is one whose report has not
+    come --worker-timeout seconds after training ended."""
+    state = mine["state"]
+    reports = [{"worker": mine["worker"]}] if "worker" in mine else []
+    timeout = ctx.cfg.worker_timeout
+    deadline = time.monotonic() + timeout if timeout > 0 else float("inf")
+    status = MPI.Status()
+    pending = set(range(1, ctx.size)) - {info["rank"] for info in state.lost_workers}
+    while pending:
+        for rank in sorted(pending):
+            if ctx.comm.Iprobe(source=rank, tag=TAG_REPORT, status=status):
+                buf = bytearray(status.Get_count(MPI.BYTE))
+                ctx.comm.Recv([buf, MPI.BYTE], source=rank, tag=TAG_REPORT)
+                reports.append({"worker": json.loads(buf)})
+                ctx.watch.forget(rank)
+                pending.discard(rank)
+        try:
+            ctx.watch.check()
+        except PeerLost as e:
+            for rank, why in e.lost.items():
+                record_lost(state, rank, why)
+                pending.discard(rank)
+        if pending and time.monotonic() > deadline:
+            for rank in sorted(pending):
+                ctx.watch.declare(rank, "no report")
+                record_lost(state, rank, f"no report {timeout:g} s after training ended")
+            pending.clear()
+        if pending:
+            time.sleep(REPORT_POLL_S)
+    return sorted(reports, key=lambda r: r["worker"]["rank"])
+
+
+def say_goodbye(ctx: Context, ranks: list[int], peer_was_lost: bool) -> None:
+    """Rank 0, after the summary: release the workers, telling them whether MPI_Finalize is safe."""
+    bye = Message(0)
+    bye.stamp(TAG_REPORT, 0, flags=FLAG_PEER_LOST if peer_was_lost else 0)
+    MPI.Request.Waitall([ctx.comm.Isend(bye.spec(), dest=r, tag=TAG_REPORT) for r in ranks if r != PS_RANK])
+
+
+def await_goodbye(ctx: Context) -> bool:
+    """A worker: wait (watching rank 0) until rank 0 is done; True when a peer was lost."""
+    bye = Message(0)
+    Poller(REPORT_POLL_S, ctx.watch).all([ctx.comm.Irecv(bye.spec(), source=PS_RANK, tag=TAG_REPORT)])
+    bye.check(TAG_REPORT, PS_RANK)
+    return bool(bye.flags & FLAG_PEER_LOST)
+
+
+def peer_lost(ctx: Context, e: PeerLost) -> int:
+    """A rank this one cannot go on without is lost: say so in one line and end this rank.
+    Rank 0 (sync: a collective cannot finish without the worker) ends the whole job."""
+    who = "; ".join(f"rank {r}: {why}" for r, why in e.lost.items())
+    if ctx.rank == PS_RANK:
+        say(f"mpitrain: error: lost worker {who}. Sync training cannot finish a collective without it; "
+            f"{resume_hint(ctx, len(e.lost))}", sys.stderr)
+        ctx.comm.Abort(EXIT_PEER_LOST)  # the other workers are stuck in the collective
+        return EXIT_PEER_LOST
+    say(f"mpitrain: error: rank {ctx.rank} lost the parameter server ({who}); stopping. Rank 0's "
+        f"newest checkpoint in --checkpoint-dir resumes the run", sys.stderr)
+    exit_without_finalize(EXIT_PEER_LOST)
+    return EXIT_PEER_LOST
+
+
+def resume_hint(ctx: Context, lost: int) -> str:
+    directory = ctx.cfg.checkpoint_dir
+    if not directory:
+        return "no --checkpoint-dir was given, so there is nothing to resume from"
+    found = checkpoint.list_checkpoints(Path(directory))
+    newest = f"the newest checkpoint is {found[-1]}" if found else f"no checkpoint was written to {directory} yet"
+    return (f"{newest}; resume with the workers left: the same command with -np {ctx.size - lost} "
+            f"(the data is re-sharded)")
+
+
+def max_rss_mb() -> float:
+    """This process's peak resident memory so far (Linux reports KiB)."""
+    import resource
+
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+
+
+def exit_without_finalize(code: int) -> None:
+    """End this rank now. After a peer is lost MPI_Finalize would wait for it forever (measured
+    with MPICH 5.0.2), so the survivors flush their output and leave without it."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _divergence(ctx: Context, mine: dict, reports: list | None) -> dict | None:

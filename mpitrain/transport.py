@@ -10,6 +10,8 @@ import time
 
 from mpi4py import MPI
 
+from mpitrain.liveness import PeerLost
+
 # Sleep between polls. A wake-up from sleep costs ~80-100 us on these VMs, so shorter sleeps
 # only cost CPU. Each of the PS's polls costs ~12 us of CPU (a wake-up plus MPICH progress).
 # With --overlap the reply is off the workers' critical path: 200 us measured best on 2 cores
@@ -22,28 +24,49 @@ QUORUM_POLL_S = 50e-6  # ... unless it decides --quorum steps: then every step w
 
 
 class Poller:
-    """Test-and-sleep waits, with the time spent waiting accounted."""
+    """Test-and-sleep waits, with the time spent waiting accounted. With a `watch`
+    (liveness.Watch), a wait looks at it between polls: it raises PeerLost instead of waiting
+    forever on a dead peer."""
 
-    def __init__(self, sleep_s: float):
+    def __init__(self, sleep_s: float, watch=None):
         self.sleep_s = sleep_s
         self.waited_s = 0.0
+        self.watch = watch
 
     def all(self, reqs: list) -> None:
-        if MPI.Request.Testall(reqs):
-            return
         t0 = time.perf_counter()
-        while not MPI.Request.Testall(reqs):
-            time.sleep(self.sleep_s)
-        self.waited_s += time.perf_counter() - t0
+        try:
+            while not MPI.Request.Testall(reqs):
+                time.sleep(self.sleep_s)
+                if self.watch is not None:
+                    self.watch.check()
+        except MPI.Exception as e:
+            self._peer_failed(e)
+        finally:
+            self.waited_s += time.perf_counter() - t0
+
+    def _peer_failed(self, error: Exception) -> None:
+        """An MPI error while waiting on the one peer this rank watches (a worker's rank 0): that
+        peer died mid-message. With several peers the caller finds out which (server.py)."""
+        watched = self.watch.watched if self.watch is not None else []
+        if len(watched) != 1:
+            raise error
+        why = f"MPI error: {str(error).strip().splitlines()[-1]}"
+        self.watch.declare(watched[0], why)
+        raise PeerLost({watched[0]: why}) from error
 
     def some(self, reqs: list) -> list[int]:
         """Indices of completed requests (at least one), or [] when none is active any more."""
-        idx = MPI.Request.Testsome(reqs)
-        if idx:
-            return idx
         t0 = time.perf_counter()
-        while idx is not None and not idx:
-            time.sleep(self.sleep_s)
+        try:
             idx = MPI.Request.Testsome(reqs)
-        self.waited_s += time.perf_counter() - t0
+            while idx is not None and not idx:
+                time.sleep(self.sleep_s)
+                if self.watch is not None:
+                    self.watch.check()
+                idx = MPI.Request.Testsome(reqs)
+        except MPI.Exception as e:
+            self._peer_failed(e)
+        finally:
+            self.waited_s += time.perf_counter() - t0
         return idx or []

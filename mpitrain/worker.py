@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 import sys
 import threading
 import time
@@ -14,6 +13,7 @@ from mpi4py import MPI
 
 from mpitrain.checkpoint import Checkpointer, TrainState, state_arrays, to_flat
 from mpitrain.data import epoch_batches
+from mpitrain.faults import Kill, injected_step
 from mpitrain.optim import Optimizer, make_ema
 from mpitrain.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_LAST, FLAG_STOP, TAG_DECISION, TAG_GRAD, TAG_PARAMS, TAG_READY,
                                TAG_STATUS, Message, ProtocolError)
@@ -59,13 +59,12 @@ class Divergence:
     """A gradient is only usable when its loss and all its entries are finite. One BLAS dot
     product checks the entries (~1% of a step): NaN or inf anywhere makes it non-finite, and so do
     entries beyond ~1e19, which only a diverging run produces. A non-finite result is reported as
-    a NaN loss, which stops training on every rank. MPITRAIN_INJECT_NAN=RANK:STEP (for fault tests)
-    makes worker RANK report NaN at its local step STEP."""
+    a NaN loss, which stops training on every rank. MPITRAIN_INJECT_NAN (faults.py) makes a
+    worker report NaN at a given local step."""
 
     def __init__(self, ctx: Context):
         self.xp = ctx.backend.xp
-        rank, _, step = os.environ.get("MPITRAIN_INJECT_NAN", "").partition(":")
-        self.inject_at = int(step) if rank.isdigit() and int(rank) == ctx.rank and step.isdigit() else None
+        self.inject_at = injected_step("MPITRAIN_INJECT_NAN", ctx.rank)
         self.steps = 0
 
     def check(self, loss: float, grad) -> float:
@@ -106,10 +105,11 @@ def run_async(ctx: Context) -> dict:
     grads = [be.mirror(m.payload) for m in outbox]
     cur, version = 0, start.global_step
     batches = BatchStream(ctx, start.position(ctx.worker_index))
-    poller, stats, straggler, divergence = Poller(WORKER_POLL_S), WorkerStats(), Straggler(ctx), Divergence(ctx)
+    poller, stats, straggler, divergence = Poller(WORKER_POLL_S, ctx.watch), WorkerStats(), Straggler(ctx), Divergence(ctx)
     reqs: list = []
     pushed = 0
     sent_last = False
+    kill = Kill(ctx.rank)
     diverged: dict = {}  # filled when rank 0 stops the run because a loss was not finite
 
     def adopt_reply() -> bool:
@@ -150,6 +150,7 @@ def run_async(ctx: Context) -> dict:
             if stop:
                 break  # the gradient just computed is not pushed: training is over
         last = batches.exhausted
+        kill.at(pushed + 1)
         outbox[slot].stamp(TAG_GRAD, used_version, pushed + 1, FLAG_LAST if last else 0, loss)
         reqs = [comm.Irecv(inbox[1 - cur].spec(), source=PS_RANK, tag=TAG_PARAMS),
                 comm.Isend(outbox[slot].spec(), dest=PS_RANK, tag=TAG_GRAD)]
@@ -279,10 +280,11 @@ def train_sync(ctx: Context, start: TrainState, on_step=None) -> dict:
     params = be.asarray(start.params)
     step_fn = SyncStep(ctx, params, start)
     batches = BatchStream(ctx, start.position(ctx.worker_index))
-    stats, straggler = WorkerStats(), Straggler(ctx)
+    stats, straggler, kill = WorkerStats(), Straggler(ctx), Kill(ctx.rank)
     total = ctx.global_step_budget
     recent = deque([float("nan")], maxlen=LOSS_WINDOW)  # nan only if resumed at the budget
     for step in range(start.global_step, total):
+        kill.at(step - start.global_step + 1)
         x, y = batches.next()
         t0 = time.perf_counter()
         step_fn.compute(x, y)
@@ -422,6 +424,7 @@ def train_sync_quorum(ctx: Context, start: TrainState, on_step=None) -> dict:
                     dropped += 1
                     helper.discard()
                     continue
+            ctx.watch.check()  # rank 0 decides every step: never wait on a dead one
             time.sleep(WORKER_POLL_S)
         poller.waited_s += time.perf_counter() - t0
         decision.check(TAG_DECISION, PS_RANK, count=ctx.workers)
@@ -468,9 +471,10 @@ def run_sync(ctx: Context) -> dict:
     pending = [MPI.REQUEST_NULL, MPI.REQUEST_NULL]  # one status, one full message in flight at most
     last_sent = [0.0]
     ckpt = Checkpointer(ctx.cfg, ctx.fingerprint)  # only decides when; rank 0 writes
+    waiter = Poller(WORKER_POLL_S, ctx.watch)  # a full message waits for rank 0: never a dead one
 
     def send_full(state: TrainState, flags: int, loss: float) -> None:
-        pending[1].Wait()
+        waiter.all(pending[1:])
         full.payload[:] = to_flat(state, names)
         full.stamp(TAG_STATUS, state.global_step, state.global_step, flags, loss)
         pending[1] = ctx.comm.Isend(full.spec(), dest=PS_RANK, tag=TAG_STATUS)
@@ -491,7 +495,7 @@ def run_sync(ctx: Context) -> dict:
 
     result = train_sync(ctx, start, report)
     send_full(result["train_state"], FLAG_STOP | (FLAG_DIVERGED if result["diverged"] else 0), result["recent_loss"])
-    MPI.Request.Waitall(pending)
+    waiter.all(pending)
     return result
 
 

@@ -48,3 +48,33 @@ def train(np_: int, tmp_path: Path, *args: str, **kw) -> dict:
     data["_stdout"] = proc.stdout
     data["_stderr"] = proc.stderr
     return data
+
+
+def run_detached(cmd: list[str], timeout: float = MPI_TIMEOUT_S, env: dict | None = None) -> tuple[subprocess.CompletedProcess, float]:
+    """Run `cmd` in its own session; on timeout kill the whole session (under
+    `mpirun -disable-auto-cleanup` ranks may outlive mpirun) and fail. Returns (result, seconds);
+    result.leftovers tells whether any process of the session outlived the command."""
+    import signal
+    import time
+
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env or child_env(),
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"timed out after {timeout} s\nstdout:\n{out}\nstderr:\n{err}")
+    elapsed = time.monotonic() - t0
+    result = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+        result.leftovers = True
+    except ProcessLookupError:
+        result.leftovers = False
+    return result, elapsed
+
+
+def mpitrain_cmd(np_: int, *args: str, launcher_flags: tuple[str, ...] = ()) -> list[str]:
+    return [mpirun_path(), *launcher_flags, "-np", str(np_), sys.executable, "-m", "mpitrain", *args]

@@ -30,6 +30,8 @@ BAD = [
     (["--straggler", "0:1"], "parameter server"),
     (["--straggler", "5:1"], "ranks here are 0..2"),
     (["--straggler", "1:-0.5"], "zero or more seconds"),
+    (["--worker-timeout", "-1"], "--worker-timeout must be zero (never) or a positive"),
+    (["--worker-timeout", "nan"], "--worker-timeout must be zero (never) or a positive"),
     (["--mode", "sync", "--staleness-lr"], "--staleness-lr applies to --mode async"),
 ]
 

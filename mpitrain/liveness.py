@@ -1,0 +1,201 @@
+"""Who is still there (--worker-timeout): heartbeats, and the watch that reads them.
+
+Every rank but the local one runs a Heartbeat thread: a header-only message to its peers every
+beat_interval(timeout), independent of training progress, so a slow rank (a straggler, a long
+step, a checkpoint save) is never taken for a dead one. Workers beat to rank 0; rank 0 beats to
+every worker. A Watch remembers when each peer was last heard from (heartbeat or any training
+message); a peer silent for longer than the timeout is lost, and so is one whose message failed
+in MPI (a dead process's half-sent gradient). Pollers call `Watch.check` while they wait; it
+raises PeerLost, and the caller decides: rank 0 in async mode carries on without the worker,
+everything else stops with one line (see train.py).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from mpi4py import MPI
+
+from mpitrain.protocol import FLAG_STOP, TAG_HEARTBEAT, Message
+
+BEATS_PER_TIMEOUT = 4  # a peer must miss this many heartbeats in a row to be declared lost
+MAX_BEAT_S = 2.0
+CHECK_EVERY_S = 0.1  # how often a waiting rank looks at its watch
+CLOSE_POLL_S = 1e-3  # end of run: off the hot path
+
+
+def beat_interval(timeout_s: float) -> float:
+    return min(timeout_s / BEATS_PER_TIMEOUT, MAX_BEAT_S)
+
+
+class PeerLost(Exception):
+    """Raised by Watch.check: `lost` maps each newly lost rank to why."""
+
+    def __init__(self, lost: dict[int, str]):
+        super().__init__(", ".join(f"rank {r} ({why})" for r, why in lost.items()))
+        self.lost = lost
+
+
+class Heartbeat:
+    """A daemon thread sending a header-only TAG_HEARTBEAT message to each of `peers`. A beat is
+    skipped while the previous one to that peer is still queued, so nothing piles up behind a
+    busy or dead peer. `close` sends each live peer a last beat flagged FLAG_STOP, which lets
+    its Watch retire the receive it keeps posted (see Watch.close)."""
+
+    def __init__(self, comm, peers: list[int], timeout_s: float):
+        self.comm, self.peers, self.timeout_s = comm, list(peers), timeout_s
+        self.interval = beat_interval(timeout_s)
+        self.msgs = [Message(0) for _ in self.peers]
+        self.reqs = [MPI.REQUEST_NULL] * len(self.peers)
+        self.beats = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mpitrain-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _beat(self, i: int, flags: int = 0) -> None:
+        self.msgs[i].stamp(TAG_HEARTBEAT, self.beats, flags=flags)
+        self.reqs[i] = self.comm.Isend(self.msgs[i].spec(), dest=self.peers[i], tag=TAG_HEARTBEAT)
+
+    def _run(self) -> None:
+        while True:
+            self.beats += 1
+            for i in range(len(self.peers)):
+                if self.reqs[i].Test():
+                    self._beat(i)
+            if self._stop.wait(self.interval):
+                return
+
+    def close(self, lost: set[int]) -> bool:
+        """Stop; send the last beat to every peer not in `lost`. False if that did not go out
+        within the timeout (a peer died meanwhile: then MPI_Finalize is unsafe)."""
+        self._stop.set()
+        self._thread.join()
+        live = [i for i, peer in enumerate(self.peers) if peer not in lost]
+        if not _wait_all([self.reqs[i] for i in live], self.timeout_s):
+            return False
+        for i in live:
+            self._beat(i, FLAG_STOP)
+        return _wait_all([self.reqs[i] for i in live], self.timeout_s)
+
+
+def _wait_all(reqs: list, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not MPI.Request.Testall(reqs):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(CLOSE_POLL_S)
+    return True
+
+
+class Watch:
+    """When each of `peers` was last heard from. `heard(rank)` for any training message;
+    heartbeats are drained here. `check()` raises PeerLost for peers silent past the timeout.
+    A heartbeat receive is never cancelled (cancelling made MPICH 5.0.2's MPI_Finalize hang,
+    measured): it is retired by the peer's last beat, in `close`."""
+
+    def __init__(self, comm, peers: list[int], timeout_s: float, clock=time.monotonic):
+        self.comm, self.timeout_s, self.clock = comm, timeout_s, clock
+        now = clock()
+        self.last = {r: now for r in peers}
+        self.boxes = {r: Message(0) for r in peers}
+        self.recv = {r: self._post(r) for r in peers}  # open until the peer's last beat
+        self.checked = set(peers)  # peers whose silence counts
+        self.lost: dict[int, dict] = {}  # rank -> {"rank", "silent_s", "reason"}
+        self._next_check = now
+
+    def _post(self, rank: int):
+        return self.comm.Irecv(self.boxes[rank].spec(), source=rank, tag=TAG_HEARTBEAT)
+
+    @property
+    def watched(self) -> list[int]:
+        return sorted(self.checked)
+
+    def heard(self, rank: int) -> None:
+        if rank in self.last:
+            self.last[rank] = self.clock()
+
+    def forget(self, rank: int) -> None:
+        """Stop counting a peer's silence (it is done and may go quiet)."""
+        self.checked.discard(rank)
+
+    def declare(self, rank: int, reason: str) -> None:
+        """A peer known dead (silent, or an MPI error on its message)."""
+        if rank in self.last and rank not in self.lost:
+            self.lost[rank] = {"rank": rank, "silent_s": round(self.clock() - self.last[rank], 3), "reason": reason}
+            self.checked.discard(rank)
+
+    def _drain(self, rank: int, now: float) -> None:
+        """Take every beat that has arrived; a last beat (FLAG_STOP) retires the receive."""
+        req = self.recv.get(rank)
+        while req is not None and req.Test():
+            box = self.boxes[rank]
+            box.check(TAG_HEARTBEAT, rank)
+            self.last[rank] = now
+            if box.flags & FLAG_STOP:
+                del self.recv[rank]
+                self.checked.discard(rank)
+                return
+            req = self.recv[rank] = self._post(rank)
+
+    def check(self, force: bool = False) -> None:
+        now = self.clock()
+        if not force and now < self._next_check:
+            return
+        self._next_check = now + CHECK_EVERY_S
+        newly = {}
+        for rank in self.watched:
+            try:
+                self._drain(rank, now)
+            except MPI.Exception as e:
+                newly[rank] = f"MPI error: {str(e).strip().splitlines()[-1]}"
+                continue
+            silent = now - self.last[rank]
+            if rank in self.checked and silent > self.timeout_s:
+                newly[rank] = f"no heartbeat for {silent:.1f} s"
+        for rank, why in newly.items():
+            self.declare(rank, why)
+        if newly:
+            raise PeerLost(newly)
+
+    def close(self) -> bool:
+        """Wait (up to the timeout) for the last beat of every peer not lost; False if one did
+        not come (it died meanwhile: then MPI_Finalize is unsafe)."""
+        deadline = self.clock() + self.timeout_s
+        while any(r not in self.lost for r in self.recv):
+            for rank in [r for r in self.recv if r not in self.lost]:
+                self._drain(rank, self.clock())
+            if self.clock() > deadline:
+                return False
+            time.sleep(CLOSE_POLL_S)
+        return True
+
+
+def start(comm, rank: int, size: int, timeout_s: float):
+    """(heartbeat thread or None, watch): rank 0 watches the workers, each worker rank 0."""
+    if size == 1 or timeout_s <= 0:
+        return None, NoWatch()
+    peers = list(range(1, size)) if rank == 0 else [0]
+    return Heartbeat(comm, peers, timeout_s), Watch(comm, peers, timeout_s)
+
+
+class NoWatch:
+    """--worker-timeout 0: nobody is ever declared lost."""
+
+    watched: list[int] = []
+    lost: dict = {}
+
+    def heard(self, rank: int) -> None:
+        pass
+
+    def forget(self, rank: int) -> None:
+        pass
+
+    def declare(self, rank: int, reason: str) -> None:
+        pass
+
+    def check(self, force: bool = False) -> None:
+        pass
+
+    def close(self) -> bool:
+        return True

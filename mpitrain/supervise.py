@@ -1,0 +1,84 @@
+"""Under MPICH's hydra launcher, run each rank as the child of a tiny supervisor process.
+
+Why (measured with MPICH 5.0.2, see README "Faults"): hydra's proxy reaps its children with
+waitpid, and when one was *killed by a signal* it SIGKILLs every other rank -- even under
+`mpirun -disable-auto-cleanup`, at the proxy's next event (any output or exit of a survivor).
+So a worker killed by the OOM killer or `kill -9` would take the whole job down with it. With a
+supervisor in between, hydra's child is the supervisor, which *exits* (128 + signal) instead
+of being killed; hydra then only notifies the survivors (SIGUSR1, which we ignore) and, under
+-disable-auto-cleanup, leaves them running, so rank 0 can finish with the remaining workers.
+
+Without -disable-auto-cleanup nothing changes for the user: the rank's death closes its PMI
+socket, hydra SIGKILLs the supervisors, and the kernel kills their ranks with them
+(PR_SET_PDEATHSIG), so the whole job still ends at once.
+
+The supervisor is the same process forked before MPI is initialised (no second interpreter
+start). MPITRAIN_SUPERVISE=0 turns it off.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR2, signal.SIGCONT)
+
+
+def under_hydra(env=os.environ) -> bool:
+    """Hydra's proxy hands each rank a PMI socket (PMI_FD) and hydra-only locality variables;
+    Slurm's srun, which does not kill a step's other tasks by default, sets no MPI_LOCALRANKID."""
+    return "PMI_FD" in env and "MPI_LOCALRANKID" in env and env.get("MPITRAIN_SUPERVISE", "1") != "0"
+
+
+def supervise() -> None:
+    """Fork. The child returns and becomes the MPI rank; the parent never returns: it waits for
+    the child and exits with its status."""
+    if not sys.platform.startswith("linux") or not under_hydra():
+        return
+    parent = os.getpid()
+    pid = os.fork()
+    if pid == 0:
+        _die_with(parent)
+        # The rank keeps SIGUSR1's default: hydra only signals its own children (the supervisors),
+        # and UCX's progress thread is woken with SIGUSR1 at MPI_Finalize (ignoring it hangs there).
+        return
+    _wait_for(pid)
+
+
+def _die_with(parent: int) -> None:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # the supervisor died before prctl took effect
+        os._exit(1)
+
+
+def _wait_for(pid: int) -> None:
+    # The rank's death must close hydra's PMI socket: that is how hydra learns of it.
+    os.close(int(os.environ["PMI_FD"]))
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    for sig in FORWARDED:
+        signal.signal(sig, lambda signum, _frame: _forward(pid, signum))
+    while True:
+        try:
+            _, status = os.waitpid(pid, 0)
+            break
+        except InterruptedError:  # pragma: no cover - PEP 475 retries; kept for clarity
+            continue
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        rank = os.environ.get("PMI_RANK", "?")
+        os.write(2, f"mpitrain: rank {rank} (pid {pid}) was killed by signal {sig} "
+                    f"({signal.Signals(sig).name})\n".encode())
+        os._exit(128 + sig)
+    os._exit(os.waitstatus_to_exitcode(status))
+
+
+def _forward(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        pass

@@ -1,0 +1,206 @@
+"""A lost rank (issue: survive faults). Workers are SIGKILLed mid-training through
+MPITRAIN_INJECT_KILL, as the OOM killer or `kill -9` would. Async under
+`mpirun -disable-auto-cleanup` finishes with the others; without it the launcher ends the job at
+once; sync stops within --worker-timeout, naming the rank, and resumes with fewer workers."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import child_env, mpitrain_cmd, run_detached
+from mpitrain import checkpoint
+from mpitrain.liveness import PeerLost, Watch
+from mpitrain.supervise import under_hydra
+
+KEEP_RUNNING = ("-disable-auto-cleanup",)
+
+
+def killing(rank: int, step: int) -> dict:
+    return {**child_env(), "MPITRAIN_INJECT_KILL": f"{rank}:{step}"}
+
+
+def test_async_finishes_the_budget_without_a_killed_worker(tmp_path):
+    summary = tmp_path / "s.json"
+    proc, seconds = run_detached(mpitrain_cmd(4, "--no-progress", "--steps", "3000", "--worker-timeout", "1",
+                                              "--summary-json", str(summary), launcher_flags=KEEP_RUNNING),
+                                 env=killing(2, 50))
+    assert proc.returncode == 128 + 9, proc.stdout + proc.stderr  # mpirun reports the killed rank
+    assert "rank 2 (pid" in proc.stderr and "killed by signal 9 (SIGKILL)" in proc.stderr
+    assert "worker rank 2 lost at global step" in proc.stderr and "continuing with 2 worker(s)" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    s = json.loads(summary.read_text())
+    assert [x["rank"] for x in s["lost_workers"]] == [2]
+    assert "no heartbeat" in s["lost_workers"][0]["reason"] or "MPI error" in s["lost_workers"][0]["reason"]
+    assert s["global_step"] == 3000  # the budget, finished by the others
+    assert s["worker_ranks"] == [1, 3]
+    assert s["local_steps"][1] == 49  # rank 2 died computing its 50th gradient
+    assert s["local_steps"][0] + s["local_steps"][2] == 3000 - 49
+    assert s["test_accuracy"] > 0.9
+    assert "lost worker rank 2 at global step" in proc.stdout  # the human summary says so too
+    assert not proc.leftovers  # every survivor exited (none waits in MPI_Finalize for the dead)
+    assert seconds < 60
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_without_disable_auto_cleanup_the_launcher_ends_the_job_fast(tmp_path, mode):
+    summary = tmp_path / "s.json"
+    proc, seconds = run_detached(mpitrain_cmd(3, "--mode", mode, "--no-progress", "--steps", "100000",
+                                              "--summary-json", str(summary)), env=killing(2, 50))
+    assert proc.returncode != 0
+    assert seconds < 10
+    out = proc.stdout + proc.stderr
+    assert "killed by signal 9" in out or "Killed (signal 9)" in out
+    assert not summary.exists() and not proc.leftovers
+
+
+def test_a_straggler_slower_than_the_timeout_is_not_declared_lost(tmp_path):
+    """Heartbeats come from a thread: a worker sleeping 0.6 s per step stays alive at 0.3 s."""
+    summary = tmp_path / "s.json"
+    proc, _ = run_detached(mpitrain_cmd(3, "--no-progress", "--steps", "150", "--worker-timeout", "0.3",
+                                        "--straggler", "2:0.6", "--summary-json", str(summary),
+                                        launcher_flags=KEEP_RUNNING))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    s = json.loads(summary.read_text())
+    assert s["lost_workers"] == [] and s["worker_ranks"] == [1, 2]
+    assert "lost" not in proc.stderr and not proc.leftovers
+
+
+def test_sync_lost_worker_stops_within_the_timeout_then_resumes_with_fewer(tmp_path):
+    ck = tmp_path / "ck"
+    timeout = 2.0
+    proc, seconds = run_detached(mpitrain_cmd(4, "--mode", "sync", "--no-progress", "--steps", "100000",
+                                              "--worker-timeout", str(timeout), "--checkpoint-dir", str(ck),
+                                              "--checkpoint-every-steps", "20", launcher_flags=KEEP_RUNNING),
+                                 env=killing(3, 70))
+    assert proc.returncode == 5, proc.stdout + proc.stderr
+    assert seconds < timeout + 10
+    line = [ln for ln in proc.stderr.splitlines() if "lost worker" in ln]
+    assert len(line) == 1 and "rank 3" in line[0] and "-np 3" in line[0]
+    newest = checkpoint.list_checkpoints(ck)[-1]
+    assert str(newest) in line[0]
+    saved = checkpoint.load(newest)  # loadable, and the newest whole one before the kill
+    assert saved.global_step == 60 and np.isfinite(saved.params).all()
+    assert not proc.leftovers
+
+    summary = tmp_path / "s.json"
+    resumed, _ = run_detached(mpitrain_cmd(3, "--mode", "sync", "--no-progress", "--steps", "100",
+                                           "--checkpoint-dir", str(ck), "--summary-json", str(summary)))
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    s = json.loads(summary.read_text())
+    assert s["resumed_from"] == str(newest) and s["global_step"] == 100 and s["workers"] == 2
+    assert s["lost_workers"] == []
+
+
+class _Pending:
+    def Test(self):
+        return False
+
+
+class _Comm:
+    def Irecv(self, *args, **kwargs):
+        return _Pending()
+
+
+def test_watch_declares_silence_past_the_timeout_only():
+    now = [0.0]
+    watch = Watch(_Comm(), [1, 2], timeout_s=5.0, clock=lambda: now[0])
+    now[0] = 4.0
+    watch.heard(1)
+    watch.check(force=True)  # nobody silent for more than 5 s yet
+    now[0] = 6.0
+    with pytest.raises(PeerLost) as lost:
+        watch.check(force=True)
+    assert list(lost.value.lost) == [2] and "no heartbeat for 6.0 s" in lost.value.lost[2]
+    assert watch.lost[2]["rank"] == 2 and watch.watched == [1]
+    watch.forget(1)  # done: its silence no longer counts
+    now[0] = 100.0
+    watch.check(force=True)
+
+
+def test_supervisor_turns_a_killed_rank_into_an_exit_and_forwards_signals(tmp_path):
+    """The supervisor (hydra only) exits 128+signal with one line when its rank is killed."""
+    code = ("import os, signal, sys, time; from mpitrain.supervise import supervise; supervise(); "
+            "signal.signal(signal.SIGTERM, lambda *a: sys.exit(7)); print('rank pid', os.getpid(), flush=True); "
+            "time.sleep(0.3) if os.environ['CASE'] == 'term' else os.kill(os.getpid(), signal.SIGKILL); time.sleep(30)")
+    r, w = os.pipe()
+    env = {**child_env(), "PMI_FD": str(r), "MPI_LOCALRANKID": "0", "PMI_RANK": "4"}
+    killed = subprocess.run([sys.executable, "-c", code], env={**env, "CASE": "kill"}, pass_fds=(r,),
+                            capture_output=True, text=True, timeout=60)
+    assert killed.returncode == 137
+    assert "mpitrain: rank 4 (pid" in killed.stderr and "killed by signal 9 (SIGKILL)" in killed.stderr
+    child = int(killed.stdout.split()[-1])
+    assert not os.path.exists(f"/proc/{child}")
+
+    term = subprocess.Popen([sys.executable, "-c", code], env={**env, "CASE": "term"}, pass_fds=(r,),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    term.stdout.readline()  # the rank is up
+    term.terminate()  # to the supervisor: forwarded, so the rank's own handler decides
+    assert term.wait(timeout=60) == 7
+    os.close(r)
+    os.close(w)
+    assert under_hydra({"PMI_FD": "9", "MPI_LOCALRANKID": "0"})
+    assert not under_hydra({"PMI_FD": "9"})  # Slurm's pmi2: no supervisor
+    assert not under_hydra({"PMI_FD": "9", "MPI_LOCALRANKID": "0", "MPITRAIN_SUPERVISE": "0"})
+
+
+def _rank_process(root: int, rank: int) -> int | None:
+    """The pid of MPI rank `rank` (not its supervisor) among the descendants of `root`."""
+    parents = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            parents[int(pid)] = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+
+    def descends(pid: int) -> bool:
+        while pid > 1:
+            if pid == root:
+                return True
+            pid = parents.get(pid, 0)
+        return False
+
+    for pid, parent in parents.items():
+        try:
+            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+            parent_cmd = open(f"/proc/{parent}/cmdline", "rb").read()
+        except OSError:
+            continue
+        if f"PMI_RANK={rank}".encode() in env and b"-m\0mpitrain" in parent_cmd and descends(pid):
+            return pid
+    return None
+
+
+def test_workers_stop_when_rank_0_dies(tmp_path):
+    import signal
+    import time
+
+    cmd = mpitrain_cmd(3, "--no-progress", "--steps", "10000000", "--worker-timeout", "1",
+                       launcher_flags=KEEP_RUNNING)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while (pid := _rank_process(proc.pid, 0)) is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert pid is not None, "rank 0 never started"
+        time.sleep(1.0)  # training under way
+        killed_at = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        _, err = proc.communicate(timeout=30)
+        assert time.monotonic() - killed_at < 1 + 10
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+            leftovers = True
+        except ProcessLookupError:
+            leftovers = False
+    assert proc.returncode != 0
+    lines = [ln for ln in err.splitlines() if "lost the parameter server" in ln]
+    assert sorted(ln.split()[3] for ln in lines) == ["1", "2"], err  # "mpitrain: error: rank N lost ..."
+    assert "Traceback" not in err and not leftovers
