@@ -28,7 +28,7 @@ FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signa
 
 def under_hydra(env=os.environ) -> bool:
     """Hydra's proxy hands each rank a PMI socket (PMI_FD) and hydra-only locality variables;
-    Slurm's srun, which does not kill a step's other tasks by default, sets no MPI_LOCALRANKID."""
+    Slurm's srun (PMI-2) sets no MPI_LOCALRANKID."""
     return "PMI_FD" in env and "MPI_LOCALRANKID" in env and env.get("MPITRAIN_SUPERVISE", "1") != "0"
 
 
@@ -41,8 +41,8 @@ def supervise() -> None:
     pid = os.fork()
     if pid == 0:
         _die_with(parent)
-        # The rank keeps SIGUSR1's default: hydra only signals its own children (the supervisors),
-        # and UCX's progress thread is woken with SIGUSR1 at MPI_Finalize (ignoring it hangs there).
+        # The rank keeps every signal's default: hydra's SIGUSR1 ("a peer died") goes to its own
+        # children only, the supervisors, which ignore it.
         return
     _wait_for(pid)
 
