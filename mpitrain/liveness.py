@@ -29,6 +29,25 @@ def beat_interval(timeout_s: float) -> float:
     return min(timeout_s / BEATS_PER_TIMEOUT, MAX_BEAT_S)
 
 
+def mpi_error_reason(error: Exception) -> str:
+    """Why a peer is lost, from the MPI error on its message (the error stack's last line)."""
+    return f"MPI error: {str(error).strip().splitlines()[-1]}"
+
+
+def failing_ranks(error: Exception, reqs: list, ranks: list[int]) -> dict[int, str]:
+    """After an MPI error in Test*/Testsome over several peers' requests: the ranks whose own
+    request fails when tested alone (re-raises `error` if none does)."""
+    broken = {}
+    for req, rank in zip(reqs, ranks):
+        try:
+            req.Test()
+        except MPI.Exception as e:
+            broken[rank] = mpi_error_reason(e)
+    if not broken:
+        raise error
+    return broken
+
+
 class PeerLost(Exception):
     """Raised by Watch.check: `lost` maps each newly lost rank to why."""
 
@@ -148,7 +167,7 @@ class Watch:
             try:
                 self._drain(rank, now)
             except MPI.Exception as e:
-                newly[rank] = f"MPI error: {str(e).strip().splitlines()[-1]}"
+                newly[rank] = mpi_error_reason(e)
                 continue
             silent = now - self.last[rank]
             if rank in self.checked and silent > self.timeout_s:

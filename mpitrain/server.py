@@ -20,7 +20,7 @@ from mpi4py import MPI
 
 from mpitrain import checkpoint
 from mpitrain.checkpoint import Checkpointer, TrainState
-from mpitrain.liveness import PeerLost
+from mpitrain.liveness import PeerLost, failing_ranks
 from mpitrain.metrics import Progress, RunLog, say
 from mpitrain.optim import Optimizer, make_ema, staleness_scaled_lr
 from mpitrain.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_LAST, FLAG_STOP, TAG_DECISION, TAG_GRAD, TAG_PARAMS, TAG_READY,
@@ -110,20 +110,6 @@ def staleness_feasible(global_step: int, other_bases: list[int], bound: int) -> 
     """After one more update, can every other pending gradient (computed on parameters of step
     `basis`) still be applied, oldest first, with staleness <= bound? The k-th goes at step g+k."""
     return all(global_step + k - b <= bound for k, b in enumerate(sorted(other_bases), start=1))
-
-
-def failing_ranks(error: Exception, reqs: list, ranks: list[int]) -> dict[int, str]:
-    """After an MPI error in Test*/Testsome: the ranks whose own request fails when tested alone
-    (re-raises `error` if none does)."""
-    broken = {}
-    for req, rank in zip(reqs, ranks):
-        try:
-            req.Test()
-        except MPI.Exception as e:
-            broken[rank] = f"MPI error: {str(e).strip().splitlines()[-1]}"
-    if not broken:
-        raise error
-    return broken
 
 
 def record_lost(state: ServerState, rank: int, why: str, then: str = "") -> None:

@@ -161,7 +161,7 @@ def build_summary(ctx: Context, mine: dict, reports: list[dict], placements: lis
         "lost_workers": state.lost_workers,
         "max_rss_mb": [{"rank": 0, "start": mine["max_rss_mb"][0], "end": mine["max_rss_mb"][1]}]
         + [{"rank": w["rank"], "start": w["max_rss_mb"][0], "end": w["max_rss_mb"][1]} for w in workers
-           if w["rank"] != 0 and "max_rss_mb" in w],
+           if "max_rss_mb" in w],  # a local run's own worker report has none: its rank is 0, above
         "dropped_gradients": sum(w["dropped"] for w in workers),
         "dropped_gradients_per_worker": [w["dropped"] for w in workers],
         "staleness": staleness_summary(state.staleness),
@@ -228,8 +228,7 @@ def run(cfg: TrainConfig | None, comm, node: Node, err: str | None) -> int:
             return peer_lost(ctx, e)
     # Retire the heartbeats (each rank's last beat closes its peer's receive); a peer that dies
     # now makes MPI_Finalize unsafe too.
-    lost = set(ctx.watch.lost) | ({i["rank"] for i in mine["state"].lost_workers} if ctx.rank == 0 else set())
-    if heartbeat and not heartbeat.close(lost):
+    if heartbeat and not heartbeat.close(set(ctx.watch.lost)):  # every lost rank was declared there
         peer_was_lost = True
     if not ctx.watch.close():
         peer_was_lost = True

@@ -10,7 +10,7 @@ import time
 
 from mpi4py import MPI
 
-from mpitrain.liveness import PeerLost
+from mpitrain.liveness import PeerLost, mpi_error_reason
 
 # Sleep between polls. A wake-up from sleep costs ~80-100 us on these VMs, so shorter sleeps
 # only cost CPU. Each of the PS's polls costs ~12 us of CPU (a wake-up plus MPICH progress).
@@ -47,11 +47,11 @@ class Poller:
 
     def _peer_failed(self, error: Exception) -> None:
         """An MPI error while waiting on the one peer this rank watches (a worker's rank 0): that
-        peer died mid-message. With several peers the caller finds out which (server.py)."""
+        peer died mid-message. With several peers the caller finds out which (liveness.failing_ranks)."""
         watched = self.watch.watched if self.watch is not None else []
         if len(watched) != 1:
             raise error
-        why = f"MPI error: {str(error).strip().splitlines()[-1]}"
+        why = mpi_error_reason(error)
         self.watch.declare(watched[0], why)
         raise PeerLost({watched[0]: why}) from error
 
