@@ -29,23 +29,11 @@ def beat_interval(timeout_s: float) -> float:
     return min(timeout_s / BEATS_PER_TIMEOUT, MAX_BEAT_S)
 
 
-def mpi_error_reason(error: Exception) -> str:
-    """Why a peer is lost, from the MPI error on its message (the error stack's last line)."""
-    return f"MPI error: {str(error).strip().splitlines()[-1]}"
-
-
-def failing_ranks(error: Exception, reqs: list, ranks: list[int]) -> dict[int, str]:
-    """After an MPI error in Test*/Testsome over several peers' requests: the ranks whose own
-    request fails when tested alone (re-raises `error` if none does)."""
-    broken = {}
-    for req, rank in zip(reqs, ranks):
-        try:
-            req.Test()
-        except MPI.Exception as e:
-            broken[rank] = mpi_error_reason(e)
-    if not broken:
-        raise error
-    return broken
+def mpi_error_reason(message: str) -> str:
+    """Why a peer is lost, from MPI's error string for its message (the error stack's last line,
+    e.g. "copy_iovs(224): process_vm_readv failed (errno 3)")."""
+    lines = message.strip().splitlines() or ["unknown"]
+    return f"MPI error: {lines[-1].strip()}"
 
 
 class PeerLost(Exception):
@@ -67,6 +55,7 @@ class Heartbeat:
         self.interval = beat_interval(timeout_s)
         self.msgs = [Message(0) for _ in self.peers]
         self.reqs = [MPI.REQUEST_NULL] * len(self.peers)
+        self.gone: set[int] = set()  # peers whose beat failed in MPI: dead, never beaten again
         self.beats = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mpitrain-heartbeat", daemon=True)
@@ -80,8 +69,14 @@ class Heartbeat:
         while True:
             self.beats += 1
             for i in range(len(self.peers)):
-                if self.reqs[i].Test():
-                    self._beat(i)
+                if i in self.gone:
+                    continue
+                try:
+                    if self.reqs[i].Test():
+                        self._beat(i)
+                except MPI.Exception:  # that peer died: its Watch entry here says so in time
+                    self.gone.add(i)
+                    self.reqs[i] = MPI.REQUEST_NULL
             if self._stop.wait(self.interval):
                 return
 
@@ -90,20 +85,26 @@ class Heartbeat:
         within the timeout (a peer died meanwhile: then MPI_Finalize is unsafe)."""
         self._stop.set()
         self._thread.join()
-        live = [i for i, peer in enumerate(self.peers) if peer not in lost]
-        if not _wait_all([self.reqs[i] for i in live], self.timeout_s):
-            return False
+        expected = [i for i, peer in enumerate(self.peers) if peer not in lost]
+        live = [i for i in expected if i not in self.gone]
+        if len(live) < len(expected) or not _wait_all([self.reqs[i] for i in live], self.timeout_s):
+            return False  # a peer died that nobody declared
         for i in live:
             self._beat(i, FLAG_STOP)
         return _wait_all([self.reqs[i] for i in live], self.timeout_s)
 
 
 def _wait_all(reqs: list, timeout_s: float) -> bool:
+    """True when every request completed within the timeout; False on timeout or an MPI error
+    (a peer died meanwhile)."""
     deadline = time.monotonic() + timeout_s
-    while not MPI.Request.Testall(reqs):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(CLOSE_POLL_S)
+    try:
+        while not MPI.Request.Testall(reqs):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(CLOSE_POLL_S)
+    except MPI.Exception:
+        return False
     return True
 
 
@@ -167,7 +168,7 @@ class Watch:
             try:
                 self._drain(rank, now)
             except MPI.Exception as e:
-                newly[rank] = mpi_error_reason(e)
+                newly[rank] = mpi_error_reason(str(e))
                 continue
             silent = now - self.last[rank]
             if rank in self.checked and silent > self.timeout_s:
@@ -183,7 +184,10 @@ class Watch:
         deadline = self.clock() + self.timeout_s
         while any(r not in self.lost for r in self.recv):
             for rank in [r for r in self.recv if r not in self.lost]:
-                self._drain(rank, self.clock())
+                try:
+                    self._drain(rank, self.clock())
+                except MPI.Exception:
+                    return False
             if self.clock() > deadline:
                 return False
             time.sleep(CLOSE_POLL_S)

@@ -20,13 +20,13 @@ from mpi4py import MPI
 
 from mpitrain import checkpoint
 from mpitrain.checkpoint import Checkpointer, TrainState
-from mpitrain.liveness import PeerLost, failing_ranks
+from mpitrain.liveness import PeerLost
 from mpitrain.metrics import Progress, RunLog, say
 from mpitrain.optim import Optimizer, make_ema, staleness_scaled_lr
 from mpitrain.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_LAST, FLAG_STOP, TAG_DECISION, TAG_GRAD, TAG_PARAMS, TAG_READY,
                                TAG_STATUS, Message)
 from mpitrain.runtime import PS_RANK, Context, start_state
-from mpitrain.transport import CHIEF_POLL_S, PS_POLL_NO_OVERLAP_S, PS_POLL_S, QUORUM_POLL_S, Poller
+from mpitrain.transport import CHIEF_POLL_S, PS_POLL_NO_OVERLAP_S, PS_POLL_S, QUORUM_POLL_S, Poller, tested
 from mpitrain.worker import LOSS_WINDOW, eval_due, train_sync
 
 
@@ -140,6 +140,7 @@ class AsyncServer:
         self.grad32 = np.empty(n, np.float32) if wire != np.float32 else None
         self.recv = [self.comm.Irecv(self.inbox[w].spec(), source=w + 1, tag=TAG_GRAD) for w in range(W)]
         self.sends = [MPI.REQUEST_NULL] * W
+        self.worker_ranks = [w + 1 for w in range(W)]
         # With --overlap a reply is not awaited until the worker's next gradient is computed, so
         # rank 0 can sleep longer between polls and leave the cores to the workers.
         self.poller = Poller(PS_POLL_S if cfg.effective_overlap else PS_POLL_NO_OVERLAP_S, ctx.watch)
@@ -150,34 +151,29 @@ class AsyncServer:
 
     def run(self) -> ServerState:
         while self.active:
-            self._apply_held()
-            if self.held and not any(self.recv[w] != MPI.REQUEST_NULL for w in self.active):
-                self._apply(self._oldest_held())  # never reached with S >= W-1; no hang regardless
-                continue
             try:
-                arrived = self.poller.some(self.recv)
-            except PeerLost as e:
+                self._serve_once()
+            except PeerLost as e:  # silent past --worker-timeout, or its message failed in MPI
                 self._lose(e.lost)
-                continue
-            except MPI.Exception as e:  # a gradient from a process that died while sending it
-                self._lose(self._broken(e))
-                continue
-            for w in arrived:
-                self.inbox[w].check(TAG_GRAD, w + 1)
-                self.ctx.watch.heard(w + 1)
-                self.held.append(w)
         self._drain_sends()
         self.clock.stop(self.state)
         self.state.ema = self._ema_avg
         self._checkpoint()  # the final one
         return self.state
 
-    def _broken(self, error: Exception) -> dict[int, str]:
-        """After an MPI error in Testsome: the workers whose receives fail on their own."""
-        if not self.ctx.watch.watched:  # --worker-timeout 0: nobody may be declared lost
-            raise error
-        active = sorted(self.active)
-        return failing_ranks(error, [self.recv[w] for w in active], [w + 1 for w in active])
+    def _serve_once(self) -> None:
+        """Apply what may be applied, then wait for the next gradients."""
+        self._apply_held()
+        if self.held and not any(self.recv[w] for w in self.active):
+            self._apply(self._oldest_held())  # never reached with S >= W-1; no hang regardless
+            return
+        done = self.poller.some(self.recv)
+        if done.failed:  # a gradient from a process that died while sending it: never applied
+            self._lose({w + 1: why for w, why in done.failed.items()})
+        for w in done.arrived:
+            self.inbox[w].check(TAG_GRAD, w + 1)
+            self.ctx.watch.heard(w + 1)
+            self.held.append(w)
 
     def _lose(self, lost: dict[int, str]) -> None:
         """Carry on without these workers: their gradients in flight are dropped, nothing is sent
@@ -185,6 +181,8 @@ class AsyncServer:
         for rank, why in lost.items():
             w = rank - 1
             self.ctx.watch.declare(rank, why)
+            if any(info["rank"] == rank for info in self.state.lost_workers):
+                continue
             self.active.discard(w)
             if w in self.held:
                 self.held.remove(w)
@@ -198,7 +196,7 @@ class AsyncServer:
         """Wait for the last replies, giving up on any worker lost meanwhile."""
         while True:
             try:
-                self.poller.all(self.sends)
+                self.poller.all(self.sends, self.worker_ranks)
                 return
             except PeerLost as e:
                 self._lose(e.lost)
@@ -275,7 +273,8 @@ class AsyncServer:
 
     def _reply(self, w: int, stop: bool) -> None:
         state = self.state
-        self.sends[w].Wait()  # the previous reply was consumed before this push: returns at once
+        if not tested(self.sends[w], w + 1, self.ctx.watch):  # consumed before this push: done at once
+            self.poller.all([self.sends[w]], [w + 1])
         reply = self.outbox[w]
         reply.payload[:] = state.params  # a copy (cast with fp16): params change while it is in flight
         flags = (FLAG_STOP | (FLAG_DIVERGED if state.diverged else 0)) if stop else 0
@@ -298,9 +297,10 @@ class QuorumCoordinator:
     weight to that step's Allreduce. READY messages for a step already decided are late: ignored
     here, and the worker counts its dropped gradient itself."""
 
-    def __init__(self, ctx: Context):
+    def __init__(self, ctx: Context, poller: Poller):
         W = ctx.workers
-        self.ctx, self.W, self.Q = ctx, W, ctx.cfg.quorum
+        self.ctx, self.W, self.Q, self.poller = ctx, W, ctx.cfg.quorum, poller
+        self.ranks = [w + 1 for w in range(W)]
         self.ready = [Message(0) for _ in range(W)]
         self.recv = [ctx.comm.Irecv(self.ready[w].spec(), source=w + 1, tag=TAG_READY) for w in range(W)]
         self.decision = Message(W)
@@ -332,7 +332,7 @@ class QuorumCoordinator:
         self.recv[w] = self.ctx.comm.Irecv(msg.spec(), source=w + 1, tag=TAG_READY)
 
     def _decide(self, progress: Progress) -> None:
-        MPI.Request.Waitall(self.sends)  # tiny eager messages of the previous step: long done
+        self.poller.all(self.sends, self.ranks)  # tiny eager messages of the previous step: long done
         weights = np.zeros(self.W, np.float32)
         weights[self.chosen] = 1.0
         self.decision.payload[:] = weights
@@ -343,7 +343,7 @@ class QuorumCoordinator:
         self.chosen, self.losses = [], []
 
     def close(self) -> None:
-        MPI.Request.Waitall(self.sends)
+        self.poller.all(self.sends, self.ranks)
 
 
 def serve_sync(ctx: Context, progress: Progress) -> ServerState:
@@ -358,18 +358,18 @@ def serve_sync(ctx: Context, progress: Progress) -> ServerState:
     names = checkpoint.state_arrays(cfg)  # [params, optimizer state..., ema]
     full_count = n * len(names)
     box = Message(full_count)
-    quorum = QuorumCoordinator(ctx) if cfg.quorum is not None and cfg.quorum < W else None
-    poller = Poller(QUORUM_POLL_S if quorum else CHIEF_POLL_S, ctx.watch)  # PeerLost ends the job (train.py)
+    with_quorum = cfg.quorum is not None and cfg.quorum < W
+    poller = Poller(QUORUM_POLL_S if with_quorum else CHIEF_POLL_S, ctx.watch)  # PeerLost ends the job (train.py)
+    quorum = QuorumCoordinator(ctx, poller) if with_quorum else None
     status = ctx.comm.Irecv(box.spec(), source=chief, tag=TAG_STATUS)
     final_seen = False
     while not (final_seen and (quorum is None or quorum.done)):
         reqs = [status] + (quorum.requests() if quorum else [])
-        try:
-            arrived = poller.some(reqs)
-        except MPI.Exception as e:  # a message from a worker that died while sending it
-            broken = failing_ranks(e, reqs, [chief] + [w + 1 for w in range(len(reqs) - 1)])
-            raise PeerLost(broken) from e  # sync cannot go on: train.py ends the job, naming it
-        for i in arrived:
+        done = poller.some(reqs)
+        if done.failed:  # a message from a worker that died while sending it
+            senders = [chief] + (quorum.ranks if quorum else [])
+            raise PeerLost({senders[i]: why for i, why in done.failed.items()})  # sync cannot go on: train.py
+        for i in done.arrived:
             if i > 0:
                 quorum.handle(i - 1, progress)
                 continue

@@ -23,6 +23,7 @@ import signal
 import sys
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+PR_SET_NAME = 15
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR2, signal.SIGCONT)
 
 
@@ -38,13 +39,24 @@ def supervise() -> None:
     if not sys.platform.startswith("linux") or not under_hydra():
         return
     parent = os.getpid()
+    rank = os.environ.get("PMI_RANK", "")
     pid = os.fork()
     if pid == 0:
         _die_with(parent)
+        _name(f"mpitrain-rank{rank}")
         # The rank keeps every signal's default: hydra's SIGUSR1 ("a peer died") goes to its own
         # children only, the supervisors, which ignore it.
         return
+    _name(f"mpitrain-sup{rank}")
     _wait_for(pid)
+
+
+def _name(name: str) -> None:
+    """The process name that `ps -o comm`, `top` and `pkill` show (15 bytes at most), so that a
+    user can tell the training process from its supervisor (README: "When things go wrong")."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
 
 
 def _die_with(parent: int) -> None:

@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -16,17 +17,18 @@ from mpi4py import MPI
 
 from mpitrain import __version__, checkpoint, liveness
 from mpitrain.config import TrainConfig, UsageError
+from mpitrain.faults import Kill
 from mpitrain.metrics import Progress, human_summary, say, staleness_summary, write_json_atomic
-from mpitrain.liveness import PeerLost
+from mpitrain.liveness import PeerLost, mpi_error_reason
 from mpitrain.protocol import FLAG_PEER_LOST, TAG_REPORT, Message, ProtocolError
 from mpitrain.protocol import VERSION as PROTOCOL_VERSION
 from mpitrain.runtime import PS_RANK, Context, Node, setup
 from mpitrain.server import record_lost
-from mpitrain.transport import Poller
+from mpitrain.transport import END_POLL_S, Poller
 
 EXIT_DIVERGED = 4  # every rank, after the summary: training stopped on a non-finite loss
 EXIT_PEER_LOST = 5  # a rank this one cannot go on without was lost (--worker-timeout)
-REPORT_POLL_S = 1e-3  # end of run: off the hot path
+FINALIZE_MIN_S = 5.0  # a healthy MPI_Finalize takes milliseconds: every rank arrives within that of the others
 
 
 def agree_on_setup(cfg: TrainConfig | None, comm, node: Node, err: str | None) -> Context | None:
@@ -197,6 +199,7 @@ def run(cfg: TrainConfig | None, comm, node: Node, err: str | None) -> int:
             reports = collect_reports(ctx, mine)
         else:
             send_report(ctx, {**mine["worker"], "max_rss_mb": mine["max_rss_mb"]})
+            Kill(ctx.rank).after_report()
     except PeerLost as e:
         return peer_lost(ctx, e)
     except ProtocolError as e:
@@ -219,8 +222,7 @@ def run(cfg: TrainConfig | None, comm, node: Node, err: str | None) -> int:
             write_json_atomic(cfg.summary_json, summary)
         if state.log:
             state.log.close(summary)
-        peer_was_lost = bool(state.lost_workers)
-        say_goodbye(ctx, [r["worker"]["rank"] for r in reports], peer_was_lost)
+        peer_was_lost = say_goodbye(ctx, [r["worker"]["rank"] for r in reports], bool(state.lost_workers))
     else:
         try:
             peer_was_lost = await_goodbye(ctx)
@@ -241,9 +243,47 @@ def run(cfg: TrainConfig | None, comm, node: Node, err: str | None) -> int:
         code = EXIT_DIVERGED
     if peer_was_lost:
         exit_without_finalize(code)
+    finalize(ctx, code)
+    return code
+
+
+def finalize(ctx: Context, code: int) -> None:
+    """Free the worker communicator and call MPI_Finalize, both of which may wait for every rank:
+    a peer that dies after rank 0's goodbye (measured by benchmarks/chaos.py: a worker killed
+    during the end of the run) would hold them forever, and nobody is left to notice. Past
+    --worker-timeout this rank says so in one line and leaves with its own exit code."""
+    grace = max(ctx.cfg.worker_timeout, FINALIZE_MIN_S)
+    guard = None
+    if ctx.cfg.worker_timeout > 0:
+        guard = threading.Timer(grace, _finalize_stuck, (ctx.rank, grace, code))
+        guard.daemon = True
+        guard.start()
     if ctx.worker_comm is not None and ctx.worker_comm != MPI.COMM_NULL:
         ctx.worker_comm.Free()
-    return code
+    _finalize_releasing_the_gil()
+    if guard is not None:
+        guard.cancel()
+
+
+def _finalize_releasing_the_gil() -> None:
+    """mpi4py's MPI.Finalize holds the GIL while it waits, so no Python thread (the guard above)
+    could run meanwhile (measured: the guard never fired). ctypes releases the GIL around a
+    foreign call; the symbol is looked up through mpi4py's own extension module, which links the
+    MPI library it was built with. mpi4py's exit hook then sees MPI finalized and does nothing."""
+    import ctypes
+
+    try:
+        mpi_finalize = ctypes.CDLL(MPI.__file__).MPI_Finalize
+    except (OSError, AttributeError):  # an unusual build: finalize the usual way, unguarded
+        MPI.Finalize()
+        return
+    mpi_finalize()
+
+
+def _finalize_stuck(rank: int, grace: float, code: int) -> None:
+    say(f"mpitrain: rank {rank}: MPI_Finalize still waiting after {grace:g} s (a peer died after training "
+        f"ended); leaving without it", sys.stderr)
+    exit_without_finalize(code)
 
 
 def announce(ctx: Context, placements: list[str]) -> None:
@@ -265,30 +305,29 @@ def announce(ctx: Context, placements: list[str]) -> None:
 
 def send_report(ctx: Context, report: dict) -> None:
     """A worker's end-of-run report to rank 0: JSON bytes, point to point, so that it works with
-    a peer lost (a collective would wait for the dead)."""
+    a peer lost (a collective would wait for the dead); watched, like every wait."""
     data = json.dumps(report).encode()
-    ctx.comm.Send([data, MPI.BYTE], dest=PS_RANK, tag=TAG_REPORT)
+    Poller(END_POLL_S, ctx.watch).all([ctx.comm.Isend([data, MPI.BYTE], dest=PS_RANK, tag=TAG_REPORT)], [PS_RANK])
 
 
 def collect_reports(ctx: Context, mine: dict) -> list[dict]:
     """Rank 0: every live worker's report (and its own, when local), by rank. A worker lost
-    before reporting is recorded in lost_workers and left out; so is one whose report has not
-    come --worker-timeout seconds after training ended."""
+    before reporting, or while sending its report, is recorded in lost_workers and left out; so
+    is one whose report has not come --worker-timeout seconds after training ended."""
     state = mine["state"]
     reports = [{"worker": mine["worker"]}] if "worker" in mine else []
     timeout = ctx.cfg.worker_timeout
     deadline = time.monotonic() + timeout if timeout > 0 else float("inf")
-    status = MPI.Status()
+    poller = Poller(END_POLL_S, ctx.watch)
     pending = set(range(1, ctx.size)) - {info["rank"] for info in state.lost_workers}
     while pending:
-        for rank in sorted(pending):
-            if ctx.comm.Iprobe(source=rank, tag=TAG_REPORT, status=status):
-                buf = bytearray(status.Get_count(MPI.BYTE))
-                ctx.comm.Recv([buf, MPI.BYTE], source=rank, tag=TAG_REPORT)
-                reports.append({"worker": json.loads(buf)})
-                ctx.watch.forget(rank)
-                pending.discard(rank)
         try:
+            for rank in sorted(pending):
+                report = _take_report(ctx, rank, poller)
+                if report is not None:
+                    reports.append({"worker": report})
+                    ctx.watch.forget(rank)
+                    pending.discard(rank)
             ctx.watch.check()
         except PeerLost as e:
             for rank, why in e.lost.items():
@@ -300,21 +339,41 @@ def collect_reports(ctx: Context, mine: dict) -> list[dict]:
                 record_lost(state, rank, f"no report {timeout:g} s after training ended")
             pending.clear()
         if pending:
-            time.sleep(REPORT_POLL_S)
+            time.sleep(END_POLL_S)
     return sorted(reports, key=lambda r: r["worker"]["rank"])
 
 
-def say_goodbye(ctx: Context, ranks: list[int], peer_was_lost: bool) -> None:
-    """Rank 0, after the summary: release the workers, telling them whether MPI_Finalize is safe."""
+def _take_report(ctx: Context, rank: int, poller: Poller) -> dict | None:
+    """`rank`'s report if it has started to arrive (then wait for all of it), else None. Its
+    size comes from the probe; a sender that dies mid-message raises PeerLost."""
+    status = MPI.Status()
+    try:
+        if not ctx.comm.Iprobe(source=rank, tag=TAG_REPORT, status=status):
+            return None
+    except MPI.Exception as e:
+        raise PeerLost({rank: mpi_error_reason(str(e))}) from e
+    buf = bytearray(status.Get_count(MPI.BYTE))
+    poller.all([ctx.comm.Irecv([buf, MPI.BYTE], source=rank, tag=TAG_REPORT)], [rank])
+    return json.loads(buf)
+
+
+def say_goodbye(ctx: Context, ranks: list[int], peer_was_lost: bool) -> bool:
+    """Rank 0, after the summary: release the workers, telling them whether MPI_Finalize is safe.
+    True when a worker turned out to be lost meanwhile."""
     bye = Message(0)
     bye.stamp(TAG_REPORT, 0, flags=FLAG_PEER_LOST if peer_was_lost else 0)
-    MPI.Request.Waitall([ctx.comm.Isend(bye.spec(), dest=r, tag=TAG_REPORT) for r in ranks if r != PS_RANK])
+    ranks = [r for r in ranks if r != PS_RANK]
+    try:
+        Poller(END_POLL_S, ctx.watch).all([ctx.comm.Isend(bye.spec(), dest=r, tag=TAG_REPORT) for r in ranks], ranks)
+    except PeerLost:
+        return True
+    return peer_was_lost
 
 
 def await_goodbye(ctx: Context) -> bool:
     """A worker: wait (watching rank 0) until rank 0 is done; True when a peer was lost."""
     bye = Message(0)
-    Poller(REPORT_POLL_S, ctx.watch).all([ctx.comm.Irecv(bye.spec(), source=PS_RANK, tag=TAG_REPORT)])
+    Poller(END_POLL_S, ctx.watch).all([ctx.comm.Irecv(bye.spec(), source=PS_RANK, tag=TAG_REPORT)], [PS_RANK])
     bye.check(TAG_REPORT, PS_RANK)
     return bool(bye.flags & FLAG_PEER_LOST)
 

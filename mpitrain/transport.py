@@ -1,12 +1,25 @@
-"""How ranks wait for MPI requests without burning a core.
+"""How ranks wait for MPI requests: one primitive, Poller, for every wait.
 
-MPICH's Wait* busy-polls. With 3 ranks on 2 cores a spinning rank takes the core a worker
-needs, so idle ranks poll with Test* and sleep between polls (measured in benchmarks/).
+It never burns a core: MPICH's Wait* busy-polls, and with 3 ranks on 2 cores a spinning rank
+takes the core a worker needs, so idle ranks poll with Test* and sleep between polls (measured
+in benchmarks/). It never waits on a dead peer: between polls it looks at the liveness Watch
+(--worker-timeout), and a request that MPI completes with an error is reported with the peer it
+belongs to instead of raised.
+
+How MPICH 5.0.2 reports a peer that dies in the middle of a message (measured, see
+docs/notes/dead-peer.md): a receive whose sender was SIGKILLed while the receiver copied the
+payload out of the sender's memory completes *with an error* ("process_vm_readv failed (errno 3)")
+and `Testsome` raises MPI_ERR_IN_STATUS. Every request that completed in that call, the failed
+one and any good ones beside it, is already freed (mpi4py sets it to REQUEST_NULL), so the
+indices are only known by which requests went null, and only the statuses say which of them
+failed. Any other half-delivered message (an eager one, or a send to a dead receiver) simply
+never completes: that is the heartbeat watch's case.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 from mpi4py import MPI
 
@@ -19,54 +32,119 @@ from mpitrain.liveness import PeerLost, mpi_error_reason
 PS_POLL_S = 200e-6
 PS_POLL_NO_OVERLAP_S = 50e-6
 WORKER_POLL_S = 20e-6
+SPIN = 0.0  # no sleep at all: a sync Allreduce on a node with a core per computing rank (see Context)
 CHIEF_POLL_S = 2e-3  # rank 0 in sync mode is off the critical path
 QUORUM_POLL_S = 50e-6  # ... unless it decides --quorum steps: then every step waits for it
+END_POLL_S = 1e-3  # end of run (reports, goodbyes): off the hot path
+
+
+@dataclass
+class Completed:
+    """What one `Poller.some` found: indices of requests that completed normally, and of those
+    MPI completed with an error (index -> why; the peer died mid-message, its data is garbage)."""
+
+    arrived: list[int] = field(default_factory=list)
+    failed: dict[int, str] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.arrived or self.failed)
 
 
 class Poller:
     """Test-and-sleep waits, with the time spent waiting accounted. With a `watch`
     (liveness.Watch), a wait looks at it between polls: it raises PeerLost instead of waiting
-    forever on a dead peer."""
+    forever on a silent peer."""
 
-    def __init__(self, sleep_s: float, watch=None):
+    def __init__(self, sleep_s: float, watch=None, testsome=MPI.Request.Testsome):
         self.sleep_s = sleep_s
+        self.testsome = testsome  # replaceable in unit tests: MPI's error paths are hard to provoke
         self.waited_s = 0.0
         self.watch = watch
+        self.unattributed: list[str] = []  # MPI errors no request owned up to (see _sort_out)
+        self._statuses: list = []
 
-    def all(self, reqs: list) -> None:
+    def some(self, reqs: list) -> Completed:
+        """Wait until at least one request completes (normally or with an error); an empty
+        Completed when none is active any more."""
         t0 = time.perf_counter()
+        active = [i for i, r in enumerate(reqs) if r]  # the error path needs to know which went null
         try:
-            while not MPI.Request.Testall(reqs):
-                time.sleep(self.sleep_s)
+            while True:
+                # Looked at on every call, not only when idle: a server kept busy by the live
+                # workers must still notice the silent one (the watch rate-limits itself).
                 if self.watch is not None:
                     self.watch.check()
-        except MPI.Exception as e:
-            self._peer_failed(e)
+                done = self._test(reqs, active)
+                if done is not None:
+                    return done
+                if self.sleep_s:
+                    time.sleep(self.sleep_s)
         finally:
             self.waited_s += time.perf_counter() - t0
 
-    def _peer_failed(self, error: Exception) -> None:
-        """An MPI error while waiting on the one peer this rank watches (a worker's rank 0): that
-        peer died mid-message. With several peers the caller finds out which (liveness.failing_ranks)."""
-        watched = self.watch.watched if self.watch is not None else []
-        if len(watched) != 1:
-            raise error
-        why = mpi_error_reason(error)
-        self.watch.declare(watched[0], why)
-        raise PeerLost({watched[0]: why}) from error
-
-    def some(self, reqs: list) -> list[int]:
-        """Indices of completed requests (at least one), or [] when none is active any more."""
-        t0 = time.perf_counter()
-        try:
-            idx = MPI.Request.Testsome(reqs)
-            while idx is not None and not idx:
-                time.sleep(self.sleep_s)
+    def all(self, reqs: list, peers: list[int]) -> None:
+        """Wait for every request; `peers[i]` is the rank request i talks to. A request that
+        fails raises PeerLost naming its peer (declared in the watch), as a silent peer does."""
+        while True:
+            done = self.some(reqs)
+            if done.failed:
+                lost = {peers[i]: why for i, why in done.failed.items()}
                 if self.watch is not None:
-                    self.watch.check()
-                idx = MPI.Request.Testsome(reqs)
+                    for rank, why in lost.items():
+                        self.watch.declare(rank, why)
+                raise PeerLost(lost)
+            if not done:
+                return
+
+    def _test(self, reqs: list, active: list[int]) -> Completed | None:
+        if len(self._statuses) < len(reqs):
+            self._statuses = [MPI.Status() for _ in reqs]
+        try:
+            idx = self.testsome(reqs, self._statuses)
         except MPI.Exception as e:
-            self._peer_failed(e)
-        finally:
-            self.waited_s += time.perf_counter() - t0
-        return idx or []
+            return self._sort_out(e, reqs, active)
+        if idx is None:
+            return Completed()
+        return Completed(idx) if idx else None
+
+    def _sort_out(self, error: MPI.Exception, reqs: list, active: list[int]) -> Completed | None:
+        """An MPI error in Testsome: which requests completed, and which of them failed."""
+        completed = [i for i in active if not reqs[i]]
+        done = Completed()
+        if error.Get_error_class() == MPI.ERR_IN_STATUS:
+            # MPICH fills one status per completed request, in index order.
+            for i, status in zip(completed, self._statuses):
+                code = status.Get_error()
+                if code == MPI.SUCCESS:
+                    done.arrived.append(i)
+                else:
+                    done.failed[i] = mpi_error_reason(MPI.Get_error_string(code))
+            return done
+        # Not seen with MPICH: an error with no per-request statuses. A request that completed
+        # in that call cannot be trusted; one still open that fails on its own names its peer.
+        for i in completed:
+            done.failed[i] = mpi_error_reason(str(error))
+        for i in active:
+            if reqs[i]:
+                try:
+                    if reqs[i].Test():
+                        done.arrived.append(i)
+                except MPI.Exception as e:
+                    done.failed[i] = mpi_error_reason(str(e))
+        if not done:
+            # Nobody owns the error: keep waiting. A dead peer goes silent, and the heartbeat
+            # watch names it after --worker-timeout; rank 0 must not end over it.
+            self.unattributed.append(mpi_error_reason(str(error)))
+            return None
+        return done
+
+
+def tested(req, peer: int, watch=None) -> bool:
+    """`req.Test()` for a loop that polls one request itself; an MPI error raises PeerLost."""
+    try:
+        return req.Test()
+    except MPI.Exception as e:
+        why = mpi_error_reason(str(e))
+        if watch is not None:
+            watch.declare(peer, why)
+        raise PeerLost({peer: why}) from e

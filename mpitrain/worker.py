@@ -18,7 +18,9 @@ from mpitrain.optim import Optimizer, make_ema
 from mpitrain.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_LAST, FLAG_STOP, TAG_DECISION, TAG_GRAD, TAG_PARAMS, TAG_READY,
                                TAG_STATUS, Message, ProtocolError)
 from mpitrain.runtime import PS_RANK, Context, start_state
-from mpitrain.transport import WORKER_POLL_S, Poller
+from mpitrain.liveness import CHECK_EVERY_S as VERDICT_POLL_S
+from mpitrain.liveness import PeerLost
+from mpitrain.transport import SPIN, WORKER_POLL_S, Poller, tested
 
 STATUS_EVERY_S = 0.2  # sync chief -> PS progress reports; off the hot path
 LOSS_WINDOW = 20  # final_loss: mean minibatch loss of the last LOSS_WINDOW global steps
@@ -115,7 +117,7 @@ def run_async(ctx: Context) -> dict:
     def adopt_reply() -> bool:
         """Wait for the pending reply; make it the current parameters. True when told to stop."""
         nonlocal cur, params, version
-        poller.all(reqs)
+        poller.all(reqs, [PS_RANK] * len(reqs))
         nxt = 1 - cur
         inbox[nxt].check(TAG_PARAMS, PS_RANK)
         cur = nxt
@@ -189,7 +191,10 @@ class SyncStep:
                 self.ema = make_ema(cfg.ema_decay, params, be.xp, start.global_step, start.ema)
         self.comm = ctx.worker_comm
         self.comm_s = 0.0
-        self.polite = Poller(WORKER_POLL_S) if ctx.yield_in_collectives else None  # see Context
+        # Always nonblocking and watched: a blocking Allreduce cannot notice that rank 0 died (the
+        # workers would wait for a peer that has already stopped). It spins, as MPICH's blocking
+        # one does, unless ranks outnumber cores (--wait; see Context).
+        self.waiter = Poller(WORKER_POLL_S if ctx.yield_in_collectives else SPIN, ctx.watch)
 
     def train_state(self, step: int) -> TrainState:
         """Host copies of what a checkpoint needs (plain sync: every worker is at `step`)."""
@@ -222,10 +227,10 @@ class SyncStep:
         self.buf[...] = 0.0
 
     def _allreduce(self, spec, op) -> None:
-        if self.polite is None:
-            self.comm.Allreduce(MPI.IN_PLACE, spec, op=op)
-        else:
-            self.polite.all([self.comm.Iallreduce(MPI.IN_PLACE, spec, op=op)])
+        done = self.waiter.some([self.comm.Iallreduce(MPI.IN_PLACE, spec, op=op)])
+        if done.failed:
+            await_verdict(self.ctx, done.failed[0])
+
 
     def reduce_and_apply(self, step: int) -> float:
         """Sum over workers, divide by the summed weight, apply; returns the mean loss."""
@@ -312,6 +317,18 @@ def _sync_result(step_fn: SyncStep, step: int, loss: float, timing: dict, contri
         diverged = {"global_step": step, "loss": loss, "mine": not math.isfinite(step_fn.own_loss)}
     return {"pushed": step, "params": state.params, "recent_loss": loss, "dropped": dropped,
             "contributed": contributed, "train_state": state, "time": timing, "diverged": diverged}
+
+
+def await_verdict(ctx: Context, why: str) -> None:
+    """The gradient Allreduce failed: a worker died in the middle of it. Rank 0 notices within
+    --worker-timeout and ends the job naming that worker (sync cannot go on without it); a worker
+    that stopped here on its own would be taken for a second lost one. So wait for rank 0, still
+    watching it: if it is gone too, PeerLost ends this rank."""
+    if not ctx.watch.watched:  # --worker-timeout 0: nobody will decide
+        raise PeerLost({PS_RANK: f"the gradient Allreduce failed ({why}) and --worker-timeout is 0"})
+    while True:
+        ctx.watch.check()
+        time.sleep(VERDICT_POLL_S)
 
 
 def _mean_loss(recent: deque) -> float:
@@ -402,7 +419,7 @@ def train_sync_quorum(ctx: Context, start: TrainState, on_step=None) -> dict:
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     ready, decision = Message(0), Message(ctx.workers)
     ready_req = MPI.REQUEST_NULL
-    poller, started = Poller(WORKER_POLL_S), time.perf_counter()
+    poller, started = Poller(WORKER_POLL_S, ctx.watch), time.perf_counter()
     total = ctx.global_step_budget
     recent = deque([float("nan")], maxlen=LOSS_WINDOW)
     dropped = contributed = 0
@@ -411,12 +428,12 @@ def train_sync_quorum(ctx: Context, start: TrainState, on_step=None) -> dict:
         decided = comm.Irecv(decision.spec(), source=PS_RANK, tag=TAG_DECISION)
         reported = False
         t0 = time.perf_counter()
-        while not decided.Test():
+        while not tested(decided, PS_RANK, ctx.watch):
             if helper.idle:
                 helper.start(params, step)
             elif helper.finished and not reported:
                 if helper.version == step:
-                    ready_req.Wait()
+                    poller.all([ready_req], [PS_RANK])  # a tiny eager message: long gone
                     ready.stamp(TAG_READY, step, 0, 0, helper.loss)
                     ready_req = comm.Isend(ready.spec(), dest=PS_RANK, tag=TAG_READY)
                     reported = True
@@ -448,9 +465,9 @@ def train_sync_quorum(ctx: Context, start: TrainState, on_step=None) -> dict:
             on_step(step + 1, loss, step_fn)
     helper.close()
     sys.setswitchinterval(switch)
-    ready_req.Wait()
+    poller.all([ready_req], [PS_RANK])
     ready.stamp(TAG_READY, total, 0, FLAG_STOP)  # no more READY from this worker
-    comm.Send(ready.spec(), dest=PS_RANK, tag=TAG_READY)
+    poller.all([comm.Isend(ready.spec(), dest=PS_RANK, tag=TAG_READY)], [PS_RANK])
     timing = {"wall_s": time.perf_counter() - started, "compute_s": helper.compute_s,
               "wait_s": poller.waited_s + step_fn.comm_s}
     if diverged is not None:
@@ -474,7 +491,7 @@ def run_sync(ctx: Context) -> dict:
     waiter = Poller(WORKER_POLL_S, ctx.watch)  # a full message waits for rank 0: never a dead one
 
     def send_full(state: TrainState, flags: int, loss: float) -> None:
-        waiter.all(pending[1:])
+        waiter.all(pending[1:], [PS_RANK])
         full.payload[:] = to_flat(state, names)
         full.stamp(TAG_STATUS, state.global_step, state.global_step, flags, loss)
         pending[1] = ctx.comm.Isend(full.spec(), dest=PS_RANK, tag=TAG_STATUS)
@@ -487,7 +504,7 @@ def run_sync(ctx: Context) -> dict:
             send_full(sync_step.train_state(step), flags, loss)
             return
         now = time.perf_counter()
-        if now - last_sent[0] < STATUS_EVERY_S or not pending[0].Test():
+        if now - last_sent[0] < STATUS_EVERY_S or not tested(pending[0], PS_RANK, ctx.watch):
             return  # rate-limited, and never more than one status in flight
         status.stamp(TAG_STATUS, step, step, 0, loss)
         pending[0] = ctx.comm.Isend(status.spec(), dest=PS_RANK, tag=TAG_STATUS)
@@ -495,7 +512,7 @@ def run_sync(ctx: Context) -> dict:
 
     result = train_sync(ctx, start, report)
     send_full(result["train_state"], FLAG_STOP | (FLAG_DIVERGED if result["diverged"] else 0), result["recent_loss"])
-    waiter.all(pending)
+    waiter.all(pending, [PS_RANK, PS_RANK])
     return result
 
 

@@ -1,0 +1,314 @@
+"""Chaos: kill a real rank from outside, at a random moment, many times; is every outcome the documented one?
+
+    python benchmarks/chaos.py                       # 36 trials, ~8 min on 2 cores; writes benchmarks/CHAOS.md
+    python benchmarks/chaos.py --trials 1 --cases async-big,sync   # a quick look
+
+Not part of CI (tests/test_chaos.py runs a few trials of the same code under timeouts). Each
+trial starts `mpirun -disable-auto-cleanup -np 4 python -m mpitrain ...` (1 server + 3 workers)
+in its own session, waits for rank 0's start lines, sleeps a random time drawn over the whole
+run (calibrated per case, the end-of-run report included), and SIGKILLs the real training
+process of a random worker (or of rank 0, or a worker's supervisor), found in /proc. The
+"big" cases use `--hidden 2000` (6.4 MB messages, milliseconds each) so that kills land in the
+middle of a message. Outcomes:
+
+  documented  what README "When things go wrong" says for that case (checked below, per case)
+  traceback   a Python traceback on any rank
+  hang        the job did not end within --worker-timeout + 10 s of the kill (then killed)
+  other       it ended, but not as documented (the reason is kept)
+
+Time to notice: from the kill to the first line that names the loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from run import env, machine, mpirun  # noqa: E402  (same folder)
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from mpitrain import checkpoint  # noqa: E402
+from mpitrain.faults import rank_pids  # noqa: E402
+
+NP = 4
+TIMEOUT_S = 3.0  # --worker-timeout
+GRACE_S = 10.0  # the job must end within TIMEOUT_S + GRACE_S of the kill
+START_WAIT_S = 60.0
+EXIT_RANK_KILLED = 128 + signal.SIGKILL  # mpirun reports the killed rank's supervisor's exit
+EXIT_PEER_LOST = 5
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    args: tuple[str, ...]
+    target: str  # "worker", "rank0" or "supervisor" (a worker's supervisor)
+    steps: int  # --steps: a run of several seconds on 2 cores
+
+    @property
+    def mode(self) -> str:
+        return "sync" if "sync" in self.args else "async"
+
+
+BASE = ("--dataset", "synthetic", "--model", "mlp", "--no-progress", "--worker-timeout", str(TIMEOUT_S),
+        "--checkpoint-every-steps", "200")
+CASES = [
+    Case("async", ("--mode", "async"), "worker", 20000),
+    Case("async-staleness", ("--mode", "async", "--max-staleness", "2"), "worker", 15000),
+    Case("async-big", ("--mode", "async", "--hidden", "2000"), "worker", 1200),
+    Case("sync", ("--mode", "sync"), "worker", 4000),
+    Case("sync-quorum", ("--mode", "sync", "--quorum", "2"), "worker", 2500),
+    Case("sync-big", ("--mode", "sync", "--hidden", "2000"), "worker", 300),
+    Case("rank0-async", ("--mode", "async", "--hidden", "2000"), "rank0", 1200),
+    Case("rank0-sync", ("--mode", "sync"), "rank0", 4000),
+    Case("supervisor", ("--mode", "async"), "supervisor", 20000),
+]
+DEFAULT_TRIALS = {"async": 5, "async-staleness": 4, "async-big": 6, "sync": 4, "sync-quorum": 4, "sync-big": 3,
+                  "rank0-async": 4, "rank0-sync": 3, "supervisor": 3}
+
+
+@dataclass
+class Trial:
+    case: str
+    victim: int | None = None
+    kill_after_s: float = 0.0
+    outcome: str = "other"
+    why: str = ""
+    notice_s: float | None = None
+    noticed_by: str = ""
+    exit_code: int | None = None
+    lines: list[str] = field(default_factory=list)
+
+
+class Job:
+    """One mpirun in its own session, its output read line by line with arrival times."""
+
+    def __init__(self, cmd: list[str], cwd: str):
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(),
+                                     cwd=cwd, start_new_session=True)
+        self.lines: list[tuple[float, str, str]] = []  # (time, stream, line)
+        self._readers = [threading.Thread(target=self._read, args=(s, n), daemon=True)
+                         for s, n in ((self.proc.stdout, "out"), (self.proc.stderr, "err"))]
+        for r in self._readers:
+            r.start()
+
+    def _read(self, stream, name: str) -> None:
+        for line in stream:
+            self.lines.append((time.monotonic(), name, line.rstrip("\n")))
+
+    def wait_for(self, text: str, timeout: float) -> float | None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for t, _, line in list(self.lines):
+                if text in line:
+                    return t
+            if self.proc.poll() is not None:
+                return None
+            time.sleep(0.01)
+        return None
+
+    def finish(self, timeout: float) -> tuple[int | None, bool]:
+        """(exit code or None when it hung, whether any process of its session outlived it)."""
+        try:
+            code = self.proc.wait(timeout=max(timeout, 0.1))
+        except subprocess.TimeoutExpired:
+            code = None
+        for r in self._readers:
+            r.join(timeout=5)
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            leftovers = True
+        except ProcessLookupError:
+            leftovers = False
+        if code is None:
+            self.proc.wait()
+        return code, leftovers
+
+    def text(self, stream: str | None = None) -> str:
+        return "\n".join(line for _, s, line in self.lines if stream is None or s == stream)
+
+
+def command(case: Case, tmp: str) -> list[str]:
+    return [mpirun(), "-disable-auto-cleanup", "-np", str(NP), sys.executable, "-m", "mpitrain", *BASE, *case.args,
+            "--steps", str(case.steps), "--checkpoint-dir", os.path.join(tmp, "ck"),
+            "--summary-json", os.path.join(tmp, "summary.json")]
+
+
+def calibrate(case: Case) -> float:
+    """Seconds from rank 0's start lines to the end of an unharmed run of this case."""
+    with tempfile.TemporaryDirectory() as tmp:
+        job = Job(command(case, tmp), tmp)
+        started = job.wait_for("rank 0 parameter-server", START_WAIT_S)
+        code, _ = job.finish(300)
+        if code != 0 or started is None:
+            raise RuntimeError(f"{case.name}: the unharmed run failed ({code}):\n{job.text()[-3000:]}")
+        return job.lines[-1][0] - started
+
+
+def run_trial(case: Case, duration_s: float, rng: random.Random) -> Trial:
+    trial = Trial(case.name)
+    with tempfile.TemporaryDirectory() as tmp:
+        job = Job(command(case, tmp), tmp)
+        started = job.wait_for("rank 0 parameter-server", START_WAIT_S)
+        if started is None:
+            job.finish(5)
+            trial.why = "the job never started: " + job.text()[-500:]
+            return trial
+        trial.kill_after_s = rng.uniform(0.2, duration_s * 1.05)
+        time.sleep(max(0.0, started + trial.kill_after_s - time.monotonic()))
+        pids = rank_pids(job.proc.pid)
+        trial.victim = 0 if case.target == "rank0" else rng.randrange(1, NP)
+        pid, supervisor = pids.get(trial.victim, (None, None))
+        pid = supervisor if case.target == "supervisor" else pid
+        killed_at = time.monotonic()
+        try:
+            if pid is None:
+                raise ProcessLookupError
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            trial.victim = None  # it had already exited: the run was over
+        code, leftovers = job.finish(TIMEOUT_S + GRACE_S - (time.monotonic() - killed_at))
+        trial.exit_code = code
+        judge(case, trial, job, code, leftovers, killed_at, Path(tmp))
+    return trial
+
+
+def judge(case: Case, trial: Trial, job: Job, code: int | None, leftovers: bool, killed_at: float, tmp: Path) -> None:
+    err = job.text("err")
+    summary_path = tmp / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
+    trial.lines = [line for line in err.splitlines() if "lost" in line][:4]
+    notice = [t for t, s, line in job.lines if s == "err" and ("lost" in line)]
+    if notice and trial.victim is not None:
+        trial.notice_s = round(max(0.0, notice[0] - killed_at), 2)
+        trial.noticed_by = "MPI error" if any("MPI error" in ln for ln in trial.lines) else "heartbeat"
+    if "Traceback" in err:
+        trial.outcome, trial.why = "traceback", err[err.index("Traceback"):][:600]
+        return
+    if code is None:
+        trial.outcome, trial.why = "hang", err[-600:]
+        return
+    if leftovers:
+        trial.why = "a process outlived mpirun"
+        return
+    problems = expected(case, trial, err, code, summary, tmp)
+    trial.outcome = "documented" if not problems else "other"
+    trial.why = "; ".join(problems) + (f"\n{err[-1500:]}" if problems else "")
+
+
+def expected(case: Case, trial: Trial, err: str, code: int, summary: dict | None, tmp: Path) -> list[str]:
+    """What README "When things go wrong" promises for this case; [] when it held."""
+    v = trial.victim
+    if v is None:  # the kill came after the victim had exited: an ordinary finished run
+        return [] if code == 0 and summary and summary["global_step"] == case.steps else [f"exit {code} with no kill"]
+    ck = checkpoint.list_checkpoints(tmp / "ck")
+    if ck:
+        checkpoint.load(ck[-1])  # the newest checkpoint always loads (raises if not)
+    if case.target == "rank0":
+        workers = [r for r in range(1, NP)]
+        said = [r for r in workers if f"rank {r} lost the parameter server" in err]
+        return [] if said == workers else [f"only ranks {said} said they lost rank 0 (exit {code})"]
+    if case.target == "supervisor":
+        # hydra SIGKILLs every rank when one of its own children (a supervisor) dies by a signal.
+        return [] if code != 0 and summary is None else [f"exit {code}; the job went on"]
+    lost_lines = [ln for ln in err.splitlines() if f"worker rank {v} lost" in ln or f"lost worker rank {v}" in ln]
+    if case.mode == "async":
+        problems = []
+        if summary is None:
+            return [f"no summary (exit {code})"]
+        if summary["global_step"] != case.steps:
+            problems.append(f"global step {summary['global_step']} of {case.steps}")
+        lost = [w["rank"] for w in summary["lost_workers"]]
+        if lost == [v]:
+            if len(lost_lines) != 1:
+                problems.append(f"{len(lost_lines)} lines name the lost rank")
+        elif not (lost == [] and v in summary["worker_ranks"]):  # killed after it had reported: not lost
+            problems.append(f"lost_workers {lost}, killed {v}")
+        if not ck or checkpoint.load(ck[-1]).global_step != case.steps:
+            problems.append("no final checkpoint at the budget")
+        if code != EXIT_RANK_KILLED:
+            problems.append(f"exit {code}")
+        return problems
+    # sync: the job ends naming the rank and the newest checkpoint; or it had finished already
+    if summary is not None and summary["global_step"] == case.steps:
+        return []
+    if code != EXIT_PEER_LOST:
+        return [f"exit {code}"]
+    if len(lost_lines) != 1 or (ck and str(ck[-1]) not in lost_lines[0]):
+        return [f"{len(lost_lines)} lines name rank {v} with the newest checkpoint"]
+    return []
+
+
+def report(trials: list[Trial], durations: dict[str, float], seconds: float) -> str:
+    out = ["# Chaos: real SIGKILLs from outside at random moments", "",
+           f"`python benchmarks/chaos.py` on {machine()}; {len(trials)} trials in {seconds / 60:.1f} min. "
+           f"Each trial: `mpirun -disable-auto-cleanup -np {NP}` (1 server + 3 workers), `--worker-timeout "
+           f"{TIMEOUT_S:g}`, synthetic data, MLP (hidden 100, or 2000 in the *-big cases: 6.4 MB messages), one "
+           "SIGKILL of the real training process of a random worker (or rank 0, or a worker's supervisor) at a "
+           "uniformly random time over the whole run, end-of-run report included. See the script's docstring "
+           "for what each outcome means.", "",
+           "| case | run (s) | trials | documented | traceback | hang | other | killed after run ended "
+           "| noticed by MPI error / heartbeat | time to notice (median, max s) |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    for case in CASES:
+        ts = [t for t in trials if t.case == case.name]
+        if not ts:
+            continue
+        count = {k: sum(t.outcome == k for t in ts) for k in ("documented", "traceback", "hang", "other")}
+        notices = [t.notice_s for t in ts if t.notice_s is not None]
+        by = f"{sum(t.noticed_by == 'MPI error' for t in ts)} / {sum(t.noticed_by == 'heartbeat' for t in ts)}"
+        when = f"{statistics.median(notices):.1f}, {max(notices):.1f}" if notices else "-"
+        out.append(f"| {case.name} (kill {case.target}) | {durations[case.name]:.1f} | {len(ts)} | {count['documented']} "
+                   f"| {count['traceback']} | {count['hang']} | {count['other']} | {sum(t.victim is None for t in ts)} "
+                   f"| {by} | {when} |")
+    bad = [t for t in trials if t.outcome != "documented"]
+    out += ["", f"**{len(trials) - len(bad)} of {len(trials)} trials ended as documented.**"]
+    if bad:
+        out += ["", "Not as documented:", ""]
+        out += [f"- {t.case}, rank {t.victim} killed {t.kill_after_s:.2f} s in: **{t.outcome}**: "
+                f"{t.why.splitlines()[0] if t.why else ''}" for t in bad]
+    return "\n".join(out) + "\n"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cases", default=",".join(c.name for c in CASES))
+    p.add_argument("--trials", type=int, default=None, help="per case (default: 3-6 per case, 36 in all)")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "CHAOS.md"))
+    a = p.parse_args()
+    seed = a.seed if a.seed is not None else int(time.time())
+    rng = random.Random(seed)
+    chosen = [c for c in CASES if c.name in a.cases.split(",")]
+    t0 = time.perf_counter()
+    durations = {c.name: calibrate(c) for c in chosen}
+    print("calibrated (s):", {k: round(v, 1) for k, v in durations.items()}, f"seed {seed}", flush=True)
+    plan = [c for c in chosen for _ in range(a.trials or DEFAULT_TRIALS[c.name])]
+    rng.shuffle(plan)
+    trials = []
+    for i, case in enumerate(plan, 1):
+        t = run_trial(case, durations[case.name], rng)
+        trials.append(t)
+        print(f"[{i}/{len(plan)}] {case.name}: rank {t.victim} at {t.kill_after_s:.2f} s -> {t.outcome} "
+              f"(exit {t.exit_code}, noticed {t.notice_s} s by {t.noticed_by or '-'}) {t.why}", flush=True)
+    text = report(trials, durations, time.perf_counter() - t0)
+    Path(a.out).write_text(text)
+    print(text)
+    return 0 if all(t.outcome == "documented" for t in trials) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""A lost rank at any moment (issue: survive any kill). Real SIGKILLs from outside at random
+moments, through the same code as benchmarks/chaos.py (which runs many more trials), plus the
+error paths of the one waiting primitive that MPI itself rarely takes."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+
+import pytest
+from mpi4py import MPI
+
+from conftest import child_env, mpitrain_cmd, run_detached
+from mpitrain.liveness import PeerLost
+from mpitrain.transport import Poller
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import chaos  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+# Short runs: a calibration and two random kills each. The *-big case moves 6.4 MB messages, so a
+# kill often lands mid-message; "rank0" kills the parameter server.
+QUICK = [chaos.Case("async-big", ("--mode", "async", "--hidden", "2000"), "worker", 500),
+         chaos.Case("sync", ("--mode", "sync"), "worker", 2000),
+         chaos.Case("rank0-async", ("--mode", "async", "--hidden", "2000"), "rank0", 500)]
+
+
+@pytest.mark.parametrize("case", QUICK, ids=[c.name for c in QUICK])
+def test_random_kills_from_outside_end_as_documented(case):
+    rng = random.Random()
+    duration = chaos.calibrate(case)
+    for _ in range(2):
+        trial = chaos.run_trial(case, duration, rng)
+        assert trial.outcome == "documented", (f"rank {trial.victim} killed {trial.kill_after_s:.2f} s in: "
+                                               f"{trial.outcome}: {trial.why}")
+
+
+def test_a_worker_killed_after_its_report_does_not_hang_the_others(tmp_path):
+    """The others would wait in MPI_Finalize for it forever (on main: a hang)."""
+    summary = tmp_path / "s.json"
+    proc, seconds = run_detached(mpitrain_cmd(4, "--no-progress", "--steps", "600", "--worker-timeout", "2",
+                                              "--summary-json", str(summary), launcher_flags=("-disable-auto-cleanup",)),
+                                 env={**child_env(), "MPITRAIN_INJECT_KILL": "2:report"}, timeout=60)
+    assert "Traceback" not in proc.stderr and not proc.leftovers
+    s = json.loads(summary.read_text())
+    assert s["global_step"] == 600 and s["worker_ranks"] == [1, 2, 3]  # it had reported: not lost
+    stuck = [ln for ln in proc.stderr.splitlines() if "MPI_Finalize still waiting" in ln]
+    assert sorted(ln.split()[2] for ln in stuck) == ["1:", "3:"], proc.stderr
+    assert seconds < 30
+
+
+class _Req:
+    """A request that MPI has freed when `done` (mpi4py sets it to REQUEST_NULL)."""
+
+    def __init__(self):
+        self.done = False
+
+    def __bool__(self):
+        return not self.done
+
+
+def test_poller_sorts_a_failed_testsome_into_arrived_and_failed():
+    """MPICH's report of a sender killed mid-message (docs/notes/dead-peer.md): Testsome raises
+    MPI_ERR_IN_STATUS; every request completed in that call is freed; one status per completed
+    request, in index order. A good gradient completed beside the failed one must not be lost."""
+    reqs = [_Req(), _Req(), _Req()]
+
+    def testsome(requests, statuses):
+        requests[0].done = requests[2].done = True
+        statuses[0].Set_error(MPI.SUCCESS)
+        statuses[1].Set_error(MPI.ERR_OTHER)
+        raise MPI.Exception(MPI.ERR_IN_STATUS)
+
+    done = Poller(0, testsome=testsome).some(reqs)
+    assert done.arrived == [0] and list(done.failed) == [2] and done.failed[2].startswith("MPI error")
+
+
+def test_poller_all_names_the_peer_of_a_failed_request_and_survives_an_unowned_error():
+    calls = []
+
+    def testsome(requests, statuses):
+        calls.append(1)
+        if len(calls) == 1:  # an error no request owns: recorded, and the wait goes on
+            raise MPI.Exception(MPI.ERR_OTHER)
+        requests[1].done = True
+        statuses[0].Set_error(MPI.ERR_OTHER)
+        raise MPI.Exception(MPI.ERR_IN_STATUS)
+
+    class _Open(_Req):
+        def Test(self):
+            return False
+
+    reqs = [_Open(), _Open()]
+    poller = Poller(0, testsome=testsome)
+    with pytest.raises(PeerLost) as lost:
+        poller.all(reqs, [5, 7])
+    assert list(lost.value.lost) == [7] and len(poller.unattributed) == 1
