@@ -13,7 +13,8 @@ middle of a message. Outcomes:
 
   documented  what README "When things go wrong" says for that case (checked below, per case)
   traceback   a Python traceback on any rank
-  hang        the job did not end within --worker-timeout + 10 s of the kill (then killed)
+  hang        the job did not end within --worker-timeout + 10 s of the kill (then killed); in async
+              with a worker killed, that plus the time the rest of the budget takes on fewer workers
   other       it ended, but not as documented (the reason is kept)
 
 Time to notice: from the kill to the first line that names the loss.
@@ -180,7 +181,9 @@ def run_trial(case: Case, duration_s: float, rng: random.Random) -> Trial:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             trial.victim = None  # it had already exited: the run was over
-        code, leftovers = job.finish(TIMEOUT_S + GRACE_S - (time.monotonic() - killed_at))
+        # Async rank 0 goes on without a lost worker: the rest of the budget, on fewer workers.
+        rest = duration_s * (NP - 1) / (NP - 2) if case.mode == "async" and case.target == "worker" else 0.0
+        code, leftovers = job.finish(rest + TIMEOUT_S + GRACE_S - (time.monotonic() - killed_at))
         trial.exit_code = code
         judge(case, trial, job, code, leftovers, killed_at, Path(tmp))
     return trial

@@ -28,6 +28,7 @@ from mpitrain.transport import END_POLL_S, Poller
 
 EXIT_DIVERGED = 4  # every rank, after the summary: training stopped on a non-finite loss
 EXIT_PEER_LOST = 5  # a rank this one cannot go on without was lost (--worker-timeout)
+ABORT_FLUSH_S = 0.5
 FINALIZE_MIN_S = 5.0  # a healthy MPI_Finalize takes milliseconds: every rank arrives within that of the others
 
 
@@ -385,6 +386,9 @@ def peer_lost(ctx: Context, e: PeerLost) -> int:
     if ctx.rank == PS_RANK:
         say(f"mpitrain: error: lost worker {who}. Sync training cannot finish a collective without it; "
             f"{resume_hint(ctx, len(e.lost))}", sys.stderr)
+        # MPI_Abort makes hydra kill every rank, and its proxy may do that before it forwards this
+        # line (measured: the line missing in 1 run of ~40). Give it a moment first.
+        time.sleep(ABORT_FLUSH_S)
         ctx.comm.Abort(EXIT_PEER_LOST)  # the other workers are stuck in the collective
         return EXIT_PEER_LOST
     say(f"mpitrain: error: rank {ctx.rank} lost the parameter server ({who}); stopping. Rank 0's "

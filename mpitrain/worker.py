@@ -17,9 +17,9 @@ from mpitrain.faults import Kill, injected_step
 from mpitrain.optim import Optimizer, make_ema
 from mpitrain.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_LAST, FLAG_STOP, TAG_DECISION, TAG_GRAD, TAG_PARAMS, TAG_READY,
                                TAG_STATUS, Message, ProtocolError)
-from mpitrain.runtime import PS_RANK, Context, start_state
 from mpitrain.liveness import CHECK_EVERY_S as VERDICT_POLL_S
 from mpitrain.liveness import PeerLost
+from mpitrain.runtime import PS_RANK, Context, start_state
 from mpitrain.transport import SPIN, WORKER_POLL_S, Poller, tested
 
 STATUS_EVERY_S = 0.2  # sync chief -> PS progress reports; off the hot path
