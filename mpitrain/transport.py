@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from mpi4py import MPI
 
-from mpitrain.liveness import PeerLost, mpi_error_reason
+from mpitrain.liveness import CLOSE_POLL_S, PeerLost, mpi_error_reason
 
 # Sleep between polls. A wake-up from sleep costs ~80-100 us on these VMs, so shorter sleeps
 # only cost CPU. Each of the PS's polls costs ~12 us of CPU (a wake-up plus MPICH progress).
@@ -35,7 +35,7 @@ WORKER_POLL_S = 20e-6
 SPIN = 0.0  # no sleep at all: a sync Allreduce on a node with a core per computing rank (see Context)
 CHIEF_POLL_S = 2e-3  # rank 0 in sync mode is off the critical path
 QUORUM_POLL_S = 50e-6  # ... unless it decides --quorum steps: then every step waits for it
-END_POLL_S = 1e-3  # end of run (reports, goodbyes): off the hot path
+END_POLL_S = CLOSE_POLL_S  # end of run (reports, goodbyes): off the hot path, as liveness's close
 
 
 @dataclass
