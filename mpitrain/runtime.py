@@ -46,7 +46,39 @@ def node_info(comm) -> Node:
     ps_here = node.allreduce(1 if comm.Get_rank() == PS_RANK and comm.Get_size() > 1 else 0)
     info = Node(node.Get_rank(), node.Get_size(), node.Get_size() - ps_here, len(os.sched_getaffinity(0)))
     node.Free()
+    if info.rank == 0:
+        unlink_init_shm()  # every rank on this node is past MPI_Init: the names are not needed
     return info
+
+
+# MPICH (4.x, 5.x) names a node's shared-memory segment after the job's PMI name
+# ("mpich_shm_<hash of the kvsname>_<node>", ch4 posix_init.c), and only the rank that created it
+# unlinks it, in MPI_Finalize. A job with a killed rank never gets there, so the file stays in
+# /dev/shm (measured: 4 MB per node per job), and the next job whose PMI name hashes the same --
+# under Slurm "<jobid>.<step>", so any cluster that reuses job ids -- opens the stale segment and
+# spins in MPI_Init forever. All local ranks have mapped it once MPI_Init returned everywhere, so
+# the name can go now; the memory lives until the last rank unmaps it, however that rank ends.
+INIT_SHM_PREFIX = "mpich_shm_"
+
+
+def unlink_init_shm(maps: str = "/proc/self/maps", shm_dir: str = "/dev/shm") -> list[str]:
+    """Unlink the init segments this process maps; returns what it removed."""
+    try:
+        with open(maps) as f:
+            fields = [line.split(maxsplit=5) for line in f]  # address perms offset dev inode [path]
+    except OSError:  # not Linux: nothing to do
+        return []
+    paths = {f[5].strip() for f in fields if len(f) == 6}
+    removed = []
+    for path in sorted(paths):
+        name = os.path.basename(path)
+        if os.path.dirname(path) == shm_dir and name.startswith(INIT_SHM_PREFIX) and " " not in name:
+            try:  # (a name already unlinked shows as "NAME (deleted)")
+                os.unlink(path)
+                removed.append(path)
+            except OSError:
+                pass
+    return removed
 
 
 @dataclass

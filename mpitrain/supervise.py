@@ -40,8 +40,13 @@ def supervise() -> None:
         return
     parent = os.getpid()
     rank = os.environ.get("PMI_RANK", "")
+    # Blocked across the fork: a signal that reaches the supervisor before its forwarding
+    # handlers are installed stays pending instead of killing it (measured: a SIGTERM sent as soon
+    # as the rank printed found the supervisor still starting up, and it died of it).
+    signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
     pid = os.fork()
     if pid == 0:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
         _die_with(parent)
         _name(f"mpitrain-rank{rank}")
         # The rank keeps every signal's default: hydra's SIGUSR1 ("a peer died") goes to its own
@@ -74,6 +79,7 @@ def _wait_for(pid: int) -> None:
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     for sig in FORWARDED:
         signal.signal(sig, lambda signum, _frame: _forward(pid, signum))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)  # what arrived meanwhile is forwarded now
     while True:
         try:
             _, status = os.waitpid(pid, 0)

@@ -45,6 +45,7 @@ def ensure_installed() -> None:
 
 SLURM_CONF = """\
 ClusterName=mpitrain-test
+FirstJobId={first_job}
 SlurmctldHost={host}
 SlurmUser=root
 SlurmdUser=root
@@ -94,7 +95,10 @@ class SlurmCluster:
             raise Unavailable("starting slurmd and munged needs root")
         for d in ("state", "spool"):
             (self.root / d).mkdir(parents=True, exist_ok=True)
-        self.conf.write_text(SLURM_CONF.format(host=self.host, root=self.root, cpus=self.cpus,
+        # A fresh cluster would number its jobs from 1 again; real clusters do not reuse ids, and
+        # MPICH names its shared memory after "<jobid>.<step>" (see runtime.unlink_init_shm).
+        first_job = 1000 + int(time.time()) % 1_000_000
+        self.conf.write_text(SLURM_CONF.format(host=self.host, root=self.root, cpus=self.cpus, first_job=first_job,
                                                ctld_port=_free_port(), d_port=_free_port()))
         self._start_munge()
         for daemon, pidfile in (("slurmctld", "slurmctld.pid"), ("slurmd", "slurmd.pid")):

@@ -178,3 +178,49 @@ def test_workers_stop_when_rank_0_dies(tmp_path):
     lines = [ln for ln in err.splitlines() if "lost the parameter server" in ln]
     assert sorted(ln.split()[3] for ln in lines) == ["1", "2"], err  # "mpitrain: error: rank N lost ..."
     assert "Traceback" not in err and not leftovers
+
+
+def test_a_job_killed_whole_leaves_no_shared_memory_behind(tmp_path):
+    """MPICH's init segment is named after the job (a Slurm job id reused hangs the next job in
+    MPI_Init on a stale one) and only unlinked in MPI_Finalize: every rank SIGKILLed must not leave it."""
+    import glob
+    import signal
+    import time
+
+    before = set(glob.glob("/dev/shm/mpich_shm_*"))
+    proc = subprocess.Popen(mpitrain_cmd(3, "--no-progress", "--steps", "10000000", launcher_flags=KEEP_RUNNING),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=child_env(),
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # until every rank has passed the node collective
+            pids = [p for p, _ in rank_pids(proc.pid).values()]
+            maps = [open(f"/proc/{p}/maps").read() for p in pids if os.path.exists(f"/proc/{p}")]
+            if len(maps) == 3 and all("mpich_shm_" in m for m in maps) and \
+                    not set(glob.glob("/dev/shm/mpich_shm_*")) - before:
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError(f"the init segment was still named: {set(glob.glob('/dev/shm/mpich_shm_*')) - before}")
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None
+    assert not set(glob.glob("/dev/shm/mpich_shm_*")) - before
+
+
+def test_unlink_init_shm_removes_only_mapped_init_segments(tmp_path):
+    from mpitrain.runtime import unlink_init_shm
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    for name in ("mpich_shm_ab_0", "mpich_shm_cd_0", "other_seg"):
+        (shm / name).write_bytes(b"x")
+    maps = tmp_path / "maps"
+    maps.write_text(f"7f00-7f01 rw-s 00000000 00:1a 11 {shm}/mpich_shm_ab_0\n"
+                    f"7f01-7f02 rw-s 00000000 00:1a 12 {shm}/other_seg\n"
+                    f"7f02-7f03 rw-s 00000000 00:1a 13 {shm}/mpich_shm_gone_0 (deleted)\n"
+                    f"7f03-7f04 rw-p 00000000 00:00 0 \n")
+    assert unlink_init_shm(str(maps), str(shm)) == [f"{shm}/mpich_shm_ab_0"]
+    assert sorted(p.name for p in shm.iterdir()) == ["mpich_shm_cd_0", "other_seg"]  # not ours, or not init
