@@ -73,3 +73,51 @@ def test_chained_job_resumes_from_the_shared_checkpoint_dir(slurm, tmp_path):
     s = json.loads((tmp_path / "runs" / str(second) / "summary.json").read_text())
     assert s["resumed_from"].endswith("ckpt-000000020.npz") and s["global_step"] == 40
     assert (tmp_path / "ck" / "ckpt-000000040.npz").exists()
+
+
+def _task_pid(job: int, task: int) -> int | None:
+    """The pid of task TASK of Slurm job JOB (its python process), from /proc."""
+    import os
+
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            env = open(f"/proc/{entry}/environ", "rb").read().split(b"\0")
+            cmd = open(f"/proc/{entry}/cmdline", "rb").read()
+        except OSError:
+            continue
+        if b"mpitrain" in cmd and f"SLURM_JOB_ID={job}".encode() in env and f"SLURM_PROCID={task}".encode() in env:
+            return int(entry)
+    return None
+
+
+@pytest.mark.parametrize("how", ["injected", "from outside"])
+def test_async_job_finishes_without_a_task_killed_mid_training(slurm, tmp_path, how):
+    """srun --kill-on-bad-exit=0 --no-kill (jobs/async.sbatch): rank 0 finishes the budget with
+    the worker left when the other one is SIGKILLed (no supervisor under srun)."""
+    import os
+    import random
+    import signal
+    import time
+
+    env = job_env("--steps 6000 --worker-timeout 2")
+    if how == "injected":
+        env["MPITRAIN_INJECT_KILL"] = "2:50"
+    else:
+        env["MPITRAIN_ARGS"] = "--steps 15000 --worker-timeout 2"
+    job = slurm.submit(ROOT / "jobs" / "async.sbatch", tmp_path, env)
+    if how == "from outside":
+        out_file = tmp_path / f"mpitrain-{job}.out"
+        deadline = time.time() + 120
+        while time.time() < deadline and "rank 2 worker" not in (out_file.read_text() if out_file.exists() else ""):
+            time.sleep(0.1)  # rank 0 lists the ranks once every one has started: training is next
+        time.sleep(random.uniform(0.2, 1.5))
+        pid = _task_pid(job, 2)
+        assert pid is not None, "task 2 not found"
+        os.kill(pid, signal.SIGKILL)
+    info = slurm.wait(job)
+    out = (tmp_path / f"mpitrain-{job}.out").read_text()
+    summary = json.loads((tmp_path / "runs" / str(job) / "summary.json").read_text())
+    assert [w["rank"] for w in summary["lost_workers"]] == [2], out
+    assert summary["global_step"] == (6000 if how == "injected" else 15000) and summary["worker_ranks"] == [1]
+    assert "worker rank 2 lost at global step" in out and "Traceback" not in out
+    assert info["JobState"] == "FAILED"  # the dead task's exit code is the step's
