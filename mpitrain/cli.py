@@ -13,7 +13,7 @@ import os
 import sys
 
 from mpitrain import __version__
-from mpitrain.config import TrainConfig, UsageError, defaults, parse_straggler, validate
+from mpitrain.config import LR_SCALINGS, TrainConfig, UsageError, defaults, parse_straggler, validate
 
 # One BLAS thread per rank: at these matrix sizes two threads are slower than one, and ranks
 # already share the cores. Set before NumPy loads; an explicit user setting wins.
@@ -99,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lr", type=float, default=d.lr, help="learning rate")
     g.add_argument("--lr-decay", type=float, default=d.lr_decay,
                    help="multiply the learning rate by this per epoch of global data (1 = constant)")
+    g.add_argument("--lr-scaling", choices=LR_SCALINGS, default=d.lr_scaling,
+                   help="sync: multiply --lr by the workers averaged into each update (linear; the default in sync "
+                        "mode, as Horovod), or keep it (none). Async: none")
+    g.add_argument("--warmup-epochs", type=float, default=d.warmup_epochs, metavar="E",
+                   help="sync with linear scaling: ramp the learning rate from --lr to its scaled value over E "
+                        "epochs of global data (0: scaled from the first step)")
     g.add_argument("--momentum", type=float, default=d.momentum, help="momentum coefficient (--optimizer momentum)")
     g.add_argument("--ema-decay", type=float, default=d.ema_decay, metavar="D",
                    help="keep a moving average of the weights on the chief (e.g. 0.99); evaluated beside the raw "
@@ -108,13 +114,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="passes of each worker over its shard (default 50 when --steps is not given either)")
     g.add_argument("--steps", type=int, default=d.steps, help="stop after this many global steps")
     g.add_argument("--seed", type=int, default=d.seed, help="seeds initialisation, shuffling and synthetic data")
+    g.add_argument("--divergence-factor", type=float, default=d.divergence_factor, metavar="F",
+                   help="stop (exit 4, like a NaN loss) when the smoothed training loss exceeds F times the "
+                        "loss the run started from; 0 turns the check off")
 
     g = p.add_argument_group("data")
-    g.add_argument("--dataset", choices=("digits", "mnist", "fashion_mnist", "synthetic"), default=d.dataset,
+    g.add_argument("--dataset", default=d.dataset, metavar="NAME",
                    help="digits: scikit-learn's bundled 8x8 digits (offline); mnist/fashion_mnist: IDX files in "
-                        "--data-dir, else tensorflow-datasets; synthetic: seeded clusters")
+                        "--data-dir, else tensorflow-datasets; synthetic: seeded clusters; npz:PATH: your own "
+                        "x_train, y_train, x_test, y_test arrays; tfds:NAME: any prepared tfds image-classification "
+                        "dataset (e.g. tfds:kmnist, tfds:cifar10)")
     g.add_argument("--data-dir", default=d.data_dir, metavar="DIR",
                    help="folder with the four MNIST-format IDX .gz files, or a tfds data dir")
+    g.add_argument("--train-split", default=d.train_split, metavar="SPLIT", help="tfds:NAME: the split to train on")
+    g.add_argument("--test-split", default=d.test_split, metavar="SPLIT", help="tfds:NAME: the split to evaluate on")
     g.add_argument("--synthetic-samples", type=int, default=d.synthetic_samples, metavar="N")
     g.add_argument("--synthetic-features", type=int, default=d.synthetic_features, metavar="D")
 

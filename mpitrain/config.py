@@ -12,15 +12,22 @@ MODES = ("async", "sync")
 MODELS = ("softmax", "mlp")
 OPTIMIZERS = ("sgd", "momentum", "adam")
 DATASETS = ("digits", "mnist", "fashion_mnist", "synthetic")
+DATASET_PREFIXES = ("npz:", "tfds:")  # npz:PATH, your own arrays; tfds:NAME, any tfds image classifier
 DEVICES = ("auto", "cpu", "gpu")
 COMPRESSIONS = ("none", "fp16")
 WAITS = ("auto", "spin", "yield")
+LR_SCALINGS = ("linear", "none")
 
 # Used when neither --epochs nor --steps is given: enough for digits to pass 93%.
 DEFAULT_EPOCHS = 50
 # Seconds of silence (no heartbeat, no message) after which a rank is declared lost. Heartbeats
 # come from a thread, so a slow step never counts as silence.
 DEFAULT_WORKER_TIMEOUT_S = 30.0
+# Stop when the smoothed training loss exceeds this many times the run's starting loss (guard.py).
+DEFAULT_DIVERGENCE_FACTOR = 100.0
+# Sync --lr-scaling linear ramps the learning rate from --lr up to --lr x workers over this many
+# epochs of global data (Goyal et al. 2017 used 5 on ImageNet; 1 suffices for MNIST-sized data).
+DEFAULT_WARMUP_EPOCHS = 1.0
 
 
 class UsageError(Exception):
@@ -47,15 +54,20 @@ class TrainConfig:
     optimizer: str = "sgd"  # the seeds' GradientDescentOptimizer; momentum + async staleness is fragile
     lr: float = 0.1
     lr_decay: float = 0.99
+    lr_scaling: str | None = None  # None: "linear" in sync, "none" in async (see lr_scaling_or_default)
+    warmup_epochs: float = DEFAULT_WARMUP_EPOCHS
     momentum: float = 0.9
     ema_decay: float | None = None
     batch_size: int = 100
     epochs: int | None = None
     steps: int | None = None
     seed: int = 0
+    divergence_factor: float = DEFAULT_DIVERGENCE_FACTOR  # 0: only non-finite losses stop a run
     # data
     dataset: str = "digits"
     data_dir: str | None = None
+    train_split: str = "train"  # tfds:NAME only
+    test_split: str = "test"
     synthetic_samples: int = 12000
     synthetic_features: int = 784
     # device
@@ -91,6 +103,12 @@ class TrainConfig:
         """--max-staleness works by holding back replies, which only binds a worker that waits
         for its reply before computing: it implies --no-overlap."""
         return self.overlap and self.max_staleness is None
+
+    @property
+    def scaled_lr(self) -> bool:
+        """Sync updates average the gradients of several workers' batches: as Horovod and Goyal et
+        al. (2017), the learning rate grows with them. Async applies each gradient alone."""
+        return (self.lr_scaling or ("linear" if self.mode == "sync" else "none")) == "linear"
 
     @property
     def epochs_or_default(self) -> int | None:
@@ -139,10 +157,24 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _choice("mode", cfg.mode, MODES)
     _choice("model", cfg.model, MODELS)
     _choice("optimizer", cfg.optimizer, OPTIMIZERS)
-    _choice("dataset", cfg.dataset, DATASETS)
+    prefix = next((p for p in DATASET_PREFIXES if cfg.dataset.startswith(p)), None)
+    if prefix is None:
+        _choice("dataset", cfg.dataset, DATASETS + tuple(p + ("PATH" if p == "npz:" else "NAME") for p in DATASET_PREFIXES))
+    elif cfg.dataset == prefix:
+        raise UsageError(f"--dataset {prefix} needs a {'file' if prefix == 'npz:' else 'dataset name'} after the colon, "
+                         f"e.g. --dataset {'npz:mydata.npz' if prefix == 'npz:' else 'tfds:kmnist'}")
+    if (cfg.train_split, cfg.test_split) != ("train", "test") and prefix != "tfds:":
+        raise UsageError("--train-split/--test-split name tensorflow-datasets splits: use them with --dataset tfds:NAME")
     _choice("device", cfg.device, DEVICES)
     _choice("compress", cfg.compress, COMPRESSIONS)
     _choice("wait", cfg.wait, WAITS)
+    if cfg.lr_scaling is not None:
+        _choice("lr_scaling", cfg.lr_scaling, LR_SCALINGS)
+        if cfg.lr_scaling == "linear" and cfg.mode != "sync":
+            raise UsageError("--lr-scaling linear applies to --mode sync (an async update is one worker's gradient); "
+                             "drop it, or use --mode sync")
+    if not 0 <= cfg.warmup_epochs < float("inf"):
+        raise UsageError(f"--warmup-epochs must be zero or more (got {cfg.warmup_epochs}); e.g. --warmup-epochs 1")
     if not (cfg.worker_timeout >= 0 and cfg.worker_timeout < float("inf")):
         raise UsageError(f"--worker-timeout must be zero (never) or a positive number of seconds "
                          f"(got {cfg.worker_timeout}); e.g. --worker-timeout 30")
@@ -156,6 +188,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise UsageError(f"--momentum must be in [0, 1) (got {cfg.momentum}); e.g. --momentum 0.9")
     if cfg.ema_decay is not None and not 0 < cfg.ema_decay < 1:
         raise UsageError(f"--ema-decay must be in (0, 1) (got {cfg.ema_decay}); the seeds used 0.99")
+    if not (cfg.divergence_factor == 0 or 1 < cfg.divergence_factor < float("inf")):
+        raise UsageError(f"--divergence-factor must be above 1, or 0 to turn the check off "
+                         f"(got {cfg.divergence_factor}); e.g. --divergence-factor 100")
     if cfg.l2 < 0:
         raise UsageError(f"--l2 must be zero or positive (got {cfg.l2}); e.g. --l2 1e-4")
     if cfg.epochs is not None and cfg.epochs <= 0:
@@ -197,8 +232,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if cfg.cuda_aware and cfg.compress == "fp16" and cfg.mode == "sync":
         raise UsageError("--compress fp16 in sync mode sums float16 on the host and cannot use --cuda-aware; "
                          "drop one of the two")
-    if cfg.data_dir is not None and cfg.dataset in ("digits", "synthetic"):
-        raise UsageError(f"--data-dir is only read for mnist/fashion_mnist, not {cfg.dataset}; drop it or pick --dataset mnist")
+    if cfg.data_dir is not None and (cfg.dataset in ("digits", "synthetic") or prefix == "npz:"):
+        raise UsageError(f"--data-dir is only read for mnist/fashion_mnist and tfds:NAME, not {cfg.dataset}; "
+                         f"drop it or pick --dataset mnist")
     return cfg
 
 

@@ -49,12 +49,88 @@ class Dataset:
         return int(self.x_train.shape[0])
 
 
+# Datasets whose label range is known: a label outside it is a broken file, not a new class.
+KNOWN_CLASSES = {"mnist": 10, "fashion_mnist": 10}
+NPZ_KEYS = ("x_train", "y_train", "x_test", "y_test")
+NPZ_PREFIX, TFDS_PREFIX = "npz:", "tfds:"  # --dataset npz:PATH, --dataset tfds:NAME
+
+
 def load_dataset(cfg: TrainConfig) -> Dataset:
     if cfg.dataset == "digits":
         return load_digits()
     if cfg.dataset == "synthetic":
         return make_synthetic(cfg.synthetic_samples, cfg.synthetic_features, 10, cfg.seed)
+    if cfg.dataset.startswith(NPZ_PREFIX):
+        return load_npz(cfg.dataset[len(NPZ_PREFIX):])
+    if cfg.dataset.startswith(TFDS_PREFIX):
+        return load_tfds(cfg.dataset[len(TFDS_PREFIX):], cfg.data_dir, (cfg.train_split, cfg.test_split))
     return load_mnist_like(cfg.dataset, cfg.data_dir)
+
+
+def scaled_features(x: np.ndarray, where: str) -> np.ndarray:
+    """One row per example, float32: uint8 pixels scaled to [0, 1], floats as they are."""
+    if x.ndim < 2 or x.shape[0] == 0:
+        raise UsageError(f"{where} must hold one row (or image) per example, at least one; got shape {x.shape}")
+    if x.dtype == np.uint8:
+        return x.reshape(x.shape[0], -1).astype(np.float32) / 255.0
+    if x.dtype.kind != "f":
+        raise UsageError(f"{where} has dtype {x.dtype}; features must be uint8 (scaled to [0, 1]) or float "
+                         f"(used as they are): convert with .astype(np.float32)")
+    out = x.reshape(x.shape[0], -1).astype(np.float32)
+    if not np.isfinite(out).all():
+        raise UsageError(f"{where} holds NaN or infinite values; drop or impute them before training")
+    return out
+
+
+def class_labels(y: np.ndarray, where: str, n: int, classes: int | None = None) -> np.ndarray:
+    """Integer labels 0..C-1, one per example (C given for a dataset that declares it)."""
+    if y.dtype.kind not in "iu" or y.ndim != 1:
+        raise UsageError(f"{where} must be a 1-D array of integer class labels 0..C-1 (got dtype {y.dtype}, "
+                         f"shape {y.shape}); e.g. y.astype(np.int64)")
+    if y.shape[0] != n:
+        raise UsageError(f"{where} has {y.shape[0]} labels for {n} examples; they must match one to one")
+    if y.size and y.min() < 0:
+        raise UsageError(f"{where} has a negative label ({int(y.min())}); labels are classes 0..C-1")
+    if classes is not None and y.size and y.max() >= classes:
+        raise UsageError(f"{where} has label {int(y.max())}, but this dataset has {classes} classes "
+                         f"(0..{classes - 1}); the file is corrupted or from another dataset")
+    return y.astype(np.int64)
+
+
+def load_npz(path: str) -> Dataset:
+    """--dataset npz:PATH: the user's own arrays, x_train/y_train/x_test/y_test."""
+    fix = f"write it with np.savez({path!r}, x_train=..., y_train=..., x_test=..., y_test=...)"
+    if not Path(path).is_file():
+        raise UsageError(f"--dataset npz:{path}: no such file; {fix}")
+    with open(path, "rb") as f:
+        magic = f.read(6)
+    if magic == b"\x93NUMPY":
+        raise UsageError(f"{path} is a single .npy array, not an .npz archive; {fix}")
+    if not magic.startswith(b"PK"):  # np.load would take anything else for a pickle
+        raise UsageError(f"{path} is not a readable .npz file (not a zip archive); {fix}")
+    try:
+        with np.load(path, allow_pickle=False) as f:  # a file a user hands us: never unpickle
+            missing = [k for k in NPZ_KEYS if k not in f.files]
+            if missing:
+                raise UsageError(f"{path} has no {', '.join(missing)} (it has: {', '.join(f.files) or 'nothing'}); {fix}")
+            arrays = {k: f[k] for k in NPZ_KEYS}
+    except UsageError:
+        raise
+    except ValueError as e:  # object arrays refused without pickle, or a damaged member
+        raise UsageError(f"{path} cannot be read without pickle ({e}); save plain numeric arrays: {fix}") from None
+    except (OSError, EOFError) as e:
+        raise UsageError(f"{path} is not a readable .npz file ({e}); {fix}") from None
+    x_train = scaled_features(arrays["x_train"], f"{path}: x_train")
+    x_test = scaled_features(arrays["x_test"], f"{path}: x_test")
+    if x_train.shape[1] != x_test.shape[1]:
+        raise UsageError(f"{path}: x_train has {x_train.shape[1]} features per example but x_test "
+                         f"{x_test.shape[1]}; both splits need the same shape")
+    y_train = class_labels(arrays["y_train"], f"{path}: y_train", x_train.shape[0])
+    y_test = class_labels(arrays["y_test"], f"{path}: y_test", x_test.shape[0])
+    classes = int(max(y_train.max(), y_test.max())) + 1
+    if classes < 2:
+        raise UsageError(f"{path}: every label is 0; a classifier needs at least two classes")
+    return Dataset(f"npz:{Path(path).name}", x_train, y_train, x_test, y_test, classes)
 
 
 # --- digits: the 8x8 handwritten digits that ship with scikit-learn ---------------------------
@@ -134,24 +210,25 @@ def read_idx(path: Path, magic: int) -> np.ndarray:
     return np.frombuffer(data, np.uint8, offset=header).reshape(dims)
 
 
-def _idx_pair(images: Path, labels: Path) -> tuple[np.ndarray, np.ndarray]:
+def _idx_pair(images: Path, labels: Path, classes: int | None) -> tuple[np.ndarray, np.ndarray]:
     x = read_idx(images, IDX_IMAGES_MAGIC)
     y = read_idx(labels, IDX_LABELS_MAGIC)
     if x.shape[0] != y.shape[0]:
         raise UsageError(f"{images.name} has {x.shape[0]} images but {labels.name} has {y.shape[0]} labels; "
                          "they must come from the same release")
-    return x.reshape(x.shape[0], -1).astype(np.float32) / 255.0, y.astype(np.int64)
+    return x.reshape(x.shape[0], -1).astype(np.float32) / 255.0, class_labels(y, str(labels), len(y), classes)
 
 
 def load_idx_dir(directory: Path, name: str) -> Dataset:
     paths = {k: directory / v for k, v in IDX_FILES.items()}
-    x_train, y_train = _idx_pair(paths["train_images"], paths["train_labels"])
-    x_test, y_test = _idx_pair(paths["test_images"], paths["test_labels"])
+    classes = KNOWN_CLASSES.get(name)
+    x_train, y_train = _idx_pair(paths["train_images"], paths["train_labels"], classes)
+    x_test, y_test = _idx_pair(paths["test_images"], paths["test_labels"], classes)
     if x_train.shape[1] != x_test.shape[1]:
         raise UsageError(f"train images have {x_train.shape[1]} pixels but test images {x_test.shape[1]}; "
                          f"{directory} mixes two datasets")
     n_classes = int(max(y_train.max(initial=0), y_test.max(initial=0))) + 1
-    return Dataset(name, x_train, y_train, x_test, y_test, max(n_classes, 10))
+    return Dataset(name, x_train, y_train, x_test, y_test, classes or max(n_classes, 10))
 
 
 def load_mnist_like(name: str, data_dir: str | None) -> Dataset:
@@ -179,14 +256,30 @@ def _online(host: tuple[str, int] = TFDS_DOWNLOAD_HOST, timeout: float = 3.0) ->
         return False
 
 
-def _tfds_arrays(source) -> tuple[np.ndarray, np.ndarray]:
+def _tfds_keys(name: str, source) -> tuple[str, str, int]:
+    """(image feature, label feature, number of classes) from the dataset's own info."""
+    import tensorflow_datasets as tfds
+
+    features = source.dataset_info.features
+    images = [k for k, f in features.items() if isinstance(f, tfds.features.Image)]
+    labels = [k for k, f in features.items() if isinstance(f, tfds.features.ClassLabel)]
+    if not images or not labels:
+        raise UsageError(f"tfds:{name} has no image and class-label features ({', '.join(features.keys())}); "
+                         f"mpitrain trains image classifiers: pick an image-classification dataset")
+    image = "image" if "image" in images else images[0]
+    label = "label" if "label" in labels else labels[0]
+    return image, label, int(features[label].num_classes)
+
+
+def _tfds_arrays(source, name: str, split: str, image: str, label: str, classes: int) -> tuple[np.ndarray, np.ndarray]:
     items = [source[i] for i in range(len(source))]  # one by one: mock_data's batch access is broken
-    x = np.stack([np.asarray(ex["image"]).reshape(-1) for ex in items]).astype(np.float32) / 255.0
-    y = np.asarray([int(ex["label"]) for ex in items], np.int64)
+    where = f"tfds:{name} split {split!r}"
+    x = scaled_features(np.stack([np.asarray(ex[image]) for ex in items]) if items else np.zeros((0, 0)), where)
+    y = class_labels(np.asarray([int(ex[label]) for ex in items], np.int64), where, len(items), classes)
     return x, y
 
 
-def load_tfds(name: str, data_dir: str | None) -> Dataset:
+def load_tfds(name: str, data_dir: str | None, splits: tuple[str, str] = ("train", "test")) -> Dataset:
     """Random-access tfds source (no TensorFlow needed). Prepared data is used as it is;
     otherwise download only when the download host answers, so offline fails in seconds."""
     try:
@@ -196,24 +289,37 @@ def load_tfds(name: str, data_dir: str | None) -> Dataset:
                          f"pip install 'mpitrain[tfds]', or put the four IDX .gz files in --data-dir") from None
     kwargs = {"data_dir": data_dir} if data_dir else {}
     where = data_dir or os.environ.get("TFDS_DATA_DIR", "~/tensorflow_datasets")
+    if name not in KNOWN_CLASSES and not _tfds_knows(tfds, name):
+        raise UsageError(f"tensorflow-datasets has no dataset {name!r}; names are listed at "
+                         f"https://www.tensorflow.org/datasets/catalog (e.g. tfds:kmnist, tfds:cifar10)")
     try:
-        train = tfds.data_source(name, split="train", download=False, **kwargs)
-        test = tfds.data_source(name, split="test", download=False, **kwargs)
+        train = tfds.data_source(name, split=splits[0], download=False, **kwargs)
+        test = tfds.data_source(name, split=splits[1], download=False, **kwargs)
     except Exception:
         if not _online():
-            raise UsageError(f"{name} is not prepared in {where} and this machine is offline; put the four IDX "
-                             f".gz files in a folder and pass --data-dir DIR, or prepare it with tfds where "
-                             f"there is network") from None
+            idx = "put the four IDX .gz files in a folder and pass --data-dir DIR, or " if name in KNOWN_CLASSES else ""
+            raise UsageError(f"{name} is not prepared in {where} and this machine is offline; {idx}prepare it "
+                             f"with tfds where there is network and pass its data dir with --data-dir") from None
         try:
             builder_kwargs = {"file_format": "array_record"}
-            train = tfds.data_source(name, split="train", builder_kwargs=builder_kwargs, **kwargs)
-            test = tfds.data_source(name, split="test", builder_kwargs=builder_kwargs, **kwargs)
+            train = tfds.data_source(name, split=splits[0], builder_kwargs=builder_kwargs, **kwargs)
+            test = tfds.data_source(name, split=splits[1], builder_kwargs=builder_kwargs, **kwargs)
         except Exception as e:
             raise UsageError(f"could not download/prepare {name} with tfds into {where}: "
                              f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
-    x_train, y_train = _tfds_arrays(train)
-    x_test, y_test = _tfds_arrays(test)
-    return Dataset(name, x_train, y_train, x_test, y_test, 10)
+    image, label, classes = _tfds_keys(name, train)
+    x_train, y_train = _tfds_arrays(train, name, splits[0], image, label, classes)
+    x_test, y_test = _tfds_arrays(test, name, splits[1], image, label, classes)
+    return Dataset(name if name in KNOWN_CLASSES else f"tfds:{name}", x_train, y_train, x_test, y_test, classes)
+
+
+def _tfds_knows(tfds, name: str) -> bool:
+    """Whether tfds has a builder by that name (a config after '/', a version after ':')."""
+    try:
+        tfds.builder_cls(name.split("/")[0].split(":")[0])
+        return True
+    except Exception:
+        return False
 
 
 # --- sharding ---------------------------------------------------------------------------------

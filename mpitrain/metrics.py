@@ -165,7 +165,8 @@ def human_summary(s: dict) -> list[str]:
     ranks = "1 process, local" if s["world_size"] == 1 else f"{s['world_size']} ranks: 1 PS + {s['workers']} workers"
     workers_acc = ", ".join(f"{a:.4f}" for a in s["worker_test_accuracy"])
     return [
-        f"mpitrain done: {s['mode']} | {s['model_description']} | {s['dataset']} | {ranks}",
+        f"mpitrain {'stopped (diverged)' if s.get('diverged') else 'done'}: {s['mode']} | {s['model_description']} | "
+        f"{s['dataset']} | {ranks}",
         f"  global step {s['global_step']:,} | local steps {s['local_steps']} | {s['wall_seconds']:.2f} s training"
         f" | {s['samples_per_second']:,.0f} samples/s",
         f"  test accuracy {s['test_accuracy']:.4f} (rank 0)"

@@ -135,9 +135,23 @@ class Context:
         return min(budgets)
 
     def lr_at(self, step: int) -> float:
-        """The learning rate of the update that makes global step `step + 1`: decayed by the
-        epochs of global data seen before it (--lr-decay)."""
-        return decayed_lr(self.cfg.lr, self.cfg.lr_decay, step * self.global_batch, self.data.n_train)
+        """The learning rate of the update that makes global step `step + 1`: scaled with the
+        workers in a sync update (--lr-scaling, after --warmup-epochs), decayed by the epochs of
+        global data seen before it (--lr-decay)."""
+        seen = step * self.global_batch
+        return decayed_lr(self.cfg.lr, self.cfg.lr_decay, seen, self.data.n_train) * self.lr_scale_at(seen)
+
+    @property
+    def lr_scale(self) -> int:
+        """The factor --lr-scaling linear reaches: the gradients averaged into one sync update."""
+        return self.global_batch // self.cfg.batch_size if self.cfg.scaled_lr else 1
+
+    def lr_scale_at(self, samples_seen: int) -> float:
+        """Goyal et al.'s gradual warm-up: linear from 1 to lr_scale over --warmup-epochs."""
+        k, warm = self.lr_scale, self.cfg.warmup_epochs
+        if k == 1 or warm <= 0:
+            return float(k)
+        return 1.0 + (k - 1) * min(1.0, samples_seen / (warm * self.data.n_train))
 
     @property
     def global_batch(self) -> int:

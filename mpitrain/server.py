@@ -20,6 +20,7 @@ from mpi4py import MPI
 
 from mpitrain import checkpoint
 from mpitrain.checkpoint import Checkpointer, TrainState
+from mpitrain.guard import NON_FINITE, LossGuard
 from mpitrain.liveness import PeerLost
 from mpitrain.metrics import Progress, RunLog, say
 from mpitrain.optim import Optimizer, make_ema, staleness_scaled_lr
@@ -131,6 +132,7 @@ class AsyncServer:
         start, self.state, self.ckpt = begin(ctx)
         self.clock = _Clock()
         self.opt = Optimizer(cfg.optimizer, n, np, momentum=cfg.momentum)
+        self.guard = LossGuard(cfg.divergence_factor)
         self.opt.restore(start.opt_t, start.opt_m, start.opt_v)
         self.ema = make_ema(cfg.ema_decay, start.params, np, start.global_step, start.ema)
         wire = cfg.wire_dtype
@@ -241,8 +243,9 @@ class AsyncServer:
     def _apply(self, w: int) -> None:
         cfg, state, msg = self.cfg, self.state, self.inbox[w]
         self.held.remove(w)
-        if not math.isfinite(msg.loss):  # diverged: never applied, and every worker is stopped
-            state.diverged = {"global_step": state.global_step, "ranks": [w + 1], "loss": msg.loss}
+        why = NON_FINITE if not math.isfinite(msg.loss) else self.guard.exploded(msg.loss)
+        if why:  # diverged: never applied, and every worker is stopped
+            state.diverged = {"global_step": state.global_step, "ranks": [w + 1], "loss": msg.loss, "why": why}
             self.stopping = True
             self._reply(w, stop=True)
             return
@@ -384,8 +387,8 @@ def serve_sync(ctx: Context, progress: Progress) -> ServerState:
                 record_eval(ctx, state, clock, received.params, box.step, received.ema)
             if box.flags & (FLAG_CKPT | FLAG_STOP):
                 ckpt.save(received)
-            if final and box.flags & FLAG_DIVERGED:
-                state.diverged = {"global_step": box.step, "ranks": [], "loss": float("nan")}
+            if final and box.flags & FLAG_DIVERGED:  # the why and the loss come in the chief's report
+                state.diverged = {"global_step": box.step, "ranks": [], "loss": float("nan"), "why": None}
             if final:  # its loss is the chief's mean over the last LOSS_WINDOW steps
                 state.global_step = box.step
                 state.recent_losses.append(box.loss)
@@ -425,7 +428,6 @@ def run_local(ctx: Context, progress: Progress) -> tuple[ServerState, dict]:
     clock.stop(state)
     state.ema = result["train_state"].ema
     if result["diverged"]:
-        state.diverged = {"global_step": result["diverged"]["global_step"], "ranks": [0],
-                          "loss": result["diverged"]["loss"]}
+        state.diverged = {**result["diverged"], "ranks": [0]}
     ckpt.save(result["train_state"])
     return state, result

@@ -18,6 +18,7 @@ from mpi4py import MPI
 from mpitrain import __version__, checkpoint, liveness
 from mpitrain.config import TrainConfig, UsageError
 from mpitrain.faults import Kill
+from mpitrain.guard import NON_FINITE
 from mpitrain.metrics import Progress, human_summary, say, staleness_summary, write_json_atomic
 from mpitrain.liveness import PeerLost, mpi_error_reason
 from mpitrain.protocol import FLAG_PEER_LOST, TAG_REPORT, Message, ProtocolError
@@ -57,7 +58,7 @@ def agree_on_setup(cfg: TrainConfig | None, comm, node: Node, err: str | None) -
 # the flags that shape messages and the protocol (a mixed install or MPMD launch fails here, in one
 # line, instead of in a truncated message or on garbage).
 AGREED = ("mode", "model", "hidden", "optimizer", "batch_size", "compress", "quorum", "max_staleness", "seed",
-          "dataset", "overlap")
+          "dataset", "overlap", "lr", "lr_scaling", "warmup_epochs", "divergence_factor")
 
 
 def identity(ctx: Context | None) -> dict | None:
@@ -169,6 +170,8 @@ def build_summary(ctx: Context, mine: dict, reports: list[dict], placements: lis
         "dropped_gradients_per_worker": [w["dropped"] for w in workers],
         "staleness": staleness_summary(state.staleness),
         "quorum": quorum,
+        "lr_scaling": "linear" if cfg.scaled_lr else "none",
+        "lr_effective": cfg.lr * ctx.lr_scale,  # after the warm-up, before --lr-decay
         "steps_per_second": state.global_step / max(state.train_s, 1e-9),
         "eval_history": state.eval_history,
         "param_digest": digest(state.params),
@@ -295,6 +298,10 @@ def announce(ctx: Context, placements: list[str]) -> None:
     if ctx.local:
         say("mpitrain: one process: training locally with no parameter server "
             "(mpirun -np 3 gives 1 parameter server + 2 workers)")
+    if ctx.lr_scale > 1:
+        warm = f"after a {cfg.warmup_epochs:g}-epoch warm-up" if cfg.warmup_epochs > 0 else "from the first step"
+        say(f"mpitrain: sync learning rate {cfg.lr:g} x {ctx.lr_scale} gradients per update = "
+            f"{cfg.lr * ctx.lr_scale:g} {warm} (--lr-scaling none keeps {cfg.lr:g})")
     if ctx.resume:
         path, st = ctx.resume
         say(f"mpitrain: resuming from {path} (global step {st.global_step}); --fresh starts over")
@@ -429,13 +436,17 @@ def _divergence(ctx: Context, mine: dict, reports: list | None) -> dict | None:
     d = mine["state"].diverged
     if d is None:
         return None
-    ranks = d["ranks"] or [r["worker"]["rank"] for r in reports if r and r["worker"].get("diverged", {}) and
-                           r["worker"]["diverged"].get("mine")]
+    seen = [r["worker"]["diverged"] for r in reports if r and r["worker"].get("diverged")]
+    ranks = d["ranks"] or [r["worker"]["rank"] for r in reports if r and (r["worker"].get("diverged") or {}).get("mine")]
+    if d.get("why") is None and seen:  # sync: rank 0 learnt only the step; the workers know the rest
+        d = {**d, "why": seen[0]["why"], "loss": seen[0]["loss"]}
     return {**d, "ranks": ranks}
 
 
 def divergence_line(d: dict, checkpoints: list[str]) -> str:
-    who = f"worker rank {', '.join(map(str, d['ranks']))}" if d["ranks"] else "the workers' mean"
+    who = f"worker rank {', '.join(map(str, d['ranks']))}'s loss" if d["ranks"] else "the workers' mean loss"
     kept = f"; the last good checkpoint is {checkpoints[-1]}" if checkpoints else ""
-    return (f"mpitrain: error: training diverged at global step {d['global_step']}: non-finite loss from {who}; "
-            f"lower --lr (or use --optimizer adam / --l2){kept}")
+    why = d.get("why") or NON_FINITE
+    off = "" if why == NON_FINITE else ", or --divergence-factor 0 to turn this check off"
+    return (f"mpitrain: error: training diverged at global step {d['global_step']}: {who} {why}; "
+            f"lower --lr (or use --optimizer adam / --l2{off}){kept}")

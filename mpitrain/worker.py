@@ -14,6 +14,7 @@ from mpi4py import MPI
 from mpitrain.checkpoint import Checkpointer, TrainState, state_arrays, to_flat
 from mpitrain.data import epoch_batches
 from mpitrain.faults import Kill, injected_step
+from mpitrain.guard import NON_FINITE, LossGuard
 from mpitrain.optim import Optimizer, make_ema
 from mpitrain.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_LAST, FLAG_STOP, TAG_DECISION, TAG_GRAD, TAG_PARAMS, TAG_READY,
                                TAG_STATUS, Message, ProtocolError)
@@ -185,6 +186,8 @@ class SyncStep:
         self.ema = None
         self.own_loss = 0.0  # this worker's own minibatch loss in the step being reduced
         self.divergence = Divergence(ctx)
+        self.guard = LossGuard(cfg.divergence_factor)  # on the mean loss: every worker decides alike
+        self.why: str | None = None  # set when the step just reduced diverged (and was not applied)
         if start is not None:
             self.opt.restore(start.opt_t, start.opt_m, start.opt_v)
             if ctx.worker_index == 0:  # the chief (or the local run) keeps the moving average
@@ -247,7 +250,8 @@ class SyncStep:
             self.comm_s += time.perf_counter() - t0
             buf *= be.xp.float32(1.0) / buf[self.n + 1]
         loss = float(buf[self.n])
-        if not math.isfinite(loss):
+        self.why = NON_FINITE if not math.isfinite(loss) else self.guard.exploded(loss)
+        if self.why:
             return loss  # diverged: every worker sees the same mean, and none applies it
         self.opt.step(self.params, buf[: self.n], ctx.lr_at(step))
         if self.ema:
@@ -296,7 +300,7 @@ def train_sync(ctx: Context, start: TrainState, on_step=None) -> dict:
         straggler.pause(time.perf_counter() - t0)
         loss = step_fn.reduce_and_apply(step)
         stats.compute_s += time.perf_counter() - t0
-        if not math.isfinite(loss):
+        if step_fn.why:
             return _sync_result(step_fn, step, loss, stats.as_dict(None, step_fn.comm_s), contributed=step)
         recent.append(loss)
         if on_step is not None:
@@ -308,13 +312,14 @@ def train_sync(ctx: Context, start: TrainState, on_step=None) -> dict:
 
 def _sync_result(step_fn: SyncStep, step: int, loss: float, timing: dict, contributed: int,
                  dropped: int = 0) -> dict:
-    """What a sync worker (or the local run) reports at global step `step`. A non-finite `loss`
-    means update `step` diverged and was not applied: the state is the last good one, and
+    """What a sync worker (or the local run) reports at global step `step`. When the step
+    diverged (step_fn.why) update `step` was not applied: the state is the last good one, and
     whether this worker's own loss was the culprit goes to rank 0."""
     state = step_fn.train_state(step)  # host copies; its params are the result's params
     diverged = None
-    if not math.isfinite(loss):
-        diverged = {"global_step": step, "loss": loss, "mine": not math.isfinite(step_fn.own_loss)}
+    if step_fn.why:
+        diverged = {"global_step": step, "loss": loss, "why": step_fn.why,
+                    "mine": not math.isfinite(step_fn.own_loss)}
     return {"pushed": step, "params": state.params, "recent_loss": loss, "dropped": dropped,
             "contributed": contributed, "train_state": state, "time": timing, "diverged": diverged}
 
@@ -457,7 +462,7 @@ def train_sync_quorum(ctx: Context, start: TrainState, on_step=None) -> dict:
                 dropped += 1  # ready, but after Q others
                 helper.discard()
         loss = step_fn.reduce_and_apply(step)
-        if not math.isfinite(loss):
+        if step_fn.why:
             diverged = step
             break
         recent.append(loss)

@@ -13,6 +13,7 @@ BAD = [
     (["--model", "cnn"], "--model"),
     (["--mode", "bulk"], "--mode"),
     (["--dataset", "imagenet"], "--dataset"),
+    (["--dataset", "npz:/nonexistent/mine.npz"], "no such file; write it with np.savez("),
     (["--batch-size", "0"], "--batch-size must be a positive integer"),
     (["--lr", "-1"], "--lr must be positive"),
     (["--epochs", "-2"], "--epochs must be a positive integer"),
@@ -97,3 +98,22 @@ def test_console_script_is_installed():
     assert os.path.exists(script)
     proc = subprocess.run([script, "--version"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and proc.stdout.startswith("mpitrain ")
+
+
+# What validate() decides needs no MPI: tested in-process (the launches above show every rank exits 2).
+INVALID = [
+    (["--divergence-factor", "1"], "--divergence-factor must be above 1, or 0"),
+    (["--divergence-factor", "inf"], "--divergence-factor must be above 1, or 0"),
+    (["--lr-scaling", "sqrt"], "invalid choice"),
+    (["--lr-scaling", "linear"], "--lr-scaling linear applies to --mode sync"),
+    (["--mode", "sync", "--warmup-epochs", "-1"], "--warmup-epochs must be zero or more"),
+]
+
+
+@pytest.mark.parametrize("args,needle", INVALID, ids=[" ".join(a) for a, _ in INVALID])
+def test_validate_names_the_problem(args, needle):
+    from mpitrain.cli import parse_args
+    from mpitrain.config import UsageError
+
+    with pytest.raises(UsageError, match=needle.replace("(", r"\(")):
+        parse_args(args)

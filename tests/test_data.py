@@ -99,12 +99,15 @@ def test_tfds_path_under_mock_data():
     assert ds.y_train.min() >= 0 and ds.y_train.max() < 10
 
 
-def test_tfds_offline_fails_in_seconds(tmp_path, monkeypatch):
+@pytest.mark.parametrize("name", ["mnist", "tfds:kmnist"])
+def test_tfds_offline_fails_in_seconds(tmp_path, monkeypatch, name):
     pytest.importorskip("tensorflow_datasets")
+    from mpitrain.config import TrainConfig
+
     monkeypatch.setattr(data, "_online", lambda *a, **k: False)
     t0 = time.perf_counter()
-    with pytest.raises(UsageError, match="offline"):
-        data.load_mnist_like("mnist", str(tmp_path))
+    with pytest.raises(UsageError, match=f"{name.split(':')[-1]} is not prepared in .* and this machine is offline"):
+        data.load_dataset(TrainConfig(dataset=name, data_dir=str(tmp_path)))
     assert time.perf_counter() - t0 < 10
 
 
@@ -149,3 +152,87 @@ def test_every_example_is_seen_over_epochs():
 def test_batch_larger_than_shard_is_a_usage_error():
     with pytest.raises(UsageError, match="--batch-size 800 is larger"):
         data.check_batch_fits(1437, 2, 800)
+
+
+# --- your own arrays: --dataset npz:PATH -------------------------------------------------------
+
+def write_npz(path, **overrides):
+    rng = np.random.default_rng(1)
+    arrays = {"x_train": rng.integers(0, 256, (50, 6, 6, 3), dtype=np.uint8), "y_train": rng.integers(0, 3, 50),
+              "x_test": rng.integers(0, 256, (20, 6, 6, 3), dtype=np.uint8), "y_test": rng.integers(0, 3, 20)}
+    arrays.update(overrides)
+    np.savez(path, **{k: v for k, v in arrays.items() if v is not None})
+    return path
+
+
+def test_npz_images_are_flattened_scaled_and_counted(tmp_path):
+    ds = data.load_npz(str(write_npz(tmp_path / "d.npz", y_test=np.array([0, 1, 2, 4] * 5))))
+    assert ds.x_train.shape == (50, 108) and ds.x_train.dtype == np.float32
+    assert 0 <= ds.x_train.min() and ds.x_train.max() <= 1 and ds.x_train.max() > 0.9  # uint8 / 255
+    assert ds.n_classes == 5 and ds.name == "npz:d.npz" and ds.y_train.dtype == np.int64
+    floats = data.load_npz(str(write_npz(tmp_path / "f.npz", x_train=np.full((50, 4), 7.5), x_test=np.ones((20, 4)))))
+    assert floats.x_train.max() == 7.5  # float features are used as they are
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    ({"y_test": None}, "has no y_test (it has: x_train, y_train, x_test)"),
+    ({"x_test": np.zeros((20, 5), np.float32)}, "x_train has 108 features per example but x_test 5"),
+    ({"y_train": np.zeros(50) + 0.5}, "y_train must be a 1-D array of integer class labels"),
+    ({"y_train": np.arange(50) - 1}, "y_train has a negative label (-1)"),
+    ({"y_train": np.zeros(49, np.int64)}, "y_train has 49 labels for 50 examples"),
+    ({"x_train": np.full((50, 3), np.nan)}, "x_train holds NaN or infinite values"),
+    ({"x_train": np.zeros((50, 3), np.int32)}, "x_train has dtype int32; features must be uint8"),
+    ({"x_train": np.array([{"a": 1}] * 50, dtype=object)}, "cannot be read without pickle"),
+])
+def test_npz_problems_name_the_file_and_the_fix(tmp_path, overrides, needle):
+    path = write_npz(tmp_path / "bad.npz", **overrides)
+    with pytest.raises(UsageError) as e:
+        data.load_npz(str(path))
+    assert needle in str(e.value) and "bad.npz" in str(e.value)
+
+
+def test_npz_that_is_not_an_archive(tmp_path):
+    (tmp_path / "a.npz").write_bytes(b"not a zip")
+    with pytest.raises(UsageError, match="not a readable .npz file"):
+        data.load_npz(str(tmp_path / "a.npz"))
+    np.save(tmp_path / "b.npy", np.zeros(3))
+    with pytest.raises(UsageError, match="single .npy array"):
+        data.load_npz(str(tmp_path / "b.npy"))
+
+
+def test_mnist_labels_outside_0_9_are_refused(tmp_path):
+    """A label of 200 used to build a 201-class model silently."""
+    write_mnist_dir(tmp_path)
+    labels = np.zeros(45, np.uint8)
+    labels[7] = 200
+    write_idx(tmp_path / IDX_FILES["test_labels"], labels)
+    with pytest.raises(UsageError, match="has label 200, but this dataset has 10 classes"):
+        data.load_mnist_like("mnist", str(tmp_path))
+
+
+# --- any tfds image-classification dataset: --dataset tfds:NAME ------------------------------------
+
+@pytest.mark.parametrize("name,features,classes", [("kmnist", 784, 10), ("cifar10", 32 * 32 * 3, 10),
+                                                   ("emnist/letters", 784, 37)])
+def test_tfds_image_datasets_under_mock_data(name, features, classes):
+    tfds = pytest.importorskip("tensorflow_datasets")
+    from mpitrain.config import TrainConfig
+
+    with tfds.testing.mock_data(num_examples=30):
+        ds = data.load_dataset(TrainConfig(dataset=f"tfds:{name}"))
+    assert ds.x_train.shape == (30, features) and ds.x_test.shape == (30, features)
+    assert ds.n_classes == classes and ds.name == f"tfds:{name}"  # from the dataset's own info
+    assert ds.x_train.dtype == np.float32 and 0 <= ds.x_train.min() and ds.x_train.max() <= 1
+    assert 0 <= ds.y_train.min() and ds.y_train.max() < classes
+
+
+def test_tfds_other_splits_and_unknown_names(monkeypatch):
+    tfds = pytest.importorskip("tensorflow_datasets")
+    with tfds.testing.mock_data(num_examples=30):
+        asked, real = [], tfds.data_source  # mock_data serves any split whole: check what is asked
+        monkeypatch.setattr(tfds, "data_source", lambda name, split, **kw: asked.append(split) or real(name, split=split, **kw))
+        data.load_tfds("cifar10", None, ("train[:10]", "extra"))
+        assert asked == ["train[:10]", "extra"]
+        with pytest.raises(UsageError, match="has no dataset 'no_such_set'"):
+            data.load_tfds("no_such_set", None)
+

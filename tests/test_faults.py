@@ -21,7 +21,7 @@ def test_injected_nan_stops_training_and_keeps_the_last_good_checkpoint(tmp_path
                         "--checkpoint-every-steps", "5", "--summary-json", str(summary), env=env)
     assert proc.returncode == 4, proc.stdout + proc.stderr  # every rank: mpirun reports the rank's code
     line = [ln for ln in proc.stderr.splitlines() if "diverged" in ln]
-    assert len(line) == 1 and f"non-finite loss from worker rank {rank}" in line[0]
+    assert len(line) == 1 and f"worker rank {rank}'s loss is not finite" in line[0]
     s = json.loads(summary.read_text())
     step = s["diverged"]["global_step"]
     assert f"global step {step}" in line[0] and s["global_step"] == step
@@ -62,3 +62,36 @@ def test_ranks_started_with_different_models_stop_before_training():
     assert proc.stderr.count("\n") == 1
     assert "error on rank 1: it disagrees with rank 0 (layer_sizes [64, 50, 10] vs [64, 100, 10]" in proc.stderr
     assert "mpitrain done" not in proc.stdout
+
+
+@pytest.mark.parametrize("np_,mode", [(3, "async"), (3, "sync"), (0, "sync")])
+def test_an_exploding_but_finite_loss_stops_like_a_nan(tmp_path, np_, mode):
+    """--lr 1e6 keeps the loss finite (~1e10) and used to end 'mpitrain done', exit 0."""
+    ck, summary = tmp_path / "ck", tmp_path / "s.json"
+    proc = run_mpitrain(np_, "--mode", mode, "--lr", "1e6", "--no-progress", "--checkpoint-dir", str(ck),
+                        "--summary-json", str(summary))
+    assert proc.returncode == 4, proc.stdout + proc.stderr
+    line = [ln for ln in proc.stderr.splitlines() if "diverged" in ln]
+    assert len(line) == 1 and "(smoothed), over --divergence-factor 100 x its start" in line[0]
+    assert "--divergence-factor 0 to turn this check off" in line[0] and "Traceback" not in proc.stderr
+    s = json.loads(summary.read_text())
+    assert s["diverged"]["loss"] > 100 * 2.0 and s["global_step"] == s["diverged"]["global_step"] < 20
+    assert "mpitrain done" not in proc.stdout and "mpitrain stopped (diverged)" in proc.stdout
+    assert np.isfinite(checkpoint.load(checkpoint.list_checkpoints(ck)[-1]).params).all()
+
+
+def test_divergence_factor_zero_turns_the_guard_off(tmp_path):
+    proc = run_mpitrain(3, "--lr", "1e6", "--divergence-factor", "0", "--steps", "40", "--no-progress")
+    assert proc.returncode == 0 and "mpitrain done" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_loss_guard_follows_a_smoothed_loss_against_the_first():
+    from mpitrain.guard import LossGuard
+
+    guard = LossGuard(10.0)
+    assert guard.exploded(2.0) is None  # the start
+    assert guard.exploded(50.0) is None  # one bad minibatch: smoothed 6.8, under 20
+    assert guard.exploded(float("nan")) is None  # not its business
+    why = guard.exploded(500.0)  # smoothed 56
+    assert why is not None and "x its start 2" in why and "rose to 56.1" in why
+    assert LossGuard(0).exploded(2.0) is None and LossGuard(0).exploded(1e30) is None

@@ -92,3 +92,46 @@ def test_sync_np4_replicas_identical_with_fp16_allreduce(tmp_path):
     s = train(4, tmp_path, "--mode", "sync", "--compress", "fp16", "--steps", "60")
     assert len(s["worker_param_digests"]) == 3
     assert set(s["worker_param_digests"]) == {s["param_digest"]}
+
+
+def test_sync_scales_the_learning_rate_with_the_workers(tmp_path):
+    """--lr-scaling linear (sync's default) without warm-up is exactly --lr x workers, bit for bit;
+    the warm-up changes the path; async is never scaled."""
+    common = ("--mode", "sync", "--steps", "60")
+    scaled = train(4, tmp_path, *common, "--warmup-epochs", "0")
+    by_hand = train(4, tmp_path, *common, "--lr", "0.3", "--lr-scaling", "none")
+    assert scaled["param_digest"] == by_hand["param_digest"]
+    assert scaled["lr_scaling"] == "linear" and scaled["lr_effective"] == pytest.approx(0.3)
+    assert by_hand["lr_effective"] == 0.3 and by_hand["lr_scaling"] == "none"
+    warmed = train(4, tmp_path, *common)  # default: a 1-epoch ramp from 0.1
+    assert warmed["param_digest"] != scaled["param_digest"]
+    assert "learning rate 0.1 x 3 gradients per update = 0.3 after a 1-epoch warm-up" in warmed["_stdout"]
+    quorum = train(4, tmp_path, *common, "--quorum", "2", "--warmup-epochs", "0")
+    assert quorum["lr_effective"] == pytest.approx(0.2)  # the gradients actually averaged
+    assert train(3, tmp_path, "--steps", "20")["lr_effective"] == 0.1  # async
+
+
+def test_warmup_ramps_linearly_to_the_scaled_rate():
+    from types import SimpleNamespace
+
+    from mpitrain.runtime import Context
+
+    ctx = SimpleNamespace(lr_scale=4, cfg=SimpleNamespace(warmup_epochs=2.0), data=SimpleNamespace(n_train=1000))
+    ramp = [Context.lr_scale_at(ctx, seen) for seen in (0, 1000, 2000, 5000)]
+    assert ramp == [1.0, 2.5, 4.0, 4.0]
+    ctx.cfg.warmup_epochs = 0.0
+    assert Context.lr_scale_at(ctx, 0) == 4.0
+
+
+def test_your_own_npz_trains_like_the_builtin_data(tmp_path):
+    """The README's three lines: any arrays saved with np.savez train with one flag."""
+    import numpy as np
+
+    from mpitrain.data import load_digits
+
+    d = load_digits()
+    images = (d.x_train.reshape(-1, 8, 8) * 255).astype(np.uint8)  # images of any shape are flattened
+    np.savez(tmp_path / "mine.npz", x_train=images, y_train=d.y_train, x_test=d.x_test, y_test=d.y_test)
+    s = train(3, tmp_path, "--dataset", f"npz:{tmp_path / 'mine.npz'}", "--epochs", "30")
+    assert s["dataset"] == "npz:mine.npz" and s["test_accuracy"] >= 0.9
+    assert s["model_description"].startswith("mlp 64-100-10")
