@@ -20,7 +20,7 @@ from mpitrain.config import LR_SCALINGS, TrainConfig, UsageError, defaults, pars
 BLAS_THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
 
-SUBCOMMANDS = {"launch": "mpitrain.launch", "evaluate": "mpitrain.evaluate", "plot": "mpitrain.plot"}
+SUBCOMMANDS = {"launch": "mpitrain.launch", "evaluate": "mpitrain.evaluation", "plot": "mpitrain.plot"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -172,13 +172,13 @@ def parse_args(argv: list[str]) -> tuple[TrainConfig | None, argparse.ArgumentPa
     return validate(TrainConfig(**values)), parser
 
 
-def _pin_blas_threads() -> None:
+def pin_blas_threads() -> None:
     for var in BLAS_THREAD_VARS:
         os.environ.setdefault(var, "1")
 
 
 def main(argv: list[str] | None = None) -> int:
-    _pin_blas_threads()
+    pin_blas_threads()
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] and argv[0] in SUBCOMMANDS:  # no MPI for these: launch starts mpirun itself
         import importlib
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     from mpi4py import MPI
 
     from mpitrain.runtime import node_info
-    from mpitrain.train import run
+    from mpitrain.trainer import run
 
     comm = MPI.COMM_WORLD
     node = node_info(comm)  # collective: before anyone can fail
@@ -211,4 +211,4 @@ def main(argv: list[str] | None = None) -> int:
         if comm.Get_rank() == 0:
             parser.print_help()
         return 0
-    return run(cfg, comm, node, err)
+    return run(cfg, comm, node, err).code

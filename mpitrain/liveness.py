@@ -7,7 +7,7 @@ every worker. A Watch remembers when each peer was last heard from (heartbeat or
 message); a peer silent for longer than the timeout is lost, and so is one whose message failed
 in MPI (a dead process's half-sent gradient). Pollers call `Watch.check` while they wait; it
 raises PeerLost, and the caller decides: rank 0 in async mode carries on without the worker,
-everything else stops with one line (see train.py).
+everything else stops with one line (see trainer.py).
 """
 
 from __future__ import annotations

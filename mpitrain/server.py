@@ -189,7 +189,7 @@ class AsyncServer:
             if w in self.held:
                 self.held.remove(w)
             # Requests to or from a dead process never complete: dropped (never waited on), and
-            # the job ends without MPI_Finalize, which would wait for them (see train.py).
+            # the job ends without MPI_Finalize, which would wait for them (see trainer.py).
             self.recv[w] = MPI.REQUEST_NULL
             self.sends[w] = MPI.REQUEST_NULL
             record_lost(self.state, rank, why, f"; continuing with {len(self.active)} worker(s)" if self.active else "")
@@ -362,7 +362,7 @@ def serve_sync(ctx: Context, progress: Progress) -> ServerState:
     full_count = n * len(names)
     box = Message(full_count)
     with_quorum = cfg.quorum is not None and cfg.quorum < W
-    poller = Poller(QUORUM_POLL_S if with_quorum else CHIEF_POLL_S, ctx.watch)  # PeerLost ends the job (train.py)
+    poller = Poller(QUORUM_POLL_S if with_quorum else CHIEF_POLL_S, ctx.watch)  # PeerLost ends the job (trainer.py)
     quorum = QuorumCoordinator(ctx, poller) if with_quorum else None
     status = ctx.comm.Irecv(box.spec(), source=chief, tag=TAG_STATUS)
     final_seen = False
@@ -371,7 +371,7 @@ def serve_sync(ctx: Context, progress: Progress) -> ServerState:
         done = poller.some(reqs)
         if done.failed:  # a message from a worker that died while sending it
             senders = [chief] + (quorum.ranks if quorum else [])
-            raise PeerLost({senders[i]: why for i, why in done.failed.items()})  # sync cannot go on: train.py
+            raise PeerLost({senders[i]: why for i, why in done.failed.items()})  # sync cannot go on: trainer.py
         for i in done.arrived:
             if i > 0:
                 quorum.handle(i - 1, progress)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from conftest import run_mpitrain, train
-from mpitrain.evaluate import confusion_matrix
+from mpitrain.evaluation import confusion_matrix
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from mpitrain import checkpoint
-from mpitrain.config import DATASETS, TrainConfig, UsageError
+from mpitrain.config import TrainConfig, UsageError, validate
 from mpitrain.metrics import say, write_json_atomic
 
 
@@ -42,7 +42,7 @@ def evaluate(path: str, dataset: str, data_dir: str | None) -> dict:
         import json
 
         sizes = tuple(json.loads(str(z["fingerprint"]))["layer_sizes"])
-    data = load_dataset(TrainConfig(dataset=dataset, data_dir=data_dir))
+    data = load_dataset(validate(TrainConfig(dataset=dataset, data_dir=data_dir)))
     if (data.n_features, data.n_classes) != (sizes[0], sizes[-1]):
         raise UsageError(f"{dataset} has {data.n_features} features and {data.n_classes} classes but the checkpoint's "
                          f"model is {'-'.join(map(str, sizes))}; evaluate it on the dataset it was trained on")
@@ -61,7 +61,7 @@ def evaluate(path: str, dataset: str, data_dir: str | None) -> dict:
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="mpitrain evaluate", description=__doc__.splitlines()[0])
     p.add_argument("checkpoint")
-    p.add_argument("--dataset", choices=DATASETS, default="digits")
+    p.add_argument("--dataset", default="digits", help="as for training: digits, mnist, npz:PATH, tfds:NAME, ...")
     p.add_argument("--data-dir", default=None)
     p.add_argument("--summary-json", default=None, metavar="PATH")
     args = p.parse_args(argv)

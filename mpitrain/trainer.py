@@ -33,8 +33,18 @@ ABORT_FLUSH_S = 0.5
 FINALIZE_MIN_S = 5.0  # a healthy MPI_Finalize takes milliseconds: every rank arrives within that of the others
 
 
-def agree_on_setup(cfg: TrainConfig | None, comm, node: Node, err: str | None) -> Context | None:
-    """Every rank sets up, then all compare notes. None (after rank 0 printed one line) if any failed."""
+@dataclasses.dataclass
+class Outcome:
+    """How a run ended on this rank: the exit code, and what the Python API hands back."""
+
+    code: int
+    summary: dict | None = None  # rank 0
+    report: dict | None = None  # a worker: its own report to rank 0
+    error: str | None = None  # the one line, on every rank, when the code is not 0
+
+
+def agree_on_setup(cfg: TrainConfig | None, comm, node: Node, err: str | None) -> tuple[Context | None, str | None]:
+    """Every rank sets up, then all compare notes. (None, the line rank 0 printed) if any failed."""
     ctx = None
     if err is None:
         try:
@@ -46,12 +56,13 @@ def agree_on_setup(cfg: TrainConfig | None, comm, node: Node, err: str | None) -
     if not failed:
         failed = mismatches([ident for _, ident in notes])
     if not failed:
-        return ctx
+        return ctx, None
+    rank, message = failed[0]
+    where = "" if len(failed) == comm.Get_size() else f" on rank {rank}"
+    line = f"mpitrain: error{where}: {message}"
     if comm.Get_rank() == 0:
-        rank, message = failed[0]
-        where = "" if len(failed) == comm.Get_size() else f" on rank {rank}"
-        say(f"mpitrain: error{where}: {message}", sys.stderr)
-    return None
+        say(line, sys.stderr)
+    return None, line
 
 
 # What every rank must agree on before exchanging a single buffer: the code, the wire format, and
@@ -185,10 +196,12 @@ def build_summary(ctx: Context, mine: dict, reports: list[dict], placements: lis
     }
 
 
-def run(cfg: TrainConfig | None, comm, node: Node, err: str | None) -> int:
-    ctx = agree_on_setup(cfg, comm, node, err)
+def run(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: bool = False) -> Outcome:
+    """One training run on this rank. The command line ends the process with the code (and MPI
+    with MPI_Finalize); the Python API (`library`) keeps MPI for the next run in the process."""
+    ctx, line = agree_on_setup(cfg, comm, node, err)
     if ctx is None:
-        return 2
+        return Outcome(2, error=line)
     if cfg.mode == "sync" and not ctx.local:  # collective on COMM_WORLD: every rank calls it
         ctx.worker_comm = comm.Split(0 if ctx.rank > 0 else MPI.UNDEFINED, ctx.rank)
     placements = comm.gather(ctx.placement(), root=0)  # the last collective over every rank
@@ -205,17 +218,18 @@ def run(cfg: TrainConfig | None, comm, node: Node, err: str | None) -> int:
             send_report(ctx, {**mine["worker"], "max_rss_mb": mine["max_rss_mb"]})
             Kill(ctx.rank).after_report()
     except PeerLost as e:
-        return peer_lost(ctx, e)
+        return Outcome(peer_lost(ctx, e))
     except ProtocolError as e:
         say(f"mpitrain: rank {ctx.rank}: wire-format error: {e}", sys.stderr)
         comm.Abort(3)
-        return 3
+        return Outcome(3)
     except Exception:
         sys.stderr.write(f"mpitrain: rank {ctx.rank} failed:\n{traceback.format_exc()}")
         sys.stderr.flush()
         comm.Abort(1)  # peers may be blocked on this rank: end the whole job, never hang
-        return 1
+        return Outcome(1)
     diverged = _divergence(ctx, mine, reports if ctx.rank == 0 else None)
+    summary = None
     if ctx.rank == 0:
         state = mine["state"]
         summary = build_summary(ctx, mine, reports, placements)
@@ -231,24 +245,31 @@ def run(cfg: TrainConfig | None, comm, node: Node, err: str | None) -> int:
         try:
             peer_was_lost = await_goodbye(ctx)
         except PeerLost as e:
-            return peer_lost(ctx, e)
+            return Outcome(peer_lost(ctx, e))
     # Retire the heartbeats (each rank's last beat closes its peer's receive); a peer that dies
     # now makes MPI_Finalize unsafe too.
     if heartbeat and not heartbeat.close(set(ctx.watch.lost)):  # every lost rank was declared there
         peer_was_lost = True
     if not ctx.watch.close():
         peer_was_lost = True
-    code = 0
+    outcome = Outcome(0, summary, None if ctx.rank == 0 else mine["worker"])
     if ctx.rank == 0 and not ctx.local and len(reports) == 0:
-        code = EXIT_PEER_LOST  # every worker was lost: the budget was not finished
+        outcome.code = EXIT_PEER_LOST  # every worker was lost: the budget was not finished
+        outcome.error = "mpitrain: every worker was lost"
     if diverged:
+        outcome.code = EXIT_DIVERGED
         if ctx.rank == 0:
-            say(divergence_line(diverged, mine["checkpoints"]), sys.stderr)
-        code = EXIT_DIVERGED
+            outcome.error = divergence_line(diverged, mine["checkpoints"])
+            say(outcome.error, sys.stderr)
+        else:  # a worker knows the step only; rank 0 printed the line with the loss and whose it was
+            outcome.error = f"mpitrain: training diverged at global step {diverged['global_step']} (rank 0 says why)"
     if peer_was_lost:
-        exit_without_finalize(code)
-    finalize(ctx, code)
-    return code
+        exit_without_finalize(outcome.code)
+    if library:  # MPI stays up for the next run; only this run's communicator goes
+        free_worker_comm(ctx)
+    else:
+        finalize(ctx, outcome.code)
+    return outcome
 
 
 def finalize(ctx: Context, code: int) -> None:
@@ -262,11 +283,15 @@ def finalize(ctx: Context, code: int) -> None:
         guard = threading.Timer(grace, _finalize_stuck, (ctx.rank, grace, code))
         guard.daemon = True
         guard.start()
-    if ctx.worker_comm is not None and ctx.worker_comm != MPI.COMM_NULL:
-        ctx.worker_comm.Free()
+    free_worker_comm(ctx)
     _finalize_releasing_the_gil()
     if guard is not None:
         guard.cancel()
+
+
+def free_worker_comm(ctx: Context) -> None:
+    if ctx.worker_comm is not None and ctx.worker_comm != MPI.COMM_NULL:
+        ctx.worker_comm.Free()
 
 
 def _finalize_releasing_the_gil() -> None:

@@ -1,0 +1,95 @@
+"""The Python API: mpitrain.train / evaluate, in one process and on every rank of an mpirun."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import MPI_TIMEOUT_S, child_env, mpirun_path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def python(code: str, np_: int = 0) -> subprocess.CompletedProcess:
+    """Run `code` in a fresh interpreter (MPI initialised there, not in pytest), under mpirun if np_."""
+    cmd = [sys.executable, "-c", code]
+    if np_:
+        cmd = [mpirun_path(), "-np", str(np_), *cmd]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=MPI_TIMEOUT_S, env=child_env(), cwd=ROOT)
+
+
+def test_train_in_one_process_returns_the_summary_and_runs_twice(tmp_path):
+    code = f"""
+import json, mpitrain
+a = mpitrain.train(model="mlp", dataset="digits", epochs=5, progress=False, checkpoint_dir={str(tmp_path / 'ck')!r})
+b = mpitrain.train(model="softmax", dataset="digits", steps=30, progress=False, hidden=50)
+print("RESULT", json.dumps([a["mode"], a["test_accuracy"], a["global_step"], b["model_description"], b["global_step"]]))
+e = mpitrain.evaluate(a["checkpoints"][-1], dataset="digits")
+print("EVAL", json.dumps([e["test_accuracy"], e["global_step"]]))
+"""
+    proc = python(code)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    mode, acc, steps, model, steps_b = json.loads(proc.stdout.split("RESULT")[1].splitlines()[0])
+    assert mode == "local" and acc > 0.85 and steps == 5 * (1438 // 100)
+    assert model.startswith("softmax") and steps_b == 30
+    eval_acc, eval_step = json.loads(proc.stdout.split("EVAL")[1].splitlines()[0])
+    assert eval_acc == pytest.approx(acc) and eval_step == steps  # the final checkpoint is the run's end
+
+
+def test_the_sweep_example_under_mpirun():
+    proc = subprocess.run([mpirun_path(), "-np", "3", sys.executable, "examples/sweep_lr.py"], capture_output=True,
+                          text=True, timeout=MPI_TIMEOUT_S, env=child_env(), cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("sweep:")]
+    assert len(lines) == 3 and lines[-1] == "sweep: best lr 0.2"  # printed by rank 0 alone
+    assert proc.stdout.count("3 ranks: 1 PS + 2 workers") == 2  # two runs in one MPI job
+
+
+def test_workers_get_their_report_and_divergence_raises():
+    code = """
+import sys, mpitrain
+r = mpitrain.train(steps=40, progress=False, mode="sync")
+sys.stdout.write(f"RANK {mpitrain.rank()} HAS {sorted(k for k in ('global_step', 'pushed', 'test_accuracy') if k in r)}" + chr(10))
+try:
+    mpitrain.train(lr=1e6, progress=False)
+except mpitrain.Diverged as e:
+    sys.stdout.write(f"DIVERGED {mpitrain.rank()} {e.summary is not None} {'rose to' in str(e)}" + chr(10))
+"""
+    proc = python(code, np_=3)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    has = sorted(ln for ln in proc.stdout.splitlines() if ln.startswith("RANK"))
+    assert has == ["RANK 0 HAS ['global_step', 'test_accuracy']", "RANK 1 HAS ['pushed', 'test_accuracy']",
+                   "RANK 2 HAS ['pushed', 'test_accuracy']"]
+    diverged = sorted(ln for ln in proc.stdout.splitlines() if ln.startswith("DIVERGED"))
+    assert diverged == ["DIVERGED 0 True True", "DIVERGED 1 False False", "DIVERGED 2 False False"]
+
+
+def test_bad_options_raise_before_mpi():
+    import mpitrain
+
+    with pytest.raises(mpitrain.UsageError, match="--lr must be positive"):
+        mpitrain.train(lr=-1)
+    with pytest.raises(mpitrain.UsageError, match=r"unknown option\(s\) batchsize; .* e.g. batch_size=100"):
+        mpitrain.train(batchsize=10)
+    with pytest.raises(mpitrain.UsageError, match="--straggler"):
+        mpitrain.train(stragglers=["x"])
+    from mpitrain.api import config
+
+    assert config(hidden="256,128").hidden == (256, 128) and config(hidden=50).hidden == (50,)
+    assert config(mode="sync", stragglers=["2:x5"]).stragglers == ((2, "factor", 5.0),)
+
+
+def test_bad_data_raises_usage_error_on_every_rank(tmp_path):
+    code = f"""
+import sys, mpitrain
+try:
+    mpitrain.train(dataset="npz:{tmp_path}/missing.npz")
+except mpitrain.UsageError as e:
+    sys.stdout.write(f"USAGE {{mpitrain.rank()}} {{'no such file' in str(e)}}" + chr(10))  # one write: ranks share stdout
+"""
+    proc = python(code, np_=3)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert sorted(ln for ln in proc.stdout.splitlines() if ln.startswith("USAGE")) == \
+        ["USAGE 0 True", "USAGE 1 True", "USAGE 2 True"]
