@@ -45,7 +45,10 @@ def config(**options) -> TrainConfig:
                          f"underscores (python -m mpitrain --help), e.g. batch_size=100")
     if isinstance(options.get("hidden"), (int, str)):  # hidden=100 or hidden="256,128", as the flag
         hidden = options["hidden"]
-        options["hidden"] = (hidden,) if isinstance(hidden, int) else tuple(int(h) for h in hidden.split(","))
+        try:
+            options["hidden"] = (hidden,) if isinstance(hidden, int) else tuple(int(h) for h in hidden.split(","))
+        except ValueError:
+            raise UsageError(f"hidden takes widths like 100 or '256,128', not {hidden!r}") from None
     elif "hidden" in options:
         options["hidden"] = tuple(options["hidden"])
     if "stragglers" in options:  # ["2:x5", "3:0.01"], as --straggler

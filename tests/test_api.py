@@ -78,6 +78,8 @@ def test_bad_options_raise_before_mpi():
     from mpitrain.api import config
 
     assert config(hidden="256,128").hidden == (256, 128) and config(hidden=50).hidden == (50,)
+    with pytest.raises(mpitrain.UsageError, match="hidden takes widths like 100 or '256,128', not '2x'"):
+        config(hidden="2x")
     assert config(mode="sync", stragglers=["2:x5"]).stragglers == ((2, "factor", 5.0),)
 
 
