@@ -56,37 +56,21 @@ def config(**options) -> TrainConfig:
     return validate(TrainConfig(**options))
 
 
-def _world():
-    """COMM_WORLD, initialised as the command line does: heartbeats send from a thread."""
-    import sys
-
-    if "mpi4py.MPI" not in sys.modules:
-        import mpi4py
-
-        mpi4py.rc.thread_level = "multiple"
-    from mpi4py import MPI
-
-    comm = MPI.COMM_WORLD
-    if comm.Get_size() > 1 and MPI.Query_thread() < MPI.THREAD_MULTIPLE:
-        raise UsageError("MPI was initialised without MPI_THREAD_MULTIPLE, which the heartbeat thread needs; "
-                         "import mpitrain's API before `from mpi4py import MPI`, or set "
-                         "mpi4py.rc.thread_level = 'multiple' first")
-    return comm
-
-
 def rank() -> int:
     """This process's rank in COMM_WORLD (0: the parameter server, which gets the summary)."""
-    return _world().Get_rank()
+    from mpitrain.runtime import world
+
+    return world().Get_rank()
 
 
 def train(**options) -> dict:
     """Train; return the summary (rank 0) or this worker's report. Raises UsageError for bad
     options or data (on every rank), Diverged when the loss diverged, TrainingFailed otherwise."""
-    from mpitrain.runtime import node_info
+    from mpitrain.runtime import node_info, world
     from mpitrain.trainer import EXIT_DIVERGED, run
 
     cfg = config(**options)
-    comm = _world()
+    comm = world()
     outcome = run(cfg, comm, node_info(comm), None, library=True)
     if outcome.code == 2:
         raise UsageError(outcome.error.removeprefix("mpitrain: error: "))

@@ -172,13 +172,13 @@ def parse_args(argv: list[str]) -> tuple[TrainConfig | None, argparse.ArgumentPa
     return validate(TrainConfig(**values)), parser
 
 
-def pin_blas_threads() -> None:
+def _pin_blas_threads() -> None:
     for var in BLAS_THREAD_VARS:
         os.environ.setdefault(var, "1")
 
 
 def main(argv: list[str] | None = None) -> int:
-    pin_blas_threads()
+    _pin_blas_threads()
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] and argv[0] in SUBCOMMANDS:  # no MPI for these: launch starts mpirun itself
         import importlib
@@ -190,16 +190,10 @@ def main(argv: list[str] | None = None) -> int:
     from mpitrain.supervise import supervise
 
     supervise()  # under hydra: a dying rank must not take its peers down (see supervise.py)
-    import mpi4py
-
-    # Training runs on the main thread; a worker's heartbeat thread (liveness.py) also sends.
-    mpi4py.rc.thread_level = "multiple"
-    from mpi4py import MPI
-
-    from mpitrain.runtime import node_info
+    from mpitrain.runtime import node_info, world
     from mpitrain.trainer import run
 
-    comm = MPI.COMM_WORLD
+    comm = world()
     node = node_info(comm)  # collective: before anyone can fail
     try:
         cfg, parser = parse_args(argv)

@@ -12,7 +12,8 @@ MODES = ("async", "sync")
 MODELS = ("softmax", "mlp")
 OPTIMIZERS = ("sgd", "momentum", "adam")
 DATASETS = ("digits", "mnist", "fashion_mnist", "synthetic")
-DATASET_PREFIXES = ("npz:", "tfds:")  # npz:PATH, your own arrays; tfds:NAME, any tfds image classifier
+NPZ_PREFIX, TFDS_PREFIX = "npz:", "tfds:"  # --dataset npz:PATH (your own arrays), tfds:NAME (any tfds image classifier)
+DATASET_PREFIXES = {NPZ_PREFIX: ("PATH", "a file", "npz:mydata.npz"), TFDS_PREFIX: ("NAME", "a dataset name", "tfds:kmnist")}
 DEVICES = ("auto", "cpu", "gpu")
 COMPRESSIONS = ("none", "fp16")
 WAITS = ("auto", "spin", "yield")
@@ -54,7 +55,7 @@ class TrainConfig:
     optimizer: str = "sgd"  # the seeds' GradientDescentOptimizer; momentum + async staleness is fragile
     lr: float = 0.1
     lr_decay: float = 0.99
-    lr_scaling: str | None = None  # None: "linear" in sync, "none" in async (see lr_scaling_or_default)
+    lr_scaling: str | None = None  # None: "linear" in sync, "none" in async (see scaled_lr)
     warmup_epochs: float = DEFAULT_WARMUP_EPOCHS
     momentum: float = 0.9
     ema_decay: float | None = None
@@ -159,11 +160,11 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _choice("optimizer", cfg.optimizer, OPTIMIZERS)
     prefix = next((p for p in DATASET_PREFIXES if cfg.dataset.startswith(p)), None)
     if prefix is None:
-        _choice("dataset", cfg.dataset, DATASETS + tuple(p + ("PATH" if p == "npz:" else "NAME") for p in DATASET_PREFIXES))
+        _choice("dataset", cfg.dataset, DATASETS + tuple(p + arg for p, (arg, _, _) in DATASET_PREFIXES.items()))
     elif cfg.dataset == prefix:
-        raise UsageError(f"--dataset {prefix} needs a {'file' if prefix == 'npz:' else 'dataset name'} after the colon, "
-                         f"e.g. --dataset {'npz:mydata.npz' if prefix == 'npz:' else 'tfds:kmnist'}")
-    if (cfg.train_split, cfg.test_split) != ("train", "test") and prefix != "tfds:":
+        _, what, example = DATASET_PREFIXES[prefix]
+        raise UsageError(f"--dataset {prefix} needs {what} after the colon, e.g. --dataset {example}")
+    if (cfg.train_split, cfg.test_split) != ("train", "test") and prefix != TFDS_PREFIX:
         raise UsageError("--train-split/--test-split name tensorflow-datasets splits: use them with --dataset tfds:NAME")
     _choice("device", cfg.device, DEVICES)
     _choice("compress", cfg.compress, COMPRESSIONS)
@@ -232,7 +233,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if cfg.cuda_aware and cfg.compress == "fp16" and cfg.mode == "sync":
         raise UsageError("--compress fp16 in sync mode sums float16 on the host and cannot use --cuda-aware; "
                          "drop one of the two")
-    if cfg.data_dir is not None and (cfg.dataset in ("digits", "synthetic") or prefix == "npz:"):
+    if cfg.data_dir is not None and (cfg.dataset in ("digits", "synthetic") or prefix == NPZ_PREFIX):
         raise UsageError(f"--data-dir is only read for mnist/fashion_mnist and tfds:NAME, not {cfg.dataset}; "
                          f"drop it or pick --dataset mnist")
     return cfg

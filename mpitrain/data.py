@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mpitrain.config import TrainConfig, UsageError
+from mpitrain.config import NPZ_PREFIX, TFDS_PREFIX, TrainConfig, UsageError
 
 IDX_FILES = {
     "train_images": "train-images-idx3-ubyte.gz",
@@ -52,7 +52,6 @@ class Dataset:
 # Datasets whose label range is known: a label outside it is a broken file, not a new class.
 KNOWN_CLASSES = {"mnist": 10, "fashion_mnist": 10}
 NPZ_KEYS = ("x_train", "y_train", "x_test", "y_test")
-NPZ_PREFIX, TFDS_PREFIX = "npz:", "tfds:"  # --dataset npz:PATH, --dataset tfds:NAME
 
 
 def load_dataset(cfg: TrainConfig) -> Dataset:
@@ -130,7 +129,7 @@ def load_npz(path: str) -> Dataset:
     classes = int(max(y_train.max(), y_test.max())) + 1
     if classes < 2:
         raise UsageError(f"{path}: every label is 0; a classifier needs at least two classes")
-    return Dataset(f"npz:{Path(path).name}", x_train, y_train, x_test, y_test, classes)
+    return Dataset(f"{NPZ_PREFIX}{Path(path).name}", x_train, y_train, x_test, y_test, classes)
 
 
 # --- digits: the 8x8 handwritten digits that ship with scikit-learn ---------------------------
@@ -310,7 +309,7 @@ def load_tfds(name: str, data_dir: str | None, splits: tuple[str, str] = ("train
     image, label, classes = _tfds_keys(name, train)
     x_train, y_train = _tfds_arrays(train, name, splits[0], image, label, classes)
     x_test, y_test = _tfds_arrays(test, name, splits[1], image, label, classes)
-    return Dataset(name if name in KNOWN_CLASSES else f"tfds:{name}", x_train, y_train, x_test, y_test, classes)
+    return Dataset(name if name in KNOWN_CLASSES else f"{TFDS_PREFIX}{name}", x_train, y_train, x_test, y_test, classes)
 
 
 def _tfds_knows(tfds, name: str) -> bool:

@@ -38,6 +38,25 @@ class Node:
         return self.busy > self.cores
 
 
+def world():
+    """COMM_WORLD, with MPI initialised as every mpitrain rank needs it: training runs on the main
+    thread, and a worker's heartbeat thread (liveness.py) also sends, so MPI_THREAD_MULTIPLE."""
+    import sys
+
+    if "mpi4py.MPI" not in sys.modules:
+        import mpi4py
+
+        mpi4py.rc.thread_level = "multiple"
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    if comm.Get_size() > 1 and MPI.Query_thread() < MPI.THREAD_MULTIPLE:  # the caller's own MPI init
+        raise UsageError("MPI was initialised without MPI_THREAD_MULTIPLE, which the heartbeat thread needs; "
+                         "import mpitrain's API before `from mpi4py import MPI`, or set "
+                         "mpi4py.rc.thread_level = 'multiple' first")
+    return comm
+
+
 def node_info(comm) -> Node:
     """Collective over COMM_WORLD: call it on every rank before anything can fail."""
     from mpi4py import MPI

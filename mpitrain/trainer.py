@@ -461,10 +461,10 @@ def _divergence(ctx: Context, mine: dict, reports: list | None) -> dict | None:
     d = mine["state"].diverged
     if d is None:
         return None
-    seen = [r["worker"]["diverged"] for r in reports if r and r["worker"].get("diverged")]
-    ranks = d["ranks"] or [r["worker"]["rank"] for r in reports if r and (r["worker"].get("diverged") or {}).get("mine")]
-    if d.get("why") is None and seen:  # sync: rank 0 learnt only the step; the workers know the rest
-        d = {**d, "why": seen[0]["why"], "loss": seen[0]["loss"]}
+    told = [r["worker"] for r in reports if r and r["worker"].get("diverged")]
+    ranks = d["ranks"] or [w["rank"] for w in told if w["diverged"].get("mine")]
+    if d.get("why") is None and told:  # sync: rank 0 learnt only the step; the workers know the rest
+        d = {**d, "why": told[0]["diverged"]["why"], "loss": told[0]["diverged"]["loss"]}
     return {**d, "ranks": ranks}
 
 

@@ -234,7 +234,6 @@ class SyncStep:
         if done.failed:
             await_verdict(self.ctx, done.failed[0])
 
-
     def reduce_and_apply(self, step: int) -> float:
         """Sum over workers, divide by the summed weight, apply; returns the mean loss."""
         ctx, be, buf = self.ctx, self.ctx.backend, self.buf
