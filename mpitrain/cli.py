@@ -156,6 +156,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--log-every", type=int, default=d.log_every, metavar="N", help="log training scalars every N global steps")
     g.add_argument("--eval-every", type=int, default=d.eval_every, metavar="N",
                    help="evaluate rank 0's parameters on the test set every N global steps (summary: eval_history)")
+    g.add_argument("--straggler-report", type=float, default=d.straggler_report, metavar="X",
+                   help="name a worker whose median step time is X times the other workers' median (0: never)")
+    g.add_argument("--stall-warning", type=float, default=d.stall_warning, metavar="SEC",
+                   help="after SEC seconds without progress, say what is waited for and who has not arrived (0: never)")
+    g.add_argument("--timeline", default=d.timeline, metavar="PATH",
+                   help="write a Chrome/Perfetto trace of every rank's phases here (open in ui.perfetto.dev)")
+    g.add_argument("--timeline-steps", type=int, default=d.timeline_steps, metavar="N",
+                   help="--timeline keeps each rank's first N steps and about its last N")
     g.add_argument("-h", "--help", action="store_true", help="show this help and exit")
     g.add_argument("--version", action="store_true", help="print the version and exit")
     return p

@@ -29,6 +29,13 @@ DEFAULT_DIVERGENCE_FACTOR = 100.0
 # Sync --lr-scaling linear ramps the learning rate from --lr up to --lr x workers over this many
 # epochs of global data (Goyal et al. 2017 used 5 on ImageNet; 1 suffices for MNIST-sized data).
 DEFAULT_WARMUP_EPOCHS = 1.0
+# A worker whose median step time is this many times the other workers' median is named slow.
+DEFAULT_STRAGGLER_REPORT = 1.5
+# Seconds without a global step before the waiting rank says what it waits for (Horovod's stall
+# inspector warns after 60 s too).
+DEFAULT_STALL_WARNING_S = 60.0
+# --timeline keeps every span of each rank's first N steps and about its last N.
+DEFAULT_TIMELINE_STEPS = 100
 
 
 class UsageError(Exception):
@@ -86,6 +93,10 @@ class TrainConfig:
     log_every: int = 10
     progress: bool = True
     summary_json: str | None = None
+    straggler_report: float = DEFAULT_STRAGGLER_REPORT  # 0: name nobody
+    stall_warning: float = DEFAULT_STALL_WARNING_S  # 0: never
+    timeline: str | None = None
+    timeline_steps: int = DEFAULT_TIMELINE_STEPS
 
     @property
     def layer_sizes_hidden(self) -> tuple[int, ...]:
@@ -219,6 +230,15 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise UsageError("--staleness-lr applies to --mode async (sync gradients are never stale)")
     if cfg.log_every <= 0:
         raise UsageError(f"--log-every must be a positive number of global steps (got {cfg.log_every})")
+    if not (cfg.straggler_report == 0 or 1 < cfg.straggler_report < float("inf")):
+        raise UsageError(f"--straggler-report must be above 1, or 0 to name no slow worker "
+                         f"(got {cfg.straggler_report}); e.g. --straggler-report 1.5")
+    if not 0 <= cfg.stall_warning < float("inf"):
+        raise UsageError(f"--stall-warning must be zero (never) or a positive number of seconds "
+                         f"(got {cfg.stall_warning}); e.g. --stall-warning 60")
+    if cfg.timeline_steps <= 0:
+        raise UsageError(f"--timeline-steps must be a positive number of steps (got {cfg.timeline_steps}); "
+                         f"e.g. --timeline-steps 100")
     if cfg.eval_every is not None and cfg.eval_every <= 0:
         raise UsageError(f"--eval-every must be a positive number of global steps (got {cfg.eval_every})")
     if cfg.checkpoint_every_secs <= 0:

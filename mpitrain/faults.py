@@ -4,6 +4,9 @@ MPITRAIN_INJECT_NAN=RANK:STEP   worker RANK reports a NaN loss at its local step
 MPITRAIN_INJECT_KILL=RANK:STEP  worker RANK SIGKILLs itself at its local step STEP (as the OOM
                                 killer or `kill -9` would)
 MPITRAIN_INJECT_KILL=RANK:report  ... right after it sent rank 0 its end-of-run report
+MPITRAIN_INJECT_HANG=RANK:STEP:SEC worker RANK's training thread stops for SEC seconds at its
+                                local step STEP, its heartbeats going on (alive, not progressing:
+                                a rank stuck in a slow read or a lock; tests/test_observe.py)
 
 and, for kills from outside at random moments (benchmarks/chaos.py, tests/test_chaos.py), where
 each rank's real training process is (`rank_pids`).
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 
 def injected_step(var: str, rank: int, env=os.environ) -> int | None:
@@ -28,10 +32,15 @@ class Kill:
     def __init__(self, rank: int, env=os.environ):
         self.step = injected_step("MPITRAIN_INJECT_KILL", rank, env)
         self.report = env.get("MPITRAIN_INJECT_KILL") == f"{rank}:report"
+        spec, _, seconds = env.get("MPITRAIN_INJECT_HANG", "").rpartition(":")
+        self.hang_step = injected_step("MPITRAIN_INJECT_HANG", rank, {"MPITRAIN_INJECT_HANG": spec})
+        self.hang_s = float(seconds) if self.hang_step is not None else 0.0
 
     def at(self, local_step: int) -> None:
         if local_step == self.step:
             os.kill(os.getpid(), signal.SIGKILL)
+        if local_step == self.hang_step:
+            time.sleep(self.hang_s)
 
     def after_report(self) -> None:
         if self.report:

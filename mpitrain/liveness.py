@@ -15,9 +15,10 @@ from __future__ import annotations
 import threading
 import time
 
+import numpy as np
 from mpi4py import MPI
 
-from mpitrain.protocol import FLAG_STOP, TAG_HEARTBEAT, Message
+from mpitrain.protocol import BEAT_FIELDS, FLAG_STOP, TAG_HEARTBEAT, Message
 
 BEATS_PER_TIMEOUT = 4  # a peer must miss this many heartbeats in a row to be declared lost
 MAX_BEAT_S = 2.0
@@ -27,6 +28,10 @@ CLOSE_POLL_S = 1e-3  # end of run: off the hot path
 
 def beat_interval(timeout_s: float) -> float:
     return min(timeout_s / BEATS_PER_TIMEOUT, MAX_BEAT_S)
+
+
+def beat_message() -> Message:
+    return Message(BEAT_FIELDS, dtype=np.float64)
 
 
 def mpi_error_reason(message: str) -> str:
@@ -45,15 +50,17 @@ class PeerLost(Exception):
 
 
 class Heartbeat:
-    """A daemon thread sending a header-only TAG_HEARTBEAT message to each of `peers`. A beat is
+    """A daemon thread sending a TAG_HEARTBEAT message to each of `peers`, with this rank's
+    activity (observe.Activity.snapshot: phase, progress, step time) as its payload. A beat is
     skipped while the previous one to that peer is still queued, so nothing piles up behind a
     busy or dead peer. `close` sends each live peer a last beat flagged FLAG_STOP, which lets
     its Watch retire the receive it keeps posted (see Watch.close)."""
 
-    def __init__(self, comm, peers: list[int], timeout_s: float):
+    def __init__(self, comm, peers: list[int], timeout_s: float, activity=None):
         self.comm, self.peers, self.timeout_s = comm, list(peers), timeout_s
+        self.activity = activity
         self.interval = beat_interval(timeout_s)
-        self.msgs = [Message(0) for _ in self.peers]
+        self.msgs = [beat_message() for _ in self.peers]
         self.reqs = [MPI.REQUEST_NULL] * len(self.peers)
         self.gone: set[int] = set()  # peers whose beat failed in MPI: dead, never beaten again
         self.beats = 0
@@ -62,6 +69,11 @@ class Heartbeat:
         self._thread.start()
 
     def _beat(self, i: int, flags: int = 0) -> None:
+        if self.activity is not None:
+            try:
+                self.msgs[i].payload[:] = self.activity.snapshot()
+            except Exception:  # what a beat says is a diagnostic: the beat itself must go out
+                pass
         self.msgs[i].stamp(TAG_HEARTBEAT, self.beats, flags=flags)
         self.reqs[i] = self.comm.Isend(self.msgs[i].spec(), dest=self.peers[i], tag=TAG_HEARTBEAT)
 
@@ -109,8 +121,9 @@ def _wait_all(reqs: list, timeout_s: float) -> bool:
 
 
 class Watch:
-    """When each of `peers` was last heard from. `heard(rank)` for any training message;
-    heartbeats are drained here. `check()` raises PeerLost for peers silent past the timeout.
+    """When each of `peers` was last heard from, and what its last heartbeat said it was doing.
+    `heard(rank)` for any training message; heartbeats are drained here. `check()` raises
+    PeerLost for peers silent past the timeout, and runs the stall report (`stall`, observe.py).
     A heartbeat receive is never cancelled (cancelling made MPICH 5.0.2's MPI_Finalize hang,
     measured): it is retired by the peer's last beat, in `close`."""
 
@@ -118,7 +131,9 @@ class Watch:
         self.comm, self.timeout_s, self.clock = comm, timeout_s, clock
         now = clock()
         self.last = {r: now for r in peers}
-        self.boxes = {r: Message(0) for r in peers}
+        self.boxes = {r: beat_message() for r in peers}
+        self.beats: dict[int, tuple[list[float], float]] = {}  # rank -> (its last beat's payload, when)
+        self.stall = None  # observe.Stall, while training runs
         self.recv = {r: self._post(r) for r in peers}  # open until the peer's last beat
         self.checked = set(peers)  # peers whose silence counts
         self.lost: dict[int, dict] = {}  # rank -> {"rank", "silent_s", "reason"}
@@ -152,6 +167,7 @@ class Watch:
             box = self.boxes[rank]
             box.check(TAG_HEARTBEAT, rank)
             self.last[rank] = now
+            self.beats[rank] = (box.payload.tolist(), now)
             if box.flags & FLAG_STOP:
                 del self.recv[rank]
                 self.checked.discard(rank)
@@ -177,6 +193,19 @@ class Watch:
             self.declare(rank, why)
         if newly:
             raise PeerLost(newly)
+        if self.stall is not None:
+            self.stall.check()
+
+    def seen(self, now: float | None = None) -> dict[int, tuple[list[float] | None, float, float]]:
+        """Each peer not lost: (its last beat's payload or None, seconds since anything was heard
+        from it, seconds since that beat)."""
+        now = self.clock() if now is None else now
+        out = {}
+        for rank in sorted(self.last):
+            if rank not in self.lost:
+                beat, at = self.beats.get(rank, (None, now))
+                out[rank] = (beat, now - self.last[rank], now - at)
+        return out
 
     def close(self) -> bool:
         """Wait (up to the timeout) for the last beat of every peer not lost; False if one did
@@ -194,19 +223,27 @@ class Watch:
         return True
 
 
-def start(comm, rank: int, size: int, timeout_s: float):
+def start(comm, rank: int, size: int, timeout_s: float, activity=None):
     """(heartbeat thread or None, watch): rank 0 watches the workers, each worker rank 0."""
     if size == 1 or timeout_s <= 0:
         return None, NoWatch()
     peers = list(range(1, size)) if rank == 0 else [0]
-    return Heartbeat(comm, peers, timeout_s), Watch(comm, peers, timeout_s)
+    return Heartbeat(comm, peers, timeout_s, activity), Watch(comm, peers, timeout_s)
 
 
 class NoWatch:
-    """--worker-timeout 0: nobody is ever declared lost."""
+    """--worker-timeout 0: nobody is ever declared lost, and no heartbeat says what peers do;
+    the stall report still runs (without that knowledge)."""
 
     watched: list[int] = []
     lost: dict = {}
+
+    def __init__(self):
+        self.stall = None
+        self._next_check = 0.0
+
+    def seen(self, now: float | None = None) -> dict:
+        return {}
 
     def heard(self, rank: int) -> None:
         pass
@@ -218,7 +255,10 @@ class NoWatch:
         pass
 
     def check(self, force: bool = False) -> None:
-        pass
+        now = time.monotonic()
+        if self.stall is not None and (force or now >= self._next_check):
+            self._next_check = now + CHECK_EVERY_S
+            self.stall.check()
 
     def close(self) -> bool:
         return True

@@ -89,11 +89,21 @@ class RunLog:
                 if isinstance(value, (int, float)) and value == value:
                     self.tb.add_scalar(f"{prefix}/{key}", value, step)
 
+    def due(self, step: int) -> bool:
+        return step % self.every == 0
+
     def train(self, step: int, force: bool = False, **values) -> None:
         """Training scalars at global `step` (every --log-every steps unless forced)."""
-        if force or step % self.every == 0:
+        if force or self.due(step):
             self._write({"event": "train", "global_step": step, **values})
             self._scalars(step, "train", {k: v for k, v in values.items() if not isinstance(v, (list, dict))})
+
+    def workers(self, step: int, rows: list[dict]) -> None:
+        """Each worker's median step time and its ratio to the median of all (observe.attribute)."""
+        self._write({"event": "workers", "global_step": step, "worker_step_seconds": rows})
+        for row in rows:
+            self._scalars(step, f"workers/rank_{row['rank']}", {"step_seconds": row["median_s"],
+                                                                "step_time_ratio": row["ratio"]})
 
     def event(self, name: str, **fields) -> None:
         """A one-off event (e.g. worker_lost), in events.jsonl only."""
@@ -173,7 +183,14 @@ def human_summary(s: dict) -> list[str]:
         + (f", EMA {s['ema_test_accuracy']:.4f}" if s.get("ema_test_accuracy") is not None else "")
         + f" | per worker [{workers_acc}] | test loss "
         f"{s['test_loss']:.4f} | final train loss {s['final_loss']:.4f} | dropped gradients {s['dropped_gradients']}",
-    ] + ([line] if (line := straggler_line(s)) else []) + lost_lines(s)
+    ] + ([line] if (line := straggler_line(s)) else []) + slow_lines(s) + lost_lines(s)
+
+
+def slow_lines(s: dict) -> list[str]:
+    """Measured, whatever the cause (--straggler-report): observe.attribute's slow workers."""
+    from mpitrain.observe import slow_line
+
+    return [f"  slow worker: {slow_line(row)}" for row in s.get("slow_workers") or []]
 
 
 def lost_lines(s: dict) -> list[str]:

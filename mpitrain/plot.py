@@ -2,6 +2,9 @@
 
 Four panels: minibatch loss and test accuracy, each against global step and against wall time;
 one line per run, labelled with its folder and mode. Reads each folder's events.jsonl.
+`mpitrain plot --timeline TRACE.json -o timeline.png` draws a --timeline trace instead: one row
+per rank (and thread), its phases in colour, over the last --window milliseconds of the trace
+(ui.perfetto.dev shows the same file interactively).
 """
 
 from __future__ import annotations
@@ -66,12 +69,70 @@ def plot(runs: list[dict], out: str) -> None:
     plt.close(fig)
 
 
+PHASE_COLOURS = {"compute": "tab:blue", "push": "tab:orange", "pull": "tab:red", "wait": "lightgrey",
+                 "allreduce": "tab:purple", "apply": "tab:green", "eval": "gold", "checkpoint": "black"}
+
+
+def read_trace(path: str) -> dict:
+    try:
+        trace = json.loads(Path(path).read_text())
+        events = trace["traceEvents"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise UsageError(f"{path} is not a trace written by --timeline (JSON with traceEvents)") from None
+    spans = [e for e in events if e.get("ph") == "X"]
+    if not spans:
+        raise UsageError(f"{path} holds no spans")
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    return {"spans": spans, "names": names}
+
+
+def plot_timeline(trace: dict, out: str, window_ms: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    spans = trace["spans"]
+    end = max(e["ts"] + e["dur"] for e in spans)
+    begin = end - window_ms * 1e3
+    tracks = sorted({(e["pid"], e["tid"]) for e in spans})
+    fig, ax = plt.subplots(figsize=(12, 0.6 * len(tracks) + 1.6), constrained_layout=True)
+    for row, (pid, tid) in enumerate(tracks):
+        bars = [(e["ts"], e["dur"], e["name"]) for e in spans
+                if (e["pid"], e["tid"]) == (pid, tid) and e["ts"] + e["dur"] >= begin]
+        for name in PHASE_COLOURS:
+            mine = [((ts - begin) / 1e3, dur / 1e3) for ts, dur, n in bars if n == name]
+            if mine:
+                ax.broken_barh(mine, (row - 0.4, 0.8), color=PHASE_COLOURS[name])
+    labels = [trace["names"].get(pid, f"rank {pid}").split(" CPU")[0] + (" (gradient thread)" if tid else "")
+              for pid, tid in tracks]
+    ax.set_yticks(range(len(tracks)), labels)
+    ax.invert_yaxis()
+    ax.set_xlim(0, window_ms)
+    ax.set_xlabel(f"milliseconds (the last {window_ms:g} ms of the trace)")
+    ax.legend(handles=[Patch(color=c, label=n) for n, c in PHASE_COLOURS.items()], ncol=len(PHASE_COLOURS),
+              fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.25))
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="mpitrain plot", description=__doc__.splitlines()[0])
-    p.add_argument("runs", nargs="+", metavar="RUN_DIR")
-    p.add_argument("-o", "--output", default="curves.png")
+    p.add_argument("runs", nargs="*", metavar="RUN_DIR")
+    p.add_argument("--timeline", metavar="TRACE", help="draw a --timeline trace instead of training curves")
+    p.add_argument("--window", type=float, default=50.0, metavar="MS", help="--timeline: the last MS milliseconds")
+    p.add_argument("-o", "--output", default=None, help="curves.png (or timeline.png with --timeline)")
     args = p.parse_args(argv)
     try:
+        if args.timeline and args.runs:
+            raise UsageError("give either run folders or --timeline TRACE, not both")
+        if not args.timeline and not args.runs:
+            raise UsageError("give one or more --log-dir folders, or --timeline TRACE")
+        if args.window <= 0:
+            raise UsageError(f"--window must be a positive number of milliseconds (got {args.window:g})")
+        trace = read_trace(args.timeline) if args.timeline else None
         runs = [read_run(r) for r in args.runs]
         try:
             import matplotlib  # noqa: F401
@@ -80,6 +141,12 @@ def main(argv: list[str]) -> int:
     except UsageError as e:
         say(f"mpitrain plot: error: {e}", sys.stderr)
         return 2
-    plot(runs, args.output)
-    say(f"mpitrain plot: wrote {args.output} ({len(runs)} run(s))")
+    if trace is not None:
+        out = args.output or "timeline.png"
+        plot_timeline(trace, out, args.window)
+        say(f"mpitrain plot: wrote {out} ({len(trace['spans']):,} spans)")
+        return 0
+    out = args.output or "curves.png"
+    plot(runs, out)
+    say(f"mpitrain plot: wrote {out} ({len(runs)} run(s))")
     return 0

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 MAGIC = 0x4D505452  # "MPTR": catches a peer that is not mpitrain, or a misrouted buffer
-VERSION = 1  # bump when the layout below changes
+VERSION = 2  # bump when the layout below changes (2: heartbeats carry an activity snapshot)
 
 # Tags (one per message kind, so a posted receive can never match the wrong kind).
 TAG_GRAD = 11  # worker -> PS: a gradient (async)
@@ -19,7 +19,7 @@ TAG_PARAMS = 12  # PS -> worker: parameters (async reply)
 TAG_STATUS = 13  # chief worker -> PS: progress of a sync run (header only), or parameters (EVAL/STOP)
 TAG_READY = 15  # sync --quorum, worker -> PS: my gradient for step H_STEP is ready (header only)
 TAG_DECISION = 16  # sync --quorum, PS -> worker: the step's weights, one float32 per worker
-TAG_HEARTBEAT = 17  # any rank -> its watchers: I am alive (header only; liveness.py)
+TAG_HEARTBEAT = 17  # any rank -> its watchers: I am alive, and what I do (BEAT_* below; liveness.py)
 TAG_REPORT = 18  # at the end, worker -> PS: its report (JSON bytes, once); PS -> worker: goodbye (header)
 
 # Header slots.
@@ -33,6 +33,17 @@ H_FLAGS = 6
 H_LOSS = 7  # float64 bits of the minibatch loss
 HEADER_SLOTS = 8
 HEADER_BYTES = HEADER_SLOTS * 8
+
+# A heartbeat's payload (float64): the sender's activity (observe.Activity.snapshot), so a peer
+# knows where it is and how fast it goes, not only that it is alive.
+BEAT_STEPS = 0  # gradients computed so far
+BEAT_PHASE = 1  # observe.PHASES code of what it is doing now
+BEAT_PHASE_S = 2  # for how long, at the time of the beat
+BEAT_STEP_S = 3  # median step time (observe.Activity.busy_s per gradient)
+BEAT_COMPUTE = 4  # share of its wall time computing
+BEAT_WAIT = 5  # share of its wall time waiting on peers
+BEAT_GLOBAL_STEP = 6  # the global step it works on
+BEAT_FIELDS = 7
 
 FLAG_LAST = 1  # worker: this is my last gradient (my epochs are done)
 FLAG_STOP = 2  # PS: stop after this reply; chief/READY: my last message

@@ -114,6 +114,7 @@ class Context:
     worker_comm: object = None  # sync mode: the workers only (rank 0 is not in the hot collective)
     resume: object = None  # rank 0: (path, checkpoint.TrainState) found in --checkpoint-dir
     watch: object = None  # liveness.Watch (or NoWatch): the peers this rank waits on
+    activity: object = None  # observe.Activity: what this rank is doing (phases, step times, --timeline)
 
     @property
     def local(self) -> bool:
@@ -206,11 +207,24 @@ def check_launch(size: int, env=os.environ) -> None:
                          "`srun --mpi=pmi2 python -m mpitrain` (or `mpirun -np $SLURM_NTASKS ...`)")
 
 
+def check_output_path(flag: str, path: str | None) -> None:
+    if path is None:
+        return
+    parent = Path(path).expanduser().resolve().parent
+    if not parent.is_dir():
+        raise UsageError(f"{flag} {path}: the folder {parent} does not exist; create it or pick another path")
+    if Path(path).is_dir():
+        raise UsageError(f"{flag} {path} is a folder; give a file name, e.g. {Path(path) / 'out.json'}")
+
+
 def setup(cfg: TrainConfig, comm, node: Node) -> Context:
     """Raises UsageError for anything the user must fix. Performs no communication."""
     rank, size = comm.Get_rank(), comm.Get_size()
     check_launch(size)
     validate_for_world(cfg, size)
+    if rank == PS_RANK:  # rank 0 writes them at the end: a bad folder must not cost the run
+        for flag, path in (("--summary-json", cfg.summary_json), ("--timeline", cfg.timeline)):
+            check_output_path(flag, path)
     is_ps = rank == PS_RANK and size > 1
     backend = make_backend(cfg.device, node.rank, uses_gpu=not is_ps, cuda_aware=cfg.cuda_aware)
     data = load_dataset(cfg)

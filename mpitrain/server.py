@@ -23,6 +23,7 @@ from mpitrain.checkpoint import Checkpointer, TrainState
 from mpitrain.guard import NON_FINITE, LossGuard
 from mpitrain.liveness import PeerLost
 from mpitrain.metrics import Progress, RunLog, say
+from mpitrain.observe import APPLY, CHECKPOINT, EVAL, PUSH, WAIT, attribute
 from mpitrain.optim import Optimizer, make_ema, staleness_scaled_lr
 from mpitrain.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_LAST, FLAG_STOP, TAG_DECISION, TAG_GRAD, TAG_PARAMS, TAG_READY,
                                TAG_STATUS, Message)
@@ -88,6 +89,7 @@ def record_eval(ctx: Context, state: ServerState, clock: _Clock, params: np.ndar
                 ema: np.ndarray | None = None) -> None:
     """--eval-every: test-set loss and accuracy of rank 0's parameters (and of their moving
     average), with the wall time."""
+    ctx.activity.enter(EVAL)
     loss, acc, _ = ctx.model.evaluate(params, ctx.data.x_test, ctx.data.y_test)
     entry = {"global_step": step, "seconds": clock.elapsed(), "test_accuracy": acc, "test_loss": loss}
     if ema is not None:
@@ -99,12 +101,24 @@ def record_eval(ctx: Context, state: ServerState, clock: _Clock, params: np.ndar
 
 def log_train(ctx: Context, state: ServerState, clock: _Clock, step: int, loss: float, force: bool = False,
               **extra) -> None:
-    """--log-dir: the training scalars at a global step (loss, lr, samples/s, and what the caller adds)."""
-    if state.log is None:
+    """--log-dir: the training scalars at a global step (loss, lr, samples/s, each worker's step
+    time from its heartbeats, and what the caller adds)."""
+    if state.log is None or not (force or state.log.due(step)):
         return
     lr = ctx.lr_at(step)
     rate = (step - state.start_step) * ctx.global_batch / max(clock.elapsed(), 1e-9)
-    state.log.train(step, force, loss=loss, lr=lr, samples_per_second=rate, **extra)
+    state.log.train(step, True, loss=loss, lr=lr, samples_per_second=rate, **extra)
+    rows, _ = attribute(beat_step_times(ctx), ctx.cfg.straggler_report)
+    if rows:
+        state.log.workers(step, rows)
+
+
+def beat_step_times(ctx: Context) -> dict[int, dict]:
+    """Each worker's step time as its last heartbeat told it (observe.Activity.report's shape)."""
+    from mpitrain.protocol import BEAT_COMPUTE, BEAT_STEP_S, BEAT_WAIT
+
+    return {r: {"median_s": b[BEAT_STEP_S], "compute": b[BEAT_COMPUTE], "wait": b[BEAT_WAIT]}
+            for r, (b, _, _) in ctx.watch.seen().items() if b is not None}
 
 
 def staleness_feasible(global_step: int, other_bases: list[int], bound: int) -> bool:
@@ -169,6 +183,7 @@ class AsyncServer:
         if self.held and not any(self.recv[w] for w in self.active):
             self._apply(self._oldest_held())  # never reached with S >= W-1; no hang regardless
             return
+        self.ctx.activity.enter(WAIT)
         done = self.poller.some(self.recv)
         if done.failed:  # a gradient from a process that died while sending it: never applied
             self._lose({w + 1: why for w, why in done.failed.items()})
@@ -250,6 +265,7 @@ class AsyncServer:
             self._reply(w, stop=True)
             return
         staleness = state.global_step - msg.step
+        self.ctx.activity.enter(APPLY, state.global_step)
         lr = self.ctx.lr_at(state.global_step)
         if cfg.staleness_lr:
             lr = staleness_scaled_lr(lr, staleness)
@@ -270,12 +286,14 @@ class AsyncServer:
         if cfg.eval_every and state.global_step % cfg.eval_every == 0:
             record_eval(self.ctx, state, self.clock, state.params, state.global_step, self._ema_avg)
         if self.ckpt.due(state.global_step):
+            self.ctx.activity.enter(CHECKPOINT)
             self._checkpoint()
         self.stopping = cfg.steps is not None and state.global_step >= cfg.steps
         self._reply(w, stop=self.stopping or bool(msg.flags & FLAG_LAST))
 
     def _reply(self, w: int, stop: bool) -> None:
         state = self.state
+        self.ctx.activity.enter(PUSH)
         if not tested(self.sends[w], w + 1, self.ctx.watch):  # consumed before this push: done at once
             self.poller.all([self.sends[w]], [w + 1])
         reply = self.outbox[w]
@@ -368,6 +386,7 @@ def serve_sync(ctx: Context, progress: Progress) -> ServerState:
     final_seen = False
     while not (final_seen and (quorum is None or quorum.done)):
         reqs = [status] + (quorum.requests() if quorum else [])
+        ctx.activity.enter(WAIT, state.global_step)
         done = poller.some(reqs)
         if done.failed:  # a message from a worker that died while sending it
             senders = [chief] + (quorum.ranks if quorum else [])
@@ -386,6 +405,7 @@ def serve_sync(ctx: Context, progress: Progress) -> ServerState:
             if box.flags & FLAG_EVAL:
                 record_eval(ctx, state, clock, received.params, box.step, received.ema)
             if box.flags & (FLAG_CKPT | FLAG_STOP):
+                ctx.activity.enter(CHECKPOINT, box.step)
                 ckpt.save(received)
             if final and box.flags & FLAG_DIVERGED:  # the why and the loss come in the chief's report
                 state.diverged = {"global_step": box.step, "ranks": [], "loss": float("nan"), "why": None}
@@ -418,6 +438,7 @@ def run_local(ctx: Context, progress: Progress) -> tuple[ServerState, dict]:
             st = sync_step.train_state(step)
             record_eval(ctx, state, clock, st.params, step, st.ema)
         if ckpt.due(step):
+            ctx.activity.enter(CHECKPOINT, step)
             ckpt.save(sync_step.train_state(step))
 
     result = train_sync(ctx, start, on_step)

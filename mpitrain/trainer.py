@@ -15,13 +15,13 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from mpitrain import __version__, checkpoint, liveness
+from mpitrain import __version__, checkpoint, liveness, observe
 from mpitrain.config import TrainConfig, UsageError
 from mpitrain.faults import Kill
 from mpitrain.guard import NON_FINITE
 from mpitrain.metrics import Progress, human_summary, say, staleness_summary, write_json_atomic
 from mpitrain.liveness import PeerLost, mpi_error_reason
-from mpitrain.protocol import FLAG_PEER_LOST, TAG_REPORT, Message, ProtocolError
+from mpitrain.protocol import BEAT_GLOBAL_STEP, FLAG_PEER_LOST, TAG_REPORT, Message, ProtocolError
 from mpitrain.protocol import VERSION as PROTOCOL_VERSION
 from mpitrain.runtime import PS_RANK, Context, Node, setup
 from mpitrain.server import record_lost
@@ -30,6 +30,7 @@ from mpitrain.transport import END_POLL_S, Poller
 EXIT_DIVERGED = 4  # every rank, after the summary: training stopped on a non-finite loss
 EXIT_PEER_LOST = 5  # a rank this one cannot go on without was lost (--worker-timeout)
 ABORT_FLUSH_S = 0.5
+STALL_DETAIL_WORKERS = 4  # a stall line describes every worker up to this many, else only the late ones
 FINALIZE_MIN_S = 5.0  # a healthy MPI_Finalize takes milliseconds: every rank arrives within that of the others
 
 
@@ -108,6 +109,9 @@ def train_role(ctx: Context) -> dict:
     cfg = ctx.cfg
     if ctx.is_ps or ctx.local:
         progress = Progress(cfg.progress, ctx.global_step_budget, ctx.global_batch)
+        if cfg.stall_warning > 0 and not ctx.local:
+            ctx.watch.stall = observe.Stall(cfg.stall_warning, lambda: progress.step,
+                                            lambda stalled_s: server_stall_line(ctx, progress.step, stalled_s))
         try:
             if ctx.local:
                 state, wres = server.run_local(ctx, progress)
@@ -117,14 +121,54 @@ def train_role(ctx: Context) -> dict:
                 state, wres = server.serve_sync(ctx, progress), None
         finally:
             progress.close()
+        ctx.activity.enter(observe.EVAL, state.global_step)
         loss, acc = _evaluate(ctx, state.params)
         report = {"state": state, "test_loss": loss, "test_accuracy": acc, "checkpoints": state.checkpoints,
                   "ema": _evaluate(ctx, state.ema) if state.ema is not None else (None, None)}
         if wres is not None:  # local: rank 0 is also the one worker
             report["worker"] = _worker_report(ctx, wres, (loss, acc))
         return report
+    if cfg.stall_warning > 0:
+        ctx.watch.stall = observe.Stall(cfg.stall_warning, lambda: ctx.activity.gradients,
+                                        lambda stalled_s: worker_stall_line(ctx, stalled_s))
     wres = worker.run_async(ctx) if cfg.mode == "async" else worker.run_sync(ctx)
+    ctx.activity.enter(observe.EVAL)
     return {"worker": _worker_report(ctx, wres, _evaluate(ctx, wres["params"]))}
+
+
+def server_stall_line(ctx: Context, step: int, stalled_s: float) -> str:
+    """Rank 0, no global step for --stall-warning seconds: what it waits for, and each worker's
+    state from its heartbeats (the ones not waiting are those the others wait for)."""
+    cfg = ctx.cfg
+    seen = ctx.watch.seen()
+    silent_after = 2 * liveness.beat_interval(cfg.worker_timeout) if cfg.worker_timeout > 0 else 0.0
+    what = observe.server_waits_for(cfg.mode, cfg.quorum, ctx.workers)
+    if not seen:
+        return observe.describe_server_stall(what, step, stalled_s, ["--worker-timeout 0: no heartbeats say "
+                                                                     "what the workers do"], [])
+    culprits = observe.not_arrived(seen, silent_after)
+    # One line, also with many workers: those waiting are only counted past a few.
+    shown = [r for r in seen if r in culprits or len(seen) <= STALL_DETAIL_WORKERS]
+    peers = [observe.peer_state(r, *seen[r], silent_after, cfg.worker_timeout) for r in shown]
+    if len(shown) < len(seen):
+        peers.append(f"{len(seen) - len(shown)} other worker(s) waiting")
+    # Sync: the chief's status is rate-limited, the workers' beats may be newer.
+    step = max([step] + [int(b[BEAT_GLOBAL_STEP]) for b, _, _ in seen.values() if b is not None])
+    return observe.describe_server_stall(what, step, stalled_s, peers, culprits)
+
+
+def worker_stall_line(ctx: Context, stalled_s: float) -> str | None:
+    """A worker without progress for --stall-warning seconds while it waits on rank 0 (in an
+    Allreduce it waits on other workers: rank 0, which hears from all of them, says who)."""
+    act, cfg = ctx.activity, ctx.cfg
+    if act.phase in (observe.ALLREDUCE, observe.COMPUTE, observe.IDLE):
+        return None
+    seen = ctx.watch.seen()
+    silent_after = 2 * liveness.beat_interval(cfg.worker_timeout) if cfg.worker_timeout > 0 else 0.0
+    ps = ("--worker-timeout 0: no heartbeats say what rank 0 does" if PS_RANK not in seen
+          else observe.peer_state(PS_RANK, *seen[PS_RANK], silent_after, cfg.worker_timeout))
+    return (f"mpitrain: rank {ctx.rank}: no progress for {stalled_s:.0f} s (--stall-warning), in "
+            f"{observe.PHASES[act.phase]} waiting on the parameter server at global step {act.step:,}; {ps}")
 
 
 def _worker_report(ctx: Context, wres: dict, evaluation: tuple[float, float]) -> dict:
@@ -141,6 +185,7 @@ def _worker_report(ctx: Context, wres: dict, evaluation: tuple[float, float]) ->
         "digest": digest(wres["params"]),
         "time_breakdown": {"compute": t["compute_s"] / wall, "communication_and_wait": t["wait_s"] / wall,
                            "other": max(0.0, 1 - (t["compute_s"] + t["wait_s"]) / wall)},
+        "step_time": ctx.activity.report(),
     }
 
 
@@ -153,6 +198,7 @@ def build_summary(ctx: Context, mine: dict, reports: list[dict], placements: lis
     if cfg.mode == "sync" and not ctx.local:
         quorum = cfg.quorum if cfg.quorum is not None else ctx.workers
     samples = (state.global_step - state.start_step) * ctx.global_batch  # this run only, when resumed
+    step_times, slow = observe.attribute({w["rank"]: w["step_time"] for w in workers}, cfg.straggler_report)
     return {
         "mpitrain_version": __version__,
         "mode": "local" if ctx.local else cfg.mode,
@@ -188,6 +234,8 @@ def build_summary(ctx: Context, mine: dict, reports: list[dict], placements: lis
         "param_digest": digest(state.params),
         "worker_param_digests": [w["digest"] for w in workers],
         "time_breakdown": [w["time_breakdown"] for w in workers],
+        "worker_step_seconds": step_times,
+        "slow_workers": slow,
         "ps_busy_fraction": None if ctx.local else state.busy_fraction,
         "resumed_from": str(ctx.resume[0]) if ctx.resume else None,
         "checkpoints": mine["checkpoints"],
@@ -207,15 +255,18 @@ def run(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: boo
     placements = comm.gather(ctx.placement(), root=0)  # the last collective over every rank
     if ctx.rank == 0:
         announce(ctx, placements)
-    heartbeat, ctx.watch = liveness.start(comm, ctx.rank, ctx.size, cfg.worker_timeout)
+    ctx.activity = observe.Activity(cfg.timeline_steps if cfg.timeline else 0)
+    heartbeat, ctx.watch = liveness.start(comm, ctx.rank, ctx.size, cfg.worker_timeout, ctx.activity)
     rss_start = max_rss_mb()
     try:
         mine = train_role(ctx)
+        ctx.activity.enter(observe.IDLE)
+        ctx.watch.stall = None  # training is over: the end of the run has its own time limits
         mine["max_rss_mb"] = [rss_start, max_rss_mb()]  # start and end of training (benchmarks/soak.py)
         if ctx.rank == 0:
             reports = collect_reports(ctx, mine)
         else:
-            send_report(ctx, {**mine["worker"], "max_rss_mb": mine["max_rss_mb"]})
+            send_report(ctx, {**mine["worker"], "max_rss_mb": mine["max_rss_mb"], "timeline": timeline_events(ctx)})
             Kill(ctx.rank).after_report()
     except PeerLost as e:
         return Outcome(peer_lost(ctx, e))
@@ -238,6 +289,8 @@ def run(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: boo
             say(line)
         if cfg.summary_json:
             write_json_atomic(cfg.summary_json, summary)
+        if cfg.timeline:
+            write_timeline(ctx, reports, placements)
         if state.log:
             state.log.close(summary)
         peer_was_lost = say_goodbye(ctx, [r["worker"]["rank"] for r in reports], bool(state.lost_workers))
@@ -270,6 +323,22 @@ def run(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: boo
     else:
         finalize(ctx, outcome.code)
     return outcome
+
+
+def timeline_events(ctx: Context) -> list[dict]:
+    timeline = ctx.activity.timeline
+    return timeline.events(ctx.rank) if timeline is not None else []
+
+
+def write_timeline(ctx: Context, reports: list[dict], placements: list[str]) -> None:
+    """--timeline: rank 0's spans and those the workers sent with their reports, one track per rank
+    (a lost worker's are lost with it)."""
+    events = timeline_events(ctx)
+    for r in reports:
+        if r["worker"]["rank"] != ctx.rank:
+            events += r["worker"].get("timeline") or []
+    observe.write_trace(ctx.cfg.timeline, events, dict(enumerate(placements)))
+    say(f"mpitrain: timeline of {len(events):,} spans written to {ctx.cfg.timeline} (open it in ui.perfetto.dev)")
 
 
 def finalize(ctx: Context, code: int) -> None:

@@ -20,6 +20,7 @@ from mpitrain.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_LAST, F
                                TAG_STATUS, Message, ProtocolError)
 from mpitrain.liveness import CHECK_EVERY_S as VERDICT_POLL_S
 from mpitrain.liveness import PeerLost
+from mpitrain.observe import ALLREDUCE, APPLY, COMPUTE, PULL, PUSH, WAIT
 from mpitrain.runtime import PS_RANK, Context, start_state
 from mpitrain.transport import SPIN, WORKER_POLL_S, Poller, tested
 
@@ -77,17 +78,6 @@ class Divergence:
         return loss
 
 
-class WorkerStats:
-    def __init__(self):
-        self.compute_s = 0.0
-        self.started = time.perf_counter()
-
-    def as_dict(self, poller: Poller | None, comm_s: float = 0.0) -> dict:
-        wall = time.perf_counter() - self.started
-        wait = (poller.waited_s if poller else 0.0) + comm_s
-        return {"wall_s": wall, "compute_s": self.compute_s, "wait_s": wait}
-
-
 def run_async(ctx: Context) -> dict:
     """Pull/compute/push. With --overlap (default) the reply to push k is received while the
     gradient of step k+1 is computed, so a worker never idles on the round trip; each gradient
@@ -108,7 +98,8 @@ def run_async(ctx: Context) -> dict:
     grads = [be.mirror(m.payload) for m in outbox]
     cur, version = 0, start.global_step
     batches = BatchStream(ctx, start.position(ctx.worker_index))
-    poller, stats, straggler, divergence = Poller(WORKER_POLL_S, ctx.watch), WorkerStats(), Straggler(ctx), Divergence(ctx)
+    poller, straggler, divergence = Poller(WORKER_POLL_S, ctx.watch), Straggler(ctx), Divergence(ctx)
+    act = ctx.activity
     reqs: list = []
     pushed = 0
     sent_last = False
@@ -118,6 +109,7 @@ def run_async(ctx: Context) -> dict:
     def adopt_reply() -> bool:
         """Wait for the pending reply; make it the current parameters. True when told to stop."""
         nonlocal cur, params, version
+        act.enter(PULL)
         poller.all(reqs, [PS_RANK] * len(reqs))
         nxt = 1 - cur
         inbox[nxt].check(TAG_PARAMS, PS_RANK)
@@ -139,6 +131,7 @@ def run_async(ctx: Context) -> dict:
                 break
             if sent_last:
                 raise ProtocolError("the parameter server did not stop this worker after its last gradient")
+        act.enter(COMPUTE, version)
         x, y = batches.next()
         slot = pushed % 2
         t0 = time.perf_counter()
@@ -146,7 +139,7 @@ def run_async(ctx: Context) -> dict:
         loss = divergence.check(model.loss_and_grad(params, x, y, grads[slot]), grads[slot])
         be.download(grads[slot], outbox[slot].payload)
         straggler.pause(time.perf_counter() - t0)
-        stats.compute_s += time.perf_counter() - t0
+        act.stepped()
         if reqs:
             stop = adopt_reply()
             reqs = []
@@ -154,12 +147,13 @@ def run_async(ctx: Context) -> dict:
                 break  # the gradient just computed is not pushed: training is over
         last = batches.exhausted
         kill.at(pushed + 1)
+        act.enter(PUSH)
         outbox[slot].stamp(TAG_GRAD, used_version, pushed + 1, FLAG_LAST if last else 0, loss)
         reqs = [comm.Irecv(inbox[1 - cur].spec(), source=PS_RANK, tag=TAG_PARAMS),
                 comm.Isend(outbox[slot].spec(), dest=PS_RANK, tag=TAG_GRAD)]
         pushed += 1
         sent_last = last
-    return {"pushed": pushed, "params": be.to_host(params).copy(), "dropped": 0, "time": stats.as_dict(poller),
+    return {"pushed": pushed, "params": be.to_host(params).copy(), "dropped": 0, "time": act.times(),
             "diverged": diverged or None}
 
 
@@ -193,7 +187,7 @@ class SyncStep:
             if ctx.worker_index == 0:  # the chief (or the local run) keeps the moving average
                 self.ema = make_ema(cfg.ema_decay, params, be.xp, start.global_step, start.ema)
         self.comm = ctx.worker_comm
-        self.comm_s = 0.0
+        self.activity = ctx.activity
         # Always nonblocking and watched: a blocking Allreduce cannot notice that rank 0 died (the
         # workers would wait for a peer that has already stopped). It spins, as MPICH's blocking
         # one does, unless ranks outnumber cores (--wait; see Context).
@@ -238,7 +232,7 @@ class SyncStep:
         """Sum over workers, divide by the summed weight, apply; returns the mean loss."""
         ctx, be, buf = self.ctx, self.ctx.backend, self.buf
         if self.comm is not None and self.comm.Get_size() > 1:
-            t0 = time.perf_counter()
+            self.activity.enter(ALLREDUCE)
             if self.wire is not None:
                 be.download(buf, self.wire)
                 self._allreduce([self.wire, self.mpi_type], self.op)
@@ -246,8 +240,8 @@ class SyncStep:
             else:
                 be.download(buf, buf)  # NumPy: nothing; CUDA-aware: finish compute before MPI reads
                 self._allreduce([buf, MPI.FLOAT], MPI.SUM)
-            self.comm_s += time.perf_counter() - t0
             buf *= be.xp.float32(1.0) / buf[self.n + 1]
+        self.activity.enter(APPLY)
         loss = float(buf[self.n])
         self.why = NON_FINITE if not math.isfinite(loss) else self.guard.exploded(loss)
         if self.why:
@@ -288,25 +282,25 @@ def train_sync(ctx: Context, start: TrainState, on_step=None) -> dict:
     params = be.asarray(start.params)
     step_fn = SyncStep(ctx, params, start)
     batches = BatchStream(ctx, start.position(ctx.worker_index))
-    stats, straggler, kill = WorkerStats(), Straggler(ctx), Kill(ctx.rank)
+    straggler, kill, act = Straggler(ctx), Kill(ctx.rank), ctx.activity
     total = ctx.global_step_budget
     recent = deque([float("nan")], maxlen=LOSS_WINDOW)  # nan only if resumed at the budget
     for step in range(start.global_step, total):
+        act.enter(COMPUTE, step)
         kill.at(step - start.global_step + 1)
         x, y = batches.next()
         t0 = time.perf_counter()
         step_fn.compute(x, y)
         straggler.pause(time.perf_counter() - t0)
+        act.stepped()
         loss = step_fn.reduce_and_apply(step)
-        stats.compute_s += time.perf_counter() - t0
         if step_fn.why:
-            return _sync_result(step_fn, step, loss, stats.as_dict(None, step_fn.comm_s), contributed=step)
+            return _sync_result(step_fn, step, loss, act.times(), contributed=step)
         recent.append(loss)
         if on_step is not None:
             on_step(step + 1, loss, step_fn)
-    stats.compute_s -= step_fn.comm_s
     done = max(total, start.global_step)
-    return _sync_result(step_fn, done, _mean_loss(recent), stats.as_dict(None, step_fn.comm_s), contributed=done)
+    return _sync_result(step_fn, done, _mean_loss(recent), act.times(), contributed=done)
 
 
 def _sync_result(step_fn: SyncStep, step: int, loss: float, timing: dict, contributed: int,
@@ -355,7 +349,6 @@ class GradientThread:
         self.divergence = Divergence(ctx)
         self.version: int | None = None  # None: idle; else the step its parameters belong to
         self.loss = float("nan")
-        self.compute_s = 0.0
         self.error: BaseException | None = None
         self._go, self._done, self._quit = threading.Event(), threading.Event(), False
         self._thread = threading.Thread(target=self._run, name="mpitrain-gradient", daemon=True)
@@ -401,7 +394,7 @@ class GradientThread:
                 t0 = time.perf_counter()
                 self.loss = self.divergence.check(self.ctx.model.loss_and_grad(self.snapshot, x, y, self.grad), self.grad)
                 self.straggler.pause(time.perf_counter() - t0)
-                self.compute_s += time.perf_counter() - t0
+                self.ctx.activity.helper_computed(t0, time.perf_counter(), self.version)
             except BaseException as e:  # surfaced on the main thread by `finished`
                 self.error = e
             self._done.set()
@@ -423,7 +416,7 @@ def train_sync_quorum(ctx: Context, start: TrainState, on_step=None) -> dict:
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     ready, decision = Message(0), Message(ctx.workers)
     ready_req = MPI.REQUEST_NULL
-    poller, started = Poller(WORKER_POLL_S, ctx.watch), time.perf_counter()
+    poller, act = Poller(WORKER_POLL_S, ctx.watch), ctx.activity
     total = ctx.global_step_budget
     recent = deque([float("nan")], maxlen=LOSS_WINDOW)
     dropped = contributed = 0
@@ -431,7 +424,7 @@ def train_sync_quorum(ctx: Context, start: TrainState, on_step=None) -> dict:
     for step in range(start.global_step, total):
         decided = comm.Irecv(decision.spec(), source=PS_RANK, tag=TAG_DECISION)
         reported = False
-        t0 = time.perf_counter()
+        act.enter(WAIT, step)
         while not tested(decided, PS_RANK, ctx.watch):
             if helper.idle:
                 helper.start(params, step)
@@ -447,7 +440,6 @@ def train_sync_quorum(ctx: Context, start: TrainState, on_step=None) -> dict:
                     continue
             ctx.watch.check()  # rank 0 decides every step: never wait on a dead one
             time.sleep(WORKER_POLL_S)
-        poller.waited_s += time.perf_counter() - t0
         decision.check(TAG_DECISION, PS_RANK, count=ctx.workers)
         if decision.step != step:
             raise ProtocolError(f"rank 0 decided step {decision.step} while this worker is at step {step}")
@@ -472,8 +464,7 @@ def train_sync_quorum(ctx: Context, start: TrainState, on_step=None) -> dict:
     poller.all([ready_req], [PS_RANK])
     ready.stamp(TAG_READY, total, 0, FLAG_STOP)  # no more READY from this worker
     poller.all([comm.Isend(ready.spec(), dest=PS_RANK, tag=TAG_READY)], [PS_RANK])
-    timing = {"wall_s": time.perf_counter() - started, "compute_s": helper.compute_s,
-              "wait_s": poller.waited_s + step_fn.comm_s}
+    timing = act.times()
     if diverged is not None:
         return _sync_result(step_fn, diverged, loss, timing, contributed, dropped)
     return _sync_result(step_fn, max(total, start.global_step), _mean_loss(recent), timing, contributed, dropped)
@@ -495,6 +486,7 @@ def run_sync(ctx: Context) -> dict:
     waiter = Poller(WORKER_POLL_S, ctx.watch)  # a full message waits for rank 0: never a dead one
 
     def send_full(state: TrainState, flags: int, loss: float) -> None:
+        ctx.activity.enter(PUSH)
         waiter.all(pending[1:], [PS_RANK])
         full.payload[:] = to_flat(state, names)
         full.stamp(TAG_STATUS, state.global_step, state.global_step, flags, loss)

@@ -60,12 +60,7 @@ def run_detached(cmd: list[str], timeout: float = MPI_TIMEOUT_S, env: dict | Non
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env or child_env(),
                             start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"timed out after {timeout} s\nstdout:\n{out}\nstderr:\n{err}")
+    out, err = communicate_or_kill(proc, timeout)
     elapsed = time.monotonic() - t0
     result = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
     try:
@@ -74,6 +69,19 @@ def run_detached(cmd: list[str], timeout: float = MPI_TIMEOUT_S, env: dict | Non
     except ProcessLookupError:
         result.leftovers = False
     return result, elapsed
+
+
+def communicate_or_kill(proc: subprocess.Popen, timeout: float = MPI_TIMEOUT_S) -> tuple[str, str]:
+    """(stdout, stderr) of a command started in its own session; past the timeout the whole
+    session is killed and the test fails."""
+    import signal
+
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"timed out after {timeout} s\nstdout:\n{out}\nstderr:\n{err}")
 
 
 def mpitrain_cmd(np_: int, *args: str, launcher_flags: tuple[str, ...] = ()) -> list[str]:

@@ -1,0 +1,282 @@
+"""Who is slow and what is stuck (observe.py): measured attribution, stall reports, the timeline.
+
+The MPI cases slow or stop a real worker process from outside (SIGSTOP/SIGCONT), as a busy node
+or a frozen process would, with no flag telling mpitrain who it is."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from conftest import child_env, communicate_or_kill, mpitrain_cmd, run_mpitrain
+from mpitrain import observe
+from mpitrain.config import TrainConfig, UsageError, validate
+from mpitrain.faults import Kill, rank_pids
+from mpitrain.protocol import BEAT_FIELDS, BEAT_GLOBAL_STEP, BEAT_PHASE, BEAT_STEPS
+from mpitrain.runtime import check_output_path
+
+LONG_RUN = ("--dataset", "synthetic", "--no-progress")
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+# -- Activity, attribution, timeline: unit ------------------------------------------------------
+
+def test_activity_accounts_phases_and_leaves_collectives_out_of_the_step_time():
+    clock = FakeClock()
+    act = observe.Activity(clock=clock)
+    for _ in range(10):  # 10 steps of 0.3 s compute + 0.1 s allreduce + 0.1 s apply
+        act.enter(observe.COMPUTE, 7)
+        clock.t += 0.3
+        act.stepped()
+        act.enter(observe.ALLREDUCE)
+        clock.t += 0.1
+        act.enter(observe.APPLY)
+        clock.t += 0.1
+    act.enter(observe.IDLE)
+    assert act.seconds[observe.COMPUTE] == pytest.approx(3.0)
+    assert act.seconds[observe.ALLREDUCE] == pytest.approx(1.0)
+    compute, wait = act.shares()
+    assert (compute, wait) == (pytest.approx(0.6), pytest.approx(0.2))
+    # a window closes on the first step SAMPLE_S after it opened; a sample is busy s per gradient
+    # (wall less allreduce: 0.4 s), the first one less a step's allreduce (it opened at set-up)
+    assert len(act.samples) >= 4 and act.samples[0] == pytest.approx(0.35)
+    assert act.median_step_s() == pytest.approx(0.4)
+    snap = act.snapshot()
+    assert len(snap) == BEAT_FIELDS and snap[BEAT_STEPS] == 10 and snap[BEAT_GLOBAL_STEP] == 7
+    assert snap[BEAT_PHASE] == observe.IDLE
+    assert act.times() == {"wall_s": pytest.approx(5.0), "compute_s": pytest.approx(3.0), "wait_s": pytest.approx(1.0)}
+
+
+def test_a_burst_of_stops_shows_in_the_median_where_a_per_step_median_would_hide_it():
+    clock = FakeClock()
+    act = observe.Activity(clock=clock)
+    for i in range(400):  # 1 ms steps, one in every 50 stopped for 0.1 s: 3x slower on average
+        act.enter(observe.COMPUTE)
+        clock.t += 0.001 + (0.1 if i % 50 == 0 else 0.0)
+        act.stepped()
+    assert act.median_step_s() > 2.5e-3
+
+
+def test_attribution_names_the_worker_slow_against_the_others_median():
+    def t(s):
+        return {"median_s": s, "compute": 0.9, "wait": 0.05}
+
+    rows, slow = observe.attribute({1: t(0.001), 2: t(0.005)}, 1.5)
+    assert [r["rank"] for r in slow] == [2] and slow[0]["ratio"] == pytest.approx(5.0)  # two workers: 5x, not 1.7x
+    rows, slow = observe.attribute({1: t(0.001), 2: t(0.0011), 3: t(0.0048), 4: t(0.0009)}, 1.5)
+    assert [r["rank"] for r in slow] == [3] and rows[2]["ratio"] == pytest.approx(4.8)
+    assert "rank 3 is 4.8x the other workers' median step time" in observe.slow_line(slow[0])
+    assert observe.attribute({1: t(0.001), 2: t(0.005)}, 0)[1] == []  # --straggler-report 0
+    assert observe.attribute({1: t(0.001)}, 1.5)[1] == []  # alone: nobody to compare with
+    rows, slow = observe.attribute({1: t(float("nan")), 2: t(0.001)}, 1.5)
+    assert slow == [] and rows[0]["ratio"] != rows[0]["ratio"]
+
+
+def test_the_timeline_keeps_the_first_and_last_steps_only():
+    clock = FakeClock()
+    act = observe.Activity(timeline_steps=5, clock=clock)
+    for step in range(1000):
+        act.enter(observe.COMPUTE, step)
+        clock.t += 0.001
+        act.stepped()
+        act.enter(observe.PUSH)
+        clock.t += 0.0001
+    events = act.timeline.events(rank=3)
+    steps = [e["args"]["global_step"] for e in events]
+    assert steps[:3] == [0, 0, 1] and steps[-1] == 999 and max(steps[:8]) < 5 and min(steps[8:]) > 900
+    assert len(events) <= 10 + 5 * observe.Timeline.SPANS_PER_STEP
+    assert {e["name"] for e in events} == {"compute", "push"} and all(e["pid"] == 3 and e["dur"] > 0 for e in events)
+
+
+# -- stall reports: unit ------------------------------------------------------------------------
+
+def test_a_stall_is_reported_once_and_its_end_once():
+    clock, mark, lines = FakeClock(), [0], []
+    stall = observe.Stall(5.0, lambda: mark[0], lambda s: f"stuck {s:.0f}", clock=clock)
+    stall.stream = type("S", (), {"write": lambda self, x: lines.append(x), "flush": lambda self: None})()
+    for _ in range(30):  # 15 s without progress, looked at twice a second
+        clock.t += 0.5
+        stall.check()
+    assert lines == ["stuck 5\n"]
+    mark[0] = 1
+    stall.check()
+    assert lines[1].startswith("mpitrain: training resumed after 15.0 s")
+    silent = observe.Stall(1.0, lambda: 0, lambda s: None, clock=clock)  # another rank says it
+    silent.stream = stall.stream
+    clock.t += 2
+    silent.check()
+    assert len(lines) == 2 and silent.reports == 0
+    broken = observe.Stall(1.0, lambda: 0, lambda s: 1 / 0, clock=clock)  # a bug in the report ends nothing
+    broken.stream = stall.stream
+    clock.t += 2
+    broken.check()
+    assert "no progress for 2 s (the stall report failed: ZeroDivisionError" in lines[2]
+
+
+def test_peer_state_tells_silent_from_alive_and_stuck():
+    beat = [0.0] * BEAT_FIELDS
+    beat[BEAT_STEPS], beat[BEAT_PHASE] = 812, observe.COMPUTE
+    assert "silent for 9.0 s" in observe.peer_state(2, beat, 9.0, 9.0, 4.0, 30)
+    assert "declared lost after --worker-timeout 30 s" in observe.peer_state(2, beat, 9.0, 9.0, 4.0, 30)
+    alive = observe.peer_state(2, beat, 0.3, 0.3, 4.0, 30)
+    assert "rank 2 last heard 0.3 s ago, 812 gradients computed, in compute" in alive and "(alive, not progressing)" in alive
+    waiting = list(beat)
+    waiting[BEAT_PHASE] = observe.ALLREDUCE
+    assert "(waiting)" in observe.peer_state(1, waiting, 0.3, 0.3, 4.0, 30)
+    seen = {1: (waiting, 0.3, 0.3), 2: (beat, 0.3, 0.3), 3: (waiting, 9.0, 9.0)}
+    assert observe.not_arrived(seen, 4.0) == [2, 3]
+
+
+def test_a_hang_is_injected_at_its_step_only(monkeypatch):
+    slept = []
+    monkeypatch.setattr(time, "sleep", slept.append)
+    kill = Kill(2, {"MPITRAIN_INJECT_HANG": "2:30:1.5"})
+    for step in range(1, 40):
+        kill.at(step)
+    assert slept == [1.5]
+    Kill(1, {"MPITRAIN_INJECT_HANG": "2:30:1.5"}).at(30)
+    assert slept == [1.5]
+
+
+def test_bad_observability_flags_are_one_line(tmp_path):
+    for bad, words in ((dict(straggler_report=1.0), "--straggler-report must be above 1"),
+                       (dict(stall_warning=-1), "--stall-warning must be zero"),
+                       (dict(timeline_steps=0), "--timeline-steps must be a positive")):
+        with pytest.raises(UsageError, match=words):
+            validate(TrainConfig(**bad))
+    with pytest.raises(UsageError, match="does not exist; create it"):
+        check_output_path("--timeline", str(tmp_path / "missing" / "t.json"))
+    with pytest.raises(UsageError, match="is a folder"):
+        check_output_path("--timeline", str(tmp_path))
+    check_output_path("--timeline", str(tmp_path / "t.json"))
+
+
+# -- under MPI -----------------------------------------------------------------------------------
+
+def start(np_: int, *args: str, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen(mpitrain_cmd(np_, *args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**child_env(), **(env or {})}, start_new_session=True)
+
+
+def training_pid(proc: subprocess.Popen, rank: int) -> int:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        pid = rank_pids(proc.pid).get(rank, (None,))[0]
+        if pid is not None:
+            return pid
+        time.sleep(0.05)
+    pytest.fail("the rank never started")
+
+
+def finish(proc: subprocess.Popen) -> tuple[str, str]:
+    out, err = communicate_or_kill(proc)
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{out}\nstderr:\n{err}"
+    return out, err
+
+
+def test_a_worker_slowed_from_outside_is_named_without_any_flag(tmp_path):
+    """Rank 2 is stopped 3/4 of the time in short bursts (as a busy node would slow it); nothing
+    tells mpitrain which rank it is."""
+    summary = tmp_path / "s.json"
+    proc = start(4, *LONG_RUN, "--steps", "12000", "--summary-json", str(summary), "--log-dir", str(tmp_path / "log"),
+                 "--log-every", "500")
+    pid = training_pid(proc, 2)
+    while proc.poll() is None:
+        try:
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(0.03)
+            os.kill(pid, signal.SIGCONT)
+            time.sleep(0.01)
+        except ProcessLookupError:
+            break
+    out, _ = finish(proc)
+    s = json.loads(summary.read_text())
+    assert [w["rank"] for w in s["slow_workers"]] == [2], s["worker_step_seconds"]
+    ratio = s["slow_workers"][0]["ratio"]
+    assert ratio > 2.0
+    assert all(w["ratio"] < 1.5 for w in s["worker_step_seconds"] if w["rank"] != 2)
+    assert f"slow worker: rank 2 is {ratio:.1f}x the other workers' median step time" in out
+    assert "straggler effect" not in out  # that line is about --straggler, which was not given
+    logged = [json.loads(line) for line in (tmp_path / "log" / "events.jsonl").read_text().splitlines()]
+    last = [e for e in logged if e["event"] == "workers"][-1]["worker_step_seconds"]
+    assert max(last, key=lambda w: w["ratio"])["rank"] == 2  # the log names it too, from the heartbeats
+
+
+@pytest.mark.parametrize("how", ["sigstop", "hang"])
+def test_a_stall_is_reported_once_naming_who_the_others_wait_for(how):
+    """Sync: worker 2 stops past --stall-warning, then goes on. SIGSTOP freezes it whole (silent:
+    no heartbeat); the injected hang stops its training thread only (alive, not progressing)."""
+    env = {"MPITRAIN_INJECT_HANG": "2:200:7"} if how == "hang" else {}
+    # Heartbeats every 2 s (--worker-timeout 12): silent after 4 s, lost after 12 (the stop is 7 s).
+    proc = start(3, *LONG_RUN, "--mode", "sync", "--steps", "2500", "--worker-timeout", "12", "--stall-warning", "5",
+                 env=env)
+    if how == "sigstop":
+        pid = training_pid(proc, 2)
+        time.sleep(1.0)
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(7)
+        os.kill(pid, signal.SIGCONT)
+    out, err = finish(proc)
+    stalled = [line for line in err.splitlines() if "stalled at global step" in line]
+    assert len(stalled) == 1, err
+    line = stalled[0]
+    assert "no progress for 5 s (--stall-warning), waiting for the workers' gradient Allreduce (not arrived: rank 2)" in line
+    assert "rank 1 last heard" in line and "in allreduce" in line and "(waiting)" in line
+    if how == "sigstop":
+        assert "rank 2 silent for" in line and "no heartbeat" in line
+    else:
+        assert "rank 2 last heard" in line and "in compute for" in line and "(alive, not progressing)" in line
+    assert len([x for x in err.splitlines() if "training resumed after" in x]) == 1
+    assert "global step 2,500" in out  # and training finished
+
+
+@pytest.mark.parametrize("mode", ["async", "sync-quorum"])
+def test_the_timeline_is_a_trace_with_every_ranks_phases(tmp_path, mode):
+    trace = tmp_path / "trace.json"
+    extra = ["--mode", "sync", "--quorum", "1"] if mode == "sync-quorum" else []
+    proc = start(3, "--no-progress", "--epochs", "3", "--timeline", str(trace), "--timeline-steps", "10",
+                 "--eval-every", "20", *extra)
+    out, _ = finish(proc)
+    assert "timeline of" in out and str(trace) in out
+    events = json.loads(trace.read_text())["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    assert {n.split()[1] for n in names} == {"0", "1", "2"} and any("parameter-server" in n for n in names)
+    by_rank = {r: {e["name"] for e in spans if e["pid"] == r} for r in (0, 1, 2)}
+    assert "eval" in by_rank[0] and "wait" in by_rank[0]
+    if mode == "async":
+        assert "apply" in by_rank[0]
+        assert all({"compute", "push", "pull"} <= by_rank[r] for r in (1, 2))
+    else:
+        assert all({"allreduce", "apply", "wait"} <= by_rank[r] for r in (1, 2))
+        assert all(any(e["tid"] == observe.THREAD_HELPER and e["name"] == "compute" for e in spans if e["pid"] == r)
+                   for r in (1, 2))  # the gradient thread has its own track
+    assert all(e["ts"] >= 0 and e["dur"] >= 0 and isinstance(e["args"]["global_step"], int) for e in spans)
+    per_track = {}
+    for e in spans:
+        per_track[(e["pid"], e["tid"])] = per_track.get((e["pid"], e["tid"]), 0) + 1
+    assert max(per_track.values()) <= 2 * 10 * observe.Timeline.SPANS_PER_STEP  # bounded
+    png = tmp_path / "timeline.png"
+    drawn = run_mpitrain(0, "plot", "--timeline", str(trace), "-o", str(png), "--window", "30")
+    assert drawn.returncode == 0, drawn.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_refuses_what_is_not_a_trace(tmp_path):
+    junk = tmp_path / "junk.json"
+    junk.write_text("{}")
+    proc = run_mpitrain(0, "plot", "--timeline", str(junk), "-o", str(tmp_path / "x.png"))
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+    assert "is not a trace written by --timeline" in proc.stderr and "Traceback" not in proc.stderr
