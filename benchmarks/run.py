@@ -98,6 +98,8 @@ def rows_for(model: str, steps: int, compress: bool) -> list[tuple[str, callable
         rows += [
             ("async np=3 --compress fp16", lambda: run_mpitrain(3, [*base, "--compress", "fp16"])),
             ("sync np=3 --compress fp16", lambda: run_mpitrain(3, [*base, "--mode", "sync", "--compress", "fp16"])),
+            ("async np=3 --compress bf16", lambda: run_mpitrain(3, [*base, "--compress", "bf16"])),
+            ("sync np=3 --compress bf16", lambda: run_mpitrain(3, [*base, "--mode", "sync", "--compress", "bf16"])),
         ]
     torch_steps = max(500, steps // 3)
     rows += [
@@ -126,16 +128,16 @@ def median_row(results: list[dict | None]) -> dict | None:
 
 
 def accuracy_check(reps: int) -> list[str]:
-    """--compress fp16 must keep digits accuracy within one point (same seed, both modes)."""
+    """--compress fp16 / bf16 must keep digits accuracy within one point (same seeds, both modes)."""
     lines = []
     for mode in ("async", "sync"):
         accs = {}
-        for compress in ("none", "fp16"):
+        for compress in ("none", "fp16", "bf16"):
             vals = [run_mpitrain(3, ["--mode", mode, "--compress", compress, "--seed", str(s)])["test_accuracy"]
                     for s in range(reps)]
             accs[compress] = statistics.median(vals)
-        delta = 100 * (accs["fp16"] - accs["none"])
-        lines.append(f"| {mode} | {accs['none']:.4f} | {accs['fp16']:.4f} | {delta:+.2f} |")
+        deltas = " | ".join(f"{100 * (accs[c] - accs['none']):+.2f}" for c in ("fp16", "bf16"))
+        lines.append(f"| {mode} | {accs['none']:.4f} | {accs['fp16']:.4f} | {accs['bf16']:.4f} | {deltas} |")
     return lines
 
 
@@ -190,7 +192,7 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--steps", type=int, default=3000, help="global steps per mpitrain run")
     p.add_argument("--models", default="mlp,softmax")
-    p.add_argument("--quick", action="store_true", help="skip the fp16 accuracy check and start-up timing")
+    p.add_argument("--quick", action="store_true", help="skip the compression accuracy check and start-up timing")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "RESULTS.md"))
     args = p.parse_args()
     command = "python benchmarks/run.py " + " ".join(sys.argv[1:])
@@ -218,6 +220,9 @@ def main() -> int:
         at, st = med["async np=3 --timeline"], med["sync np=3 --timeline"]
         targets += [(f"{model}: --timeline on costs <= 5% (async np=3)", at["rate"] / a3["rate"], 0.95),
                     (f"{model}: --timeline on costs <= 5% (sync np=3)", st["rate"] / s3["rate"], 0.95)]
+        for c in ("fp16", "bf16"):
+            row = med[f"async np=3 --compress {c}"]
+            targets.append((f"{model}: async np=3 --compress {c} >= 0.90x float32", row["rate"] / a3["rate"], 0.90))
         if model == "mlp":
             targets += [
                 ("async np=3 >= 0.70x compute limit", a3["rate"] / limit, 0.70),
@@ -236,8 +241,9 @@ def main() -> int:
             target_lines.append(f"| {name} | {got:.2f}x | {met} |")
     extra = []
     if not args.quick:
-        extra += ["## --compress fp16: test accuracy on digits (np=3, median over seeds)", "",
-                  "| mode | float32 | fp16 | difference (points) |", "|---|---|---|---|", *accuracy_check(args.reps), ""]
+        extra += ["## --compress: test accuracy on digits (np=3, median over seeds)", "",
+                  "| mode | float32 | fp16 | bf16 | fp16 difference (points) | bf16 difference (points) |",
+                  "|---|---|---|---|---|---|", *accuracy_check(args.reps), ""]
         h, m = startup(args.reps)
         extra += ["## Start-up", "", f"- `python -m mpitrain --help`: {h:.2f} s (median)",
                   f"- main job `mpirun -np 3 python -m mpitrain --no-progress` (digits, default epochs), whole command: "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from mpitrain.codec import decode, encode
 from mpitrain.config import UsageError
 
 
@@ -30,11 +31,11 @@ class Backend:
 
     def upload(self, dev, host: np.ndarray) -> None:
         if dev is not host:
-            dev[...] = host  # casts float16 wire data to float32
+            decode(np, host, dev)  # float16 / bfloat16 wire data to float32
 
     def download(self, dev, host: np.ndarray) -> None:
         if dev is not host:
-            host[...] = dev
+            encode(np, dev, host)
 
     def asarray(self, a: np.ndarray):
         return a
@@ -74,7 +75,7 @@ class CupyBackend(Backend):
         cp = self.cp
         if self.cuda_aware:
             if dev is not host:
-                dev[...] = host  # device to device (casts float16)
+                decode(cp, host, dev)  # device to device
             return
         landing = dev if dev.dtype == host.dtype else cp.empty(host.shape, host.dtype)
         landing.set(host, stream=self.copy_stream)
@@ -82,17 +83,19 @@ class CupyBackend(Backend):
         done.record(self.copy_stream)
         cp.cuda.get_current_stream().wait_event(done)  # compute waits for the copy, not the host
         if landing is not dev:
-            dev[...] = landing  # float16 -> float32 on the device
+            decode(cp, landing, dev)  # float16 / bfloat16 -> float32 on the device
 
     def download(self, dev, host: np.ndarray) -> None:
         cp = self.cp
         if self.cuda_aware:
             if dev is not host:
-                host[...] = dev
+                encode(cp, dev, host)
             cp.cuda.get_current_stream().synchronize()  # MPI reads this device memory next
             return
-        if dev.dtype != host.dtype:
-            dev = dev.astype(host.dtype)  # float32 -> float16 on the device: half the bytes to copy
+        if dev.dtype != host.dtype:  # narrowed on the device: half the bytes to copy
+            narrow = cp.empty(host.shape, host.dtype)
+            encode(cp, dev, narrow)
+            dev = narrow
         ready = cp.cuda.Event()
         ready.record(cp.cuda.get_current_stream())
         self.copy_stream.wait_event(ready)  # the copy waits for the compute that wrote `dev`

@@ -13,7 +13,7 @@ import os
 import sys
 
 from mpitrain import __version__
-from mpitrain.config import LR_SCALINGS, TrainConfig, UsageError, defaults, parse_straggler, validate
+from mpitrain.config import COMPRESSIONS, LR_SCALINGS, TrainConfig, UsageError, defaults, parse_straggler, validate
 
 # One BLAS thread per rank: at these matrix sizes two threads are slower than one, and ranks
 # already share the cores. Set before NumPy loads; an explicit user setting wins.
@@ -63,9 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=d.overlap,
                    help="async: receive the next parameters while computing the next gradient "
                         "(gradients one exchange staler, no idle round trip)")
-    g.add_argument("--compress", choices=("none", "fp16"), default=d.compress,
-                   help="send gradients and parameters as float16 (half the traffic); "
-                        "accumulate and update in float32")
+    g.add_argument("--compress", choices=COMPRESSIONS, default=d.compress,
+                   help="send gradients and parameters as float16 or bfloat16 (half the traffic; bf16 converts "
+                        "6x faster on a CPU); accumulate and update in float32")
 
     g.add_argument("--quorum", type=int, default=d.quorum, metavar="Q",
                    help="sync: each update averages the first Q fresh gradients; later ones are dropped "

@@ -15,7 +15,7 @@ DATASETS = ("digits", "mnist", "fashion_mnist", "synthetic")
 NPZ_PREFIX, TFDS_PREFIX = "npz:", "tfds:"  # --dataset npz:PATH (your own arrays), tfds:NAME (any tfds image classifier)
 DATASET_PREFIXES = {NPZ_PREFIX: ("PATH", "a file", "npz:mydata.npz"), TFDS_PREFIX: ("NAME", "a dataset name", "tfds:kmnist")}
 DEVICES = ("auto", "cpu", "gpu")
-COMPRESSIONS = ("none", "fp16")
+COMPRESSIONS = ("none", "fp16", "bf16")  # codec.WIRE_DTYPES has their element types
 WAITS = ("auto", "spin", "yield")
 LR_SCALINGS = ("linear", "none")
 
@@ -106,9 +106,9 @@ class TrainConfig:
     @property
     def wire_dtype(self):
         """Element type of parameters and gradients on the wire (updates are always float32)."""
-        import numpy as np
+        from mpitrain.codec import WIRE_DTYPES
 
-        return np.float16 if self.compress == "fp16" else np.float32
+        return WIRE_DTYPES[self.compress]
 
     @property
     def effective_overlap(self) -> bool:
@@ -250,8 +250,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise UsageError(f"--keep-checkpoints must be at least 1 (got {cfg.keep_checkpoints})")
     if cfg.cuda_aware and cfg.device == "cpu":
         raise UsageError("--cuda-aware hands GPU buffers to MPI and needs --device gpu (or auto), not cpu")
-    if cfg.cuda_aware and cfg.compress == "fp16" and cfg.mode == "sync":
-        raise UsageError("--compress fp16 in sync mode sums float16 on the host and cannot use --cuda-aware; "
+    if cfg.cuda_aware and cfg.compress != "none" and cfg.mode == "sync":
+        raise UsageError(f"--compress {cfg.compress} in sync mode sums on the host and cannot use --cuda-aware; "
                          "drop one of the two")
     if cfg.data_dir is not None and (cfg.dataset in ("digits", "synthetic") or prefix == NPZ_PREFIX):
         raise UsageError(f"--data-dir is only read for mnist/fashion_mnist and tfds:NAME, not {cfg.dataset}; "

@@ -20,6 +20,7 @@ from mpi4py import MPI
 
 from mpitrain import checkpoint
 from mpitrain.checkpoint import Checkpointer, TrainState
+from mpitrain.codec import decode, encode
 from mpitrain.guard import NON_FINITE, LossGuard
 from mpitrain.liveness import PeerLost
 from mpitrain.metrics import Progress, RunLog, say
@@ -152,7 +153,7 @@ class AsyncServer:
         wire = cfg.wire_dtype
         self.inbox = [Message(n, dtype=wire) for _ in range(W)]
         self.outbox = [Message(n, dtype=wire) for _ in range(W)]
-        # float16 gradients are widened once, so the optimizer only ever sees float32.
+        # float16 / bfloat16 gradients are widened once, so the optimizer only ever sees float32.
         self.grad32 = np.empty(n, np.float32) if wire != np.float32 else None
         self.recv = [self.comm.Irecv(self.inbox[w].spec(), source=w + 1, tag=TAG_GRAD) for w in range(W)]
         self.sends = [MPI.REQUEST_NULL] * W
@@ -271,7 +272,7 @@ class AsyncServer:
             lr = staleness_scaled_lr(lr, staleness)
         grad = msg.payload
         if self.grad32 is not None:
-            np.copyto(self.grad32, grad)
+            decode(np, grad, self.grad32)
             grad = self.grad32
         self.opt.step(state.params, grad, lr)
         if self.ema:
@@ -297,7 +298,7 @@ class AsyncServer:
         if not tested(self.sends[w], w + 1, self.ctx.watch):  # consumed before this push: done at once
             self.poller.all([self.sends[w]], [w + 1])
         reply = self.outbox[w]
-        reply.payload[:] = state.params  # a copy (cast with fp16): params change while it is in flight
+        encode(np, state.params, reply.payload)  # a copy (narrowed with --compress): params change in flight
         flags = (FLAG_STOP | (FLAG_DIVERGED if state.diverged else 0)) if stop else 0
         reply.stamp(TAG_PARAMS, state.global_step, state.local_steps[w], flags)
         self.sends[w] = self.comm.Isend(reply.spec(), dest=w + 1, tag=TAG_PARAMS)

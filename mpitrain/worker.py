@@ -12,6 +12,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpitrain.checkpoint import Checkpointer, TrainState, state_arrays, to_flat
+from mpitrain.codec import wire_sum
 from mpitrain.data import epoch_batches
 from mpitrain.faults import Kill, injected_step
 from mpitrain.guard import NON_FINITE, LossGuard
@@ -175,7 +176,7 @@ class SyncStep:
         self.wire = None
         if wire != np.float32 or (be.is_gpu and not be.cuda_aware):
             self.wire = be.host_alloc(wire.itemsize * (n + 2)).view(wire)
-        self.mpi_type, self.op = (MPI.FLOAT, MPI.SUM) if wire == np.float32 else (MPI.UINT16_T, fp16_sum_op())
+        self.mpi_type, self.op = wire_sum(cfg.compress)
         self.opt = Optimizer(cfg.optimizer, n, be.xp, momentum=cfg.momentum)
         self.ema = None
         self.own_loss = 0.0  # this worker's own minibatch loss in the step being reduced
@@ -250,22 +251,6 @@ class SyncStep:
         if self.ema:
             self.ema.update(self.params)
         return loss
-
-
-_FP16_SUM = None
-
-
-def fp16_sum_op():
-    """MPI has no portable float16 SUM: a commutative user op over 2-byte elements (the
-    datatype is UINT16_T so MPI never splits an element)."""
-    global _FP16_SUM
-    if _FP16_SUM is None:
-        def fp16_sum(inbuf, inoutbuf, datatype):
-            acc = np.frombuffer(inoutbuf, np.float16)
-            acc += np.frombuffer(inbuf, np.float16)
-
-        _FP16_SUM = MPI.Op.Create(fp16_sum, commute=True)
-    return _FP16_SUM
 
 
 def eval_due(ctx: Context, step: int) -> bool:

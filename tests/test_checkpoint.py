@@ -73,9 +73,10 @@ def test_checkpointer_schedule():
     assert not c.due(12)
 
 
-@pytest.mark.parametrize("optimizer", ["adam", "momentum"])
-def test_sync_resume_is_exact(tmp_path, optimizer):
-    args = ["--mode", "sync", "--optimizer", optimizer, "--lr", "0.01" if optimizer == "adam" else "0.05"]
+@pytest.mark.parametrize("optimizer,compress", [("adam", "none"), ("momentum", "none"), ("adam", "bf16")])
+def test_sync_resume_is_exact(tmp_path, optimizer, compress):
+    args = ["--mode", "sync", "--optimizer", optimizer, "--lr", "0.01" if optimizer == "adam" else "0.05",
+            "--compress", compress]
     whole = train(3, tmp_path, *args, "--steps", "60")
     ck = tmp_path / "ck"
     first = train(3, tmp_path, *args, "--steps", "25", "--checkpoint-dir", str(ck))

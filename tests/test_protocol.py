@@ -3,6 +3,8 @@
 import numpy as np
 import pytest
 
+from mpitrain.codec import WIRE_DTYPES, decode, encode
+from mpitrain.config import COMPRESSIONS
 from mpitrain.protocol import (FLAG_STOP, HEADER_BYTES, MAGIC, TAG_GRAD, TAG_PARAMS, VERSION, Message,
                                ProtocolError, H_MAGIC, H_VERSION)
 
@@ -19,8 +21,49 @@ def test_header_and_payload_share_one_buffer():
     assert copy.payload.tolist() == list(range(10))
 
 
-def test_fp16_payload_halves_the_bytes():
-    assert Message(10, dtype=np.float16).buf.nbytes == HEADER_BYTES + 20
+@pytest.mark.parametrize("compress", ["fp16", "bf16"])
+def test_a_16_bit_payload_halves_the_bytes(compress):
+    assert Message(10, dtype=WIRE_DTYPES[compress]).buf.nbytes == HEADER_BYTES + 20
+
+
+def test_every_compression_has_a_wire_type():
+    assert tuple(WIRE_DTYPES) == COMPRESSIONS
+
+
+def test_bf16_keeps_the_top_half_rounded_to_nearest_even():
+    bits = np.array([0x3F800000, 0x3F808000, 0x3F818000, 0x3F808001, 0x3F807FFF, 0x7F800000, 0xFF800000,
+                     0x00000001, 0x7F7FFFFF], np.uint32)
+    wire = np.empty(len(bits), np.uint16)
+    encode(np, bits.view(np.float32), wire)
+    # 1.0 exact; a tie rounds to the even (1.0 / 1.0117...); above and below a tie; +-inf;
+    # the smallest subnormal to 0; float32's largest rounds up to infinity, as bf16 must
+    assert wire.tolist() == [0x3F80, 0x3F80, 0x3F82, 0x3F81, 0x3F80, 0x7F80, 0xFF80, 0x0000, 0x7F80]
+    back = np.empty(len(bits), np.float32)
+    decode(np, wire, back)
+    assert back.view(np.uint32).tolist() == [w << 16 for w in wire.tolist()]
+
+
+def test_bf16_round_trip_error_is_within_half_a_unit_of_its_8_bits():
+    x = np.random.default_rng(0).standard_normal(10000).astype(np.float32) * 1e-6  # float16 would flush these
+    wire, back = np.empty(x.shape, np.uint16), np.empty(x.shape, np.float32)
+    encode(np, x, wire)
+    decode(np, wire, back)
+    assert np.max(np.abs(back - x) / np.abs(x)) <= 2.0 ** -8
+    assert np.all(back != 0)
+
+
+def test_16_bit_allreduce_ops_add_in_place():
+    from mpitrain import codec
+
+    a, b = np.array([1.5, -2.0, 3.0], np.float32), np.array([0.25, 2.0, 1e-3], np.float32)
+    for compress, dtype in (("fp16", np.float16), ("bf16", np.uint16)):
+        acc, other = np.empty(3, dtype), np.empty(3, dtype)
+        encode(np, a, acc)
+        encode(np, b, other)
+        {"fp16": codec._fp16_sum, "bf16": codec._bf16_sum}[compress](other, acc, None)
+        total = np.empty(3, np.float32)
+        decode(np, acc, total)
+        assert total == pytest.approx(a + b, rel=2.0 ** -7), compress
 
 
 @pytest.mark.parametrize("slot,value,needle", [(H_MAGIC, 1234, "magic"), (H_VERSION, VERSION + 1, "protocol version")])
