@@ -6,7 +6,7 @@ It imports nothing heavy, so `--help` and bad flags answer fast.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 MODES = ("async", "sync")
 MODELS = ("softmax", "mlp")
@@ -128,6 +128,23 @@ class TrainConfig:
         if self.epochs is not None:
             return self.epochs
         return None if self.steps is not None else DEFAULT_EPOCHS
+
+
+# What a rank may set for itself: where it reads or writes on its own host, what it shows, how it
+# computes and waits, and what rank 0 alone decides or writes. Every other field must be the same
+# on every rank, or messages and collectives would not match (a worker without --ema-decay, or
+# with another --steps, would send rank 0 something else than it expects, or stop at another
+# step): trainer.agree_on_setup refuses the run in one line. A new field is agreed unless listed.
+PER_RANK_FIELDS = frozenset({
+    "data_dir", "device", "cuda_aware", "wait",  # this host's files and hardware
+    "progress", "summary_json", "log_dir", "timeline", "timeline_steps",  # output (rank 0's, or this rank's spans)
+    "straggler_report", "stall_warning",  # rank 0's reporting
+    "fresh", "keep_checkpoints",  # rank 0 writes the checkpoints
+})
+
+
+def agreed_fields() -> tuple[str, ...]:
+    return tuple(f.name for f in fields(TrainConfig) if f.name not in PER_RANK_FIELDS)
 
 
 def parse_straggler(text: str) -> tuple[int, str, float]:

@@ -16,7 +16,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpitrain import __version__, checkpoint, liveness, observe
-from mpitrain.config import TrainConfig, UsageError
+from mpitrain.config import TrainConfig, UsageError, agreed_fields
 from mpitrain.faults import Kill
 from mpitrain.guard import NON_FINITE
 from mpitrain.metrics import Progress, human_summary, say, staleness_summary, write_json_atomic
@@ -67,10 +67,9 @@ def agree_on_setup(cfg: TrainConfig | None, comm, node: Node, err: str | None) -
 
 
 # What every rank must agree on before exchanging a single buffer: the code, the wire format, and
-# the flags that shape messages and the protocol (a mixed install or MPMD launch fails here, in one
-# line, instead of in a truncated message or on garbage).
-AGREED = ("mode", "model", "hidden", "optimizer", "batch_size", "compress", "quorum", "max_staleness", "seed",
-          "dataset", "overlap", "lr", "lr_scaling", "warmup_epochs", "divergence_factor")
+# every flag not marked per-rank in config.py (a mixed install or MPMD launch fails here, in one
+# line, instead of in a truncated message, on garbage, or in a hang).
+AGREED = agreed_fields()
 
 
 def identity(ctx: Context | None) -> dict | None:

@@ -48,20 +48,39 @@ def test_checkpointer_never_writes_non_finite_parameters(tmp_path):
     assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["ckpt-000000001.npz"]
 
 
-def test_ranks_started_with_different_models_stop_before_training():
-    """MPMD launch: rank 0 with one model, the workers with another (as a mixed install would)."""
+@pytest.mark.parametrize("workers_flags,says", [
+    (["--hidden", "50"], "layer_sizes [64, 50, 10] vs [64, 100, 10]"),
+    (["--ema-decay", "0.99"], "ema_decay 0.99 vs None"),  # the chief would send rank 0 one array more
+    (["--steps", "50"], "steps 50 vs None"),  # the workers would stop 650 global steps early
+])
+def test_ranks_started_with_different_flags_stop_before_training(workers_flags, says):
+    """MPMD launch: rank 0 with one set of flags, the workers with another (as a mixed install or
+    a typo in a job script would)."""
     import subprocess
     import sys
 
     from conftest import mpirun_path
 
     cmd = [mpirun_path(), "-np", "1", sys.executable, "-m", "mpitrain", "--no-progress", ":",
-           "-np", "2", sys.executable, "-m", "mpitrain", "--no-progress", "--hidden", "50"]
+           "-np", "2", sys.executable, "-m", "mpitrain", "--no-progress", *workers_flags]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=child_env())
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1
-    assert "error on rank 1: it disagrees with rank 0 (layer_sizes [64, 50, 10] vs [64, 100, 10]" in proc.stderr
+    assert f"error on rank 1: it disagrees with rank 0 ({says}" in proc.stderr
     assert "mpitrain done" not in proc.stdout
+
+
+def test_only_listed_flags_may_differ_between_ranks():
+    from dataclasses import fields
+
+    from mpitrain.config import PER_RANK_FIELDS, TrainConfig, agreed_fields
+
+    names = {f.name for f in fields(TrainConfig)}
+    assert PER_RANK_FIELDS <= names  # no stale name
+    assert set(agreed_fields()) == names - PER_RANK_FIELDS
+    for shaping in ("mode", "model", "compress", "ema_decay", "steps", "epochs", "eval_every", "checkpoint_dir",
+                    "checkpoint_every_steps", "worker_timeout", "quorum"):
+        assert shaping in agreed_fields()
 
 
 @pytest.mark.parametrize("np_,mode", [(3, "async"), (3, "sync"), (0, "sync")])
