@@ -13,7 +13,8 @@ import os
 import sys
 
 from mpitrain import __version__
-from mpitrain.config import COMPRESSIONS, LR_SCALINGS, TrainConfig, UsageError, defaults, parse_straggler, validate
+from mpitrain.config import (COMPRESSIONS, DEVICES, LR_SCALINGS, MODELS, MODES, OPTIMIZERS, WAITS, TrainConfig, UsageError,
+                             defaults, parse_straggler, validate)
 
 # One BLAS thread per rank: at these matrix sizes two threads are slower than one, and ranks
 # already share the cores. Set before NumPy loads; an explicit user setting wins.
@@ -57,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_help=False,
     )
     g = p.add_argument_group("parallelism")
-    g.add_argument("--mode", choices=("async", "sync"), default=d.mode,
+    g.add_argument("--mode", choices=MODES, default=d.mode,
                    help="async: workers push gradients to / pull parameters from rank 0 independently; "
                         "sync: workers average gradients with Allreduce every step")
     g.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=d.overlap,
@@ -80,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="slow a worker down on every step: add SEC seconds, or take F times as long "
                         "(repeatable; for tests, demos and benchmarks)")
 
-    g.add_argument("--wait", choices=("auto", "spin", "yield"), default=d.wait,
+    g.add_argument("--wait", choices=WAITS, default=d.wait,
                    help="how workers wait in collectives: spin (MPICH's blocking Allreduce), or yield "
                         "(Iallreduce + test-and-sleep); auto yields when a node has more computing ranks than cores")
     g.add_argument("--worker-timeout", type=float, default=d.worker_timeout, metavar="SEC",
@@ -89,13 +90,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "sync: the job stops, naming the rank")
 
     g = p.add_argument_group("model")
-    g.add_argument("--model", choices=("softmax", "mlp"), default=d.model, help="softmax regression or ReLU MLP")
+    g.add_argument("--model", choices=MODELS, default=d.model, help="softmax regression or ReLU MLP")
     g.add_argument("--hidden", type=_hidden, default=d.hidden, metavar="W[,W...]",
                    help="MLP hidden layer widths, e.g. 500 or 256,128")
     g.add_argument("--l2", type=float, default=d.l2, help="L2 weight decay on weights (not biases)")
 
     g = p.add_argument_group("optimisation")
-    g.add_argument("--optimizer", choices=("sgd", "momentum", "adam"), default=d.optimizer)
+    g.add_argument("--optimizer", choices=OPTIMIZERS, default=d.optimizer)
     g.add_argument("--lr", type=float, default=d.lr, help="learning rate")
     g.add_argument("--lr-decay", type=float, default=d.lr_decay,
                    help="multiply the learning rate by this per epoch of global data (1 = constant)")
@@ -132,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--synthetic-features", type=int, default=d.synthetic_features, metavar="D")
 
     g = p.add_argument_group("device")
-    g.add_argument("--device", choices=("auto", "cpu", "gpu"), default=d.device,
+    g.add_argument("--device", choices=DEVICES, default=d.device,
                    help="auto: CuPy on a GPU when one is usable, else NumPy; workers bind GPU node-local-rank %% #GPUs")
     g.add_argument("--cuda-aware", action="store_true", default=d.cuda_aware,
                    help="hand GPU buffers straight to MPI (needs a CUDA-aware MPI build) instead of staging "

@@ -26,8 +26,8 @@ def injected_step(var: str, rank: int, env=os.environ) -> int | None:
 
 
 class Kill:
-    """MPITRAIN_INJECT_KILL for this rank: `at(local_step)` kills the process at the step,
-    `after_report()` once its report is sent."""
+    """MPITRAIN_INJECT_KILL and _HANG for this rank: `at(local_step)` kills the process (or holds
+    its training thread) at the step, `after_report()` kills it once its report is sent."""
 
     def __init__(self, rank: int, env=os.environ):
         self.step = injected_step("MPITRAIN_INJECT_KILL", rank, env)

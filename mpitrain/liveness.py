@@ -30,6 +30,12 @@ def beat_interval(timeout_s: float) -> float:
     return min(timeout_s / BEATS_PER_TIMEOUT, MAX_BEAT_S)
 
 
+def silent_after(timeout_s: float) -> float:
+    """Seconds without a beat after which a peer is reported silent (two beats missed; a stall
+    report says so long before --worker-timeout declares it lost). 0 with no heartbeats."""
+    return 2 * beat_interval(timeout_s) if timeout_s > 0 else 0.0
+
+
 def beat_message() -> Message:
     return Message(BEAT_FIELDS, dtype=np.float64)
 

@@ -99,7 +99,7 @@ class RunLog:
             self._scalars(step, "train", {k: v for k, v in values.items() if not isinstance(v, (list, dict))})
 
     def workers(self, step: int, rows: list[dict]) -> None:
-        """Each worker's median step time and its ratio to the median of all (observe.attribute)."""
+        """Each worker's median step time and its ratio to the other workers' median (observe.attribute)."""
         self._write({"event": "workers", "global_step": step, "worker_step_seconds": rows})
         for row in rows:
             self._scalars(step, f"workers/rank_{row['rank']}", {"step_seconds": row["median_s"],

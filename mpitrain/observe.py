@@ -23,6 +23,8 @@ from collections import deque
 from pathlib import Path
 
 from mpitrain.atomic import write_atomic
+from mpitrain.protocol import (BEAT_COMPUTE, BEAT_FIELDS, BEAT_GLOBAL_STEP, BEAT_PHASE, BEAT_PHASE_S, BEAT_STEP_S,
+                               BEAT_STEPS, BEAT_WAIT)
 
 # Phases, by code (the code travels in heartbeats). IDLE is set-up and the end of the run.
 PHASES = ("idle", "compute", "push", "pull", "wait", "allreduce", "apply", "eval", "checkpoint")
@@ -136,15 +138,23 @@ class Activity:
         return {"wall_s": wall, "compute_s": compute * wall, "wait_s": wait * wall}
 
     def snapshot(self) -> list[float]:
-        """What a heartbeat carries (protocol.BEAT_*)."""
-        compute, wait = self.shares()
-        return [float(self.gradients), float(self.phase), self.clock() - self.since, self.median_step_s(),
-                compute, wait, float(self.step)]
+        """What a heartbeat carries (protocol.BEAT_*; read back by step_time_from_beat, peer_state)."""
+        beat = [0.0] * BEAT_FIELDS
+        beat[BEAT_COMPUTE], beat[BEAT_WAIT] = self.shares()
+        beat[BEAT_STEPS], beat[BEAT_PHASE], beat[BEAT_GLOBAL_STEP] = self.gradients, self.phase, self.step
+        beat[BEAT_PHASE_S] = self.clock() - self.since
+        beat[BEAT_STEP_S] = self.median_step_s()
+        return beat
 
     def report(self) -> dict:
         """The end-of-run step time, in a worker's report."""
         compute, wait = self.shares()
         return {"median_s": self.median_step_s(), "compute": compute, "wait": wait, "gradients": self.gradients}
+
+
+def step_time_from_beat(beat: list[float]) -> dict:
+    """A heartbeat's step time, in the shape of Activity.report (what `attribute` reads)."""
+    return {"median_s": beat[BEAT_STEP_S], "compute": beat[BEAT_COMPUTE], "wait": beat[BEAT_WAIT]}
 
 
 def attribute(times: dict[int, dict], threshold: float) -> tuple[list[dict], list[dict]]:
@@ -196,8 +206,6 @@ def peer_state(rank: int, beat: list[float] | None, heard_s: float, beat_age_s: 
     if beat is None or heard_s > silent_after:
         lost = f"declared lost after --worker-timeout {timeout:g} s" if timeout > 0 else "--worker-timeout 0 never declares it lost"
         return f"rank {rank} silent for {_ago(heard_s)} (no heartbeat: stopped, frozen or dead; {lost})"
-    from mpitrain.protocol import BEAT_GLOBAL_STEP, BEAT_PHASE, BEAT_PHASE_S, BEAT_STEPS
-
     phase = PHASES[int(beat[BEAT_PHASE])]
     in_phase = beat[BEAT_PHASE_S] + beat_age_s
     state = "waiting" if int(beat[BEAT_PHASE]) in WAITING else "alive, not progressing"
@@ -260,8 +268,6 @@ def describe_server_stall(what: str, step: int, stalled_s: float, peers: list[st
 def not_arrived(seen: dict[int, tuple], silent_after: float) -> list[int]:
     """The workers the others wait for: silent, or alive but not in a waiting phase. `seen` maps
     rank -> (last beat or None, seconds since heard, seconds since that beat), as Watch.seen."""
-    from mpitrain.protocol import BEAT_PHASE
-
     out = []
     for rank, (beat, heard_s, _) in sorted(seen.items()):
         if beat is None or heard_s > silent_after or int(beat[BEAT_PHASE]) not in WAITING:

@@ -24,7 +24,7 @@ from mpitrain.codec import decode, encode
 from mpitrain.guard import NON_FINITE, LossGuard
 from mpitrain.liveness import PeerLost
 from mpitrain.metrics import Progress, RunLog, say
-from mpitrain.observe import APPLY, CHECKPOINT, EVAL, PUSH, WAIT, attribute
+from mpitrain.observe import APPLY, CHECKPOINT, EVAL, PUSH, WAIT, attribute, step_time_from_beat
 from mpitrain.optim import Optimizer, make_ema, staleness_scaled_lr
 from mpitrain.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_LAST, FLAG_STOP, TAG_DECISION, TAG_GRAD, TAG_PARAMS, TAG_READY,
                                TAG_STATUS, Message)
@@ -115,11 +115,8 @@ def log_train(ctx: Context, state: ServerState, clock: _Clock, step: int, loss: 
 
 
 def beat_step_times(ctx: Context) -> dict[int, dict]:
-    """Each worker's step time as its last heartbeat told it (observe.Activity.report's shape)."""
-    from mpitrain.protocol import BEAT_COMPUTE, BEAT_STEP_S, BEAT_WAIT
-
-    return {r: {"median_s": b[BEAT_STEP_S], "compute": b[BEAT_COMPUTE], "wait": b[BEAT_WAIT]}
-            for r, (b, _, _) in ctx.watch.seen().items() if b is not None}
+    """Each worker's step time as its last heartbeat told it."""
+    return {r: step_time_from_beat(b) for r, (b, _, _) in ctx.watch.seen().items() if b is not None}
 
 
 def staleness_feasible(global_step: int, other_bases: list[int], bound: int) -> bool:

@@ -140,7 +140,7 @@ def server_stall_line(ctx: Context, step: int, stalled_s: float) -> str:
     state from its heartbeats (the ones not waiting are those the others wait for)."""
     cfg = ctx.cfg
     seen = ctx.watch.seen()
-    silent_after = 2 * liveness.beat_interval(cfg.worker_timeout) if cfg.worker_timeout > 0 else 0.0
+    silent_after = liveness.silent_after(cfg.worker_timeout)
     what = observe.server_waits_for(cfg.mode, cfg.quorum, ctx.workers)
     if not seen:
         return observe.describe_server_stall(what, step, stalled_s, ["--worker-timeout 0: no heartbeats say "
@@ -163,7 +163,7 @@ def worker_stall_line(ctx: Context, stalled_s: float) -> str | None:
     if act.phase in (observe.ALLREDUCE, observe.COMPUTE, observe.IDLE):
         return None
     seen = ctx.watch.seen()
-    silent_after = 2 * liveness.beat_interval(cfg.worker_timeout) if cfg.worker_timeout > 0 else 0.0
+    silent_after = liveness.silent_after(cfg.worker_timeout)
     ps = ("--worker-timeout 0: no heartbeats say what rank 0 does" if PS_RANK not in seen
           else observe.peer_state(PS_RANK, *seen[PS_RANK], silent_after, cfg.worker_timeout))
     return (f"mpitrain: rank {ctx.rank}: no progress for {stalled_s:.0f} s (--stall-warning), in "
