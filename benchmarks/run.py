@@ -69,12 +69,13 @@ def run_independent(n: int, args: list[str]) -> dict:
         return {"samples_per_second": sum(rates)}
 
 
-def run_torch(world: int, model: str, steps: int) -> dict | None:
+def run_torch(world: int, model: str, steps: int, extra: tuple[str, ...] = ()) -> dict | None:
     try:
         import torch  # noqa: F401
     except ImportError:
         return None
-    cmd = [PY, str(ROOT / "benchmarks" / "torch_ddp.py"), "--world", str(world), "--model", model, "--steps", str(steps)]
+    cmd = [PY, str(ROOT / "benchmarks" / "torch_ddp.py"), "--world", str(world), "--model", model, "--steps", str(steps),
+           *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=900, cwd=ROOT)
     if proc.returncode != 0:
         raise RuntimeError(f"torch run failed: {proc.stderr[-2000:]}")
@@ -107,6 +108,25 @@ def rows_for(model: str, steps: int, compress: bool) -> list[tuple[str, callable
         ("PyTorch DDP gloo, 2 processes", lambda: run_torch(2, model, torch_steps)),
     ]
     return rows
+
+
+def add_saved_run_flags(p: argparse.ArgumentParser, out_example: str) -> None:
+    """--json / --report / --out, for benchmarks measured on another machine (gpu.py, scaling.py)."""
+    p.add_argument("--json", help="write the raw figures here (after each finished part)")
+    p.add_argument("--report", help="the markdown of a saved --json run, instead of measuring")
+    p.add_argument("--out", help=f"also write the markdown here (e.g. {out_example})")
+
+
+def measured_or_saved(args, measure) -> dict:
+    """The figures of a saved run (--report), or of a new one, measure(save), saved to --json as it goes."""
+    if args.report:
+        return json.loads(Path(args.report).read_text())
+
+    def save(res: dict) -> None:
+        if args.json:
+            Path(args.json).write_text(json.dumps(res, indent=1))
+
+    return measure(save)
 
 
 def median_row(results: list[dict | None]) -> dict | None:
@@ -261,9 +281,9 @@ def main() -> int:
         "- *worker compute / comm+wait*: mean over workers of the fraction of wall time in gradient (and, sync, "
         "update) computation, and in communication or waiting for it.", "",
         *extra,
-        "## GPU", "",
-        "Not measured: no GPU was lent to the session that produced this table. The CuPy path is in the code "
-        "(`--device gpu`); its figures will be recorded here, with the GPU's name, from a machine that has one.", "",
+        "## GPU and 16 cores", "",
+        "Measured on a lent GPU machine by `benchmarks/gpu.py` and `benchmarks/scaling.py`: see "
+        "[GPU.md](GPU.md) and [SCALING.md](SCALING.md).", "",
     ])
     Path(args.out).write_text(text)
     print(text)

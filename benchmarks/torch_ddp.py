@@ -1,7 +1,8 @@
-"""PyTorch reference: the same MLP, batch, optimizer and data as mpitrain, on the CPU.
+"""PyTorch reference: the same MLP, batch, optimizer and data as mpitrain, on the CPU or one GPU.
 
     python benchmarks/torch_ddp.py --world 2 --steps 2000     # DistributedDataParallel over gloo
     python benchmarks/torch_ddp.py --world 1 --steps 2000     # one plain process
+    python benchmarks/torch_ddp.py --device cuda --hidden 4096,4096 --batch-size 4096  # one GPU
 
 Prints one JSON line: {"samples_per_second": ..., "world": ...}. Needs `pip install torch==2.13.0`.
 """
@@ -37,14 +38,17 @@ def worker(rank: int, world: int, port: int, args, out_q) -> None:
         layers.append(torch.nn.Linear(a, b))
         if i < len(sizes) - 2:
             layers.append(torch.nn.ReLU())
-    model = torch.nn.Sequential(*layers)
+    dev = torch.device(args.device)
+    model = torch.nn.Sequential(*layers).to(dev)
     if world > 1:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=rank, world_size=world)
         model = torch.nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr)
     loss_fn = torch.nn.CrossEntropyLoss()
-    x_all, y_all = torch.from_numpy(ds.x_train), torch.from_numpy(ds.y_train)
+    # the whole train set on the device once, as mpitrain's workers keep it
+    x_all, y_all = torch.from_numpy(ds.x_train).to(dev), torch.from_numpy(ds.y_train).to(dev)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     batches = []
     epoch = 0
     while len(batches) < args.steps + args.warmup:
@@ -55,12 +59,14 @@ def worker(rank: int, world: int, port: int, args, out_q) -> None:
         if step == args.warmup:
             if world > 1:
                 dist.barrier()
+            sync()
             t0 = time.perf_counter()
-        idx_t = torch.from_numpy(np.asarray(idx))
+        idx_t = torch.from_numpy(np.asarray(idx)).to(dev, non_blocking=True)
         opt.zero_grad(set_to_none=True)
         loss = loss_fn(model(x_all[idx_t]), y_all[idx_t])
         loss.backward()
         opt.step()
+    sync()
     elapsed = time.perf_counter() - t0
     if world > 1:
         dist.barrier()
@@ -81,7 +87,10 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=12000)
     p.add_argument("--features", type=int, default=784)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     args = p.parse_args()
+    if args.device == "cuda" and args.world != 1:
+        p.error("--device cuda measures one GPU: --world 1")
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")

@@ -119,14 +119,34 @@ def _import_cupy():
     return cupy, n
 
 
+def mpi_cuda_support() -> bool | None:
+    """Whether this MPI library can read and write GPU memory, as the library itself says
+    (MPIX_Query_cuda_support: MPICH >= 4 and Open MPI >= 4 export it); None when it cannot say."""
+    import ctypes
+
+    from mpi4py import MPI
+
+    try:
+        query = ctypes.CDLL(MPI.__file__).MPIX_Query_cuda_support
+    except (OSError, AttributeError):
+        return None
+    query.restype = ctypes.c_int
+    return bool(query())
+
+
 def make_backend(device: str, node_local_rank: int, uses_gpu: bool = True, cuda_aware: bool = False) -> Backend:
     """`uses_gpu=False` for the parameter server, whose optimizer runs on the host buffers it sends."""
     if device == "cpu" or not uses_gpu:
         return Backend()
+    if cuda_aware and mpi_cuda_support() is False:
+        # Handing device pointers to an MPI that treats them as host memory crashes or corrupts.
+        raise UsageError("--cuda-aware but this MPI library says it cannot read GPU memory "
+                         "(MPIX_Query_cuda_support() = 0; the PyPI mpich wheel is built without CUDA): "
+                         "drop --cuda-aware to stage through pinned host memory, or use a CUDA-aware MPI")
     cupy, n = _import_cupy()
     if n == 0:
         if device == "gpu":
             raise UsageError("--device gpu but no GPU is usable here (CuPy missing or no CUDA device); "
-                             "install mpitrain[gpu] on a GPU node, or use --device cpu")
+                             "install mpitrain[cuda13] or [cuda12] on a GPU node, or use --device cpu")
         return Backend()
     return CupyBackend(cupy, node_local_rank % n, cuda_aware)

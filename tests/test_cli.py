@@ -22,6 +22,7 @@ BAD = [
     (["--dataset", "mnist", "--data-dir", "/nonexistent/mnist"], "does not exist"),
     (["--batch-size", "5000"], "larger than each worker's shard"),
     (["--device", "gpu"], "no GPU is usable"),
+    (["--device", "gpu", "--cuda-aware"], "this MPI library says it cannot read GPU memory"),
     (["--mode", "sync", "--quorum", "3"], "more than the 2 worker(s)"),
     (["--mode", "sync", "--quorum", "0"], "--quorum must be at least 1"),
     (["--quorum", "1"], "--quorum applies to --mode sync"),
@@ -58,6 +59,11 @@ def test_bad_input_exits_2_on_every_rank_with_one_line(args, needle):
 
         if _import_cupy()[1] > 0:
             pytest.skip("a GPU is usable here")
+    if "--cuda-aware" in args:
+        from mpitrain.backend import mpi_cuda_support
+
+        if mpi_cuda_support() is not False:
+            pytest.skip("this MPI does not say it lacks CUDA support")
     proc, codes, seconds = per_rank_exit_codes(args)
     assert codes == {0: 2, 1: 2, 2: 2}, proc.stdout + proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.strip()]

@@ -1,0 +1,166 @@
+"""mpitrain on one GPU: samples/s beside PyTorch on the same GPU, and the share of a step spent
+staging through the host.
+
+    python benchmarks/gpu.py --json gpu.json          # on a GPU machine (~4 min); prints the tables too
+    python benchmarks/gpu.py --report gpu.json        # the markdown (benchmarks/GPU.md) from a saved run
+
+Two models: the MNIST MLP 784-100-10 at batch 100 (tiny for a GPU: kernel launches and the
+per-step host round trip dominate) and a GPU-sized MLP 784-4096-4096-10 at batch 4096. Rows: one
+process, async and sync np=3 (two workers sharing the one GPU), PyTorch on the same GPU with the
+same model, batch and SGD. The staging rows time, in one process, the gradient's copy to the
+pinned host buffer and the parameters' copy back (what one async step moves), against the
+gradient computation itself, each synchronised.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from run import add_saved_run_flags, machine, measured_or_saved, median_row, run_mpitrain, run_torch  # noqa: E402
+
+CONFIGS = {  # name -> (hidden, batch, global steps, synthetic samples)
+    "mlp 784-100-10, batch 100": ("100", 100, 3000, 12000),
+    "mlp 784-4096-4096-10, batch 4096": ("4096,4096", 4096, 300, 60000),
+}
+ONE, ASYNC, SYNC, TORCH = "one process", "async np=3 (2 workers, one GPU)", "sync np=3 (2 workers, one GPU)", \
+    "PyTorch, same GPU, 1 process"
+
+
+def rows_for(hidden: str, batch: int, steps: int, samples: int) -> list[tuple[str, callable]]:
+    base = ["--device", "gpu", "--dataset", "synthetic", "--synthetic-samples", str(samples), "--model", "mlp",
+            "--hidden", hidden, "--batch-size", str(batch), "--steps", str(steps)]
+    torch_args = ("--device", "cuda", "--hidden", hidden, "--batch-size", str(batch), "--samples", str(samples))
+    return [
+        (ONE, lambda: run_mpitrain(0, base)),
+        (ASYNC, lambda: run_mpitrain(3, base)),
+        (SYNC, lambda: run_mpitrain(3, [*base, "--mode", "sync"])),
+        ("async np=3 --compress bf16", lambda: run_mpitrain(3, [*base, "--compress", "bf16"])),
+        (TORCH, lambda: run_torch(1, "mlp", steps, torch_args)),
+    ]
+
+
+def staging(hidden: str, batch: int, reps: int = 200) -> dict:
+    """Milliseconds per step: gradient computation, and the host round trip of one async step
+    (gradient down to pinned memory, parameters up), for float32 and bf16 on the wire."""
+    import cupy
+    import numpy as np
+
+    from mpitrain.backend import make_backend
+    from mpitrain.codec import WIRE_DTYPES
+    from mpitrain.data import make_synthetic
+    from mpitrain.model import MLP
+
+    be = make_backend("gpu", 0)
+    sizes = (784, *map(int, hidden.split(",")), 10)
+    model = MLP(sizes, 0.0, cupy)
+    ds = make_synthetic(batch * 2, 784, 10, 0)
+    x, y = cupy.asarray(ds.x_train[:batch]), cupy.asarray(ds.y_train[:batch])
+    params = cupy.asarray(model.init_params(0))
+    grad = cupy.zeros_like(params)
+
+    def timed(fn) -> float:
+        for _ in range(5):
+            fn()
+        cupy.cuda.Device().synchronize()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        cupy.cuda.Device().synchronize()
+        return 1e3 * (time.perf_counter() - t0) / reps
+
+    out = {"params": model.n_params, "compute_ms": timed(lambda: model.loss_and_grad(params, x, y, grad))}
+    for compress in ("none", "bf16"):
+        wire = np.dtype(WIRE_DTYPES[compress])
+        host = be.host_alloc(model.n_params * wire.itemsize).view(wire)
+
+        def round_trip():
+            be.download(grad, host)
+            be.upload(params, host)
+
+        out[f"stage_ms_{compress}"] = timed(round_trip)
+    return out
+
+
+def measure(reps: int, save=lambda res: None, only: str = "") -> dict:
+    import cupy
+
+    props = cupy.cuda.runtime.getDeviceProperties(0)
+    name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                         capture_output=True, text=True).stdout.strip()
+    result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "gpu": name, "nvidia_smi": smi,
+              "machine": machine().replace("; no GPU on this machine", ""), "cupy": cupy.__version__,
+              "reps": reps, "configs": {}}
+    for cname, (hidden, batch, steps, samples) in CONFIGS.items():
+        if only not in cname:
+            continue
+        rows = rows_for(hidden, batch, steps, samples)
+        raw: dict[str, list] = {name: [] for name, _ in rows}
+        for rep in range(reps):
+            for rname, fn in rows:
+                print(f"[{cname} rep {rep + 1}/{reps}] {rname}", file=sys.stderr, flush=True)
+                try:
+                    raw[rname].append(fn())
+                except Exception as exc:  # one failed row must not cost the others
+                    print(f"  failed: {exc}", file=sys.stderr, flush=True)
+        result["configs"][cname] = {"steps": steps, "reps": reps, "rows": {k: median_row(v) for k, v in raw.items()},
+                                    "staging": staging(hidden, batch)}
+        save(result)  # a run cut short still leaves the finished configurations
+    return result
+
+
+def report(res: dict) -> str:
+    lines = ["# mpitrain on a GPU", "",
+             f"- date: {res['date']}", f"- GPU: {res['gpu']} (`nvidia-smi`: {res['nvidia_smi']})",
+             f"- host: {res['machine']}, CuPy {res['cupy']}",
+             "- command: `python benchmarks/gpu.py --json gpu.json`, tables by `--report`",
+             "- each row: median of the interleaved repetitions given with each table; synthetic MNIST-shaped "
+             "data; SGD; np=3 puts both workers on the one GPU", ""]
+    for cname, c in res["configs"].items():
+        rows = c["rows"]
+        torch = (rows.get(TORCH) or {}).get("rate")
+        lines += [f"## {cname}, {c['steps']} global steps, median of {c.get('reps', res['reps'])} run(s)", "",
+                  "| run | samples/s (median) | min-max | per worker | per worker vs PyTorch 1 GPU |",
+                  "|---|---|---|---|---|"]
+        for rname, r in rows.items():
+            if r is None:
+                lines.append(f"| {rname} | failed or skipped | | | |")
+                continue
+            workers = 2 if "np=3" in rname else 1
+            per = r["rate"] / workers
+            vs = f"{per / torch:.2f}x" if torch else "n/a"
+            lines.append(f"| {rname} | {r['rate']:,.0f} | {r['min']:,.0f}-{r['max']:,.0f} | {per:,.0f} | {vs} |")
+        s = c["staging"]
+        lines += ["", f"Staging through the host ({s['params']:,} parameters, one process, synchronised):", "",
+                  "| | ms per step | share of a step |", "|---|---|---|",
+                  f"| gradient computation | {s['compute_ms']:.3f} | |"]
+        for compress in ("none", "bf16"):
+            st = s[f"stage_ms_{compress}"]
+            label = "float32" if compress == "none" else compress
+            lines.append(f"| gradient down + parameters up, {label} on the wire | {st:.3f} "
+                         f"| {100 * st / (st + s['compute_ms']):.0f}% |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--only", default="", help="measure only the configurations whose name contains this")
+    add_saved_run_flags(p, "benchmarks/GPU.md")
+    args = p.parse_args()
+    res = measured_or_saved(args, lambda save: measure(args.reps, save, args.only))
+    text = report(res)
+    if args.out:
+        Path(args.out).write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
