@@ -84,5 +84,24 @@ def communicate_or_kill(proc: subprocess.Popen, timeout: float = MPI_TIMEOUT_S) 
         pytest.fail(f"timed out after {timeout} s\nstdout:\n{out}\nstderr:\n{err}")
 
 
+def wait_for_training(proc: subprocess.Popen, np_: int, timeout: float = MPI_TIMEOUT_S) -> list[str]:
+    """Read `proc`'s stdout until rank 0 has announced every rank (it does so once all of them are
+    past MPI_Init and set up, just before training), so that a test acting on a rank from outside
+    hits training and not start-up, however slow the machine. Returns the lines read; the caller's
+    later communicate() gets the rest. A rank killed inside MPI_Init is another case: README,
+    "When things go wrong"."""
+    import time
+
+    deadline, lines = time.monotonic() + timeout, []
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            pytest.fail("the job ended before training:\n" + "".join(lines))
+        lines.append(line)
+        if line.startswith(f"rank {np_ - 1} "):
+            return lines
+    pytest.fail("training did not start in time:\n" + "".join(lines))
+
+
 def mpitrain_cmd(np_: int, *args: str, launcher_flags: tuple[str, ...] = ()) -> list[str]:
     return [mpirun_path(), *launcher_flags, "-np", str(np_), sys.executable, "-m", "mpitrain", *args]

@@ -154,7 +154,8 @@ def test_ema_is_evaluated_saved_and_restored(tmp_path, mode):
     ck = tmp_path / "ck"
     args = ["--mode", mode, "--ema-decay", "0.99", "--checkpoint-dir", str(ck), "--eval-every", "20"]
     s = train(3, tmp_path, *args, "--steps", "40")
-    assert 0.5 < s["ema_test_accuracy"] <= 1 and s["ema_test_accuracy"] != s["test_accuracy"]
+    # another model than the raw one (losses, not accuracies: 359 test digits can tie, as seen once)
+    assert 0.5 < s["ema_test_accuracy"] <= 1 and s["ema_test_loss"] != s["test_loss"]
     assert "EMA" in s["_stdout"] and all("ema_test_accuracy" in e for e in s["eval_history"])
     saved = checkpoint.load_latest(ck, None)[1]
     assert saved.ema is not None and not np.array_equal(saved.ema, saved.params)

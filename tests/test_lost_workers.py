@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import child_env, mpitrain_cmd, run_detached
+from conftest import child_env, mpitrain_cmd, run_detached, wait_for_training
 from mpitrain import checkpoint
 from mpitrain.faults import rank_pids
 from mpitrain.liveness import PeerLost, Watch
@@ -159,11 +159,9 @@ def test_workers_stop_when_rank_0_dies(tmp_path):
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
                             start_new_session=True)
     try:
-        deadline = time.monotonic() + 60
-        while (pid := rank_pids(proc.pid).get(0, (None,))[0]) is None and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert pid is not None, "rank 0 never started"
-        time.sleep(1.0)  # training under way
+        wait_for_training(proc, 3)
+        pid = rank_pids(proc.pid)[0][0]
+        time.sleep(0.5)  # training under way
         killed_at = time.monotonic()
         os.kill(pid, signal.SIGKILL)
         _, err = proc.communicate(timeout=30)

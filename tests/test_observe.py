@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import child_env, communicate_or_kill, mpitrain_cmd, run_mpitrain
+from conftest import child_env, communicate_or_kill, mpitrain_cmd, run_mpitrain, wait_for_training
 from mpitrain import observe
 from mpitrain.config import TrainConfig, UsageError, validate
 from mpitrain.faults import Kill, rank_pids
@@ -166,22 +166,21 @@ def test_bad_observability_flags_are_one_line(tmp_path):
 # -- under MPI -----------------------------------------------------------------------------------
 
 def start(np_: int, *args: str, env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen(mpitrain_cmd(np_, *args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    proc = subprocess.Popen(mpitrain_cmd(np_, *args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**child_env(), **(env or {})}, start_new_session=True)
+    proc.np_, proc.head = np_, []
+    return proc
 
 
 def training_pid(proc: subprocess.Popen, rank: int) -> int:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        pid = rank_pids(proc.pid).get(rank, (None,))[0]
-        if pid is not None:
-            return pid
-        time.sleep(0.05)
-    pytest.fail("the rank never started")
+    """The pid of `rank`'s training process, once training is under way (not in start-up)."""
+    proc.head = wait_for_training(proc, proc.np_)
+    return rank_pids(proc.pid)[rank][0]
 
 
 def finish(proc: subprocess.Popen) -> tuple[str, str]:
     out, err = communicate_or_kill(proc)
+    out = "".join(proc.head) + out
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{out}\nstderr:\n{err}"
     return out, err
 

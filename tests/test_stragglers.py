@@ -11,7 +11,9 @@ DIGITS_NP4 = ["--epochs", "40"]
 
 
 def test_quorum_with_a_straggler_drops_late_gradients_and_keeps_replicas_identical(tmp_path):
-    s = train(4, tmp_path, "--mode", "sync", "--quorum", "2", "--straggler", "3:x5", *DIGITS_NP4)
+    # 5 ms a step, not a multiple: on a fast machine x5 of a tiny step hid inside a quorum round trip
+    # (seen on 16 cores: nothing was dropped)
+    s = train(4, tmp_path, "--mode", "sync", "--quorum", "2", "--straggler", "3:0.005", *DIGITS_NP4)
     assert s["quorum"] == 2
     assert s["dropped_gradients"] > 0
     assert s["dropped_gradients"] == sum(s["dropped_gradients_per_worker"])
@@ -21,7 +23,7 @@ def test_quorum_with_a_straggler_drops_late_gradients_and_keeps_replicas_identic
     assert s["local_steps"][2] < s["local_steps"][0]  # the straggler contributed least
     assert set(s["worker_param_digests"]) == {s["param_digest"]}  # replicas identical
     assert s["test_accuracy"] >= 0.90
-    assert "straggler effect: rank 3 (x5); quorum 2 of 3" in s["_stdout"]
+    assert "straggler effect: rank 3 (0.005 s/step); quorum 2 of 3" in s["_stdout"]
 
 
 def test_quorum_equal_to_workers_drops_nothing(tmp_path):
@@ -33,11 +35,11 @@ def test_quorum_equal_to_workers_drops_nothing(tmp_path):
 
 
 def test_max_staleness_is_never_exceeded(tmp_path):
-    bounded = train(4, tmp_path, "--max-staleness", "2", "--straggler", "3:x5", *DIGITS_NP4)
+    bounded = train(4, tmp_path, "--max-staleness", "2", "--straggler", "3:0.005", *DIGITS_NP4)
     assert bounded["staleness"]["gradients"] == bounded["global_step"]
     assert bounded["staleness"]["max"] <= 2
     assert bounded["test_accuracy"] >= 0.90
-    free = train(4, tmp_path, "--straggler", "3:x5", *DIGITS_NP4)
+    free = train(4, tmp_path, "--straggler", "3:0.005", *DIGITS_NP4)
     assert free["staleness"]["max"] > 2  # without the bound it is exceeded: the bound binds
     assert free["staleness"]["p50"] <= free["staleness"]["p99"] <= free["staleness"]["max"]
 
