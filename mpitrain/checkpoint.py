@@ -21,6 +21,7 @@ import numpy as np
 
 from mpitrain.atomic import write_atomic
 from mpitrain.config import UsageError
+from mpitrain.optim import REGISTRY as OPTIMIZER_REGISTRY
 
 NAME = re.compile(r"^ckpt-(\d{9})\.npz$")
 FORMAT = 1
@@ -33,29 +34,46 @@ class TrainState:
     params: np.ndarray
     global_step: int = 0
     opt_t: int = 0
-    opt_m: np.ndarray | None = None
-    opt_v: np.ndarray | None = None
+    opt_state: dict[str, np.ndarray] = field(default_factory=dict)  # the optimizer's arrays by name (optim.REGISTRY)
     positions: list[int] = field(default_factory=list)  # batches each worker has taken
     ema: np.ndarray | None = None  # --ema-decay: moving average of the parameters
 
     def position(self, worker: int) -> int:
         return self.positions[worker] if worker < len(self.positions) else 0
 
+    def array(self, name: str) -> np.ndarray | None:
+        """A flat array by its name in a checkpoint file: params, ema, or opt_<state name>."""
+        if name.startswith(OPT_PREFIX):
+            return self.opt_state.get(name[len(OPT_PREFIX):])
+        return getattr(self, name)
+
+    def set_array(self, name: str, value: np.ndarray) -> None:
+        if name.startswith(OPT_PREFIX):
+            self.opt_state[name[len(OPT_PREFIX):]] = value
+        else:
+            setattr(self, name, value)
+
+
+# An optimizer's state array NAME is stored as "opt_NAME" (opt_m, opt_v: the files of earlier
+# versions load unchanged); "opt_t", its update count, is a scalar beside them.
+OPT_PREFIX, OPT_COUNT = "opt_", "opt_t"
+
 
 def state_arrays(cfg) -> list[str]:
-    """Names of a training state's flat arrays, in the order they travel (sync chief -> rank 0)."""
-    names = ["params"] + {"sgd": [], "momentum": ["opt_m"], "adam": ["opt_m", "opt_v"]}[cfg.optimizer]
+    """Names of a training state's flat arrays, in the order they travel (the start-up broadcast,
+    the sync chief -> rank 0): params, the optimizer's state, the moving average."""
+    names = ["params"] + [OPT_PREFIX + name for name in OPTIMIZER_REGISTRY[cfg.optimizer].state]
     return names + (["ema"] if cfg.ema_decay else [])
 
 
 def to_flat(state: TrainState, names: list[str]) -> np.ndarray:
-    return np.concatenate([getattr(state, name) for name in names])
+    return np.concatenate([state.array(name) for name in names])
 
 
 def from_flat(flat: np.ndarray, names: list[str], n: int, step: int, positions: list[int]) -> TrainState:
     state = TrainState(flat[:n].copy(), step, step, positions=list(positions))
     for i, name in enumerate(names[1:], 1):
-        setattr(state, name, flat[i * n : (i + 1) * n].copy())
+        state.set_array(name, flat[i * n : (i + 1) * n].copy())
     return state
 
 
@@ -113,9 +131,11 @@ def list_checkpoints(directory: Path) -> list[Path]:
 
 def save(directory: Path, state: TrainState, fp: dict, keep: int) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
-    arrays = {"params": state.params, "global_step": np.int64(state.global_step), "opt_t": np.int64(state.opt_t),
+    arrays = {"params": state.params, "global_step": np.int64(state.global_step), OPT_COUNT: np.int64(state.opt_t),
               "positions": np.asarray(state.positions, np.int64), "fingerprint": np.array(json.dumps(fp))}
-    arrays.update({name: getattr(state, name) for name in ("opt_m", "opt_v", "ema") if getattr(state, name) is not None})
+    arrays.update({OPT_PREFIX + name: a for name, a in state.opt_state.items()})
+    if state.ema is not None:
+        arrays["ema"] = state.ema
     target = write_atomic(path_for(directory, state.global_step), lambda f: np.savez(f, **arrays), binary=True)
     for old in list_checkpoints(directory)[:-keep]:
         old.unlink()
@@ -130,7 +150,7 @@ def load(path: Path, fp: dict | None = None) -> TrainState:
             data = {k: z[k] for k in z.files}  # reads every member: a truncated file fails here
     except (OSError, ValueError, EOFError, zipfile.BadZipFile, KeyError) as e:
         raise UsageError(f"checkpoint {path} is corrupt or truncated ({type(e).__name__}); {fix}") from None
-    missing = {"params", "global_step", "opt_t", "positions", "fingerprint"} - set(data)
+    missing = {"params", "global_step", OPT_COUNT, "positions", "fingerprint"} - set(data)
     if missing:
         raise UsageError(f"checkpoint {path} lacks {', '.join(sorted(missing))}: not an mpitrain checkpoint; {fix}")
     saved = json.loads(str(data["fingerprint"]))
@@ -141,9 +161,9 @@ def load(path: Path, fp: dict | None = None) -> TrainState:
     params = data["params"]
     if params.dtype != np.float32 or not np.isfinite(params).all():
         raise UsageError(f"checkpoint {path} holds non-finite or non-float32 parameters; {fix}")
-    return TrainState(params=params, global_step=int(data["global_step"]), opt_t=int(data["opt_t"]),
-                      opt_m=data.get("opt_m"), opt_v=data.get("opt_v"),
-                      positions=[int(p) for p in data["positions"]], ema=data.get("ema"))
+    opt_state = {k[len(OPT_PREFIX):]: a for k, a in data.items() if k.startswith(OPT_PREFIX) and k != OPT_COUNT}
+    return TrainState(params=params, global_step=int(data["global_step"]), opt_t=int(data[OPT_COUNT]),
+                      opt_state=opt_state, positions=[int(p) for p in data["positions"]], ema=data.get("ema"))
 
 
 def set_aside(directory: Path) -> Path | None:

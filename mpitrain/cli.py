@@ -13,8 +13,8 @@ import os
 import sys
 
 from mpitrain import __version__
-from mpitrain.config import (COMPRESSIONS, DEVICES, LR_SCALINGS, MODELS, MODES, OPTIMIZERS, WAITS, TrainConfig, UsageError,
-                             defaults, parse_straggler, validate)
+from mpitrain.config import (COMPRESSIONS, DEVICES, LR_SCALINGS, MODES, WAITS, TrainConfig, UsageError,
+                             defaults, model_names, optimizer_names, parse_straggler, validate)
 
 # One BLAS thread per rank: at these matrix sizes two threads are slower than one, and ranks
 # already share the cores. Set before NumPy loads; an explicit user setting wins.
@@ -90,13 +90,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "sync: the job stops, naming the rank")
 
     g = p.add_argument_group("model")
-    g.add_argument("--model", choices=MODELS, default=d.model, help="softmax regression or ReLU MLP")
+    g.add_argument("--model", choices=model_names(), default=d.model, help="softmax regression or ReLU MLP")
     g.add_argument("--hidden", type=_hidden, default=d.hidden, metavar="W[,W...]",
                    help="MLP hidden layer widths, e.g. 500 or 256,128")
     g.add_argument("--l2", type=float, default=d.l2, help="L2 weight decay on weights (not biases)")
 
     g = p.add_argument_group("optimisation")
-    g.add_argument("--optimizer", choices=OPTIMIZERS, default=d.optimizer)
+    g.add_argument("--optimizer", choices=optimizer_names(), default=d.optimizer)
     g.add_argument("--lr", type=float, default=d.lr, help="learning rate")
     g.add_argument("--lr-decay", type=float, default=d.lr_decay,
                    help="multiply the learning rate by this per epoch of global data (1 = constant)")

@@ -1,7 +1,8 @@
 """TrainConfig: every training option, its default, and the checks on it.
 
 This module is the one place that holds defaults; cli.py builds its parser from them.
-It imports nothing heavy, so `--help` and bad flags answer fast.
+It imports nothing heavy, so `--help` and bad flags answer fast, and NumPy loads only after cli.py
+has pinned the BLAS threads (a test holds it to that).
 """
 
 from __future__ import annotations
@@ -9,8 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 MODES = ("async", "sync")
-MODELS = ("softmax", "mlp")
-OPTIMIZERS = ("sgd", "momentum", "adam")
+
 DATASETS = ("digits", "mnist", "fashion_mnist", "synthetic")
 NPZ_PREFIX, TFDS_PREFIX = "npz:", "tfds:"  # --dataset npz:PATH (your own arrays), tfds:NAME (any tfds image classifier)
 DATASET_PREFIXES = {NPZ_PREFIX: ("PATH", "a file", "npz:mydata.npz"), TFDS_PREFIX: ("NAME", "a dataset name", "tfds:kmnist")}
@@ -18,6 +18,22 @@ DEVICES = ("auto", "cpu", "gpu")
 COMPRESSIONS = ("none", "fp16", "bf16")  # codec.WIRE_DTYPES has their element types
 WAITS = ("auto", "spin", "yield")
 LR_SCALINGS = ("linear", "none")
+
+
+def model_names() -> tuple[str, ...]:
+    """--model's choices: model.py's registry. Imported when called, not above: NumPy must not load
+    before cli.py pins the BLAS threads."""
+    from mpitrain.model import HIDDEN
+
+    return tuple(HIDDEN)
+
+
+def optimizer_names() -> tuple[str, ...]:
+    """--optimizer's choices: optim.py's registry (imported when called, as model_names)."""
+    from mpitrain.optim import REGISTRY
+
+    return tuple(REGISTRY)
+
 
 # Used when neither --epochs nor --steps is given: enough for digits to pass 93%.
 DEFAULT_EPOCHS = 50
@@ -97,11 +113,6 @@ class TrainConfig:
     stall_warning: float = DEFAULT_STALL_WARNING_S  # 0: never
     timeline: str | None = None
     timeline_steps: int = DEFAULT_TIMELINE_STEPS
-
-    @property
-    def layer_sizes_hidden(self) -> tuple[int, ...]:
-        """Hidden widths actually used: softmax regression has none."""
-        return () if self.model == "softmax" else self.hidden
 
     @property
     def wire_dtype(self):
@@ -184,8 +195,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     Only checks that need no file system or MPI live here, so every rank reaches the same verdict.
     """
     _choice("mode", cfg.mode, MODES)
-    _choice("model", cfg.model, MODELS)
-    _choice("optimizer", cfg.optimizer, OPTIMIZERS)
+    _choice("model", cfg.model, model_names())
+    _choice("optimizer", cfg.optimizer, optimizer_names())
     prefix = next((p for p in DATASET_PREFIXES if cfg.dataset.startswith(p)), None)
     if prefix is None:
         _choice("dataset", cfg.dataset, DATASETS + tuple(p + arg for p, (arg, _, _) in DATASET_PREFIXES.items()))
@@ -278,11 +289,15 @@ def validate(cfg: TrainConfig) -> TrainConfig:
 
 def validate_for_world(cfg: TrainConfig, size: int) -> None:
     """The checks that need the world size (known on every rank, identically)."""
-    workers = max(1, size - 1)
+    from mpitrain.layout import Layout
+
+    layout = Layout(size)
+    workers = layout.workers
     for rank, _, _ in cfg.stragglers:
         if rank >= size:
             raise UsageError(f"--straggler names rank {rank}, but ranks here are 0..{size - 1} "
-                             f"(rank 0 is the parameter server); name a worker rank 1..{max(1, size - 1)}")
+                             f"(rank 0 is the parameter server); name a worker rank "
+                             f"{layout.worker_ranks[0]}..{layout.worker_ranks[-1]}")
     if cfg.quorum is not None and cfg.quorum > workers:
         raise UsageError(f"--quorum {cfg.quorum} is more than the {workers} worker(s); use 1..{workers}")
     if cfg.max_staleness is not None and size > 1 and cfg.max_staleness < workers - 1:

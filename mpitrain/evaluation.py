@@ -32,7 +32,7 @@ def format_matrix(m: np.ndarray) -> list[str]:
 
 def evaluate(path: str, dataset: str, data_dir: str | None) -> dict:
     from mpitrain.data import load_dataset
-    from mpitrain.model import MLP
+    from mpitrain.model import from_sizes
 
     p = Path(path)
     if not p.is_file():
@@ -46,7 +46,7 @@ def evaluate(path: str, dataset: str, data_dir: str | None) -> dict:
     if (data.n_features, data.n_classes) != (sizes[0], sizes[-1]):
         raise UsageError(f"{dataset} has {data.n_features} features and {data.n_classes} classes but the checkpoint's "
                          f"model is {'-'.join(map(str, sizes))}; evaluate it on the dataset it was trained on")
-    model = MLP(sizes)
+    model = from_sizes(sizes)
     out = {"checkpoint": str(p), "global_step": state.global_step, "dataset": dataset,
            "model_description": model.description, "test_examples": int(len(data.y_test))}
     for name, params in (("", state.params), ("ema_", state.ema)):

@@ -18,6 +18,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from mpitrain.layout import Layout
 from mpitrain.protocol import BEAT_FIELDS, FLAG_STOP, TAG_HEARTBEAT, Message
 
 BEATS_PER_TIMEOUT = 4  # a peer must miss this many heartbeats in a row to be declared lost
@@ -230,10 +231,10 @@ class Watch:
 
 
 def start(comm, rank: int, size: int, timeout_s: float, activity=None):
-    """(heartbeat thread or None, watch): rank 0 watches the workers, each worker rank 0."""
+    """(heartbeat thread or None, watch): the server watches the workers, each worker the server."""
     if size == 1 or timeout_s <= 0:
         return None, NoWatch()
-    peers = list(range(1, size)) if rank == 0 else [0]
+    peers = Layout(size).peers(rank)
     return Heartbeat(comm, peers, timeout_s, activity), Watch(comm, peers, timeout_s)
 
 

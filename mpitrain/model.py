@@ -8,7 +8,23 @@ layer. All array work goes through `xp` (numpy or cupy), so one code path serves
 
 from __future__ import annotations
 
+from typing import Callable, Protocol
+
 import numpy as np
+
+
+class Model(Protocol):
+    """What the trainer needs of a model: one flat float32 parameter vector of `n_params`, its
+    initial value, the loss and gradient of a batch, and evaluation. `sizes` (layer widths) is
+    what a checkpoint's fingerprint records and `from_sizes` rebuilds it from."""
+
+    sizes: tuple[int, ...]
+    n_params: int
+    description: str
+
+    def init_params(self, seed: int) -> np.ndarray: ...
+    def loss_and_grad(self, params, x, y, grad) -> float: ...
+    def evaluate(self, params, x, y, chunk: int = 4096) -> tuple[float, float, np.ndarray]: ...
 
 
 class MLP:
@@ -151,3 +167,22 @@ class MLP:
             if i < len(layers) - 1:
                 a = xp.maximum(a, 0)
         return a
+
+
+# --model NAME -> the hidden widths it uses, given --hidden. Both are this file's MLP (softmax
+# regression is the MLP without hidden layers). Adding a model: a class with Model's methods and
+# a line here, and `build`/`from_sizes` return it (README, Architecture).
+HIDDEN: dict[str, Callable[[tuple[int, ...]], tuple[int, ...]]] = {
+    "softmax": lambda hidden: (),
+    "mlp": lambda hidden: tuple(hidden),
+}
+
+
+def build(name: str, n_features: int, hidden: tuple[int, ...], n_classes: int, l2: float = 0.0, xp=np) -> Model:
+    """The model --model NAME --hidden ... describes, for data of this shape."""
+    return MLP((n_features, *HIDDEN[name](hidden), n_classes), l2, xp)
+
+
+def from_sizes(sizes, l2: float = 0.0, xp=np) -> Model:
+    """The model a checkpoint's fingerprint (its `layer_sizes`) describes."""
+    return MLP(tuple(sizes), l2, xp)

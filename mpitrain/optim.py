@@ -6,63 +6,90 @@ Each optimizer updates `params` in place from a flat gradient of the same layout
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import numpy as np
 
 
+@dataclass(frozen=True)
+class OptimizerKind:
+    """One entry of the registry: the names of its flat state arrays (each as long as the
+    parameters; checkpoints, the start-up broadcast and the sync chief's hand-over to rank 0 take
+    them from here) and its update, step(opt, params, grad, lr), which uses `opt.state[name]`."""
+
+    state: tuple[str, ...]
+    step: Callable
+
+
+def _sgd(opt: "Optimizer", params, grad, lr: float) -> None:
+    xp, tmp = opt.xp, opt.tmp
+    xp.multiply(grad, xp.float32(lr), out=tmp)
+    params -= tmp
+
+
+def _momentum(opt: "Optimizer", params, grad, lr: float) -> None:
+    xp, tmp, m = opt.xp, opt.tmp, opt.state["m"]
+    m *= xp.float32(opt.momentum)
+    m += grad
+    xp.multiply(m, xp.float32(lr), out=tmp)
+    params -= tmp
+
+
+def _adam(opt: "Optimizer", params, grad, lr: float) -> None:
+    xp, tmp, m, v = opt.xp, opt.tmp, opt.state["m"], opt.state["v"]
+    b1, b2, t = opt.beta1, opt.beta2, opt.t
+    m *= xp.float32(b1)
+    xp.multiply(grad, xp.float32(1 - b1), out=tmp)
+    m += tmp
+    v *= xp.float32(b2)
+    xp.multiply(grad, grad, out=tmp)
+    tmp *= xp.float32(1 - b2)
+    v += tmp
+    # params -= lr_t * m / (sqrt(v) + eps_t), bias corrections folded into lr_t, eps_t
+    lr_t = lr * np.sqrt(1 - b2 ** t) / (1 - b1 ** t)
+    eps_t = opt.eps * np.sqrt(1 - b2 ** t)
+    xp.sqrt(v, out=tmp)
+    tmp += xp.float32(eps_t)
+    xp.divide(m, tmp, out=tmp)
+    tmp *= xp.float32(lr_t)
+    params -= tmp
+
+
+# --optimizer NAME -> its kind. Adding an optimizer is one function and one line here (the CLI's
+# choices, checkpoints and resume follow); README, Architecture.
+REGISTRY: dict[str, OptimizerKind] = {
+    "sgd": OptimizerKind((), _sgd),
+    "momentum": OptimizerKind(("m",), _momentum),  # heavy ball, as tf.train.MomentumOptimizer
+    "adam": OptimizerKind(("m", "v"), _adam),  # Kingma & Ba
+}
+
+
 class Optimizer:
-    """SGD, momentum (heavy ball, as tf.train.MomentumOptimizer) or Adam (Kingma & Ba)."""
+    """One of the REGISTRY's optimizers with its state, on NumPy or CuPy (`xp`)."""
 
     def __init__(self, kind: str, n: int, xp=np, momentum: float = 0.9,
                  beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8):
-        if kind not in ("sgd", "momentum", "adam"):
+        if kind not in REGISTRY:
             raise ValueError(f"unknown optimizer {kind!r}")
         self.kind = kind
         self.xp = xp
         self.momentum = momentum
         self.beta1, self.beta2, self.eps = beta1, beta2, eps
         self.t = 0  # updates applied (Adam's bias correction needs it)
-        self.m = xp.zeros(n, xp.float32) if kind in ("momentum", "adam") else None
-        self.v = xp.zeros(n, xp.float32) if kind == "adam" else None
-        self._tmp = xp.empty(n, xp.float32)
+        self.state = {name: xp.zeros(n, xp.float32) for name in REGISTRY[kind].state}
+        self.tmp = xp.empty(n, xp.float32)
 
-    def restore(self, t: int, m, v) -> None:
-        """Continue from a checkpoint (host arrays; `m`/`v` are None for optimizers without them)."""
+    def restore(self, t: int, saved: dict) -> None:
+        """Continue from a checkpoint's state arrays (host arrays, by state name)."""
         self.t = t
-        for mine, saved in ((self.m, m), (self.v, v)):
-            if mine is not None and saved is not None:
-                mine[...] = self.xp.asarray(saved)
+        for name, mine in self.state.items():
+            if saved.get(name) is not None:
+                mine[...] = self.xp.asarray(saved[name])
 
     def step(self, params, grad, lr: float) -> None:
-        xp = self.xp
         self.t += 1
-        tmp = self._tmp
-        if self.kind == "sgd":
-            xp.multiply(grad, xp.float32(lr), out=tmp)
-            params -= tmp
-        elif self.kind == "momentum":
-            m = self.m
-            m *= xp.float32(self.momentum)
-            m += grad
-            xp.multiply(m, xp.float32(lr), out=tmp)
-            params -= tmp
-        else:
-            b1, b2 = self.beta1, self.beta2
-            m, v = self.m, self.v
-            m *= xp.float32(b1)
-            xp.multiply(grad, xp.float32(1 - b1), out=tmp)
-            m += tmp
-            v *= xp.float32(b2)
-            xp.multiply(grad, grad, out=tmp)
-            tmp *= xp.float32(1 - b2)
-            v += tmp
-            # params -= lr_t * m / (sqrt(v) + eps_t), bias corrections folded into lr_t, eps_t
-            lr_t = lr * np.sqrt(1 - b2 ** self.t) / (1 - b1 ** self.t)
-            eps_t = self.eps * np.sqrt(1 - b2 ** self.t)
-            xp.sqrt(v, out=tmp)
-            tmp += xp.float32(eps_t)
-            xp.divide(m, tmp, out=tmp)
-            tmp *= xp.float32(lr_t)
-            params -= tmp
+        REGISTRY[self.kind].step(self, params, grad, lr)
 
 
 def decayed_lr(lr: float, decay: float, samples_seen: int, n_train: int) -> float:

@@ -18,10 +18,11 @@ from mpitrain import checkpoint
 from mpitrain.backend import Backend, make_backend
 from mpitrain.config import TrainConfig, UsageError, validate_for_world
 from mpitrain.data import Dataset, check_batch_fits, load_dataset, steps_per_epoch
-from mpitrain.model import MLP
+from mpitrain.layout import PS_RANK, Layout
+from mpitrain.model import Model, build
 from mpitrain.optim import decayed_lr
 
-PS_RANK = 0
+__all__ = ["PS_RANK", "Context", "Layout", "Node", "setup", "start_state", "world"]
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ def node_info(comm) -> Node:
     from mpi4py import MPI
 
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    ps_here = node.allreduce(1 if comm.Get_rank() == PS_RANK and comm.Get_size() > 1 else 0)
+    ps_here = node.allreduce(1 if Layout(comm.Get_size()).is_server(comm.Get_rank()) else 0)
     info = Node(node.Get_rank(), node.Get_size(), node.Get_size() - ps_here, len(os.sched_getaffinity(0)))
     node.Free()
     if info.rank == 0:
@@ -110,7 +111,8 @@ class Context:
     host: str
     backend: Backend
     data: Dataset
-    model: MLP
+    model: Model
+    layout: Layout
     worker_comm: object = None  # sync mode: the workers only (rank 0 is not in the hot collective)
     resume: object = None  # rank 0: (path, checkpoint.TrainState) found in --checkpoint-dir
     watch: object = None  # liveness.Watch (or NoWatch): the peers this rank waits on
@@ -119,24 +121,33 @@ class Context:
     @property
     def local(self) -> bool:
         """One process: train with no parameter server."""
-        return self.size == 1
+        return self.layout.local
 
     @property
     def workers(self) -> int:
-        return 1 if self.local else self.size - 1
+        return self.layout.workers
 
     @property
     def is_ps(self) -> bool:
-        return self.rank == PS_RANK and not self.local
+        return self.layout.is_server(self.rank)
 
     @property
     def worker_index(self) -> int:
         """0-based index among workers (the local process is worker 0)."""
-        return 0 if self.local else self.rank - 1
+        return self.layout.worker_index(self.rank)
 
     @property
     def role(self) -> str:
-        return "local" if self.local else ("parameter-server" if self.is_ps else "worker")
+        return self.layout.role(self.rank)
+
+    @property
+    def with_quorum(self) -> bool:
+        """--quorum Q below the number of workers: sync steps go on without the slowest."""
+        return self.cfg.quorum is not None and self.cfg.quorum < self.workers
+
+    def eval_due(self, step: int) -> bool:
+        """--eval-every: rank 0 evaluates after global step `step`."""
+        return bool(self.cfg.eval_every) and step % self.cfg.eval_every == 0
 
     @property
     def steps_per_epoch(self) -> int:
@@ -225,14 +236,12 @@ def setup(cfg: TrainConfig, comm, node: Node) -> Context:
     if rank == PS_RANK:  # rank 0 writes them at the end: a bad folder must not cost the run
         for flag, path in (("--summary-json", cfg.summary_json), ("--timeline", cfg.timeline)):
             check_output_path(flag, path)
-    is_ps = rank == PS_RANK and size > 1
-    backend = make_backend(cfg.device, node.rank, uses_gpu=not is_ps, cuda_aware=cfg.cuda_aware)
+    layout = Layout(size)
+    backend = make_backend(cfg.device, node.rank, uses_gpu=not layout.is_server(rank), cuda_aware=cfg.cuda_aware)
     data = load_dataset(cfg)
-    workers = 1 if size == 1 else size - 1
-    check_batch_fits(data.n_train, workers, cfg.batch_size)
-    sizes = (data.n_features, *cfg.layer_sizes_hidden, data.n_classes)
-    model = MLP(sizes, cfg.l2, backend.xp)
-    ctx = Context(cfg, comm, rank, size, node, socket.gethostname(), backend, data, model)
+    check_batch_fits(data.n_train, layout.workers, cfg.batch_size)
+    model = build(cfg.model, data.n_features, cfg.hidden, data.n_classes, cfg.l2, backend.xp)
+    ctx = Context(cfg, comm, rank, size, node, socket.gethostname(), backend, data, model, layout)
     if rank == PS_RANK and cfg.checkpoint_dir and not cfg.fresh:
         ctx.resume = checkpoint.load_latest(Path(cfg.checkpoint_dir), ctx.fingerprint)
     return ctx
@@ -253,8 +262,8 @@ def start_state(ctx: Context) -> checkpoint.TrainState:
             return state
     else:
         state = checkpoint.TrainState(np.empty(ctx.model.n_params, np.float32), positions=[0] * W)
-    names = ("opt_m", "opt_v", "ema")
-    head = np.array([state.global_step, state.opt_t, *(getattr(state, a) is not None for a in names),
+    names = checkpoint.state_arrays(ctx.cfg)[1:]  # the optimizer's state, the moving average
+    head = np.array([state.global_step, state.opt_t, *(state.array(a) is not None for a in names),
                      *state.positions], np.int64)
     ctx.comm.Bcast([head, MPI.INT64_T], root=PS_RANK)
     state.global_step, state.opt_t = int(head[0]), int(head[1])
@@ -262,7 +271,7 @@ def start_state(ctx: Context) -> checkpoint.TrainState:
     ctx.comm.Bcast([state.params, MPI.FLOAT], root=PS_RANK)
     for name, present in zip(names, head[2:]):
         if present:
-            arr = getattr(state, name) if ctx.rank == PS_RANK else np.empty(ctx.model.n_params, np.float32)
+            arr = state.array(name) if ctx.rank == PS_RANK else np.empty(ctx.model.n_params, np.float32)
             ctx.comm.Bcast([arr, MPI.FLOAT], root=PS_RANK)
-            setattr(state, name, arr)
+            state.set_array(name, arr)
     return state

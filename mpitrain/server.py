@@ -28,9 +28,9 @@ from mpitrain.observe import APPLY, CHECKPOINT, EVAL, PUSH, WAIT, attribute, ste
 from mpitrain.optim import Optimizer, make_ema, staleness_scaled_lr
 from mpitrain.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_LAST, FLAG_STOP, TAG_DECISION, TAG_GRAD, TAG_PARAMS, TAG_READY,
                                TAG_STATUS, Message)
-from mpitrain.runtime import PS_RANK, Context, start_state
+from mpitrain.runtime import Context, start_state
 from mpitrain.transport import CHIEF_POLL_S, PS_POLL_NO_OVERLAP_S, PS_POLL_S, QUORUM_POLL_S, Poller, tested
-from mpitrain.worker import LOSS_WINDOW, eval_due, train_sync
+from mpitrain.worker import LOSS_WINDOW, train_sync
 
 
 @dataclass
@@ -145,16 +145,16 @@ class AsyncServer:
         self.clock = _Clock()
         self.opt = Optimizer(cfg.optimizer, n, np, momentum=cfg.momentum)
         self.guard = LossGuard(cfg.divergence_factor)
-        self.opt.restore(start.opt_t, start.opt_m, start.opt_v)
+        self.opt.restore(start.opt_t, start.opt_state)
         self.ema = make_ema(cfg.ema_decay, start.params, np, start.global_step, start.ema)
         wire = cfg.wire_dtype
         self.inbox = [Message(n, dtype=wire) for _ in range(W)]
         self.outbox = [Message(n, dtype=wire) for _ in range(W)]
         # float16 / bfloat16 gradients are widened once, so the optimizer only ever sees float32.
         self.grad32 = np.empty(n, np.float32) if wire != np.float32 else None
-        self.recv = [self.comm.Irecv(self.inbox[w].spec(), source=w + 1, tag=TAG_GRAD) for w in range(W)]
+        self.worker_ranks = list(ctx.layout.worker_ranks)  # worker w is MPI rank worker_ranks[w]
+        self.recv = [self.comm.Irecv(self.inbox[w].spec(), source=r, tag=TAG_GRAD) for w, r in enumerate(self.worker_ranks)]
         self.sends = [MPI.REQUEST_NULL] * W
-        self.worker_ranks = [w + 1 for w in range(W)]
         # With --overlap a reply is not awaited until the worker's next gradient is computed, so
         # rank 0 can sleep longer between polls and leave the cores to the workers.
         self.poller = Poller(PS_POLL_S if cfg.effective_overlap else PS_POLL_NO_OVERLAP_S, ctx.watch)
@@ -184,17 +184,17 @@ class AsyncServer:
         self.ctx.activity.enter(WAIT)
         done = self.poller.some(self.recv)
         if done.failed:  # a gradient from a process that died while sending it: never applied
-            self._lose({w + 1: why for w, why in done.failed.items()})
+            self._lose({self.worker_ranks[w]: why for w, why in done.failed.items()})
         for w in done.arrived:
-            self.inbox[w].check(TAG_GRAD, w + 1)
-            self.ctx.watch.heard(w + 1)
+            self.inbox[w].check(TAG_GRAD, self.worker_ranks[w])
+            self.ctx.watch.heard(self.worker_ranks[w])
             self.held.append(w)
 
     def _lose(self, lost: dict[int, str]) -> None:
         """Carry on without these workers: their gradients in flight are dropped, nothing is sent
         to them again, and the budget is finished by the others."""
         for rank, why in lost.items():
-            w = rank - 1
+            w = self.ctx.layout.worker_index(rank)
             self.ctx.watch.declare(rank, why)
             if any(info["rank"] == rank for info in self.state.lost_workers):
                 continue
@@ -222,7 +222,7 @@ class AsyncServer:
 
     def _checkpoint(self) -> None:
         st = self.state
-        self.ckpt.save(TrainState(st.params, st.global_step, self.opt.t, self.opt.m, self.opt.v, list(st.local_steps),
+        self.ckpt.save(TrainState(st.params, st.global_step, self.opt.t, dict(self.opt.state), list(st.local_steps),
                                   self._ema_avg))
 
     def _oldest_held(self) -> int:
@@ -258,7 +258,8 @@ class AsyncServer:
         self.held.remove(w)
         why = NON_FINITE if not math.isfinite(msg.loss) else self.guard.exploded(msg.loss)
         if why:  # diverged: never applied, and every worker is stopped
-            state.diverged = {"global_step": state.global_step, "ranks": [w + 1], "loss": msg.loss, "why": why}
+            state.diverged = {"global_step": state.global_step, "ranks": [self.worker_ranks[w]], "loss": msg.loss,
+                              "why": why}
             self.stopping = True
             self._reply(w, stop=True)
             return
@@ -281,7 +282,7 @@ class AsyncServer:
         self.progress.update(state.global_step, msg.loss)
         log_train(self.ctx, state, self.clock, state.global_step, msg.loss, staleness=staleness,
                   local_steps=list(state.local_steps))
-        if cfg.eval_every and state.global_step % cfg.eval_every == 0:
+        if self.ctx.eval_due(state.global_step):
             record_eval(self.ctx, state, self.clock, state.params, state.global_step, self._ema_avg)
         if self.ckpt.due(state.global_step):
             self.ctx.activity.enter(CHECKPOINT)
@@ -292,18 +293,19 @@ class AsyncServer:
     def _reply(self, w: int, stop: bool) -> None:
         state = self.state
         self.ctx.activity.enter(PUSH)
-        if not tested(self.sends[w], w + 1, self.ctx.watch):  # consumed before this push: done at once
-            self.poller.all([self.sends[w]], [w + 1])
+        rank = self.worker_ranks[w]
+        if not tested(self.sends[w], rank, self.ctx.watch):  # consumed before this push: done at once
+            self.poller.all([self.sends[w]], [rank])
         reply = self.outbox[w]
         encode(np, state.params, reply.payload)  # a copy (narrowed with --compress): params change in flight
         flags = (FLAG_STOP | (FLAG_DIVERGED if state.diverged else 0)) if stop else 0
         reply.stamp(TAG_PARAMS, state.global_step, state.local_steps[w], flags)
-        self.sends[w] = self.comm.Isend(reply.spec(), dest=w + 1, tag=TAG_PARAMS)
+        self.sends[w] = self.comm.Isend(reply.spec(), dest=rank, tag=TAG_PARAMS)
         self.basis[w] = state.global_step
         if stop:
             self.active.discard(w)
         else:
-            self.recv[w] = self.comm.Irecv(self.inbox[w].spec(), source=w + 1, tag=TAG_GRAD)
+            self.recv[w] = self.comm.Irecv(self.inbox[w].spec(), source=rank, tag=TAG_GRAD)
 
 
 def serve_async(ctx: Context, progress: Progress) -> ServerState:
@@ -319,9 +321,9 @@ class QuorumCoordinator:
     def __init__(self, ctx: Context, poller: Poller):
         W = ctx.workers
         self.ctx, self.W, self.Q, self.poller = ctx, W, ctx.cfg.quorum, poller
-        self.ranks = [w + 1 for w in range(W)]
+        self.ranks = list(ctx.layout.worker_ranks)
         self.ready = [Message(0) for _ in range(W)]
-        self.recv = [ctx.comm.Irecv(self.ready[w].spec(), source=w + 1, tag=TAG_READY) for w in range(W)]
+        self.recv = [ctx.comm.Irecv(self.ready[w].spec(), source=r, tag=TAG_READY) for w, r in enumerate(self.ranks)]
         self.decision = Message(W)
         self.sends: list = []
         self.step = 0
@@ -339,7 +341,7 @@ class QuorumCoordinator:
 
     def handle(self, w: int, progress: Progress) -> None:
         msg = self.ready[w]
-        msg.check(TAG_READY, w + 1)
+        msg.check(TAG_READY, self.ranks[w])
         if msg.flags & FLAG_STOP:
             self.finished += 1
             return  # that worker sends nothing more: its receive is not re-posted
@@ -348,7 +350,7 @@ class QuorumCoordinator:
             self.losses.append(msg.loss)
             if len(self.chosen) == self.Q:
                 self._decide(progress)
-        self.recv[w] = self.ctx.comm.Irecv(msg.spec(), source=w + 1, tag=TAG_READY)
+        self.recv[w] = self.ctx.comm.Irecv(msg.spec(), source=self.ranks[w], tag=TAG_READY)
 
     def _decide(self, progress: Progress) -> None:
         self.poller.all(self.sends, self.ranks)  # tiny eager messages of the previous step: long done
@@ -356,7 +358,7 @@ class QuorumCoordinator:
         weights[self.chosen] = 1.0
         self.decision.payload[:] = weights
         self.decision.stamp(TAG_DECISION, self.step)
-        self.sends = [self.ctx.comm.Isend(self.decision.spec(), dest=w + 1, tag=TAG_DECISION) for w in range(self.W)]
+        self.sends = [self.ctx.comm.Isend(self.decision.spec(), dest=r, tag=TAG_DECISION) for r in self.ranks]
         self.step += 1
         progress.update(self.step, float(np.mean(self.losses)))
         self.chosen, self.losses = [], []
@@ -373,13 +375,12 @@ def serve_sync(ctx: Context, progress: Progress) -> ServerState:
     n, W = ctx.model.n_params, ctx.workers
     _, state, ckpt = begin(ctx)
     clock = _Clock()
-    chief = PS_RANK + 1
+    chief = ctx.layout.worker_rank(0)
     names = checkpoint.state_arrays(cfg)  # [params, optimizer state..., ema]
     full_count = n * len(names)
     box = Message(full_count)
-    with_quorum = cfg.quorum is not None and cfg.quorum < W
-    poller = Poller(QUORUM_POLL_S if with_quorum else CHIEF_POLL_S, ctx.watch)  # PeerLost ends the job (trainer.py)
-    quorum = QuorumCoordinator(ctx, poller) if with_quorum else None
+    poller = Poller(QUORUM_POLL_S if ctx.with_quorum else CHIEF_POLL_S, ctx.watch)  # PeerLost ends the job (trainer.py)
+    quorum = QuorumCoordinator(ctx, poller) if ctx.with_quorum else None
     status = ctx.comm.Irecv(box.spec(), source=chief, tag=TAG_STATUS)
     final_seen = False
     while not (final_seen and (quorum is None or quorum.done)):
@@ -432,7 +433,7 @@ def run_local(ctx: Context, progress: Progress) -> tuple[ServerState, dict]:
     def on_step(step: int, loss: float, sync_step) -> None:
         progress.update(step, loss)
         log_train(ctx, state, clock, step, loss, staleness=0, local_steps=[step])
-        if eval_due(ctx, step):
+        if ctx.eval_due(step):
             st = sync_step.train_state(step)
             record_eval(ctx, state, clock, st.params, step, st.ema)
         if ckpt.due(step):

@@ -250,9 +250,9 @@ def run(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: boo
     if ctx is None:
         return Outcome(2, error=line)
     if cfg.mode == "sync" and not ctx.local:  # collective on COMM_WORLD: every rank calls it
-        ctx.worker_comm = comm.Split(0 if ctx.rank > 0 else MPI.UNDEFINED, ctx.rank)
+        ctx.worker_comm = comm.Split(MPI.UNDEFINED if ctx.is_ps else 0, ctx.rank)
     placements = comm.gather(ctx.placement(), root=0)  # the last collective over every rank
-    if ctx.rank == 0:
+    if ctx.rank == PS_RANK:
         announce(ctx, placements)
     ctx.activity = observe.Activity(cfg.timeline_steps if cfg.timeline else 0)
     heartbeat, ctx.watch = liveness.start(comm, ctx.rank, ctx.size, cfg.worker_timeout, ctx.activity)
@@ -262,7 +262,7 @@ def run(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: boo
         ctx.activity.enter(observe.IDLE)
         ctx.watch.stall = None  # training is over: the end of the run has its own time limits
         mine["max_rss_mb"] = [rss_start, max_rss_mb()]  # start and end of training (benchmarks/soak.py)
-        if ctx.rank == 0:
+        if ctx.rank == PS_RANK:
             reports = collect_reports(ctx, mine)
         else:
             send_report(ctx, {**mine["worker"], "max_rss_mb": mine["max_rss_mb"], "timeline": timeline_events(ctx)})
@@ -278,9 +278,9 @@ def run(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: boo
         sys.stderr.flush()
         comm.Abort(1)  # peers may be blocked on this rank: end the whole job, never hang
         return Outcome(1)
-    diverged = _divergence(ctx, mine, reports if ctx.rank == 0 else None)
+    diverged = _divergence(ctx, mine, reports if ctx.rank == PS_RANK else None)
     summary = None
-    if ctx.rank == 0:
+    if ctx.rank == PS_RANK:
         state = mine["state"]
         summary = build_summary(ctx, mine, reports, placements)
         summary["diverged"] = diverged
@@ -304,13 +304,13 @@ def run(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: boo
         peer_was_lost = True
     if not ctx.watch.close():
         peer_was_lost = True
-    outcome = Outcome(0, summary, None if ctx.rank == 0 else mine["worker"])
-    if ctx.rank == 0 and not ctx.local and len(reports) == 0:
+    outcome = Outcome(0, summary, None if ctx.rank == PS_RANK else mine["worker"])
+    if ctx.rank == PS_RANK and not ctx.local and len(reports) == 0:
         outcome.code = EXIT_PEER_LOST  # every worker was lost: the budget was not finished
         outcome.error = "mpitrain: every worker was lost"
     if diverged:
         outcome.code = EXIT_DIVERGED
-        if ctx.rank == 0:
+        if ctx.rank == PS_RANK:
             outcome.error = divergence_line(diverged, mine["checkpoints"])
             say(outcome.error, sys.stderr)
         else:  # a worker knows the step only; rank 0 printed the line with the loss and whose it was
@@ -420,7 +420,7 @@ def collect_reports(ctx: Context, mine: dict) -> list[dict]:
     timeout = ctx.cfg.worker_timeout
     deadline = time.monotonic() + timeout if timeout > 0 else float("inf")
     poller = Poller(END_POLL_S, ctx.watch)
-    pending = set(range(1, ctx.size)) - {info["rank"] for info in state.lost_workers}
+    pending = set(ctx.layout.worker_ranks) - {ctx.rank} - {info["rank"] for info in state.lost_workers}
     while pending:
         try:
             for rank in sorted(pending):
@@ -463,7 +463,7 @@ def say_goodbye(ctx: Context, ranks: list[int], peer_was_lost: bool) -> bool:
     True when a worker turned out to be lost meanwhile."""
     bye = Message(0)
     bye.stamp(TAG_REPORT, 0, flags=FLAG_PEER_LOST if peer_was_lost else 0)
-    ranks = [r for r in ranks if r != PS_RANK]
+    ranks = [r for r in ranks if r != ctx.rank]  # a local run's own report is among them
     try:
         Poller(END_POLL_S, ctx.watch).all([ctx.comm.Isend(bye.spec(), dest=r, tag=TAG_REPORT) for r in ranks], ranks)
     except PeerLost:

@@ -184,7 +184,7 @@ class SyncStep:
         self.guard = LossGuard(cfg.divergence_factor)  # on the mean loss: every worker decides alike
         self.why: str | None = None  # set when the step just reduced diverged (and was not applied)
         if start is not None:
-            self.opt.restore(start.opt_t, start.opt_m, start.opt_v)
+            self.opt.restore(start.opt_t, start.opt_state)
             if ctx.worker_index == 0:  # the chief (or the local run) keeps the moving average
                 self.ema = make_ema(cfg.ema_decay, params, be.xp, start.global_step, start.ema)
         self.comm = ctx.worker_comm
@@ -199,7 +199,7 @@ class SyncStep:
         def host(a):
             return None if a is None else np.array(self.ctx.backend.to_host(a), np.float32)
 
-        return TrainState(host(self.params), step, self.opt.t, host(self.opt.m), host(self.opt.v),
+        return TrainState(host(self.params), step, self.opt.t, {k: host(a) for k, a in self.opt.state.items()},
                           [step] * self.ctx.workers, host(self.ema.avg) if self.ema else None)
 
     def compute(self, x, y) -> float:
@@ -253,15 +253,11 @@ class SyncStep:
         return loss
 
 
-def eval_due(ctx: Context, step: int) -> bool:
-    return bool(ctx.cfg.eval_every) and step % ctx.cfg.eval_every == 0
-
-
 def train_sync(ctx: Context, start: TrainState, on_step=None) -> dict:
     """The sync loop shared by sync workers and the local (one-process) run, from global step
     `start.global_step` (a resumed run) to the budget. `on_step(step, loss, sync_step)` reports
     each step: to rank 0 (chief worker) or to the bar and checkpoints (local)."""
-    if ctx.cfg.quorum is not None and ctx.cfg.quorum < ctx.workers:
+    if ctx.with_quorum:
         return train_sync_quorum(ctx, start, on_step)
     be = ctx.backend
     params = be.asarray(start.params)
@@ -478,7 +474,7 @@ def run_sync(ctx: Context) -> dict:
         pending[1] = ctx.comm.Isend(full.spec(), dest=PS_RANK, tag=TAG_STATUS)
 
     def report(step: int, loss: float, sync_step: SyncStep) -> None:
-        flags = (FLAG_EVAL if eval_due(ctx, step) else 0) | (FLAG_CKPT if ckpt.due(step) else 0)
+        flags = (FLAG_EVAL if ctx.eval_due(step) else 0) | (FLAG_CKPT if ckpt.due(step) else 0)
         if flags:
             if flags & FLAG_CKPT:
                 ckpt.mark(step)

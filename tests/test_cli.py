@@ -123,3 +123,24 @@ def test_validate_names_the_problem(args, needle):
 
     with pytest.raises(UsageError, match=needle.replace("(", r"\(")):
         parse_args(args)
+
+
+def test_numpy_loads_only_after_the_blas_threads_are_pinned():
+    """OpenBLAS reads OPENBLAS_NUM_THREADS when NumPy loads: cli.main pins it first, so importing
+    the CLI and the config must not load NumPy (it once did, through the model registry, and sync
+    np=3 on 2 cores ran 4-20x slower with two BLAS threads per rank)."""
+    code = ("import sys, mpitrain.cli, mpitrain.config; "
+            "print('numpy' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=child_env())
+    assert out.stdout.strip() == "False", out.stderr
+    code = ("import os, sys; from mpitrain import cli; cli._pin_blas_threads(); cli.parse_args([]); "
+            "import threadpoolctl; print(max(p['num_threads'] for p in threadpoolctl.threadpool_info()))")
+    env = {k: v for k, v in child_env().items() if k not in cli_blas_vars()}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert out.stdout.strip() == "1", out.stdout + out.stderr
+
+
+def cli_blas_vars():
+    from mpitrain.cli import BLAS_THREAD_VARS
+
+    return BLAS_THREAD_VARS

@@ -105,3 +105,12 @@ def test_exponential_decay_per_epoch_of_global_data():
     assert decayed_lr(0.5, 0.99, 0, 1000) == 0.5
     assert decayed_lr(0.5, 0.99, 1000, 1000) == pytest.approx(0.5 * 0.99)
     assert decayed_lr(0.5, 0.99, 2500, 1000) == pytest.approx(0.5 * 0.99**2.5)
+
+
+def test_the_model_registry_builds_what_the_flags_and_the_fingerprint_describe():
+    from mpitrain.model import HIDDEN, build, from_sizes
+
+    assert set(HIDDEN) == {"softmax", "mlp"}
+    assert build("softmax", 64, (32,), 10).sizes == (64, 10)  # --hidden is ignored by softmax
+    mlp = build("mlp", 64, (32, 16), 10)
+    assert mlp.sizes == (64, 32, 16, 10) and from_sizes(list(mlp.sizes)).n_params == mlp.n_params
