@@ -30,7 +30,7 @@ from mpitrain.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_LAST, F
                                TAG_STATUS, Message)
 from mpitrain.runtime import Context, start_state
 from mpitrain.transport import CHIEF_POLL_S, PS_POLL_NO_OVERLAP_S, PS_POLL_S, QUORUM_POLL_S, Poller, tested
-from mpitrain.worker import LOSS_WINDOW, train_sync
+from mpitrain.worker import LOSS_WINDOW, WorkerResult, train_sync
 
 
 @dataclass
@@ -424,7 +424,7 @@ def serve_sync(ctx: Context, progress: Progress) -> ServerState:
     return state
 
 
-def run_local(ctx: Context, progress: Progress) -> tuple[ServerState, dict]:
+def run_local(ctx: Context, progress: Progress) -> tuple[ServerState, WorkerResult]:
     """One process: the sync loop with one worker, reporting straight to the bar and saving
     checkpoints itself."""
     start, state, ckpt = begin(ctx)
@@ -441,13 +441,13 @@ def run_local(ctx: Context, progress: Progress) -> tuple[ServerState, dict]:
             ckpt.save(sync_step.train_state(step))
 
     result = train_sync(ctx, start, on_step)
-    state.params = result["params"]
-    state.global_step = result["pushed"]
-    state.local_steps = [result["pushed"]]
-    state.recent_losses.append(result["recent_loss"])
+    state.params = result.params
+    state.global_step = result.pushed
+    state.local_steps = [result.pushed]
+    state.recent_losses.append(result.recent_loss)
     clock.stop(state)
-    state.ema = result["train_state"].ema
-    if result["diverged"]:
-        state.diverged = {**result["diverged"], "ranks": [0]}
-    ckpt.save(result["train_state"])
+    state.ema = result.train_state.ema
+    if result.diverged:
+        state.diverged = {**result.diverged, "ranks": [0]}
+    ckpt.save(result.train_state)
     return state, result

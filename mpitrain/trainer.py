@@ -26,6 +26,7 @@ from mpitrain.protocol import VERSION as PROTOCOL_VERSION
 from mpitrain.runtime import PS_RANK, Context, Node, setup
 from mpitrain.server import record_lost
 from mpitrain.transport import END_POLL_S, Poller
+from mpitrain.worker import WorkerResult
 
 EXIT_DIVERGED = 4  # every rank, after the summary: training stopped on a non-finite loss
 EXIT_PEER_LOST = 5  # a rank this one cannot go on without was lost (--worker-timeout)
@@ -132,7 +133,7 @@ def train_role(ctx: Context) -> dict:
                                         lambda stalled_s: worker_stall_line(ctx, stalled_s))
     wres = worker.run_async(ctx) if cfg.mode == "async" else worker.run_sync(ctx)
     ctx.activity.enter(observe.EVAL)
-    return {"worker": _worker_report(ctx, wres, _evaluate(ctx, wres["params"]))}
+    return {"worker": _worker_report(ctx, wres, _evaluate(ctx, wres.params))}
 
 
 def server_stall_line(ctx: Context, step: int, stalled_s: float) -> str:
@@ -170,18 +171,19 @@ def worker_stall_line(ctx: Context, stalled_s: float) -> str | None:
             f"{observe.PHASES[act.phase]} waiting on the parameter server at global step {act.step:,}; {ps}")
 
 
-def _worker_report(ctx: Context, wres: dict, evaluation: tuple[float, float]) -> dict:
-    t = wres["time"]
+def _worker_report(ctx: Context, wres: WorkerResult, evaluation: tuple[float, float]) -> dict:
+    """The worker's report to rank 0 (JSON: it travels as bytes, never pickled)."""
+    t = wres.time
     wall = max(t["wall_s"], 1e-9)
     return {
         "rank": ctx.rank,
-        "pushed": wres["pushed"],
-        "dropped": wres["dropped"],
-        "diverged": wres.get("diverged"),
-        "contributed": wres.get("contributed"),
+        "pushed": wres.pushed,
+        "dropped": wres.dropped,
+        "diverged": wres.diverged,
+        "contributed": wres.contributed,
         "test_loss": evaluation[0],
         "test_accuracy": evaluation[1],
-        "digest": digest(wres["params"]),
+        "digest": digest(wres.params),
         "time_breakdown": {"compute": t["compute_s"] / wall, "communication_and_wait": t["wait_s"] / wall,
                            "other": max(0.0, 1 - (t["compute_s"] + t["wait_s"]) / wall)},
         "step_time": ctx.activity.report(),

@@ -7,6 +7,7 @@ import sys
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 
 import numpy as np
 from mpi4py import MPI
@@ -28,6 +29,20 @@ from mpitrain.transport import SPIN, WORKER_POLL_S, Poller, tested
 STATUS_EVERY_S = 0.2  # sync chief -> PS progress reports; off the hot path
 LOSS_WINDOW = 20  # final_loss: mean minibatch loss of the last LOSS_WINDOW global steps
 SWITCH_INTERVAL_S = 1e-4  # --quorum: GIL hand-over between the MPI thread and the compute thread
+
+
+@dataclass
+class WorkerResult:
+    """What a worker's training loop hands back, async or sync (and the local run's sync loop)."""
+
+    pushed: int  # gradients computed and sent (sync: local steps taken)
+    params: np.ndarray  # host copy of the final parameters
+    time: dict  # observe.Activity.times(): wall, compute and wait seconds
+    dropped: int = 0  # gradients left out of every update (--quorum: late ones)
+    contributed: int | None = None  # sync: gradients that went into updates
+    recent_loss: float | None = None  # sync: mean minibatch loss of the last LOSS_WINDOW steps
+    train_state: TrainState | None = None  # sync: what a checkpoint of the final step holds
+    diverged: dict | None = None  # the non-finite or exploding loss that stopped the run, if any
 
 
 class BatchStream:
@@ -154,8 +169,7 @@ def run_async(ctx: Context) -> dict:
                 comm.Isend(outbox[slot].spec(), dest=PS_RANK, tag=TAG_GRAD)]
         pushed += 1
         sent_last = last
-    return {"pushed": pushed, "params": be.to_host(params).copy(), "dropped": 0, "time": act.times(),
-            "diverged": diverged or None}
+    return WorkerResult(pushed, be.to_host(params).copy(), act.times(), diverged=diverged or None)
 
 
 class SyncStep:
@@ -294,8 +308,7 @@ def _sync_result(step_fn: SyncStep, step: int, loss: float, timing: dict, contri
     if step_fn.why:
         diverged = {"global_step": step, "loss": loss, "why": step_fn.why,
                     "mine": not math.isfinite(step_fn.own_loss)}
-    return {"pushed": step, "params": state.params, "recent_loss": loss, "dropped": dropped,
-            "contributed": contributed, "train_state": state, "time": timing, "diverged": diverged}
+    return WorkerResult(step, state.params, timing, dropped, contributed, loss, state, diverged)
 
 
 def await_verdict(ctx: Context, why: str) -> None:
@@ -488,7 +501,7 @@ def run_sync(ctx: Context) -> dict:
         last_sent[0] = now
 
     result = train_sync(ctx, start, report)
-    send_full(result["train_state"], FLAG_STOP | (FLAG_DIVERGED if result["diverged"] else 0), result["recent_loss"])
+    send_full(result.train_state, FLAG_STOP | (FLAG_DIVERGED if result.diverged else 0), result.recent_loss)
     waiter.all(pending, [PS_RANK, PS_RANK])
     return result
 
