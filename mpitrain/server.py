@@ -318,7 +318,7 @@ class QuorumCoordinator:
     weight to that step's Allreduce. READY messages for a step already decided are late: ignored
     here, and the worker counts its dropped gradient itself."""
 
-    def __init__(self, ctx: Context, poller: Poller):
+    def __init__(self, ctx: Context, poller: Poller, start_step: int):
         W = ctx.workers
         self.ctx, self.W, self.Q, self.poller = ctx, W, ctx.cfg.quorum, poller
         self.ranks = list(ctx.layout.worker_ranks)
@@ -326,7 +326,7 @@ class QuorumCoordinator:
         self.recv = [ctx.comm.Irecv(self.ready[w].spec(), source=r, tag=TAG_READY) for w, r in enumerate(self.ranks)]
         self.decision = Message(W)
         self.sends: list = []
-        self.step = 0
+        self.step = start_step  # the step being decided: where the workers start (a resumed run too)
         self.total = ctx.global_step_budget
         self.chosen: list[int] = []
         self.losses: list[float] = []
@@ -373,14 +373,14 @@ def serve_sync(ctx: Context, progress: Progress) -> ServerState:
     ordering delivers the final one last. With --quorum, also decide every step."""
     cfg = ctx.cfg
     n, W = ctx.model.n_params, ctx.workers
-    _, state, ckpt = begin(ctx)
+    start, state, ckpt = begin(ctx)
     clock = _Clock()
     chief = ctx.layout.worker_rank(0)
     names = checkpoint.state_arrays(cfg)  # [params, optimizer state..., ema]
     full_count = n * len(names)
     box = Message(full_count)
     poller = Poller(QUORUM_POLL_S if ctx.with_quorum else CHIEF_POLL_S, ctx.watch)  # PeerLost ends the job (trainer.py)
-    quorum = QuorumCoordinator(ctx, poller) if ctx.with_quorum else None
+    quorum = QuorumCoordinator(ctx, poller, start.global_step) if ctx.with_quorum else None
     status = ctx.comm.Irecv(box.spec(), source=chief, tag=TAG_STATUS)
     final_seen = False
     while not (final_seen and (quorum is None or quorum.done)):

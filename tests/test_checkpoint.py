@@ -102,6 +102,18 @@ def test_async_resume_continues_the_global_step(tmp_path):
     assert sum(s["local_steps"]) == 300 and s["test_accuracy"] >= 0.9
 
 
+def test_sync_quorum_resume_continues_from_the_saved_step(tmp_path):
+    """rank 0's quorum decisions start at the resumed step, where the workers start (it once
+    started at 0, ignored every READY and the job hung)."""
+    ck = tmp_path / "ck"
+    args = ["--mode", "sync", "--quorum", "2", "--optimizer", "adam", "--lr", "0.01", "--checkpoint-dir", str(ck)]
+    train(4, tmp_path, *args, "--steps", "30")
+    s = train(4, tmp_path, *args, "--steps", "70", timeout=60)
+    assert s["resumed_from"].endswith("ckpt-000000030.npz") and s["global_step"] == 70
+    assert sum(s["local_steps"]) == 2 * (70 - 30)  # two gradients in each resumed step
+    assert set(s["worker_param_digests"]) == {s["param_digest"]}
+
+
 def test_local_run_checkpoints_and_fresh_keeps_the_old_ones(tmp_path):
     ck = tmp_path / "ck"
     train(0, tmp_path, "--steps", "30", "--checkpoint-dir", str(ck), "--checkpoint-every-steps", "10")
