@@ -45,8 +45,8 @@ def run_across(names, addrs, wrapper, mode: str, args: list[str]) -> dict:
         return json.loads(summary.read_text())
 
 
-def bytes_per_step(model: str, mode: str, compress: str) -> int:
-    return 2 * N_PARAMS[model] * WIRE_BYTES[compress]  # async: up + down; sync: each way
+def bytes_per_step(model: str, compress: str) -> int:
+    return 2 * N_PARAMS[model] * WIRE_BYTES[compress]  # async: up + down; sync: each way; the same count
 
 
 def main() -> int:
@@ -87,8 +87,8 @@ def main() -> int:
         for model in args.models.split(","):
             for mode in ("async", "sync"):
                 med = {c: statistics.median(raw[(link, model, mode, c)]) for c in ("none", "fp16", "bf16")}
-                lines.append(f"| {link} | {model} | {mode} | {bytes_per_step(model, mode, 'none'):,} / "
-                             f"{bytes_per_step(model, mode, 'bf16'):,} (16-bit) | {med['none']:,.0f} | {med['fp16']:,.0f} "
+                lines.append(f"| {link} | {model} | {mode} | {bytes_per_step(model, 'none'):,} / "
+                             f"{bytes_per_step(model, 'bf16'):,} (16-bit) | {med['none']:,.0f} | {med['fp16']:,.0f} "
                              f"| {med['bf16']:,.0f} | {med['bf16'] / med['none']:.2f}x |")
     text = "\n".join(lines) + "\n"
     Path(args.out).write_text(text)

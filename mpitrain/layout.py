@@ -7,6 +7,7 @@ servers, say) is a change of this file and of the code that serves, not of every
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 PS_RANK = 0  # the parameter server; also the chief of reporting (evaluation, logs, checkpoints)
 
@@ -14,7 +15,8 @@ PS_RANK = 0  # the parameter server; also the chief of reporting (evaluation, lo
 @dataclass(frozen=True)
 class Layout:
     """The roles in a world of `size` ranks. A world of one is a local run: one process that is
-    its own server and worker 0."""
+    its own server and worker 0. The rank lists are worked out once (Context.workers is read on
+    every step)."""
 
     size: int
 
@@ -22,15 +24,16 @@ class Layout:
     def local(self) -> bool:
         return self.size == 1
 
-    @property
+    @cached_property
     def server_ranks(self) -> tuple[int, ...]:
         return () if self.local else (PS_RANK,)
 
-    @property
+    @cached_property
     def worker_ranks(self) -> tuple[int, ...]:
-        return (PS_RANK,) if self.local else tuple(r for r in range(self.size) if r not in self.server_ranks)
+        servers = self.server_ranks
+        return (PS_RANK,) if self.local else tuple(r for r in range(self.size) if r not in servers)
 
-    @property
+    @cached_property
     def workers(self) -> int:
         return len(self.worker_ranks)
 

@@ -178,12 +178,8 @@ def test_numpy_loads_only_after_the_blas_threads_are_pinned():
     assert out.stdout.strip() == "False", out.stderr
     code = ("import os, sys; from mpitrain import cli; cli._pin_blas_threads(); cli.parse_args([]); "
             "import threadpoolctl; print(max(p['num_threads'] for p in threadpoolctl.threadpool_info()))")
-    env = {k: v for k, v in child_env().items() if k not in cli_blas_vars()}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
-    assert out.stdout.strip() == "1", out.stdout + out.stderr
-
-
-def cli_blas_vars():
     from mpitrain.cli import BLAS_THREAD_VARS
 
-    return BLAS_THREAD_VARS
+    env = {k: v for k, v in child_env().items() if k not in BLAS_THREAD_VARS}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert out.stdout.strip() == "1", out.stdout + out.stderr
