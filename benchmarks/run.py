@@ -110,6 +110,39 @@ def rows_for(model: str, steps: int, compress: bool) -> list[tuple[str, callable
     return rows
 
 
+SHARD_ROWS = [("async", 1), ("async", 2), ("sync", 1), ("sync", 2)]  # (mode, --num-ps), 3 workers each
+
+
+def shards_section(models: list[str], steps: int, reps: int) -> list[str]:
+    """--num-ps: K=1 and K=2 at the same 3 workers (np=4 vs np=5), each server's busy fraction and
+    bytes per global step, interleaved repetitions as the other rows."""
+    out = ["## Several parameter servers (`--num-ps`)", "",
+           "3 workers in every row: np=4 with one server, np=5 with two. *bytes/step* is what each server "
+           "received and sent per global step (rank 0 first).", ""]
+    for model in models:
+        base = ["--dataset", "synthetic", "--model", model, "--steps", str(steps)]
+        raw: dict[tuple, list] = {row: [] for row in SHARD_ROWS}
+        for rep in range(reps):
+            for mode, k in SHARD_ROWS:
+                print(f"[shards {model} rep {rep + 1}/{reps}] {mode} --num-ps {k}", file=sys.stderr, flush=True)
+                raw[(mode, k)].append(run_mpitrain(3 + k, [*base, "--mode", mode, "--num-ps", str(k)]))
+        hidden = "784-100-10" if model == "mlp" else "784-10"
+        out += [f"### {model} ({hidden}), batch 100, {steps} global steps", "",
+                "| run | samples/s (median) | min-max | vs --num-ps 1 | each server busy | each server's bytes/step "
+                "in + out |", "|---|---|---|---|---|---|"]
+        for mode, k in SHARD_ROWS:
+            r = median_row(raw[(mode, k)])
+            one = median_row(raw[(mode, 1)])["rate"]
+            mid = sorted(raw[(mode, k)], key=lambda x: x["samples_per_second"])[len(raw[(mode, k)]) // 2]
+            busy = " / ".join(f"{100 * p['busy_fraction']:.0f}%" for p in mid["ps_shards"])
+            per_step = " / ".join(f"{(p['bytes_in'] + p['bytes_out']) / max(mid['global_step'], 1):,.0f}"
+                                  for p in mid["ps_shards"])
+            out.append(f"| {mode} np={3 + k} --num-ps {k} | {r['rate']:,.0f} | {r['min']:,.0f}-{r['max']:,.0f} "
+                       f"| {r['rate'] / one:.2f}x | {busy} | {per_step} |")
+        out.append("")
+    return out
+
+
 def add_saved_run_flags(p: argparse.ArgumentParser, out_example: str) -> None:
     """--json / --report / --out, for benchmarks measured on another machine (gpu.py, scaling.py)."""
     p.add_argument("--json", help="write the raw figures here (after each finished part)")
@@ -213,9 +246,18 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=3000, help="global steps per mpitrain run")
     p.add_argument("--models", default="mlp,softmax")
     p.add_argument("--quick", action="store_true", help="skip the compression accuracy check and start-up timing")
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "RESULTS.md"))
+    p.add_argument("--out", default=None, help="default benchmarks/RESULTS.md (--only shards: benchmarks/SHARDS.md)")
+    p.add_argument("--only", choices=["shards"], help="measure only the --num-ps rows")
     args = p.parse_args()
     command = "python benchmarks/run.py " + " ".join(sys.argv[1:])
+    if args.only == "shards":
+        text = "\n".join(["# mpitrain: several parameter servers", "",
+                          f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", f"- machine: {machine()}",
+                          f"- command: `{command.strip()}`", f"- each row: median of {args.reps} interleaved repetitions",
+                          "", *shards_section(args.models.split(","), args.steps, args.reps)])
+        Path(args.out or ROOT / "benchmarks" / "SHARDS.md").write_text(text)
+        print(text)
+        return 0
     sections = []
     targets = []
     for model in args.models.split(","):
@@ -281,11 +323,12 @@ def main() -> int:
         "- *worker compute / comm+wait*: mean over workers of the fraction of wall time in gradient (and, sync, "
         "update) computation, and in communication or waiting for it.", "",
         *extra,
+        *shards_section(args.models.split(","), args.steps, args.reps),
         "## GPU and 16 cores", "",
         "Measured on a lent GPU machine by `benchmarks/gpu.py` and `benchmarks/scaling.py`: see "
         "[GPU.md](GPU.md) and [SCALING.md](SCALING.md).", "",
     ])
-    Path(args.out).write_text(text)
+    Path(args.out or ROOT / "benchmarks" / "RESULTS.md").write_text(text)
     print(text)
     return 0
 

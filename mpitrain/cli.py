@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--mode", choices=MODES, default=d.mode,
                    help="async: workers push gradients to / pull parameters from rank 0 independently; "
                         "sync: workers average gradients with Allreduce every step")
+    g.add_argument("--num-ps", type=int, default=d.num_ps, metavar="K",
+                   help="parameter servers: ranks 0..K-1 each own one slice of the parameters (its optimizer state "
+                        "and moving average too); rank 0 stays the chief that evaluates, logs and checkpoints")
     g.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=d.overlap,
                    help="async: receive the next parameters while computing the next gradient "
                         "(gradients one exchange staler, no idle round trip)")

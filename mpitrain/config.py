@@ -62,6 +62,7 @@ class UsageError(Exception):
 class TrainConfig:
     # parallelism
     mode: str = "async"
+    num_ps: int = 1  # parameter servers: ranks 0..num_ps-1, each serving one shard of the parameters
     overlap: bool = True
     compress: str = "none"
     quorum: int | None = None  # sync: gradients averaged per update (None: every worker)
@@ -218,6 +219,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if not (cfg.worker_timeout >= 0 and cfg.worker_timeout < float("inf")):
         raise UsageError(f"--worker-timeout must be zero (never) or a positive number of seconds "
                          f"(got {cfg.worker_timeout}); e.g. --worker-timeout 30")
+    if cfg.num_ps < 1:
+        raise UsageError(f"--num-ps must be at least 1 (got {cfg.num_ps}); e.g. --num-ps 2 (ranks 0 and 1 serve)")
     if cfg.batch_size <= 0:
         raise UsageError(f"--batch-size must be a positive integer (got {cfg.batch_size}); e.g. --batch-size 100")
     if not cfg.lr > 0:
@@ -291,12 +294,18 @@ def validate_for_world(cfg: TrainConfig, size: int) -> None:
     """The checks that need the world size (known on every rank, identically)."""
     from mpitrain.layout import Layout
 
-    layout = Layout(size)
+    K = cfg.num_ps
+    if K > 1 and K >= size:
+        here = "one process trains locally with no server" if size == 1 else f"{size} ranks leave no worker"
+        raise UsageError(f"--num-ps {K} needs at least {K + 1} ranks ({K} servers and a worker), and {here}; "
+                         f"use mpirun -np {K + 1} or more, or a smaller --num-ps")
+    layout = Layout(size, K)
     workers = layout.workers
+    servers = "rank 0 is the parameter server" if K == 1 else f"ranks 0..{K - 1} are the parameter servers"
     for rank, _, _ in cfg.stragglers:
-        if rank >= size:
-            raise UsageError(f"--straggler names rank {rank}, but ranks here are 0..{size - 1} "
-                             f"(rank 0 is the parameter server); name a worker rank "
+        if rank >= size or layout.is_server(rank):
+            where = f"ranks here are 0..{size - 1}" if rank >= size else f"it is a server (--num-ps {K})"
+            raise UsageError(f"--straggler names rank {rank}, but {where} ({servers}); name a worker rank "
                              f"{layout.worker_ranks[0]}..{layout.worker_ranks[-1]}")
     if cfg.quorum is not None and cfg.quorum > workers:
         raise UsageError(f"--quorum {cfg.quorum} is more than the {workers} worker(s); use 1..{workers}")

@@ -78,6 +78,29 @@ def build_command(mpirun: str, hosts: list[tuple[str, int]], np_: int, openmpi: 
     return [mpirun, *flag, "-np", str(np_), sys.executable, "-m", "mpitrain", *trainer_args]
 
 
+def rank_hosts(hosts: list[tuple[str, int]], np_: int) -> list[str]:
+    """The host of each rank: mpirun fills each host's slots in file order (MPICH's and Open
+    MPI's default placement by slot)."""
+    return [host for host, slots in hosts for _ in range(slots)][:np_]
+
+
+def server_lines(hosts: list[tuple[str, int]], np_: int, trainer_args: list[str]) -> list[str]:
+    """Which host serves which shard (--num-ps among the trainer's flags): rank 0 needs a free
+    core most, and with several servers each should get one."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--num-ps", type=int, default=1)
+    try:
+        K = p.parse_known_args(trainer_args)[0].num_ps
+    except SystemExit:  # a bad value: the trainer itself says so in one line
+        return []
+    if np_ < 2 or not 1 <= K < np_:
+        return []
+    placed = rank_hosts(hosts, np_)
+    if K == 1:
+        return [f"mpitrain launch: parameter server: rank 0 on {placed[0]}"]
+    return [f"mpitrain launch: parameter-server shard {k}/{K}: rank {k} on {placed[k]}" for k in range(K)]
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="mpitrain launch", description=__doc__.splitlines()[0])
     p.add_argument("-f", "--hostfile", required=True)
@@ -100,6 +123,8 @@ def main(argv: list[str]) -> int:
     except UsageError as e:
         say(f"mpitrain launch: error: {e}", sys.stderr)
         return 2
+    for line in server_lines(hosts, np_, trainer_args):
+        say(line)
     with tempfile.TemporaryDirectory() as tmp:
         cmd = build_command(mpirun, hosts, np_, _is_openmpi(mpirun), Path(tmp) / "hosts", trainer_args)
         if args.dry_run:

@@ -1,7 +1,7 @@
-"""Which rank does what: the one place that knows the parameter server is rank 0 and the workers
-are the ranks after it. Everything else asks the layout (`worker_rank(w)`, `worker_index(rank)`,
-`peers(rank)`, ...) instead of doing `w + 1` arithmetic, so that another arrangement (several
-servers, say) is a change of this file and of the code that serves, not of every loop.
+"""Which rank does what: the one place that knows the parameter servers are ranks 0..K-1
+(--num-ps K, default 1) and the workers are the ranks after them, and how the flat parameter
+vector is cut into the servers' shards. Everything else asks the layout (`worker_rank(w)`,
+`worker_index(rank)`, `shard_slice(k)`, `peers(rank)`, ...) instead of doing `w + 1` arithmetic.
 """
 
 from __future__ import annotations
@@ -9,16 +9,29 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-PS_RANK = 0  # the parameter server; also the chief of reporting (evaluation, logs, checkpoints)
+PS_RANK = 0  # the chief parameter server (shard 0): evaluation, logs, checkpoints, quorum decisions
+
+
+def shard_bounds(n: int, shards: int) -> tuple[tuple[int, int], ...]:
+    """[lo, hi) of each of `shards` contiguous slices of n elements, balanced by elements (not by
+    layer: an MLP's first layer holds most of its parameters): sizes differ by at most one."""
+    base, extra = divmod(n, shards)
+    bounds, lo = [], 0
+    for k in range(shards):
+        hi = lo + base + (1 if k < extra else 0)
+        bounds.append((lo, hi))
+        lo = hi
+    return tuple(bounds)
 
 
 @dataclass(frozen=True)
 class Layout:
-    """The roles in a world of `size` ranks. A world of one is a local run: one process that is
-    its own server and worker 0. The rank lists are worked out once (Context.workers is read on
-    every step)."""
+    """The roles in a world of `size` ranks with `num_ps` parameter servers. A world of one is a
+    local run: one process that is its own server and worker 0. The rank lists are worked out
+    once (Context.workers is read on every step)."""
 
     size: int
+    num_ps: int = 1
 
     @property
     def local(self) -> bool:
@@ -26,7 +39,8 @@ class Layout:
 
     @cached_property
     def server_ranks(self) -> tuple[int, ...]:
-        return () if self.local else (PS_RANK,)
+        """Shard k is served by server_ranks[k]; the first is PS_RANK, the chief."""
+        return () if self.local else tuple(range(PS_RANK, PS_RANK + self.num_ps))
 
     @cached_property
     def worker_ranks(self) -> tuple[int, ...]:
@@ -36,6 +50,10 @@ class Layout:
     @cached_property
     def workers(self) -> int:
         return len(self.worker_ranks)
+
+    @property
+    def shards(self) -> int:
+        return max(1, len(self.server_ranks))
 
     def worker_rank(self, w: int) -> int:
         """The MPI rank of worker `w` (0-based)."""
@@ -48,12 +66,25 @@ class Layout:
     def is_server(self, rank: int) -> bool:
         return rank in self.server_ranks
 
+    def shard_index(self, rank: int) -> int:
+        """The shard a server rank serves (the local run holds the one shard)."""
+        return 0 if self.local else self.server_ranks.index(rank)
+
+    def shard_slice(self, k: int, n: int) -> slice:
+        """Shard k's part of a flat vector of n parameters."""
+        lo, hi = shard_bounds(n, self.shards)[k]
+        return slice(lo, hi)
+
     def role(self, rank: int) -> str:
         return "local" if self.local else ("parameter-server" if self.is_server(rank) else "worker")
 
     def peers(self, rank: int) -> list[int]:
-        """The ranks `rank` exchanges heartbeats with: a server with every worker, a worker with
-        the servers; nobody in a local run."""
+        """The ranks `rank` exchanges heartbeats with: a worker with every server; a server with
+        every worker, and the chief with the other servers (it gathers their shards) and they with
+        it; nobody in a local run."""
         if self.local:
             return []
-        return list(self.worker_ranks if self.is_server(rank) else self.server_ranks)
+        if not self.is_server(rank):
+            return list(self.server_ranks)
+        others = [r for r in self.server_ranks if r != rank] if rank == PS_RANK else [PS_RANK]
+        return sorted(others + list(self.worker_ranks))

@@ -2,12 +2,13 @@
 
 Every rank but the local one runs a Heartbeat thread: a header-only message to its peers every
 beat_interval(timeout), independent of training progress, so a slow rank (a straggler, a long
-step, a checkpoint save) is never taken for a dead one. Workers beat to rank 0; rank 0 beats to
-every worker. A Watch remembers when each peer was last heard from (heartbeat or any training
-message); a peer silent for longer than the timeout is lost, and so is one whose message failed
-in MPI (a dead process's half-sent gradient). Pollers call `Watch.check` while they wait; it
-raises PeerLost, and the caller decides: rank 0 in async mode carries on without the worker,
-everything else stops with one line (see trainer.py).
+step, a checkpoint save) is never taken for a dead one. Workers beat to every parameter server;
+a server beats to every worker, and the chief server (rank 0) to the other servers and they to it
+(layout.Layout.peers). A Watch remembers when each peer was last heard from (heartbeat or any
+training message); a peer silent for longer than the timeout is lost, and so is one whose
+message failed in MPI (a dead process's half-sent gradient). Pollers call `Watch.check` while
+they wait; it raises PeerLost, and the caller decides: a server in async mode carries on without
+a lost worker, everything else stops with one line (see trainer.py).
 """
 
 from __future__ import annotations
@@ -230,11 +231,11 @@ class Watch:
         return True
 
 
-def start(comm, rank: int, size: int, timeout_s: float, activity=None):
-    """(heartbeat thread or None, watch): the server watches the workers, each worker the server."""
-    if size == 1 or timeout_s <= 0:
+def start(comm, rank: int, layout: Layout, timeout_s: float, activity=None):
+    """(heartbeat thread or None, watch): each rank beats to and watches its layout peers."""
+    if layout.local or timeout_s <= 0:
         return None, NoWatch()
-    peers = Layout(size).peers(rank)
+    peers = layout.peers(rank)
     return Heartbeat(comm, peers, timeout_s, activity), Watch(comm, peers, timeout_s)
 
 

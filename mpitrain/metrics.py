@@ -172,7 +172,7 @@ def straggler_line(s: dict) -> str | None:
 
 
 def human_summary(s: dict) -> list[str]:
-    ranks = "1 process, local" if s["world_size"] == 1 else f"{s['world_size']} ranks: 1 PS + {s['workers']} workers"
+    ranks = "1 process, local" if s["world_size"] == 1 else f"{s['world_size']} ranks: {s['num_ps']} PS + {s['workers']} workers"
     workers_acc = ", ".join(f"{a:.4f}" for a in s["worker_test_accuracy"])
     return [
         f"mpitrain {'stopped (diverged)' if s.get('diverged') else 'done'}: {s['mode']} | {s['model_description']} | "

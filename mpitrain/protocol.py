@@ -21,6 +21,7 @@ TAG_READY = 15  # sync --quorum, worker -> PS: my gradient for step H_STEP is re
 TAG_DECISION = 16  # sync --quorum, PS -> worker: the step's weights, one float32 per worker
 TAG_HEARTBEAT = 17  # any rank -> its watchers: I am alive, and what I do (BEAT_* below; liveness.py)
 TAG_REPORT = 18  # at the end, worker -> PS: its report (JSON bytes, once); PS -> worker: goodbye (header)
+TAG_SHARD = 19  # --num-ps: rank 0 -> server k: send me your shard (header); server k -> rank 0: its shard's state
 
 # Header slots.
 H_MAGIC = 0
@@ -46,7 +47,7 @@ BEAT_GLOBAL_STEP = 6  # the global step it works on
 BEAT_FIELDS = 7
 
 FLAG_LAST = 1  # worker: this is my last gradient (my epochs are done)
-FLAG_STOP = 2  # PS: stop after this reply; chief/READY: my last message
+FLAG_STOP = 2  # PS: stop after this reply; chief/READY: my last message; worker -> shard: leaving (header only)
 FLAG_EVAL = 4  # chief -> PS: these parameters are for --eval-every
 FLAG_CKPT = 8  # chief -> PS: checkpoint this state (parameters, then the optimizer's arrays)
 FLAG_DIVERGED = 16  # a non-finite loss: training stops (PS -> workers in async, chief -> PS in sync)
@@ -57,23 +58,13 @@ class ProtocolError(RuntimeError):
     """A message that is not what this rank expects: ranks from different versions or models."""
 
 
-class Message:
-    """One header + payload buffer. `payload` is a view (float32, or float16 with --compress
-    fp16) into the same memory, so header and payload travel as one message."""
+class Framed:
+    """A header of HEADER_SLOTS int64 in front of a payload: stamping and checking. Subclasses say
+    where the bytes live (`spec`)."""
 
-    def __init__(self, count: int, host_alloc=None, dtype=np.float32):
-        nbytes = HEADER_BYTES + np.dtype(dtype).itemsize * count
-        raw = host_alloc(nbytes) if host_alloc is not None else np.empty(nbytes, np.uint8)
-        self.buf = raw
-        self.header = raw[:HEADER_BYTES].view(np.int64)
-        self.payload = raw[HEADER_BYTES:].view(dtype)
-        self.count = count
-        self.header[:] = 0
-
-    def spec(self):
-        from mpi4py import MPI
-
-        return [self.buf, MPI.BYTE]
+    header: np.ndarray
+    payload: np.ndarray
+    count: int
 
     def stamp(self, tag: int, step: int, local_step: int = 0, flags: int = 0, loss: float = 0.0) -> None:
         h = self.header
@@ -101,7 +92,14 @@ class Message:
             raise ProtocolError(f"rank {source} sent message kind {int(h[H_TAG])} where {tag} was expected")
         if h[H_COUNT] != count:
             raise ProtocolError(f"rank {source} sent {int(h[H_COUNT])} parameters where {count} were expected: "
-                                "start every rank with the same model flags")
+                                "start every rank with the same model flags (and --num-ps)")
+
+    def refresh(self) -> None:
+        """Before sending: bring the payload up to date with the buffer it stands for (a
+        Copied part copies; every other kind already is that buffer)."""
+
+    def free(self) -> None:
+        """After the last use: release MPI resources (a Part's datatype)."""
 
     @property
     def step(self) -> int:
@@ -118,3 +116,84 @@ class Message:
     @property
     def loss(self) -> float:
         return float(self.header[H_LOSS : H_LOSS + 1].view(np.float64)[0])
+
+
+class Message(Framed):
+    """One header + payload buffer. `payload` is a view (float32, or float16 with --compress
+    fp16) into the same memory, so header and payload travel as one message."""
+
+    def __init__(self, count: int, host_alloc=None, dtype=np.float32):
+        nbytes = HEADER_BYTES + np.dtype(dtype).itemsize * count
+        raw = host_alloc(nbytes) if host_alloc is not None else np.empty(nbytes, np.uint8)
+        self.buf = raw
+        self.header = raw[:HEADER_BYTES].view(np.int64)
+        self.payload = raw[HEADER_BYTES:].view(dtype)
+        self.count = count
+        self.header[:] = 0
+
+    def spec(self):
+        from mpi4py import MPI
+
+        return [self.buf, MPI.BYTE]
+
+    def shard_parts(self, slices: list[slice], sending: bool = False) -> list[Framed]:
+        """One message per shard over this buffer (--num-ps): the part for slices[k] carries
+        payload[slices[k]]. With one shard that is this message itself; the first shard's part
+        is contiguous already. The others are received in place (Part), but sent from a copy
+        (Copied): MPICH packs a non-contiguous send only while the sender is inside an MPI call
+        (measured: a receive took 6.1 ms against 0.2 ms while the sender computed for 5 ms), so
+        a worker's pushes to the other servers waited for its next poll; async ran at 0.24x."""
+        if len(slices) == 1:
+            return [self]
+        return [_Head(self, s) if s.start == 0 else (Copied if sending else Part)(self.payload[s]) for s in slices]
+
+
+class _Head(Framed):
+    """The first shard's part: this buffer's own header and the payload right behind it."""
+
+    def __init__(self, msg: Message, s: slice):
+        self.header, self.payload, self.count = msg.header, msg.payload[s], s.stop - s.start
+        self.buf = msg.buf[: HEADER_BYTES + self.payload.nbytes]
+
+    def spec(self):
+        from mpi4py import MPI
+
+        return [self.buf, MPI.BYTE]
+
+
+class Copied(Message):
+    """A contiguous message whose payload is a copy of a view into a bigger buffer, taken by
+    `refresh` before each send."""
+
+    def __init__(self, source: np.ndarray):
+        super().__init__(source.size, dtype=source.dtype)
+        self.source = source
+
+    def refresh(self) -> None:
+        self.payload[:] = self.source
+
+
+class Part(Framed):
+    """A header of its own and a view into a bigger payload buffer, sent or received as ONE
+    message by an MPI struct datatype over both addresses: the bytes on the wire are exactly a
+    Message's (header, then payload), so the peer receives it into a plain Message. No copy."""
+
+    def __init__(self, payload: np.ndarray):
+        from mpi4py import MPI
+
+        self.header = np.zeros(HEADER_SLOTS, np.int64)
+        self.payload, self.count = payload, payload.size
+        self._type = MPI.Datatype.Create_struct([HEADER_BYTES, payload.nbytes],
+                                                [MPI.Get_address(self.header), MPI.Get_address(payload)],
+                                                [MPI.BYTE, MPI.BYTE]).Commit()
+
+    def spec(self):
+        from mpi4py import MPI
+
+        return [MPI.BOTTOM, 1, self._type]  # absolute addresses: this object keeps both arrays alive
+
+    def free(self) -> None:
+        from mpi4py import MPI
+
+        if self._type != MPI.DATATYPE_NULL:
+            self._type.Free()

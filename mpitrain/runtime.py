@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -31,8 +31,14 @@ class Node:
 
     rank: int
     size: int
-    busy: int  # ranks on this node other than the parameter server (which mostly sleeps)
+    busy: int  # ranks on this node other than the parameter servers (which mostly sleep)
     cores: int
+    world_ranks: tuple[int, ...] = ()  # the COMM_WORLD ranks on this node (busy is recounted for --num-ps)
+
+    def for_layout(self, layout: Layout) -> Node:
+        if not self.world_ranks:
+            return self
+        return replace(self, busy=sum(1 for r in self.world_ranks if not layout.is_server(r)))
 
     @property
     def oversubscribed(self) -> bool:
@@ -63,8 +69,9 @@ def node_info(comm) -> Node:
     from mpi4py import MPI
 
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    ps_here = node.allreduce(1 if Layout(comm.Get_size()).is_server(comm.Get_rank()) else 0)
-    info = Node(node.Get_rank(), node.Get_size(), node.Get_size() - ps_here, len(os.sched_getaffinity(0)))
+    here = tuple(node.allgather(comm.Get_rank()))  # setup-time only
+    info = Node(node.Get_rank(), node.Get_size(), node.Get_size(), len(os.sched_getaffinity(0)), here)
+    info = info.for_layout(Layout(comm.Get_size()))  # setup() recounts with --num-ps
     node.Free()
     if info.rank == 0:
         unlink_init_shm()  # every rank on this node is past MPI_Init: the names are not needed
@@ -205,9 +212,18 @@ class Context:
             return self.node.oversubscribed
         return self.cfg.wait == "yield"
 
+    @property
+    def shard(self) -> slice:
+        """The slice of the flat parameters this server rank owns (the whole vector with one server)."""
+        return self.layout.shard_slice(self.layout.shard_index(self.rank), self.model.n_params)
+
     def placement(self) -> str:
         """The seeds' log_device_placement, one line per rank."""
-        return f"rank {self.rank} {self.role} {self.host} {self.backend.description}"
+        role, lay = self.role, self.layout
+        if self.is_ps and lay.shards > 1:
+            k, s = lay.shard_index(self.rank), self.shard
+            role += f" shard {k}/{lay.shards} ({s.stop - s.start:,} params)"
+        return f"rank {self.rank} {role} {self.host} {self.backend.description}"
 
 
 def check_launch(size: int, env=os.environ) -> None:
@@ -236,7 +252,8 @@ def setup(cfg: TrainConfig, comm, node: Node) -> Context:
     if rank == PS_RANK:  # rank 0 writes them at the end: a bad folder must not cost the run
         for flag, path in (("--summary-json", cfg.summary_json), ("--timeline", cfg.timeline)):
             check_output_path(flag, path)
-    layout = Layout(size)
+    layout = Layout(size, cfg.num_ps)
+    node = node.for_layout(layout)
     backend = make_backend(cfg.device, node.rank, uses_gpu=not layout.is_server(rank), cuda_aware=cfg.cuda_aware)
     data = load_dataset(cfg)
     check_batch_fits(data.n_train, layout.workers, cfg.batch_size)

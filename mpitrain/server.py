@@ -1,10 +1,13 @@
-"""Rank 0, the parameter server: owns the master parameters, the optimizer, the global step.
+"""The parameter servers: rank 0, and with --num-ps K ranks 1..K-1 too, each owning one slice
+(shard) of the master parameters and its optimizer state; rank 0 is the chief that evaluates,
+logs, checkpoints and decides quorum steps.
 
 Async: one pre-posted Irecv per worker; whichever gradient completes is applied and answered
 with fresh parameters (held back, with --max-staleness, while applying it would leave another
-worker's gradient too stale). Sync: the workers average among themselves; rank 0 follows the
-chief worker's status messages, decides each quorum step (--quorum), and receives the final
-parameters.
+worker's gradient too stale). Each server does this for its own slice, on its own; rank 0 gathers
+the others' slices only to evaluate or save (shards.py). Sync: the workers average among
+themselves; rank 0 follows the chief worker's status messages, decides each quorum step
+(--quorum), and receives the state at eval, checkpoint and end, each server its slice.
 """
 
 from __future__ import annotations
@@ -22,13 +25,15 @@ from mpitrain import checkpoint
 from mpitrain.checkpoint import Checkpointer, TrainState
 from mpitrain.codec import decode, encode
 from mpitrain.guard import NON_FINITE, LossGuard
+from mpitrain.layout import PS_RANK
 from mpitrain.liveness import PeerLost
 from mpitrain.metrics import Progress, RunLog, say
 from mpitrain.observe import APPLY, CHECKPOINT, EVAL, PUSH, WAIT, attribute, step_time_from_beat
 from mpitrain.optim import Optimizer, make_ema, staleness_scaled_lr
-from mpitrain.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_LAST, FLAG_STOP, TAG_DECISION, TAG_GRAD, TAG_PARAMS, TAG_READY,
-                               TAG_STATUS, Message)
+from mpitrain.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_LAST, FLAG_STOP, TAG_DECISION, TAG_GRAD, TAG_PARAMS,
+                               TAG_READY, TAG_SHARD, TAG_STATUS, Message, ProtocolError)
 from mpitrain.runtime import Context, start_state
+from mpitrain.shards import Gather, ShardService, assemble
 from mpitrain.transport import CHIEF_POLL_S, PS_POLL_NO_OVERLAP_S, PS_POLL_S, QUORUM_POLL_S, Poller, tested
 from mpitrain.worker import LOSS_WINDOW, WorkerResult, train_sync
 
@@ -49,6 +54,9 @@ class ServerState:
     lost_workers: list[dict] = field(default_factory=list)  # async: workers declared lost, in order
     train_s: float = 0.0
     busy_fraction: float = 0.0
+    bytes_in: int = 0  # message bytes this server received and sent while training (--num-ps rows)
+    bytes_out: int = 0
+    shard_steps: list[int] = field(default_factory=list)  # rank 0, --num-ps: each other server's global step
 
     @property
     def final_loss(self) -> float:
@@ -62,7 +70,7 @@ def begin(ctx: Context) -> tuple[TrainState, ServerState, Checkpointer]:
     state = ServerState(start.params, global_step=start.global_step, local_steps=list(start.positions),
                         start_step=start.global_step)
     cfg = ctx.cfg
-    if cfg.log_dir:
+    if cfg.log_dir and ctx.rank == PS_RANK:
         state.log = RunLog(cfg.log_dir, {"mode": "local" if ctx.local else cfg.mode, "model": ctx.model.description,
                                          "dataset": ctx.data.name, "world_size": ctx.size, "workers": ctx.workers,
                                          "start_step": start.global_step}, cfg.log_every)
@@ -116,7 +124,8 @@ def log_train(ctx: Context, state: ServerState, clock: _Clock, step: int, loss: 
 
 def beat_step_times(ctx: Context) -> dict[int, dict]:
     """Each worker's step time as its last heartbeat told it."""
-    return {r: step_time_from_beat(b) for r, (b, _, _) in ctx.watch.seen().items() if b is not None}
+    return {r: step_time_from_beat(b) for r, (b, _, _) in ctx.watch.seen().items()
+            if b is not None and not ctx.layout.is_server(r)}
 
 
 def staleness_feasible(global_step: int, other_bases: list[int], bound: int) -> bool:
@@ -125,31 +134,40 @@ def staleness_feasible(global_step: int, other_bases: list[int], bound: int) -> 
     return all(global_step + k - b <= bound for k, b in enumerate(sorted(other_bases), start=1))
 
 
-def record_lost(state: ServerState, rank: int, why: str, then: str = "") -> None:
-    """A worker declared lost: in the summary (lost_workers), on stderr, and in the log."""
+def record_lost(state: ServerState, rank: int, why: str, then: str = "", loud: bool = True) -> None:
+    """A worker declared lost: in the summary (lost_workers), on stderr (rank 0's line; `loud`),
+    and in the log."""
     info = {"rank": rank, "global_step": state.global_step, "reason": why}
     state.lost_workers.append(info)
-    say(f"mpitrain: worker rank {rank} lost at global step {state.global_step} ({why}){then}", sys.stderr)
+    if loud:
+        say(f"mpitrain: worker rank {rank} lost at global step {state.global_step} ({why}){then}", sys.stderr)
     if state.log:
         state.log.event("worker_lost", **info)
 
 
 class AsyncServer:
-    """The async serve loop and its bookkeeping, one method per decision."""
+    """The async serve loop and its bookkeeping, one method per decision. With --num-ps K each
+    server runs one for its slice of the parameters (`self.params`, a view of `state.params`);
+    rank 0, the chief, also evaluates and saves, with the other slices gathered for it."""
 
     def __init__(self, ctx: Context, progress: Progress):
         cfg = ctx.cfg
         self.ctx, self.cfg, self.comm, self.progress = ctx, cfg, ctx.comm, progress
-        n, W = ctx.model.n_params, ctx.workers
+        self.chief = ctx.rank == PS_RANK
+        shard, W = ctx.shard, ctx.workers
+        n = shard.stop - shard.start
         start, self.state, self.ckpt = begin(ctx)
         self.clock = _Clock()
+        self.params = self.state.params[shard]  # this server's slice, updated in place
         self.opt = Optimizer(cfg.optimizer, n, np, momentum=cfg.momentum)
         self.guard = LossGuard(cfg.divergence_factor)
-        self.opt.restore(start.opt_t, start.opt_state)
-        self.ema = make_ema(cfg.ema_decay, start.params, np, start.global_step, start.ema)
+        self.opt.restore(start.opt_t, {k: a[shard] for k, a in start.opt_state.items()})
+        self.ema = make_ema(cfg.ema_decay, self.params, np, start.global_step,
+                            None if start.ema is None else start.ema[shard])
         wire = cfg.wire_dtype
         self.inbox = [Message(n, dtype=wire) for _ in range(W)]
         self.outbox = [Message(n, dtype=wire) for _ in range(W)]
+        self.message_bytes = self.inbox[0].buf.nbytes if W else 0
         # float16 / bfloat16 gradients are widened once, so the optimizer only ever sees float32.
         self.grad32 = np.empty(n, np.float32) if wire != np.float32 else None
         self.worker_ranks = list(ctx.layout.worker_ranks)  # worker w is MPI rank worker_ranks[w]
@@ -158,6 +176,8 @@ class AsyncServer:
         # With --overlap a reply is not awaited until the worker's next gradient is computed, so
         # rank 0 can sleep longer between polls and leave the cores to the workers.
         self.poller = Poller(PS_POLL_S if cfg.effective_overlap else PS_POLL_NO_OVERLAP_S, ctx.watch)
+        self.gather = Gather(ctx, self.poller) if self.chief else None  # the other servers' slices
+        self.service = None if self.chief else ShardService(ctx, n)  # rank 0's requests for this slice
         self.active = set(range(W))  # workers not yet told to stop
         self.held: list[int] = []  # gradients received, not yet applied (--max-staleness)
         self.basis = [self.state.global_step] * W  # version each worker's next gradient is computed on
@@ -171,28 +191,47 @@ class AsyncServer:
                 self._lose(e.lost)
         self._drain_sends()
         self.clock.stop(self.state)
-        self.state.ema = self._ema_avg
-        self._checkpoint()  # the final one
+        if self.chief:
+            final = self._full_state(FLAG_STOP)
+            self.state.params, self.state.ema = final.params, final.ema
+            self.ckpt.save(final)  # the final checkpoint
+        else:
+            self.service.finish(self._own_state(), self.poller)
+            self.state.ema = self._ema_avg
         return self.state
 
     def _serve_once(self) -> None:
-        """Apply what may be applied, then wait for the next gradients."""
+        """Apply what may be applied, then wait for the next gradients (and, on a server other
+        than rank 0, for rank 0's request for this slice)."""
         self._apply_held()
         if self.held and not any(self.recv[w] for w in self.active):
             self._apply(self._oldest_held())  # never reached with S >= W-1; no hang regardless
             return
         self.ctx.activity.enter(WAIT)
-        done = self.poller.some(self.recv)
+        reqs = self.recv if self.chief else self.recv + [self.service.req]
+        done = self.poller.some(reqs)
         if done.failed:  # a gradient from a process that died while sending it: never applied
-            self._lose({self.worker_ranks[w]: why for w, why in done.failed.items()})
+            self._lose({(self.worker_ranks[w] if w < len(self.recv) else PS_RANK): why for w, why in done.failed.items()})
         for w in done.arrived:
-            self.inbox[w].check(TAG_GRAD, self.worker_ranks[w])
+            if w == len(self.recv):
+                self.service.handle(self._own_state(), self.poller)
+                continue
             self.ctx.watch.heard(self.worker_ranks[w])
+            if self.inbox[w].flags & FLAG_STOP:  # the worker leaves: another server stopped it
+                self.inbox[w].check(TAG_GRAD, self.worker_ranks[w], count=0)
+                self.active.discard(w)
+                continue
+            self.inbox[w].check(TAG_GRAD, self.worker_ranks[w])
+            self.state.bytes_in += self.message_bytes
             self.held.append(w)
 
     def _lose(self, lost: dict[int, str]) -> None:
         """Carry on without these workers: their gradients in flight are dropped, nothing is sent
-        to them again, and the budget is finished by the others."""
+        to them again, and the budget is finished by the others. A lost server cannot be done
+        without (its slice of the parameters is gone): PeerLost ends the job (trainer.py)."""
+        servers = {r: why for r, why in lost.items() if self.ctx.layout.is_server(r)}
+        if servers:
+            raise PeerLost(servers)
         for rank, why in lost.items():
             w = self.ctx.layout.worker_index(rank)
             self.ctx.watch.declare(rank, why)
@@ -205,7 +244,8 @@ class AsyncServer:
             # the job ends without MPI_Finalize, which would wait for them (see trainer.py).
             self.recv[w] = MPI.REQUEST_NULL
             self.sends[w] = MPI.REQUEST_NULL
-            record_lost(self.state, rank, why, f"; continuing with {len(self.active)} worker(s)" if self.active else "")
+            record_lost(self.state, rank, why, f"; continuing with {len(self.active)} worker(s)" if self.active else "",
+                        loud=self.chief)
 
     def _drain_sends(self) -> None:
         """Wait for the last replies, giving up on any worker lost meanwhile."""
@@ -220,10 +260,28 @@ class AsyncServer:
     def _ema_avg(self) -> np.ndarray | None:
         return self.ema.avg if self.ema else None
 
-    def _checkpoint(self) -> None:
+    def _own_state(self) -> TrainState:
+        """This server's slice of the training state (the whole of it with one server)."""
         st = self.state
-        self.ckpt.save(TrainState(st.params, st.global_step, self.opt.t, dict(self.opt.state), list(st.local_steps),
-                                  self._ema_avg))
+        return TrainState(self.params, st.global_step, self.opt.t, dict(self.opt.state), list(st.local_steps),
+                          self._ema_avg)
+
+    def _full_state(self, flags: int) -> TrainState:
+        """Rank 0: the whole training state, the other servers' slices asked for (`flags` say
+        why: FLAG_EVAL, FLAG_CKPT, FLAG_STOP). With one server, its own state as it is."""
+        own = self._own_state()
+        if not self.gather:
+            return own
+        pieces = self.gather.ask_all(own.global_step, flags)
+        self.state.shard_steps = self.gather.steps()
+        names, n = self.gather.names, self.ctx.model.n_params
+        mine = (self.ctx.shard, np.concatenate([own.array(name) for name in names]))
+        return assemble([mine] + pieces, names, n, own.global_step, own.opt_t, own.positions)
+
+    def _checkpoint(self, flags: int = FLAG_CKPT) -> TrainState:
+        state = self._full_state(flags)
+        self.ckpt.save(state)
+        return state
 
     def _oldest_held(self) -> int:
         return min(self.held, key=lambda w: self.inbox[w].step)
@@ -233,7 +291,7 @@ class AsyncServer:
         applied within S updates of its basis. Applying moves the global step to g+1; at best the
         others follow oldest basis first, the k-th at step g+k, so it needs g + k - basis <= S for
         each (earliest-deadline-first: the oldest pending gradient then always qualifies, so this
-        cannot deadlock when S >= workers-1)."""
+        cannot deadlock when S >= workers-1). With --num-ps each server holds its own count."""
         bound = self.cfg.max_staleness
         if bound is None:
             return True
@@ -272,23 +330,33 @@ class AsyncServer:
         if self.grad32 is not None:
             decode(np, grad, self.grad32)
             grad = self.grad32
-        self.opt.step(state.params, grad, lr)
+        self.opt.step(self.params, grad, lr)
         if self.ema:
-            self.ema.update(state.params)
+            self.ema.update(self.params)
         state.global_step += 1
         state.local_steps[w] += 1
         state.staleness[staleness] += 1
         state.recent_losses.append(msg.loss)
-        self.progress.update(state.global_step, msg.loss)
-        log_train(self.ctx, state, self.clock, state.global_step, msg.loss, staleness=staleness,
-                  local_steps=list(state.local_steps))
-        if self.ctx.eval_due(state.global_step):
-            record_eval(self.ctx, state, self.clock, state.params, state.global_step, self._ema_avg)
-        if self.ckpt.due(state.global_step):
-            self.ctx.activity.enter(CHECKPOINT)
-            self._checkpoint()
+        if self.chief:
+            self._chief_duties(msg.loss, staleness)
         self.stopping = cfg.steps is not None and state.global_step >= cfg.steps
         self._reply(w, stop=self.stopping or bool(msg.flags & FLAG_LAST))
+
+    def _chief_duties(self, loss: float, staleness: int) -> None:
+        """Rank 0 after each update: the bar, the log, --eval-every and checkpoints."""
+        state, step = self.state, self.state.global_step
+        self.progress.update(step, loss)
+        log_train(self.ctx, state, self.clock, step, loss, staleness=staleness, local_steps=list(state.local_steps))
+        evaluate, save = self.ctx.eval_due(step), self.ckpt.due(step)
+        if not (evaluate or save):
+            return
+        if save:
+            self.ctx.activity.enter(CHECKPOINT)
+            whole = self._checkpoint(FLAG_CKPT | (FLAG_EVAL if evaluate else 0))
+        else:
+            whole = self._full_state(FLAG_EVAL)
+        if evaluate:
+            record_eval(self.ctx, state, self.clock, whole.params, step, whole.ema)
 
     def _reply(self, w: int, stop: bool) -> None:
         state = self.state
@@ -297,10 +365,11 @@ class AsyncServer:
         if not tested(self.sends[w], rank, self.ctx.watch):  # consumed before this push: done at once
             self.poller.all([self.sends[w]], [rank])
         reply = self.outbox[w]
-        encode(np, state.params, reply.payload)  # a copy (narrowed with --compress): params change in flight
+        encode(np, self.params, reply.payload)  # a copy (narrowed with --compress): params change in flight
         flags = (FLAG_STOP | (FLAG_DIVERGED if state.diverged else 0)) if stop else 0
         reply.stamp(TAG_PARAMS, state.global_step, state.local_steps[w], flags)
         self.sends[w] = self.comm.Isend(reply.spec(), dest=rank, tag=TAG_PARAMS)
+        state.bytes_out += self.message_bytes
         self.basis[w] = state.global_step
         if stop:
             self.active.discard(w)
@@ -372,14 +441,15 @@ def serve_sync(ctx: Context, progress: Progress) -> ServerState:
     to evaluate, and the last one (FLAG_STOP) with the final parameters; one tag, so MPI's
     ordering delivers the final one last. With --quorum, also decide every step."""
     cfg = ctx.cfg
-    n, W = ctx.model.n_params, ctx.workers
+    W = ctx.workers
     start, state, ckpt = begin(ctx)
     clock = _Clock()
     chief = ctx.layout.worker_rank(0)
     names = checkpoint.state_arrays(cfg)  # [params, optimizer state..., ema]
-    full_count = n * len(names)
+    full_count = (ctx.shard.stop - ctx.shard.start) * len(names)  # rank 0's slice (all of it with one server)
     box = Message(full_count)
     poller = Poller(QUORUM_POLL_S if ctx.with_quorum else CHIEF_POLL_S, ctx.watch)  # PeerLost ends the job (trainer.py)
+    gather = Gather(ctx, poller)  # --num-ps: the other servers forward their slices of the same step
     quorum = QuorumCoordinator(ctx, poller, start.global_step) if ctx.with_quorum else None
     status = ctx.comm.Irecv(box.spec(), source=chief, tag=TAG_STATUS)
     final_seen = False
@@ -400,7 +470,8 @@ def serve_sync(ctx: Context, progress: Progress) -> ServerState:
                 progress.update(box.step, box.loss)
             log_train(ctx, state, clock, box.step, box.loss, force=True,  # the chief already rate-limits
                       staleness=0, local_steps=[box.step] * W)
-            received = checkpoint.from_flat(box.payload, names, n, box.step, [box.step] * W) if full else None
+            received = _received(ctx, gather, box, names) if full else None
+            state.bytes_in += box.buf.nbytes if full else 0
             if box.flags & FLAG_EVAL:
                 record_eval(ctx, state, clock, received.params, box.step, received.ema)
             if box.flags & (FLAG_CKPT | FLAG_STOP):
@@ -422,6 +493,54 @@ def serve_sync(ctx: Context, progress: Progress) -> ServerState:
     state.local_steps = [state.global_step] * W
     clock.stop(state)
     return state
+
+
+def _received(ctx: Context, gather: Gather, box: Message, names: list[str]) -> TrainState:
+    """The whole state the chief worker sent at box.step: rank 0's slice, and the other
+    servers' slices of the same step, which they forward (sync_shard)."""
+    pieces = [(ctx.shard, box.payload)]
+    if gather:
+        pieces += gather.wait(gather.post())
+        behind = [(r, step) for r, step in zip(gather.ranks, gather.steps()) if step != box.step]
+        if behind:
+            raise ProtocolError(f"server rank {behind[0][0]} forwarded step {behind[0][1]} while the chief worker "
+                                f"sent step {box.step}")
+    return assemble(pieces, names, ctx.model.n_params, box.step, box.step, [box.step] * ctx.workers)
+
+
+def sync_shard(ctx: Context) -> ServerState:
+    """A server k > 0 in sync mode: the workers average among themselves, so it only keeps its
+    slice of the state, which the chief worker sends it at eval, checkpoint and end, and
+    forwards each to rank 0 for the whole state (one message, the same header, tag TAG_SHARD)."""
+    _, state, _ = begin(ctx)
+    clock = _Clock()
+    names, s = checkpoint.state_arrays(ctx.cfg), ctx.shard
+    m, chief = s.stop - s.start, ctx.layout.worker_rank(0)
+    box = Message(m * len(names))
+    poller = Poller(CHIEF_POLL_S, ctx.watch)
+    while True:
+        ctx.activity.enter(WAIT, state.global_step)
+        poller.all([ctx.comm.Irecv(box.spec(), source=chief, tag=TAG_STATUS)], [chief])
+        box.check(TAG_STATUS, chief)
+        state.global_step = box.step
+        state.params[s] = box.payload[:m]
+        state.bytes_in += box.buf.nbytes
+        box.stamp(TAG_SHARD, box.step, box.local_step, box.flags, box.loss)
+        poller.all([ctx.comm.Isend(box.spec(), dest=PS_RANK, tag=TAG_SHARD)], [PS_RANK])
+        state.bytes_out += box.buf.nbytes
+        if box.flags & FLAG_STOP:
+            if box.flags & FLAG_DIVERGED:  # rank 0 and the workers say why
+                state.diverged = {"global_step": box.step}
+            break
+    clock.stop(state)
+    return state
+
+
+def serve_shard(ctx: Context) -> ServerState:
+    """A server other than rank 0 (--num-ps): its slice, in the run's mode."""
+    if ctx.cfg.mode == "async":
+        return AsyncServer(ctx, Progress(False, None, ctx.global_batch)).run()
+    return sync_shard(ctx)
 
 
 def run_local(ctx: Context, progress: Progress) -> tuple[ServerState, WorkerResult]:

@@ -107,6 +107,9 @@ def train_role(ctx: Context) -> dict:
     from mpitrain import server, worker
 
     cfg = ctx.cfg
+    if ctx.is_ps and ctx.rank != PS_RANK:  # --num-ps: a server of one shard, reporting to rank 0
+        state = server.serve_shard(ctx)
+        return {"shard": shard_entry(ctx, state)}
     if ctx.is_ps or ctx.local:
         progress = Progress(cfg.progress, ctx.global_step_budget, ctx.global_batch)
         if cfg.stall_warning > 0 and not ctx.local:
@@ -136,11 +139,19 @@ def train_role(ctx: Context) -> dict:
     return {"worker": _worker_report(ctx, wres, _evaluate(ctx, wres.params))}
 
 
+def shard_entry(ctx: Context, state) -> dict:
+    """What a parameter server says of its shard in the summary's ps_shards."""
+    s = ctx.shard
+    return {"rank": ctx.rank, "host": ctx.host, "shard": ctx.layout.shard_index(ctx.rank), "params": s.stop - s.start,
+            "busy_fraction": state.busy_fraction, "global_step": state.global_step, "bytes_in": state.bytes_in,
+            "bytes_out": state.bytes_out, "staleness": staleness_summary(state.staleness), "diverged": state.diverged}
+
+
 def server_stall_line(ctx: Context, step: int, stalled_s: float) -> str:
     """Rank 0, no global step for --stall-warning seconds: what it waits for, and each worker's
     state from its heartbeats (the ones not waiting are those the others wait for)."""
     cfg = ctx.cfg
-    seen = ctx.watch.seen()
+    seen = {r: b for r, b in ctx.watch.seen().items() if not ctx.layout.is_server(r)}  # the workers
     silent_after = liveness.silent_after(cfg.worker_timeout)
     what = observe.server_waits_for(cfg.mode, cfg.quorum, ctx.workers)
     if not seen:
@@ -193,6 +204,7 @@ def _worker_report(ctx: Context, wres: WorkerResult, evaluation: tuple[float, fl
 def build_summary(ctx: Context, mine: dict, reports: list[dict], placements: list[str]) -> dict:
     cfg, state = ctx.cfg, mine["state"]
     workers = [r["worker"] for r in reports if r and "worker" in r]
+    shards = [shard_entry(ctx, state)] + [r["shard"] for r in reports if "shard" in r]
     if cfg.mode == "sync" or ctx.local:  # gradients each worker had in the averaged updates
         state.local_steps = [w["contributed"] for w in workers]
     quorum = None
@@ -238,6 +250,8 @@ def build_summary(ctx: Context, mine: dict, reports: list[dict], placements: lis
         "worker_step_seconds": step_times,
         "slow_workers": slow,
         "ps_busy_fraction": None if ctx.local else state.busy_fraction,
+        "num_ps": len(ctx.layout.server_ranks),
+        "ps_shards": [] if ctx.local else shards,
         "resumed_from": str(ctx.resume[0]) if ctx.resume else None,
         "checkpoints": mine["checkpoints"],
         "placement": placements,
@@ -257,7 +271,7 @@ def run(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: boo
     if ctx.rank == PS_RANK:
         announce(ctx, placements)
     ctx.activity = observe.Activity(cfg.timeline_steps if cfg.timeline else 0)
-    heartbeat, ctx.watch = liveness.start(comm, ctx.rank, ctx.size, cfg.worker_timeout, ctx.activity)
+    heartbeat, ctx.watch = liveness.start(comm, ctx.rank, ctx.layout, cfg.worker_timeout, ctx.activity)
     rss_start = max_rss_mb()
     try:
         mine = train_role(ctx)
@@ -266,6 +280,8 @@ def run(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: boo
         mine["max_rss_mb"] = [rss_start, max_rss_mb()]  # start and end of training (benchmarks/soak.py)
         if ctx.rank == PS_RANK:
             reports = collect_reports(ctx, mine)
+        elif "shard" in mine:
+            send_report(ctx, {**mine["shard"], "role": "shard"})
         else:
             send_report(ctx, {**mine["worker"], "max_rss_mb": mine["max_rss_mb"], "timeline": timeline_events(ctx)})
             Kill(ctx.rank).after_report()
@@ -294,7 +310,7 @@ def run(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: boo
             write_timeline(ctx, reports, placements)
         if state.log:
             state.log.close(summary)
-        peer_was_lost = say_goodbye(ctx, [r["worker"]["rank"] for r in reports], bool(state.lost_workers))
+        peer_was_lost = say_goodbye(ctx, [report_rank(r) for r in reports], bool(state.lost_workers))
     else:
         try:
             peer_was_lost = await_goodbye(ctx)
@@ -306,8 +322,8 @@ def run(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: boo
         peer_was_lost = True
     if not ctx.watch.close():
         peer_was_lost = True
-    outcome = Outcome(0, summary, None if ctx.rank == PS_RANK else mine["worker"])
-    if ctx.rank == PS_RANK and not ctx.local and len(reports) == 0:
+    outcome = Outcome(0, summary, None if ctx.rank == PS_RANK else mine.get("worker", mine.get("shard")))
+    if ctx.rank == PS_RANK and not ctx.local and not any("worker" in r for r in reports):
         outcome.code = EXIT_PEER_LOST  # every worker was lost: the budget was not finished
         outcome.error = "mpitrain: every worker was lost"
     if diverged:
@@ -336,7 +352,7 @@ def write_timeline(ctx: Context, reports: list[dict], placements: list[str]) -> 
     (a lost worker's are lost with it)."""
     events = timeline_events(ctx)
     for r in reports:
-        if r["worker"]["rank"] != ctx.rank:
+        if "worker" in r and r["worker"]["rank"] != ctx.rank:
             events += r["worker"].get("timeline") or []
     observe.write_trace(ctx.cfg.timeline, events, dict(enumerate(placements)))
     say(f"mpitrain: timeline of {len(events):,} spans written to {ctx.cfg.timeline} (open it in ui.perfetto.dev)")
@@ -414,21 +430,23 @@ def send_report(ctx: Context, report: dict) -> None:
 
 
 def collect_reports(ctx: Context, mine: dict) -> list[dict]:
-    """Rank 0: every live worker's report (and its own, when local), by rank. A worker lost
-    before reporting, or while sending its report, is recorded in lost_workers and left out; so
-    is one whose report has not come --worker-timeout seconds after training ended."""
+    """Rank 0: every live worker's report (and its own, when local), and every other server's
+    ({"shard": ...}), by rank. A worker lost before reporting, or while sending its report, is
+    recorded in lost_workers and left out; so is one whose report has not come --worker-timeout
+    seconds after training ended."""
     state = mine["state"]
     reports = [{"worker": mine["worker"]}] if "worker" in mine else []
     timeout = ctx.cfg.worker_timeout
     deadline = time.monotonic() + timeout if timeout > 0 else float("inf")
     poller = Poller(END_POLL_S, ctx.watch)
-    pending = set(ctx.layout.worker_ranks) - {ctx.rank} - {info["rank"] for info in state.lost_workers}
+    others = set(ctx.layout.worker_ranks) | set(ctx.layout.server_ranks)
+    pending = others - {ctx.rank} - {info["rank"] for info in state.lost_workers}
     while pending:
         try:
             for rank in sorted(pending):
                 report = _take_report(ctx, rank, poller)
                 if report is not None:
-                    reports.append({"worker": report})
+                    reports.append({report.pop("role", "worker"): report})
                     ctx.watch.forget(rank)
                     pending.discard(rank)
             ctx.watch.check()
@@ -443,7 +461,11 @@ def collect_reports(ctx: Context, mine: dict) -> list[dict]:
             pending.clear()
         if pending:
             time.sleep(END_POLL_S)
-    return sorted(reports, key=lambda r: r["worker"]["rank"])
+    return sorted(reports, key=report_rank)
+
+
+def report_rank(report: dict) -> int:
+    return next(iter(report.values()))["rank"]
 
 
 def _take_report(ctx: Context, rank: int, poller: Poller) -> dict | None:
@@ -485,15 +507,23 @@ def peer_lost(ctx: Context, e: PeerLost) -> int:
     """A rank this one cannot go on without is lost: say so in one line and end this rank.
     Rank 0 (sync: a collective cannot finish without the worker) ends the whole job."""
     who = "; ".join(f"rank {r}: {why}" for r, why in e.lost.items())
+    lay = ctx.layout
+    shards = [r for r in e.lost if lay.is_server(r) and r != PS_RANK]
     if ctx.rank == PS_RANK:
-        say(f"mpitrain: error: lost worker {who}. Sync training cannot finish a collective without it; "
-            f"{resume_hint(ctx, len(e.lost))}", sys.stderr)
+        if shards:
+            which = "; ".join(f"{lay.shard_index(r)}/{lay.shards} (rank {r}: {e.lost[r]})" for r in shards)
+            say(f"mpitrain: error: lost parameter-server shard {which}. Training cannot go on without "
+                f"that part of the parameters; {resume_hint(ctx, 0)}", sys.stderr)
+        else:
+            say(f"mpitrain: error: lost worker {who}. Sync training cannot finish a collective without it; "
+                f"{resume_hint(ctx, len(e.lost))}", sys.stderr)
         # MPI_Abort makes hydra kill every rank, and its proxy may do that before it forwards this
         # line (measured: the line missing in 1 run of ~40). Give it a moment first.
         time.sleep(ABORT_FLUSH_S)
         ctx.comm.Abort(EXIT_PEER_LOST)  # the other workers are stuck in the collective
         return EXIT_PEER_LOST
-    say(f"mpitrain: error: rank {ctx.rank} lost the parameter server ({who}); stopping. Rank 0's "
+    whom = "the parameter server" if all(lay.is_server(r) for r in e.lost) else "a peer"
+    say(f"mpitrain: error: rank {ctx.rank} lost {whom} ({who}); stopping. Rank 0's "
         f"newest checkpoint in --checkpoint-dir resumes the run", sys.stderr)
     exit_without_finalize(EXIT_PEER_LOST)
     return EXIT_PEER_LOST
@@ -505,6 +535,8 @@ def resume_hint(ctx: Context, lost: int) -> str:
         return "no --checkpoint-dir was given, so there is nothing to resume from"
     found = checkpoint.list_checkpoints(Path(directory))
     newest = f"the newest checkpoint is {found[-1]}" if found else f"no checkpoint was written to {directory} yet"
+    if not lost:
+        return f"{newest}; resume with the same command"
     return (f"{newest}; resume with the workers left: the same command with -np {ctx.size - lost} "
             f"(the data is re-sharded)")
 
@@ -527,11 +559,11 @@ def exit_without_finalize(code: int) -> None:
 def _divergence(ctx: Context, mine: dict, reports: list | None) -> dict | None:
     """Rank 0: where training diverged and whose loss it was; workers: whether it did."""
     if ctx.rank != 0:
-        return mine["worker"]["diverged"]
+        return (mine.get("worker") or mine["shard"])["diverged"]
     d = mine["state"].diverged
     if d is None:
         return None
-    told = [r["worker"] for r in reports if r and r["worker"].get("diverged")]
+    told = [r["worker"] for r in reports if "worker" in r and r["worker"].get("diverged")]
     ranks = d["ranks"] or [w["rank"] for w in told if w["diverged"].get("mine")]
     if d.get("why") is None and told:  # sync: rank 0 learnt only the step; the workers know the rest
         d = {**d, "why": told[0]["diverged"]["why"], "loss": told[0]["diverged"]["loss"]}

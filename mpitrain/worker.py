@@ -24,6 +24,7 @@ from mpitrain.liveness import CHECK_EVERY_S as VERDICT_POLL_S
 from mpitrain.liveness import PeerLost
 from mpitrain.observe import ALLREDUCE, APPLY, COMPUTE, PULL, PUSH, WAIT
 from mpitrain.runtime import PS_RANK, Context, start_state
+from mpitrain.shards import cut
 from mpitrain.transport import SPIN, WORKER_POLL_S, Poller, tested
 
 STATUS_EVERY_S = 0.2  # sync chief -> PS progress reports; off the hot path
@@ -97,12 +98,21 @@ class Divergence:
 def run_async(ctx: Context) -> dict:
     """Pull/compute/push. With --overlap (default) the reply to push k is received while the
     gradient of step k+1 is computed, so a worker never idles on the round trip; each gradient
-    is then computed on parameters one exchange older. --no-overlap waits for every reply."""
+    is then computed on parameters one exchange older. --no-overlap waits for every reply.
+    With --num-ps K each push and pull is K messages, one per server, each over its slice of the
+    one flat buffer (protocol.Message.shard_parts: received in place; sent from a copy but for the
+    first server's); the servers count their own
+    versions, and a worker stops when any server stops it (telling the others it leaves)."""
     model, be, comm = ctx.model, ctx.backend, ctx.comm
     n, wire = model.n_params, ctx.cfg.wire_dtype
     overlap = ctx.cfg.effective_overlap
+    servers = list(ctx.layout.server_ranks)
+    slices = [ctx.layout.shard_slice(k, n) for k in range(len(servers))]
     inbox = [Message(n, be.host_alloc, wire), Message(n, be.host_alloc, wire)]  # current / next parameters
     outbox = [Message(n, be.host_alloc, wire), Message(n, be.host_alloc, wire)]  # alternating: one in flight
+    inparts = [m.shard_parts(slices) for m in inbox]  # [buffer][server]; with one server, the buffers
+    outparts = [m.shard_parts(slices, sending=True) for m in outbox]
+    peers = servers + servers  # of reqs: a receive from each server, then a send to each
     # NumPy + float32: compute straight from the receive buffer and into the send buffer.
     zero_copy = be.mirror(inbox[0].payload) is inbox[0].payload
     start = start_state(ctx)
@@ -112,7 +122,7 @@ def run_async(ctx: Context) -> dict:
     else:
         params = be.asarray(start.params)
     grads = [be.mirror(m.payload) for m in outbox]
-    cur, version = 0, start.global_step
+    cur, versions = 0, [start.global_step] * len(servers)  # each server's step of the parameters in use
     batches = BatchStream(ctx, start.position(ctx.worker_index))
     poller, straggler, divergence = Poller(WORKER_POLL_S, ctx.watch), Straggler(ctx), Divergence(ctx)
     act = ctx.activity
@@ -123,21 +133,32 @@ def run_async(ctx: Context) -> dict:
     diverged: dict = {}  # filled when rank 0 stops the run because a loss was not finite
 
     def adopt_reply() -> bool:
-        """Wait for the pending reply; make it the current parameters. True when told to stop."""
-        nonlocal cur, params, version
+        """Wait for the pending replies; make them the current parameters. True when told to stop."""
+        nonlocal cur, params, versions
         act.enter(PULL)
-        poller.all(reqs, [PS_RANK] * len(reqs))
+        poller.all(reqs, peers)
         nxt = 1 - cur
-        inbox[nxt].check(TAG_PARAMS, PS_RANK)
+        for part, rank in zip(inparts[nxt], servers):
+            part.check(TAG_PARAMS, rank)
         cur = nxt
         if zero_copy:
             params = inbox[cur].payload
         else:
             be.upload(params, inbox[cur].payload)
-        version = inbox[cur].step
-        if inbox[cur].flags & FLAG_DIVERGED:
-            diverged["global_step"] = version
-        return bool(inbox[cur].flags & FLAG_STOP)
+        versions = [part.step for part in inparts[cur]]
+        if any(part.flags & FLAG_DIVERGED for part in inparts[cur]):
+            diverged["global_step"] = versions[0]
+        stopped = [bool(part.flags & FLAG_STOP) for part in inparts[cur]]
+        if any(stopped) and not all(stopped):
+            leave([rank for rank, stop in zip(servers, stopped) if not stop])
+        return any(stopped)
+
+    def leave(ranks: list[int]) -> None:
+        """Another server stopped this worker (--steps reached there first): these ones, still
+        waiting for its next gradient, get a header-only goodbye instead."""
+        bye = Message(0)
+        bye.stamp(TAG_GRAD, versions[0], pushed, FLAG_STOP)
+        poller.all([comm.Isend(bye.spec(), dest=rank, tag=TAG_GRAD) for rank in ranks], ranks)
 
     while True:
         if reqs and (not overlap or sent_last):
@@ -147,11 +168,11 @@ def run_async(ctx: Context) -> dict:
                 break
             if sent_last:
                 raise ProtocolError("the parameter server did not stop this worker after its last gradient")
-        act.enter(COMPUTE, version)
+        act.enter(COMPUTE, versions[0])
         x, y = batches.next()
         slot = pushed % 2
         t0 = time.perf_counter()
-        used_version = version
+        used_versions = versions
         loss = divergence.check(model.loss_and_grad(params, x, y, grads[slot]), grads[slot])
         be.download(grads[slot], outbox[slot].payload)
         straggler.pause(time.perf_counter() - t0)
@@ -164,11 +185,15 @@ def run_async(ctx: Context) -> dict:
         last = batches.exhausted
         kill.at(pushed + 1)
         act.enter(PUSH)
-        outbox[slot].stamp(TAG_GRAD, used_version, pushed + 1, FLAG_LAST if last else 0, loss)
-        reqs = [comm.Irecv(inbox[1 - cur].spec(), source=PS_RANK, tag=TAG_PARAMS),
-                comm.Isend(outbox[slot].spec(), dest=PS_RANK, tag=TAG_GRAD)]
+        for part, version in zip(outparts[slot], used_versions):
+            part.refresh()
+            part.stamp(TAG_GRAD, version, pushed + 1, FLAG_LAST if last else 0, loss)
+        reqs = ([comm.Irecv(part.spec(), source=rank, tag=TAG_PARAMS) for part, rank in zip(inparts[1 - cur], servers)]
+                + [comm.Isend(part.spec(), dest=rank, tag=TAG_GRAD) for part, rank in zip(outparts[slot], servers)])
         pushed += 1
         sent_last = last
+    for part in inparts[0] + inparts[1] + outparts[0] + outparts[1]:
+        part.free()
     return WorkerResult(pushed, be.to_host(params).copy(), act.times(), diverged=diverged or None)
 
 
@@ -467,24 +492,33 @@ def train_sync_quorum(ctx: Context, start: TrainState, on_step=None) -> dict:
 def run_sync(ctx: Context) -> dict:
     """A sync worker. The first worker (the chief) also keeps rank 0 informed, all on one tag so
     the messages arrive in order: a header-only status every STATUS_EVERY_S; its parameters and
-    optimizer state at --eval-every and checkpoint steps; the same, flagged STOP, at the end."""
+    optimizer state at --eval-every and checkpoint steps; the same, flagged STOP, at the end.
+    With --num-ps K the state goes to the K servers, each its slice (shards.py)."""
     start = start_state(ctx)
     if ctx.worker_index != 0:
         return train_sync(ctx, start)
     n = ctx.model.n_params
     names = state_arrays(ctx.cfg)
-    status, full = Message(0), Message(n * len(names))
-    pending = [MPI.REQUEST_NULL, MPI.REQUEST_NULL]  # one status, one full message in flight at most
+    servers = list(ctx.layout.server_ranks)
+    slices = [ctx.layout.shard_slice(k, n) for k in range(len(servers))]
+    status = Message(0)
+    fulls = [Message((s.stop - s.start) * len(names)) for s in slices]  # one per server
+    pending = [MPI.REQUEST_NULL] * (1 + len(servers))  # one status, one full message per server in flight at most
     last_sent = [0.0]
     ckpt = Checkpointer(ctx.cfg, ctx.fingerprint)  # only decides when; rank 0 writes
-    waiter = Poller(WORKER_POLL_S, ctx.watch)  # a full message waits for rank 0: never a dead one
+    waiter = Poller(WORKER_POLL_S, ctx.watch)  # a full message waits for its server: never a dead one
 
     def send_full(state: TrainState, flags: int, loss: float) -> None:
         ctx.activity.enter(PUSH)
-        waiter.all(pending[1:], [PS_RANK])
-        full.payload[:] = to_flat(state, names)
-        full.stamp(TAG_STATUS, state.global_step, state.global_step, flags, loss)
-        pending[1] = ctx.comm.Isend(full.spec(), dest=PS_RANK, tag=TAG_STATUS)
+        waiter.all(pending[1:], servers)
+        flat = to_flat(state, names)
+        for k, (full, s, rank) in enumerate(zip(fulls, slices, servers), 1):
+            if len(servers) == 1:
+                full.payload[:] = flat
+            else:
+                cut(flat, names, n, s, full.payload)
+            full.stamp(TAG_STATUS, state.global_step, state.global_step, flags, loss)
+            pending[k] = ctx.comm.Isend(full.spec(), dest=rank, tag=TAG_STATUS)
 
     def report(step: int, loss: float, sync_step: SyncStep) -> None:
         flags = (FLAG_EVAL if ctx.eval_due(step) else 0) | (FLAG_CKPT if ckpt.due(step) else 0)
@@ -502,7 +536,7 @@ def run_sync(ctx: Context) -> dict:
 
     result = train_sync(ctx, start, report)
     send_full(result.train_state, FLAG_STOP | (FLAG_DIVERGED if result.diverged else 0), result.recent_loss)
-    waiter.all(pending, [PS_RANK, PS_RANK])
+    waiter.all(pending, [PS_RANK] + servers)
     return result
 
 

@@ -54,7 +54,6 @@ def run_detached(cmd: list[str], timeout: float = MPI_TIMEOUT_S, env: dict | Non
     """Run `cmd` in its own session; on timeout kill the whole session (under
     `mpirun -disable-auto-cleanup` ranks may outlive mpirun) and fail. Returns (result, seconds);
     result.leftovers tells whether any process of the session outlived the command."""
-    import signal
     import time
 
     t0 = time.monotonic()
@@ -63,12 +62,20 @@ def run_detached(cmd: list[str], timeout: float = MPI_TIMEOUT_S, env: dict | Non
     out, err = communicate_or_kill(proc, timeout)
     elapsed = time.monotonic() - t0
     result = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    result.leftovers = kill_session(proc)
+    return result, elapsed
+
+
+def kill_session(proc: subprocess.Popen) -> bool:
+    """SIGKILL whatever is left of a command started in its own session; True if anything was
+    (under `mpirun -disable-auto-cleanup` ranks may outlive mpirun: a test says whether they did)."""
+    import signal
+
     try:
         os.killpg(proc.pid, signal.SIGKILL)
-        result.leftovers = True
+        return True
     except ProcessLookupError:
-        result.leftovers = False
-    return result, elapsed
+        return False
 
 
 def communicate_or_kill(proc: subprocess.Popen, timeout: float = MPI_TIMEOUT_S) -> tuple[str, str]:

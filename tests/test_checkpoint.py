@@ -197,7 +197,7 @@ def test_weight_ema_follows_tf_semantics():
 def test_time_based_checkpoints(tmp_path, mode):
     ck = tmp_path / "ck"
     s = train(3, tmp_path, "--mode", mode, "--checkpoint-dir", str(ck), "--checkpoint-every-secs", "0.02",
-              "--keep-checkpoints", "100", "--dataset", "synthetic", "--steps", "400")
+              "--keep-checkpoints", "1000", "--dataset", "synthetic", "--steps", "400")
     steps = [checkpoint.load(p).global_step for p in checkpoint.list_checkpoints(ck)]
     assert len(steps) >= 3 and steps[-1] == 400 and steps == sorted(steps)
     assert len(s["checkpoints"]) == len(steps)

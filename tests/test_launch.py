@@ -56,3 +56,14 @@ def test_launch_runs_the_trainer_on_the_hostfile(tmp_path):
     assert proc.returncode == 0, proc.stderr
     s = json.loads(summary.read_text())
     assert s["world_size"] == 3 and s["config"]["epochs"] == 5
+
+
+def test_launch_says_which_host_serves_which_shard(tmp_path):
+    f = tmp_path / "hosts"
+    f.write_text("localhost:1\n127.0.0.1:3\n")
+    proc = run_mpitrain(0, "launch", "-f", str(f), "-np", "4", "--dry-run", "--num-ps", "2", "--mode", "sync")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[:2] == ["mpitrain launch: parameter-server shard 0/2: rank 0 on localhost",
+                         "mpitrain launch: parameter-server shard 1/2: rank 1 on 127.0.0.1"], lines
+    assert lines[2].split()[-4:] == ["--num-ps", "2", "--mode", "sync"]  # the trainer gets the flag

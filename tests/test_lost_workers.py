@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import child_env, mpitrain_cmd, run_detached, wait_for_training
+from conftest import child_env, kill_session, mpitrain_cmd, run_detached, wait_for_training
 from mpitrain import checkpoint
 from mpitrain.faults import rank_pids
 from mpitrain.liveness import PeerLost, Watch
@@ -167,11 +167,7 @@ def test_workers_stop_when_rank_0_dies(tmp_path):
         _, err = proc.communicate(timeout=30)
         assert time.monotonic() - killed_at < 1 + 10
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-            leftovers = True
-        except ProcessLookupError:
-            leftovers = False
+        leftovers = kill_session(proc)
     assert proc.returncode != 0
     lines = [ln for ln in err.splitlines() if "lost the parameter server" in ln]
     assert sorted(ln.split()[3] for ln in lines) == ["1", "2"], err  # "mpitrain: error: rank N lost ..."

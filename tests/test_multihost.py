@@ -28,16 +28,23 @@ def two_hosts(tmp_path):
         pytest.skip(str(e))
 
 
-def test_training_across_two_hosts_from_a_hostfile(two_hosts, tmp_path):
+@pytest.mark.parametrize("slots,np_,num_ps,placed", [
+    (2, 3, 1, [0, 0, 1]),  # ranks 0,1 on the first host, rank 2 on the second
+    # one slot per host: hydra deals the ranks round-robin, so each server (ranks 0, 1) is on its
+    # own host, with a worker beside it
+    (1, 4, 2, [0, 1, 0, 1]),
+])
+def test_training_across_two_hosts_from_a_hostfile(two_hosts, tmp_path, slots, np_, num_ps, placed):
     names, addrs, wrapper = two_hosts
     hostfile = tmp_path / "hosts"
-    hostfile.write_text(f"{addrs[0]}:2\n{addrs[1]}:2\n")
+    hostfile.write_text(f"{addrs[0]}:{slots}\n{addrs[1]}:{slots}\n")
     summary = tmp_path / "summary.json"
     # each rank reports the network namespace it runs in, then becomes the trainer
     rank_cmd = (f'echo "rank $PMI_RANK netns $(readlink /proc/self/ns/net)"; '
-                f'exec "{sys.executable}" -m mpitrain --no-progress --epochs 10 --summary-json "{summary}"')
+                f'exec "{sys.executable}" -m mpitrain --no-progress --epochs 10 --num-ps {num_ps} '
+                f'--summary-json "{summary}"')
     cmd = ["ip", "netns", "exec", names[0], mpirun_path(), "-launcher", "ssh", "-launcher-exec", str(wrapper),
-           "-f", str(hostfile), "-localhost", addrs[0], "-np", "3", "sh", "-c", rank_cmd]
+           "-f", str(hostfile), "-localhost", addrs[0], "-np", str(np_), "sh", "-c", rank_cmd]
     # TCP only: by default UCX sees one machine behind the namespaces and would pass the data through
     # shared memory, never over the veth (docs/notes/ucx-shm-across-namespaces.md)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**child_env(), **netns.OVER_TCP})
@@ -47,7 +54,9 @@ def test_training_across_two_hosts_from_a_hostfile(two_hosts, tmp_path):
         if line.startswith("rank ") and " netns " in line:
             _, rank, _, ns = line.split()
             ns_of[int(rank)] = ns
-    assert len(ns_of) == 3
-    assert ns_of[0] == ns_of[1] != ns_of[2]  # ranks 0,1 on the first host, rank 2 on the second
+    assert len(ns_of) == np_
+    first = ns_of[0]
+    assert [0 if ns_of[r] == first else 1 for r in range(np_)] == placed
     s = json.loads(summary.read_text())
-    assert s["world_size"] == 3 and s["test_accuracy"] >= 0.85
+    assert s["world_size"] == np_ and s["num_ps"] == num_ps and s["test_accuracy"] >= 0.85
+    assert all(p["bytes_in"] > 0 for p in s["ps_shards"])  # (both namespaces share one host name)
