@@ -1,13 +1,14 @@
 """Chaos: kill a real rank from outside, at a random moment, many times; is every outcome the documented one?
 
-    python benchmarks/chaos.py                       # 36 trials, ~8 min on 2 cores; writes benchmarks/CHAOS.md
+    python benchmarks/chaos.py                       # 45 trials, ~13 min on 2 cores; writes benchmarks/CHAOS.md
     python benchmarks/chaos.py --trials 1 --cases async-big,sync   # a quick look
 
 Not part of CI (tests/test_chaos.py runs a few trials of the same code under timeouts). Each
-trial starts `mpirun -disable-auto-cleanup -np 4 python -m mpitrain ...` (1 server + 3 workers)
-in its own session, waits for rank 0's start lines, sleeps a random time drawn over the whole
-run (calibrated per case, the end-of-run report included), and SIGKILLs the real training
-process of a random worker (or of rank 0, or a worker's supervisor), found in /proc. The
+trial starts `mpirun -disable-auto-cleanup -np 4 python -m mpitrain ...` (1 server + 3 workers,
+or 2 servers + 2 workers in the `--num-ps 2` cases) in its own session, waits for rank 0's start
+lines, sleeps a random time drawn over the whole run (calibrated per case, the end-of-run report
+included), and SIGKILLs the real training process of a random worker (or of rank 0, of server
+rank 1, or of a worker's supervisor), found in /proc. The
 "big" cases use `--hidden 2000` (6.4 MB messages, milliseconds each) so that kills land in the
 middle of a message. Outcomes:
 
@@ -43,6 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from mpitrain import checkpoint  # noqa: E402
 from mpitrain.faults import rank_pids  # noqa: E402
+from mpitrain.layout import Layout  # noqa: E402
 
 NP = 4
 TIMEOUT_S = 3.0  # --worker-timeout
@@ -56,12 +58,17 @@ EXIT_PEER_LOST = 5
 class Case:
     name: str
     args: tuple[str, ...]
-    target: str  # "worker", "rank0" or "supervisor" (a worker's supervisor)
+    target: str  # "worker", "rank0", "shard" (rank 1 with --num-ps 2) or "supervisor" (a worker's supervisor)
     steps: int  # --steps: a run of several seconds on 2 cores
 
     @property
     def mode(self) -> str:
         return "sync" if "sync" in self.args else "async"
+
+    @property
+    def layout(self) -> Layout:
+        k = int(self.args[self.args.index("--num-ps") + 1]) if "--num-ps" in self.args else 1
+        return Layout(NP, k)
 
 
 BASE = ("--dataset", "synthetic", "--model", "mlp", "--no-progress", "--worker-timeout", str(TIMEOUT_S),
@@ -76,9 +83,12 @@ CASES = [
     Case("rank0-async", ("--mode", "async", "--hidden", "2000"), "rank0", 1200),
     Case("rank0-sync", ("--mode", "sync"), "rank0", 4000),
     Case("supervisor", ("--mode", "async"), "supervisor", 20000),
+    Case("async-2ps", ("--mode", "async", "--num-ps", "2", "--hidden", "2000"), "worker", 1000),
+    Case("shard-async", ("--mode", "async", "--num-ps", "2", "--hidden", "2000"), "shard", 1000),
+    Case("shard-sync", ("--mode", "sync", "--num-ps", "2"), "shard", 4000),
 ]
 DEFAULT_TRIALS = {"async": 5, "async-staleness": 4, "async-big": 6, "sync": 4, "sync-quorum": 4, "sync-big": 3,
-                  "rank0-async": 4, "rank0-sync": 3, "supervisor": 3}
+                  "rank0-async": 4, "rank0-sync": 3, "supervisor": 3, "async-2ps": 4, "shard-async": 3, "shard-sync": 2}
 
 
 @dataclass
@@ -171,7 +181,9 @@ def run_trial(case: Case, duration_s: float, rng: random.Random) -> Trial:
         trial.kill_after_s = rng.uniform(0.2, duration_s * 1.05)
         time.sleep(max(0.0, started + trial.kill_after_s - time.monotonic()))
         pids = rank_pids(job.proc.pid)
-        trial.victim = 0 if case.target == "rank0" else rng.randrange(1, NP)
+        lay = case.layout
+        trial.victim = {"rank0": 0, "shard": 1}[case.target] if case.target in ("rank0", "shard") \
+            else rng.choice(lay.worker_ranks)
         pid, supervisor = pids.get(trial.victim, (None, None))
         pid = supervisor if case.target == "supervisor" else pid
         killed_at = time.monotonic()
@@ -182,7 +194,7 @@ def run_trial(case: Case, duration_s: float, rng: random.Random) -> Trial:
         except ProcessLookupError:
             trial.victim = None  # it had already exited: the run was over
         # Async rank 0 goes on without a lost worker: the rest of the budget, on fewer workers.
-        rest = duration_s * (NP - 1) / (NP - 2) if case.mode == "async" and case.target == "worker" else 0.0
+        rest = duration_s * lay.workers / (lay.workers - 1) if case.mode == "async" and case.target == "worker" else 0.0
         code, leftovers = job.finish(rest + TIMEOUT_S + GRACE_S - (time.monotonic() - killed_at))
         trial.exit_code = code
         judge(case, trial, job, code, leftovers, killed_at, Path(tmp))
@@ -226,9 +238,16 @@ def expected(case: Case, trial: Trial, err: str, code: int, summary: dict | None
             # lost, and a worker that got its goodbye rightly ends without a word (measured: a
             # kill at 0.99 of the run's length). Hangs and leftovers were judged above.
             return []
-        workers = [r for r in range(1, NP)]
-        said = [r for r in workers if f"rank {r} lost the parameter server" in err]
-        return [] if said == workers else [f"only ranks {said} said they lost rank 0 (exit {code})"]
+        others = [r for r in range(1, NP)]
+        said = [r for r in others if f"rank {r} lost the parameter server" in err]
+        return [] if said == others else [f"only ranks {said} said they lost rank 0 (exit {code})"]
+    if case.target == "shard":  # rank 0 ends the job naming the shard and the newest checkpoint
+        if summary is not None and summary["global_step"] == case.steps:
+            return []  # killed after the end of training: nothing was lost
+        named = [ln for ln in err.splitlines() if "lost parameter-server shard 1/2 (rank 1:" in ln]
+        if code != EXIT_PEER_LOST or len(named) != 1 or (ck and str(ck[-1]) not in named[0]):
+            return [f"exit {code}; {len(named)} lines name shard 1 with the newest checkpoint"]
+        return []
     if case.target == "supervisor":
         # hydra SIGKILLs every rank when one of its own children (a supervisor) dies by a signal.
         return [] if code != 0 and summary is None else [f"exit {code}; the job went on"]
@@ -263,9 +282,11 @@ def expected(case: Case, trial: Trial, err: str, code: int, summary: dict | None
 def report(trials: list[Trial], durations: dict[str, float], seconds: float) -> str:
     out = ["# Chaos: real SIGKILLs from outside at random moments", "",
            f"`python benchmarks/chaos.py` on {machine()}; {len(trials)} trials in {seconds / 60:.1f} min. "
-           f"Each trial: `mpirun -disable-auto-cleanup -np {NP}` (1 server + 3 workers), `--worker-timeout "
+           f"Each trial: `mpirun -disable-auto-cleanup -np {NP}` (1 server + 3 workers; with `--num-ps 2` "
+           f"2 servers + 2 workers), `--worker-timeout "
            f"{TIMEOUT_S:g}`, synthetic data, MLP (hidden 100, or 2000 in the *-big cases: 6.4 MB messages), one "
-           "SIGKILL of the real training process of a random worker (or rank 0, or a worker's supervisor) at a "
+           "SIGKILL of the real training process of a random worker (or rank 0, or server rank 1, or a worker's "
+           "supervisor) at a "
            "uniformly random time over the whole run, end-of-run report included. See the script's docstring "
            "for what each outcome means.", "",
            "| case | run (s) | trials | documented | traceback | hang | other | killed after run ended "
@@ -294,7 +315,7 @@ def report(trials: list[Trial], durations: dict[str, float], seconds: float) -> 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", default=",".join(c.name for c in CASES))
-    p.add_argument("--trials", type=int, default=None, help="per case (default: 3-6 per case, 36 in all)")
+    p.add_argument("--trials", type=int, default=None, help="per case (default: 2-6 per case, 45 in all)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "CHAOS.md"))
     a = p.parse_args()
