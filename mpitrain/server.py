@@ -56,7 +56,6 @@ class ServerState:
     busy_fraction: float = 0.0
     bytes_in: int = 0  # message bytes this server received and sent while training (--num-ps rows)
     bytes_out: int = 0
-    shard_steps: list[int] = field(default_factory=list)  # rank 0, --num-ps: each other server's global step
 
     @property
     def final_loss(self) -> float:
@@ -273,7 +272,6 @@ class AsyncServer:
         if not self.gather:
             return own
         pieces = self.gather.ask_all(own.global_step, flags)
-        self.state.shard_steps = self.gather.steps()
         names, n = self.gather.names, self.ctx.model.n_params
         mine = (self.ctx.shard, np.concatenate([own.array(name) for name in names]))
         return assemble([mine] + pieces, names, n, own.global_step, own.opt_t, own.positions)

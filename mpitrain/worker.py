@@ -513,10 +513,7 @@ def run_sync(ctx: Context) -> dict:
         waiter.all(pending[1:], servers)
         flat = to_flat(state, names)
         for k, (full, s, rank) in enumerate(zip(fulls, slices, servers), 1):
-            if len(servers) == 1:
-                full.payload[:] = flat
-            else:
-                cut(flat, names, n, s, full.payload)
+            cut(flat, names, n, s, full.payload)
             full.stamp(TAG_STATUS, state.global_step, state.global_step, flags, loss)
             pending[k] = ctx.comm.Isend(full.spec(), dest=rank, tag=TAG_STATUS)
 
