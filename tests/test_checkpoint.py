@@ -139,26 +139,51 @@ def test_corrupt_or_mismatched_checkpoint_exits_2_and_deletes_nothing(tmp_path):
     assert sorted(p.name for p in ck.iterdir()) == before
 
 
+def _kill_when(proc: subprocess.Popen, ready, timeout: float = 60) -> None:
+    """SIGKILL the whole job the moment ready() holds (polled every millisecond)."""
+    deadline = time.time() + timeout
+    while not ready():
+        assert time.time() < deadline and proc.poll() is None, "the job never got there"
+        time.sleep(0.001)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+
+
 def test_sigkill_at_any_moment_leaves_the_newest_checkpoint_loadable(tmp_path):
-    """Kill the whole job (rank 0 included) while it saves a ~6 MB checkpoint every few steps."""
+    """Kill the whole job (rank 0 included) while it saves a ~6 MB checkpoint every few steps: the
+    moment a save's temporary file appears (twice, so mid-write), and once between saves."""
     ck = tmp_path / "ck"
     model = ["--dataset", "synthetic", "--synthetic-features", "784", "--hidden", "2000"]
     big = [*model, "--steps", "100000", "--checkpoint-dir", str(ck), "--checkpoint-every-steps", "3",
            "--keep-checkpoints", "2", "--no-progress"]
-    for delay in (1.5, 2.2, 2.9):
+
+    def writing(stale: set) -> set:  # temporary files of saves under way (not those a kill left)
+        return {p.name for p in ck.iterdir() if p.name.endswith(".tmp")} - stale if ck.is_dir() else set()
+
+    def newest() -> str:
+        found = checkpoint.list_checkpoints(ck)
+        return found[-1].name if found else ""
+
+    def saving(stale: set, before: str) -> bool:  # this run has saved, and is saving again
+        return newest() != before and bool(writing(stale))
+
+    def between_saves(stale: set, before: str) -> bool:
+        return newest() != before and not writing(stale)
+
+    cut_short = 0  # kills that left a half-written save behind (measured: nearly every one aimed so)
+    for when in (saving, saving, between_saves):
+        stale = writing(set())  # what the previous kill left: the next resume must not mind it
+        first = newest()
         proc = subprocess.Popen([mpirun_path(), "-np", "3", sys.executable, "-m", "mpitrain", *big],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=child_env(),
                                 start_new_session=True)
-        deadline = time.time() + 60
-        while not checkpoint.list_checkpoints(ck) and time.time() < deadline:
-            time.sleep(0.05)
-        time.sleep(delay - 1.0)
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
+        _kill_when(proc, lambda: when(stale, first))
+        cut_short += bool(writing(stale))
         path, st = checkpoint.load_latest(ck, None)  # raises if the newest is not complete
         assert st.global_step > 0 and np.isfinite(st.params).all()
         with zipfile.ZipFile(path) as z:
             assert z.testzip() is None
+    assert cut_short >= 1  # the test hit a save in the middle at least once
     resumed = train(3, tmp_path, *model, "--steps", str(st.global_step + 6), "--checkpoint-dir", str(ck))
     assert resumed["resumed_from"] is not None and resumed["global_step"] == st.global_step + 6
 

@@ -201,3 +201,12 @@ def test_async_with_two_servers_finishes_without_a_worker_killed_from_outside(tm
     assert err.count("worker rank 3 lost at global step") == 1, err  # rank 0's line only
     assert checkpoint.load(ck / "ckpt-000001500.npz").global_step == 1500
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_non_finite_loss_stops_every_server_with_exit_4(tmp_path, mode):
+    env = {**child_env(), "MPITRAIN_INJECT_NAN": "3:20"}
+    proc = run_mpitrain(5, "--no-progress", "--num-ps", "2", "--mode", mode, "--epochs", "5", env=env)
+    assert proc.returncode == 4, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if "training diverged" in ln]
+    assert len(lines) == 1 and "worker rank 3's loss is not finite" in lines[0], proc.stderr
