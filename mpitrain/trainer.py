@@ -204,7 +204,8 @@ def _worker_report(ctx: Context, wres: WorkerResult, evaluation: tuple[float, fl
 def build_summary(ctx: Context, mine: dict, reports: list[dict], placements: list[str]) -> dict:
     cfg, state = ctx.cfg, mine["state"]
     workers = [r["worker"] for r in reports if r and "worker" in r]
-    shards = [shard_entry(ctx, state)] + [r["shard"] for r in reports if "shard" in r]
+    shards = [shard_entry(ctx, state)] + [{k: v for k, v in r["shard"].items() if k != "timeline"}
+                                          for r in reports if "shard" in r]
     if cfg.mode == "sync" or ctx.local:  # gradients each worker had in the averaged updates
         state.local_steps = [w["contributed"] for w in workers]
     quorum = None
@@ -281,7 +282,7 @@ def run(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: boo
         if ctx.rank == PS_RANK:
             reports = collect_reports(ctx, mine)
         elif "shard" in mine:
-            send_report(ctx, {**mine["shard"], "role": "shard"})
+            send_report(ctx, {**mine["shard"], "role": "shard", "timeline": timeline_events(ctx)})
         else:
             send_report(ctx, {**mine["worker"], "max_rss_mb": mine["max_rss_mb"], "timeline": timeline_events(ctx)})
             Kill(ctx.rank).after_report()
@@ -348,12 +349,13 @@ def timeline_events(ctx: Context) -> list[dict]:
 
 
 def write_timeline(ctx: Context, reports: list[dict], placements: list[str]) -> None:
-    """--timeline: rank 0's spans and those the workers sent with their reports, one track per rank
-    (a lost worker's are lost with it)."""
+    """--timeline: rank 0's spans and those the workers and the other servers sent with their
+    reports, one track per rank (a lost worker's are lost with it)."""
     events = timeline_events(ctx)
     for r in reports:
-        if "worker" in r and r["worker"]["rank"] != ctx.rank:
-            events += r["worker"].get("timeline") or []
+        report = next(iter(r.values()))
+        if report["rank"] != ctx.rank:
+            events += report.get("timeline") or []
     observe.write_trace(ctx.cfg.timeline, events, dict(enumerate(placements)))
     say(f"mpitrain: timeline of {len(events):,} spans written to {ctx.cfg.timeline} (open it in ui.perfetto.dev)")
 

@@ -210,3 +210,16 @@ def test_a_non_finite_loss_stops_every_server_with_exit_4(tmp_path, mode):
     assert proc.returncode == 4, proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if "training diverged" in ln]
     assert len(lines) == 1 and "worker rank 3's loss is not finite" in lines[0], proc.stderr
+
+
+def test_the_timeline_has_a_track_for_every_server(tmp_path):
+    import json
+
+    trace = tmp_path / "trace.json"
+    s = train(5, tmp_path, "--num-ps", "2", "--epochs", "3", "--timeline", str(trace), "--timeline-steps", "10")
+    events = json.loads(trace.read_text())["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    by_rank = {r: {e["name"] for e in spans if e["pid"] == r} for r in range(5)}
+    assert {"apply", "push", "wait"} <= by_rank[1]  # the second server serves its slice
+    assert all({"compute", "push", "pull"} <= by_rank[r] for r in (2, 3, 4))
+    assert all("timeline" not in p for p in s["ps_shards"])  # the spans go to the trace, not the summary
