@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import os
 import sys
 import threading
@@ -23,6 +22,7 @@ from mpitrain.metrics import Progress, human_summary, say, staleness_summary, wr
 from mpitrain.liveness import PeerLost, mpi_error_reason
 from mpitrain.protocol import BEAT_GLOBAL_STEP, FLAG_PEER_LOST, TAG_REPORT, Message, ProtocolError
 from mpitrain.protocol import VERSION as PROTOCOL_VERSION
+from mpitrain.reports import ShardReport, WorkerReport, from_bytes, to_bytes
 from mpitrain.runtime import PS_RANK, Context, Node, setup
 from mpitrain.server import record_lost
 from mpitrain.transport import END_POLL_S, Poller
@@ -109,7 +109,7 @@ def train_role(ctx: Context) -> dict:
     cfg = ctx.cfg
     if ctx.is_ps and ctx.rank != PS_RANK:  # --num-ps: a server of one shard, reporting to rank 0
         state = server.serve_shard(ctx)
-        return {"shard": shard_entry(ctx, state)}
+        return {"shard": shard_report(ctx, state)}
     if ctx.is_ps or ctx.local:
         progress = Progress(cfg.progress, ctx.global_step_budget, ctx.global_batch)
         if cfg.stall_warning > 0 and not ctx.local:
@@ -139,12 +139,12 @@ def train_role(ctx: Context) -> dict:
     return {"worker": _worker_report(ctx, wres, _evaluate(ctx, wres.params))}
 
 
-def shard_entry(ctx: Context, state) -> dict:
-    """What a parameter server says of its shard in the summary's ps_shards."""
+def shard_report(ctx: Context, state) -> ShardReport:
+    """What a parameter server says of its shard (the summary's ps_shards)."""
     s = ctx.shard
-    return {"rank": ctx.rank, "host": ctx.host, "shard": ctx.layout.shard_index(ctx.rank), "params": s.stop - s.start,
-            "busy_fraction": state.busy_fraction, "global_step": state.global_step, "bytes_in": state.bytes_in,
-            "bytes_out": state.bytes_out, "staleness": staleness_summary(state.staleness), "diverged": state.diverged}
+    return ShardReport(ctx.rank, ctx.host, ctx.layout.shard_index(ctx.rank), s.stop - s.start, state.busy_fraction,
+                       state.global_step, state.bytes_in, state.bytes_out, staleness_summary(state.staleness),
+                       state.diverged)
 
 
 def server_stall_line(ctx: Context, step: int, stalled_s: float) -> str:
@@ -182,37 +182,27 @@ def worker_stall_line(ctx: Context, stalled_s: float) -> str | None:
             f"{observe.PHASES[act.phase]} waiting on the parameter server at global step {act.step:,}; {ps}")
 
 
-def _worker_report(ctx: Context, wres: WorkerResult, evaluation: tuple[float, float]) -> dict:
-    """The worker's report to rank 0 (JSON: it travels as bytes, never pickled)."""
+def _worker_report(ctx: Context, wres: WorkerResult, evaluation: tuple[float, float]) -> WorkerReport:
+    """The worker's report to rank 0 (reports.py: JSON bytes on the wire, never pickled)."""
     t = wres.time
     wall = max(t["wall_s"], 1e-9)
-    return {
-        "rank": ctx.rank,
-        "pushed": wres.pushed,
-        "dropped": wres.dropped,
-        "diverged": wres.diverged,
-        "contributed": wres.contributed,
-        "test_loss": evaluation[0],
-        "test_accuracy": evaluation[1],
-        "digest": digest(wres.params),
-        "time_breakdown": {"compute": t["compute_s"] / wall, "communication_and_wait": t["wait_s"] / wall,
-                           "other": max(0.0, 1 - (t["compute_s"] + t["wait_s"]) / wall)},
-        "step_time": ctx.activity.report(),
-    }
+    breakdown = {"compute": t["compute_s"] / wall, "communication_and_wait": t["wait_s"] / wall,
+                 "other": max(0.0, 1 - (t["compute_s"] + t["wait_s"]) / wall)}
+    return WorkerReport(ctx.rank, wres.pushed, wres.dropped, wres.diverged, wres.contributed, evaluation[0],
+                        evaluation[1], digest(wres.params), breakdown, ctx.activity.report())
 
 
 def build_summary(ctx: Context, mine: dict, reports: list[dict], placements: list[str]) -> dict:
     cfg, state = ctx.cfg, mine["state"]
-    workers = [r["worker"] for r in reports if r and "worker" in r]
-    shards = [shard_entry(ctx, state)] + [{k: v for k, v in r["shard"].items() if k != "timeline"}
-                                          for r in reports if "shard" in r]
+    workers = [r for r in reports if isinstance(r, WorkerReport)]
+    shards = [shard_report(ctx, state)] + [r for r in reports if isinstance(r, ShardReport)]
     if cfg.mode == "sync" or ctx.local:  # gradients each worker had in the averaged updates
-        state.local_steps = [w["contributed"] for w in workers]
+        state.local_steps = [w.contributed for w in workers]
     quorum = None
     if cfg.mode == "sync" and not ctx.local:
         quorum = cfg.quorum if cfg.quorum is not None else ctx.workers
     samples = (state.global_step - state.start_step) * ctx.global_batch  # this run only, when resumed
-    step_times, slow = observe.attribute({w["rank"]: w["step_time"] for w in workers}, cfg.straggler_report)
+    step_times, slow = observe.attribute({w.rank: w.step_time for w in workers}, cfg.straggler_report)
     return {
         "mpitrain_version": __version__,
         "mode": "local" if ctx.local else cfg.mode,
@@ -223,22 +213,22 @@ def build_summary(ctx: Context, mine: dict, reports: list[dict], placements: lis
         "workers": ctx.workers,
         "global_step": state.global_step,
         "local_steps": state.local_steps,
-        "gradients_pushed": [w["pushed"] for w in workers],
+        "gradients_pushed": [w.pushed for w in workers],
         "wall_seconds": state.train_s,
         "samples_per_second": samples / max(state.train_s, 1e-9),
         "test_accuracy": mine["test_accuracy"],
         "test_loss": mine["test_loss"],
         "ema_test_loss": mine["ema"][0],
         "ema_test_accuracy": mine["ema"][1],
-        "worker_ranks": [w["rank"] for w in workers],
-        "worker_test_accuracy": [w["test_accuracy"] for w in workers],
+        "worker_ranks": [w.rank for w in workers],
+        "worker_test_accuracy": [w.test_accuracy for w in workers],
         "final_loss": state.final_loss,
         "lost_workers": state.lost_workers,
         "max_rss_mb": [{"rank": 0, "start": mine["max_rss_mb"][0], "end": mine["max_rss_mb"][1]}]
-        + [{"rank": w["rank"], "start": w["max_rss_mb"][0], "end": w["max_rss_mb"][1]} for w in workers
-           if "max_rss_mb" in w],  # a local run's own worker report has none: its rank is 0, above
-        "dropped_gradients": sum(w["dropped"] for w in workers),
-        "dropped_gradients_per_worker": [w["dropped"] for w in workers],
+        + [{"rank": w.rank, "start": w.max_rss_mb[0], "end": w.max_rss_mb[1]} for w in workers
+           if w.max_rss_mb],  # a local run's own worker report has none: its rank is 0, above
+        "dropped_gradients": sum(w.dropped for w in workers),
+        "dropped_gradients_per_worker": [w.dropped for w in workers],
         "staleness": staleness_summary(state.staleness),
         "quorum": quorum,
         "lr_scaling": "linear" if cfg.scaled_lr else "none",
@@ -246,13 +236,13 @@ def build_summary(ctx: Context, mine: dict, reports: list[dict], placements: lis
         "steps_per_second": state.global_step / max(state.train_s, 1e-9),
         "eval_history": state.eval_history,
         "param_digest": digest(state.params),
-        "worker_param_digests": [w["digest"] for w in workers],
-        "time_breakdown": [w["time_breakdown"] for w in workers],
+        "worker_param_digests": [w.digest for w in workers],
+        "time_breakdown": [w.time_breakdown for w in workers],
         "worker_step_seconds": step_times,
         "slow_workers": slow,
         "ps_busy_fraction": None if ctx.local else state.busy_fraction,
         "num_ps": len(ctx.layout.server_ranks),
-        "ps_shards": [] if ctx.local else shards,
+        "ps_shards": [] if ctx.local else [r.entry() for r in shards],
         "resumed_from": str(ctx.resume[0]) if ctx.resume else None,
         "checkpoints": mine["checkpoints"],
         "placement": placements,
@@ -282,9 +272,10 @@ def run(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: boo
         if ctx.rank == PS_RANK:
             reports = collect_reports(ctx, mine)
         elif "shard" in mine:
-            send_report(ctx, {**mine["shard"], "role": "shard", "timeline": timeline_events(ctx)})
+            send_report(ctx, dataclasses.replace(mine["shard"], timeline=timeline_events(ctx)))
         else:
-            send_report(ctx, {**mine["worker"], "max_rss_mb": mine["max_rss_mb"], "timeline": timeline_events(ctx)})
+            send_report(ctx, dataclasses.replace(mine["worker"], max_rss_mb=mine["max_rss_mb"],
+                                                 timeline=timeline_events(ctx)))
             Kill(ctx.rank).after_report()
     except PeerLost as e:
         return Outcome(peer_lost(ctx, e))
@@ -311,7 +302,7 @@ def run(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: boo
             write_timeline(ctx, reports, placements)
         if state.log:
             state.log.close(summary)
-        peer_was_lost = say_goodbye(ctx, [report_rank(r) for r in reports], bool(state.lost_workers))
+        peer_was_lost = say_goodbye(ctx, [r.rank for r in reports], bool(state.lost_workers))
     else:
         try:
             peer_was_lost = await_goodbye(ctx)
@@ -323,8 +314,9 @@ def run(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: boo
         peer_was_lost = True
     if not ctx.watch.close():
         peer_was_lost = True
-    outcome = Outcome(0, summary, None if ctx.rank == PS_RANK else mine.get("worker", mine.get("shard")))
-    if ctx.rank == PS_RANK and not ctx.local and not any("worker" in r for r in reports):
+    own = None if ctx.rank == PS_RANK else dataclasses.asdict(mine.get("worker") or mine["shard"])
+    outcome = Outcome(0, summary, own)
+    if ctx.rank == PS_RANK and not ctx.local and not any(isinstance(r, WorkerReport) for r in reports):
         outcome.code = EXIT_PEER_LOST  # every worker was lost: the budget was not finished
         outcome.error = "mpitrain: every worker was lost"
     if diverged:
@@ -353,9 +345,8 @@ def write_timeline(ctx: Context, reports: list[dict], placements: list[str]) -> 
     reports, one track per rank (a lost worker's are lost with it)."""
     events = timeline_events(ctx)
     for r in reports:
-        report = next(iter(r.values()))
-        if report["rank"] != ctx.rank:
-            events += report.get("timeline") or []
+        if r.rank != ctx.rank:
+            events += r.timeline
     observe.write_trace(ctx.cfg.timeline, events, dict(enumerate(placements)))
     say(f"mpitrain: timeline of {len(events):,} spans written to {ctx.cfg.timeline} (open it in ui.perfetto.dev)")
 
@@ -424,10 +415,10 @@ def announce(ctx: Context, placements: list[str]) -> None:
             say(f"mpitrain: --fresh: earlier checkpoints kept in {moved}")
 
 
-def send_report(ctx: Context, report: dict) -> None:
-    """A worker's end-of-run report to rank 0: JSON bytes, point to point, so that it works with
-    a peer lost (a collective would wait for the dead); watched, like every wait."""
-    data = json.dumps(report).encode()
+def send_report(ctx: Context, report: WorkerReport | ShardReport) -> None:
+    """A worker's (or server's) end-of-run report to rank 0: JSON bytes, point to point, so that it
+    works with a peer lost (a collective would wait for the dead); watched, like every wait."""
+    data = to_bytes(report)
     Poller(END_POLL_S, ctx.watch).all([ctx.comm.Isend([data, MPI.BYTE], dest=PS_RANK, tag=TAG_REPORT)], [PS_RANK])
 
 
@@ -437,7 +428,7 @@ def collect_reports(ctx: Context, mine: dict) -> list[dict]:
     recorded in lost_workers and left out; so is one whose report has not come --worker-timeout
     seconds after training ended."""
     state = mine["state"]
-    reports = [{"worker": mine["worker"]}] if "worker" in mine else []
+    got = [mine["worker"]] if "worker" in mine else []
     timeout = ctx.cfg.worker_timeout
     deadline = time.monotonic() + timeout if timeout > 0 else float("inf")
     poller = Poller(END_POLL_S, ctx.watch)
@@ -448,7 +439,7 @@ def collect_reports(ctx: Context, mine: dict) -> list[dict]:
             for rank in sorted(pending):
                 report = _take_report(ctx, rank, poller)
                 if report is not None:
-                    reports.append({report.pop("role", "worker"): report})
+                    got.append(report)
                     ctx.watch.forget(rank)
                     pending.discard(rank)
             ctx.watch.check()
@@ -463,14 +454,10 @@ def collect_reports(ctx: Context, mine: dict) -> list[dict]:
             pending.clear()
         if pending:
             time.sleep(END_POLL_S)
-    return sorted(reports, key=report_rank)
+    return sorted(got, key=lambda r: r.rank)
 
 
-def report_rank(report: dict) -> int:
-    return next(iter(report.values()))["rank"]
-
-
-def _take_report(ctx: Context, rank: int, poller: Poller) -> dict | None:
+def _take_report(ctx: Context, rank: int, poller: Poller) -> WorkerReport | ShardReport | None:
     """`rank`'s report if it has started to arrive (then wait for all of it), else None. Its
     size comes from the probe; a sender that dies mid-message raises PeerLost."""
     status = MPI.Status()
@@ -481,7 +468,7 @@ def _take_report(ctx: Context, rank: int, poller: Poller) -> dict | None:
         raise PeerLost({rank: mpi_error_reason(str(e))}) from e
     buf = bytearray(status.Get_count(MPI.BYTE))
     poller.all([ctx.comm.Irecv([buf, MPI.BYTE], source=rank, tag=TAG_REPORT)], [rank])
-    return json.loads(buf)
+    return from_bytes(buf)
 
 
 def say_goodbye(ctx: Context, ranks: list[int], peer_was_lost: bool) -> bool:
@@ -561,14 +548,14 @@ def exit_without_finalize(code: int) -> None:
 def _divergence(ctx: Context, mine: dict, reports: list | None) -> dict | None:
     """Rank 0: where training diverged and whose loss it was; workers: whether it did."""
     if ctx.rank != 0:
-        return (mine.get("worker") or mine["shard"])["diverged"]
+        return (mine.get("worker") or mine["shard"]).diverged
     d = mine["state"].diverged
     if d is None:
         return None
-    told = [r["worker"] for r in reports if "worker" in r and r["worker"].get("diverged")]
-    ranks = d["ranks"] or [w["rank"] for w in told if w["diverged"].get("mine")]
+    told = [r for r in reports if isinstance(r, WorkerReport) and r.diverged]
+    ranks = d["ranks"] or [w.rank for w in told if w.diverged.get("mine")]
     if d.get("why") is None and told:  # sync: rank 0 learnt only the step; the workers know the rest
-        d = {**d, "why": told[0]["diverged"]["why"], "loss": told[0]["diverged"]["loss"]}
+        d = {**d, "why": told[0].diverged["why"], "loss": told[0].diverged["loss"]}
     return {**d, "ranks": ranks}
 
 
