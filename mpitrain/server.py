@@ -345,7 +345,9 @@ class AsyncServer:
         state, step = self.state, self.state.global_step
         self.progress.update(step, loss)
         log_train(self.ctx, state, self.clock, step, loss, staleness=staleness, local_steps=list(state.local_steps))
-        evaluate, save = self.ctx.eval_due(step), self.ckpt.due(step)
+        # The budget's last step is saved once, at the end (run): with --num-ps the other servers
+        # may not have applied their last gradients yet, and a save of the same step is skipped.
+        evaluate, save = self.ctx.eval_due(step), self.ckpt.due(step) and step < self.ctx.global_step_budget
         if not (evaluate or save):
             return
         if save:

@@ -251,32 +251,16 @@ def build_summary(ctx: Context, mine: dict, reports: list[dict], placements: lis
 
 
 def run(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: bool = False) -> Outcome:
-    """One training run on this rank. The command line ends the process with the code (and MPI
-    with MPI_Finalize); the Python API (`library`) keeps MPI for the next run in the process."""
+    """One training run on this rank, in phases: agree on the set-up, connect (communicators,
+    start lines, heartbeats), train in this rank's role and report to rank 0, publish the summary
+    (rank 0) or wait for its goodbye, then wind down. The command line ends the process with the
+    code (and MPI with MPI_Finalize); the Python API (`library`) keeps MPI for the next run."""
     ctx, line = agree_on_setup(cfg, comm, node, err)
     if ctx is None:
         return Outcome(2, error=line)
-    if cfg.mode == "sync" and not ctx.local:  # collective on COMM_WORLD: every rank calls it
-        ctx.worker_comm = comm.Split(MPI.UNDEFINED if ctx.is_ps else 0, ctx.rank)
-    placements = comm.gather(ctx.placement(), root=0)  # the last collective over every rank
-    if ctx.rank == PS_RANK:
-        announce(ctx, placements)
-    ctx.activity = observe.Activity(cfg.timeline_steps if cfg.timeline else 0)
-    heartbeat, ctx.watch = liveness.start(comm, ctx.rank, ctx.layout, cfg.worker_timeout, ctx.activity)
-    rss_start = max_rss_mb()
+    placements, heartbeat = connect(ctx)
     try:
-        mine = train_role(ctx)
-        ctx.activity.enter(observe.IDLE)
-        ctx.watch.stall = None  # training is over: the end of the run has its own time limits
-        mine["max_rss_mb"] = [rss_start, max_rss_mb()]  # start and end of training (benchmarks/soak.py)
-        if ctx.rank == PS_RANK:
-            reports = collect_reports(ctx, mine)
-        elif "shard" in mine:
-            send_report(ctx, dataclasses.replace(mine["shard"], timeline=timeline_events(ctx)))
-        else:
-            send_report(ctx, dataclasses.replace(mine["worker"], max_rss_mb=mine["max_rss_mb"],
-                                                 timeline=timeline_events(ctx)))
-            Kill(ctx.rank).after_report()
+        mine, reports = train_and_report(ctx)
     except PeerLost as e:
         return Outcome(peer_lost(ctx, e))
     except ProtocolError as e:
@@ -288,32 +272,77 @@ def run(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: boo
         sys.stderr.flush()
         comm.Abort(1)  # peers may be blocked on this rank: end the whole job, never hang
         return Outcome(1)
-    diverged = _divergence(ctx, mine, reports if ctx.rank == PS_RANK else None)
+    diverged = _divergence(ctx, mine, reports)
     summary = None
     if ctx.rank == PS_RANK:
-        state = mine["state"]
-        summary = build_summary(ctx, mine, reports, placements)
-        summary["diverged"] = diverged
-        for line in human_summary(summary):
-            say(line)
-        if cfg.summary_json:
-            write_json_atomic(cfg.summary_json, summary)
-        if cfg.timeline:
-            write_timeline(ctx, reports, placements)
-        if state.log:
-            state.log.close(summary)
-        peer_was_lost = say_goodbye(ctx, [r.rank for r in reports], bool(state.lost_workers))
+        summary, peer_was_lost = publish(ctx, mine, reports, placements, diverged)
     else:
         try:
             peer_was_lost = await_goodbye(ctx)
         except PeerLost as e:
             return Outcome(peer_lost(ctx, e))
-    # Retire the heartbeats (each rank's last beat closes its peer's receive); a peer that dies
-    # now makes MPI_Finalize unsafe too.
-    if heartbeat and not heartbeat.close(set(ctx.watch.lost)):  # every lost rank was declared there
-        peer_was_lost = True
-    if not ctx.watch.close():
-        peer_was_lost = True
+    outcome = verdict(ctx, mine, reports, summary, diverged)
+    if not retire_heartbeats(ctx, heartbeat) or peer_was_lost:
+        exit_without_finalize(outcome.code)
+    if library:  # MPI stays up for the next run; only this run's communicator goes
+        free_worker_comm(ctx)
+    else:
+        finalize(ctx, outcome.code)
+    return outcome
+
+
+def connect(ctx: Context) -> tuple[list[str], liveness.Heartbeat | None]:
+    """The last collectives over every rank (the sync workers' communicator, the start lines),
+    then this rank's activity record and heartbeats. Returns the start lines (rank 0) and the
+    heartbeat thread."""
+    comm, cfg = ctx.comm, ctx.cfg
+    if cfg.mode == "sync" and not ctx.local:  # collective on COMM_WORLD: every rank calls it
+        ctx.worker_comm = comm.Split(MPI.UNDEFINED if ctx.is_ps else 0, ctx.rank)
+    placements = comm.gather(ctx.placement(), root=0)
+    if ctx.rank == PS_RANK:
+        announce(ctx, placements)
+    ctx.activity = observe.Activity(cfg.timeline_steps if cfg.timeline else 0)
+    heartbeat, ctx.watch = liveness.start(comm, ctx.rank, ctx.layout, cfg.worker_timeout, ctx.activity)
+    return placements, heartbeat
+
+
+def train_and_report(ctx: Context) -> tuple[dict, list]:
+    """Train in this rank's role; rank 0 collects every report (returned), the others send theirs."""
+    rss_start = max_rss_mb()
+    mine = train_role(ctx)
+    ctx.activity.enter(observe.IDLE)
+    ctx.watch.stall = None  # training is over: the end of the run has its own time limits
+    mine["max_rss_mb"] = [rss_start, max_rss_mb()]  # start and end of training (benchmarks/soak.py)
+    if ctx.rank == PS_RANK:
+        return mine, collect_reports(ctx, mine)
+    if "shard" in mine:
+        send_report(ctx, dataclasses.replace(mine["shard"], timeline=timeline_events(ctx)))
+    else:
+        send_report(ctx, dataclasses.replace(mine["worker"], max_rss_mb=mine["max_rss_mb"],
+                                             timeline=timeline_events(ctx)))
+        Kill(ctx.rank).after_report()
+    return mine, []
+
+
+def publish(ctx: Context, mine: dict, reports: list, placements: list[str], diverged: dict | None) -> tuple[dict, bool]:
+    """Rank 0: the summary (printed, --summary-json, the log's end), the timeline, then the
+    goodbyes. Returns the summary and whether a peer turned out to be lost."""
+    cfg, state = ctx.cfg, mine["state"]
+    summary = build_summary(ctx, mine, reports, placements)
+    summary["diverged"] = diverged
+    for line in human_summary(summary):
+        say(line)
+    if cfg.summary_json:
+        write_json_atomic(cfg.summary_json, summary)
+    if cfg.timeline:
+        write_timeline(ctx, reports, placements)
+    if state.log:
+        state.log.close(summary)
+    return summary, say_goodbye(ctx, [r.rank for r in reports], bool(state.lost_workers))
+
+
+def verdict(ctx: Context, mine: dict, reports: list, summary: dict | None, diverged: dict | None) -> Outcome:
+    """The exit code and error line of a run that got to its end."""
     own = None if ctx.rank == PS_RANK else dataclasses.asdict(mine.get("worker") or mine["shard"])
     outcome = Outcome(0, summary, own)
     if ctx.rank == PS_RANK and not ctx.local and not any(isinstance(r, WorkerReport) for r in reports):
@@ -326,13 +355,18 @@ def run(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: boo
             say(outcome.error, sys.stderr)
         else:  # a worker knows the step only; rank 0 printed the line with the loss and whose it was
             outcome.error = f"mpitrain: training diverged at global step {diverged['global_step']} (rank 0 says why)"
-    if peer_was_lost:
-        exit_without_finalize(outcome.code)
-    if library:  # MPI stays up for the next run; only this run's communicator goes
-        free_worker_comm(ctx)
-    else:
-        finalize(ctx, outcome.code)
     return outcome
+
+
+def retire_heartbeats(ctx: Context, heartbeat) -> bool:
+    """Each rank's last beat closes its peers' receive. False when a peer died meanwhile, which
+    makes MPI_Finalize unsafe (it would wait for the dead)."""
+    ok = True
+    if heartbeat and not heartbeat.close(set(ctx.watch.lost)):  # every lost rank was declared there
+        ok = False
+    if not ctx.watch.close():
+        ok = False
+    return ok
 
 
 def timeline_events(ctx: Context) -> list[dict]:
@@ -545,7 +579,7 @@ def exit_without_finalize(code: int) -> None:
     os._exit(code)
 
 
-def _divergence(ctx: Context, mine: dict, reports: list | None) -> dict | None:
+def _divergence(ctx: Context, mine: dict, reports: list) -> dict | None:
     """Rank 0: where training diverged and whose loss it was; workers: whether it did."""
     if ctx.rank != 0:
         return (mine.get("worker") or mine["shard"]).diverged
