@@ -121,10 +121,14 @@ def log_train(ctx: Context, state: ServerState, clock: _Clock, step: int, loss: 
         state.log.workers(step, rows)
 
 
+def seen_workers(ctx: Context) -> dict[int, tuple]:
+    """Watch.seen() of the workers only (rank 0 also watches the other servers, --num-ps)."""
+    return {r: seen for r, seen in ctx.watch.seen().items() if not ctx.layout.is_server(r)}
+
+
 def beat_step_times(ctx: Context) -> dict[int, dict]:
     """Each worker's step time as its last heartbeat told it."""
-    return {r: step_time_from_beat(b) for r, (b, _, _) in ctx.watch.seen().items()
-            if b is not None and not ctx.layout.is_server(r)}
+    return {r: step_time_from_beat(b) for r, (b, _, _) in seen_workers(ctx).items() if b is not None}
 
 
 def staleness_feasible(global_step: int, other_bases: list[int], bound: int) -> bool:
@@ -273,7 +277,7 @@ class AsyncServer:
             return own
         pieces = self.gather.ask_all(own.global_step, flags)
         names, n = self.gather.names, self.ctx.model.n_params
-        mine = (self.ctx.shard, np.concatenate([own.array(name) for name in names]))
+        mine = (self.ctx.shard, checkpoint.to_flat(own, names))
         return assemble([mine] + pieces, names, n, own.global_step, own.opt_t, own.positions)
 
     def _checkpoint(self, flags: int = FLAG_CKPT) -> TrainState:
@@ -500,7 +504,7 @@ def _received(ctx: Context, gather: Gather, box: Message, names: list[str]) -> T
     servers' slices of the same step, which they forward (sync_shard)."""
     pieces = [(ctx.shard, box.payload)]
     if gather:
-        pieces += gather.wait(gather.post())
+        pieces += gather.wait(gather.post(), gather.ranks)
         behind = [(r, step) for r, step in zip(gather.ranks, gather.steps()) if step != box.step]
         if behind:
             raise ProtocolError(f"server rank {behind[0][0]} forwarded step {behind[0][1]} while the chief worker "

@@ -46,7 +46,7 @@ class Gather:
 
     def __init__(self, ctx, poller):
         lay, n = ctx.layout, ctx.model.n_params
-        self.ctx, self.poller, self.n = ctx, poller, n
+        self.ctx, self.poller = ctx, poller
         self.names = state_arrays(ctx.cfg)
         self.others = [(r, lay.shard_slice(lay.shard_index(r), n)) for r in lay.server_ranks if r != PS_RANK]
         self.ranks = [r for r, _ in self.others]
@@ -59,9 +59,10 @@ class Gather:
     def post(self) -> list:
         return [self.ctx.comm.Irecv(box.spec(), source=r, tag=TAG_SHARD) for r, box in zip(self.ranks, self.boxes)]
 
-    def wait(self, reqs: list) -> list[tuple[slice, np.ndarray]]:
-        """Each other server's (slice, piece), once all have come (PeerLost if one is lost)."""
-        self.poller.all(reqs, self.ranks * (len(reqs) // max(1, len(self.ranks))))
+    def wait(self, reqs: list, peers: list[int]) -> list[tuple[slice, np.ndarray]]:
+        """Each other server's (slice, piece), once `reqs` (with `peers[i]` request i's server)
+        have all completed (PeerLost if one is lost)."""
+        self.poller.all(reqs, peers)
         for r, box in zip(self.ranks, self.boxes):
             box.check(TAG_SHARD, r)
         return [(s, box.payload) for (_, s), box in zip(self.others, self.boxes)]
@@ -71,7 +72,7 @@ class Gather:
         recvs = self.post()
         self.ask.stamp(TAG_SHARD, step, flags=flags)
         sends = [self.ctx.comm.Isend(self.ask.spec(), dest=r, tag=TAG_SHARD) for r in self.ranks]
-        return self.wait(recvs + sends)
+        return self.wait(recvs + sends, self.ranks + self.ranks)
 
     def steps(self) -> list[int]:
         """The global step each other server had reached in its last piece."""

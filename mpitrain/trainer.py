@@ -24,7 +24,7 @@ from mpitrain.protocol import BEAT_GLOBAL_STEP, FLAG_PEER_LOST, TAG_REPORT, Mess
 from mpitrain.protocol import VERSION as PROTOCOL_VERSION
 from mpitrain.reports import ShardReport, WorkerReport, from_bytes, to_bytes
 from mpitrain.runtime import PS_RANK, Context, Node, setup
-from mpitrain.server import record_lost
+from mpitrain.server import record_lost, seen_workers
 from mpitrain.transport import END_POLL_S, Poller
 from mpitrain.worker import WorkerResult
 
@@ -151,7 +151,7 @@ def server_stall_line(ctx: Context, step: int, stalled_s: float) -> str:
     """Rank 0, no global step for --stall-warning seconds: what it waits for, and each worker's
     state from its heartbeats (the ones not waiting are those the others wait for)."""
     cfg = ctx.cfg
-    seen = {r: b for r, b in ctx.watch.seen().items() if not ctx.layout.is_server(r)}  # the workers
+    seen = seen_workers(ctx)
     silent_after = liveness.silent_after(cfg.worker_timeout)
     what = observe.server_waits_for(cfg.mode, cfg.quorum, ctx.workers)
     if not seen:
