@@ -21,6 +21,7 @@ from mpi4py import MPI
 
 from mpitrain.layout import Layout
 from mpitrain.protocol import BEAT_FIELDS, FLAG_STOP, TAG_HEARTBEAT, Message
+from mpitrain.waiting import poll
 
 BEATS_PER_TIMEOUT = 4  # a peer must miss this many heartbeats in a row to be declared lost
 MAX_BEAT_S = 2.0
@@ -117,15 +118,10 @@ class Heartbeat:
 def _wait_all(reqs: list, timeout_s: float) -> bool:
     """True when every request completed within the timeout; False on timeout or an MPI error
     (a peer died meanwhile)."""
-    deadline = time.monotonic() + timeout_s
     try:
-        while not MPI.Request.Testall(reqs):
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(CLOSE_POLL_S)
+        return poll(lambda: MPI.Request.Testall(reqs), CLOSE_POLL_S, deadline=time.monotonic() + timeout_s)
     except MPI.Exception:
         return False
-    return True
 
 
 class Watch:
@@ -218,17 +214,15 @@ class Watch:
     def close(self) -> bool:
         """Wait (up to the timeout) for the last beat of every peer not lost; False if one did
         not come (it died meanwhile: then MPI_Finalize is unsafe)."""
-        deadline = self.clock() + self.timeout_s
-        while any(r not in self.lost for r in self.recv):
+        def retired() -> bool:
             for rank in [r for r in self.recv if r not in self.lost]:
-                try:
-                    self._drain(rank, self.clock())
-                except MPI.Exception:
-                    return False
-            if self.clock() > deadline:
-                return False
-            time.sleep(CLOSE_POLL_S)
-        return True
+                self._drain(rank, self.clock())
+            return all(r in self.lost for r in self.recv)
+
+        try:
+            return poll(retired, CLOSE_POLL_S, deadline=self.clock() + self.timeout_s, clock=self.clock)
+        except MPI.Exception:
+            return False
 
 
 def start(comm, rank: int, layout: Layout, timeout_s: float, activity=None):

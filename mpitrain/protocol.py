@@ -1,9 +1,12 @@
 """The wire format: message tags and the fixed header in front of every payload.
 
-Every hot-path message is ONE contiguous byte buffer: a header of HEADER_SLOTS int64 slots,
-then the payload (float32 parameters or gradients). It travels with the uppercase buffer API
-(`Isend`/`Irecv` of `[buf, MPI.BYTE]`), never pickled. This module is the only place that knows
-the tags, the slot positions and the flag bits.
+Every hot-path message is a header of HEADER_SLOTS int64 slots, then the payload (parameters or
+gradients, float32 or a --compress type). With one parameter server it is ONE contiguous byte
+buffer; with --num-ps K a worker's message to server k is its header and its slice of the one
+flat buffer (Message.shard_parts: an MPI struct datatype received in place, sent from a
+contiguous copy). It travels with the uppercase buffer API (`Isend`/`Irecv` of `[buf, MPI.BYTE]`
+or that datatype), never pickled. This module is the only place that knows the tags, the slot
+positions and the flag bits.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ setup), so both ends know the fields.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 
 @dataclass
@@ -64,3 +64,59 @@ def to_bytes(report: WorkerReport | ShardReport) -> bytes:
 def from_bytes(data: bytes) -> WorkerReport | ShardReport:
     fields = json.loads(data)
     return KINDS[fields.pop("role")](**fields)
+
+
+@dataclass
+class Summary:
+    """Rank 0's account of a run (trainer.build_summary): printed, written by --summary-json,
+    closed into the --log-dir log, and handed back by mpitrain.train(), each as `to_dict()`. The
+    README's summary keys are these fields (a test keeps the two in step)."""
+
+    mpitrain_version: str
+    mode: str  # async, sync or local
+    model: str
+    model_description: str
+    dataset: str
+    world_size: int
+    workers: int
+    global_step: int
+    local_steps: list[int]  # per worker: gradients rank 0 applied / that went into averaged updates
+    gradients_pushed: list[int]
+    wall_seconds: float  # training time
+    samples_per_second: float  # this run only, when resumed
+    test_accuracy: float
+    test_loss: float
+    ema_test_loss: float | None  # --ema-decay
+    ema_test_accuracy: float | None
+    worker_ranks: list[int]  # the workers whose entries follow, in order
+    worker_test_accuracy: list[float]
+    final_loss: float  # mean minibatch loss of the last global steps
+    lost_workers: list[dict]  # rank, global step and reason of each worker declared lost
+    max_rss_mb: list[dict]  # per rank: peak resident memory at the start and end of training
+    dropped_gradients: int
+    dropped_gradients_per_worker: list[int]
+    staleness: dict  # mean, p50, p99, max over applied gradients
+    quorum: int | None  # sync: gradients averaged per update
+    lr_scaling: str
+    lr_effective: float  # after the warm-up, before --lr-decay
+    steps_per_second: float
+    eval_history: list[dict]
+    param_digest: str  # hash of rank 0's final parameters
+    worker_param_digests: list[str]
+    time_breakdown: list[dict]  # per worker: fractions of wall time
+    worker_step_seconds: list[dict]
+    slow_workers: list[dict]
+    ps_busy_fraction: float | None  # rank 0's CPU time / wall time
+    num_ps: int
+    ps_shards: list[dict]  # ShardReport.entry() per parameter server
+    resumed_from: str | None
+    checkpoints: list[str]  # written by this run, oldest first
+    placement: list[str]  # each rank's start line
+    config: dict  # every flag
+    diverged: dict | None  # global step, ranks, loss and why of a non-finite or exploding loss
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+SUMMARY_KEYS = tuple(f.name for f in fields(Summary))

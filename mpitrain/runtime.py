@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +20,7 @@ from mpitrain.config import TrainConfig, UsageError, validate_for_world
 from mpitrain.data import Dataset, check_batch_fits, load_dataset, steps_per_epoch
 from mpitrain.layout import PS_RANK, Layout
 from mpitrain.model import Model, build
+from mpitrain.observe import Activity
 from mpitrain.optim import decayed_lr
 
 __all__ = ["PS_RANK", "Context", "Layout", "Node", "setup", "start_state", "world"]
@@ -108,8 +109,20 @@ def unlink_init_shm(maps: str = "/proc/self/maps", shm_dir: str = "/dev/shm") ->
     return removed
 
 
-@dataclass
+def _no_watch():
+    from mpitrain.liveness import NoWatch  # liveness imports MPI, which world() must initialise first
+
+    return NoWatch()
+
+
+@dataclass(frozen=True)
 class Context:
+    """Everything one rank's run needs, complete when made and never changed after: setup() makes
+    it from the flags, the data and the model (no communication); the trainer's `connect` makes
+    the connected copy (dataclasses.replace) with the sync workers' communicator, the heartbeat
+    watch and this rank's activity record. Until then those are inert: no communicator, a watch
+    that never declares anyone lost, an activity record nobody reads."""
+
     cfg: TrainConfig
     comm: object  # MPI.COMM_WORLD
     rank: int
@@ -120,10 +133,10 @@ class Context:
     data: Dataset
     model: Model
     layout: Layout
+    resume: tuple[Path, checkpoint.TrainState] | None = None  # rank 0: the newest checkpoint in --checkpoint-dir
     worker_comm: object = None  # sync mode: the workers only (rank 0 is not in the hot collective)
-    resume: object = None  # rank 0: (path, checkpoint.TrainState) found in --checkpoint-dir
-    watch: object = None  # liveness.Watch (or NoWatch): the peers this rank waits on
-    activity: object = None  # observe.Activity: what this rank is doing (phases, step times, --timeline)
+    watch: object = field(default_factory=_no_watch)  # liveness.Watch (or NoWatch): the peers this rank waits on
+    activity: Activity = field(default_factory=Activity)  # what this rank is doing (phases, step times, --timeline)
 
     @property
     def local(self) -> bool:
@@ -201,7 +214,7 @@ class Context:
 
     @property
     def fingerprint(self) -> dict:
-        return checkpoint.fingerprint(self.model.sizes, self.cfg.optimizer, self.data.name, self.cfg.seed)
+        return fingerprint(self.cfg, self.data, self.model)
 
     @property
     def yield_in_collectives(self) -> bool:
@@ -224,6 +237,11 @@ class Context:
             k, s = lay.shard_index(self.rank), self.shard
             role += f" shard {k}/{lay.shards} ({s.stop - s.start:,} params)"
         return f"rank {self.rank} {role} {self.host} {self.backend.description}"
+
+
+def fingerprint(cfg: TrainConfig, data: Dataset, model: Model) -> dict:
+    """What a checkpoint must match to be resumed by this run."""
+    return checkpoint.fingerprint(model.sizes, cfg.optimizer, data.name, cfg.seed)
 
 
 def check_launch(size: int, env=os.environ) -> None:
@@ -258,10 +276,10 @@ def setup(cfg: TrainConfig, comm, node: Node) -> Context:
     data = load_dataset(cfg)
     check_batch_fits(data.n_train, layout.workers, cfg.batch_size)
     model = build(cfg.model, data.n_features, cfg.hidden, data.n_classes, cfg.l2, backend.xp)
-    ctx = Context(cfg, comm, rank, size, node, socket.gethostname(), backend, data, model, layout)
+    resume = None
     if rank == PS_RANK and cfg.checkpoint_dir and not cfg.fresh:
-        ctx.resume = checkpoint.load_latest(Path(cfg.checkpoint_dir), ctx.fingerprint)
-    return ctx
+        resume = checkpoint.load_latest(Path(cfg.checkpoint_dir), fingerprint(cfg, data, model))
+    return Context(cfg, comm, rank, size, node, socket.gethostname(), backend, data, model, layout, resume)
 
 
 def start_state(ctx: Context) -> checkpoint.TrainState:

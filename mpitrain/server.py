@@ -35,7 +35,7 @@ from mpitrain.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_LAST, F
 from mpitrain.runtime import Context, start_state
 from mpitrain.shards import Gather, ShardService, assemble
 from mpitrain.transport import CHIEF_POLL_S, PS_POLL_NO_OVERLAP_S, PS_POLL_S, QUORUM_POLL_S, Poller, tested
-from mpitrain.worker import LOSS_WINDOW, WorkerResult, train_sync
+from mpitrain.worker import LOSS_WINDOW
 
 
 @dataclass
@@ -79,7 +79,7 @@ def begin(ctx: Context) -> tuple[TrainState, ServerState, Checkpointer]:
     return start, state, ckpt
 
 
-class _Clock:
+class Clock:
     """Wall and CPU time of rank 0 over training: busy fraction = CPU / wall."""
 
     def __init__(self):
@@ -93,7 +93,7 @@ class _Clock:
         state.busy_fraction = (time.process_time() - self.cpu0) / max(state.train_s, 1e-9)
 
 
-def record_eval(ctx: Context, state: ServerState, clock: _Clock, params: np.ndarray, step: int,
+def record_eval(ctx: Context, state: ServerState, clock: Clock, params: np.ndarray, step: int,
                 ema: np.ndarray | None = None) -> None:
     """--eval-every: test-set loss and accuracy of rank 0's parameters (and of their moving
     average), with the wall time."""
@@ -107,7 +107,7 @@ def record_eval(ctx: Context, state: ServerState, clock: _Clock, params: np.ndar
         state.log.eval(entry)
 
 
-def log_train(ctx: Context, state: ServerState, clock: _Clock, step: int, loss: float, force: bool = False,
+def log_train(ctx: Context, state: ServerState, clock: Clock, step: int, loss: float, force: bool = False,
               **extra) -> None:
     """--log-dir: the training scalars at a global step (loss, lr, samples/s, each worker's step
     time from its heartbeats, and what the caller adds)."""
@@ -160,7 +160,7 @@ class AsyncServer:
         shard, W = ctx.shard, ctx.workers
         n = shard.stop - shard.start
         start, self.state, self.ckpt = begin(ctx)
-        self.clock = _Clock()
+        self.clock = Clock()
         self.params = self.state.params[shard]  # this server's slice, updated in place
         self.opt = Optimizer(cfg.optimizer, n, np, momentum=cfg.momentum)
         self.guard = LossGuard(cfg.divergence_factor)
@@ -447,7 +447,7 @@ def serve_sync(ctx: Context, progress: Progress) -> ServerState:
     cfg = ctx.cfg
     W = ctx.workers
     start, state, ckpt = begin(ctx)
-    clock = _Clock()
+    clock = Clock()
     chief = ctx.layout.worker_rank(0)
     names = checkpoint.state_arrays(cfg)  # [params, optimizer state..., ema]
     full_count = (ctx.shard.stop - ctx.shard.start) * len(names)  # rank 0's slice (all of it with one server)
@@ -517,7 +517,7 @@ def sync_shard(ctx: Context) -> ServerState:
     slice of the state, which the chief worker sends it at eval, checkpoint and end, and
     forwards each to rank 0 for the whole state (one message, the same header, tag TAG_SHARD)."""
     _, state, _ = begin(ctx)
-    clock = _Clock()
+    clock = Clock()
     names, s = checkpoint.state_arrays(ctx.cfg), ctx.shard
     m, chief = s.stop - s.start, ctx.layout.worker_rank(0)
     box = Message(m * len(names))
@@ -545,32 +545,3 @@ def serve_shard(ctx: Context) -> ServerState:
     if ctx.cfg.mode == "async":
         return AsyncServer(ctx, Progress(False, None, ctx.global_batch)).run()
     return sync_shard(ctx)
-
-
-def run_local(ctx: Context, progress: Progress) -> tuple[ServerState, WorkerResult]:
-    """One process: the sync loop with one worker, reporting straight to the bar and saving
-    checkpoints itself."""
-    start, state, ckpt = begin(ctx)
-    clock = _Clock()
-
-    def on_step(step: int, loss: float, sync_step) -> None:
-        progress.update(step, loss)
-        log_train(ctx, state, clock, step, loss, staleness=0, local_steps=[step])
-        if ctx.eval_due(step):
-            st = sync_step.train_state(step)
-            record_eval(ctx, state, clock, st.params, step, st.ema)
-        if ckpt.due(step):
-            ctx.activity.enter(CHECKPOINT, step)
-            ckpt.save(sync_step.train_state(step))
-
-    result = train_sync(ctx, start, on_step)
-    state.params = result.params
-    state.global_step = result.pushed
-    state.local_steps = [result.pushed]
-    state.recent_losses.append(result.recent_loss)
-    clock.stop(state)
-    state.ema = result.train_state.ema
-    if result.diverged:
-        state.diverged = {**result.diverged, "ranks": [0]}
-    ckpt.save(result.train_state)
-    return state, result

@@ -22,10 +22,11 @@ from mpitrain.metrics import Progress, human_summary, say, staleness_summary, wr
 from mpitrain.liveness import PeerLost, mpi_error_reason
 from mpitrain.protocol import BEAT_GLOBAL_STEP, FLAG_PEER_LOST, TAG_REPORT, Message, ProtocolError
 from mpitrain.protocol import VERSION as PROTOCOL_VERSION
-from mpitrain.reports import ShardReport, WorkerReport, from_bytes, to_bytes
+from mpitrain.reports import ShardReport, Summary, WorkerReport, from_bytes, to_bytes
 from mpitrain.runtime import PS_RANK, Context, Node, setup
 from mpitrain.server import record_lost, seen_workers
 from mpitrain.transport import END_POLL_S, Poller
+from mpitrain.waiting import poll
 from mpitrain.worker import WorkerResult
 
 EXIT_DIVERGED = 4  # every rank, after the summary: training stopped on a non-finite loss
@@ -33,6 +34,28 @@ EXIT_PEER_LOST = 5  # a rank this one cannot go on without was lost (--worker-ti
 ABORT_FLUSH_S = 0.5
 STALL_DETAIL_WORKERS = 4  # a stall line describes every worker up to this many, else only the late ones
 FINALIZE_MIN_S = 5.0  # a healthy MPI_Finalize takes milliseconds: every rank arrives within that of the others
+
+
+@dataclasses.dataclass
+class RoleResult:
+    """What training in its role left on this rank: rank 0 (and a local run) its final state and
+    evaluation; a worker its report; a server other than rank 0 its shard's report."""
+
+    state: object = None  # server.ServerState: rank 0 and the local run
+    test_loss: float = float("nan")  # rank 0: of its final parameters
+    test_accuracy: float = float("nan")
+    ema: tuple = (None, None)  # rank 0, --ema-decay: test loss and accuracy of the moving average
+    worker: WorkerReport | None = None  # a worker's (and the local run's) report to rank 0
+    shard: ShardReport | None = None  # a server's other than rank 0
+    max_rss_mb: list[float] = dataclasses.field(default_factory=list)  # start and end of training
+
+    @property
+    def report(self) -> WorkerReport | ShardReport | None:
+        return self.worker or self.shard
+
+    @property
+    def checkpoints(self) -> list[str]:
+        return self.state.checkpoints if self.state is not None else []
 
 
 @dataclasses.dataclass
@@ -102,14 +125,14 @@ def _evaluate(ctx: Context, params_host: np.ndarray) -> tuple[float, float]:
     return loss, acc
 
 
-def train_role(ctx: Context) -> dict:
+def train_role(ctx: Context) -> RoleResult:
     """Run this rank's part; return what it reports to rank 0 (rank 0 also keeps its state)."""
-    from mpitrain import server, worker
+    from mpitrain import local, server, worker
 
     cfg = ctx.cfg
     if ctx.is_ps and ctx.rank != PS_RANK:  # --num-ps: a server of one shard, reporting to rank 0
         state = server.serve_shard(ctx)
-        return {"shard": shard_report(ctx, state)}
+        return RoleResult(shard=shard_report(ctx, state))
     if ctx.is_ps or ctx.local:
         progress = Progress(cfg.progress, ctx.global_step_budget, ctx.global_batch)
         if cfg.stall_warning > 0 and not ctx.local:
@@ -117,7 +140,7 @@ def train_role(ctx: Context) -> dict:
                                             lambda stalled_s: server_stall_line(ctx, progress.step, stalled_s))
         try:
             if ctx.local:
-                state, wres = server.run_local(ctx, progress)
+                state, wres = local.run_local(ctx, progress)
             elif cfg.mode == "async":
                 state, wres = server.serve_async(ctx, progress), None
             else:
@@ -126,17 +149,16 @@ def train_role(ctx: Context) -> dict:
             progress.close()
         ctx.activity.enter(observe.EVAL, state.global_step)
         loss, acc = _evaluate(ctx, state.params)
-        report = {"state": state, "test_loss": loss, "test_accuracy": acc, "checkpoints": state.checkpoints,
-                  "ema": _evaluate(ctx, state.ema) if state.ema is not None else (None, None)}
+        mine = RoleResult(state, loss, acc, _evaluate(ctx, state.ema) if state.ema is not None else (None, None))
         if wres is not None:  # local: rank 0 is also the one worker
-            report["worker"] = _worker_report(ctx, wres, (loss, acc))
-        return report
+            mine.worker = _worker_report(ctx, wres, (loss, acc))
+        return mine
     if cfg.stall_warning > 0:
         ctx.watch.stall = observe.Stall(cfg.stall_warning, lambda: ctx.activity.gradients,
                                         lambda stalled_s: worker_stall_line(ctx, stalled_s))
     wres = worker.run_async(ctx) if cfg.mode == "async" else worker.run_sync(ctx)
     ctx.activity.enter(observe.EVAL)
-    return {"worker": _worker_report(ctx, wres, _evaluate(ctx, wres.params))}
+    return RoleResult(worker=_worker_report(ctx, wres, _evaluate(ctx, wres.params)))
 
 
 def shard_report(ctx: Context, state) -> ShardReport:
@@ -192,8 +214,8 @@ def _worker_report(ctx: Context, wres: WorkerResult, evaluation: tuple[float, fl
                         evaluation[1], digest(wres.params), breakdown, ctx.activity.report())
 
 
-def build_summary(ctx: Context, mine: dict, reports: list[dict], placements: list[str]) -> dict:
-    cfg, state = ctx.cfg, mine["state"]
+def build_summary(ctx: Context, mine: RoleResult, reports: list, placements: list[str], diverged: dict | None) -> Summary:
+    cfg, state = ctx.cfg, mine.state
     workers = [r for r in reports if isinstance(r, WorkerReport)]
     shards = [shard_report(ctx, state)] + [r for r in reports if isinstance(r, ShardReport)]
     if cfg.mode == "sync" or ctx.local:  # gradients each worker had in the averaged updates
@@ -203,51 +225,52 @@ def build_summary(ctx: Context, mine: dict, reports: list[dict], placements: lis
         quorum = cfg.quorum if cfg.quorum is not None else ctx.workers
     samples = (state.global_step - state.start_step) * ctx.global_batch  # this run only, when resumed
     step_times, slow = observe.attribute({w.rank: w.step_time for w in workers}, cfg.straggler_report)
-    return {
-        "mpitrain_version": __version__,
-        "mode": "local" if ctx.local else cfg.mode,
-        "model": cfg.model,
-        "model_description": ctx.model.description,
-        "dataset": ctx.data.name,
-        "world_size": ctx.size,
-        "workers": ctx.workers,
-        "global_step": state.global_step,
-        "local_steps": state.local_steps,
-        "gradients_pushed": [w.pushed for w in workers],
-        "wall_seconds": state.train_s,
-        "samples_per_second": samples / max(state.train_s, 1e-9),
-        "test_accuracy": mine["test_accuracy"],
-        "test_loss": mine["test_loss"],
-        "ema_test_loss": mine["ema"][0],
-        "ema_test_accuracy": mine["ema"][1],
-        "worker_ranks": [w.rank for w in workers],
-        "worker_test_accuracy": [w.test_accuracy for w in workers],
-        "final_loss": state.final_loss,
-        "lost_workers": state.lost_workers,
-        "max_rss_mb": [{"rank": 0, "start": mine["max_rss_mb"][0], "end": mine["max_rss_mb"][1]}]
+    return Summary(
+        mpitrain_version=__version__,
+        mode="local" if ctx.local else cfg.mode,
+        model=cfg.model,
+        model_description=ctx.model.description,
+        dataset=ctx.data.name,
+        world_size=ctx.size,
+        workers=ctx.workers,
+        global_step=state.global_step,
+        local_steps=state.local_steps,
+        gradients_pushed=[w.pushed for w in workers],
+        wall_seconds=state.train_s,
+        samples_per_second=samples / max(state.train_s, 1e-9),
+        test_accuracy=mine.test_accuracy,
+        test_loss=mine.test_loss,
+        ema_test_loss=mine.ema[0],
+        ema_test_accuracy=mine.ema[1],
+        worker_ranks=[w.rank for w in workers],
+        worker_test_accuracy=[w.test_accuracy for w in workers],
+        final_loss=state.final_loss,
+        lost_workers=state.lost_workers,
+        max_rss_mb=[{"rank": 0, "start": mine.max_rss_mb[0], "end": mine.max_rss_mb[1]}]
         + [{"rank": w.rank, "start": w.max_rss_mb[0], "end": w.max_rss_mb[1]} for w in workers
            if w.max_rss_mb],  # a local run's own worker report has none: its rank is 0, above
-        "dropped_gradients": sum(w.dropped for w in workers),
-        "dropped_gradients_per_worker": [w.dropped for w in workers],
-        "staleness": staleness_summary(state.staleness),
-        "quorum": quorum,
-        "lr_scaling": "linear" if cfg.scaled_lr else "none",
-        "lr_effective": cfg.lr * ctx.lr_scale,  # after the warm-up, before --lr-decay
-        "steps_per_second": state.global_step / max(state.train_s, 1e-9),
-        "eval_history": state.eval_history,
-        "param_digest": digest(state.params),
-        "worker_param_digests": [w.digest for w in workers],
-        "time_breakdown": [w.time_breakdown for w in workers],
-        "worker_step_seconds": step_times,
-        "slow_workers": slow,
-        "ps_busy_fraction": None if ctx.local else state.busy_fraction,
-        "num_ps": len(ctx.layout.server_ranks),
-        "ps_shards": [] if ctx.local else [r.entry() for r in shards],
-        "resumed_from": str(ctx.resume[0]) if ctx.resume else None,
-        "checkpoints": mine["checkpoints"],
-        "placement": placements,
-        "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(cfg).items()},
-    }
+        dropped_gradients=sum(w.dropped for w in workers),
+        dropped_gradients_per_worker=[w.dropped for w in workers],
+        staleness=staleness_summary(state.staleness),
+        quorum=quorum,
+        lr_scaling="linear" if cfg.scaled_lr else "none",
+        lr_effective=cfg.lr * ctx.lr_scale,  # after the warm-up, before --lr-decay
+        steps_per_second=state.global_step / max(state.train_s, 1e-9),
+        eval_history=state.eval_history,
+        param_digest=digest(state.params),
+        worker_param_digests=[w.digest for w in workers],
+        time_breakdown=[w.time_breakdown for w in workers],
+        worker_step_seconds=step_times,
+        slow_workers=slow,
+        ps_busy_fraction=None if ctx.local else state.busy_fraction,
+        num_ps=len(ctx.layout.server_ranks),
+        ps_shards=[] if ctx.local else [r.entry() for r in shards],
+        resumed_from=str(ctx.resume[0]) if ctx.resume else None,
+        checkpoints=mine.checkpoints,
+        placement=placements,
+        config={k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(cfg).items()},
+        diverged=diverged,
+    )
 
 
 def run(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: bool = False) -> Outcome:
@@ -258,7 +281,7 @@ def run(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: boo
     ctx, line = agree_on_setup(cfg, comm, node, err)
     if ctx is None:
         return Outcome(2, error=line)
-    placements, heartbeat = connect(ctx)
+    ctx, placements, heartbeat = connect(ctx)
     try:
         mine, reports = train_and_report(ctx)
     except PeerLost as e:
@@ -291,45 +314,45 @@ def run(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: boo
     return outcome
 
 
-def connect(ctx: Context) -> tuple[list[str], liveness.Heartbeat | None]:
+def connect(ctx: Context) -> tuple[Context, list[str], liveness.Heartbeat | None]:
     """The last collectives over every rank (the sync workers' communicator, the start lines),
-    then this rank's activity record and heartbeats. Returns the start lines (rank 0) and the
-    heartbeat thread."""
+    then this rank's activity record and heartbeats. Returns the connected context, the start
+    lines (rank 0) and the heartbeat thread."""
     comm, cfg = ctx.comm, ctx.cfg
+    worker_comm = None
     if cfg.mode == "sync" and not ctx.local:  # collective on COMM_WORLD: every rank calls it
-        ctx.worker_comm = comm.Split(MPI.UNDEFINED if ctx.is_ps else 0, ctx.rank)
+        worker_comm = comm.Split(MPI.UNDEFINED if ctx.is_ps else 0, ctx.rank)
     placements = comm.gather(ctx.placement(), root=0)
     if ctx.rank == PS_RANK:
         announce(ctx, placements)
-    ctx.activity = observe.Activity(cfg.timeline_steps if cfg.timeline else 0)
-    heartbeat, ctx.watch = liveness.start(comm, ctx.rank, ctx.layout, cfg.worker_timeout, ctx.activity)
-    return placements, heartbeat
+    activity = observe.Activity(cfg.timeline_steps if cfg.timeline else 0)
+    heartbeat, watch = liveness.start(comm, ctx.rank, ctx.layout, cfg.worker_timeout, activity)
+    return dataclasses.replace(ctx, worker_comm=worker_comm, watch=watch, activity=activity), placements, heartbeat
 
 
-def train_and_report(ctx: Context) -> tuple[dict, list]:
+def train_and_report(ctx: Context) -> tuple[RoleResult, list]:
     """Train in this rank's role; rank 0 collects every report (returned), the others send theirs."""
     rss_start = max_rss_mb()
     mine = train_role(ctx)
     ctx.activity.enter(observe.IDLE)
     ctx.watch.stall = None  # training is over: the end of the run has its own time limits
-    mine["max_rss_mb"] = [rss_start, max_rss_mb()]  # start and end of training (benchmarks/soak.py)
+    mine.max_rss_mb = [rss_start, max_rss_mb()]  # start and end of training (benchmarks/soak.py)
     if ctx.rank == PS_RANK:
         return mine, collect_reports(ctx, mine)
-    if "shard" in mine:
-        send_report(ctx, dataclasses.replace(mine["shard"], timeline=timeline_events(ctx)))
+    if mine.shard is not None:
+        send_report(ctx, dataclasses.replace(mine.shard, timeline=timeline_events(ctx)))
     else:
-        send_report(ctx, dataclasses.replace(mine["worker"], max_rss_mb=mine["max_rss_mb"],
+        send_report(ctx, dataclasses.replace(mine.worker, max_rss_mb=mine.max_rss_mb,
                                              timeline=timeline_events(ctx)))
         Kill(ctx.rank).after_report()
     return mine, []
 
 
-def publish(ctx: Context, mine: dict, reports: list, placements: list[str], diverged: dict | None) -> tuple[dict, bool]:
+def publish(ctx: Context, mine: RoleResult, reports: list, placements: list[str], diverged: dict | None) -> tuple[dict, bool]:
     """Rank 0: the summary (printed, --summary-json, the log's end), the timeline, then the
     goodbyes. Returns the summary and whether a peer turned out to be lost."""
-    cfg, state = ctx.cfg, mine["state"]
-    summary = build_summary(ctx, mine, reports, placements)
-    summary["diverged"] = diverged
+    cfg, state = ctx.cfg, mine.state
+    summary = build_summary(ctx, mine, reports, placements, diverged).to_dict()
     for line in human_summary(summary):
         say(line)
     if cfg.summary_json:
@@ -341,9 +364,9 @@ def publish(ctx: Context, mine: dict, reports: list, placements: list[str], dive
     return summary, say_goodbye(ctx, [r.rank for r in reports], bool(state.lost_workers))
 
 
-def verdict(ctx: Context, mine: dict, reports: list, summary: dict | None, diverged: dict | None) -> Outcome:
+def verdict(ctx: Context, mine: RoleResult, reports: list, summary: dict | None, diverged: dict | None) -> Outcome:
     """The exit code and error line of a run that got to its end."""
-    own = None if ctx.rank == PS_RANK else dataclasses.asdict(mine.get("worker") or mine["shard"])
+    own = None if ctx.rank == PS_RANK else dataclasses.asdict(mine.report)
     outcome = Outcome(0, summary, own)
     if ctx.rank == PS_RANK and not ctx.local and not any(isinstance(r, WorkerReport) for r in reports):
         outcome.code = EXIT_PEER_LOST  # every worker was lost: the budget was not finished
@@ -351,7 +374,7 @@ def verdict(ctx: Context, mine: dict, reports: list, summary: dict | None, diver
     if diverged:
         outcome.code = EXIT_DIVERGED
         if ctx.rank == PS_RANK:
-            outcome.error = divergence_line(diverged, mine["checkpoints"])
+            outcome.error = divergence_line(diverged, mine.checkpoints)
             say(outcome.error, sys.stderr)
         else:  # a worker knows the step only; rank 0 printed the line with the loss and whose it was
             outcome.error = f"mpitrain: training diverged at global step {diverged['global_step']} (rank 0 says why)"
@@ -456,19 +479,20 @@ def send_report(ctx: Context, report: WorkerReport | ShardReport) -> None:
     Poller(END_POLL_S, ctx.watch).all([ctx.comm.Isend([data, MPI.BYTE], dest=PS_RANK, tag=TAG_REPORT)], [PS_RANK])
 
 
-def collect_reports(ctx: Context, mine: dict) -> list[dict]:
-    """Rank 0: every live worker's report (and its own, when local), and every other server's
-    ({"shard": ...}), by rank. A worker lost before reporting, or while sending its report, is
+def collect_reports(ctx: Context, mine: RoleResult) -> list:
+    """Rank 0: every live worker's WorkerReport (and its own, when local) and every other server's
+    ShardReport, by rank. A worker lost before reporting, or while sending its report, is
     recorded in lost_workers and left out; so is one whose report has not come --worker-timeout
     seconds after training ended."""
-    state = mine["state"]
-    got = [mine["worker"]] if "worker" in mine else []
+    state = mine.state
+    got = [mine.worker] if mine.worker is not None else []
     timeout = ctx.cfg.worker_timeout
-    deadline = time.monotonic() + timeout if timeout > 0 else float("inf")
     poller = Poller(END_POLL_S, ctx.watch)
     others = set(ctx.layout.worker_ranks) | set(ctx.layout.server_ranks)
     pending = others - {ctx.rank} - {info["rank"] for info in state.lost_workers}
-    while pending:
+
+    def all_in() -> bool:
+        """Take the reports that have come; a lost sender is recorded, not waited for."""
         try:
             for rank in sorted(pending):
                 report = _take_report(ctx, rank, poller)
@@ -481,13 +505,12 @@ def collect_reports(ctx: Context, mine: dict) -> list[dict]:
             for rank, why in e.lost.items():
                 record_lost(state, rank, why)
                 pending.discard(rank)
-        if pending and time.monotonic() > deadline:
-            for rank in sorted(pending):
-                ctx.watch.declare(rank, "no report")
-                record_lost(state, rank, f"no report {timeout:g} s after training ended")
-            pending.clear()
-        if pending:
-            time.sleep(END_POLL_S)
+        return not pending
+
+    if not poll(all_in, END_POLL_S, deadline=time.monotonic() + timeout if timeout > 0 else None):
+        for rank in sorted(pending):
+            ctx.watch.declare(rank, "no report")
+            record_lost(state, rank, f"no report {timeout:g} s after training ended")
     return sorted(got, key=lambda r: r.rank)
 
 
@@ -579,11 +602,11 @@ def exit_without_finalize(code: int) -> None:
     os._exit(code)
 
 
-def _divergence(ctx: Context, mine: dict, reports: list) -> dict | None:
+def _divergence(ctx: Context, mine: RoleResult, reports: list) -> dict | None:
     """Rank 0: where training diverged and whose loss it was; workers: whether it did."""
     if ctx.rank != 0:
-        return (mine.get("worker") or mine["shard"]).diverged
-    d = mine["state"].diverged
+        return mine.report.diverged
+    d = mine.state.diverged
     if d is None:
         return None
     told = [r for r in reports if isinstance(r, WorkerReport) and r.diverged]

@@ -1,4 +1,4 @@
-"""How ranks wait for MPI requests: one primitive, Poller, for every wait.
+"""How ranks wait for MPI requests: Poller, over waiting.poll (the one way any rank waits).
 
 It never burns a core: MPICH's Wait* busy-polls, and with 3 ranks on 2 cores a spinning rank
 takes the core a worker needs, so idle ranks poll with Test* and sleep between polls (measured
@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from mpi4py import MPI
 
 from mpitrain.liveness import CLOSE_POLL_S, PeerLost, mpi_error_reason
+from mpitrain.waiting import poll
 
 # Sleep between polls. A wake-up from sleep costs ~80-100 us on these VMs, so shorter sleeps
 # only cost CPU. Each of the PS's polls costs ~12 us of CPU (a wake-up plus MPICH progress).
@@ -68,17 +69,19 @@ class Poller:
         Completed when none is active any more."""
         t0 = time.perf_counter()
         active = [i for i, r in enumerate(reqs) if r]  # the error path needs to know which went null
+        found: list[Completed] = []
+
+        def completed() -> bool:
+            done = self._test(reqs, active)
+            if done is not None:
+                found.append(done)
+            return done is not None
+
         try:
-            while True:
-                # Looked at on every call, not only when idle: a server kept busy by the live
-                # workers must still notice the silent one (the watch rate-limits itself).
-                if self.watch is not None:
-                    self.watch.check()
-                done = self._test(reqs, active)
-                if done is not None:
-                    return done
-                if self.sleep_s:
-                    time.sleep(self.sleep_s)
+            # The watch is looked at on every call, not only when idle: a server kept busy by the
+            # live workers must still notice the silent one (the watch rate-limits itself).
+            poll(completed, self.sleep_s, self.watch)
+            return found[0]
         finally:
             self.waited_s += time.perf_counter() - t0
 

@@ -26,6 +26,7 @@ from mpitrain.observe import ALLREDUCE, APPLY, COMPUTE, PULL, PUSH, WAIT
 from mpitrain.runtime import PS_RANK, Context, start_state
 from mpitrain.shards import cut
 from mpitrain.transport import SPIN, WORKER_POLL_S, Poller, tested
+from mpitrain.waiting import poll
 
 STATUS_EVERY_S = 0.2  # sync chief -> PS progress reports; off the hot path
 LOSS_WINDOW = 20  # final_loss: mean minibatch loss of the last LOSS_WINDOW global steps
@@ -95,106 +96,127 @@ class Divergence:
         return loss
 
 
-def run_async(ctx: Context) -> dict:
-    """Pull/compute/push. With --overlap (default) the reply to push k is received while the
-    gradient of step k+1 is computed, so a worker never idles on the round trip; each gradient
-    is then computed on parameters one exchange older. --no-overlap waits for every reply.
-    With --num-ps K each push and pull is K messages, one per server, each over its slice of the
-    one flat buffer (protocol.Message.shard_parts: received in place; sent from a copy but for the
-    first server's); the servers count their own
-    versions, and a worker stops when any server stops it (telling the others it leaves)."""
-    model, be, comm = ctx.model, ctx.backend, ctx.comm
-    n, wire = model.n_params, ctx.cfg.wire_dtype
-    overlap = ctx.cfg.effective_overlap
-    servers = list(ctx.layout.server_ranks)
-    slices = [ctx.layout.shard_slice(k, n) for k in range(len(servers))]
-    inbox = [Message(n, be.host_alloc, wire), Message(n, be.host_alloc, wire)]  # current / next parameters
-    outbox = [Message(n, be.host_alloc, wire), Message(n, be.host_alloc, wire)]  # alternating: one in flight
-    inparts = [m.shard_parts(slices) for m in inbox]  # [buffer][server]; with one server, the buffers
-    outparts = [m.shard_parts(slices, sending=True) for m in outbox]
-    peers = servers + servers  # of reqs: a receive from each server, then a send to each
-    # NumPy + float32: compute straight from the receive buffer and into the send buffer.
-    zero_copy = be.mirror(inbox[0].payload) is inbox[0].payload
-    start = start_state(ctx)
-    if zero_copy:
-        inbox[0].payload[:] = start.params
-        params = inbox[0].payload
-    else:
-        params = be.asarray(start.params)
-    grads = [be.mirror(m.payload) for m in outbox]
-    cur, versions = 0, [start.global_step] * len(servers)  # each server's step of the parameters in use
-    batches = BatchStream(ctx, start.position(ctx.worker_index))
-    poller, straggler, divergence = Poller(WORKER_POLL_S, ctx.watch), Straggler(ctx), Divergence(ctx)
-    act = ctx.activity
-    reqs: list = []
-    pushed = 0
-    sent_last = False
-    kill = Kill(ctx.rank)
-    diverged: dict = {}  # filled when rank 0 stops the run because a loss was not finite
+class AsyncWorker:
+    """Pull/compute/push, shaped like server.AsyncServer: the buffers and counters are fields,
+    one method per step of the exchange. With --overlap (default) the reply to push k is
+    received while the gradient of step k+1 is computed, so a worker never idles on the round
+    trip; each gradient is then computed on parameters one exchange older. --no-overlap waits for
+    every reply. With --num-ps K each push and pull is K messages, one per server, each over its
+    slice of the one flat buffer (protocol.Message.shard_parts: received in place; sent from a
+    copy but for the first server's); the servers count their own versions, and a worker stops
+    when any server stops it (telling the others it leaves)."""
 
-    def adopt_reply() -> bool:
-        """Wait for the pending replies; make them the current parameters. True when told to stop."""
-        nonlocal cur, params, versions
-        act.enter(PULL)
-        poller.all(reqs, peers)
-        nxt = 1 - cur
-        for part, rank in zip(inparts[nxt], servers):
-            part.check(TAG_PARAMS, rank)
-        cur = nxt
-        if zero_copy:
-            params = inbox[cur].payload
+    def __init__(self, ctx: Context):
+        be = ctx.backend
+        self.ctx, self.model, self.be, self.comm, self.act = ctx, ctx.model, be, ctx.comm, ctx.activity
+        n, wire = ctx.model.n_params, ctx.cfg.wire_dtype
+        self.overlap = ctx.cfg.effective_overlap
+        self.servers = list(ctx.layout.server_ranks)
+        slices = [ctx.layout.shard_slice(k, n) for k in range(len(self.servers))]
+        inbox = [Message(n, be.host_alloc, wire), Message(n, be.host_alloc, wire)]  # current / next parameters
+        outbox = [Message(n, be.host_alloc, wire), Message(n, be.host_alloc, wire)]  # alternating: one in flight
+        self.inbox = inbox
+        self.inparts = [m.shard_parts(slices) for m in inbox]  # [buffer][server]; with one server, the buffers
+        self.outparts = [m.shard_parts(slices, sending=True) for m in outbox]
+        self.outbox = outbox
+        self.peers = self.servers + self.servers  # of reqs: a receive from each server, then a send to each
+        # NumPy + float32: compute straight from the receive buffer and into the send buffer.
+        self.zero_copy = be.mirror(inbox[0].payload) is inbox[0].payload
+        start = start_state(ctx)
+        if self.zero_copy:
+            inbox[0].payload[:] = start.params
+            self.params = inbox[0].payload
         else:
-            be.upload(params, inbox[cur].payload)
-        versions = [part.step for part in inparts[cur]]
-        if any(part.flags & FLAG_DIVERGED for part in inparts[cur]):
-            diverged["global_step"] = versions[0]
-        stopped = [bool(part.flags & FLAG_STOP) for part in inparts[cur]]
+            self.params = be.asarray(start.params)
+        self.grads = [be.mirror(m.payload) for m in outbox]
+        self.cur = 0  # which inbox holds the parameters in use
+        self.versions = [start.global_step] * len(self.servers)  # each server's step of those parameters
+        self.batches = BatchStream(ctx, start.position(ctx.worker_index))
+        self.poller = Poller(WORKER_POLL_S, ctx.watch)
+        self.straggler, self.divergence, self.kill = Straggler(ctx), Divergence(ctx), Kill(ctx.rank)
+        self.reqs: list = []  # the exchange in flight: a receive from each server, then a send to each
+        self.pushed = 0
+        self.sent_last = False
+        self.diverged: dict = {}  # filled when a server stops the run because a loss diverged
+
+    def run(self) -> WorkerResult:
+        while True:
+            if self.reqs and (not self.overlap or self.sent_last):
+                if self._adopt_reply():
+                    break
+                if self.sent_last:
+                    raise ProtocolError("the parameter server did not stop this worker after its last gradient")
+            slot = self.pushed % 2
+            loss, used_versions = self._compute(slot)
+            if self.reqs and self._adopt_reply():
+                break  # the gradient just computed is not pushed: training is over
+            self._push(slot, loss, used_versions)
+        for part in self.inparts[0] + self.inparts[1] + self.outparts[0] + self.outparts[1]:
+            part.free()
+        return WorkerResult(self.pushed, self.be.to_host(self.params).copy(), self.act.times(),
+                            diverged=self.diverged or None)
+
+    def _compute(self, slot: int) -> tuple[float, list[int]]:
+        """The next minibatch's gradient into outbox `slot`; its loss and the versions it used."""
+        self.act.enter(COMPUTE, self.versions[0])
+        x, y = self.batches.next()
+        t0 = time.perf_counter()
+        used_versions = self.versions
+        grad = self.grads[slot]
+        loss = self.divergence.check(self.model.loss_and_grad(self.params, x, y, grad), grad)
+        self.be.download(grad, self.outbox[slot].payload)
+        self.straggler.pause(time.perf_counter() - t0)
+        self.act.stepped()
+        return loss, used_versions
+
+    def _push(self, slot: int, loss: float, used_versions: list[int]) -> None:
+        """Send the gradient in outbox `slot` to every server and post the receives of their replies."""
+        last = self.batches.exhausted
+        self.kill.at(self.pushed + 1)
+        self.act.enter(PUSH)
+        for part, version in zip(self.outparts[slot], used_versions):
+            part.refresh()
+            part.stamp(TAG_GRAD, version, self.pushed + 1, FLAG_LAST if last else 0, loss)
+        comm, nxt = self.comm, self.inparts[1 - self.cur]
+        self.reqs = ([comm.Irecv(part.spec(), source=rank, tag=TAG_PARAMS) for part, rank in zip(nxt, self.servers)]
+                     + [comm.Isend(part.spec(), dest=rank, tag=TAG_GRAD)
+                        for part, rank in zip(self.outparts[slot], self.servers)])
+        self.pushed += 1
+        self.sent_last = last
+
+    def _adopt_reply(self) -> bool:
+        """Wait for the exchange in flight; make its replies the current parameters. True when
+        told to stop."""
+        self.act.enter(PULL)
+        self.poller.all(self.reqs, self.peers)
+        self.reqs = []
+        nxt = 1 - self.cur
+        for part, rank in zip(self.inparts[nxt], self.servers):
+            part.check(TAG_PARAMS, rank)
+        self.cur = nxt
+        if self.zero_copy:
+            self.params = self.inbox[nxt].payload
+        else:
+            self.be.upload(self.params, self.inbox[nxt].payload)
+        parts = self.inparts[nxt]
+        self.versions = [part.step for part in parts]
+        if any(part.flags & FLAG_DIVERGED for part in parts):
+            self.diverged["global_step"] = self.versions[0]
+        stopped = [bool(part.flags & FLAG_STOP) for part in parts]
         if any(stopped) and not all(stopped):
-            leave([rank for rank, stop in zip(servers, stopped) if not stop])
+            self._leave([rank for rank, stop in zip(self.servers, stopped) if not stop])
         return any(stopped)
 
-    def leave(ranks: list[int]) -> None:
+    def _leave(self, ranks: list[int]) -> None:
         """Another server stopped this worker (--steps reached there first): these ones, still
         waiting for its next gradient, get a header-only goodbye instead."""
         bye = Message(0)
-        bye.stamp(TAG_GRAD, versions[0], pushed, FLAG_STOP)
-        poller.all([comm.Isend(bye.spec(), dest=rank, tag=TAG_GRAD) for rank in ranks], ranks)
+        bye.stamp(TAG_GRAD, self.versions[0], self.pushed, FLAG_STOP)
+        self.poller.all([self.comm.Isend(bye.spec(), dest=rank, tag=TAG_GRAD) for rank in ranks], ranks)
 
-    while True:
-        if reqs and (not overlap or sent_last):
-            stop = adopt_reply()
-            reqs = []
-            if stop:
-                break
-            if sent_last:
-                raise ProtocolError("the parameter server did not stop this worker after its last gradient")
-        act.enter(COMPUTE, versions[0])
-        x, y = batches.next()
-        slot = pushed % 2
-        t0 = time.perf_counter()
-        used_versions = versions
-        loss = divergence.check(model.loss_and_grad(params, x, y, grads[slot]), grads[slot])
-        be.download(grads[slot], outbox[slot].payload)
-        straggler.pause(time.perf_counter() - t0)
-        act.stepped()
-        if reqs:
-            stop = adopt_reply()
-            reqs = []
-            if stop:
-                break  # the gradient just computed is not pushed: training is over
-        last = batches.exhausted
-        kill.at(pushed + 1)
-        act.enter(PUSH)
-        for part, version in zip(outparts[slot], used_versions):
-            part.refresh()
-            part.stamp(TAG_GRAD, version, pushed + 1, FLAG_LAST if last else 0, loss)
-        reqs = ([comm.Irecv(part.spec(), source=rank, tag=TAG_PARAMS) for part, rank in zip(inparts[1 - cur], servers)]
-                + [comm.Isend(part.spec(), dest=rank, tag=TAG_GRAD) for part, rank in zip(outparts[slot], servers)])
-        pushed += 1
-        sent_last = last
-    for part in inparts[0] + inparts[1] + outparts[0] + outparts[1]:
-        part.free()
-    return WorkerResult(pushed, be.to_host(params).copy(), act.times(), diverged=diverged or None)
+
+def run_async(ctx: Context) -> WorkerResult:
+    return AsyncWorker(ctx).run()
 
 
 class SyncStep:
@@ -292,7 +314,7 @@ class SyncStep:
         return loss
 
 
-def train_sync(ctx: Context, start: TrainState, on_step=None) -> dict:
+def train_sync(ctx: Context, start: TrainState, on_step=None) -> WorkerResult:
     """The sync loop shared by sync workers and the local (one-process) run, from global step
     `start.global_step` (a resumed run) to the budget. `on_step(step, loss, sync_step)` reports
     each step: to rank 0 (chief worker) or to the bar and checkpoints (local)."""
@@ -324,7 +346,7 @@ def train_sync(ctx: Context, start: TrainState, on_step=None) -> dict:
 
 
 def _sync_result(step_fn: SyncStep, step: int, loss: float, timing: dict, contributed: int,
-                 dropped: int = 0) -> dict:
+                 dropped: int = 0) -> WorkerResult:
     """What a sync worker (or the local run) reports at global step `step`. When the step
     diverged (step_fn.why) update `step` was not applied: the state is the last good one, and
     whether this worker's own loss was the culprit goes to rank 0."""
@@ -343,9 +365,7 @@ def await_verdict(ctx: Context, why: str) -> None:
     watching it: if it is gone too, PeerLost ends this rank."""
     if not ctx.watch.watched:  # --worker-timeout 0: nobody will decide
         raise PeerLost({PS_RANK: f"the gradient Allreduce failed ({why}) and --worker-timeout is 0"})
-    while True:
-        ctx.watch.check()
-        time.sleep(VERDICT_POLL_S)
+    poll(lambda: False, VERDICT_POLL_S, ctx.watch)  # ends in PeerLost (rank 0's Abort ends this process first)
 
 
 def _mean_loss(recent: deque) -> float:
@@ -419,77 +439,98 @@ class GradientThread:
             self._done.set()
 
 
-def train_sync_quorum(ctx: Context, start: TrainState, on_step=None) -> dict:
+class QuorumLoop:
     """Sync with --quorum Q < workers. Per step: the helper computes on the current parameters;
     when done, the main thread tells rank 0 (READY); rank 0 answers every worker with the step's
     DECISION, the weights of the first Q ready workers; everyone joins the Allreduce, with zero
     weight if not chosen. A gradient that was not chosen, or finishes after its step closed, is
     dropped and counted; the helper then starts again from the current parameters."""
-    be, comm = ctx.backend, ctx.comm
-    params = be.asarray(start.params)
-    step_fn = SyncStep(ctx, params, start)
-    helper = GradientThread(ctx, start.position(ctx.worker_index))
-    # The main thread polls MPI between short sleeps; by default CPython lets the compute
-    # thread keep the GIL for 5 ms before handing it back, which would make every step wait.
-    switch = sys.getswitchinterval()
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
-    ready, decision = Message(0), Message(ctx.workers)
-    ready_req = MPI.REQUEST_NULL
-    poller, act = Poller(WORKER_POLL_S, ctx.watch), ctx.activity
-    total = ctx.global_step_budget
-    recent = deque([float("nan")], maxlen=LOSS_WINDOW)
-    dropped = contributed = 0
-    diverged = None
-    for step in range(start.global_step, total):
-        decided = comm.Irecv(decision.spec(), source=PS_RANK, tag=TAG_DECISION)
-        reported = False
-        act.enter(WAIT, step)
-        while not tested(decided, PS_RANK, ctx.watch):
-            if helper.idle:
-                helper.start(params, step)
-            elif helper.finished and not reported:
-                if helper.version == step:
-                    poller.all([ready_req], [PS_RANK])  # a tiny eager message: long gone
-                    ready.stamp(TAG_READY, step, 0, 0, helper.loss)
-                    ready_req = comm.Isend(ready.spec(), dest=PS_RANK, tag=TAG_READY)
-                    reported = True
-                else:  # computed on parameters of a step that closed without it
-                    dropped += 1
-                    helper.discard()
-                    continue
-            ctx.watch.check()  # rank 0 decides every step: never wait on a dead one
-            time.sleep(WORKER_POLL_S)
-        decision.check(TAG_DECISION, PS_RANK, count=ctx.workers)
-        if decision.step != step:
-            raise ProtocolError(f"rank 0 decided step {decision.step} while this worker is at step {step}")
-        if decision.payload[ctx.worker_index] > 0:
-            step_fn.load(helper.grad, helper.loss)  # rank 0 only chooses READY workers: it is finished
-            helper.discard()
-            contributed += 1
-        else:
-            step_fn.abstain()
-            if helper.finished and helper.version == step:
-                dropped += 1  # ready, but after Q others
+
+    def __init__(self, ctx: Context, start: TrainState, on_step=None):
+        self.ctx, self.start, self.on_step = ctx, start, on_step
+        self.params = ctx.backend.asarray(start.params)
+        self.step_fn = SyncStep(ctx, self.params, start)
+        self.helper = GradientThread(ctx, start.position(ctx.worker_index))
+        self.ready, self.decision = Message(0), Message(ctx.workers)
+        self.ready_req = MPI.REQUEST_NULL
+        self.poller = Poller(WORKER_POLL_S, ctx.watch)
+        self.dropped = self.contributed = 0
+        self.reported = False  # READY sent for the step being decided
+
+    def run(self) -> WorkerResult:
+        ctx, step_fn, helper = self.ctx, self.step_fn, self.helper
+        # The main thread polls MPI between short sleeps; by default CPython lets the compute
+        # thread keep the GIL for 5 ms before handing it back, which would make every step wait.
+        switch = sys.getswitchinterval()
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
+        total = ctx.global_step_budget
+        recent = deque([float("nan")], maxlen=LOSS_WINDOW)
+        diverged = None
+        for step in range(self.start.global_step, total):
+            self._await_decision(step)
+            if self.decision.payload[ctx.worker_index] > 0:
+                step_fn.load(helper.grad, helper.loss)  # rank 0 only chooses READY workers: it is finished
                 helper.discard()
-        loss = step_fn.reduce_and_apply(step)
-        if step_fn.why:
-            diverged = step
-            break
-        recent.append(loss)
-        if on_step is not None:
-            on_step(step + 1, loss, step_fn)
-    helper.close()
-    sys.setswitchinterval(switch)
-    poller.all([ready_req], [PS_RANK])
-    ready.stamp(TAG_READY, total, 0, FLAG_STOP)  # no more READY from this worker
-    poller.all([comm.Isend(ready.spec(), dest=PS_RANK, tag=TAG_READY)], [PS_RANK])
-    timing = act.times()
-    if diverged is not None:
-        return _sync_result(step_fn, diverged, loss, timing, contributed, dropped)
-    return _sync_result(step_fn, max(total, start.global_step), _mean_loss(recent), timing, contributed, dropped)
+                self.contributed += 1
+            else:
+                step_fn.abstain()
+                if helper.finished and helper.version == step:
+                    self.dropped += 1  # ready, but after Q others
+                    helper.discard()
+            loss = step_fn.reduce_and_apply(step)
+            if step_fn.why:
+                diverged = step
+                break
+            recent.append(loss)
+            if self.on_step is not None:
+                self.on_step(step + 1, loss, step_fn)
+        helper.close()
+        sys.setswitchinterval(switch)
+        self.poller.all([self.ready_req], [PS_RANK])
+        self.ready.stamp(TAG_READY, total, 0, FLAG_STOP)  # no more READY from this worker
+        self.poller.all([ctx.comm.Isend(self.ready.spec(), dest=PS_RANK, tag=TAG_READY)], [PS_RANK])
+        timing = ctx.activity.times()
+        if diverged is not None:
+            return _sync_result(step_fn, diverged, loss, timing, self.contributed, self.dropped)
+        return _sync_result(step_fn, max(total, self.start.global_step), _mean_loss(recent), timing,
+                            self.contributed, self.dropped)
+
+    def _await_decision(self, step: int) -> None:
+        """Keep the helper busy and say READY when its gradient for `step` is done, until rank 0's
+        decision for the step arrives (watching rank 0: it decides every step)."""
+        ctx = self.ctx
+        self.step = step
+        decided = ctx.comm.Irecv(self.decision.spec(), source=PS_RANK, tag=TAG_DECISION)
+        self.reported = False
+        ctx.activity.enter(WAIT, step)
+        poll(lambda: self._decided(decided), WORKER_POLL_S, ctx.watch)
+        self.decision.check(TAG_DECISION, PS_RANK, count=ctx.workers)
+        if self.decision.step != step:
+            raise ProtocolError(f"rank 0 decided step {self.decision.step} while this worker is at step {step}")
+
+    def _decided(self, decided) -> bool:
+        helper, step = self.helper, self.step
+        while not tested(decided, PS_RANK, self.ctx.watch):
+            if helper.idle:
+                helper.start(self.params, step)
+            elif helper.finished and not self.reported:
+                if helper.version != step:  # computed on parameters of a step that closed without it
+                    self.dropped += 1
+                    helper.discard()
+                    continue  # look again at once, then start the helper on the current parameters
+                self.poller.all([self.ready_req], [PS_RANK])  # a tiny eager message: long gone
+                self.ready.stamp(TAG_READY, step, 0, 0, helper.loss)
+                self.ready_req = self.ctx.comm.Isend(self.ready.spec(), dest=PS_RANK, tag=TAG_READY)
+                self.reported = True
+            return False
+        return True
 
 
-def run_sync(ctx: Context) -> dict:
+def train_sync_quorum(ctx: Context, start: TrainState, on_step=None) -> WorkerResult:
+    return QuorumLoop(ctx, start, on_step).run()
+
+
+def run_sync(ctx: Context) -> WorkerResult:
     """A sync worker. The first worker (the chief) also keeps rank 0 informed, all on one tag so
     the messages arrive in order: a header-only status every STATUS_EVERY_S; its parameters and
     optimizer state at --eval-every and checkpoint steps; the same, flagged STOP, at the end.

@@ -110,5 +110,23 @@ def wait_for_training(proc: subprocess.Popen, np_: int, timeout: float = MPI_TIM
     pytest.fail("training did not start in time:\n" + "".join(lines))
 
 
+def wait_for_checkpoint(proc: subprocess.Popen, directory: Path, timeout: float = MPI_TIMEOUT_S) -> Path:
+    """Wait until rank 0 has saved a checkpoint in `directory`: training is under way, past the
+    step it is saved at (an event, not a guess at how long start-up takes on a busy machine)."""
+    import time
+
+    from mpitrain.checkpoint import list_checkpoints
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = list_checkpoints(directory) if directory.is_dir() else []
+        if found:
+            return found[-1]
+        if proc.poll() is not None:
+            pytest.fail(f"the job ended (exit {proc.returncode}) before its first checkpoint")
+        time.sleep(0.01)
+    pytest.fail(f"no checkpoint in {directory} after {timeout} s")
+
+
 def mpitrain_cmd(np_: int, *args: str, launcher_flags: tuple[str, ...] = ()) -> list[str]:
     return [mpirun_path(), *launcher_flags, "-np", str(np_), sys.executable, "-m", "mpitrain", *args]

@@ -183,3 +183,22 @@ def test_numpy_loads_only_after_the_blas_threads_are_pinned():
     env = {k: v for k, v in child_env().items() if k not in BLAS_THREAD_VARS}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert out.stdout.strip() == "1", out.stdout + out.stderr
+
+
+def test_setup_makes_a_complete_frozen_context_that_needs_no_mpi():
+    """What setup() decides is final: the context cannot be changed afterwards, and until the
+    trainer connects it (dataclasses.replace) its watch and activity are inert stand-ins."""
+    import dataclasses
+
+    from mpitrain.cli import parse_args
+    from mpitrain.runtime import Node, setup
+
+    cfg, _ = parse_args(["--dataset", "digits", "--mode", "sync"])
+    ctx = setup(cfg, FakeWorld(1, 3), Node(1, 3, 2, 2))
+    assert ctx.role == "worker" and ctx.worker_index == 0 and ctx.workers == 2 and ctx.resume is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ctx.watch = None
+    ctx.watch.check()  # the inert watch: nobody is ever lost
+    assert ctx.watch.lost == {} and ctx.worker_comm is None
+    connected = dataclasses.replace(ctx, worker_comm="comm")
+    assert connected.worker_comm == "comm" and ctx.worker_comm is None and connected.model is ctx.model

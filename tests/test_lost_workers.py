@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import child_env, kill_session, mpitrain_cmd, run_detached, wait_for_training
+from conftest import child_env, kill_session, mpitrain_cmd, run_detached, wait_for_checkpoint, wait_for_training
 from mpitrain import checkpoint
 from mpitrain.faults import rank_pids
 from mpitrain.liveness import PeerLost, Watch
@@ -154,14 +154,15 @@ def test_workers_stop_when_rank_0_dies(tmp_path):
     import signal
     import time
 
-    cmd = mpitrain_cmd(3, "--no-progress", "--steps", "10000000", "--worker-timeout", "1",
-                       launcher_flags=KEEP_RUNNING)
+    ck = tmp_path / "ck"
+    cmd = mpitrain_cmd(3, "--no-progress", "--steps", "10000000", "--worker-timeout", "1", "--checkpoint-dir",
+                       str(ck), "--checkpoint-every-steps", "50", launcher_flags=KEEP_RUNNING)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
                             start_new_session=True)
     try:
         wait_for_training(proc, 3)
         pid = rank_pids(proc.pid)[0][0]
-        time.sleep(0.5)  # training under way
+        wait_for_checkpoint(proc, ck)  # training under way: 50 global steps done
         killed_at = time.monotonic()
         os.kill(pid, signal.SIGKILL)
         _, err = proc.communicate(timeout=30)

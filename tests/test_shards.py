@@ -9,7 +9,8 @@ import time
 
 import numpy as np
 import pytest
-from conftest import child_env, communicate_or_kill, kill_session, mpitrain_cmd, run_mpitrain, train, wait_for_training
+from conftest import (child_env, communicate_or_kill, kill_session, mpitrain_cmd, run_mpitrain, train, wait_for_checkpoint,
+                      wait_for_training)
 
 from mpitrain import checkpoint
 from mpitrain.faults import rank_pids
@@ -164,7 +165,7 @@ def test_a_lost_server_ends_the_job_naming_its_shard(tmp_path, mode):
                             start_new_session=True)
     try:
         wait_for_training(proc, 5)
-        time.sleep(1.0)  # a checkpoint or two written
+        wait_for_checkpoint(proc, ck)  # the line below must name it
         killed_at = time.monotonic()
         os.kill(rank_pids(proc.pid)[1][0], signal.SIGKILL)
         _, err = communicate_or_kill(proc, 30)

@@ -3,6 +3,7 @@
 import pytest
 
 from conftest import run_mpitrain, train
+from mpitrain.reports import SUMMARY_KEYS
 from test_data import write_mnist_dir
 
 
@@ -15,8 +16,10 @@ def test_main_job_async_np3_learns_digits(tmp_path):
     assert s["global_step"] == sum(s["local_steps"]) and all(k > 0 for k in s["local_steps"])
     assert s["local_steps"] == s["gradients_pushed"]  # epochs end cleanly: every push applied
     assert s["wall_seconds"] < 60
-    for key in ("dataset", "samples_per_second", "final_loss", "dropped_gradients", "model"):
-        assert key in s
+    # exactly the typed summary's fields, whatever the mode (reports.Summary is their one place)
+    assert set(s) - {"_stdout", "_stderr"} == set(SUMMARY_KEYS)
+    assert s["dataset"] == "digits" and s["model"] == "mlp" and s["dropped_gradients"] == 0
+    assert s["samples_per_second"] > 0 and 0 < s["final_loss"] < 1
     lines = s["_stdout"].splitlines()
     assert lines[0].startswith("rank 0 parameter-server ") and lines[0].endswith("CPU (NumPy)")
     assert lines[1].startswith("rank 1 worker ") and lines[2].startswith("rank 2 worker ")

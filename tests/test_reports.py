@@ -1,0 +1,34 @@
+"""The typed contracts between ranks and with the user: reports on the wire, the summary's keys."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from mpitrain.reports import SUMMARY_KEYS, ShardReport, WorkerReport, from_bytes, to_bytes
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_every_summary_key_is_documented_in_the_readme():
+    """The README's --summary-json paragraph names each field of reports.Summary, and nothing else
+    in backticks there looks like a key that does not exist."""
+    text = README.read_text()
+    start = text.index("`--summary-json PATH` writes")
+    paragraph = text[start:text.index("\n\n", start)]
+    named = set(re.findall(r"`([a-z][a-z0-9_]*)`", paragraph))
+    missing = [k for k in SUMMARY_KEYS if k not in named]
+    assert not missing, f"summary keys not in the README: {missing}"
+    # words in backticks that are not keys are the nested fields the paragraph explains
+    nested = {"mean", "p50", "p99", "max", "why"}
+    assert named - set(SUMMARY_KEYS) <= nested, named - set(SUMMARY_KEYS) - nested
+
+
+@pytest.mark.parametrize("report", [
+    WorkerReport(2, 10, 1, None, 9, 0.5, 0.9, "abc", {"compute": 0.5}, {"median_s": 0.01}, [1.0, 2.0],
+                 [{"name": "compute", "ts": 1}]),
+    ShardReport(1, "host", 1, 3755, 0.3, 100, 10, 20, {"mean": 0.0}, {"global_step": 5, "why": "x"}),
+])
+def test_a_report_survives_the_wire_with_its_kind_and_values(report):
+    back = from_bytes(bytearray(to_bytes(report)))
+    assert type(back) is type(report) and back == report

@@ -1,0 +1,55 @@
+"""waiting.poll, the one way a rank waits: ready, deadline, the watch, and no busy spin."""
+
+import time
+
+import pytest
+
+from mpitrain.liveness import PeerLost
+from mpitrain.waiting import poll
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        self.t += 1.0  # each look at the clock is a second later
+        return self.t
+
+
+def test_poll_returns_true_as_soon_as_ready_and_tests_no_more():
+    calls = []
+    assert poll(lambda: calls.append(1) or len(calls) == 3, 0.0) is True
+    assert len(calls) == 3
+
+
+def test_poll_gives_up_at_the_deadline_after_trying_once_more():
+    calls = []
+    clock = FakeClock()
+    assert poll(lambda: calls.append(1), 0.0, deadline=3.5, clock=clock) is False
+    assert len(calls) == 4  # tried at t=1, 2, 3 (within the deadline) and once past it
+
+
+def test_poll_looks_at_the_watch_before_each_try_and_lets_peer_lost_through():
+    class Watch:
+        checks = 0
+
+        def check(self):
+            self.checks += 1
+            if self.checks == 3:
+                raise PeerLost({2: "no heartbeat for 3.0 s"})
+
+    watch, tries = Watch(), []
+    with pytest.raises(PeerLost) as e:
+        poll(lambda: tries.append(1), 0.0, watch)
+    assert e.value.lost == {2: "no heartbeat for 3.0 s"} and len(tries) == 2
+
+
+def test_poll_sleeps_between_tries_instead_of_spinning():
+    """An idle rank must leave its core to the workers (3 ranks on 2 cores)."""
+    tries = []
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    poll(lambda: tries.append(1) or len(tries) == 20, 0.005)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    assert wall >= 19 * 0.005
+    assert cpu < wall / 2
