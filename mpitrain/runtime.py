@@ -217,15 +217,6 @@ class Context:
         return fingerprint(self.cfg, self.data, self.model)
 
     @property
-    def yield_in_collectives(self) -> bool:
-        """--wait: MPICH's blocking collectives spin. With more computing ranks than cores, a
-        spinning rank holds the core its peer needs to reach the collective (measured: a 3-worker
-        Allreduce on 2 cores 16x slower than Iallreduce + Test-and-sleep); otherwise spinning wins."""
-        if self.cfg.wait == "auto":
-            return self.node.oversubscribed
-        return self.cfg.wait == "yield"
-
-    @property
     def shard(self) -> slice:
         """The slice of the flat parameters this server rank owns (the whole vector with one server)."""
         return self.layout.shard_slice(self.layout.shard_index(self.rank), self.model.n_params)

@@ -39,6 +39,16 @@ QUORUM_POLL_S = 50e-6  # ... unless it decides --quorum steps: then every step w
 END_POLL_S = CLOSE_POLL_S  # end of run (reports, goodbyes): off the hot path, as liveness's close
 
 
+def collective_poll_s(wait: str, oversubscribed: bool) -> float:
+    """--wait, for a sync worker's Allreduce: MPICH's blocking collectives spin. With more
+    computing ranks on a node than cores, a spinning rank holds the core its peer needs to reach
+    the collective (measured: a 3-worker Allreduce on 2 cores 16x slower than Iallreduce +
+    test-and-sleep), so `auto` yields then; otherwise spinning wins."""
+    if wait == "auto":
+        return WORKER_POLL_S if oversubscribed else SPIN
+    return WORKER_POLL_S if wait == "yield" else SPIN
+
+
 @dataclass
 class Completed:
     """What one `Poller.some` found: indices of requests that completed normally, and of those

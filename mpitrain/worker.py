@@ -25,7 +25,7 @@ from mpitrain.liveness import PeerLost
 from mpitrain.observe import ALLREDUCE, APPLY, COMPUTE, PULL, PUSH, WAIT
 from mpitrain.runtime import PS_RANK, Context, start_state
 from mpitrain.shards import cut
-from mpitrain.transport import SPIN, WORKER_POLL_S, Poller, tested
+from mpitrain.transport import WORKER_POLL_S, Poller, collective_poll_s, tested
 from mpitrain.waiting import poll
 
 STATUS_EVERY_S = 0.2  # sync chief -> PS progress reports; off the hot path
@@ -252,8 +252,8 @@ class SyncStep:
         self.activity = ctx.activity
         # Always nonblocking and watched: a blocking Allreduce cannot notice that rank 0 died (the
         # workers would wait for a peer that has already stopped). It spins, as MPICH's blocking
-        # one does, unless ranks outnumber cores (--wait; see Context).
-        self.waiter = Poller(WORKER_POLL_S if ctx.yield_in_collectives else SPIN, ctx.watch)
+        # one does, unless ranks outnumber cores (--wait; transport.collective_poll_s).
+        self.waiter = Poller(collective_poll_s(ctx.cfg.wait, ctx.node.oversubscribed), ctx.watch)
 
     def train_state(self, step: int) -> TrainState:
         """Host copies of what a checkpoint needs (plain sync: every worker is at `step`)."""

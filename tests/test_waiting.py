@@ -53,3 +53,12 @@ def test_poll_sleeps_between_tries_instead_of_spinning():
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     assert wall >= 19 * 0.005
     assert cpu < wall / 2
+
+
+def test_wait_auto_yields_in_collectives_only_where_ranks_outnumber_cores():
+    from mpitrain.transport import SPIN, WORKER_POLL_S, collective_poll_s
+
+    assert collective_poll_s("auto", oversubscribed=True) == WORKER_POLL_S > 0
+    assert collective_poll_s("auto", oversubscribed=False) == SPIN == 0
+    assert collective_poll_s("yield", oversubscribed=False) == WORKER_POLL_S
+    assert collective_poll_s("spin", oversubscribed=True) == SPIN
