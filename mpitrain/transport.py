@@ -27,13 +27,15 @@ from mpitrain.liveness import CLOSE_POLL_S, PeerLost, mpi_error_reason
 from mpitrain.waiting import poll
 
 # Sleep between polls. A wake-up from sleep costs ~80-100 us on these VMs, so shorter sleeps
-# only cost CPU. Each of the PS's polls costs ~12 us of CPU (a wake-up plus MPICH progress).
-# With --overlap the reply is off the workers' critical path: 200 us measured best on 2 cores
-# (benchmarks/); without it the reply is on the critical path, so the PS polls sooner.
+# only cost CPU; Linux's default 50 us timer slack stretches every sleep anyway (20 us took 75,
+# 200 took 267; a 1 ns slack measured 0.82x to 1.08x, benchmarks/README.md). Each of the PS's
+# polls costs ~12 us of CPU (a wake-up plus MPICH progress). With --overlap the reply is off the
+# workers' critical path: 200 us measured best on 2 cores (benchmarks/); without it the reply is
+# on the critical path, so the PS polls sooner.
 PS_POLL_S = 200e-6
 PS_POLL_NO_OVERLAP_S = 50e-6
 WORKER_POLL_S = 20e-6
-SPIN = 0.0  # no sleep at all: a sync Allreduce on a node with a core per computing rank (see Context)
+SPIN = 0.0  # no sleep at all: a sync Allreduce on a node with a core per computing rank (collective_poll_s)
 CHIEF_POLL_S = 2e-3  # rank 0 in sync mode is off the critical path
 QUORUM_POLL_S = 50e-6  # ... unless it decides --quorum steps: then every step waits for it
 END_POLL_S = CLOSE_POLL_S  # end of run (reports, goodbyes): off the hot path, as liveness's close
