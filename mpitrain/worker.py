@@ -455,7 +455,8 @@ class QuorumLoop:
         self.ready_req = MPI.REQUEST_NULL
         self.poller = Poller(WORKER_POLL_S, ctx.watch)
         self.dropped = self.contributed = 0
-        self.reported = False  # READY sent for the step being decided
+        self.step = start.global_step  # the step being decided
+        self.reported = False  # READY sent for it
 
     def run(self) -> WorkerResult:
         ctx, step_fn, helper = self.ctx, self.step_fn, self.helper
