@@ -70,10 +70,13 @@ class Layout:
         """The shard a server rank serves (the local run holds the one shard)."""
         return 0 if self.local else self.server_ranks.index(rank)
 
+    def shard_slices(self, n: int) -> list[slice]:
+        """Each shard's part of a flat vector of n parameters, in shard (server rank) order."""
+        return [slice(lo, hi) for lo, hi in shard_bounds(n, self.shards)]
+
     def shard_slice(self, k: int, n: int) -> slice:
         """Shard k's part of a flat vector of n parameters."""
-        lo, hi = shard_bounds(n, self.shards)[k]
-        return slice(lo, hi)
+        return self.shard_slices(n)[k]
 
     def role(self, rank: int) -> str:
         return "local" if self.local else ("parameter-server" if self.is_server(rank) else "worker")

@@ -63,11 +63,18 @@ class ProtocolError(RuntimeError):
 
 class Framed:
     """A header of HEADER_SLOTS int64 in front of a payload: stamping and checking. Subclasses say
-    where the bytes live (`spec`)."""
+    where the bytes live: by default `buf`, header and payload back to back in one buffer (a Part
+    says otherwise in `spec`)."""
 
     header: np.ndarray
     payload: np.ndarray
     count: int
+    buf: np.ndarray
+
+    def spec(self):
+        from mpi4py import MPI
+
+        return [self.buf, MPI.BYTE]
 
     def stamp(self, tag: int, step: int, local_step: int = 0, flags: int = 0, loss: float = 0.0) -> None:
         h = self.header
@@ -134,11 +141,6 @@ class Message(Framed):
         self.count = count
         self.header[:] = 0
 
-    def spec(self):
-        from mpi4py import MPI
-
-        return [self.buf, MPI.BYTE]
-
     def shard_parts(self, slices: list[slice], sending: bool = False) -> list[Framed]:
         """One message per shard over this buffer (--num-ps): the part for slices[k] carries
         payload[slices[k]]. With one shard that is this message itself; the first shard's part
@@ -157,11 +159,6 @@ class _Head(Framed):
     def __init__(self, msg: Message, s: slice):
         self.header, self.payload, self.count = msg.header, msg.payload[s], s.stop - s.start
         self.buf = msg.buf[: HEADER_BYTES + self.payload.nbytes]
-
-    def spec(self):
-        from mpi4py import MPI
-
-        return [self.buf, MPI.BYTE]
 
 
 class Copied(Message):

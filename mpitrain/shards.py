@@ -48,7 +48,7 @@ class Gather:
         lay, n = ctx.layout, ctx.model.n_params
         self.ctx, self.poller = ctx, poller
         self.names = state_arrays(ctx.cfg)
-        self.others = [(r, lay.shard_slice(lay.shard_index(r), n)) for r in lay.server_ranks if r != PS_RANK]
+        self.others = [(r, s) for r, s in zip(lay.server_ranks, lay.shard_slices(n)) if r != PS_RANK]
         self.ranks = [r for r, _ in self.others]
         self.boxes = [Message(len(self.names) * (s.stop - s.start)) for _, s in self.others]
         self.ask = Message(0)

@@ -112,7 +112,7 @@ class AsyncWorker:
         n, wire = ctx.model.n_params, ctx.cfg.wire_dtype
         self.overlap = ctx.cfg.effective_overlap
         self.servers = list(ctx.layout.server_ranks)
-        slices = [ctx.layout.shard_slice(k, n) for k in range(len(self.servers))]
+        slices = ctx.layout.shard_slices(n)
         inbox = [Message(n, be.host_alloc, wire), Message(n, be.host_alloc, wire)]  # current / next parameters
         outbox = [Message(n, be.host_alloc, wire), Message(n, be.host_alloc, wire)]  # alternating: one in flight
         self.inbox = inbox
@@ -542,7 +542,7 @@ def run_sync(ctx: Context) -> WorkerResult:
     n = ctx.model.n_params
     names = state_arrays(ctx.cfg)
     servers = list(ctx.layout.server_ranks)
-    slices = [ctx.layout.shard_slice(k, n) for k in range(len(servers))]
+    slices = ctx.layout.shard_slices(n)
     status = Message(0)
     fulls = [Message((s.stop - s.start) * len(names)) for s in slices]  # one per server
     pending = [MPI.REQUEST_NULL] * (1 + len(servers))  # one status, one full message per server in flight at most
