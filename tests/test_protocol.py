@@ -86,3 +86,49 @@ def test_wrong_kind_and_wrong_model_size_are_rejected():
     with pytest.raises(ProtocolError, match="4 parameters where 5"):
         other.check(TAG_GRAD, source=1)
     assert MAGIC == int(m.header[H_MAGIC])
+
+
+def _float16_cases() -> np.ndarray:
+    """Random float32 bit patterns (every exponent: subnormals, overflow, inf, NaN) and the edges."""
+    bits = np.random.default_rng(7).integers(0, 2**32, size=400_000, dtype=np.uint64).astype(np.uint32)
+    edges = np.array([0.0, -0.0, 65504, 65519.996, 65520, 65536, -65520, 6e-8, 2.9e-8, 3.0e-8, 2.0 ** -14,
+                      2.0 ** -14 * (1 - 2.0 ** -11), 1e-45, np.inf, -np.inf, np.nan], np.float32)
+    small = np.random.default_rng(8).standard_normal(100_000).astype(np.float32) * 1e-5  # float16 subnormals
+    return np.concatenate([bits.view(np.float32), edges, small])
+
+
+@pytest.mark.parametrize("chunk", [None, 1000])
+def test_fp16_encode_is_numpys_cast_bit_for_bit(chunk, monkeypatch):
+    from mpitrain import codec
+
+    if chunk:
+        monkeypatch.setattr(codec, "CHUNK", chunk)  # the chunked path, with a ragged last chunk
+    x = _float16_cases()
+    wire = np.empty(x.shape, np.float16)
+    encode(np, x, wire)
+    with np.errstate(all="ignore"):
+        want = x.astype(np.float16)
+    nan = np.isnan(want)
+    assert np.array_equal(wire.view(np.uint16)[~nan], want.view(np.uint16)[~nan])
+    assert not np.isfinite(wire[nan]).any()  # a NaN stays non-finite (it may become inf)
+
+
+def test_fp16_decode_is_exact_for_every_float16():
+    every = np.arange(2**16, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    back = np.empty(every.shape, np.float32)
+    decode(np, every, back)
+    want = every.astype(np.float32)
+    nan = np.isnan(want)
+    assert np.array_equal(back[~nan].view(np.uint32), want[~nan].view(np.uint32))  # -0.0, subnormals, inf too
+    assert np.isnan(back[nan]).all()
+
+
+def test_fp16_allreduce_op_is_numpys_float16_add():
+    from mpitrain import codec
+
+    rng = np.random.default_rng(3)
+    a, b = (rng.standard_normal(5000).astype(np.float16) * 100 for _ in range(2))
+    acc = a.copy()
+    codec._fp16_sum(b, acc, None)
+    with np.errstate(over="ignore"):
+        assert np.array_equal(acc.view(np.uint16), (a + b).view(np.uint16))
