@@ -1,6 +1,6 @@
 """mpitrain benchmark suite: one command, one table, ratios measured within one run.
 
-    python benchmarks/run.py                  # full run (~6 min on 2 cores), writes benchmarks/RESULTS.md
+    python benchmarks/run.py                  # full run (~25 min on 2 cores), writes benchmarks/RESULTS.md
     python benchmarks/run.py --reps 1 --quick # a smoke run
 
 Every row is the median of --reps repetitions; repetitions are interleaved (row A, row B, ...,
