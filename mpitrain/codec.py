@@ -35,7 +35,8 @@ F16_FLOOR = 0x38800000  # 2**-14, float16's smallest normal: below it, float16 h
 F16_BIAS = 0x07800000  # with the exponent: 2**(e + 15), the rounding constant
 F16_SCALE = 2.0 ** 112  # float32 bits of a float16 moved to bits 13-27, times this, are its value
 F16_MAX_BITS = 0x7C00  # float16 exponent all ones: infinity or NaN
-CHUNK = 1 << 18  # elements per pass: bounds the scratch (4 MiB) whatever the model's size
+CHUNK = 1 << 18  # elements per pass: bounds a scratch set (4.5 MiB) whatever the model's size
+SCRATCH_SIZES = 4  # lengths kept per thread: the whole model, a chunk, an Allreduce op's pieces
 _local = threading.local()  # scratch per thread: a --quorum helper may encode beside the main thread
 
 
@@ -96,7 +97,8 @@ class _Scratch:
 def _scratch(n: int) -> _Scratch:
     cache = _local.__dict__.setdefault("scratch", {})
     if n not in cache:
-        cache.clear()  # one size in use at a time (a chunk, or the model's whole length)
+        if len(cache) >= SCRATCH_SIZES:
+            cache.clear()
         cache[n] = _Scratch(n)
     return cache[n]
 
