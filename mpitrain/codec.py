@@ -10,8 +10,8 @@ gradients too small for float16 stay non-zero.
 float16 on a CPU: NumPy converts one element at a time (~5 ns each on the 2-core VM: 400 us to
 narrow 79,510 values, 200 us to widen them). Here both directions are whole-array integer and
 float passes over the bits instead (each pass ~12 us), bit-identical to NumPy's casts, round
-to nearest even, subnormals and overflow included: ~2x faster to narrow, ~3x to widen
-(benchmarks/README.md). CuPy keeps its own casts: a GPU converts float16 natively.
+to nearest even, subnormals and overflow included: 1.5-2x faster to narrow, 1.7-3x to
+widen (benchmarks/README.md). CuPy keeps its own casts: a GPU converts float16 natively.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ F16_SCALE = 2.0 ** 112  # float32 bits of a float16 moved to bits 13-27, times t
 F16_MAX_BITS = 0x7C00  # float16 exponent all ones: infinity or NaN
 CHUNK = 1 << 18  # elements per pass: bounds a scratch set (4.5 MiB) whatever the model's size
 SCRATCH_SIZES = 4  # lengths kept per thread: the whole model, a chunk, an Allreduce op's pieces
-_local = threading.local()  # scratch per thread: a --quorum helper may encode beside the main thread
+_local = threading.local()  # scratch per thread: two threads converting at once never share one
 
 
 def is_bf16(arr) -> bool:
