@@ -82,10 +82,20 @@ def run_torch(world: int, model: str, steps: int, extra: tuple[str, ...] = ()) -
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def synthetic(model: str, steps: int) -> list[str]:
+    """The flags every throughput row shares."""
+    return ["--dataset", "synthetic", "--model", model, "--steps", str(steps)]
+
+
+def quorum_steps(steps: int) -> int:
+    """Global steps of the QUORUM_ROWS: a step with the straggler takes 5x, so fewer of them keep
+    these rows' time near the others'."""
+    return max(200, steps // 5)
+
+
 def rows_for(model: str, steps: int, compress: bool) -> list[tuple[str, callable]]:
-    base = ["--dataset", "synthetic", "--model", model, "--steps", str(steps)]
-    # a step with the straggler takes 5x: fewer of them keep these rows' time near the others'
-    quorum_base = ["--dataset", "synthetic", "--model", model, "--steps", str(max(200, steps // 5)), "--mode", "sync"]
+    base = synthetic(model, steps)
+    quorum_base = [*synthetic(model, quorum_steps(steps)), "--mode", "sync"]
     rows = [
         ("compute limit: 2 independent processes", lambda: run_independent(2, base)),
         ("one local process", lambda: run_mpitrain(0, base)),
@@ -129,7 +139,7 @@ def shards_section(models: list[str], steps: int, reps: int) -> list[str]:
            "3 workers in every row: np=4 with one server, np=5 with two. *bytes/step* is what each server "
            "received and sent per global step (rank 0 first).", ""]
     for model in models:
-        base = ["--dataset", "synthetic", "--model", model, "--steps", str(steps)]
+        base = synthetic(model, steps)
         raw: dict[tuple, list] = {row: [] for row in SHARD_ROWS}
         for rep in range(reps):
             for mode, k in SHARD_ROWS:
@@ -322,7 +332,7 @@ def main() -> int:
         ddp = ddp_row["rate"] if ddp_row else None
         hidden = "784-100-10" if model == "mlp" else "784-10"
         lines = [f"### {model} ({hidden}), batch 100, SGD, synthetic MNIST-shaped data, {args.steps} global steps "
-                 f"({max(200, args.steps // 5)} in the `--quorum` and `--straggler` rows)", "",
+                 f"({quorum_steps(args.steps)} in the `--quorum` and `--straggler` rows)", "",
                  "| run | samples/s (median) | min-max | global steps/s | vs compute limit | vs PyTorch DDP | rank 0 busy "
                  "| worker compute / comm+wait |",
                  "|---|---|---|---|---|---|---|---|"]
