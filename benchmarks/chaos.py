@@ -1,6 +1,6 @@
 """Chaos: kill a real rank from outside, at a random moment, many times; is every outcome the documented one?
 
-    python benchmarks/chaos.py                       # 45 trials, ~13 min on 2 cores; writes benchmarks/CHAOS.md
+    python benchmarks/chaos.py                       # 48 trials, ~14 min on 2 cores; writes benchmarks/CHAOS.md
     python benchmarks/chaos.py --trials 1 --cases async-big,sync   # a quick look
 
 Not part of CI (tests/test_chaos.py runs a few trials of the same code under timeouts). Each
@@ -8,7 +8,8 @@ trial starts `mpirun -disable-auto-cleanup -np 4 python -m mpitrain ...` (1 serv
 or 2 servers + 2 workers in the `--num-ps 2` cases) in its own session, waits for rank 0's start
 lines, sleeps a random time drawn over the whole run (calibrated per case, the end-of-run report
 included), and SIGKILLs the real training process of a random worker (or of rank 0, of server
-rank 1, or of a worker's supervisor), found in /proc. The
+rank 1, of the chief worker, which decides --quorum steps, or of a worker's supervisor), found
+in /proc. The
 "big" cases use `--hidden 2000` (6.4 MB messages, milliseconds each) so that kills land in the
 middle of a message. Outcomes:
 
@@ -58,7 +59,7 @@ EXIT_PEER_LOST = 5
 class Case:
     name: str
     args: tuple[str, ...]
-    target: str  # "worker", "rank0", "shard" (rank 1 with --num-ps 2) or "supervisor" (a worker's supervisor)
+    target: str  # "worker", "chief" (the first worker), "rank0", "shard" (rank 1 with --num-ps 2) or "supervisor"
     steps: int  # --steps: a run of several seconds on 2 cores
 
     @property
@@ -79,6 +80,7 @@ CASES = [
     Case("async-big", ("--mode", "async", "--hidden", "2000"), "worker", 1200),
     Case("sync", ("--mode", "sync"), "worker", 4000),
     Case("sync-quorum", ("--mode", "sync", "--quorum", "2"), "worker", 2500),
+    Case("chief-quorum", ("--mode", "sync", "--quorum", "2"), "chief", 2500),  # it decides every quorum step
     Case("sync-big", ("--mode", "sync", "--hidden", "2000"), "worker", 300),
     Case("rank0-async", ("--mode", "async", "--hidden", "2000"), "rank0", 1200),
     Case("rank0-sync", ("--mode", "sync"), "rank0", 4000),
@@ -87,8 +89,8 @@ CASES = [
     Case("shard-async", ("--mode", "async", "--num-ps", "2", "--hidden", "2000"), "shard", 1000),
     Case("shard-sync", ("--mode", "sync", "--num-ps", "2"), "shard", 4000),
 ]
-DEFAULT_TRIALS = {"async": 5, "async-staleness": 4, "async-big": 6, "sync": 4, "sync-quorum": 4, "sync-big": 3,
-                  "rank0-async": 4, "rank0-sync": 3, "supervisor": 3, "async-2ps": 4, "shard-async": 3, "shard-sync": 2}
+DEFAULT_TRIALS = {"async": 5, "async-staleness": 4, "async-big": 6, "sync": 4, "sync-quorum": 4, "chief-quorum": 3,
+                  "sync-big": 3, "rank0-async": 4, "rank0-sync": 3, "supervisor": 3, "async-2ps": 4, "shard-async": 3, "shard-sync": 2}
 
 
 @dataclass
@@ -182,8 +184,8 @@ def run_trial(case: Case, duration_s: float, rng: random.Random) -> Trial:
         time.sleep(max(0.0, started + trial.kill_after_s - time.monotonic()))
         pids = rank_pids(job.proc.pid)
         lay = case.layout
-        trial.victim = {"rank0": 0, "shard": 1}[case.target] if case.target in ("rank0", "shard") \
-            else rng.choice(lay.worker_ranks)
+        fixed = {"rank0": 0, "shard": 1, "chief": lay.worker_rank(0)}
+        trial.victim = fixed[case.target] if case.target in fixed else rng.choice(lay.worker_ranks)
         pid, supervisor = pids.get(trial.victim, (None, None))
         pid = supervisor if case.target == "supervisor" else pid
         killed_at = time.monotonic()
@@ -285,8 +287,8 @@ def report(trials: list[Trial], durations: dict[str, float], seconds: float) -> 
            f"Each trial: `mpirun -disable-auto-cleanup -np {NP}` (1 server + 3 workers; with `--num-ps 2` "
            f"2 servers + 2 workers), `--worker-timeout "
            f"{TIMEOUT_S:g}`, synthetic data, MLP (hidden 100, or 2000 in the *-big cases: 6.4 MB messages), one "
-           "SIGKILL of the real training process of a random worker (or rank 0, or server rank 1, or a worker's "
-           "supervisor) at a "
+           "SIGKILL of the real training process of a random worker (or rank 0, or server rank 1, or the chief "
+           "worker, or a worker's supervisor) at a "
            "uniformly random time over the whole run, end-of-run report included. See the script's docstring "
            "for what each outcome means.", "",
            "| case | run (s) | trials | documented | traceback | hang | other | killed after run ended "
@@ -315,7 +317,7 @@ def report(trials: list[Trial], durations: dict[str, float], seconds: float) -> 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", default=",".join(c.name for c in CASES))
-    p.add_argument("--trials", type=int, default=None, help="per case (default: 2-6 per case, 45 in all)")
+    p.add_argument("--trials", type=int, default=None, help="per case (default: 2-6 per case, 48 in all)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "CHAOS.md"))
     a = p.parse_args()

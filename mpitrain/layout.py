@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-PS_RANK = 0  # the chief parameter server (shard 0): evaluation, logs, checkpoints, quorum decisions
+PS_RANK = 0  # the chief parameter server (shard 0): evaluation, logs, checkpoints
 
 
 def shard_bounds(n: int, shards: int) -> tuple[tuple[int, int], ...]:

@@ -1,13 +1,13 @@
 """The parameter servers: rank 0, and with --num-ps K ranks 1..K-1 too, each owning one slice
 (shard) of the master parameters and its optimizer state; rank 0 is the chief that evaluates,
-logs, checkpoints and decides quorum steps.
+logs and checkpoints.
 
 Async: one pre-posted Irecv per worker; whichever gradient completes is applied and answered
 with fresh parameters (held back, with --max-staleness, while applying it would leave another
 worker's gradient too stale). Each server does this for its own slice, on its own; rank 0 gathers
 the others' slices only to evaluate or save (shards.py). Sync: the workers average among
-themselves; rank 0 follows the chief worker's status messages, decides each quorum step
-(--quorum), and receives the state at eval, checkpoint and end, each server its slice.
+themselves (the chief worker decides each --quorum step, worker.py); rank 0 follows the chief
+worker's status messages and receives the state at eval, checkpoint and end, each server its slice.
 """
 
 from __future__ import annotations
@@ -30,11 +30,11 @@ from mpitrain.liveness import PeerLost
 from mpitrain.metrics import Progress, RunLog, say
 from mpitrain.observe import APPLY, CHECKPOINT, EVAL, PUSH, WAIT, attribute, step_time_from_beat
 from mpitrain.optim import Optimizer, make_ema, staleness_scaled_lr
-from mpitrain.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_LAST, FLAG_STOP, TAG_DECISION, TAG_GRAD, TAG_PARAMS,
-                               TAG_READY, TAG_SHARD, TAG_STATUS, Message, ProtocolError)
+from mpitrain.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_LAST, FLAG_STOP, TAG_GRAD, TAG_PARAMS, TAG_SHARD,
+                               TAG_STATUS, Message, ProtocolError)
 from mpitrain.runtime import Context, start_state
 from mpitrain.shards import Gather, ShardService, assemble
-from mpitrain.transport import CHIEF_POLL_S, PS_POLL_NO_OVERLAP_S, PS_POLL_S, QUORUM_POLL_S, Poller, tested
+from mpitrain.transport import CHIEF_POLL_S, PS_POLL_NO_OVERLAP_S, PS_POLL_S, Poller, tested
 from mpitrain.worker import LOSS_WINDOW
 
 
@@ -385,65 +385,10 @@ def serve_async(ctx: Context, progress: Progress) -> ServerState:
     return AsyncServer(ctx, progress).run()
 
 
-class QuorumCoordinator:
-    """--quorum Q: for each step, the first Q workers whose gradient on the current parameters is
-    ready (a header-only READY message) are told to contribute; every other worker contributes zero
-    weight to that step's Allreduce. READY messages for a step already decided are late: ignored
-    here, and the worker counts its dropped gradient itself."""
-
-    def __init__(self, ctx: Context, poller: Poller, start_step: int):
-        W = ctx.workers
-        self.ctx, self.W, self.Q, self.poller = ctx, W, ctx.cfg.quorum, poller
-        self.ranks = list(ctx.layout.worker_ranks)
-        self.ready = [Message(0) for _ in range(W)]
-        self.recv = [ctx.comm.Irecv(self.ready[w].spec(), source=r, tag=TAG_READY) for w, r in enumerate(self.ranks)]
-        self.decision = Message(W)
-        self.sends: list = []
-        self.step = start_step  # the step being decided: where the workers start (a resumed run too)
-        self.total = ctx.global_step_budget
-        self.chosen: list[int] = []
-        self.losses: list[float] = []
-        self.finished = 0  # workers whose final READY (FLAG_STOP) arrived
-
-    @property
-    def done(self) -> bool:
-        return self.finished == self.W
-
-    def requests(self) -> list:
-        return self.recv
-
-    def handle(self, w: int, progress: Progress) -> None:
-        msg = self.ready[w]
-        msg.check(TAG_READY, self.ranks[w])
-        if msg.flags & FLAG_STOP:
-            self.finished += 1
-            return  # that worker sends nothing more: its receive is not re-posted
-        if msg.step == self.step and self.step < self.total and w not in self.chosen:
-            self.chosen.append(w)
-            self.losses.append(msg.loss)
-            if len(self.chosen) == self.Q:
-                self._decide(progress)
-        self.recv[w] = self.ctx.comm.Irecv(msg.spec(), source=self.ranks[w], tag=TAG_READY)
-
-    def _decide(self, progress: Progress) -> None:
-        self.poller.all(self.sends, self.ranks)  # tiny eager messages of the previous step: long done
-        weights = np.zeros(self.W, np.float32)
-        weights[self.chosen] = 1.0
-        self.decision.payload[:] = weights
-        self.decision.stamp(TAG_DECISION, self.step)
-        self.sends = [self.ctx.comm.Isend(self.decision.spec(), dest=r, tag=TAG_DECISION) for r in self.ranks]
-        self.step += 1
-        progress.update(self.step, float(np.mean(self.losses)))
-        self.chosen, self.losses = [], []
-
-    def close(self) -> None:
-        self.poller.all(self.sends, self.ranks)
-
-
 def serve_sync(ctx: Context, progress: Progress) -> ServerState:
     """Follow the chief worker: header-only status messages for the bar, full ones (FLAG_EVAL)
     to evaluate, and the last one (FLAG_STOP) with the final parameters; one tag, so MPI's
-    ordering delivers the final one last. With --quorum, also decide every step."""
+    ordering delivers the final one last. (--quorum steps are decided by the chief worker.)"""
     cfg = ctx.cfg
     W = ctx.workers
     start, state, ckpt = begin(ctx)
@@ -452,26 +397,19 @@ def serve_sync(ctx: Context, progress: Progress) -> ServerState:
     names = checkpoint.state_arrays(cfg)  # [params, optimizer state..., ema]
     full_count = (ctx.shard.stop - ctx.shard.start) * len(names)  # rank 0's slice (all of it with one server)
     box = Message(full_count)
-    poller = Poller(QUORUM_POLL_S if ctx.with_quorum else CHIEF_POLL_S, ctx.watch)  # PeerLost ends the job (trainer.py)
+    poller = Poller(CHIEF_POLL_S, ctx.watch)  # PeerLost ends the job (trainer.py)
     gather = Gather(ctx, poller)  # --num-ps: the other servers forward their slices of the same step
-    quorum = QuorumCoordinator(ctx, poller, start.global_step) if ctx.with_quorum else None
     status = ctx.comm.Irecv(box.spec(), source=chief, tag=TAG_STATUS)
     final_seen = False
-    while not (final_seen and (quorum is None or quorum.done)):
-        reqs = [status] + (quorum.requests() if quorum else [])
+    while not final_seen:
         ctx.activity.enter(WAIT, state.global_step)
-        done = poller.some(reqs)
-        if done.failed:  # a message from a worker that died while sending it
-            senders = [chief] + (quorum.ranks if quorum else [])
-            raise PeerLost({senders[i]: why for i, why in done.failed.items()})  # sync cannot go on: trainer.py
-        for i in done.arrived:
-            if i > 0:
-                quorum.handle(i - 1, progress)
-                continue
+        done = poller.some([status])
+        if done.failed:  # the chief died while sending
+            raise PeerLost({chief: done.failed[0]})  # sync cannot go on: trainer.py
+        if done.arrived:
             final, full = bool(box.flags & FLAG_STOP), bool(box.flags & (FLAG_STOP | FLAG_EVAL | FLAG_CKPT))
             box.check(TAG_STATUS, chief, count=full_count if full else 0)
-            if quorum is None:
-                progress.update(box.step, box.loss)
+            progress.update(box.step, box.loss)
             log_train(ctx, state, clock, box.step, box.loss, force=True,  # the chief already rate-limits
                       staleness=0, local_steps=[box.step] * W)
             received = _received(ctx, gather, box, names) if full else None
@@ -492,8 +430,6 @@ def serve_sync(ctx: Context, progress: Progress) -> ServerState:
                 status = MPI.REQUEST_NULL
             else:
                 status = ctx.comm.Irecv(box.spec(), source=chief, tag=TAG_STATUS)
-    if quorum:
-        quorum.close()
     state.local_steps = [state.global_step] * W
     clock.stop(state)
     return state

@@ -192,9 +192,10 @@ def server_stall_line(ctx: Context, step: int, stalled_s: float) -> str:
 
 def worker_stall_line(ctx: Context, stalled_s: float) -> str | None:
     """A worker without progress for --stall-warning seconds while it waits on rank 0 (in an
-    Allreduce it waits on other workers: rank 0, which hears from all of them, says who)."""
+    Allreduce, or for a --quorum step's decision, it waits on other workers: rank 0, which hears
+    from all of them, says who)."""
     act, cfg = ctx.activity, ctx.cfg
-    if act.phase in (observe.ALLREDUCE, observe.COMPUTE, observe.IDLE):
+    if act.phase in (observe.ALLREDUCE, observe.COMPUTE, observe.IDLE) or (cfg.mode == "sync" and act.phase == observe.WAIT):
         return None
     seen = ctx.watch.seen()
     silent_after = liveness.silent_after(cfg.worker_timeout)

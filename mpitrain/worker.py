@@ -439,24 +439,134 @@ class GradientThread:
             self._done.set()
 
 
+class ChiefDecider:
+    """--quorum, on the chief worker: the step's decider. The other workers' READYs for the
+    current step, and the chief's own gradient, are counted in the order they are seen; the first
+    Q make the step's DECISION (one weight per worker), sent to every other worker. READYs for a
+    step already decided are late: ignored here (their worker counts its dropped gradient)."""
+
+    def __init__(self, ctx: Context, poller: Poller):
+        self.ctx, self.Q, self.poller = ctx, ctx.cfg.quorum, poller
+        self.others = list(ctx.layout.worker_ranks[1:])
+        self.inbox = [Message(0) for _ in self.others]
+        self.recv = [ctx.comm.Irecv(m.spec(), source=r, tag=TAG_READY) for m, r in zip(self.inbox, self.others)]
+        self.sends: list = []
+        self.decision = Message(ctx.workers)
+        self.step = 0
+        self.chosen: list[int] = []  # worker indices, in the order their gradients were seen ready
+        self.stopped = 0  # other workers whose last READY (FLAG_STOP) came in
+
+    def begin(self, step: int) -> None:
+        self.step, self.chosen = step, []
+
+    def ready(self, loss: float) -> None:
+        """The chief's own gradient for the current step is ready."""
+        self._choose(0)
+
+    def decided(self) -> bool:
+        """Take in the READYs that came; once Q gradients are ready, tell every other worker."""
+        self._take_readies()
+        if len(self.chosen) < self.Q:
+            return False
+        weights = np.zeros(self.ctx.workers, np.float32)
+        weights[self.chosen] = 1.0
+        self._sent()  # tiny eager messages of the previous step: long gone
+        self.decision.payload[:] = weights
+        self.decision.stamp(TAG_DECISION, self.step)
+        self.sends = [self.ctx.comm.Isend(self.decision.spec(), dest=r, tag=TAG_DECISION) for r in self.others]
+        return True
+
+    def close(self) -> None:
+        """After the last step: every other worker says it is done (its last READY), so no
+        receive is left posted."""
+        self._sent()
+        poll(lambda: self._take_readies() or self.stopped == len(self.others), WORKER_POLL_S, self.ctx.watch)
+
+    def _choose(self, w: int) -> None:
+        if len(self.chosen) < self.Q and w not in self.chosen:
+            self.chosen.append(w)
+
+    def _take_readies(self) -> None:
+        for i, (msg, rank) in enumerate(zip(self.inbox, self.others)):
+            while self.recv[i] and between_workers(self.ctx, lambda: tested(self.recv[i], rank)):
+                msg.check(TAG_READY, rank)
+                if msg.flags & FLAG_STOP:
+                    self.stopped += 1  # that worker sends nothing more: its receive is not re-posted
+                    break
+                if msg.step == self.step:
+                    self._choose(i + 1)
+                self.recv[i] = self.ctx.comm.Irecv(msg.spec(), source=rank, tag=TAG_READY)
+
+    def _sent(self) -> None:
+        between_workers(self.ctx, lambda: self.poller.all(self.sends, self.others))
+
+
+class ChiefFollower:
+    """--quorum, on every worker but the chief: READY to the chief when this worker's gradient for
+    the step is ready, then the chief's DECISION."""
+
+    def __init__(self, ctx: Context, poller: Poller):
+        self.ctx, self.poller = ctx, poller
+        self.chief = ctx.layout.worker_rank(0)
+        self.msg, self.decision = Message(0), Message(ctx.workers)
+        self.sent = self.pending = MPI.REQUEST_NULL
+        self.step = 0
+
+    def begin(self, step: int) -> None:
+        self.step = step
+        self.pending = self.ctx.comm.Irecv(self.decision.spec(), source=self.chief, tag=TAG_DECISION)
+
+    def ready(self, loss: float) -> None:
+        self._say(self.step, 0, loss)
+
+    def decided(self) -> bool:
+        if not between_workers(self.ctx, lambda: tested(self.pending, self.chief)):
+            return False
+        self.decision.check(TAG_DECISION, self.chief, count=self.ctx.workers)
+        if self.decision.step != self.step:
+            raise ProtocolError(f"the chief decided step {self.decision.step} while this worker is at step {self.step}")
+        return True
+
+    def close(self) -> None:
+        self._say(self.step, FLAG_STOP, 0.0)  # no more READY from this worker
+        between_workers(self.ctx, lambda: self.poller.all([self.sent], [self.chief]))
+
+    def _say(self, step: int, flags: int, loss: float) -> None:
+        between_workers(self.ctx, lambda: self.poller.all([self.sent], [self.chief]))  # tiny, eager: long gone
+        self.msg.stamp(TAG_READY, step, 0, flags, loss)
+        self.sent = self.ctx.comm.Isend(self.msg.spec(), dest=self.chief, tag=TAG_READY)
+
+
+def between_workers(ctx: Context, call):
+    """Run `call` (an MPI wait or test between workers). A message to or from a worker that failed
+    is the lost worker's case, which rank 0 judges (await_verdict); rank 0 lost raises on."""
+    try:
+        return call()
+    except PeerLost as e:
+        if PS_RANK in e.lost:
+            raise
+        await_verdict(ctx, next(iter(e.lost.values())))
+
+
 class QuorumLoop:
     """Sync with --quorum Q < workers. Per step: the helper computes on the current parameters;
-    when done, the main thread tells rank 0 (READY); rank 0 answers every worker with the step's
-    DECISION, the weights of the first Q ready workers; everyone joins the Allreduce, with zero
-    weight if not chosen. A gradient that was not chosen, or finishes after its step closed, is
-    dropped and counted; the helper then starts again from the current parameters."""
+    when done, the main thread says READY to the chief worker (the chief counts its own); the chief
+    answers every worker with the step's DECISION, the weights of the first Q ready workers;
+    everyone joins the Allreduce, with zero weight if not chosen. A gradient that was not chosen,
+    or finishes after its step closed, is dropped and counted; the helper then starts again from
+    the current parameters. Rank 0 is not in the loop: it follows the chief's status, as in plain
+    sync, and ends the run if a worker is lost."""
 
     def __init__(self, ctx: Context, start: TrainState, on_step=None):
         self.ctx, self.start, self.on_step = ctx, start, on_step
         self.params = ctx.backend.asarray(start.params)
         self.step_fn = SyncStep(ctx, self.params, start)
         self.helper = GradientThread(ctx, start.position(ctx.worker_index))
-        self.ready, self.decision = Message(0), Message(ctx.workers)
-        self.ready_req = MPI.REQUEST_NULL
-        self.poller = Poller(WORKER_POLL_S, ctx.watch)
+        poller = Poller(WORKER_POLL_S, ctx.watch)
+        self.decider = ChiefDecider(ctx, poller) if ctx.worker_index == 0 else ChiefFollower(ctx, poller)
         self.dropped = self.contributed = 0
         self.step = start.global_step  # the step being decided
-        self.reported = False  # READY sent for it
+        self.reported = False  # READY said for it
 
     def run(self) -> WorkerResult:
         ctx, step_fn, helper = self.ctx, self.step_fn, self.helper
@@ -469,8 +579,8 @@ class QuorumLoop:
         diverged = None
         for step in range(self.start.global_step, total):
             self._await_decision(step)
-            if self.decision.payload[ctx.worker_index] > 0:
-                step_fn.load(helper.grad, helper.loss)  # rank 0 only chooses READY workers: it is finished
+            if self.decider.decision.payload[ctx.worker_index] > 0:
+                step_fn.load(helper.grad, helper.loss)  # only READY workers are chosen: it is finished
                 helper.discard()
                 self.contributed += 1
             else:
@@ -487,9 +597,7 @@ class QuorumLoop:
                 self.on_step(step + 1, loss, step_fn)
         helper.close()
         sys.setswitchinterval(switch)
-        self.poller.all([self.ready_req], [PS_RANK])
-        self.ready.stamp(TAG_READY, total, 0, FLAG_STOP)  # no more READY from this worker
-        self.poller.all([ctx.comm.Isend(self.ready.spec(), dest=PS_RANK, tag=TAG_READY)], [PS_RANK])
+        self.decider.close()
         timing = ctx.activity.times()
         if diverged is not None:
             return _sync_result(step_fn, diverged, loss, timing, self.contributed, self.dropped)
@@ -497,21 +605,16 @@ class QuorumLoop:
                             self.contributed, self.dropped)
 
     def _await_decision(self, step: int) -> None:
-        """Keep the helper busy and say READY when its gradient for `step` is done, until rank 0's
-        decision for the step arrives (watching rank 0: it decides every step)."""
-        ctx = self.ctx
-        self.step = step
-        decided = ctx.comm.Irecv(self.decision.spec(), source=PS_RANK, tag=TAG_DECISION)
-        self.reported = False
-        ctx.activity.enter(WAIT, step)
-        poll(lambda: self._decided(decided), WORKER_POLL_S, ctx.watch)
-        self.decision.check(TAG_DECISION, PS_RANK, count=ctx.workers)
-        if self.decision.step != step:
-            raise ProtocolError(f"rank 0 decided step {self.decision.step} while this worker is at step {step}")
+        """Keep the helper busy and say READY when its gradient for `step` is done, until the
+        step is decided."""
+        self.step, self.reported = step, False
+        self.decider.begin(step)
+        self.ctx.activity.enter(WAIT, step)
+        poll(self._decided, WORKER_POLL_S, self.ctx.watch)
 
-    def _decided(self, decided) -> bool:
+    def _decided(self) -> bool:
         helper, step = self.helper, self.step
-        while not tested(decided, PS_RANK, self.ctx.watch):
+        while not self.decider.decided():
             if helper.idle:
                 helper.start(self.params, step)
             elif helper.finished and not self.reported:
@@ -519,10 +622,9 @@ class QuorumLoop:
                     self.dropped += 1
                     helper.discard()
                     continue  # look again at once, then start the helper on the current parameters
-                self.poller.all([self.ready_req], [PS_RANK])  # a tiny eager message: long gone
-                self.ready.stamp(TAG_READY, step, 0, 0, helper.loss)
-                self.ready_req = self.ctx.comm.Isend(self.ready.spec(), dest=PS_RANK, tag=TAG_READY)
+                self.decider.ready(helper.loss)
                 self.reported = True
+                continue  # the chief's own gradient may complete the quorum at once
             return False
         return True
 

@@ -10,20 +10,24 @@ from mpitrain.optim import staleness_scaled_lr
 DIGITS_NP4 = ["--epochs", "40"]
 
 
-def test_quorum_with_a_straggler_drops_late_gradients_and_keeps_replicas_identical(tmp_path):
+@pytest.mark.parametrize("slow", [3, 1], ids=["a-worker", "the-chief"])
+def test_quorum_with_a_straggler_drops_late_gradients_and_keeps_replicas_identical(tmp_path, slow):
+    """Rank 1 is the chief worker, which decides every step: slow, it must still decide on time
+    (its main thread tallies while its gradient thread is slow), and be left out like any other."""
     # 5 ms a step, not a multiple: on a fast machine x5 of a tiny step hid inside a quorum round trip
     # (seen on 16 cores: nothing was dropped)
-    s = train(4, tmp_path, "--mode", "sync", "--quorum", "2", "--straggler", "3:0.005", *DIGITS_NP4)
+    s = train(4, tmp_path, "--mode", "sync", "--quorum", "2", "--straggler", f"{slow}:0.005", *DIGITS_NP4)
+    w = slow - 1  # its worker index
     assert s["quorum"] == 2
     assert s["dropped_gradients"] > 0
     assert s["dropped_gradients"] == sum(s["dropped_gradients_per_worker"])
-    assert s["dropped_gradients_per_worker"][2] > 0  # rank 3, the straggler
+    assert s["dropped_gradients_per_worker"][w] > 0  # the straggler's
     # every update averaged exactly 2 gradients: the contributions add up to 2 per global step
     assert sum(s["local_steps"]) == 2 * s["global_step"]
-    assert s["local_steps"][2] < s["local_steps"][0]  # the straggler contributed least
+    assert s["local_steps"][w] < min(c for i, c in enumerate(s["local_steps"]) if i != w)  # it contributed least
     assert set(s["worker_param_digests"]) == {s["param_digest"]}  # replicas identical
     assert s["test_accuracy"] >= 0.90
-    assert "straggler effect: rank 3 (0.005 s/step); quorum 2 of 3" in s["_stdout"]
+    assert f"straggler effect: rank {slow} (0.005 s/step); quorum 2 of 3" in s["_stdout"]
 
 
 def test_quorum_equal_to_workers_drops_nothing(tmp_path):
