@@ -103,8 +103,8 @@ def test_async_resume_continues_the_global_step(tmp_path):
 
 
 def test_sync_quorum_resume_continues_from_the_saved_step(tmp_path):
-    """rank 0's quorum decisions start at the resumed step, where the workers start (it once
-    started at 0, ignored every READY and the job hung)."""
+    """The quorum decisions (the chief worker's, rank 0's before) start at the resumed step, where
+    the workers start (rank 0 once started at 0, ignored every READY and the job hung)."""
     ck = tmp_path / "ck"
     args = ["--mode", "sync", "--quorum", "2", "--optimizer", "adam", "--lr", "0.01", "--checkpoint-dir", str(ck)]
     train(4, tmp_path, *args, "--steps", "30")
