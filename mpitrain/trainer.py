@@ -195,7 +195,8 @@ def worker_stall_line(ctx: Context, stalled_s: float) -> str | None:
     Allreduce, or for a --quorum step's decision, it waits on other workers: rank 0, which hears
     from all of them, says who)."""
     act, cfg = ctx.activity, ctx.cfg
-    if act.phase in (observe.ALLREDUCE, observe.COMPUTE, observe.IDLE) or (cfg.mode == "sync" and act.phase == observe.WAIT):
+    waits_on_workers = act.phase == observe.ALLREDUCE or (cfg.mode == "sync" and act.phase == observe.WAIT)
+    if waits_on_workers or act.phase in (observe.COMPUTE, observe.IDLE):
         return None
     seen = ctx.watch.seen()
     silent_after = liveness.silent_after(cfg.worker_timeout)

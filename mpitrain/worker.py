@@ -468,10 +468,9 @@ class ChiefDecider:
         self._take_readies()
         if len(self.chosen) < self.Q:
             return False
-        weights = np.zeros(self.ctx.workers, np.float32)
-        weights[self.chosen] = 1.0
-        self._sent()  # tiny eager messages of the previous step: long gone
-        self.decision.payload[:] = weights
+        self._sent()  # the previous step's (tiny, eager: long gone) before its buffer is rewritten
+        self.decision.payload[:] = 0.0
+        self.decision.payload[self.chosen] = 1.0
         self.decision.stamp(TAG_DECISION, self.step)
         self.sends = [self.ctx.comm.Isend(self.decision.spec(), dest=r, tag=TAG_DECISION) for r in self.others]
         return True
