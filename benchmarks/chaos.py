@@ -1,6 +1,6 @@
 """Chaos: kill a real rank from outside, at a random moment, many times; is every outcome the documented one?
 
-    python benchmarks/chaos.py                       # 48 trials, ~14 min on 2 cores; writes benchmarks/CHAOS.md
+    python benchmarks/chaos.py                       # 51 trials, ~15 min on 2 cores; writes benchmarks/CHAOS.md
     python benchmarks/chaos.py --trials 1 --cases async-big,sync   # a quick look
 
 Not part of CI (tests/test_chaos.py runs a few trials of the same code under timeouts). Each
@@ -81,6 +81,7 @@ CASES = [
     Case("sync", ("--mode", "sync"), "worker", 4000),
     Case("sync-quorum", ("--mode", "sync", "--quorum", "2"), "worker", 2500),
     Case("chief-quorum", ("--mode", "sync", "--quorum", "2"), "chief", 2500),  # it decides every quorum step
+    Case("quorum-big", ("--mode", "sync", "--quorum", "2", "--hidden", "2000"), "worker", 300),  # 6.4 MB pushes and updates
     Case("sync-big", ("--mode", "sync", "--hidden", "2000"), "worker", 300),
     Case("rank0-async", ("--mode", "async", "--hidden", "2000"), "rank0", 1200),
     Case("rank0-sync", ("--mode", "sync"), "rank0", 4000),
@@ -90,7 +91,7 @@ CASES = [
     Case("shard-sync", ("--mode", "sync", "--num-ps", "2"), "shard", 4000),
 ]
 DEFAULT_TRIALS = {"async": 5, "async-staleness": 4, "async-big": 6, "sync": 4, "sync-quorum": 4, "chief-quorum": 3,
-                  "sync-big": 3, "rank0-async": 4, "rank0-sync": 3, "supervisor": 3, "async-2ps": 4, "shard-async": 3, "shard-sync": 2}
+                  "quorum-big": 3, "sync-big": 3, "rank0-async": 4, "rank0-sync": 3, "supervisor": 3, "async-2ps": 4, "shard-async": 3, "shard-sync": 2}
 
 
 @dataclass
@@ -317,7 +318,7 @@ def report(trials: list[Trial], durations: dict[str, float], seconds: float) -> 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", default=",".join(c.name for c in CASES))
-    p.add_argument("--trials", type=int, default=None, help="per case (default: 2-6 per case, 48 in all)")
+    p.add_argument("--trials", type=int, default=None, help="per case (default: 2-6 per case, 51 in all)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "CHAOS.md"))
     a = p.parse_args()

@@ -14,14 +14,14 @@ from __future__ import annotations
 import numpy as np
 
 MAGIC = 0x4D505452  # "MPTR": catches a peer that is not mpitrain, or a misrouted buffer
-VERSION = 2  # bump when the layout below changes (2: heartbeats carry an activity snapshot)
+VERSION = 3  # bump when the layout below changes (2: heartbeats carry an activity snapshot; 3: --quorum messages)
 
 # Tags (one per message kind, so a posted receive can never match the wrong kind).
 TAG_GRAD = 11  # worker -> PS: a gradient (async)
 TAG_PARAMS = 12  # PS -> worker: parameters (async reply)
 TAG_STATUS = 13  # chief worker -> PS: progress of a sync run (header only), or parameters (EVAL/STOP)
-TAG_READY = 15  # sync --quorum, worker -> chief worker: my gradient for step H_STEP is ready (header only)
-TAG_DECISION = 16  # sync --quorum, chief worker -> the other workers: the step's weights, one float32 per worker
+TAG_QGRAD = 15  # sync --quorum, worker -> chief worker: a gradient on the parameters of step H_STEP (flagged STOP: its last message)
+TAG_UPDATE = 16  # sync --quorum, chief worker -> the other workers: step H_STEP's mean gradient, then a weight per worker
 TAG_HEARTBEAT = 17  # any rank -> its watchers: I am alive, and what I do (BEAT_* below; liveness.py)
 TAG_REPORT = 18  # at the end, worker -> PS: its report (JSON bytes, once); PS -> worker: goodbye (header)
 TAG_SHARD = 19  # --num-ps: rank 0 -> server k: send me your shard (header); server k -> rank 0: its shard's state
@@ -50,7 +50,7 @@ BEAT_GLOBAL_STEP = 6  # the global step it works on
 BEAT_FIELDS = 7
 
 FLAG_LAST = 1  # worker: this is my last gradient (my epochs are done)
-FLAG_STOP = 2  # PS: stop after this reply; chief/READY: my last message; worker -> shard: leaving (header only)
+FLAG_STOP = 2  # PS: stop after this reply; --quorum push: my last message; worker -> shard: leaving (header only)
 FLAG_EVAL = 4  # chief -> PS: these parameters are for --eval-every
 FLAG_CKPT = 8  # chief -> PS: checkpoint this state (parameters, then the optimizer's arrays)
 FLAG_DIVERGED = 16  # a non-finite loss: training stops (PS -> workers in async, chief -> PS in sync)

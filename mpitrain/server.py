@@ -6,8 +6,9 @@ Async: one pre-posted Irecv per worker; whichever gradient completes is applied 
 with fresh parameters (held back, with --max-staleness, while applying it would leave another
 worker's gradient too stale). Each server does this for its own slice, on its own; rank 0 gathers
 the others' slices only to evaluate or save (shards.py). Sync: the workers average among
-themselves (the chief worker decides each --quorum step, worker.py); rank 0 follows the chief
-worker's status messages and receives the state at eval, checkpoint and end, each server its slice.
+themselves (with --quorum, the chief worker gathers each step's first Q gradients, worker.py);
+rank 0 follows the chief worker's status messages and receives the state at eval, checkpoint
+and end, each server its slice.
 """
 
 from __future__ import annotations

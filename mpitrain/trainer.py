@@ -192,7 +192,7 @@ def server_stall_line(ctx: Context, step: int, stalled_s: float) -> str:
 
 def worker_stall_line(ctx: Context, stalled_s: float) -> str | None:
     """A worker without progress for --stall-warning seconds while it waits on rank 0 (in an
-    Allreduce, or for a --quorum step's decision, it waits on other workers: rank 0, which hears
+    Allreduce, or for a --quorum step's update, it waits on other workers: rank 0, which hears
     from all of them, says who)."""
     act, cfg = ctx.activity, ctx.cfg
     waits_on_workers = act.phase == observe.ALLREDUCE or (cfg.mode == "sync" and act.phase == observe.WAIT)

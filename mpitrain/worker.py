@@ -13,13 +13,13 @@ import numpy as np
 from mpi4py import MPI
 
 from mpitrain.checkpoint import Checkpointer, TrainState, state_arrays, to_flat
-from mpitrain.codec import wire_sum
+from mpitrain.codec import encode, wire_sum
 from mpitrain.data import epoch_batches
 from mpitrain.faults import Kill, injected_step
 from mpitrain.guard import NON_FINITE, LossGuard
 from mpitrain.optim import Optimizer, make_ema
-from mpitrain.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_LAST, FLAG_STOP, TAG_DECISION, TAG_GRAD, TAG_PARAMS, TAG_READY,
-                               TAG_STATUS, Message, ProtocolError)
+from mpitrain.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_LAST, FLAG_STOP, TAG_GRAD, TAG_PARAMS, TAG_QGRAD, TAG_STATUS,
+                               TAG_UPDATE, Message, ProtocolError)
 from mpitrain.liveness import CHECK_EVERY_S as VERDICT_POLL_S
 from mpitrain.liveness import PeerLost
 from mpitrain.observe import ALLREDUCE, APPLY, COMPUTE, PULL, PUSH, WAIT
@@ -31,6 +31,10 @@ from mpitrain.waiting import poll
 STATUS_EVERY_S = 0.2  # sync chief -> PS progress reports; off the hot path
 LOSS_WINDOW = 20  # final_loss: mean minibatch loss of the last LOSS_WINDOW global steps
 SWITCH_INTERVAL_S = 1e-4  # --quorum: GIL hand-over between the MPI thread and the compute thread
+# --quorum: updates the chief keeps for a worker still computing before it waits for it, and the
+# memory they may take (a worker that far behind is a straggler at 32x: waiting costs little then).
+UPDATES_IN_FLIGHT = 32
+UPDATES_IN_FLIGHT_BYTES = 256 << 20
 
 
 @dataclass
@@ -270,20 +274,10 @@ class SyncStep:
         self._weigh(loss)
         return loss
 
-    def load(self, grad, loss: float) -> None:
-        """A gradient computed elsewhere (the quorum helper thread), weight 1."""
-        self.buf[: self.n] = grad
-        self._weigh(loss)
-
     def _weigh(self, loss: float) -> None:
         self.own_loss = loss
         self.buf[self.n] = loss
         self.buf[self.n + 1] = 1.0
-
-    def abstain(self) -> None:
-        """Weight 0: join the collective without a gradient."""
-        self.own_loss = 0.0
-        self.buf[...] = 0.0
 
     def _allreduce(self, spec, op) -> None:
         done = self.waiter.some([self.comm.Iallreduce(MPI.IN_PLACE, spec, op=op)])
@@ -292,7 +286,7 @@ class SyncStep:
 
     def reduce_and_apply(self, step: int) -> float:
         """Sum over workers, divide by the summed weight, apply; returns the mean loss."""
-        ctx, be, buf = self.ctx, self.ctx.backend, self.buf
+        be, buf = self.ctx.backend, self.buf
         if self.comm is not None and self.comm.Get_size() > 1:
             self.activity.enter(ALLREDUCE)
             if self.wire is not None:
@@ -303,6 +297,12 @@ class SyncStep:
                 be.download(buf, buf)  # NumPy: nothing; CUDA-aware: finish compute before MPI reads
                 self._allreduce([buf, MPI.FLOAT], MPI.SUM)
             buf *= be.xp.float32(1.0) / buf[self.n + 1]
+        return self.apply(step)
+
+    def apply(self, step: int) -> float:
+        """Apply the mean gradient in buf (mean loss behind it) as update `step`, unless that loss
+        says the run diverged (`why`); returns the mean loss."""
+        ctx, buf = self.ctx, self.buf
         self.activity.enter(APPLY)
         loss = float(buf[self.n])
         self.why = NON_FINITE if not math.isfinite(loss) else self.guard.exploded(loss)
@@ -439,101 +439,67 @@ class GradientThread:
             self._done.set()
 
 
-class ChiefDecider:
-    """--quorum, on the chief worker: the step's decider. The other workers' READYs for the
-    current step, and the chief's own gradient, are counted in the order they are seen; the first
-    Q make the step's DECISION (one weight per worker), sent to every other worker. READYs for a
-    step already decided are late: ignored here (their worker counts its dropped gradient)."""
+class QuorumUpdate:
+    """--quorum, chief -> every other worker: one step's update. The payload is the averaged
+    gradient, which every worker applies with its own optimizer (replicas stay bitwise identical),
+    then one weight per worker, 1 if its gradient is in the average; the mean loss rides in the
+    header. Wire-typed like every gradient (--compress), weights included (0 and 1 are exact)."""
 
-    def __init__(self, ctx: Context, poller: Poller):
-        self.ctx, self.Q, self.poller = ctx, ctx.cfg.quorum, poller
-        self.others = list(ctx.layout.worker_ranks[1:])
-        self.inbox = [Message(0) for _ in self.others]
-        self.recv = [ctx.comm.Irecv(m.spec(), source=r, tag=TAG_READY) for m, r in zip(self.inbox, self.others)]
-        self.sends: list = []
-        self.decision = Message(ctx.workers)
-        self.step = 0
-        self.chosen: list[int] = []  # worker indices, in the order their gradients were seen ready
-        self.stopped = 0  # other workers whose last READY (FLAG_STOP) came in
+    def __init__(self, ctx: Context):
+        be, n = ctx.backend, ctx.model.n_params
+        self.msg = Message(n + ctx.workers, be.host_alloc, ctx.cfg.wire_dtype)
+        self.gradient, self.weights = self.msg.payload[:n], self.msg.payload[n:]
+        self.xp = np if isinstance(self.msg.payload, np.ndarray) else be.xp  # device memory with CUDA-aware MPI
+        self.reqs: list = []  # its sends, one per other worker
 
-    def begin(self, step: int) -> None:
-        self.step, self.chosen = step, []
+    def weigh(self, chosen: list[int]) -> None:
+        weights = np.zeros(len(self.weights), np.float32)
+        weights[chosen] = 1.0
+        encode(self.xp, self.xp.asarray(weights), self.weights)
 
-    def ready(self, loss: float) -> None:
-        """The chief's own gradient for the current step is ready."""
-        self._choose(0)
-
-    def decided(self) -> bool:
-        """Take in the READYs that came; once Q gradients are ready, tell every other worker."""
-        self._take_readies()
-        if len(self.chosen) < self.Q:
-            return False
-        self._sent()  # the previous step's (tiny, eager: long gone) before its buffer is rewritten
-        self.decision.payload[:] = 0.0
-        self.decision.payload[self.chosen] = 1.0
-        self.decision.stamp(TAG_DECISION, self.step)
-        self.sends = [self.ctx.comm.Isend(self.decision.spec(), dest=r, tag=TAG_DECISION) for r in self.others]
-        return True
-
-    def close(self) -> None:
-        """After the last step: every other worker says it is done (its last READY), so no
-        receive is left posted."""
-        self._sent()
-        poll(lambda: self._take_readies() or self.stopped == len(self.others), WORKER_POLL_S, self.ctx.watch)
-
-    def _choose(self, w: int) -> None:
-        if len(self.chosen) < self.Q and w not in self.chosen:
-            self.chosen.append(w)
-
-    def _take_readies(self) -> None:
-        for i, (msg, rank) in enumerate(zip(self.inbox, self.others)):
-            while self.recv[i] and between_workers(self.ctx, lambda: tested(self.recv[i], rank)):
-                msg.check(TAG_READY, rank)
-                if msg.flags & FLAG_STOP:
-                    self.stopped += 1  # that worker sends nothing more: its receive is not re-posted
-                    break
-                if msg.step == self.step:
-                    self._choose(i + 1)
-                self.recv[i] = self.ctx.comm.Irecv(msg.spec(), source=rank, tag=TAG_READY)
-
-    def _sent(self) -> None:
-        between_workers(self.ctx, lambda: self.poller.all(self.sends, self.others))
+    def chose(self, w: int) -> bool:
+        return bool(self.weights[w] != 0)  # 0 is all-zero bits in every wire type
 
 
-class ChiefFollower:
-    """--quorum, on every worker but the chief: READY to the chief when this worker's gradient for
-    the step is ready, then the chief's DECISION."""
+class UpdateRing:
+    """--quorum, on the chief: each step's update goes to every other worker from a buffer of its
+    own, free again once all its sends are done. A worker busy with a slow gradient receives the
+    updates afterwards, in order; up to UPDATES_IN_FLIGHT wait for it (fewer for a big model),
+    then the chief waits too."""
 
-    def __init__(self, ctx: Context, poller: Poller):
-        self.ctx, self.poller = ctx, poller
-        self.chief = ctx.layout.worker_rank(0)
-        self.msg, self.decision = Message(0), Message(ctx.workers)
-        self.sent = self.pending = MPI.REQUEST_NULL
-        self.step = 0
+    def __init__(self, ctx: Context, peers: list[int], poller: Poller):
+        self.ctx, self.peers, self.poller = ctx, peers, poller
+        self.busy: deque[QuorumUpdate] = deque()
+        self.free: list[QuorumUpdate] = [QuorumUpdate(ctx)]
+        self.most = max(2, min(UPDATES_IN_FLIGHT, UPDATES_IN_FLIGHT_BYTES // self.free[0].msg.buf.nbytes))
+        self.made = 1
 
-    def begin(self, step: int) -> None:
-        self.step = step
-        self.pending = self.ctx.comm.Irecv(self.decision.spec(), source=self.chief, tag=TAG_DECISION)
+    def take(self) -> QuorumUpdate:
+        self._reap()
+        if self.free:
+            return self.free.pop()
+        if self.made < self.most:
+            self.made += 1
+            return QuorumUpdate(self.ctx)
+        oldest = self.busy.popleft()
+        between_workers(self.ctx, lambda: self.poller.all(oldest.reqs, self.peers))
+        return oldest
 
-    def ready(self, loss: float) -> None:
-        self._say(self.step, 0, loss)
+    def send(self, update: QuorumUpdate) -> None:
+        spec = update.msg.spec()
+        update.reqs = [self.ctx.comm.Isend(spec, dest=r, tag=TAG_UPDATE) for r in self.peers]
+        self.busy.append(update)
 
-    def decided(self) -> bool:
-        if not between_workers(self.ctx, lambda: tested(self.pending, self.chief)):
-            return False
-        self.decision.check(TAG_DECISION, self.chief, count=self.ctx.workers)
-        if self.decision.step != self.step:
-            raise ProtocolError(f"the chief decided step {self.decision.step} while this worker is at step {self.step}")
-        return True
+    def delivered(self) -> bool:
+        self._reap()
+        return not self.busy
 
-    def close(self) -> None:
-        self._say(self.step, FLAG_STOP, 0.0)  # no more READY from this worker
-        between_workers(self.ctx, lambda: self.poller.all([self.sent], [self.chief]))
+    def _reap(self) -> None:
+        def sent(u: QuorumUpdate) -> bool:
+            return all(tested(r, p) for r, p in zip(u.reqs, self.peers))
 
-    def _say(self, step: int, flags: int, loss: float) -> None:
-        between_workers(self.ctx, lambda: self.poller.all([self.sent], [self.chief]))  # tiny, eager: long gone
-        self.msg.stamp(TAG_READY, step, 0, flags, loss)
-        self.sent = self.ctx.comm.Isend(self.msg.spec(), dest=self.chief, tag=TAG_READY)
+        while self.busy and between_workers(self.ctx, lambda: sent(self.busy[0])):
+            self.free.append(self.busy.popleft())
 
 
 def between_workers(ctx: Context, call):
@@ -547,89 +513,248 @@ def between_workers(ctx: Context, call):
         await_verdict(ctx, next(iter(e.lost.values())))
 
 
-class QuorumLoop:
-    """Sync with --quorum Q < workers. Per step: the helper computes on the current parameters;
-    when done, the main thread says READY to the chief worker (the chief counts its own); the chief
-    answers every worker with the step's DECISION, the weights of the first Q ready workers;
-    everyone joins the Allreduce, with zero weight if not chosen. A gradient that was not chosen,
-    or finishes after its step closed, is dropped and counted; the helper then starts again from
-    the current parameters. Rank 0 is not in the loop: it follows the chief's status, as in plain
-    sync, and ends the run if a worker is lost."""
+class QuorumChief:
+    """Sync with --quorum Q < workers, on the chief worker (worker 0). Each step takes the first Q
+    gradients computed on the current parameters, in the order it sees them: its own, from its
+    gradient thread, or another worker's, pushed to it. It averages them, sends the average to
+    every other worker (UpdateRing: it never waits for a worker that is still computing) and
+    applies it. Its main thread only gathers and decides, so a slow gradient of its own never
+    holds a step up: it is dropped like any late one. Rank 0 is not in the loop: it follows the
+    chief's status, as in plain sync, and ends the run if a worker is lost."""
 
     def __init__(self, ctx: Context, start: TrainState, on_step=None):
-        self.ctx, self.start, self.on_step = ctx, start, on_step
-        self.params = ctx.backend.asarray(start.params)
+        be, n = ctx.backend, ctx.model.n_params
+        self.ctx, self.start, self.on_step, self.n, self.Q = ctx, start, on_step, n, ctx.cfg.quorum
+        self.params = be.asarray(start.params)
         self.step_fn = SyncStep(ctx, self.params, start)
         self.helper = GradientThread(ctx, start.position(ctx.worker_index))
-        poller = Poller(WORKER_POLL_S, ctx.watch)
-        self.decider = ChiefDecider(ctx, poller) if ctx.worker_index == 0 else ChiefFollower(ctx, poller)
-        self.dropped = self.contributed = 0
-        self.step = start.global_step  # the step being decided
-        self.reported = False  # READY said for it
+        self.others = list(ctx.layout.worker_ranks[1:])
+        wire = ctx.cfg.wire_dtype
+        self.narrow = np.dtype(wire) != np.float32
+        self.inbox = [Message(n, be.host_alloc, wire) for _ in self.others]
+        self.landing = [be.mirror(m.payload) for m in self.inbox]  # float32 on the device; NumPy: the payload
+        self.recv = [ctx.comm.Irecv(m.spec(), source=r, tag=TAG_QGRAD) for m, r in zip(self.inbox, self.others)]
+        self.updates = UpdateRing(ctx, self.others, Poller(WORKER_POLL_S, ctx.watch))
+        self.kill = Kill(ctx.rank)
+        self.chosen: list[int] = []  # worker indices whose gradients are in the current step's sum
+        self.own_loss = 0.0
+        self.dropped = self.contributed = self.stopped = 0
 
     def run(self) -> WorkerResult:
-        ctx, step_fn, helper = self.ctx, self.step_fn, self.helper
+        ctx, step_fn = self.ctx, self.step_fn
         # The main thread polls MPI between short sleeps; by default CPython lets the compute
         # thread keep the GIL for 5 ms before handing it back, which would make every step wait.
         switch = sys.getswitchinterval()
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         total = ctx.global_step_budget
         recent = deque([float("nan")], maxlen=LOSS_WINDOW)
-        diverged = None
+        diverged, loss = None, float("nan")
         for step in range(self.start.global_step, total):
-            self._await_decision(step)
-            if self.decider.decision.payload[ctx.worker_index] > 0:
-                step_fn.load(helper.grad, helper.loss)  # only READY workers are chosen: it is finished
-                helper.discard()
-                self.contributed += 1
-            else:
-                step_fn.abstain()
-                if helper.finished and helper.version == step:
-                    self.dropped += 1  # ready, but after Q others
-                    helper.discard()
-            loss = step_fn.reduce_and_apply(step)
+            self.kill.at(step - self.start.global_step + 1)
+            self.chosen = []
+            ctx.activity.enter(WAIT, step)
+            poll(lambda: self._gathered(step), WORKER_POLL_S, ctx.watch)
+            loss = self._update(step)
             if step_fn.why:
                 diverged = step
                 break
             recent.append(loss)
             if self.on_step is not None:
                 self.on_step(step + 1, loss, step_fn)
-        helper.close()
+        self.helper.close()
         sys.setswitchinterval(switch)
-        self.decider.close()
+        ctx.activity.enter(WAIT)
+        poll(self._closed, WORKER_POLL_S, ctx.watch)
         timing = ctx.activity.times()
         if diverged is not None:
             return _sync_result(step_fn, diverged, loss, timing, self.contributed, self.dropped)
         return _sync_result(step_fn, max(total, self.start.global_step), _mean_loss(recent), timing,
                             self.contributed, self.dropped)
 
-    def _await_decision(self, step: int) -> None:
-        """Keep the helper busy and say READY when its gradient for `step` is done, until the
-        step is decided."""
-        self.step, self.reported = step, False
-        self.decider.begin(step)
-        self.ctx.activity.enter(WAIT, step)
-        poll(self._decided, WORKER_POLL_S, self.ctx.watch)
+    def _gathered(self, step: int) -> bool:
+        """Take in what is ready for `step`, keeping the gradient thread busy; True once Q are in."""
+        helper = self.helper
+        if helper.finished:
+            if helper.version == step:
+                self.own_loss = helper.loss
+                self._add(0, helper.grad, helper.loss)
+            else:
+                self.dropped += 1  # computed on parameters of a step that closed without it
+            helper.discard()
+        for i, rank in enumerate(self.others):
+            if len(self.chosen) < self.Q and self.recv[i] and between_workers(self.ctx, lambda: tested(self.recv[i], rank)):
+                self._receive(i, step)
+        if len(self.chosen) >= self.Q:
+            return True
+        if helper.idle and 0 not in self.chosen:  # one gradient of its own per step at most
+            helper.start(self.params, step)
+        return False
 
-    def _decided(self) -> bool:
-        helper, step = self.helper, self.step
-        while not self.decider.decided():
-            if helper.idle:
-                helper.start(self.params, step)
-            elif helper.finished and not self.reported:
-                if helper.version != step:  # computed on parameters of a step that closed without it
-                    self.dropped += 1
-                    helper.discard()
-                    continue  # look again at once, then start the helper on the current parameters
-                self.decider.ready(helper.loss)
-                self.reported = True
-                continue  # the chief's own gradient may complete the quorum at once
-            return False
-        return True
+    def _receive(self, i: int, step: int | None) -> None:
+        """Worker i's message, while step `step` is being gathered (None: after the last one)."""
+        msg, rank = self.inbox[i], self.others[i]
+        msg.check(TAG_QGRAD, rank)
+        if msg.flags & FLAG_STOP:
+            self.stopped += 1  # that worker sends nothing more: its receive is not posted again
+            return
+        if step is None:
+            pass  # late
+        elif msg.step > step:
+            raise ProtocolError(f"worker rank {rank} sent a gradient for step {msg.step} while the chief is at step {step}")
+        if msg.step == step and len(self.chosen) < self.Q:
+            self.ctx.backend.upload(self.landing[i], msg.payload)
+            self._add(i + 1, self.landing[i], msg.loss)
+        # else late: its worker learns from the update that it was left out, and counts it
+        self.recv[i] = self.ctx.comm.Irecv(msg.spec(), source=rank, tag=TAG_QGRAD)
+
+    def _add(self, w: int, grad, loss: float) -> None:
+        buf, n = self.step_fn.buf, self.n
+        if self.chosen:
+            buf[:n] += grad
+            buf[n] += loss
+        else:
+            buf[:n] = grad
+            buf[n] = loss
+        self.chosen.append(w)
+
+    def _update(self, step: int) -> float:
+        """Average the step's gradients, send the average to every other worker, apply it."""
+        ctx, be, buf, n = self.ctx, self.ctx.backend, self.step_fn.buf, self.n
+        ctx.activity.enter(PUSH)
+        buf[: n + 1] *= be.xp.float32(1.0 / len(self.chosen))
+        update = self.updates.take()
+        be.download(buf[:n], update.gradient)
+        if self.narrow:
+            be.upload(buf[:n], update.gradient)  # apply what the others will: the wire's rounding included
+        update.weigh(self.chosen)
+        update.msg.stamp(TAG_UPDATE, step, len(self.chosen), 0, float(buf[n]))
+        self.updates.send(update)
+        own = 0 in self.chosen
+        self.contributed += own
+        self.step_fn.own_loss = self.own_loss if own else 0.0
+        return self.step_fn.apply(step)
+
+    def _closed(self) -> bool:
+        """After the last step: every update delivered, and every other worker's last message
+        (STOP) in, so that no receive is left posted."""
+        for i, rank in enumerate(self.others):
+            while self.recv[i] and between_workers(self.ctx, lambda: tested(self.recv[i], rank)):
+                self._receive(i, None)
+        return self.stopped == len(self.others) and self.updates.delivered()
+
+
+class QuorumFollower:
+    """Sync with --quorum, on every worker but the chief: compute a gradient on the current
+    parameters, push it to the chief unless the step already closed, and apply every update the
+    chief sends, in order. One thread is enough: no collective waits for this worker, and the
+    updates that come while it computes queue up until it takes them."""
+
+    def __init__(self, ctx: Context, start: TrainState):
+        be, n = ctx.backend, ctx.model.n_params
+        self.ctx, self.start, self.n = ctx, start, n
+        self.params = be.asarray(start.params)
+        self.step_fn = SyncStep(ctx, self.params, start)
+        self.chief = ctx.layout.worker_rank(0)
+        # Two push buffers, alternating: a push the chief did not need may still be in flight when
+        # the next gradient is computed. NumPy float32: computed straight into the message.
+        self.outs = [Message(n, be.host_alloc, ctx.cfg.wire_dtype) for _ in range(2)]
+        self.grads = [be.mirror(m.payload) for m in self.outs]
+        self.sends = [MPI.REQUEST_NULL] * 2
+        self.update = QuorumUpdate(ctx)
+        self.batches = BatchStream(ctx, start.position(ctx.worker_index))
+        self.straggler, self.divergence, self.kill = Straggler(ctx), Divergence(ctx), Kill(ctx.rank)
+        self.poller = Poller(WORKER_POLL_S, ctx.watch)
+        self.total = ctx.global_step_budget
+        self.step = start.global_step  # updates applied: the parameters are those of this step
+        self.pending = MPI.REQUEST_NULL
+        self.mine: int | None = None  # the step of the gradient pushed and not yet answered
+        self.my_loss = 0.0
+        self.computed = self.contributed = self.dropped = 0
+        self.recent = deque([float("nan")], maxlen=LOSS_WINDOW)
+        self.loss = float("nan")
+
+    def run(self) -> WorkerResult:
+        ctx, act, step_fn = self.ctx, self.ctx.activity, self.step_fn
+        self._post()
+        while self.step < self.total and not step_fn.why:
+            step, slot = self.step, self.computed % 2
+            act.enter(COMPUTE, step)
+            self.kill.at(self.computed + 1)
+            self._sent(slot)  # two pushes ago: long gone
+            x, y = self.batches.next()
+            t0 = time.perf_counter()
+            grad = self.grads[slot]
+            loss = self.divergence.check(ctx.model.loss_and_grad(self.params, x, y, grad), grad)
+            self.straggler.pause(time.perf_counter() - t0)
+            act.stepped()
+            self.computed += 1
+            self._take_updates()
+            if self.step != step or step_fn.why:
+                self.dropped += 1  # the step closed while this gradient was computed
+                continue
+            self._push(slot, step, 0, loss)
+            self.mine, self.my_loss = step, loss
+            act.enter(WAIT)
+            poll(lambda: self._take_updates() and (self.step != step or step_fn.why), WORKER_POLL_S, ctx.watch)
+        act.enter(WAIT)
+        self._sent(0)
+        self._push(0, self.step, FLAG_STOP, 0.0)  # no more from this worker
+        between_workers(ctx, lambda: self.poller.all(self.sends, [self.chief] * 2))
+        timing = act.times()
+        if step_fn.why:
+            return _sync_result(step_fn, self.step, self.loss, timing, self.contributed, self.dropped)
+        return _sync_result(step_fn, max(self.total, self.start.global_step), _mean_loss(self.recent), timing,
+                            self.contributed, self.dropped)
+
+    def _sent(self, slot: int) -> None:
+        between_workers(self.ctx, lambda: self.poller.all([self.sends[slot]], [self.chief]))
+
+    def _push(self, slot: int, step: int, flags: int, loss: float) -> None:
+        self.ctx.activity.enter(PUSH)
+        out = self.outs[slot]
+        self.ctx.backend.download(self.grads[slot], out.payload)
+        out.stamp(TAG_QGRAD, step, self.computed, flags, loss)
+        self.sends[slot] = self.ctx.comm.Isend(out.spec(), dest=self.chief, tag=TAG_QGRAD)
+
+    def _post(self) -> None:
+        if self.step < self.total:
+            self.pending = self.ctx.comm.Irecv(self.update.msg.spec(), source=self.chief, tag=TAG_UPDATE)
+
+    def _take_updates(self) -> bool:
+        """Apply every update that came, in order; True if any did."""
+        took = False
+        while self.pending and between_workers(self.ctx, lambda: tested(self.pending, self.chief)):
+            took = True
+            self._apply()
+            if not self.step_fn.why:
+                self._post()
+        return took
+
+    def _apply(self) -> None:
+        u, step_fn, n = self.update, self.step_fn, self.n
+        u.msg.check(TAG_UPDATE, self.chief, count=n + self.ctx.workers)
+        if u.msg.step != self.step:
+            raise ProtocolError(f"the chief sent the update of step {u.msg.step} while this worker is at step {self.step}")
+        step_fn.own_loss = 0.0
+        if self.mine == self.step:
+            if u.chose(self.ctx.worker_index):
+                self.contributed += 1
+                step_fn.own_loss = self.my_loss
+            else:
+                self.dropped += 1  # in time, but after Q others
+            self.mine = None
+        self.ctx.backend.upload(step_fn.buf[:n], u.gradient)
+        step_fn.buf[n] = u.msg.loss
+        self.loss = step_fn.apply(self.step)
+        if not step_fn.why:
+            self.recent.append(self.loss)
+            self.step += 1
 
 
 def train_sync_quorum(ctx: Context, start: TrainState, on_step=None) -> WorkerResult:
-    return QuorumLoop(ctx, start, on_step).run()
+    if ctx.worker_index == 0:
+        return QuorumChief(ctx, start, on_step).run()
+    return QuorumFollower(ctx, start).run()
 
 
 def run_sync(ctx: Context) -> WorkerResult:

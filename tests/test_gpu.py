@@ -146,6 +146,17 @@ def test_sync_np4_replicas_identical_on_the_gpu(tmp_path):
     assert set(s["worker_param_digests"]) == {s["param_digest"]}
 
 
+@pytest.mark.parametrize("compress", ["none", "bf16"])
+def test_quorum_on_the_gpu_keeps_replicas_identical(tmp_path, compress):
+    """--quorum stages its pushes and updates through pinned memory: the chief's own gradient
+    (its thread) and the pushed ones add up on the device, and every replica applies the same."""
+    s = train(4, tmp_path, "--device", "gpu", "--mode", "sync", "--quorum", "2", "--compress", compress,
+              "--straggler", "3:0.003", "--steps", "150")
+    assert sum(s["local_steps"]) == 2 * s["global_step"]
+    assert set(s["worker_param_digests"]) == {s["param_digest"]}
+    assert s["test_accuracy"] >= 0.85
+
+
 def test_gpu_and_cpu_sync_runs_agree(tmp_path):
     """The same sync run on NumPy and on CuPy: float32 sums in another order, so not bitwise, but
     the same model to within a point of accuracy."""

@@ -30,6 +30,27 @@ def test_quorum_with_a_straggler_drops_late_gradients_and_keeps_replicas_identic
     assert f"straggler effect: rank {slow} (0.005 s/step); quorum 2 of 3" in s["_stdout"]
 
 
+def test_quorum_with_a_straggler_more_updates_behind_than_the_chief_keeps(tmp_path):
+    """At 0.1 s a gradient, rank 3 falls more than UPDATES_IN_FLIGHT updates behind: the chief
+    then waits for it to take the oldest, and every update still reaches it, in order."""
+    s = train(4, tmp_path, "--mode", "sync", "--quorum", "2", "--straggler", "3:0.1", "--steps", "120",
+              "--hidden", "32")
+    assert s["global_step"] == 120 and sum(s["local_steps"]) == 240
+    assert s["dropped_gradients_per_worker"][2] > 0
+    assert set(s["worker_param_digests"]) == {s["param_digest"]}
+
+
+@pytest.mark.parametrize("compress", ["fp16", "bf16"])
+def test_quorum_with_a_compressed_wire_keeps_replicas_identical(tmp_path, compress):
+    """The chief applies its update as the others receive it: rounded to the wire's 16 bits (it
+    would drift from them if it kept its float32 mean)."""
+    s = train(4, tmp_path, "--mode", "sync", "--quorum", "2", "--compress", compress, "--straggler", "3:0.003",
+              "--steps", "150")
+    assert sum(s["local_steps"]) == 2 * s["global_step"] == 300
+    assert set(s["worker_param_digests"]) == {s["param_digest"]}
+    assert s["test_accuracy"] >= 0.85
+
+
 def test_quorum_equal_to_workers_drops_nothing(tmp_path):
     s = train(4, tmp_path, "--mode", "sync", "--quorum", "3", "--straggler", "3:x3", "--steps", "40")
     assert s["quorum"] == 3 and s["dropped_gradients"] == 0
