@@ -295,8 +295,10 @@ def target_line(name: str, got: float, goal: float, higher: bool) -> str:
     if not higher:  # a share of a core, at most `goal`
         met = "yes" if got <= goal else f"no, {100 * (got - goal):.0f} points over"
         return f"| {name} | {100 * got:.0f}% | {met} |"
-    met = "yes" if got >= goal else f"no, {100 * (1 - got / goal):.0f}% short"
-    return f"| {name} | {got:.2f}x | {met} |"
+    short = 100 * (1 - got / goal)
+    close = 0 < short < 1  # one more digit, or a miss would read "0.95x ... 0% short"
+    met = "yes" if got >= goal else f"no, {short:.{1 if close else 0}f}% short"
+    return f"| {name} | {got:.{3 if close else 2}f}x | {met} |"
 
 
 def main() -> int:

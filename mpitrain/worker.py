@@ -482,7 +482,11 @@ class UpdateRing:
             self.made += 1
             return QuorumUpdate(self.ctx)
         oldest = self.busy.popleft()
+        act = self.ctx.activity
+        phase = act.phase
+        act.enter(WAIT)  # on the workers that are behind, not on rank 0 (what a stall line says)
         between_workers(self.ctx, lambda: self.poller.all(oldest.reqs, self.peers))
+        act.enter(phase)
         return oldest
 
     def send(self, update: QuorumUpdate) -> None:
@@ -597,9 +601,7 @@ class QuorumChief:
         if msg.flags & FLAG_STOP:
             self.stopped += 1  # that worker sends nothing more: its receive is not posted again
             return
-        if step is None:
-            pass  # late
-        elif msg.step > step:
+        if step is not None and msg.step > step:
             raise ProtocolError(f"worker rank {rank} sent a gradient for step {msg.step} while the chief is at step {step}")
         if msg.step == step and len(self.chosen) < self.Q:
             self.ctx.backend.upload(self.landing[i], msg.payload)
