@@ -227,8 +227,8 @@ class SyncStep:
     """One synchronous update: average the workers' gradients with Allreduce, then apply the same
     optimizer step on every worker, so replicas stay bitwise identical. The buffer is
     [gradient..., loss, weight]: the loss rides along so every worker knows the mean loss, and the
-    weight (1, or 0 for a worker left out of a --quorum step) so the sum divides by the number of
-    gradients actually in it."""
+    weight (1 from each worker) so the sum divides by the number of gradients in it. --quorum sums
+    its gradients on the chief worker instead (QuorumChief) and every worker `apply`s the mean."""
 
     def __init__(self, ctx: Context, params, start: TrainState | None = None):
         cfg, be, model = ctx.cfg, ctx.backend, ctx.model
