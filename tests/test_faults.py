@@ -32,10 +32,18 @@ def test_injected_nan_stops_training_and_keeps_the_last_good_checkpoint(tmp_path
         assert np.isfinite(checkpoint.load(path).params).all()  # load() itself also refuses non-finite
 
 
-def test_overflowing_learning_rate_is_caught(tmp_path):
-    proc = run_mpitrain(3, "--lr", "1e30", "--no-progress")
-    assert proc.returncode == 4 and "training diverged at global step" in proc.stderr
-    assert "RuntimeWarning" not in proc.stderr
+@pytest.mark.parametrize("np_,extra", [(3, []), (4, ["--mode", "sync", "--quorum", "2"])], ids=["async", "quorum"])
+def test_overflowing_learning_rate_is_caught(tmp_path, np_, extra):
+    """--quorum: the chief sends the diverged step's update like any other; every worker sees the
+    same mean loss, stops without applying it, and its last push tells the chief it is done."""
+    summary = tmp_path / "s.json"
+    proc = run_mpitrain(np_, "--lr", "1e30", "--no-progress", "--summary-json", str(summary), *extra)
+    assert proc.returncode == 4 and "training diverged at global step" in proc.stderr, proc.stdout + proc.stderr
+    assert "RuntimeWarning" not in proc.stderr and "Traceback" not in proc.stderr
+    s = json.loads(summary.read_text())
+    assert s["global_step"] == s["diverged"]["global_step"]
+    if extra:
+        assert set(s["worker_param_digests"]) == {s["param_digest"]}  # nobody applied the diverged update
 
 
 def test_checkpointer_never_writes_non_finite_parameters(tmp_path):
