@@ -8,7 +8,7 @@ trial starts `mpirun -disable-auto-cleanup -np 4 python -m mpitrain ...` (1 serv
 or 2 servers + 2 workers in the `--num-ps 2` cases) in its own session, waits for rank 0's start
 lines, sleeps a random time drawn over the whole run (calibrated per case, the end-of-run report
 included), and SIGKILLs the real training process of a random worker (or of rank 0, of server
-rank 1, of the chief worker, which decides --quorum steps, or of a worker's supervisor), found
+rank 1, of the chief worker, which gathers --quorum steps, or of a worker's supervisor), found
 in /proc. The
 "big" cases use `--hidden 2000` (6.4 MB messages, milliseconds each) so that kills land in the
 middle of a message. Outcomes:
@@ -80,8 +80,8 @@ CASES = [
     Case("async-big", ("--mode", "async", "--hidden", "2000"), "worker", 1200),
     Case("sync", ("--mode", "sync"), "worker", 4000),
     Case("sync-quorum", ("--mode", "sync", "--quorum", "2"), "worker", 2500),
-    Case("chief-quorum", ("--mode", "sync", "--quorum", "2"), "chief", 2500),  # it decides every quorum step
-    Case("quorum-big", ("--mode", "sync", "--quorum", "2", "--hidden", "2000"), "worker", 300),  # 6.4 MB pushes and updates
+    Case("chief-quorum", ("--mode", "sync", "--quorum", "2"), "chief", 2500),  # it gathers every quorum step
+    Case("quorum-big", ("--mode", "sync", "--quorum", "2", "--hidden", "2000"), "worker", 300),  # 6.4 MB messages
     Case("sync-big", ("--mode", "sync", "--hidden", "2000"), "worker", 300),
     Case("rank0-async", ("--mode", "async", "--hidden", "2000"), "rank0", 1200),
     Case("rank0-sync", ("--mode", "sync"), "rank0", 4000),
@@ -91,7 +91,8 @@ CASES = [
     Case("shard-sync", ("--mode", "sync", "--num-ps", "2"), "shard", 4000),
 ]
 DEFAULT_TRIALS = {"async": 5, "async-staleness": 4, "async-big": 6, "sync": 4, "sync-quorum": 4, "chief-quorum": 3,
-                  "quorum-big": 3, "sync-big": 3, "rank0-async": 4, "rank0-sync": 3, "supervisor": 3, "async-2ps": 4, "shard-async": 3, "shard-sync": 2}
+                  "quorum-big": 3, "sync-big": 3, "rank0-async": 4, "rank0-sync": 3, "supervisor": 3, "async-2ps": 4,
+                  "shard-async": 3, "shard-sync": 2}
 
 
 @dataclass

@@ -18,8 +18,8 @@ from mpitrain.data import epoch_batches
 from mpitrain.faults import Kill, injected_step
 from mpitrain.guard import NON_FINITE, LossGuard
 from mpitrain.optim import Optimizer, make_ema
-from mpitrain.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_LAST, FLAG_STOP, TAG_GRAD, TAG_PARAMS, TAG_QGRAD, TAG_STATUS,
-                               TAG_UPDATE, Message, ProtocolError)
+from mpitrain.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_LAST, FLAG_STOP, TAG_GRAD, TAG_PARAMS,
+                               TAG_QGRAD, TAG_STATUS, TAG_UPDATE, Message, ProtocolError)
 from mpitrain.liveness import CHECK_EVERY_S as VERDICT_POLL_S
 from mpitrain.liveness import PeerLost
 from mpitrain.observe import ALLREDUCE, APPLY, COMPUTE, PULL, PUSH, WAIT
@@ -517,6 +517,11 @@ def between_workers(ctx: Context, call):
         await_verdict(ctx, next(iter(e.lost.values())))
 
 
+def arrived(ctx: Context, req, peer: int) -> bool:
+    """Whether `req`, a message between workers, is complete (`tested`, through between_workers)."""
+    return between_workers(ctx, lambda: tested(req, peer))
+
+
 class QuorumChief:
     """Sync with --quorum Q < workers, on the chief worker (worker 0). Each step takes the first Q
     gradients computed on the current parameters, in the order it sees them: its own, from its
@@ -586,7 +591,7 @@ class QuorumChief:
                 self.dropped += 1  # computed on parameters of a step that closed without it
             helper.discard()
         for i, rank in enumerate(self.others):
-            if len(self.chosen) < self.Q and self.recv[i] and between_workers(self.ctx, lambda: tested(self.recv[i], rank)):
+            if len(self.chosen) < self.Q and self.recv[i] and arrived(self.ctx, self.recv[i], rank):
                 self._receive(i, step)
         if len(self.chosen) >= self.Q:
             return True
@@ -602,7 +607,8 @@ class QuorumChief:
             self.stopped += 1  # that worker sends nothing more: its receive is not posted again
             return
         if step is not None and msg.step > step:
-            raise ProtocolError(f"worker rank {rank} sent a gradient for step {msg.step} while the chief is at step {step}")
+            raise ProtocolError(f"worker rank {rank} sent a gradient for step {msg.step} "
+                                f"while the chief is at step {step}")
         if msg.step == step and len(self.chosen) < self.Q:
             self.ctx.backend.upload(self.landing[i], msg.payload)
             self._add(i + 1, self.landing[i], msg.loss)
@@ -640,7 +646,7 @@ class QuorumChief:
         """After the last step: every update delivered, and every other worker's last message
         (STOP) in, so that no receive is left posted."""
         for i, rank in enumerate(self.others):
-            while self.recv[i] and between_workers(self.ctx, lambda: tested(self.recv[i], rank)):
+            while self.recv[i] and arrived(self.ctx, self.recv[i], rank):
                 self._receive(i, None)
         return self.stopped == len(self.others) and self.updates.delivered()
 
@@ -725,7 +731,7 @@ class QuorumFollower:
     def _take_updates(self) -> bool:
         """Apply every update that came, in order; True if any did."""
         took = False
-        while self.pending and between_workers(self.ctx, lambda: tested(self.pending, self.chief)):
+        while self.pending and arrived(self.ctx, self.pending, self.chief):
             took = True
             self._apply()
             if not self.step_fn.why:
@@ -736,7 +742,8 @@ class QuorumFollower:
         u, step_fn, n = self.update, self.step_fn, self.n
         u.msg.check(TAG_UPDATE, self.chief, count=n + self.ctx.workers)
         if u.msg.step != self.step:
-            raise ProtocolError(f"the chief sent the update of step {u.msg.step} while this worker is at step {self.step}")
+            raise ProtocolError(f"the chief sent the update of step {u.msg.step} "
+                                f"while this worker is at step {self.step}")
         step_fn.own_loss = 0.0
         if self.mine == self.step:
             if u.chose(self.ctx.worker_index):

@@ -22,8 +22,8 @@ import chaos  # noqa: E402
 pytestmark = pytest.mark.timeout(300)
 
 # Short runs: a calibration and two random kills each. The *-big case moves 6.4 MB messages, so a
-# kill often lands mid-message; "rank0" kills the parameter server; "chief" the worker that decides
-# every --quorum step while the others wait for its decision.
+# kill often lands mid-message; "rank0" kills the parameter server; "chief" the worker that gathers
+# every --quorum step while the others wait for its update.
 QUICK = [chaos.Case("async-big", ("--mode", "async", "--hidden", "2000"), "worker", 500),
          chaos.Case("sync", ("--mode", "sync"), "worker", 2000),
          chaos.Case("chief-quorum", ("--mode", "sync", "--quorum", "2"), "chief", 1000),
