@@ -14,7 +14,8 @@ from __future__ import annotations
 import numpy as np
 
 MAGIC = 0x4D505452  # "MPTR": catches a peer that is not mpitrain, or a misrouted buffer
-VERSION = 3  # bump when the layout below changes (2: heartbeats carry an activity snapshot; 3: --quorum messages)
+VERSION = 4  # bump when the layout below changes (2: heartbeats carry an activity snapshot; 3: --quorum messages;
+#               4: H_SECONDS)
 
 # Tags (one per message kind, so a posted receive can never match the wrong kind).
 TAG_GRAD = 11  # worker -> PS: a gradient (async)
@@ -35,7 +36,8 @@ H_STEP = 4  # PS -> worker: global step of these params; worker -> PS: version i
 H_LOCAL_STEP = 5  # worker's local step count
 H_FLAGS = 6
 H_LOSS = 7  # float64 bits of the minibatch loss
-HEADER_SLOTS = 8
+H_SECONDS = 8  # float64 bits: --quorum push, how long its gradient took to compute (the chief's pace, worker.ChiefPace)
+HEADER_SLOTS = 10  # slot 9 is spare: 80 bytes keep the payload 16-byte aligned for SIMD loads
 HEADER_BYTES = HEADER_SLOTS * 8
 
 # A heartbeat's payload (float64): the sender's activity (observe.Activity.snapshot), so a peer
@@ -76,7 +78,8 @@ class Framed:
 
         return [self.buf, MPI.BYTE]
 
-    def stamp(self, tag: int, step: int, local_step: int = 0, flags: int = 0, loss: float = 0.0) -> None:
+    def stamp(self, tag: int, step: int, local_step: int = 0, flags: int = 0, loss: float = 0.0,
+              seconds: float = 0.0) -> None:
         h = self.header
         h[H_MAGIC] = MAGIC
         h[H_VERSION] = VERSION
@@ -86,6 +89,7 @@ class Framed:
         h[H_LOCAL_STEP] = local_step
         h[H_FLAGS] = flags
         h[H_LOSS : H_LOSS + 1].view(np.float64)[0] = loss
+        h[H_SECONDS : H_SECONDS + 1].view(np.float64)[0] = seconds
 
     def check(self, tag: int, source: int, count: int | None = None) -> None:
         """Raise ProtocolError unless this buffer holds a well-formed message of kind `tag`
@@ -126,6 +130,10 @@ class Framed:
     @property
     def loss(self) -> float:
         return float(self.header[H_LOSS : H_LOSS + 1].view(np.float64)[0])
+
+    @property
+    def seconds(self) -> float:
+        return float(self.header[H_SECONDS : H_SECONDS + 1].view(np.float64)[0])
 
 
 class Message(Framed):

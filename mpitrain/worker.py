@@ -35,6 +35,13 @@ SWITCH_INTERVAL_S = 1e-4  # --quorum: GIL hand-over between the MPI thread and t
 # memory they may take (a worker that far behind is a straggler at 32x: waiting costs little then).
 UPDATES_IN_FLIGHT = 32
 UPDATES_IN_FLIGHT_BYTES = 256 << 20
+# --quorum: the chief computes its own gradients on its main thread while they take at most
+# PACE_SLACK times as long as the Q-th fastest other worker's (ChiefPace); a thread hand-over costs
+# more than that margin on a step of a few hundred microseconds.
+PACE_SLACK = 1.5
+# On its gradient thread, the chief tries its main thread again after this many steps, twice as
+# many after each try that finds it still slow: at x5, a try costs 4 steps' time.
+PACE_RETRY_FIRST, PACE_RETRY_MOST = 8, 256
 
 
 @dataclass
@@ -374,9 +381,10 @@ def _mean_loss(recent: deque) -> float:
 
 
 class GradientThread:
-    """--quorum: computes gradients off the main thread, so the main thread can join every step's
-    collectives (with zero weight when it has nothing fresh) while a slow gradient is still being
-    computed. It works on its own snapshot of the parameters; the main thread owns all MPI calls."""
+    """--quorum, on the chief when it is the slow one (ChiefPace): computes its gradients off the
+    main thread, so the main thread keeps gathering the others' while a slow gradient of its own
+    is still being computed. It works on its own snapshot of the parameters; the main thread owns
+    all MPI calls."""
 
     def __init__(self, ctx: Context, taken: int = 0):
         be, n = ctx.backend, ctx.model.n_params
@@ -522,14 +530,49 @@ def arrived(ctx: Context, req, peer: int) -> bool:
     return between_workers(ctx, lambda: tested(req, peer))
 
 
+class ChiefPace:
+    """--quorum, on the chief: where its own gradients are computed. On its main thread
+    (`inline`) at first: no hand-over to a thread, and no polling beside the computation on the
+    cores the other workers need; the pushes that came meanwhile count first. Once its gradient
+    takes more than PACE_SLACK times the Q-th fastest other worker's (each push says how long it
+    took), on its gradient thread, so that a slow chief never holds a step up; it tries its main
+    thread again after PACE_RETRY_FIRST steps, backing off while it stays slow."""
+
+    def __init__(self, others: int, quorum: int):
+        self.quorum = quorum
+        self.others = [math.nan] * others  # each other worker's last compute time, seconds
+        self.inline = True
+        self.retry_after = PACE_RETRY_FIRST  # steps on the thread before the next try inline
+        self.threaded = 0  # steps on the thread since the last try
+
+    def heard(self, i: int, seconds: float) -> None:
+        self.others[i] = seconds
+
+    def computed_inline(self, seconds: float) -> None:
+        known = sorted(s for s in self.others if s > 0)  # NaN: not heard from yet
+        if len(known) >= self.quorum and seconds > PACE_SLACK * known[self.quorum - 1]:
+            self.inline, self.threaded = False, 0
+        else:
+            self.retry_after = PACE_RETRY_FIRST
+
+    def closed(self) -> None:
+        """A step closed."""
+        if not self.inline:
+            self.threaded += 1
+            if self.threaded >= self.retry_after:
+                self.inline = True
+                self.retry_after = min(2 * self.retry_after, PACE_RETRY_MOST)
+
+
 class QuorumChief:
     """Sync with --quorum Q < workers, on the chief worker (worker 0). Each step takes the first Q
-    gradients computed on the current parameters, in the order it sees them: its own, from its
-    gradient thread, or another worker's, pushed to it. It averages them, sends the average to
-    every other worker (UpdateRing: it never waits for a worker that is still computing) and
-    applies it. Its main thread only gathers and decides, so a slow gradient of its own never
-    holds a step up: it is dropped like any late one. Rank 0 is not in the loop: it follows the
-    chief's status, as in plain sync, and ends the run if a worker is lost."""
+    gradients computed on the current parameters, in the order it sees them: its own or another
+    worker's, pushed to it. It averages them, sends the average to every other worker
+    (UpdateRing: it never waits for a worker that is still computing) and applies it. It computes
+    its own gradients on its main thread unless it is the slow one (ChiefPace); then on its
+    gradient thread, while the main thread gathers, so a slow gradient of its own never holds a
+    step up: it is dropped like any late one. Rank 0 is not in the loop: it follows the chief's
+    status, as in plain sync, and ends the run if a worker is lost."""
 
     def __init__(self, ctx: Context, start: TrainState, on_step=None):
         be, n = ctx.backend, ctx.model.n_params
@@ -545,7 +588,9 @@ class QuorumChief:
         self.recv = [ctx.comm.Irecv(m.spec(), source=r, tag=TAG_QGRAD) for m, r in zip(self.inbox, self.others)]
         self.updates = UpdateRing(ctx, self.others, Poller(WORKER_POLL_S, ctx.watch))
         self.kill = Kill(ctx.rank)
+        self.pace = ChiefPace(len(self.others), self.Q)
         self.chosen: list[int] = []  # worker indices whose gradients are in the current step's sum
+        self.own_for: int | None = None  # the step of its last own gradient: one per step at most
         self.own_loss = 0.0
         self.dropped = self.contributed = self.stopped = 0
 
@@ -563,6 +608,7 @@ class QuorumChief:
             self.chosen = []
             ctx.activity.enter(WAIT, step)
             poll(lambda: self._gathered(step), WORKER_POLL_S, ctx.watch)
+            self.pace.closed()
             loss = self._update(step)
             if step_fn.why:
                 diverged = step
@@ -581,23 +627,48 @@ class QuorumChief:
                             self.contributed, self.dropped)
 
     def _gathered(self, step: int) -> bool:
-        """Take in what is ready for `step`, keeping the gradient thread busy; True once Q are in."""
+        """Take in what is ready for `step`; compute its own gradient, or start it on the thread,
+        if the step still needs one. True once Q are in."""
         helper = self.helper
         if helper.finished:
             if helper.version == step:
-                self.own_loss = helper.loss
                 self._add(0, helper.grad, helper.loss)
             else:
                 self.dropped += 1  # computed on parameters of a step that closed without it
             helper.discard()
+        self._take_pushes(step)
+        if len(self.chosen) >= self.Q:
+            return True
+        if helper.idle and self.own_for != step:
+            self.own_for = step
+            if self.pace.inline:
+                return self._compute_inline(step)
+            helper.start(self.params, step)
+        return False
+
+    def _take_pushes(self, step: int) -> None:
         for i, rank in enumerate(self.others):
             if len(self.chosen) < self.Q and self.recv[i] and arrived(self.ctx, self.recv[i], rank):
                 self._receive(i, step)
-        if len(self.chosen) >= self.Q:
-            return True
-        if helper.idle and 0 not in self.chosen:  # one gradient of its own per step at most
-            helper.start(self.params, step)
-        return False
+
+    def _compute_inline(self, step: int) -> bool:
+        """Its own gradient for `step`, on the main thread (in the gradient thread's buffer: the
+        thread is idle). The pushes that came meanwhile were first. True once Q are in."""
+        helper, act = self.helper, self.ctx.activity
+        act.enter(COMPUTE, step)
+        x, y = helper.batches.next()
+        t0 = time.perf_counter()
+        loss = helper.divergence.check(self.ctx.model.loss_and_grad(self.params, x, y, helper.grad), helper.grad)
+        helper.straggler.pause(time.perf_counter() - t0)
+        self.pace.computed_inline(time.perf_counter() - t0)
+        act.stepped()
+        act.enter(WAIT, step)
+        self._take_pushes(step)
+        if len(self.chosen) < self.Q:
+            self._add(0, helper.grad, loss)
+        else:
+            self.dropped += 1  # in time, but after Q others
+        return len(self.chosen) >= self.Q
 
     def _receive(self, i: int, step: int | None) -> None:
         """Worker i's message, while step `step` is being gathered (None: after the last one)."""
@@ -609,6 +680,7 @@ class QuorumChief:
         if step is not None and msg.step > step:
             raise ProtocolError(f"worker rank {rank} sent a gradient for step {msg.step} "
                                 f"while the chief is at step {step}")
+        self.pace.heard(i, msg.seconds)
         if msg.step == step and len(self.chosen) < self.Q:
             self.ctx.backend.upload(self.landing[i], msg.payload)
             self._add(i + 1, self.landing[i], msg.loss)
@@ -617,6 +689,8 @@ class QuorumChief:
 
     def _add(self, w: int, grad, loss: float) -> None:
         buf, n = self.step_fn.buf, self.n
+        if w == 0:
+            self.own_loss = loss
         if self.chosen:
             buf[:n] += grad
             buf[n] += loss
@@ -694,13 +768,14 @@ class QuorumFollower:
             grad = self.grads[slot]
             loss = self.divergence.check(ctx.model.loss_and_grad(self.params, x, y, grad), grad)
             self.straggler.pause(time.perf_counter() - t0)
+            took = time.perf_counter() - t0
             act.stepped()
             self.computed += 1
             self._take_updates()
             if self.step != step or step_fn.why:
                 self.dropped += 1  # the step closed while this gradient was computed
                 continue
-            self._push(slot, step, 0, loss)
+            self._push(slot, step, 0, loss, took)
             self.mine, self.my_loss = step, loss
             act.enter(WAIT)
             poll(lambda: self._take_updates() and (self.step != step or step_fn.why), WORKER_POLL_S, ctx.watch)
@@ -717,11 +792,11 @@ class QuorumFollower:
     def _sent(self, slot: int) -> None:
         between_workers(self.ctx, lambda: self.poller.all([self.sends[slot]], [self.chief]))
 
-    def _push(self, slot: int, step: int, flags: int, loss: float) -> None:
+    def _push(self, slot: int, step: int, flags: int, loss: float, seconds: float = 0.0) -> None:
         self.ctx.activity.enter(PUSH)
         out = self.outs[slot]
         self.ctx.backend.download(self.grads[slot], out.payload)
-        out.stamp(TAG_QGRAD, step, self.computed, flags, loss)
+        out.stamp(TAG_QGRAD, step, self.computed, flags, loss, seconds)
         self.sends[slot] = self.ctx.comm.Isend(out.spec(), dest=self.chief, tag=TAG_QGRAD)
 
     def _post(self) -> None:

@@ -258,11 +258,11 @@ def test_the_timeline_is_a_trace_with_every_ranks_phases(tmp_path, mode):
     if mode == "async":
         assert "apply" in by_rank[0]
         assert all({"compute", "push", "pull"} <= by_rank[r] for r in (1, 2))
-    else:  # rank 1, the chief, gathers and sends each step's update; rank 2 computes and pushes to it
-        assert {"wait", "push", "apply"} <= by_rank[1] and "allreduce" not in by_rank[1]
+    else:  # rank 1, the chief, computes, gathers and sends each step's update; rank 2 computes and pushes to it
+        assert {"compute", "wait", "push", "apply"} <= by_rank[1] and "allreduce" not in by_rank[1]
         assert {"compute", "push", "wait", "apply"} <= by_rank[2]
         helper = {e["pid"] for e in spans if e["tid"] == observe.THREAD_HELPER and e["name"] == "compute"}
-        assert helper == {1}  # the chief's gradient thread has its own track; the others have none
+        assert helper <= {1}  # only the chief has a gradient thread, with a track of its own (test_stragglers)
     assert all(e["ts"] >= 0 and e["dur"] >= 0 and isinstance(e["args"]["global_step"], int) for e in spans)
     per_track = {}
     for e in spans:

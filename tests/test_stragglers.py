@@ -1,11 +1,15 @@
 """Stragglers, the sync quorum, async bounded staleness (np=4: 1 parameter server + 3 workers)."""
 
+import json
+
 import pytest
 
 from conftest import train
+from mpitrain import observe
 from mpitrain.config import UsageError, parse_straggler
 from mpitrain.metrics import staleness_summary
 from mpitrain.optim import staleness_scaled_lr
+from mpitrain.worker import PACE_RETRY_FIRST, PACE_SLACK, ChiefPace
 
 DIGITS_NP4 = ["--epochs", "40"]
 
@@ -28,6 +32,59 @@ def test_quorum_with_a_straggler_drops_late_gradients_and_keeps_replicas_identic
     assert set(s["worker_param_digests"]) == {s["param_digest"]}  # replicas identical
     assert s["test_accuracy"] >= 0.90
     assert f"straggler effect: rank {slow} (0.005 s/step); quorum 2 of 3" in s["_stdout"]
+
+
+def test_chief_pace_moves_its_gradients_to_the_thread_only_while_it_is_the_slow_one():
+    pace = ChiefPace(others=2, quorum=2)
+    pace.computed_inline(1.0)
+    assert pace.inline  # nobody heard from yet: nothing to compare with
+    pace.heard(0, 0.1)
+    pace.heard(1, 0.5)
+    pace.computed_inline(PACE_SLACK * 0.5)
+    assert pace.inline  # the step needs the 2nd fastest other worker anyway: computing inline costs nothing
+    pace.computed_inline(PACE_SLACK * 0.5 * 1.01)
+    assert not pace.inline
+    for _ in range(PACE_RETRY_FIRST - 1):
+        pace.closed()
+    assert not pace.inline
+    pace.closed()
+    assert pace.inline  # tries its main thread again
+    pace.computed_inline(1.0)  # still slow: back on the thread, and the next try comes twice as late
+    for _ in range(2 * PACE_RETRY_FIRST - 1):
+        pace.closed()
+    assert not pace.inline
+    pace.closed()
+    assert pace.inline
+    pace.computed_inline(0.1)  # fast again: stays inline, and a later slow spell retries soon again
+    pace.closed()
+    assert pace.inline
+    pace.computed_inline(1.0)
+    for _ in range(PACE_RETRY_FIRST):
+        pace.closed()
+    assert pace.inline
+
+
+@pytest.mark.parametrize("slow", [None, 1], ids=["no-straggler", "slow-chief"])
+def test_the_chief_computes_on_its_main_thread_unless_it_is_the_slow_one(tmp_path, slow):
+    """As fast as the others, the chief computes its gradients on its main thread (no hand-over to
+    a thread: --quorum 1 then keeps up with plain sync); slow, on its gradient thread, so that its
+    main thread closes every step on the others' gradients (the timeline tells the two apart)."""
+    trace = tmp_path / "trace.json"
+    extra = ["--straggler", f"{slow}:0.01"] if slow else []
+    s = train(3, tmp_path, "--mode", "sync", "--quorum", "1", "--steps", "200", "--timeline", str(trace),
+              "--timeline-steps", "1000", *extra)
+    spans = [e for e in json.loads(trace.read_text())["traceEvents"]
+             if e["ph"] == "X" and e["pid"] == 1 and e["name"] == "compute"]
+    inline = sum(e["tid"] == observe.THREAD_MAIN for e in spans)
+    threaded = sum(e["tid"] == observe.THREAD_HELPER for e in spans)
+    # every gradient it computed went into a step or was dropped (one still on the thread at the end: neither)
+    assert 0 <= inline + threaded - s["local_steps"][0] - s["dropped_gradients_per_worker"][0] <= 1
+    if slow:
+        # on the thread after a step or two, with a retry after 8, 16, 32, 64 and 128 steps (each dropped)
+        assert threaded > 0 and inline <= 8 and s["local_steps"][0] < 20
+    else:
+        assert inline > 2 * threaded
+    assert set(s["worker_param_digests"]) == {s["param_digest"]}
 
 
 def test_quorum_with_a_straggler_more_updates_behind_than_the_chief_keeps(tmp_path):
