@@ -36,12 +36,14 @@ SWITCH_INTERVAL_S = 1e-4  # --quorum: GIL hand-over between the MPI thread and t
 UPDATES_IN_FLIGHT = 32
 UPDATES_IN_FLIGHT_BYTES = 256 << 20
 # --quorum: the chief computes its own gradients on its main thread while they take at most
-# PACE_SLACK times as long as the Q-th fastest other worker's (ChiefPace); a thread hand-over costs
-# more than that margin on a step of a few hundred microseconds.
-PACE_SLACK = 1.5
-# On its gradient thread, the chief tries its main thread again after this many steps, twice as
-# many after each try that finds it still slow: at x5, a try costs 4 steps' time.
-PACE_RETRY_FIRST, PACE_RETRY_MOST = 8, 256
+# PACE_SLACK times as long as the Q-th fastest other worker's (ChiefPace). Not less: the chief's
+# gradients measure slower than the others' even in plain sync (digits, 2 cores: 1.4-1.6x), and so
+# do those of its thread when it is not slow (0.8-1.45x), while a straggler worth a thread is
+# slower than that. One preempted step is not a slow chief either: it moves after PACE_RUN
+# gradients in a row said so, and each other worker's time is the lower median of its last
+# PACE_WINDOW pushes.
+PACE_SLACK = 2.0
+PACE_RUN, PACE_WINDOW = 3, 5
 
 
 @dataclass
@@ -396,6 +398,7 @@ class GradientThread:
         self.divergence = Divergence(ctx)
         self.version: int | None = None  # None: idle; else the step its parameters belong to
         self.loss = float("nan")
+        self.seconds = 0.0  # how long the last gradient took (ChiefPace)
         self.error: BaseException | None = None
         self._go, self._done, self._quit = threading.Event(), threading.Event(), False
         self._thread = threading.Thread(target=self._run, name="mpitrain-gradient", daemon=True)
@@ -441,7 +444,8 @@ class GradientThread:
                 t0 = time.perf_counter()
                 self.loss = self.divergence.check(self.ctx.model.loss_and_grad(self.snapshot, x, y, self.grad), self.grad)
                 self.straggler.pause(time.perf_counter() - t0)
-                self.ctx.activity.helper_computed(t0, time.perf_counter(), self.version)
+                self.seconds = time.perf_counter() - t0
+                self.ctx.activity.helper_computed(t0, t0 + self.seconds, self.version)
             except BaseException as e:  # surfaced on the main thread by `finished`
                 self.error = e
             self._done.set()
@@ -533,35 +537,29 @@ def arrived(ctx: Context, req, peer: int) -> bool:
 class ChiefPace:
     """--quorum, on the chief: where its own gradients are computed. On its main thread
     (`inline`) at first: no hand-over to a thread, and no polling beside the computation on the
-    cores the other workers need; the pushes that came meanwhile count first. Once its gradient
-    takes more than PACE_SLACK times the Q-th fastest other worker's (each push says how long it
-    took), on its gradient thread, so that a slow chief never holds a step up; it tries its main
-    thread again after PACE_RETRY_FIRST steps, backing off while it stays slow."""
+    cores the other workers need; the pushes that came meanwhile count first. Once PACE_RUN
+    gradients of its own in a row took more than PACE_SLACK times the Q-th fastest other
+    worker's (each push says how long it took), on its gradient thread, so that a slow chief never
+    holds a step up; back on its main thread once PACE_RUN in a row on the thread did not."""
 
     def __init__(self, others: int, quorum: int):
         self.quorum = quorum
-        self.others = [math.nan] * others  # each other worker's last compute time, seconds
+        self.others = [deque(maxlen=PACE_WINDOW) for _ in range(others)]  # their compute times, seconds
         self.inline = True
-        self.retry_after = PACE_RETRY_FIRST  # steps on the thread before the next try inline
-        self.threaded = 0  # steps on the thread since the last try
+        self.run = 0  # its gradients in a row that said it computes in the wrong place
 
     def heard(self, i: int, seconds: float) -> None:
-        self.others[i] = seconds
+        self.others[i].append(seconds)
 
-    def computed_inline(self, seconds: float) -> None:
-        known = sorted(s for s in self.others if s > 0)  # NaN: not heard from yet
-        if len(known) >= self.quorum and seconds > PACE_SLACK * known[self.quorum - 1]:
-            self.inline, self.threaded = False, 0
-        else:
-            self.retry_after = PACE_RETRY_FIRST
-
-    def closed(self) -> None:
-        """A step closed."""
-        if not self.inline:
-            self.threaded += 1
-            if self.threaded >= self.retry_after:
-                self.inline = True
-                self.retry_after = min(2 * self.retry_after, PACE_RETRY_MOST)
+    def computed(self, seconds: float) -> None:
+        """One gradient of its own took `seconds`, inline or on the thread."""
+        known = sorted(sorted(d)[(len(d) - 1) // 2] for d in self.others if d)  # lower medians
+        if len(known) < self.quorum:
+            return  # nothing to compare with yet
+        slow = seconds > PACE_SLACK * known[self.quorum - 1]
+        self.run = self.run + 1 if slow == self.inline else 0
+        if self.run >= PACE_RUN:
+            self.inline, self.run = not self.inline, 0
 
 
 class QuorumChief:
@@ -608,7 +606,6 @@ class QuorumChief:
             self.chosen = []
             ctx.activity.enter(WAIT, step)
             poll(lambda: self._gathered(step), WORKER_POLL_S, ctx.watch)
-            self.pace.closed()
             loss = self._update(step)
             if step_fn.why:
                 diverged = step
@@ -631,6 +628,7 @@ class QuorumChief:
         if the step still needs one. True once Q are in."""
         helper = self.helper
         if helper.finished:
+            self.pace.computed(helper.seconds)
             if helper.version == step:
                 self._add(0, helper.grad, helper.loss)
             else:
@@ -660,10 +658,11 @@ class QuorumChief:
         t0 = time.perf_counter()
         loss = helper.divergence.check(self.ctx.model.loss_and_grad(self.params, x, y, helper.grad), helper.grad)
         helper.straggler.pause(time.perf_counter() - t0)
-        self.pace.computed_inline(time.perf_counter() - t0)
+        took = time.perf_counter() - t0
         act.stepped()
         act.enter(WAIT, step)
         self._take_pushes(step)
+        self.pace.computed(took)  # against what the pushes just taken say too
         if len(self.chosen) < self.Q:
             self._add(0, helper.grad, loss)
         else:

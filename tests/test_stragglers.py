@@ -9,7 +9,7 @@ from mpitrain import observe
 from mpitrain.config import UsageError, parse_straggler
 from mpitrain.metrics import staleness_summary
 from mpitrain.optim import staleness_scaled_lr
-from mpitrain.worker import PACE_RETRY_FIRST, PACE_SLACK, ChiefPace
+from mpitrain.worker import PACE_RUN, PACE_SLACK, PACE_WINDOW, ChiefPace
 
 DIGITS_NP4 = ["--epochs", "40"]
 
@@ -36,31 +36,31 @@ def test_quorum_with_a_straggler_drops_late_gradients_and_keeps_replicas_identic
 
 def test_chief_pace_moves_its_gradients_to_the_thread_only_while_it_is_the_slow_one():
     pace = ChiefPace(others=2, quorum=2)
-    pace.computed_inline(1.0)
+    for _ in range(PACE_RUN):
+        pace.computed(1.0)
     assert pace.inline  # nobody heard from yet: nothing to compare with
-    pace.heard(0, 0.1)
-    pace.heard(1, 0.5)
-    pace.computed_inline(PACE_SLACK * 0.5)
+    for t0, t1 in [(0.1, 0.5)] * PACE_WINDOW + [(0.1, 0.01)]:  # one fast outlier: the lower median ignores it
+        pace.heard(0, t0)
+        pace.heard(1, t1)
+    slow, fast = PACE_SLACK * 0.5 * 1.01, 0.1  # against the 2nd fastest other worker's 0.5 s
+    for _ in range(PACE_RUN):
+        pace.computed(PACE_SLACK * 0.5)
     assert pace.inline  # the step needs the 2nd fastest other worker anyway: computing inline costs nothing
-    pace.computed_inline(PACE_SLACK * 0.5 * 1.01)
-    assert not pace.inline
-    for _ in range(PACE_RETRY_FIRST - 1):
-        pace.closed()
-    assert not pace.inline
-    pace.closed()
-    assert pace.inline  # tries its main thread again
-    pace.computed_inline(1.0)  # still slow: back on the thread, and the next try comes twice as late
-    for _ in range(2 * PACE_RETRY_FIRST - 1):
-        pace.closed()
-    assert not pace.inline
-    pace.closed()
-    assert pace.inline
-    pace.computed_inline(0.1)  # fast again: stays inline, and a later slow spell retries soon again
-    pace.closed()
-    assert pace.inline
-    pace.computed_inline(1.0)
-    for _ in range(PACE_RETRY_FIRST):
-        pace.closed()
+    for _ in range(PACE_RUN - 1):
+        pace.computed(slow)
+    pace.computed(fast)
+    for _ in range(PACE_RUN - 1):
+        pace.computed(slow)
+    assert pace.inline  # slow gradients, but not PACE_RUN in a row: preempted steps, not a slow chief
+    pace.computed(slow)
+    assert not pace.inline  # PACE_RUN in a row: on the thread
+    for _ in range(PACE_RUN - 1):
+        pace.computed(fast)
+    pace.computed(slow)
+    for _ in range(PACE_RUN - 1):
+        pace.computed(fast)
+    assert not pace.inline  # the same on the way back
+    pace.computed(fast)
     assert pace.inline
 
 
@@ -80,8 +80,8 @@ def test_the_chief_computes_on_its_main_thread_unless_it_is_the_slow_one(tmp_pat
     # every gradient it computed went into a step or was dropped (one still on the thread at the end: neither)
     assert 0 <= inline + threaded - s["local_steps"][0] - s["dropped_gradients_per_worker"][0] <= 1
     if slow:
-        # on the thread after a step or two, with a retry after 8, 16, 32, 64 and 128 steps (each dropped)
-        assert threaded > 0 and inline <= 8 and s["local_steps"][0] < 20
+        # on its thread after PACE_RUN slow gradients (one more if the others were not heard from yet)
+        assert threaded > 0 and inline <= PACE_RUN + 1 and s["local_steps"][0] < 20
     else:
         assert inline > 2 * threaded
     assert set(s["worker_param_digests"]) == {s["param_digest"]}
