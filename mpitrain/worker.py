@@ -440,15 +440,22 @@ class GradientThread:
             if self._quit:
                 return
             try:
-                x, y = self.batches.next()
-                t0 = time.perf_counter()
-                self.loss = self.divergence.check(self.ctx.model.loss_and_grad(self.snapshot, x, y, self.grad), self.grad)
-                self.straggler.pause(time.perf_counter() - t0)
-                self.seconds = time.perf_counter() - t0
+                self.loss, t0 = self.compute(self.snapshot)
                 self.ctx.activity.helper_computed(t0, t0 + self.seconds, self.version)
             except BaseException as e:  # surfaced on the main thread by `finished`
                 self.error = e
             self._done.set()
+
+    def compute(self, params) -> tuple[float, float]:
+        """The next batch's gradient on `params` into `grad` (the straggler's pause included), on
+        this thread, or on the main thread while this one is idle (ChiefPace). Its loss and when it
+        started; `seconds` says how long it took."""
+        x, y = self.batches.next()
+        t0 = time.perf_counter()
+        loss = self.divergence.check(self.ctx.model.loss_and_grad(params, x, y, self.grad), self.grad)
+        self.straggler.pause(time.perf_counter() - t0)
+        self.seconds = time.perf_counter() - t0
+        return loss, t0
 
 
 class QuorumUpdate:
@@ -654,15 +661,11 @@ class QuorumChief:
         thread is idle). The pushes that came meanwhile were first. True once Q are in."""
         helper, act = self.helper, self.ctx.activity
         act.enter(COMPUTE, step)
-        x, y = helper.batches.next()
-        t0 = time.perf_counter()
-        loss = helper.divergence.check(self.ctx.model.loss_and_grad(self.params, x, y, helper.grad), helper.grad)
-        helper.straggler.pause(time.perf_counter() - t0)
-        took = time.perf_counter() - t0
+        loss, _ = helper.compute(self.params)
         act.stepped()
         act.enter(WAIT, step)
         self._take_pushes(step)
-        self.pace.computed(took)  # against what the pushes just taken say too
+        self.pace.computed(helper.seconds)  # against what the pushes just taken say too
         if len(self.chosen) < self.Q:
             self._add(0, helper.grad, loss)
         else:
