@@ -8,6 +8,13 @@ from pathlib import Path
 from typing import Callable, IO
 
 
+def current_umask() -> int:
+    """The process's umask (reading it means setting it: set it straight back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def write_atomic(target: Path, write: Callable[[IO], None], binary: bool = False) -> Path:
     """`write(f)` into a temporary file beside `target`, fsync, then os.replace onto `target`.
     A crash (even SIGKILL) at any moment leaves `target` as it was, plus at most a `.*.tmp` file."""
@@ -15,6 +22,7 @@ def write_atomic(target: Path, write: Callable[[IO], None], binary: bool = False
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
+        os.fchmod(fd, 0o666 & ~current_umask())  # mkstemp makes it 0600: readable as a plain open() would be
         with os.fdopen(fd, "wb" if binary else "w") as f:
             write(f)
             f.flush()

@@ -10,6 +10,7 @@ a job killed at any moment leaves every finished checkpoint intact and loadable.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -22,6 +23,7 @@ import numpy as np
 from mpitrain.atomic import write_atomic
 from mpitrain.config import UsageError
 from mpitrain.optim import REGISTRY as OPTIMIZER_REGISTRY
+from mpitrain.outputs import WRITES
 
 NAME = re.compile(r"^ckpt-(\d{9})\.npz$")
 FORMAT = 1
@@ -102,13 +104,34 @@ class Checkpointer:
         """A save was started at `step` (by rank 0, or by the chief sending its state)."""
         self.last_time, self.last_step = self.clock(), step
 
-    def save(self, state: TrainState) -> None:
+    def save(self, state: TrainState, final: bool = False) -> bool:
+        """Write `state` unless it was written already; False when the write failed (a full disk,
+        a quota, an I/O error): that is reported, and training goes on from the next one."""
         if self.enabled and not np.isfinite(state.params).all():
             self.mark(state.global_step)  # never write a non-finite state: the last good one stays newest
-            return
+            return True
         if self.enabled and state.global_step != self.last_step:
-            self.saved.append(str(save(self.dir, state, self.fp, self.cfg.keep_checkpoints)))
+            try:
+                try:
+                    path = save(self.dir, state, self.fp, self.cfg.keep_checkpoints)
+                except OSError as e:
+                    # Out of space: the older checkpoints go first (never the newest), then once more.
+                    if e.errno not in (errno.ENOSPC, errno.EDQUOT) or not prune(self.dir, keep=1):
+                        raise
+                    path = save(self.dir, state, self.fp, self.cfg.keep_checkpoints)
+                self.saved.append(str(path))
+                WRITES.newest_checkpoint = self.saved[-1]
+            except OSError as e:
+                newest = list_checkpoints(self.dir)
+                good = f"the newest good one is {newest[-1].name}" if newest else "there is no good one yet"
+                WRITES.failed("checkpoint", f"checkpoint at global step {state.global_step}", self.dir, e,
+                              f"{good}; " + ("the run ends without it" if final else "training goes on"))
+                if final:
+                    WRITES.incomplete = True
+                self.last_time = self.clock()  # not mark(): a final save of this step tries again
+                return False
         self.mark(state.global_step)
+        return True
 
 
 def fingerprint(sizes: tuple[int, ...], optimizer: str, dataset: str = "", seed: int = 0) -> dict:
@@ -137,9 +160,20 @@ def save(directory: Path, state: TrainState, fp: dict, keep: int) -> Path:
     if state.ema is not None:
         arrays["ema"] = state.ema
     target = write_atomic(path_for(directory, state.global_step), lambda f: np.savez(f, **arrays), binary=True)
-    for old in list_checkpoints(directory)[:-keep]:
-        old.unlink()
+    prune(directory, keep)
     return target
+
+
+def prune(directory: Path, keep: int) -> bool:
+    """Delete all but the newest `keep` finished checkpoints; True if any went."""
+    removed = False
+    for old in list_checkpoints(directory)[:-keep]:
+        try:
+            old.unlink()
+            removed = True
+        except OSError:  # a read-only remount, an I/O error: an extra old checkpoint costs nothing
+            pass
+    return removed
 
 
 def load(path: Path, fp: dict | None = None) -> TrainState:

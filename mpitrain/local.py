@@ -36,5 +36,5 @@ def run_local(ctx: Context, progress: Progress) -> tuple[ServerState, WorkerResu
     state.ema = result.train_state.ema
     if result.diverged:
         state.diverged = {**result.diverged, "ranks": [0]}
-    ckpt.save(result.train_state)
+    ckpt.save(result.train_state, final=True)
     return state, result

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import math
+import os
 import sys
 import time
 from pathlib import Path
 
 from mpitrain.atomic import write_atomic
+from mpitrain.outputs import WRITES
 
 
 def say(line: str, stream=None) -> None:
@@ -65,15 +69,27 @@ class RunLog:
         self.dir = Path(log_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.every = every
-        self.jsonl = open(self.dir / "events.jsonl", "a", buffering=1)  # a line at a time: readable while it runs
+        start_step = start.get("start_step", 0)
+        if not start_step:
+            self.moved = set_aside_log(self.dir)
+        self.path = self.dir / "events.jsonl"
+        ends_cut = self.path.is_file() and self.path.stat().st_size and not self.path.read_bytes()[-1:] == b"\n"
+        # Unbuffered bytes: each line is one write, readable while the run goes on, and a write
+        # that fails (a full disk) is cut back off, so no half line is left behind.
+        self.jsonl = open(self.path, "ab", buffering=0)
+        if ends_cut:  # a run killed mid-line: its half line stays a line of its own
+            self._append(b"\n")
         try:
             from tensorboardX import SummaryWriter
 
-            self.tb = SummaryWriter(str(self.dir))
+            # A resumed run rewrites the steps after its checkpoint: TensorBoard drops the earlier
+            # run's events from that step on (purge_step), so no curve jumps back.
+            self.tb = SummaryWriter(str(self.dir), purge_step=start_step or None)
+            self.tb_failures = guard_tensorboard(self.tb)
             self.tb.add_scalar("run/start_step", start.get("start_step", 0), start.get("start_step", 0))
             self.tb.flush()  # the first write is slow (lazy set-up): not inside training time
         except ImportError:
-            self.tb = None
+            self.tb, self.tb_failures = None, []
             say("mpitrain: --log-dir: tensorboardX is not installed, writing events.jsonl only "
                 "(pip install 'mpitrain[tensorboard]')", sys.stderr)
         self.t0 = time.time()  # after the (slow) tensorboardX import: seconds count training time
@@ -81,13 +97,34 @@ class RunLog:
 
     def _write(self, obj: dict) -> None:
         obj = {"time": time.time(), "seconds": time.time() - self.t0, **obj}
-        self.jsonl.write(json.dumps(obj, default=float) + "\n")
+        self._append((to_json(obj) + "\n").encode())
+
+    def _append(self, data: bytes) -> None:
+        """One line onto events.jsonl; on a failed write (full disk, quota, I/O error, the folder
+        removed) the file is cut back to where it was, the failure reported, and training goes on."""
+        end = None
+        try:
+            end = self.jsonl.seek(0, os.SEEK_END)
+            if self.jsonl.write(data) != len(data):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError as e:
+            WRITES.failed("log", "--log-dir event", self.path, e)
+            if end is not None:
+                try:
+                    self.jsonl.truncate(end)
+                except OSError:
+                    pass
 
     def _scalars(self, step: int, prefix: str, values: dict) -> None:
-        if self.tb is not None:
-            for key, value in values.items():
-                if isinstance(value, (int, float)) and value == value:
-                    self.tb.add_scalar(f"{prefix}/{key}", value, step)
+        if self.tb is None:
+            return
+        if self.tb_failures:  # its writer failed: TensorBoard's file stops here, events.jsonl goes on
+            WRITES.failed("tensorboard", "TensorBoard events", self.dir, self.tb_failures[0],
+                          "TensorBoard's file stops here for this run; events.jsonl and training go on")
+            return
+        for key, value in values.items():
+            if isinstance(value, (int, float)) and value == value:
+                self.tb.add_scalar(f"{prefix}/{key}", value, step)
 
     def due(self, step: int) -> bool:
         return step % self.every == 0
@@ -118,13 +155,78 @@ class RunLog:
         self._write({"event": "end", **{k: summary.get(k) for k in keep}})
         self.jsonl.close()
         if self.tb is not None:
-            self.tb.close()
+            try:
+                self.tb.close()
+            except OSError as e:
+                WRITES.failed("tensorboard", "TensorBoard event", self.dir, e)
+
+
+def guard_tensorboard(tb) -> list[OSError]:
+    """tensorboardX writes on a thread of its own: a full disk there raises in that thread (a
+    traceback), which dies, and the next scalars then wait forever on its full queue (measured:
+    a run on a full 64 KiB tmpfs hung). Its file writer's write and flush are wrapped so that an
+    OSError is kept (the list returned) and every later event dropped; RunLog reports it. Without
+    those internals (another tensorboardX) nothing is wrapped."""
+    failures: list[OSError] = []
+    try:
+        writer = tb._get_file_writer().event_writer._ev_writer
+    except AttributeError:
+        return failures
+
+    def guarded(call):
+        def run(*args, **kwargs):
+            if failures:
+                return None
+            try:
+                return call(*args, **kwargs)
+            except OSError as e:
+                failures.append(e)
+                return None
+        return run
+
+    writer.write_event, writer.flush = guarded(writer.write_event), guarded(writer.flush)
+    return failures
+
+
+def set_aside_log(directory: Path) -> Path | None:
+    """A new run (not a resumed one) in a --log-dir that holds an earlier run's events: those
+    move to a superseded-* subfolder, so the plot and TensorBoard never join two runs into one
+    line. Returns that folder, or None when there was nothing to move."""
+    old = [p for p in directory.iterdir() if p.is_file() and
+           (p.name == "events.jsonl" or p.name.startswith("events.out.tfevents."))]
+    if not old:
+        return None
+    target = directory / time.strftime("superseded-%Y%m%d-%H%M%S")
+    target.mkdir(exist_ok=True)
+    for p in old:
+        os.replace(p, target / p.name)
+    say(f"mpitrain: --log-dir: a new run; the earlier run's events moved to {target}")
+    return target
+
+
+def json_safe(obj):
+    """`obj` with every non-finite float (NaN, Infinity) as None: JSON has no NaN, and
+    JSON.parse, jq and many other readers reject the bare `NaN` Python's json module writes."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    if hasattr(obj, "item") and not isinstance(obj, (str, bytes)):  # NumPy scalars
+        return json_safe(obj.item())
+    return obj
+
+
+def to_json(obj, **kwargs) -> str:
+    """Strict JSON (null for NaN and Infinity)."""
+    return json.dumps(json_safe(obj), allow_nan=False, **kwargs)
 
 
 def write_json_atomic(path: str, obj: dict) -> None:
     """Never a half-written summary: temporary file, then os.replace."""
     def write(f) -> None:
-        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write(to_json(obj, indent=2, sort_keys=True))
         f.write("\n")
 
     write_atomic(Path(path), write)
@@ -174,16 +276,30 @@ def straggler_line(s: dict) -> str | None:
 def human_summary(s: dict) -> list[str]:
     ranks = "1 process, local" if s["world_size"] == 1 else f"{s['world_size']} ranks: {s['num_ps']} PS + {s['workers']} workers"
     workers_acc = ", ".join(f"{a:.4f}" for a in s["worker_test_accuracy"])
+    status = ("stopped (diverged)" if s.get("diverged") else
+              f"stopped ({s['stopped']['signal']})" if s.get("stopped") else "done")
+    if s.get("trained", True):
+        steps = (f" | local steps {s['local_steps']} | {s['wall_seconds']:.2f} s training"
+                 f" | {s['samples_per_second']:,.0f} samples/s")
+    else:
+        steps = (f": the checkpoint it resumed from had reached the budget, so nothing was trained "
+                 f"(evaluated only; {s['resumed_from']})")
+    final = "n/a" if s["final_loss"] is None else f"{s['final_loss']:.4f}"
     return [
-        f"mpitrain {'stopped (diverged)' if s.get('diverged') else 'done'}: {s['mode']} | {s['model_description']} | "
-        f"{s['dataset']} | {ranks}",
-        f"  global step {s['global_step']:,} | local steps {s['local_steps']} | {s['wall_seconds']:.2f} s training"
-        f" | {s['samples_per_second']:,.0f} samples/s",
+        f"mpitrain {status}: {s['mode']} | {s['model_description']} | {s['dataset']} | {ranks}",
+        f"  global step {s['global_step']:,}{steps}",
         f"  test accuracy {s['test_accuracy']:.4f} (rank 0)"
         + (f", EMA {s['ema_test_accuracy']:.4f}" if s.get("ema_test_accuracy") is not None else "")
         + f" | per worker [{workers_acc}] | test loss "
-        f"{s['test_loss']:.4f} | final train loss {s['final_loss']:.4f} | dropped gradients {s['dropped_gradients']}",
-    ] + ([line] if (line := straggler_line(s)) else []) + slow_lines(s) + lost_lines(s)
+        f"{s['test_loss']:.4f} | final train loss {final} | dropped gradients {s['dropped_gradients']}",
+    ] + ([line] if (line := straggler_line(s)) else []) + slow_lines(s) + lost_lines(s) + (
+        [summary_stop_line(s)] if s.get("stopped") else [])
+
+
+def summary_stop_line(s: dict) -> str:
+    """The one line a stopped run ends with (stdout, last line of the summary)."""
+    st = s["stopped"]
+    return f"mpitrain stopped ({st['signal']}) at global step {st['global_step']:,}; {st['resume']}"
 
 
 def slow_lines(s: dict) -> list[str]:

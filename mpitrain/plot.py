@@ -23,21 +23,37 @@ def read_run(run_dir: str) -> dict:
     if not path.is_file():
         raise UsageError(f"{run_dir} has no events.jsonl; pass folders written by --log-dir")
     run = {"label": Path(run_dir).name, "mode": "?", "train": [], "eval": []}
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    lines = path.read_text().splitlines()
+    offset = 0.0  # a resumed run's seconds restart at 0: they continue the earlier run's here
+    for number, line in enumerate(lines, 1):
         try:
             event = json.loads(line)
         except json.JSONDecodeError:
-            if number == len(path.read_text().splitlines()):
-                continue  # a run still writing (or killed) may end in half a line
+            if number == len(lines) or _starts_run(lines[number:number + 1]):
+                continue  # a run still writing, or killed, ends in half a line
             raise UsageError(f"{path}:{number} is not JSON; is it an mpitrain events.jsonl?") from None
         kind = event.get("event")
         if kind == "start":
             run["mode"] = event.get("mode", "?")
+            # A resumed run goes on from its checkpoint's step: what the earlier run logged after
+            # that step was lost with it, and is dropped (as TensorBoard's purge_step does).
+            resumed_at = event.get("start_step", 0)
+            for k in ("train", "eval"):
+                run[k] = [e for e in run[k] if e["global_step"] <= resumed_at]
+            kept = run["train"] + run["eval"]
+            offset = max((e.get("seconds", 0.0) for e in kept), default=0.0)
         elif kind in ("train", "eval"):
-            run[kind].append(event)
+            run[kind].append({**event, "seconds": event.get("seconds", 0.0) + offset})
     if not run["train"] and not run["eval"]:
         raise UsageError(f"{path} holds no training or evaluation events")
     return run
+
+
+def _starts_run(lines: list[str]) -> bool:
+    try:
+        return bool(lines) and json.loads(lines[0]).get("event") == "start"
+    except json.JSONDecodeError:
+        return False
 
 
 def plot(runs: list[dict], out: str) -> None:

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from mpitrain.stopping import STOP
+
 MAGIC = 0x4D505452  # "MPTR": catches a peer that is not mpitrain, or a misrouted buffer
-VERSION = 4  # bump when the layout below changes (2: heartbeats carry an activity snapshot; 3: --quorum messages;
-#               4: H_SECONDS)
+VERSION = 5  # bump when the layout below changes (2: heartbeats carry an activity snapshot; 3: --quorum messages;
+#               4: H_SECONDS; 5: H_SIGNAL, FLAG_STOP_STEP, FLAG_STOPPED)
 
 # Tags (one per message kind, so a posted receive can never match the wrong kind).
 TAG_GRAD = 11  # worker -> PS: a gradient (async)
@@ -37,7 +39,8 @@ H_LOCAL_STEP = 5  # worker's local step count
 H_FLAGS = 6
 H_LOSS = 7  # float64 bits of the minibatch loss
 H_SECONDS = 8  # float64 bits: --quorum push, how long its gradient took to compute (the chief's pace, worker.ChiefPace)
-HEADER_SLOTS = 10  # slot 9 is spare: 80 bytes keep the payload 16-byte aligned for SIMD loads
+H_SIGNAL = 9  # the stop request its sender knows of (stopping.StopRequest.wire): 0 none, a signal number, or -1
+HEADER_SLOTS = 10  # 80 bytes keep the payload 16-byte aligned for SIMD loads
 HEADER_BYTES = HEADER_SLOTS * 8
 
 # A heartbeat's payload (float64): the sender's activity (observe.Activity.snapshot), so a peer
@@ -57,6 +60,8 @@ FLAG_EVAL = 4  # chief -> PS: these parameters are for --eval-every
 FLAG_CKPT = 8  # chief -> PS: checkpoint this state (parameters, then the optimizer's arrays)
 FLAG_DIVERGED = 16  # a non-finite loss: training stops (PS -> workers in async, chief -> PS in sync)
 FLAG_PEER_LOST = 32  # PS -> worker, goodbye: a rank was lost, so nobody may call MPI_Finalize
+FLAG_STOP_STEP = 64  # --quorum update: the last step; a stop was requested (stopping.py)
+FLAG_STOPPED = 128  # PS -> worker, goodbye: the run stopped on request before its budget (exit 128 + H_SIGNAL)
 
 
 class ProtocolError(RuntimeError):
@@ -90,6 +95,7 @@ class Framed:
         h[H_FLAGS] = flags
         h[H_LOSS : H_LOSS + 1].view(np.float64)[0] = loss
         h[H_SECONDS : H_SECONDS + 1].view(np.float64)[0] = seconds
+        h[H_SIGNAL] = STOP.wire  # a stop request spreads with every message (stopping.py)
 
     def check(self, tag: int, source: int, count: int | None = None) -> None:
         """Raise ProtocolError unless this buffer holds a well-formed message of kind `tag`
@@ -107,6 +113,7 @@ class Framed:
         if h[H_COUNT] != count:
             raise ProtocolError(f"rank {source} sent {int(h[H_COUNT])} parameters where {count} were expected: "
                                 "start every rank with the same model flags (and --num-ps)")
+        STOP.heard(int(h[H_SIGNAL]))
 
     def refresh(self) -> None:
         """Before sending: bring the payload up to date with the buffer it stands for (a

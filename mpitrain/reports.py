@@ -25,6 +25,7 @@ class WorkerReport:
     step_time: dict  # observe.Activity.report(): median step time and its spread
     max_rss_mb: list[float] | None = None  # [start, end] of training (a local run's own report: None)
     timeline: list[dict] = field(default_factory=list)  # --timeline spans
+    stop_signal: int = 0  # the signal that asked this rank to stop, if it knows one (stopping.py)
 
     role = "worker"
 
@@ -44,13 +45,14 @@ class ShardReport:
     staleness: dict
     diverged: dict | None
     timeline: list[dict] = field(default_factory=list)
+    stop_signal: int = 0
 
     role = "shard"
 
     def entry(self) -> dict:
         """The summary's ps_shards entry (the spans go to the trace)."""
         out = asdict(self)
-        del out["timeline"]
+        del out["timeline"], out["stop_signal"]
         return out
 
 
@@ -80,18 +82,18 @@ class Summary:
     world_size: int
     workers: int
     global_step: int
-    local_steps: list[int]  # per worker: gradients rank 0 applied / that went into averaged updates
+    local_steps: list[int]  # per worker of worker_ranks: gradients rank 0 applied / that went into averaged updates
     gradients_pushed: list[int]
     wall_seconds: float  # training time
-    samples_per_second: float  # this run only, when resumed
+    samples_per_second: float | None  # this run only, when resumed; None when it trained nothing
     test_accuracy: float
     test_loss: float
     ema_test_loss: float | None  # --ema-decay
     ema_test_accuracy: float | None
     worker_ranks: list[int]  # the workers whose entries follow, in order
     worker_test_accuracy: list[float]
-    final_loss: float  # mean minibatch loss of the last global steps
-    lost_workers: list[dict]  # rank, global step and reason of each worker declared lost
+    final_loss: float | None  # mean minibatch loss of the last global steps (None: no step trained)
+    lost_workers: list[dict]  # rank, global step, reason and local steps of each worker declared lost
     max_rss_mb: list[dict]  # per rank: peak resident memory at the start and end of training
     dropped_gradients: int
     dropped_gradients_per_worker: list[int]
@@ -99,7 +101,7 @@ class Summary:
     quorum: int | None  # sync: gradients averaged per update
     lr_scaling: str
     lr_effective: float  # after the warm-up, before --lr-decay
-    steps_per_second: float
+    steps_per_second: float | None
     eval_history: list[dict]
     param_digest: str  # hash of rank 0's final parameters
     worker_param_digests: list[str]
@@ -114,6 +116,9 @@ class Summary:
     placement: list[str]  # each rank's start line
     config: dict  # every flag
     diverged: dict | None  # global step, ranks, loss and why of a non-finite or exploding loss
+    stopped: dict | None  # stopped on request before the budget: signal, global step (stopping.py)
+    trained: bool  # False when the checkpoint it resumed from had reached the budget: evaluated only
+    write_errors: dict | None  # failed writes by kind (count, first), and the newest checkpoint written (outputs.py)
 
     def to_dict(self) -> dict:
         return asdict(self)

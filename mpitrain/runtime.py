@@ -9,16 +9,19 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
+import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
-from mpitrain import checkpoint
+from mpitrain import checkpoint, lock
 from mpitrain.backend import Backend, make_backend
 from mpitrain.config import TrainConfig, UsageError, validate_for_world
 from mpitrain.data import Dataset, check_batch_fits, load_dataset, steps_per_epoch
 from mpitrain.layout import PS_RANK, Layout
+from mpitrain.metrics import say
 from mpitrain.model import Model, build
 from mpitrain.observe import Activity
 from mpitrain.optim import decayed_lr
@@ -137,6 +140,7 @@ class Context:
     worker_comm: object = None  # sync mode: the workers only (rank 0 is not in the hot collective)
     watch: object = field(default_factory=_no_watch)  # liveness.Watch (or NoWatch): the peers this rank waits on
     activity: Activity = field(default_factory=Activity)  # what this rank is doing (phases, step times, --timeline)
+    start: checkpoint.TrainState | None = None  # what training starts from, broadcast by rank 0 (connect)
 
     @property
     def local(self) -> bool:
@@ -251,6 +255,11 @@ def check_output_path(flag: str, path: str | None) -> None:
         raise UsageError(f"{flag} {path}: the folder {parent} does not exist; create it or pick another path")
     if Path(path).is_dir():
         raise UsageError(f"{flag} {path} is a folder; give a file name, e.g. {Path(path) / 'out.json'}")
+    try:  # writable (a read-only mount, no permission) is only known by trying: a file that vanishes at once
+        tempfile.TemporaryFile(dir=parent).close()
+    except OSError as e:
+        raise UsageError(f"{flag} {path}: cannot write to {parent} ({e.strerror}); pick a folder you can write "
+                         f"to") from None
 
 
 def setup(cfg: TrainConfig, comm, node: Node) -> Context:
@@ -261,6 +270,9 @@ def setup(cfg: TrainConfig, comm, node: Node) -> Context:
     if rank == PS_RANK:  # rank 0 writes them at the end: a bad folder must not cost the run
         for flag, path in (("--summary-json", cfg.summary_json), ("--timeline", cfg.timeline)):
             check_output_path(flag, path)
+        # One job per folder, before anything in them is read or written (lock.py; released by trainer.run).
+        for line in lock.acquire_folders([("--checkpoint-dir", cfg.checkpoint_dir), ("--log-dir", cfg.log_dir)]):
+            say(line, sys.stderr)
     layout = Layout(size, cfg.num_ps)
     node = node.for_layout(layout)
     backend = make_backend(cfg.device, node.rank, uses_gpu=not layout.is_server(rank), cuda_aware=cfg.cuda_aware)
@@ -274,6 +286,11 @@ def setup(cfg: TrainConfig, comm, node: Node) -> Context:
 
 
 def start_state(ctx: Context) -> checkpoint.TrainState:
+    """The state this rank's training starts from (connected contexts have it)."""
+    return ctx.start
+
+
+def broadcast_start(ctx: Context) -> checkpoint.TrainState:
     """Rank 0 initialises the parameters (or takes them from the checkpoint it resumes) and
     broadcasts them with the optimizer state, the global step and each worker's data position;
     workers never initialise their own. Called once, at start, on every rank."""

@@ -35,6 +35,7 @@ from mpitrain.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_LAST, F
                                TAG_STATUS, Message, ProtocolError)
 from mpitrain.runtime import Context, start_state
 from mpitrain.shards import Gather, ShardService, assemble
+from mpitrain.stopping import STOP
 from mpitrain.transport import CHIEF_POLL_S, PS_POLL_NO_OVERLAP_S, PS_POLL_S, Poller, tested
 from mpitrain.worker import LOSS_WINDOW
 
@@ -198,7 +199,7 @@ class AsyncServer:
         if self.chief:
             final = self._full_state(FLAG_STOP)
             self.state.params, self.state.ema = final.params, final.ema
-            self.ckpt.save(final)  # the final checkpoint
+            self.ckpt.save(final, final=True)  # the final checkpoint
         else:
             self.service.finish(self._own_state(), self.poller)
             self.state.ema = self._ema_avg
@@ -206,7 +207,9 @@ class AsyncServer:
 
     def _serve_once(self) -> None:
         """Apply what may be applied, then wait for the next gradients (and, on a server other
-        than rank 0, for rank 0's request for this slice)."""
+        than rank 0, for rank 0's request for this slice). A stop request (a signal here, or in
+        a message's header) stops every worker at its next gradient, as --steps does."""
+        self.stopping = self.stopping or STOP.requested
         self._apply_held()
         if self.held and not any(self.recv[w] for w in self.active):
             self._apply(self._oldest_held())  # never reached with S >= W-1; no hang regardless
@@ -342,7 +345,7 @@ class AsyncServer:
         state.recent_losses.append(msg.loss)
         if self.chief:
             self._chief_duties(msg.loss, staleness)
-        self.stopping = cfg.steps is not None and state.global_step >= cfg.steps
+        self.stopping = STOP.requested or (cfg.steps is not None and state.global_step >= cfg.steps)
         self._reply(w, stop=self.stopping or bool(msg.flags & FLAG_LAST))
 
     def _chief_duties(self, loss: float, staleness: int) -> None:
@@ -419,7 +422,7 @@ def serve_sync(ctx: Context, progress: Progress) -> ServerState:
                 record_eval(ctx, state, clock, received.params, box.step, received.ema)
             if box.flags & (FLAG_CKPT | FLAG_STOP):
                 ctx.activity.enter(CHECKPOINT, box.step)
-                ckpt.save(received)
+                ckpt.save(received, final=final)
             if final and box.flags & FLAG_DIVERGED:  # the why and the loss come in the chief's report
                 state.diverged = {"global_step": box.step, "ranks": [], "loss": float("nan"), "why": None}
             if final:  # its loss is the chief's mean over the last LOSS_WINDOW steps

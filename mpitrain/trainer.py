@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import signal
 import sys
 import threading
 import time
@@ -14,16 +15,19 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from mpitrain import __version__, checkpoint, liveness, observe
+from mpitrain import __version__, checkpoint, liveness, lock, observe, outputs, stopping
 from mpitrain.config import TrainConfig, UsageError, agreed_fields
 from mpitrain.faults import Kill
 from mpitrain.guard import NON_FINITE
-from mpitrain.metrics import Progress, human_summary, say, staleness_summary, write_json_atomic
+from mpitrain.metrics import (Progress, human_summary, say, staleness_summary, summary_stop_line, to_json,
+                              write_json_atomic)
+from mpitrain.outputs import EXIT_OUTPUTS_INCOMPLETE, WRITES
 from mpitrain.liveness import PeerLost, mpi_error_reason
-from mpitrain.protocol import BEAT_GLOBAL_STEP, FLAG_PEER_LOST, TAG_REPORT, Message, ProtocolError
+from mpitrain.protocol import BEAT_GLOBAL_STEP, FLAG_PEER_LOST, FLAG_STOPPED, TAG_REPORT, Message, ProtocolError
 from mpitrain.protocol import VERSION as PROTOCOL_VERSION
 from mpitrain.reports import ShardReport, Summary, WorkerReport, from_bytes, to_bytes
-from mpitrain.runtime import PS_RANK, Context, Node, setup
+from mpitrain.runtime import PS_RANK, Context, Node, broadcast_start, setup
+from mpitrain.stopping import STOP, exit_code, signal_name
 from mpitrain.server import record_lost, seen_workers
 from mpitrain.transport import END_POLL_S, Poller
 from mpitrain.waiting import poll
@@ -130,6 +134,8 @@ def train_role(ctx: Context) -> RoleResult:
     from mpitrain import local, server, worker
 
     cfg = ctx.cfg
+    if nothing_to_train(ctx):
+        return already_trained(ctx)
     if ctx.is_ps and ctx.rank != PS_RANK:  # --num-ps: a server of one shard, reporting to rank 0
         state = server.serve_shard(ctx)
         return RoleResult(shard=shard_report(ctx, state))
@@ -161,12 +167,43 @@ def train_role(ctx: Context) -> RoleResult:
     return RoleResult(worker=_worker_report(ctx, wres, _evaluate(ctx, wres.params)))
 
 
+def nothing_to_train(ctx: Context) -> bool:
+    """The run resumed from a checkpoint that has reached the budget already (a re-run of a
+    finished job, a Slurm requeue or `afterany` chain, or a smaller --steps): every rank knows it
+    from the start state, so none trains a step and rank 0 writes no new checkpoint."""
+    return ctx.start.global_step >= ctx.global_step_budget
+
+
+def already_trained(ctx: Context) -> RoleResult:
+    """A run with nothing to train: each rank evaluates what it starts from, and reports as usual."""
+    from mpitrain import server
+
+    start = ctx.start
+    if ctx.is_ps or ctx.local:
+        _, state, _ = server.begin(ctx)
+        state.ema = start.ema
+        if ctx.rank != PS_RANK:
+            return RoleResult(shard=shard_report(ctx, state))
+        loss, acc = _evaluate(ctx, state.params)
+        mine = RoleResult(state, loss, acc, _evaluate(ctx, state.ema) if state.ema is not None else (None, None))
+        if ctx.local:
+            mine.worker = _worker_report(ctx, idle_result(ctx), (loss, acc))
+        return mine
+    return RoleResult(worker=_worker_report(ctx, idle_result(ctx), _evaluate(ctx, start.params)))
+
+
+def idle_result(ctx: Context) -> WorkerResult:
+    """What a worker that trained no step reports: its parameters are the start state's."""
+    sync = ctx.cfg.mode == "sync" or ctx.local
+    return WorkerResult(0, ctx.start.params, ctx.activity.times(), contributed=ctx.start.global_step if sync else None)
+
+
 def shard_report(ctx: Context, state) -> ShardReport:
     """What a parameter server says of its shard (the summary's ps_shards)."""
     s = ctx.shard
     return ShardReport(ctx.rank, ctx.host, ctx.layout.shard_index(ctx.rank), s.stop - s.start, state.busy_fraction,
                        state.global_step, state.bytes_in, state.bytes_out, staleness_summary(state.staleness),
-                       state.diverged)
+                       state.diverged, stop_signal=STOP.signum)
 
 
 def server_stall_line(ctx: Context, step: int, stalled_s: float) -> str:
@@ -213,15 +250,21 @@ def _worker_report(ctx: Context, wres: WorkerResult, evaluation: tuple[float, fl
     breakdown = {"compute": t["compute_s"] / wall, "communication_and_wait": t["wait_s"] / wall,
                  "other": max(0.0, 1 - (t["compute_s"] + t["wait_s"]) / wall)}
     return WorkerReport(ctx.rank, wres.pushed, wres.dropped, wres.diverged, wres.contributed, evaluation[0],
-                        evaluation[1], digest(wres.params), breakdown, ctx.activity.report())
+                        evaluation[1], digest(wres.params), breakdown, ctx.activity.report(), stop_signal=STOP.signum)
 
 
 def build_summary(ctx: Context, mine: RoleResult, reports: list, placements: list[str], diverged: dict | None) -> Summary:
     cfg, state = ctx.cfg, mine.state
     workers = [r for r in reports if isinstance(r, WorkerReport)]
     shards = [shard_report(ctx, state)] + [r for r in reports if isinstance(r, ShardReport)]
+    lost = state.lost_workers
     if cfg.mode == "sync" or ctx.local:  # gradients each worker had in the averaged updates
-        state.local_steps = [w.contributed for w in workers]
+        local_steps = [w.contributed for w in workers]
+    else:  # rank 0 counts by worker index; the summary's lists follow worker_ranks, the lost apart
+        index = ctx.layout.worker_index
+        local_steps = [state.local_steps[index(w.rank)] for w in workers]
+        lost = [{**x, "local_steps": state.local_steps[index(x["rank"])]} for x in lost]
+    trained = not nothing_to_train(ctx)
     quorum = None
     if cfg.mode == "sync" and not ctx.local:
         quorum = cfg.quorum if cfg.quorum is not None else ctx.workers
@@ -236,18 +279,18 @@ def build_summary(ctx: Context, mine: RoleResult, reports: list, placements: lis
         world_size=ctx.size,
         workers=ctx.workers,
         global_step=state.global_step,
-        local_steps=state.local_steps,
+        local_steps=local_steps,
         gradients_pushed=[w.pushed for w in workers],
         wall_seconds=state.train_s,
-        samples_per_second=samples / max(state.train_s, 1e-9),
+        samples_per_second=samples / max(state.train_s, 1e-9) if trained else None,
         test_accuracy=mine.test_accuracy,
         test_loss=mine.test_loss,
         ema_test_loss=mine.ema[0],
         ema_test_accuracy=mine.ema[1],
         worker_ranks=[w.rank for w in workers],
         worker_test_accuracy=[w.test_accuracy for w in workers],
-        final_loss=state.final_loss,
-        lost_workers=state.lost_workers,
+        final_loss=state.final_loss if trained else None,
+        lost_workers=lost,
         max_rss_mb=[{"rank": 0, "start": mine.max_rss_mb[0], "end": mine.max_rss_mb[1]}]
         + [{"rank": w.rank, "start": w.max_rss_mb[0], "end": w.max_rss_mb[1]} for w in workers
            if w.max_rss_mb],  # a local run's own worker report has none: its rank is 0, above
@@ -257,7 +300,7 @@ def build_summary(ctx: Context, mine: RoleResult, reports: list, placements: lis
         quorum=quorum,
         lr_scaling="linear" if cfg.scaled_lr else "none",
         lr_effective=cfg.lr * ctx.lr_scale,  # after the warm-up, before --lr-decay
-        steps_per_second=state.global_step / max(state.train_s, 1e-9),
+        steps_per_second=state.global_step / max(state.train_s, 1e-9) if trained else None,
         eval_history=state.eval_history,
         param_digest=digest(state.params),
         worker_param_digests=[w.digest for w in workers],
@@ -272,14 +315,40 @@ def build_summary(ctx: Context, mine: RoleResult, reports: list, placements: lis
         placement=placements,
         config={k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(cfg).items()},
         diverged=diverged,
+        stopped=stop_record(ctx, state, reports, diverged),
+        write_errors=WRITES.report(),
+        trained=trained,
     )
+
+
+def stop_record(ctx: Context, state, reports: list, diverged: dict | None) -> dict | None:
+    """Rank 0: whether a stop request ended the run before its budget, and by which signal (its
+    own, or the one a reporting rank received). A run that reached its budget anyway is done."""
+    if diverged or not STOP.requested or state.global_step >= ctx.global_step_budget:
+        return None
+    signum = STOP.signum or next((r.stop_signal for r in reports if r.stop_signal), 0) or int(signal.SIGTERM)
+    STOP.request(signum)  # the goodbye tells the workers which one (their exit code)
+    return {"signal": signal_name(signum), "global_step": state.global_step,
+            "resume": resume_hint(ctx, 0) if ctx.cfg.checkpoint_dir else "no --checkpoint-dir: nothing was saved"}
 
 
 def run(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: bool = False) -> Outcome:
     """One training run on this rank, in phases: agree on the set-up, connect (communicators,
     start lines, heartbeats), train in this rank's role and report to rank 0, publish the summary
     (rank 0) or wait for its goodbye, then wind down. The command line ends the process with the
-    code (and MPI with MPI_Finalize); the Python API (`library`) keeps MPI for the next run."""
+    code (and MPI with MPI_Finalize); the Python API (`library`) keeps MPI for the next run.
+    SIGINT, SIGTERM and SIGUSR1 stop training at a step boundary meanwhile (stopping.py)."""
+    restore = stopping.install()
+    outputs.reset()
+    try:
+        return _run(cfg, comm, node, err, library)
+    finally:
+        lock.release_all()
+        if library:
+            restore()
+
+
+def _run(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: bool) -> Outcome:
     ctx, line = agree_on_setup(cfg, comm, node, err)
     if ctx is None:
         return Outcome(2, error=line)
@@ -290,11 +359,13 @@ def run(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: boo
         return Outcome(peer_lost(ctx, e))
     except ProtocolError as e:
         say(f"mpitrain: rank {ctx.rank}: wire-format error: {e}", sys.stderr)
+        lock.release_all()
         comm.Abort(3)
         return Outcome(3)
     except Exception:
         sys.stderr.write(f"mpitrain: rank {ctx.rank} failed:\n{traceback.format_exc()}")
         sys.stderr.flush()
+        lock.release_all()
         comm.Abort(1)  # peers may be blocked on this rank: end the whole job, never hang
         return Outcome(1)
     diverged = _divergence(ctx, mine, reports)
@@ -303,9 +374,12 @@ def run(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: boo
         summary, peer_was_lost = publish(ctx, mine, reports, placements, diverged)
     else:
         try:
-            peer_was_lost = await_goodbye(ctx)
+            bye = await_goodbye(ctx)
         except PeerLost as e:
             return Outcome(peer_lost(ctx, e))
+        peer_was_lost = bool(bye & FLAG_PEER_LOST)
+        if not bye & FLAG_STOPPED:
+            STOP.reset()  # the run reached its budget anyway: done, not stopped
     outcome = verdict(ctx, mine, reports, summary, diverged)
     if not retire_heartbeats(ctx, heartbeat) or peer_was_lost:
         exit_without_finalize(outcome.code)
@@ -317,8 +391,8 @@ def run(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: boo
 
 
 def connect(ctx: Context) -> tuple[Context, list[str], liveness.Heartbeat | None]:
-    """The last collectives over every rank (the sync workers' communicator, the start lines),
-    then this rank's activity record and heartbeats. Returns the connected context, the start
+    """The last collectives over every rank (the sync workers' communicator, the start lines, the
+    start state), then this rank's activity record and heartbeats. Returns the connected context, the start
     lines (rank 0) and the heartbeat thread."""
     comm, cfg = ctx.comm, ctx.cfg
     worker_comm = None
@@ -327,9 +401,11 @@ def connect(ctx: Context) -> tuple[Context, list[str], liveness.Heartbeat | None
     placements = comm.gather(ctx.placement(), root=0)
     if ctx.rank == PS_RANK:
         announce(ctx, placements)
+    start = broadcast_start(ctx)
     activity = observe.Activity(cfg.timeline_steps if cfg.timeline else 0)
     heartbeat, watch = liveness.start(comm, ctx.rank, ctx.layout, cfg.worker_timeout, activity)
-    return dataclasses.replace(ctx, worker_comm=worker_comm, watch=watch, activity=activity), placements, heartbeat
+    ctx = dataclasses.replace(ctx, worker_comm=worker_comm, watch=watch, activity=activity, start=start)
+    return ctx, placements, heartbeat
 
 
 def train_and_report(ctx: Context) -> tuple[RoleResult, list]:
@@ -354,16 +430,26 @@ def publish(ctx: Context, mine: RoleResult, reports: list, placements: list[str]
     """Rank 0: the summary (printed, --summary-json, the log's end), the timeline, then the
     goodbyes. Returns the summary and whether a peer turned out to be lost."""
     cfg, state = ctx.cfg, mine.state
+    if cfg.timeline:
+        try:
+            write_timeline(ctx, reports, placements)
+        except OSError as e:
+            WRITES.failed("timeline", "--timeline", cfg.timeline, e, "the run goes on without it")
     summary = build_summary(ctx, mine, reports, placements, diverged).to_dict()
     for line in human_summary(summary):
         say(line)
-    if cfg.summary_json:
-        write_json_atomic(cfg.summary_json, summary)
-    if cfg.timeline:
-        write_timeline(ctx, reports, placements)
     if state.log:
         state.log.close(summary)
-    return summary, say_goodbye(ctx, [r.rank for r in reports], bool(state.lost_workers))
+    if cfg.summary_json:
+        try:
+            write_json_atomic(cfg.summary_json, summary)
+        except OSError as e:
+            WRITES.failed("summary", "--summary-json", cfg.summary_json, e, "the summary follows on standard output")
+            WRITES.incomplete = True
+    summary["write_errors"] = WRITES.report()  # this run's last writes included
+    if WRITES.incomplete:  # the result must not be lost with the file: one JSON object, one line
+        say(to_json(summary, sort_keys=True))
+    return summary, say_goodbye(ctx, [r.rank for r in reports], bool(state.lost_workers), bool(summary["stopped"]))
 
 
 def verdict(ctx: Context, mine: RoleResult, reports: list, summary: dict | None, diverged: dict | None) -> Outcome:
@@ -373,6 +459,16 @@ def verdict(ctx: Context, mine: RoleResult, reports: list, summary: dict | None,
     if ctx.rank == PS_RANK and not ctx.local and not any(isinstance(r, WorkerReport) for r in reports):
         outcome.code = EXIT_PEER_LOST  # every worker was lost: the budget was not finished
         outcome.error = "mpitrain: every worker was lost"
+    stopped = summary["stopped"] if ctx.rank == PS_RANK else STOP.requested
+    if stopped and not diverged:
+        outcome.code = exit_code(STOP.signum or int(signal.SIGTERM))
+        outcome.error = (summary_stop_line(summary) if ctx.rank == PS_RANK else
+                         f"mpitrain: stopped ({signal_name(STOP.signum)}); rank 0 saved the run")
+    if ctx.rank == PS_RANK and WRITES.incomplete and not outcome.code:
+        outcome.code = EXIT_OUTPUTS_INCOMPLETE
+        outcome.error = ("mpitrain: training finished, but its outputs are incomplete (see write_errors in the "
+                         "summary above): free space or fix the folder, then run the same command again")
+        say(outcome.error, sys.stderr)
     if diverged:
         outcome.code = EXIT_DIVERGED
         if ctx.rank == PS_RANK:
@@ -467,6 +563,7 @@ def announce(ctx: Context, placements: list[str]) -> None:
             f"{cfg.lr * ctx.lr_scale:g} {warm} (--lr-scaling none keeps {cfg.lr:g})")
     if ctx.resume:
         path, st = ctx.resume
+        WRITES.newest_checkpoint = str(path)
         say(f"mpitrain: resuming from {path} (global step {st.global_step}); --fresh starts over")
     elif cfg.fresh and cfg.checkpoint_dir:
         moved = checkpoint.set_aside(Path(cfg.checkpoint_dir))
@@ -530,11 +627,12 @@ def _take_report(ctx: Context, rank: int, poller: Poller) -> WorkerReport | Shar
     return from_bytes(buf)
 
 
-def say_goodbye(ctx: Context, ranks: list[int], peer_was_lost: bool) -> bool:
-    """Rank 0, after the summary: release the workers, telling them whether MPI_Finalize is safe.
-    True when a worker turned out to be lost meanwhile."""
+def say_goodbye(ctx: Context, ranks: list[int], peer_was_lost: bool, stopped: bool) -> bool:
+    """Rank 0, after the summary: release the workers, telling them whether MPI_Finalize is safe
+    and whether the run stopped on request (the header says by which signal). True when a worker
+    turned out to be lost meanwhile."""
     bye = Message(0)
-    bye.stamp(TAG_REPORT, 0, flags=FLAG_PEER_LOST if peer_was_lost else 0)
+    bye.stamp(TAG_REPORT, 0, flags=(FLAG_PEER_LOST if peer_was_lost else 0) | (FLAG_STOPPED if stopped else 0))
     ranks = [r for r in ranks if r != ctx.rank]  # a local run's own report is among them
     try:
         Poller(END_POLL_S, ctx.watch).all([ctx.comm.Isend(bye.spec(), dest=r, tag=TAG_REPORT) for r in ranks], ranks)
@@ -543,12 +641,13 @@ def say_goodbye(ctx: Context, ranks: list[int], peer_was_lost: bool) -> bool:
     return peer_was_lost
 
 
-def await_goodbye(ctx: Context) -> bool:
-    """A worker: wait (watching rank 0) until rank 0 is done; True when a peer was lost."""
+def await_goodbye(ctx: Context) -> int:
+    """A worker: wait (watching rank 0) until rank 0 is done; the goodbye's flags (FLAG_PEER_LOST,
+    FLAG_STOPPED)."""
     bye = Message(0)
     Poller(END_POLL_S, ctx.watch).all([ctx.comm.Irecv(bye.spec(), source=PS_RANK, tag=TAG_REPORT)], [PS_RANK])
     bye.check(TAG_REPORT, PS_RANK)
-    return bool(bye.flags & FLAG_PEER_LOST)
+    return bye.flags
 
 
 def peer_lost(ctx: Context, e: PeerLost) -> int:
@@ -568,6 +667,7 @@ def peer_lost(ctx: Context, e: PeerLost) -> int:
         # MPI_Abort makes hydra kill every rank, and its proxy may do that before it forwards this
         # line (measured: the line missing in 1 run of ~40). Give it a moment first.
         time.sleep(ABORT_FLUSH_S)
+        lock.release_all()
         ctx.comm.Abort(EXIT_PEER_LOST)  # the other workers are stuck in the collective
         return EXIT_PEER_LOST
     whom = "the parameter server" if all(lay.is_server(r) for r in e.lost) else "a peer"
@@ -599,6 +699,7 @@ def max_rss_mb() -> float:
 def exit_without_finalize(code: int) -> None:
     """End this rank now. After a peer is lost MPI_Finalize would wait for it forever (measured
     with MPICH 5.0.2), so the survivors flush their output and leave without it."""
+    lock.release_all()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

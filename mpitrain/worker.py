@@ -18,16 +18,18 @@ from mpitrain.data import epoch_batches
 from mpitrain.faults import Kill, injected_step
 from mpitrain.guard import NON_FINITE, LossGuard
 from mpitrain.optim import Optimizer, make_ema
-from mpitrain.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_LAST, FLAG_STOP, TAG_GRAD, TAG_PARAMS,
-                               TAG_QGRAD, TAG_STATUS, TAG_UPDATE, Message, ProtocolError)
+from mpitrain.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_LAST, FLAG_STOP, FLAG_STOP_STEP, TAG_GRAD,
+                               TAG_PARAMS, TAG_QGRAD, TAG_STATUS, TAG_UPDATE, Message, ProtocolError)
 from mpitrain.liveness import CHECK_EVERY_S as VERDICT_POLL_S
 from mpitrain.liveness import PeerLost
 from mpitrain.observe import ALLREDUCE, APPLY, COMPUTE, PULL, PUSH, WAIT
 from mpitrain.runtime import PS_RANK, Context, start_state
 from mpitrain.shards import cut
+from mpitrain.stopping import STOP
 from mpitrain.transport import WORKER_POLL_S, Poller, collective_poll_s, tested
 from mpitrain.waiting import poll
 
+SYNC_SLOTS = 3  # behind a sync step's gradient: loss, weight, stop vote (SyncStep)
 STATUS_EVERY_S = 0.2  # sync chief -> PS progress reports; off the hot path
 LOSS_WINDOW = 20  # final_loss: mean minibatch loss of the last LOSS_WINDOW global steps
 SWITCH_INTERVAL_S = 1e-4  # --quorum: GIL hand-over between the MPI thread and the compute thread
@@ -153,7 +155,12 @@ class AsyncWorker:
         self.diverged: dict = {}  # filled when a server stops the run because a loss diverged
 
     def run(self) -> WorkerResult:
-        while True:
+        # Resumed with its own epochs done (the others' are not): a gradient now would train past
+        # the budget, so it leaves at once.
+        running = not self.batches.exhausted
+        if not running:
+            self._leave(self.servers)
+        while running:
             if self.reqs and (not self.overlap or self.sent_last):
                 if self._adopt_reply():
                     break
@@ -235,8 +242,10 @@ def run_async(ctx: Context) -> WorkerResult:
 class SyncStep:
     """One synchronous update: average the workers' gradients with Allreduce, then apply the same
     optimizer step on every worker, so replicas stay bitwise identical. The buffer is
-    [gradient..., loss, weight]: the loss rides along so every worker knows the mean loss, and the
-    weight (1 from each worker) so the sum divides by the number of gradients in it. --quorum sums
+    [gradient..., loss, weight, stop]: the loss rides along so every worker knows the mean loss, the
+    weight (1 from each worker) so the sum divides by the number of gradients in it, and the stop
+    vote (1 from a worker that knows of a stop request) so that every worker stops after the same
+    step (`stop`). --quorum sums
     its gradients on the chief worker instead (QuorumChief) and every worker `apply`s the mean."""
 
     def __init__(self, ctx: Context, params, start: TrainState | None = None):
@@ -244,12 +253,12 @@ class SyncStep:
         self.ctx, self.params = ctx, params
         n = model.n_params
         self.n = n
-        self.buf = be.xp.zeros(n + 2, be.xp.float32)
+        self.buf = be.xp.zeros(n + SYNC_SLOTS, be.xp.float32)
         wire = np.dtype(cfg.wire_dtype)
         # What travels: the buffer itself (NumPy or CUDA-aware, float32), else a staged copy.
         self.wire = None
         if wire != np.float32 or (be.is_gpu and not be.cuda_aware):
-            self.wire = be.host_alloc(wire.itemsize * (n + 2)).view(wire)
+            self.wire = be.host_alloc(wire.itemsize * (n + SYNC_SLOTS)).view(wire)
         self.mpi_type, self.op = wire_sum(cfg.compress)
         self.opt = Optimizer(cfg.optimizer, n, be.xp, momentum=cfg.momentum)
         self.ema = None
@@ -257,6 +266,7 @@ class SyncStep:
         self.divergence = Divergence(ctx)
         self.guard = LossGuard(cfg.divergence_factor)  # on the mean loss: every worker decides alike
         self.why: str | None = None  # set when the step just reduced diverged (and was not applied)
+        self.stop = False  # set when the step just reduced is the last: a stop was requested (stopping.py)
         if start is not None:
             self.opt.restore(start.opt_t, start.opt_state)
             if ctx.worker_index == 0:  # the chief (or the local run) keeps the moving average
@@ -287,6 +297,7 @@ class SyncStep:
         self.own_loss = loss
         self.buf[self.n] = loss
         self.buf[self.n + 1] = 1.0
+        self.buf[self.n + 2] = 1.0 if STOP.requested else 0.0
 
     def _allreduce(self, spec, op) -> None:
         done = self.waiter.some([self.comm.Iallreduce(MPI.IN_PLACE, spec, op=op)])
@@ -306,6 +317,9 @@ class SyncStep:
                 be.download(buf, buf)  # NumPy: nothing; CUDA-aware: finish compute before MPI reads
                 self._allreduce([buf, MPI.FLOAT], MPI.SUM)
             buf *= be.xp.float32(1.0) / buf[self.n + 1]
+        self.stop = bool(buf[self.n + 2] > 0)  # the same sum on every worker: all stop after this step
+        if self.stop:
+            STOP.request()
         return self.apply(step)
 
     def apply(self, step: int) -> float:
@@ -336,6 +350,7 @@ def train_sync(ctx: Context, start: TrainState, on_step=None) -> WorkerResult:
     straggler, kill, act = Straggler(ctx), Kill(ctx.rank), ctx.activity
     total = ctx.global_step_budget
     recent = deque([float("nan")], maxlen=LOSS_WINDOW)  # nan only if resumed at the budget
+    done = max(total, start.global_step)
     for step in range(start.global_step, total):
         act.enter(COMPUTE, step)
         kill.at(step - start.global_step + 1)
@@ -350,7 +365,9 @@ def train_sync(ctx: Context, start: TrainState, on_step=None) -> WorkerResult:
         recent.append(loss)
         if on_step is not None:
             on_step(step + 1, loss, step_fn)
-    done = max(total, start.global_step)
+        if step_fn.stop:
+            done = step + 1
+            break
     return _sync_result(step_fn, done, _mean_loss(recent), act.times(), contributed=done)
 
 
@@ -613,13 +630,17 @@ class QuorumChief:
             self.chosen = []
             ctx.activity.enter(WAIT, step)
             poll(lambda: self._gathered(step), WORKER_POLL_S, ctx.watch)
-            loss = self._update(step)
+            last = STOP.requested  # a stop request: this update is the last, and says so
+            loss = self._update(step, FLAG_STOP_STEP if last else 0)
             if step_fn.why:
                 diverged = step
                 break
             recent.append(loss)
             if self.on_step is not None:
                 self.on_step(step + 1, loss, step_fn)
+            if last:
+                total = step + 1
+                break
         self.helper.close()
         sys.setswitchinterval(switch)
         ctx.activity.enter(WAIT)
@@ -701,7 +722,7 @@ class QuorumChief:
             buf[n] = loss
         self.chosen.append(w)
 
-    def _update(self, step: int) -> float:
+    def _update(self, step: int, flags: int = 0) -> float:
         """Average the step's gradients, send the average to every other worker, apply it."""
         ctx, be, buf, n = self.ctx, self.ctx.backend, self.step_fn.buf, self.n
         ctx.activity.enter(PUSH)
@@ -711,7 +732,7 @@ class QuorumChief:
         if self.narrow:
             be.upload(buf[:n], update.gradient)  # apply what the others will: the wire's rounding included
         update.weigh(self.chosen)
-        update.msg.stamp(TAG_UPDATE, step, len(self.chosen), 0, float(buf[n]))
+        update.msg.stamp(TAG_UPDATE, step, len(self.chosen), flags, float(buf[n]))
         self.updates.send(update)
         own = 0 in self.chosen
         self.contributed += own
@@ -835,6 +856,8 @@ class QuorumFollower:
         if not step_fn.why:
             self.recent.append(self.loss)
             self.step += 1
+            if u.msg.flags & FLAG_STOP_STEP:
+                self.total = self.step  # the chief's last update: a stop was requested
 
 
 def train_sync_quorum(ctx: Context, start: TrainState, on_step=None) -> WorkerResult:

@@ -1,0 +1,257 @@
+"""What a cluster user does every day, done as users do it: Ctrl-C, `kill -TERM` of mpirun or of
+one rank, Slurm's SIGUSR1 before the time limit, the same command run again after it finished,
+two jobs on one folder. Each ends cleanly, saves, resumes, and never mixes runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import MPI_TIMEOUT_S, child_env, communicate_or_kill, mpitrain_cmd, run_mpitrain, wait_for_training
+from mpitrain import lock, plot
+from mpitrain.config import UsageError
+from mpitrain.faults import rank_pids
+
+LONG = ("--dataset", "synthetic", "--steps", "1000000", "--no-progress")  # never reached: the signal ends it
+STOP_WITHIN_S = 20  # from the signal to the end of the job, the final checkpoint and summary included
+
+
+def start(np_: int, *args: str) -> subprocess.Popen:
+    cmd = mpitrain_cmd(np_, *args) if np_ else [sys.executable, "-m", "mpitrain", *args]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
+                            start_new_session=True)
+
+
+def signal_target(proc: subprocess.Popen, target: str, sig: int) -> None:
+    """'launcher': mpirun itself (or the one process); 'rank N': that rank's training process."""
+    if target == "launcher":
+        os.kill(proc.pid, sig)
+        return
+    rank = int(target.split()[1])
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        found = rank_pids(proc.pid)
+        if rank in found:
+            os.kill(found[rank][0], sig)
+            return
+        time.sleep(0.05)
+    pytest.fail(f"no training process of rank {rank} found")
+
+
+STOP_LINE = re.compile(r"^mpitrain stopped \((SIG\w+)\) at global step ([\d,]+); the newest checkpoint is (\S+); "
+                       r"resume with the same command$", re.M)
+
+CASES = {
+    "async, SIGTERM to mpirun": (3, "launcher", signal.SIGTERM, ()),
+    "sync, Ctrl-C to mpirun": (3, "launcher", signal.SIGINT, ("--mode", "sync")),
+    "sync, SIGTERM to rank 0 alone": (3, "rank 0", signal.SIGTERM, ("--mode", "sync")),
+    "quorum, SIGTERM to a worker alone": (4, "rank 3", signal.SIGTERM, ("--mode", "sync", "--quorum", "2")),
+    "async --num-ps 2, SIGINT to server 1 alone": (5, "rank 1", signal.SIGINT, ("--num-ps", "2")),
+    "one process, Slurm's SIGUSR1": (0, "launcher", signal.SIGUSR1, ()),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_signal_stops_at_a_step_saves_and_resumes(tmp_path, case):
+    np_, target, sig, flags = CASES[case]
+    ck, summary = tmp_path / "ck", tmp_path / "s.json"
+    args = (*LONG, *flags, "--checkpoint-dir", str(ck), "--summary-json", str(summary))
+    proc = start(np_, *args)
+    wait_for_training(proc, max(np_, 1))
+    time.sleep(1.0)  # well inside training
+    signal_target(proc, target, sig)
+    t0 = time.monotonic()
+    out, err = communicate_or_kill(proc)
+    assert time.monotonic() - t0 < STOP_WITHIN_S
+    assert proc.returncode == 128 + sig, f"exit {proc.returncode}\n{out}\n{err}"
+    assert "Traceback" not in out + err and "BAD TERMINATION" not in out + err
+    found = STOP_LINE.findall(out)
+    assert len(found) == 1, out  # one line per job
+    name, step, newest = found[0]
+    step = int(step.replace(",", ""))
+    assert name == signal.Signals(sig).name and 0 < step < 1_000_000
+    assert newest.endswith(f"ckpt-{step:09d}.npz") and os.path.exists(newest)  # the final state, saved
+    s = json.loads(summary.read_text())
+    assert s["stopped"]["signal"] == name and s["stopped"]["global_step"] == step == s["global_step"]
+    # The same command (a shorter budget, to keep the test short) goes on from there.
+    resumed = tmp_path / "r.json"
+    proc = run_mpitrain(np_, *LONG[:2], *flags, "--no-progress", "--steps", str(step + 30), "--checkpoint-dir",
+                        str(ck), "--summary-json", str(resumed))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    r = json.loads(resumed.read_text())
+    assert r["resumed_from"] == newest and r["global_step"] == step + 30 and r["stopped"] is None
+
+
+def test_a_sync_run_stopped_by_a_signal_resumes_bit_exact(tmp_path):
+    """The chief's exact state is saved: stopped and resumed ends where one uninterrupted run ends."""
+    flags = ("--mode", "sync", "--no-progress", "--steps", "6000")
+    whole = tmp_path / "whole.json"
+    proc = run_mpitrain(3, *flags, "--summary-json", str(whole))
+    assert proc.returncode == 0, proc.stderr
+    ck, first, second = tmp_path / "ck", tmp_path / "1.json", tmp_path / "2.json"
+    proc = start(3, *flags, "--checkpoint-dir", str(ck), "--summary-json", str(first))
+    wait_for_training(proc, 3)
+    time.sleep(0.3)
+    os.kill(proc.pid, signal.SIGTERM)
+    out, err = communicate_or_kill(proc)
+    assert proc.returncode == 143, out + err
+    stopped_at = json.loads(first.read_text())["stopped"]["global_step"]
+    assert stopped_at < 6000, "the signal came after the run ended: nothing was tested"
+    proc = run_mpitrain(3, *flags, "--checkpoint-dir", str(ck), "--summary-json", str(second))
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(second.read_text())["param_digest"] == json.loads(whole.read_text())["param_digest"]
+
+
+RERUNS = {
+    "async --epochs": (3, ("--epochs", "2")),
+    "sync --steps": (3, ("--mode", "sync", "--steps", "200")),
+    "async --num-ps 2 --steps": (4, ("--num-ps", "2", "--steps", "200")),
+    "one process --steps": (0, ("--steps", "200")),
+}
+
+
+@pytest.mark.parametrize("case", list(RERUNS))
+def test_running_a_finished_job_again_changes_nothing(tmp_path, case):
+    np_, flags = RERUNS[case]
+    ck = tmp_path / "ck"
+    first, again = tmp_path / "1.json", tmp_path / "2.json"
+    base = ("--no-progress", "--checkpoint-dir", str(ck), *flags)
+    proc = run_mpitrain(np_, *base, "--summary-json", str(first))
+    assert proc.returncode == 0, proc.stderr
+    done = json.loads(first.read_text())
+    files = {p.name: p.stat().st_mtime_ns for p in ck.iterdir()}
+    for extra in ((), ("--steps", "100")):  # the same command (a requeue, an afterany chain), or a smaller budget
+        proc = run_mpitrain(np_, *base, *extra, "--summary-json", str(again))
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        text = again.read_text()
+        assert "NaN" not in text and "Infinity" not in text
+        s = json.loads(text)
+        assert s["trained"] is False and s["global_step"] == done["global_step"]
+        assert s["samples_per_second"] is None and s["final_loss"] is None and s["checkpoints"] == []
+        assert s["test_accuracy"] == done["test_accuracy"] and set(s) == set(done)
+        assert "nothing was trained" in proc.stdout and "samples/s" not in proc.stdout
+        assert {p.name: p.stat().st_mtime_ns for p in ck.iterdir()} == files  # no new checkpoint, none pruned
+
+
+def test_a_resumed_async_run_stops_exactly_at_the_budget(tmp_path):
+    ck = tmp_path / "ck"
+    for steps in (200, 300):
+        s = tmp_path / f"{steps}.json"
+        proc = run_mpitrain(3, "--no-progress", "--steps", str(steps), "--checkpoint-dir", str(ck),
+                            "--summary-json", str(s))
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(s.read_text())["global_step"] == steps
+
+
+def test_a_second_job_on_the_same_folder_is_refused(tmp_path):
+    ck, logs = tmp_path / "ck", tmp_path / "logs"
+    first = start(3, *LONG, "--checkpoint-dir", str(ck), "--log-dir", str(logs))
+    wait_for_training(first, 3)
+    deadline = time.monotonic() + 30
+    while not (logs / "events.jsonl").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        for flag, folder in (("--checkpoint-dir", ck), ("--log-dir", logs)):
+            events = (logs / "events.jsonl").read_text()
+            proc = run_mpitrain(3, "--no-progress", flag, str(folder), timeout=60)
+            assert proc.returncode == 2, proc.stdout + proc.stderr
+            lines = [x for x in proc.stderr.splitlines() if x.startswith("mpitrain")]
+            assert len(lines) == 1 and f"{flag} {folder} is in use by another mpitrain job" in lines[0]
+            assert f"pid {first.pid}" not in lines[0] and "host" in lines[0] and "Traceback" not in proc.stderr
+            assert (logs / "events.jsonl").read_text().startswith(events)  # the refused job wrote nothing there
+    finally:
+        os.kill(first.pid, signal.SIGTERM)
+        out, err = communicate_or_kill(first)
+    assert first.returncode == 143, out + err
+    assert not (ck / lock.NAME).exists() and not (logs / lock.NAME).exists()  # released on the way out
+
+
+def test_a_stale_lock_of_a_dead_process_is_taken_over(tmp_path):
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / lock.NAME).write_text(json.dumps({"host": socket.gethostname(), "pid": gone.pid, "proc_start": "1",
+                                            "started": "earlier"}))
+    proc = run_mpitrain(0, "--no-progress", "--steps", "20", "--checkpoint-dir", str(ck))
+    assert proc.returncode == 0, proc.stderr
+    assert f"took over the stale lock of pid {gone.pid} on this host, which has ended" in proc.stderr
+    assert not (ck / lock.NAME).exists()
+
+
+def test_a_live_owner_keeps_its_lock_and_a_requeued_job_takes_its_own(tmp_path):
+    mine = lock.owner_record()
+    held = tmp_path / "held"
+    held.mkdir()
+    (held / lock.NAME).write_text(json.dumps({**mine, "slurm_job_id": None}))  # this very process: alive
+    with pytest.raises(UsageError, match="is in use by another mpitrain job"):
+        lock.FolderLock("--log-dir", held).acquire()
+    other_host = {**mine, "host": "elsewhere", "slurm_job_id": "77"}
+    assert lock.owner_gone(other_host, {**mine, "slurm_job_id": None}) is None  # cannot tell: refused
+    assert "requeued" in lock.owner_gone(other_host, {**mine, "slurm_job_id": "77"})
+
+
+def test_a_new_run_in_an_old_log_dir_is_kept_apart(tmp_path):
+    logs = tmp_path / "logs"
+    for _ in range(2):
+        proc = run_mpitrain(0, "--no-progress", "--steps", "40", "--log-every", "10", "--log-dir", str(logs))
+        assert proc.returncode == 0, proc.stderr
+    assert "the earlier run's events moved to" in proc.stdout
+    starts = [e for e in map(json.loads, (logs / "events.jsonl").read_text().splitlines()) if e["event"] == "start"]
+    assert len(starts) == 1
+    (old,) = list(logs.glob("superseded-*"))
+    assert (old / "events.jsonl").is_file()
+
+
+def test_the_plot_drops_what_a_resumed_run_redid(tmp_path):
+    """A run killed at step 80 after its checkpoint at 50, resumed from 50: one line, never back."""
+    events = [{"event": "start", "start_step": 0, "mode": "sync"}]
+    events += [{"event": "train", "global_step": s, "seconds": s / 10, "loss": 1.0} for s in range(10, 90, 10)]
+    events += [{"event": "start", "start_step": 50, "mode": "sync"}]
+    events += [{"event": "train", "global_step": s, "seconds": (s - 50) / 10, "loss": 0.5} for s in range(60, 130, 10)]
+    (tmp_path / "events.jsonl").write_text("\n".join(map(json.dumps, events[:9])) + "\n{\"event\": \"tra\n"
+                                           + "\n".join(map(json.dumps, events[9:])) + "\n")
+    run = plot.read_run(str(tmp_path))
+    steps = [e["global_step"] for e in run["train"]]
+    seconds = [e["seconds"] for e in run["train"]]
+    assert steps == list(range(10, 130, 10))
+    assert seconds == sorted(seconds)
+
+
+def test_what_mpitrain_writes_is_readable_as_the_umask_allows(tmp_path):
+    old = os.umask(0o022)
+    try:
+        s, ck = tmp_path / "s.json", tmp_path / "ck"
+        proc = run_mpitrain(0, "--no-progress", "--steps", "20", "--checkpoint-dir", str(ck), "--summary-json", str(s))
+        assert proc.returncode == 0, proc.stderr
+    finally:
+        os.umask(old)
+    for path in [s, *ck.glob("ckpt-*.npz")]:
+        assert stat.S_IMODE(path.stat().st_mode) == 0o644, path
+
+
+def test_a_second_signal_while_stopping_does_not_corrupt_anything(tmp_path):
+    """Hydra itself forwards each signal twice (measured); a user presses Ctrl-C again."""
+    ck = tmp_path / "ck"
+    proc = start(3, *LONG, "--model", "mlp", "--hidden", "2000", "--checkpoint-dir", str(ck))
+    wait_for_training(proc, 3)
+    time.sleep(1.0)
+    for _ in range(3):
+        os.kill(proc.pid, signal.SIGTERM)
+        time.sleep(0.05)
+    out, err = communicate_or_kill(proc, MPI_TIMEOUT_S)
+    assert proc.returncode == 143 and "Traceback" not in err, out + err
+    from mpitrain.checkpoint import list_checkpoints, load
+
+    found = list_checkpoints(ck)
+    assert found and load(found[-1]).global_step == int(STOP_LINE.findall(out)[0][1].replace(",", ""))
+    assert not list(ck.glob(".*.tmp"))

@@ -1,0 +1,153 @@
+"""A full disk or quota never costs a run: checkpoints, the log and the summary on a real, small,
+full filesystem (a tmpfs, as root), and the write path with an injected OSError."""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import run_mpitrain
+from mpitrain import checkpoint, outputs
+from mpitrain.checkpoint import Checkpointer, TrainState
+from mpitrain.config import defaults
+from mpitrain.metrics import RunLog
+from mpitrain.outputs import EXIT_OUTPUTS_INCOMPLETE, WRITES
+
+MODES = {"async": (3, ()), "sync": (3, ("--mode", "sync")), "one process": (0, ())}
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A 64 KiB tmpfs, mounted for the test (root only: skipped otherwise, with the reason)."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root (CI runs as root)")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def fill(directory: Path) -> None:
+    """Leave no free block (the way a quota or a full scratch disk looks)."""
+    try:
+        with open(directory / "filler", "wb") as f:
+            while True:
+                f.write(b"\0" * 4096)
+                f.flush()
+    except OSError as e:
+        assert e.errno == errno.ENOSPC
+
+
+def mpitrain_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("mpitrain:")]
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_full_checkpoint_folder_never_ends_training(tmp_path, small_fs, mode):
+    np_, flags = MODES[mode]
+    ck, summary = small_fs / "ck", tmp_path / "s.json"
+    # Each checkpoint of digits' MLP is ~31 KB: the first fits, the next ones do not.
+    proc = run_mpitrain(np_, "--no-progress", *flags, "--steps", "600", "--checkpoint-every-steps", "100",
+                        "--checkpoint-dir", str(ck), "--summary-json", str(summary))
+    assert proc.returncode == EXIT_OUTPUTS_INCOMPLETE, proc.stdout + proc.stderr  # the final one is missing
+    assert "Traceback" not in proc.stderr
+    failed = [x for x in mpitrain_lines(proc.stderr) if "not written" in x]
+    assert len(failed) == 1, proc.stderr  # the first failure only; the rest are counted
+    assert "No space left on device" in failed[0] and "the newest good one is ckpt-000000100.npz" in failed[0]
+    s = json.loads(summary.read_text())
+    assert s["global_step"] == 600 and s["test_accuracy"] > 0.8  # training finished
+    assert s["write_errors"]["checkpoint"]["count"] >= 5
+    assert s["write_errors"]["newest_checkpoint"].endswith("ckpt-000000100.npz")
+    assert [p.name for p in ck.iterdir()] == ["ckpt-000000100.npz"]  # intact, and no temporary file left
+    assert checkpoint.load(ck / "ckpt-000000100.npz").global_step == 100
+
+
+def test_a_full_log_folder_never_ends_training(tmp_path, small_fs):
+    logs, summary = small_fs / "logs", tmp_path / "s.json"
+    proc = run_mpitrain(3, "--no-progress", "--steps", "3000", "--log-every", "1", "--log-dir", str(logs),
+                        "--summary-json", str(summary))
+    assert proc.returncode == 0, proc.stdout + proc.stderr  # the log is not the result: the summary holds it
+    assert "Traceback" not in proc.stderr
+    failed = [x for x in mpitrain_lines(proc.stderr) if "not written" in x]
+    assert 1 <= len(failed) <= 2 and "No space left on device" in failed[0]  # events.jsonl, maybe TensorBoard
+    s = json.loads(summary.read_text())
+    assert s["global_step"] == 3000 and s["write_errors"]["log"]["count"] > 0
+    for line in (logs / "events.jsonl").read_text().splitlines():
+        json.loads(line)  # every line whole: a failed write was cut back off
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_summary_that_cannot_be_written_goes_to_stdout(small_fs, mode):
+    np_, flags = MODES[mode]
+    fill(small_fs)
+    proc = run_mpitrain(np_, "--no-progress", *flags, "--steps", "100", "--summary-json", str(small_fs / "s.json"))
+    assert proc.returncode == EXIT_OUTPUTS_INCOMPLETE, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and "BAD TERMINATION" not in proc.stdout
+    (line,) = [x for x in proc.stdout.splitlines() if x.startswith("{")]
+    s = json.loads(line)
+    assert s["global_step"] == 100 and s["write_errors"]["summary"]["count"] == 1
+    assert not (small_fs / "s.json").exists() and not list(small_fs.glob(".s.json.*"))
+
+
+def test_an_unwritable_output_folder_is_refused_before_training(tmp_path, small_fs):
+    subprocess.run(["mount", "-o", "remount,ro", str(small_fs)], check=True)
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    for flag, path in (("--checkpoint-dir", small_fs / "ck"), ("--summary-json", small_fs / "s.json"),
+                       ("--log-dir", a_file), ("--timeline", small_fs / "t.json")):
+        proc = run_mpitrain(3, "--no-progress", flag, str(path), timeout=60)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        (line,) = mpitrain_lines(proc.stderr)
+        assert flag in line and "Traceback" not in proc.stderr and "global step" not in proc.stdout
+
+
+def test_a_failed_checkpoint_write_leaves_nothing_and_is_said_once(tmp_path, monkeypatch, capsys):
+    outputs.reset()
+    cfg = dataclasses.replace(defaults(), checkpoint_dir=str(tmp_path))
+    ckpt = Checkpointer(cfg, checkpoint.fingerprint((2, 2), "sgd"))
+    state = lambda step: TrainState(np.ones(6, np.float32), step, step, positions=[step])  # noqa: E731
+    assert ckpt.save(state(10))
+
+    def full(*args, **kwargs):
+        raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
+
+    monkeypatch.setattr(np, "savez", full)
+    assert not ckpt.save(state(20)) and not ckpt.save(state(30))
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "checkpoint at global step 20 not written" in err[0]
+    assert "the newest good one is ckpt-000000010.npz" in err[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-000000010.npz"]  # no temporary file, nothing pruned
+    assert WRITES.report()["checkpoint"]["count"] == 2 and not WRITES.incomplete
+    assert not ckpt.save(state(40), final=True) and WRITES.incomplete
+
+
+def test_a_failed_log_line_is_cut_back_off(tmp_path, capsys):
+    outputs.reset()
+    log = RunLog(str(tmp_path), {"start_step": 0}, every=1)
+    real = log.jsonl
+
+    class HalfWrite:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def write(self, data):
+            real.write(data[: len(data) // 2])
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    log.jsonl = HalfWrite()
+    log.train(1, loss=1.0)
+    log.jsonl = real
+    log.train(2, loss=0.5)
+    events = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in events] == ["start", "train"] and events[1]["global_step"] == 2
+    assert "--log-dir event not written: No space left on device" in capsys.readouterr().err
