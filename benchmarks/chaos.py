@@ -59,8 +59,10 @@ EXIT_PEER_LOST = 5
 class Case:
     name: str
     args: tuple[str, ...]
-    target: str  # "worker", "chief" (the first worker), "rank0", "shard" (rank 1 with --num-ps 2) or "supervisor"
+    target: str  # "worker", "chief" (the first worker), "rank0", "shard" (rank 1 with --num-ps 2), "supervisor"
+    #              or "launcher" (mpirun itself)
     steps: int  # --steps: a run of several seconds on 2 cores
+    sig: int = signal.SIGKILL  # SIGTERM / SIGINT: a user's or the scheduler's stop, not a crash
 
     @property
     def mode(self) -> str:
@@ -89,10 +91,17 @@ CASES = [
     Case("async-2ps", ("--mode", "async", "--num-ps", "2", "--hidden", "2000"), "worker", 1000),
     Case("shard-async", ("--mode", "async", "--num-ps", "2", "--hidden", "2000"), "shard", 1000),
     Case("shard-sync", ("--mode", "sync", "--num-ps", "2"), "shard", 4000),
+    # Stops, not crashes: every trial must save, say so in one line, exit 128 + the signal, and resume.
+    # (SIGUSR1 is MPICH's own notice of a dead peer under mpirun: Slurm's is tested under srun.)
+    Case("term-mpirun-async", ("--mode", "async", "--hidden", "2000"), "launcher", 1200, signal.SIGTERM),
+    Case("term-rank-sync", ("--mode", "sync"), "worker", 4000, signal.SIGTERM),
+    Case("int-mpirun-quorum", ("--mode", "sync", "--quorum", "2"), "launcher", 2500, signal.SIGINT),
+    Case("term-rank0-2ps", ("--mode", "async", "--num-ps", "2"), "rank0", 8000, signal.SIGTERM),
 ]
 DEFAULT_TRIALS = {"async": 5, "async-staleness": 4, "async-big": 6, "sync": 4, "sync-quorum": 4, "chief-quorum": 3,
                   "quorum-big": 3, "sync-big": 3, "rank0-async": 4, "rank0-sync": 3, "supervisor": 3, "async-2ps": 4,
-                  "shard-async": 3, "shard-sync": 2}
+                  "shard-async": 3, "shard-sync": 2, "term-mpirun-async": 3, "term-rank-sync": 3,
+                  "int-mpirun-quorum": 3, "term-rank0-2ps": 3}
 
 
 @dataclass
@@ -190,15 +199,18 @@ def run_trial(case: Case, duration_s: float, rng: random.Random) -> Trial:
         trial.victim = fixed[case.target] if case.target in fixed else rng.choice(lay.worker_ranks)
         pid, supervisor = pids.get(trial.victim, (None, None))
         pid = supervisor if case.target == "supervisor" else pid
+        if case.target == "launcher":
+            trial.victim, pid = -1, job.proc.pid
         killed_at = time.monotonic()
         try:
             if pid is None:
                 raise ProcessLookupError
-            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, case.sig)
         except ProcessLookupError:
             trial.victim = None  # it had already exited: the run was over
         # Async rank 0 goes on without a lost worker: the rest of the budget, on fewer workers.
-        rest = duration_s * lay.workers / (lay.workers - 1) if case.mode == "async" and case.target == "worker" else 0.0
+        lost_one = case.mode == "async" and case.target == "worker" and case.sig == signal.SIGKILL
+        rest = duration_s * lay.workers / (lay.workers - 1) if lost_one else 0.0
         code, leftovers = job.finish(rest + TIMEOUT_S + GRACE_S - (time.monotonic() - killed_at))
         trial.exit_code = code
         judge(case, trial, job, code, leftovers, killed_at, Path(tmp))
@@ -236,6 +248,8 @@ def expected(case: Case, trial: Trial, err: str, code: int, summary: dict | None
     ck = checkpoint.list_checkpoints(tmp / "ck")
     if ck:
         checkpoint.load(ck[-1])  # the newest checkpoint always loads (raises if not)
+    if case.sig != signal.SIGKILL:
+        return stopped_as_documented(case, err, code, summary, ck, tmp)
     if case.target == "rank0":
         if summary is not None and summary["global_step"] == case.steps:
             # Killed after it wrote the summary (its goodbyes sent, or being sent): nothing was
@@ -283,6 +297,29 @@ def expected(case: Case, trial: Trial, err: str, code: int, summary: dict | None
     return []
 
 
+def stopped_as_documented(case: Case, err: str, code: int, summary: dict | None, ck: list, tmp: Path) -> list[str]:
+    """A stop signal: the summary says where it stopped, the final checkpoint is that step, the
+    exit code is 128 + the signal, and the same command resumes from it (or the run had finished)."""
+    if summary is not None and summary["global_step"] == case.steps and summary["stopped"] is None:
+        return [] if code == 0 else [f"finished, exit {code}"]
+    if summary is None or summary["stopped"] is None:
+        return [f"no summary of the stop (exit {code})"]
+    step = summary["stopped"]["global_step"]
+    problems = [] if code == 128 + case.sig else [f"exit {code}"]
+    if summary["stopped"]["signal"] != signal.Signals(case.sig).name:
+        problems.append(f"stopped by {summary['stopped']['signal']}")
+    if not ck or checkpoint.load(ck[-1]).global_step != step:
+        problems.append(f"no final checkpoint at step {step}")
+    resumed = subprocess.run([*command(Case(case.name, case.args, case.target, step + 20), str(tmp))],
+                             capture_output=True, text=True, env=env(), cwd=tmp, timeout=120)
+    after = json.loads((tmp / "summary.json").read_text()) if resumed.returncode == 0 else {}
+    if after.get("global_step") != step + 20 or not str(after.get("resumed_from", "")).endswith(f"{step:09d}.npz"):
+        problems.append(f"the resume did not continue from step {step} (exit {resumed.returncode})")
+    if "Traceback" in resumed.stderr:
+        problems.append("a traceback in the resumed run")
+    return problems
+
+
 def report(trials: list[Trial], durations: dict[str, float], seconds: float) -> str:
     out = ["# Chaos: real SIGKILLs from outside at random moments", "",
            f"`python benchmarks/chaos.py` on {machine()}; {len(trials)} trials in {seconds / 60:.1f} min. "
@@ -304,7 +341,8 @@ def report(trials: list[Trial], durations: dict[str, float], seconds: float) -> 
         notices = [t.notice_s for t in ts if t.notice_s is not None]
         by = f"{sum(t.noticed_by == 'MPI error' for t in ts)} / {sum(t.noticed_by == 'heartbeat' for t in ts)}"
         when = f"{statistics.median(notices):.1f}, {max(notices):.1f}" if notices else "-"
-        out.append(f"| {case.name} (kill {case.target}) | {durations[case.name]:.1f} | {len(ts)} | {count['documented']} "
+        how = "kill" if case.sig == signal.SIGKILL else signal.Signals(case.sig).name
+        out.append(f"| {case.name} ({how} {case.target}) | {durations[case.name]:.1f} | {len(ts)} | {count['documented']} "
                    f"| {count['traceback']} | {count['hang']} | {count['other']} | {sum(t.victim is None for t in ts)} "
                    f"| {by} | {when} |")
     bad = [t for t in trials if t.outcome != "documented"]

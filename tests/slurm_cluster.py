@@ -159,6 +159,11 @@ class SlurmCluster:
             raise AssertionError(f"sbatch failed: {proc.stderr}")
         return int(proc.stdout.strip().split(";")[0])
 
+    def scancel(self, job: int, *flags: str) -> None:
+        proc = _run(["scancel", *flags, str(job)], env=self.env, timeout=30)
+        if proc.returncode != 0:
+            raise AssertionError(f"scancel failed: {proc.stderr}")
+
     def wait(self, job: int, timeout: float = 300) -> dict:
         """Poll squeue (faster than sbatch --wait); then the job's final fields from scontrol."""
         deadline = time.time() + timeout

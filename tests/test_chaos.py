@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import signal
 import sys
 from pathlib import Path
 
@@ -23,11 +24,14 @@ pytestmark = pytest.mark.timeout(300)
 
 # Short runs: a calibration and two random kills each. The *-big case moves 6.4 MB messages, so a
 # kill often lands mid-message; "rank0" kills the parameter server; "chief" the worker that gathers
-# every --quorum step while the others wait for its update.
+# every --quorum step while the others wait for its update; the SIGTERM / SIGINT cases stop the run,
+# which must save, exit 128 + the signal and resume.
 QUICK = [chaos.Case("async-big", ("--mode", "async", "--hidden", "2000"), "worker", 500),
          chaos.Case("sync", ("--mode", "sync"), "worker", 2000),
          chaos.Case("chief-quorum", ("--mode", "sync", "--quorum", "2"), "chief", 1000),
-         chaos.Case("rank0-async", ("--mode", "async", "--hidden", "2000"), "rank0", 500)]
+         chaos.Case("rank0-async", ("--mode", "async", "--hidden", "2000"), "rank0", 500),
+         chaos.Case("term-rank-sync", ("--mode", "sync"), "worker", 2000, signal.SIGTERM),  # stops, saves, resumes
+         chaos.Case("int-mpirun-async", ("--mode", "async", "--hidden", "2000"), "launcher", 500, signal.SIGINT)]
 
 
 @pytest.mark.parametrize("case", QUICK, ids=[c.name for c in QUICK])

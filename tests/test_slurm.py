@@ -1,6 +1,7 @@
 """The jobs/*.sbatch scripts, submitted to a real single-node Slurm that this test brings up."""
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -121,3 +122,50 @@ def test_async_job_finishes_without_a_task_killed_mid_training(slurm, tmp_path, 
     assert summary["global_step"] == (6000 if how == "injected" else 15000) and summary["worker_ranks"] == [1]
     assert "worker rank 2 lost at global step" in out and "Traceback" not in out
     assert info["JobState"] == "FAILED"  # the dead task's exit code is the step's
+
+
+def _wait_for_output(path: Path, text: str, timeout: float = 120) -> None:
+    import time
+
+    deadline = time.time() + timeout
+    while time.time() < deadline and text not in (path.read_text() if path.exists() else ""):
+        time.sleep(0.1)
+
+
+def test_a_job_warned_by_usr1_saves_requeues_itself_and_finishes(slurm, tmp_path):
+    """What `#SBATCH --signal=USR1@90` does before the time limit, sent now with `scancel --signal`:
+    every task stops at a step, rank 0 saves; with MPITRAIN_REQUEUE=1 the job goes back in the queue
+    under its id, resumes from that checkpoint and finishes the budget."""
+    import time
+
+    env = {**job_env("--dataset synthetic --steps 30000"), "MPITRAIN_REQUEUE": "1"}
+    job = slurm.submit(ROOT / "jobs" / "async.sbatch", tmp_path, env)
+    out_file = tmp_path / f"mpitrain-{job}.out"
+    _wait_for_output(out_file, "rank 2 worker")
+    time.sleep(1.5)
+    slurm.scancel(job, "--signal=USR1")
+    info = slurm.wait(job, timeout=400)
+    out = out_file.read_text()
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", f"{info}\n{out}"
+    stopped = re.findall(r"mpitrain stopped \(SIGUSR1\) at global step ([\d,]+); the newest checkpoint is (\S+);", out)
+    assert len(stopped) == 1, out
+    step = int(stopped[0][0].replace(",", ""))
+    assert 0 < step < 30000 and f"resuming from {stopped[0][1]}" in out
+    summary = json.loads((tmp_path / "runs" / str(job) / "summary.json").read_text())
+    assert summary["global_step"] == 30000 and summary["resumed_from"] == stopped[0][1]
+    assert "Traceback" not in out
+
+
+def test_a_job_at_its_time_limit_stops_and_saves(slurm, tmp_path):
+    """--time=1 with the script's own `--signal=USR1@90`: Slurm sends SIGUSR1 at its first check
+    (already inside the last 90 s), or, if the limit comes first, SIGTERM (then SIGKILL after
+    KillWait). Either way the run stops within seconds and saves."""
+    job = slurm.submit(ROOT / "jobs" / "sync.sbatch", tmp_path, job_env("--dataset synthetic --steps 100000000"),
+                       sbatch_args=["--time=1"])
+    info = slurm.wait(job, timeout=300)
+    out = (tmp_path / f"mpitrain-{job}.out").read_text()
+    found = re.findall(r"mpitrain stopped \((SIG\w+)\) at global step ([\d,]+); the newest checkpoint is (\S+);", out)
+    assert len(found) == 1, f"{info}\n{out}"
+    expected = {"SIGUSR1": ("FAILED", "138:0"), "SIGTERM": ("TIMEOUT", None)}[found[0][0]]
+    assert info["JobState"] == expected[0] and (expected[1] is None or info["ExitCode"] == expected[1]), info
+    assert (tmp_path / found[0][2]).exists() and "Traceback" not in out
