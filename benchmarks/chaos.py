@@ -1,4 +1,4 @@
-"""Chaos: kill a real rank from outside, at a random moment, many times; is every outcome the documented one?
+"""Chaos: kill a real rank from outside (or stop the job, or fill its disk) at a random moment, many times; is every outcome the documented one?
 
     python benchmarks/chaos.py                       # 51 trials, ~15 min on 2 cores; writes benchmarks/CHAOS.md
     python benchmarks/chaos.py --trials 1 --cases async-big,sync   # a quick look
@@ -60,7 +60,7 @@ class Case:
     name: str
     args: tuple[str, ...]
     target: str  # "worker", "chief" (the first worker), "rank0", "shard" (rank 1 with --num-ps 2), "supervisor"
-    #              or "launcher" (mpirun itself)
+    #              "launcher" (mpirun itself) or "disk" (the checkpoint folder fills up)
     steps: int  # --steps: a run of several seconds on 2 cores
     sig: int = signal.SIGKILL  # SIGTERM / SIGINT: a user's or the scheduler's stop, not a crash
 
@@ -97,11 +97,14 @@ CASES = [
     Case("term-rank-sync", ("--mode", "sync"), "worker", 4000, signal.SIGTERM),
     Case("int-mpirun-quorum", ("--mode", "sync", "--quorum", "2"), "launcher", 2500, signal.SIGINT),
     Case("term-rank0-2ps", ("--mode", "async", "--num-ps", "2"), "rank0", 8000, signal.SIGTERM),
+    # The checkpoint folder is a small tmpfs that fills up at a random moment (root only): training
+    # must finish, say so once, keep the newest good checkpoint, and exit 6 (final one missing).
+    Case("disk-full", ("--mode", "sync"), "disk", 4000, 0),
 ]
 DEFAULT_TRIALS = {"async": 5, "async-staleness": 4, "async-big": 6, "sync": 4, "sync-quorum": 4, "chief-quorum": 3,
                   "quorum-big": 3, "sync-big": 3, "rank0-async": 4, "rank0-sync": 3, "supervisor": 3, "async-2ps": 4,
                   "shard-async": 3, "shard-sync": 2, "term-mpirun-async": 3, "term-rank-sync": 3,
-                  "int-mpirun-quorum": 3, "term-rank0-2ps": 3}
+                  "int-mpirun-quorum": 3, "term-rank0-2ps": 3, "disk-full": 3}
 
 
 @dataclass
@@ -183,37 +186,63 @@ def calibrate(case: Case) -> float:
 
 
 def run_trial(case: Case, duration_s: float, rng: random.Random) -> Trial:
-    trial = Trial(case.name)
     with tempfile.TemporaryDirectory() as tmp:
-        job = Job(command(case, tmp), tmp)
-        started = job.wait_for("rank 0 parameter-server", START_WAIT_S)
-        if started is None:
-            job.finish(5)
-            trial.why = "the job never started: " + job.text()[-500:]
-            return trial
-        trial.kill_after_s = rng.uniform(0.2, duration_s * 1.05)
-        time.sleep(max(0.0, started + trial.kill_after_s - time.monotonic()))
-        pids = rank_pids(job.proc.pid)
-        lay = case.layout
-        fixed = {"rank0": 0, "shard": 1, "chief": lay.worker_rank(0)}
-        trial.victim = fixed[case.target] if case.target in fixed else rng.choice(lay.worker_ranks)
-        pid, supervisor = pids.get(trial.victim, (None, None))
-        pid = supervisor if case.target == "supervisor" else pid
-        if case.target == "launcher":
-            trial.victim, pid = -1, job.proc.pid
-        killed_at = time.monotonic()
+        if case.target != "disk":
+            return _run_trial(case, duration_s, rng, tmp)
+        ck = Path(tmp) / "ck"
+        ck.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(ck)], check=True)
         try:
-            if pid is None:
-                raise ProcessLookupError
+            return _run_trial(case, duration_s, rng, tmp)
+        finally:
+            subprocess.run(["umount", "-l", str(ck)], check=False)
+
+
+def fill(directory: Path) -> None:
+    """Write a file until the file system has no block left (a full scratch disk, a quota)."""
+    try:
+        with open(directory / "filler", "wb") as f:
+            while True:
+                f.write(b"\0" * (1 << 20))
+                f.flush()
+    except OSError:
+        pass
+
+
+def _run_trial(case: Case, duration_s: float, rng: random.Random, tmp: str) -> Trial:
+    trial = Trial(case.name)
+    job = Job(command(case, tmp), tmp)
+    started = job.wait_for("rank 0 parameter-server", START_WAIT_S)
+    if started is None:
+        job.finish(5)
+        trial.why = "the job never started: " + job.text()[-500:]
+        return trial
+    trial.kill_after_s = rng.uniform(0.2, duration_s * 1.05)
+    time.sleep(max(0.0, started + trial.kill_after_s - time.monotonic()))
+    pids = rank_pids(job.proc.pid)
+    lay = case.layout
+    fixed = {"rank0": 0, "shard": 1, "chief": lay.worker_rank(0)}
+    trial.victim = fixed[case.target] if case.target in fixed else rng.choice(lay.worker_ranks)
+    pid, supervisor = pids.get(trial.victim, (None, None))
+    pid = supervisor if case.target == "supervisor" else pid
+    if case.target in ("launcher", "disk"):
+        trial.victim, pid = -1, job.proc.pid
+    killed_at = time.monotonic()
+    try:
+        if pid is None or job.proc.poll() is not None:
+            raise ProcessLookupError
+        if case.target == "disk":
+            fill(Path(tmp) / "ck")
+        else:
             os.kill(pid, case.sig)
-        except ProcessLookupError:
-            trial.victim = None  # it had already exited: the run was over
-        # Async rank 0 goes on without a lost worker: the rest of the budget, on fewer workers.
-        lost_one = case.mode == "async" and case.target == "worker" and case.sig == signal.SIGKILL
-        rest = duration_s * lay.workers / (lay.workers - 1) if lost_one else 0.0
-        code, leftovers = job.finish(rest + TIMEOUT_S + GRACE_S - (time.monotonic() - killed_at))
-        trial.exit_code = code
-        judge(case, trial, job, code, leftovers, killed_at, Path(tmp))
+    except ProcessLookupError:
+        trial.victim = None  # it had already exited: the run was over
+    # Async rank 0 goes on without a lost worker: the rest of the budget, on fewer workers.
+    lost_one = case.mode == "async" and case.target == "worker" and case.sig == signal.SIGKILL
+    rest = duration_s * lay.workers / (lay.workers - 1) if lost_one else 0.0
+    code, leftovers = job.finish(rest + TIMEOUT_S + GRACE_S - (time.monotonic() - killed_at))
+    trial.exit_code = code
+    judge(case, trial, job, code, leftovers, killed_at, Path(tmp))
     return trial
 
 
@@ -248,6 +277,8 @@ def expected(case: Case, trial: Trial, err: str, code: int, summary: dict | None
     ck = checkpoint.list_checkpoints(tmp / "ck")
     if ck:
         checkpoint.load(ck[-1])  # the newest checkpoint always loads (raises if not)
+    if case.target == "disk":
+        return filled_as_documented(case, err, code, summary, ck)
     if case.sig != signal.SIGKILL:
         return stopped_as_documented(case, err, code, summary, ck, tmp)
     if case.target == "rank0":
@@ -297,6 +328,21 @@ def expected(case: Case, trial: Trial, err: str, code: int, summary: dict | None
     return []
 
 
+def filled_as_documented(case: Case, err: str, code: int, summary: dict | None, ck: list) -> list[str]:
+    """The disk filled up: training finished anyway, one line said so, the newest good checkpoint
+    stayed, and the exit code says whether the final checkpoint is missing (6) or not (0)."""
+    if summary is None or summary["global_step"] != case.steps:
+        return [f"training did not finish (exit {code})"]
+    failed = [ln for ln in err.splitlines() if "not written" in ln]
+    final_saved = bool(ck) and checkpoint.load(ck[-1]).global_step == case.steps
+    problems = [] if code == (0 if final_saved else 6) else [f"exit {code} (final checkpoint saved: {final_saved})"]
+    if len(failed) > 1 or (not final_saved and not failed):
+        problems.append(f"{len(failed)} lines say a write failed")
+    if any(p.name.endswith(".tmp") for p in (ck[-1].parent.iterdir() if ck else [])):
+        problems.append("a temporary file was left")
+    return problems
+
+
 def stopped_as_documented(case: Case, err: str, code: int, summary: dict | None, ck: list, tmp: Path) -> list[str]:
     """A stop signal: the summary says where it stopped, the final checkpoint is that step, the
     exit code is 128 + the signal, and the same command resumes from it (or the run had finished)."""
@@ -321,14 +367,16 @@ def stopped_as_documented(case: Case, err: str, code: int, summary: dict | None,
 
 
 def report(trials: list[Trial], durations: dict[str, float], seconds: float) -> str:
-    out = ["# Chaos: real SIGKILLs from outside at random moments", "",
+    out = ["# Chaos: real SIGKILLs, stop signals and full disks from outside, at random moments", "",
            f"`python benchmarks/chaos.py` on {machine()}; {len(trials)} trials in {seconds / 60:.1f} min. "
            f"Each trial: `mpirun -disable-auto-cleanup -np {NP}` (1 server + 3 workers; with `--num-ps 2` "
            f"2 servers + 2 workers), `--worker-timeout "
            f"{TIMEOUT_S:g}`, synthetic data, MLP (hidden 100, or 2000 in the *-big cases: 6.4 MB messages), one "
            "SIGKILL of the real training process of a random worker (or rank 0, or server rank 1, or the chief "
            "worker, or a worker's supervisor) at a "
-           "uniformly random time over the whole run, end-of-run report included. See the script's docstring "
+           "uniformly random time over the whole run, end-of-run report included; in the SIGTERM / SIGINT cases "
+           "that signal instead (to mpirun or to one rank: the run must stop, save, exit 128 + the signal and "
+           "resume), and in disk-full the checkpoint folder (a 64 MB tmpfs) filled up. See the script's docstring "
            "for what each outcome means.", "",
            "| case | run (s) | trials | documented | traceback | hang | other | killed after run ended "
            "| noticed by MPI error / heartbeat | time to notice (median, max s) |",
@@ -341,7 +389,7 @@ def report(trials: list[Trial], durations: dict[str, float], seconds: float) -> 
         notices = [t.notice_s for t in ts if t.notice_s is not None]
         by = f"{sum(t.noticed_by == 'MPI error' for t in ts)} / {sum(t.noticed_by == 'heartbeat' for t in ts)}"
         when = f"{statistics.median(notices):.1f}, {max(notices):.1f}" if notices else "-"
-        how = "kill" if case.sig == signal.SIGKILL else signal.Signals(case.sig).name
+        how = "fill" if case.target == "disk" else "kill" if case.sig == signal.SIGKILL else signal.Signals(case.sig).name
         out.append(f"| {case.name} ({how} {case.target}) | {durations[case.name]:.1f} | {len(ts)} | {count['documented']} "
                    f"| {count['traceback']} | {count['hang']} | {count['other']} | {sum(t.victim is None for t in ts)} "
                    f"| {by} | {when} |")

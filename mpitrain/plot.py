@@ -14,8 +14,10 @@ import json
 import sys
 from pathlib import Path
 
+from mpitrain.atomic import write_atomic
 from mpitrain.config import UsageError
 from mpitrain.metrics import say
+from mpitrain.outputs import EXIT_OUTPUTS_INCOMPLETE
 
 
 def read_run(run_dir: str) -> dict:
@@ -47,6 +49,12 @@ def read_run(run_dir: str) -> dict:
     if not run["train"] and not run["eval"]:
         raise UsageError(f"{path} holds no training or evaluation events")
     return run
+
+
+def save_figure(fig, out: str) -> None:
+    """Whole or not at all (a full disk leaves no half image): a temporary file, then os.replace."""
+    fmt = Path(out).suffix[1:].lower() or "png"
+    write_atomic(Path(out), lambda f: fig.savefig(f, dpi=100, format=fmt), binary=True)
 
 
 def _starts_run(lines: list[str]) -> bool:
@@ -81,7 +89,7 @@ def plot(runs: list[dict], out: str) -> None:
         ax.legend(fontsize=8)
     fig.suptitle("mpitrain: " + ", ".join(f"{r['label']} ({r['mode']})" for r in runs))
     Path(out).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
+    save_figure(fig, out)
     plt.close(fig)
 
 
@@ -130,7 +138,7 @@ def plot_timeline(trace: dict, out: str, window_ms: float) -> None:
     ax.legend(handles=[Patch(color=c, label=n) for n, c in PHASE_COLOURS.items()], ncol=len(PHASE_COLOURS),
               fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.25))
     Path(out).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
+    save_figure(fig, out)
     plt.close(fig)
 
 
@@ -157,12 +165,16 @@ def main(argv: list[str]) -> int:
     except UsageError as e:
         say(f"mpitrain plot: error: {e}", sys.stderr)
         return 2
-    if trace is not None:
-        out = args.output or "timeline.png"
-        plot_timeline(trace, out, args.window)
-        say(f"mpitrain plot: wrote {out} ({len(trace['spans']):,} spans)")
-        return 0
-    out = args.output or "curves.png"
-    plot(runs, out)
-    say(f"mpitrain plot: wrote {out} ({len(runs)} run(s))")
+    out = args.output or ("timeline.png" if trace is not None else "curves.png")
+    try:
+        if trace is not None:
+            plot_timeline(trace, out, args.window)
+        else:
+            plot(runs, out)
+    except OSError as e:  # a full disk, a quota, a missing or read-only folder
+        say(f"mpitrain plot: error: {out} not written: {e.strerror or e} ({Path(out).resolve().parent}); "
+            f"free space or pick another -o", sys.stderr)
+        return EXIT_OUTPUTS_INCOMPLETE
+    what = f"{len(trace['spans']):,} spans" if trace is not None else f"{len(runs)} run(s)"
+    say(f"mpitrain plot: wrote {out} ({what})")
     return 0

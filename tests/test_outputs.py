@@ -37,15 +37,18 @@ def small_fs(tmp_path):
     subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
-def fill(directory: Path) -> None:
-    """Leave no free block (the way a quota or a full scratch disk looks)."""
+def fill(directory: Path, leave: int = 0) -> None:
+    """Leave no free block (the way a quota or a full scratch disk looks), or `leave` bytes."""
+    filler = directory / "filler"
     try:
-        with open(directory / "filler", "wb") as f:
+        with open(filler, "wb") as f:
             while True:
                 f.write(b"\0" * 4096)
                 f.flush()
     except OSError as e:
         assert e.errno == errno.ENOSPC
+    if leave:
+        os.truncate(filler, max(0, filler.stat().st_size - leave))
 
 
 def mpitrain_lines(text: str) -> list[str]:
@@ -72,9 +75,12 @@ def test_a_full_checkpoint_folder_never_ends_training(tmp_path, small_fs, mode):
     assert checkpoint.load(ck / "ckpt-000000100.npz").global_step == 100
 
 
-def test_a_full_log_folder_never_ends_training(tmp_path, small_fs):
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_full_log_folder_never_ends_training(tmp_path, small_fs, mode):
+    np_, flags = MODES[mode]
     logs, summary = small_fs / "logs", tmp_path / "s.json"
-    proc = run_mpitrain(3, "--no-progress", "--steps", "3000", "--log-every", "1", "--log-dir", str(logs),
+    fill(small_fs, leave=12288)  # room for the lock, a block of events.jsonl and one of TensorBoard's file
+    proc = run_mpitrain(np_, "--no-progress", *flags, "--steps", "3000", "--log-every", "1", "--log-dir", str(logs),
                         "--summary-json", str(summary))
     assert proc.returncode == 0, proc.stdout + proc.stderr  # the log is not the result: the summary holds it
     assert "Traceback" not in proc.stderr
@@ -90,12 +96,14 @@ def test_a_full_log_folder_never_ends_training(tmp_path, small_fs):
 def test_a_summary_that_cannot_be_written_goes_to_stdout(small_fs, mode):
     np_, flags = MODES[mode]
     fill(small_fs)
-    proc = run_mpitrain(np_, "--no-progress", *flags, "--steps", "100", "--summary-json", str(small_fs / "s.json"))
+    proc = run_mpitrain(np_, "--no-progress", *flags, "--steps", "100", "--summary-json", str(small_fs / "s.json"),
+                        "--timeline", str(small_fs / "t.json"))
     assert proc.returncode == EXIT_OUTPUTS_INCOMPLETE, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr and "BAD TERMINATION" not in proc.stdout
     (line,) = [x for x in proc.stdout.splitlines() if x.startswith("{")]
     s = json.loads(line)
     assert s["global_step"] == 100 and s["write_errors"]["summary"]["count"] == 1
+    assert s["write_errors"]["timeline"]["count"] == 1 and not (small_fs / "t.json").exists()
     assert not (small_fs / "s.json").exists() and not list(small_fs.glob(".s.json.*"))
 
 
@@ -151,3 +159,14 @@ def test_a_failed_log_line_is_cut_back_off(tmp_path, capsys):
     events = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert [e["event"] for e in events] == ["start", "train"] and events[1]["global_step"] == 2
     assert "--log-dir event not written: No space left on device" in capsys.readouterr().err
+
+
+def test_a_plot_that_cannot_be_written_is_one_line(tmp_path, small_fs):
+    from mpitrain import plot
+
+    events = [{"event": "train", "global_step": 1, "seconds": 0.1, "loss": 1.0},
+              {"event": "eval", "global_step": 1, "seconds": 0.1, "test_accuracy": 0.5}]
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    fill(small_fs)
+    assert plot.main([str(tmp_path), "-o", str(small_fs / "curves.png")]) == EXIT_OUTPUTS_INCOMPLETE
+    assert not list(small_fs.glob("curves*"))
