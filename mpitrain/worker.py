@@ -245,8 +245,8 @@ class SyncStep:
     [gradient..., loss, weight, stop]: the loss rides along so every worker knows the mean loss, the
     weight (1 from each worker) so the sum divides by the number of gradients in it, and the stop
     vote (1 from a worker that knows of a stop request) so that every worker stops after the same
-    step (`stop`). --quorum sums
-    its gradients on the chief worker instead (QuorumChief) and every worker `apply`s the mean."""
+    step (`stop`). --quorum sums its gradients on the chief worker instead (QuorumChief) and every
+    worker `apply`s the mean."""
 
     def __init__(self, ctx: Context, params, start: TrainState | None = None):
         cfg, be, model = ctx.cfg, ctx.backend, ctx.model

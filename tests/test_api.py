@@ -95,3 +95,33 @@ except mpitrain.UsageError as e:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert sorted(ln for ln in proc.stdout.splitlines() if ln.startswith("USAGE")) == \
         ["USAGE 0 True", "USAGE 1 True", "USAGE 2 True"]
+
+
+def test_ctrl_c_in_the_api_saves_and_the_caller_lives_on(tmp_path):
+    """A notebook's Ctrl-C: train() stops at a step, saves, raises TrainingFailed (130); the caller
+    goes on with its own Ctrl-C back."""
+    import os
+    import signal
+    import time
+
+    from conftest import communicate_or_kill
+
+    code = f"""
+import signal, mpitrain
+try:
+    mpitrain.train(dataset="synthetic", steps=10**7, progress=False, checkpoint_dir={str(tmp_path / 'ck')!r})
+except mpitrain.TrainingFailed as e:
+    print("CODE", e.code, flush=True)
+print("HANDLER", signal.getsignal(signal.SIGINT) is signal.default_int_handler, flush=True)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=child_env(), cwd=ROOT, start_new_session=True)
+    line = ""
+    while not line.startswith("rank 0 "):
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read()
+    time.sleep(1.0)
+    os.kill(proc.pid, signal.SIGINT)
+    out, err = communicate_or_kill(proc)
+    assert "CODE 130" in out and "HANDLER True" in out and "Traceback" not in err, out + err
+    assert list((tmp_path / "ck").glob("ckpt-*.npz"))
