@@ -10,6 +10,8 @@ from __future__ import annotations
 import gzip
 import os
 import socket
+import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -117,8 +119,8 @@ def load_npz(path: str) -> Dataset:
         raise
     except ValueError as e:  # object arrays refused without pickle, or a damaged member
         raise UsageError(f"{path} cannot be read without pickle ({e}); save plain numeric arrays: {fix}") from None
-    except (OSError, EOFError) as e:
-        raise UsageError(f"{path} is not a readable .npz file ({e}); {fix}") from None
+    except (OSError, EOFError, zipfile.BadZipFile, zlib.error) as e:  # truncated, or a member's CRC is wrong
+        raise UsageError(f"{path} is corrupt or truncated ({type(e).__name__}: {e}); {fix} again") from None
     x_train = scaled_features(arrays["x_train"], f"{path}: x_train")
     x_test = scaled_features(arrays["x_test"], f"{path}: x_test")
     if x_train.shape[1] != x_test.shape[1]:

@@ -200,6 +200,24 @@ def test_npz_that_is_not_an_archive(tmp_path):
         data.load_npz(str(tmp_path / "b.npy"))
 
 
+@pytest.mark.parametrize("damage", ["truncated", "a member's bytes changed"])
+def test_a_damaged_npz_is_one_line_on_every_rank(tmp_path, damage):
+    """Was: three interleaved BadZipFile tracebacks, exit 1 (a damaged member: Bad CRC-32)."""
+    from conftest import run_mpitrain
+
+    path = write_npz(tmp_path / "mine.npz")
+    raw = bytearray(path.read_bytes())
+    if damage == "truncated":
+        raw = raw[: len(raw) * 2 // 3]
+    else:
+        raw[len(raw) // 3] ^= 0xFF  # inside x_train's data: the zip's CRC no longer matches
+    path.write_bytes(bytes(raw))
+    proc = run_mpitrain(3, "--no-progress", "--dataset", f"npz:{path}", timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = [x for x in proc.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and "mine.npz is corrupt or truncated" in lines[0] and "np.savez" in lines[0], lines
+
+
 def test_mnist_labels_outside_0_9_are_refused(tmp_path):
     """A label of 200 used to build a 201-class model silently."""
     write_mnist_dir(tmp_path)
