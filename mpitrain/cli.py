@@ -26,12 +26,15 @@ SUBCOMMANDS = {"launch": "mpitrain.launch", "evaluate": "mpitrain.evaluation", "
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # argparse would print usage and exit 2 on each rank by itself
+        if "-np" in message.split() or "-n" in message.split():  # the launcher's flag, given to mpitrain
+            raise UsageError(f"{message}: the number of processes is mpirun's flag, not mpitrain's; run "
+                             f"`mpirun -np 3 python -m mpitrain ...`")
         raise UsageError(f"{message} (see python -m mpitrain --help)")
 
 
 def _hidden(text: str) -> tuple[int, ...]:
     try:
-        sizes = tuple(int(part) for part in text.split(",") if part.strip())
+        sizes = tuple(int(part) for part in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"--hidden takes comma-separated widths like 256,128, not {text!r}") from None
     if not sizes:
@@ -50,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = defaults()
     p = _Parser(
         prog="mpitrain",
+        allow_abbrev=False,  # `--epoch 3` is a typo, not --epochs: say so instead of guessing
         description="Data-parallel training over MPI: rank 0 is the parameter server, ranks 1..N-1 are workers. "
                     "Run with `mpirun -np 3 python -m mpitrain` (1 server + 2 workers); one process trains locally. "
                     "Other commands: `mpitrain launch -f HOSTFILE ...`, `mpitrain evaluate CHECKPOINT`, "

@@ -19,6 +19,9 @@ BAD = [
     (["--epochs", "-2"], "--epochs must be a positive integer"),
     (["--hidden", "10,x"], "--hidden"),
     (["--frobnicate"], "unrecognized arguments"),
+    (["--epoch", "3"], "unrecognized arguments: --epoch 3"),
+    (["--hidden", "100,,50"], "--hidden takes comma-separated widths"),
+    (["-np", "3"], "mpirun -np 3 python -m mpitrain"),
     (["--dataset", "mnist", "--data-dir", "/nonexistent/mnist"], "does not exist"),
     (["--batch-size", "5000"], "larger than each worker's shard"),
     (["--device", "gpu"], "no GPU is usable"),
@@ -104,7 +107,10 @@ END_TO_END = ["--model cnn", "--frobnicate", "--epochs -2", "--mode sync --quoru
               "--dataset npz:/nonexistent/mine.npz", "--batch-size 5000", "--device gpu"]
 
 
-@pytest.mark.parametrize("args,needle", [b for b in BAD if " ".join(b[0]) in END_TO_END], ids=END_TO_END)
+LAUNCHED = [b for b in BAD if " ".join(b[0]) in END_TO_END]
+
+
+@pytest.mark.parametrize("args,needle", LAUNCHED, ids=[" ".join(a) for a, _ in LAUNCHED])
 def test_bad_input_exits_2_on_every_rank_with_one_line(args, needle):
     skip_where_it_is_not_bad(args)
     proc, codes, seconds = per_rank_exit_codes(args)
