@@ -35,8 +35,13 @@ def evaluate(path: str, dataset: str, data_dir: str | None) -> dict:
     from mpitrain.model import from_sizes
 
     p = Path(path)
-    if not p.is_file():
-        raise UsageError(f"checkpoint {path} does not exist; pass a ckpt-*.npz file from a --checkpoint-dir")
+    if p.is_dir():  # a --checkpoint-dir: its newest checkpoint, as a resumed run would take
+        found = checkpoint.list_checkpoints(p)
+        if not found:
+            raise UsageError(f"{path} holds no ckpt-*.npz checkpoint; pass a --checkpoint-dir that has one, or a file")
+        p = found[-1]
+    elif not p.is_file():
+        raise UsageError(f"checkpoint {path} does not exist; pass a ckpt-*.npz file or a --checkpoint-dir")
     state = checkpoint.load(p)
     with np.load(p, allow_pickle=False) as z:
         import json
@@ -60,7 +65,7 @@ def evaluate(path: str, dataset: str, data_dir: str | None) -> dict:
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="mpitrain evaluate", description=__doc__.splitlines()[0])
-    p.add_argument("checkpoint")
+    p.add_argument("checkpoint", help="a ckpt-*.npz file, or a --checkpoint-dir (its newest checkpoint)")
     p.add_argument("--dataset", default="digits", help="as for training: digits, mnist, npz:PATH, tfds:NAME, ...")
     p.add_argument("--data-dir", default=None)
     p.add_argument("--summary-json", default=None, metavar="PATH")

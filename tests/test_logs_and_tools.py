@@ -87,6 +87,16 @@ def test_evaluate_prints_accuracy_and_confusion_matrix(two_runs, tmp_path):
     assert np.trace(m) / m.sum() == pytest.approx(e["test_accuracy"])
 
 
+def test_evaluate_takes_the_newest_checkpoint_of_a_folder(two_runs, tmp_path):
+    d, s = two_runs["sync"]
+    out = tmp_path / "eval.json"
+    proc = run_mpitrain(0, "evaluate", str(d / "ck"), "--dataset", "digits", "--summary-json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(out.read_text())["test_accuracy"] == pytest.approx(s["test_accuracy"])
+    proc = run_mpitrain(0, "evaluate", str(tmp_path), "--dataset", "digits")
+    assert proc.returncode == 2 and "holds no ckpt-*.npz checkpoint" in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_evaluate_refuses_a_dataset_of_another_shape(two_runs):
     d, _ = two_runs["async"]
     ckpt = sorted((d / "ck").glob("ckpt-*.npz"))[-1]
