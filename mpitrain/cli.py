@@ -188,6 +188,14 @@ def parse_args(argv: list[str]) -> tuple[TrainConfig | None, argparse.ArgumentPa
     return validate(TrainConfig(**values)), parser
 
 
+def launcher_rank(env=os.environ) -> int | None:
+    """This process's rank as the launcher's environment tells it (MPICH/Slurm PMI, Open MPI), or None."""
+    for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
+        if env.get(var, "").isdigit():
+            return int(env[var])
+    return None
+
+
 def _pin_blas_threads() -> None:
     for var in BLAS_THREAD_VARS:
         os.environ.setdefault(var, "1")
@@ -201,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return importlib.import_module(SUBCOMMANDS[argv[0]]).main(argv[1:])
     if "--version" in argv:
-        print(f"mpitrain {__version__}")
+        if launcher_rank() in (None, 0):  # under mpirun: once, not once per rank (no MPI needed to ask)
+            print(f"mpitrain {__version__}")
         return 0
     from mpitrain.supervise import supervise
 

@@ -155,6 +155,11 @@ def test_console_script_is_installed():
     assert proc.returncode == 0 and proc.stdout.startswith("mpitrain ")
 
 
+def test_version_under_mpirun_is_printed_once():
+    proc = run_mpitrain(3, "--version", timeout=60)
+    assert proc.returncode == 0 and proc.stdout.count("mpitrain ") == 1, proc.stdout
+
+
 # What validate() decides needs no MPI: tested in-process (the launches above show every rank exits 2).
 INVALID = [
     (["--divergence-factor", "1"], "--divergence-factor must be above 1, or 0"),
