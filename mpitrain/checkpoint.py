@@ -119,6 +119,9 @@ class Checkpointer:
                     if e.errno not in (errno.ENOSPC, errno.EDQUOT) or not prune(self.dir, keep=1):
                         raise
                     path = save(self.dir, state, self.fp, self.cfg.keep_checkpoints)
+                    WRITES.note("checkpoint space", f"{self.dir} is out of space ({e.strerror}): the checkpoints "
+                                f"before the newest were deleted to make room for global step {state.global_step}",
+                                f"fewer than --keep-checkpoints {self.cfg.keep_checkpoints} are kept; training goes on")
                 self.saved.append(str(path))
                 WRITES.newest_checkpoint = self.saved[-1]
             except OSError as e:

@@ -24,15 +24,18 @@ class WriteErrors:
         self.incomplete = False  # the final checkpoint or the summary is missing
 
     def failed(self, kind: str, what: str, path, error: OSError, then: str = "training goes on") -> None:
+        why = error.strerror or type(error).__name__
+        self.note(kind, f"{what} not written: {why} ({path})", then)
+
+    def note(self, kind: str, first: str, then: str) -> None:
+        """Count one event of `kind`; the first one is said in one line."""
         entry = self.kinds.setdefault(kind, {"count": 0, "first": None})
         entry["count"] += 1
         if entry["count"] > 1:
             return
-        why = error.strerror or type(error).__name__
-        entry["first"] = f"{what} not written: {why} ({path})"
+        entry["first"] = first
         # One write of one line (metrics.say's rule; metrics imports this module, so not say itself).
-        sys.stderr.write(f"mpitrain: {entry['first']}; {then} (later failures of this kind are counted in the "
-                         f"summary's write_errors)\n")
+        sys.stderr.write(f"mpitrain: {first}; {then} (later ones are counted in the summary's write_errors)\n")
         sys.stderr.flush()
 
     def report(self) -> dict | None:

@@ -170,3 +170,25 @@ def test_a_plot_that_cannot_be_written_is_one_line(tmp_path, small_fs):
     fill(small_fs)
     assert plot.main([str(tmp_path), "-o", str(small_fs / "curves.png")]) == EXIT_OUTPUTS_INCOMPLETE
     assert not list(small_fs.glob("curves*"))
+
+
+def test_out_of_space_prunes_the_older_checkpoints_first_never_the_newest(tmp_path, monkeypatch, capsys):
+    outputs.reset()
+    cfg = dataclasses.replace(defaults(), checkpoint_dir=str(tmp_path), keep_checkpoints=3)
+    ckpt = Checkpointer(cfg, checkpoint.fingerprint((2, 2), "sgd"))
+    for step in (10, 20, 30):
+        assert ckpt.save(TrainState(np.ones(6, np.float32), step, step, positions=[step]))
+    real, calls = np.savez, []
+
+    def full_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(np, "savez", full_once)
+    assert ckpt.save(TrainState(np.ones(6, np.float32), 40, 40, positions=[40]))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-000000030.npz", "ckpt-000000040.npz"]
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "deleted to make room for global step 40" in err[0]
+    assert WRITES.report()["checkpoint space"]["count"] == 1 and "checkpoint" not in WRITES.report()
