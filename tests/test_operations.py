@@ -255,3 +255,21 @@ def test_a_second_signal_while_stopping_does_not_corrupt_anything(tmp_path):
     found = list_checkpoints(ck)
     assert found and load(found[-1]).global_step == int(STOP_LINE.findall(out)[0][1].replace(",", ""))
     assert not list(ck.glob(".*.tmp"))
+
+
+def test_a_signal_as_the_run_ends_changes_nothing(tmp_path):
+    """Signals that land after the summary (while MPI finalizes and Python shuts down) neither kill
+    the process nor change its exit code (chaos: 2 of 66 trials exited 143 after 'done')."""
+    for _ in range(3):
+        proc = start(0, "--no-progress", "--steps", "30")
+        line = " "
+        while line and not line.startswith("mpitrain done"):
+            line = proc.stdout.readline()
+        while proc.poll() is None:
+            try:
+                os.kill(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                break
+            time.sleep(0.0005)
+        out, err = communicate_or_kill(proc)
+        assert proc.returncode == 0, out + err
