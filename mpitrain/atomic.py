@@ -33,3 +33,18 @@ def write_atomic(target: Path, write: Callable[[IO], None], binary: bool = False
             os.unlink(tmp)
         raise
     return target
+
+
+def set_aside(files: list[Path], directory: Path) -> Path | None:
+    """Move `files` (in `directory`) into a new superseded-<time> subfolder, so that a new run
+    neither prunes nor appends to an earlier run's outputs. Returns that folder, or None when there
+    was nothing to move."""
+    import time
+
+    if not files:
+        return None
+    target = directory / time.strftime("superseded-%Y%m%d-%H%M%S")
+    target.mkdir(exist_ok=True)
+    for p in files:
+        os.replace(p, target / p.name)
+    return target

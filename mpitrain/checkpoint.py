@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import errno
 import json
-import os
 import re
 import zipfile
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mpitrain import atomic
 from mpitrain.atomic import write_atomic
 from mpitrain.config import UsageError
 from mpitrain.optim import REGISTRY as OPTIMIZER_REGISTRY
@@ -206,16 +206,7 @@ def load(path: Path, fp: dict | None = None) -> TrainState:
 def set_aside(directory: Path) -> Path | None:
     """--fresh: move earlier checkpoints into a subfolder so that the new run's pruning
     (--keep-checkpoints) never deletes them. Returns that folder, or None if there were none."""
-    import time
-
-    found = list_checkpoints(directory)
-    if not found:
-        return None
-    target = directory / time.strftime("superseded-%Y%m%d-%H%M%S")
-    target.mkdir()
-    for p in found:
-        os.replace(p, target / p.name)
-    return target
+    return atomic.set_aside(list_checkpoints(directory), directory)
 
 
 def load_latest(directory: Path, fp: dict | None = None) -> tuple[Path, TrainState] | None:

@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from mpitrain.atomic import write_atomic
+from mpitrain.atomic import set_aside, write_atomic
 from mpitrain.outputs import WRITES
 
 
@@ -194,13 +194,9 @@ def set_aside_log(directory: Path) -> Path | None:
     line. Returns that folder, or None when there was nothing to move."""
     old = [p for p in directory.iterdir() if p.is_file() and
            (p.name == "events.jsonl" or p.name.startswith("events.out.tfevents."))]
-    if not old:
-        return None
-    target = directory / time.strftime("superseded-%Y%m%d-%H%M%S")
-    target.mkdir(exist_ok=True)
-    for p in old:
-        os.replace(p, target / p.name)
-    say(f"mpitrain: --log-dir: a new run; the earlier run's events moved to {target}")
+    target = set_aside(old, directory)
+    if target is not None:
+        say(f"mpitrain: --log-dir: a new run; the earlier run's events moved to {target}")
     return target
 
 
