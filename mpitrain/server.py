@@ -345,7 +345,11 @@ class AsyncServer:
         state.recent_losses.append(msg.loss)
         if self.chief:
             self._chief_duties(msg.loss, staleness)
-        self.stopping = STOP.requested or (cfg.steps is not None and state.global_step >= cfg.steps)
+        # --steps counts rank 0's updates, the run's global step. Another server's count can run ahead
+        # of it (a worker that died half-way through a push delivered that server's part only:
+        # measured by chaos, the run then ended at 999 of 1000), so only rank 0 stops at the budget;
+        # the workers it stops leave the other servers.
+        self.stopping = STOP.requested or (self.chief and cfg.steps is not None and state.global_step >= cfg.steps)
         self._reply(w, stop=self.stopping or bool(msg.flags & FLAG_LAST))
 
     def _chief_duties(self, loss: float, staleness: int) -> None:
