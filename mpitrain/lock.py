@@ -94,8 +94,13 @@ class FolderLock:
             except OSError as e:
                 raise UsageError(f"{self.flag} {self.dir} is not writable ({e.strerror}); pick a folder you can "
                                  f"write to") from None
-            with os.fdopen(fd, "w") as f:
-                json.dump(self.record, f)
+            try:
+                with os.fdopen(fd, "w") as f:
+                    json.dump(self.record, f)
+            except OSError as e:  # a full disk or quota: certain now, and the run could save nothing there
+                os.unlink(self.path)
+                raise UsageError(f"{self.flag} {self.dir} is not writable ({e.strerror}); free space or pick "
+                                 f"another folder") from None
             HELD.append(self)
             why = self.took_over
             return f"mpitrain: {self.flag} {self.dir}: took over the stale lock of {why}" if why else None

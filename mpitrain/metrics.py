@@ -71,7 +71,11 @@ class RunLog:
         self.every = every
         start_step = start.get("start_step", 0)
         if not start_step:
-            self.moved = set_aside_log(self.dir)
+            try:
+                set_aside_log(self.dir)
+            except OSError as e:
+                WRITES.failed("log", "--log-dir: the earlier run's events moved aside", self.dir, e,
+                              "this run's events follow theirs in events.jsonl")
         self.path = self.dir / "events.jsonl"
         ends_cut = self.path.is_file() and self.path.stat().st_size and not self.path.read_bytes()[-1:] == b"\n"
         # Unbuffered bytes: each line is one write, readable while the run goes on, and a write
@@ -92,6 +96,10 @@ class RunLog:
             self.tb, self.tb_failures = None, []
             say("mpitrain: --log-dir: tensorboardX is not installed, writing events.jsonl only "
                 "(pip install 'mpitrain[tensorboard]')", sys.stderr)
+        except OSError as e:  # its event file could not be made (a full disk): events.jsonl goes on
+            self.tb, self.tb_failures = None, []
+            WRITES.failed("tensorboard", "TensorBoard events", self.dir, e,
+                          "no TensorBoard file for this run; events.jsonl and training go on")
         self.t0 = time.time()  # after the (slow) tensorboardX import: seconds count training time
         self._write({"event": "start", **start})
 

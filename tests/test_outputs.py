@@ -80,8 +80,10 @@ def test_a_full_log_folder_never_ends_training(tmp_path, small_fs, mode):
     np_, flags = MODES[mode]
     logs, summary = small_fs / "logs", tmp_path / "s.json"
     fill(small_fs, leave=12288)  # room for the lock, a block of events.jsonl and one of TensorBoard's file
-    proc = run_mpitrain(np_, "--no-progress", *flags, "--steps", "3000", "--log-every", "1", "--log-dir", str(logs),
-                        "--summary-json", str(summary))
+    # --eval-every: 150 eval events (~200 bytes each) whatever the mode (sync logs its training
+    # events at the chief's status rate only, so a fast run may write few of them).
+    proc = run_mpitrain(np_, "--no-progress", *flags, "--steps", "3000", "--log-every", "1", "--eval-every", "20",
+                        "--log-dir", str(logs), "--summary-json", str(summary))
     assert proc.returncode == 0, proc.stdout + proc.stderr  # the log is not the result: the summary holds it
     assert "Traceback" not in proc.stderr
     failed = [x for x in mpitrain_lines(proc.stderr) if "not written" in x]
@@ -192,3 +194,12 @@ def test_out_of_space_prunes_the_older_checkpoints_first_never_the_newest(tmp_pa
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and "deleted to make room for global step 40" in err[0]
     assert WRITES.report()["checkpoint space"]["count"] == 1 and "checkpoint" not in WRITES.report()
+
+
+def test_a_folder_already_full_at_start_is_refused_in_one_line(small_fs):
+    fill(small_fs)
+    proc = run_mpitrain(3, "--no-progress", "--checkpoint-dir", str(small_fs / "ck"), timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    (line,) = mpitrain_lines(proc.stderr)
+    assert "--checkpoint-dir" in line and "No space left on device" in line and "Traceback" not in proc.stderr
+    assert not (small_fs / "ck" / ".mpitrain.lock").exists()
