@@ -84,16 +84,14 @@ def force_exit(signum: int) -> None:
 STOP = StopRequest()  # one per process: signal handlers and message headers both reach it
 
 
-def under_hydra(env=os.environ) -> bool:
-    """MPICH's launcher, which sends every rank SIGUSR1 when a peer dies (measured with
-    -disable-auto-cleanup): MPICH's own handler for it must stay, and it must not stop the run."""
-    return "PMI_FD" in env and "MPI_LOCALRANKID" in env
-
-
 def handled(env=os.environ) -> tuple[signal.Signals, ...]:
-    """The signals that stop a run here: SIGUSR1 too, but under hydra (mpirun's SIGUSR1 means
-    "a peer died" there; Slurm's `--signal=USR1` reaches srun's tasks, which hydra does not start)."""
-    return tuple(s for s in SIGNALS if not (s == signal.SIGUSR1 and under_hydra(env)))
+    """The signals that stop a run here: SIGUSR1 too, but under MPICH's hydra, which sends every rank
+    SIGUSR1 when a peer dies (measured with -disable-auto-cleanup): MPICH's own handler for it must
+    stay there, and a dead peer must not stop the run. Slurm's `--signal=USR1` reaches srun's tasks,
+    which hydra does not start."""
+    from mpitrain.supervise import hydra_env
+
+    return tuple(s for s in SIGNALS if not (s == signal.SIGUSR1 and hydra_env(env)))
 
 
 def install() -> callable:

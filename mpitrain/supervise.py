@@ -27,10 +27,15 @@ PR_SET_NAME = 15
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR2, signal.SIGCONT)
 
 
-def under_hydra(env=os.environ) -> bool:
+def hydra_env(env=os.environ) -> bool:
     """Hydra's proxy hands each rank a PMI socket (PMI_FD) and hydra-only locality variables;
     Slurm's srun (PMI-2) sets no MPI_LOCALRANKID."""
-    return "PMI_FD" in env and "MPI_LOCALRANKID" in env and env.get("MPITRAIN_SUPERVISE", "1") != "0"
+    return "PMI_FD" in env and "MPI_LOCALRANKID" in env
+
+
+def under_hydra(env=os.environ) -> bool:
+    """Under hydra, with the supervisor not turned off (MPITRAIN_SUPERVISE=0)."""
+    return hydra_env(env) and env.get("MPITRAIN_SUPERVISE", "1") != "0"
 
 
 def supervise() -> None:

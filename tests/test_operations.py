@@ -273,3 +273,10 @@ def test_a_signal_as_the_run_ends_changes_nothing(tmp_path):
             time.sleep(0.0005)
         out, err = communicate_or_kill(proc)
         assert proc.returncode == 0, out + err
+
+
+def test_sigusr1_stops_a_run_except_under_hydra_where_it_means_a_dead_peer():
+    from mpitrain.stopping import handled
+
+    assert signal.SIGUSR1 in handled({}) and signal.SIGUSR1 in handled({"PMI_FD": "9"})  # one process; srun
+    assert set(handled({"PMI_FD": "9", "MPI_LOCALRANKID": "0"})) == {signal.SIGINT, signal.SIGTERM}  # mpirun
