@@ -74,7 +74,7 @@ class FolderLock:
                              f"write to") from None
         for _ in range(3):  # a takeover races with another job's: re-check after each step
             try:
-                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+                self._create()
             except FileExistsError:
                 owner = self._read()
                 if owner == {}:
@@ -91,20 +91,27 @@ class FolderLock:
                     pass
                 self.took_over = why
                 continue
-            except OSError as e:
-                raise UsageError(f"{self.flag} {self.dir} is not writable ({e.strerror}); pick a folder you can "
-                                 f"write to") from None
-            try:
-                with os.fdopen(fd, "w") as f:
-                    json.dump(self.record, f)
-            except OSError as e:  # a full disk or quota: certain now, and the run could save nothing there
-                os.unlink(self.path)
-                raise UsageError(f"{self.flag} {self.dir} is not writable ({e.strerror}); free space or pick "
-                                 f"another folder") from None
+            except OSError as e:  # read-only, no permission, or full (a quota): certain now
+                raise UsageError(f"{self.flag} {self.dir} is not writable ({e.strerror}); free space or pick a "
+                                 f"folder you can write to") from None
             HELD.append(self)
             why = self.took_over
             return f"mpitrain: {self.flag} {self.dir}: took over the stale lock of {why}" if why else None
         raise UsageError(f"{self.flag} {self.dir}: another job keeps taking its lock; use another folder")
+
+    def _create(self) -> None:
+        """The lock file with its owner inside, or FileExistsError: written beside it first, then
+        hard-linked into place, so no other job ever reads a lock half-written (and takes it)."""
+        tmp = self.dir / f".{NAME}.{self.record['pid']}.tmp"
+        try:
+            with open(tmp, "w") as f:
+                json.dump(self.record, f)
+            os.link(tmp, self.path)
+        finally:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
 
     def _read(self) -> dict | None:
         try:
