@@ -198,15 +198,19 @@ def run_trial(case: Case, duration_s: float, rng: random.Random) -> Trial:
             subprocess.run(["umount", "-l", str(ck)], check=False)
 
 
-def fill(directory: Path) -> None:
-    """Write a file until the file system has no block left (a full scratch disk, a quota)."""
+def fill(directory: Path, leave: int = 0) -> None:
+    """Write a file until the file system has no block left (a full scratch disk, a quota), then
+    give `leave` bytes of it back."""
+    filler = directory / "filler"
     try:
-        with open(directory / "filler", "wb") as f:
+        with open(filler, "wb") as f:
             while True:
-                f.write(b"\0" * (1 << 20))
+                f.write(b"\0" * 4096)
                 f.flush()
     except OSError:
         pass
+    if leave:
+        os.truncate(filler, max(0, filler.stat().st_size - leave))
 
 
 def _run_trial(case: Case, duration_s: float, rng: random.Random, tmp: str) -> Trial:

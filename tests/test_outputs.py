@@ -8,12 +8,16 @@ import errno
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from conftest import run_mpitrain
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from chaos import fill  # noqa: E402  (the chaos suite's disk-full case fills a disk the same way)
 from mpitrain import checkpoint, outputs
 from mpitrain.checkpoint import Checkpointer, TrainState
 from mpitrain.config import defaults
@@ -35,20 +39,6 @@ def small_fs(tmp_path):
         pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
     yield mnt
     subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
-
-
-def fill(directory: Path, leave: int = 0) -> None:
-    """Leave no free block (the way a quota or a full scratch disk looks), or `leave` bytes."""
-    filler = directory / "filler"
-    try:
-        with open(filler, "wb") as f:
-            while True:
-                f.write(b"\0" * 4096)
-                f.flush()
-    except OSError as e:
-        assert e.errno == errno.ENOSPC
-    if leave:
-        os.truncate(filler, max(0, filler.stat().st_size - leave))
 
 
 def mpitrain_lines(text: str) -> list[str]:
