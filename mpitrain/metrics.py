@@ -77,11 +77,10 @@ class RunLog:
                 WRITES.failed("log", "--log-dir: the earlier run's events moved aside", self.dir, e,
                               "this run's events follow theirs in events.jsonl")
         self.path = self.dir / "events.jsonl"
-        ends_cut = self.path.is_file() and self.path.stat().st_size and not self.path.read_bytes()[-1:] == b"\n"
         # Unbuffered bytes: each line is one write, readable while the run goes on, and a write
         # that fails (a full disk) is cut back off, so no half line is left behind.
         self.jsonl = open(self.path, "ab", buffering=0)
-        if ends_cut:  # a run killed mid-line: its half line stays a line of its own
+        if ends_cut(self.path):  # a run killed mid-line: its half line stays a line of its own
             self._append(b"\n")
         try:
             from tensorboardX import SummaryWriter
@@ -167,6 +166,15 @@ class RunLog:
                 self.tb.close()
             except OSError as e:
                 WRITES.failed("tensorboard", "TensorBoard event", self.dir, e)
+
+
+def ends_cut(path: Path) -> bool:
+    """Whether a log ends in half a line: its last byte alone is read, however long the log."""
+    with open(path, "rb") as f:
+        if f.seek(0, os.SEEK_END) == 0:
+            return False
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) != b"\n"
 
 
 def guard_tensorboard(tb) -> list[OSError]:
