@@ -2,18 +2,25 @@
 
 Rank 0 is the parameter server; ranks 1..N-1 are workers (NumPy or CuPy).
 
-The Python API (mpitrain/api.py): train(**options), evaluate(checkpoint, ...), rank(), and the
-errors they raise: UsageError, Diverged, TrainingFailed. Importing mpitrain loads none of them
-until used, so `python -m mpitrain --help` stays fast.
+The Python API (mpitrain/api.py): train(**options) -> Result, evaluate(checkpoint, ...),
+dataset(name), rank(), size(), local_rank(), and the errors they raise: UsageError, Diverged,
+TrainingFailed. Importing mpitrain loads none of them until used, so `python -m mpitrain --help`
+stays fast; dir(mpitrain) lists them.
 """
 
 __version__ = "0.1.0"
-__all__ = ["train", "evaluate", "rank", "UsageError", "Diverged", "TrainingFailed", "__version__"]
+API = ("train", "evaluate", "dataset", "rank", "size", "local_rank", "Result", "UsageError", "Diverged",
+       "TrainingFailed")
+__all__ = [*API, "__version__"]
 
 
 def __getattr__(name: str):
-    if name in __all__[:-1]:
+    if name in API:
         from mpitrain import api
 
         return getattr(api, name)
     raise AttributeError(f"module 'mpitrain' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -1,20 +1,31 @@
 """The Python API: `mpitrain.train(...)` and `mpitrain.evaluate(...)`, the command line without argv.
 
     import mpitrain
-    summary = mpitrain.train(model="mlp", dataset="digits", epochs=5)
+    result = mpitrain.train(model="mlp", dataset="digits", epochs=5)
+    result["test_accuracy"], result.predict(mpitrain.dataset("digits").x_test[:5])
 
-Options are the command line's flags with underscores (`batch_size=100`, `checkpoint_dir="ck"`),
-with the same defaults and checks (config.py); a bad one raises UsageError before MPI is touched.
-It runs in one process, or on every rank of an `mpirun` (each rank calls train() with the same
-options): rank 0 gets the run's summary (the --summary-json dict), a worker its own report. The
-process keeps MPI between calls, so one script can run a sweep.
+Options are the command line's flags with underscores (`batch_size=100`, `checkpoint_dir="ck"`);
+`train`'s signature, defaults and docstring are generated from config.TrainConfig, so they are the
+flags' own. A bad option, or one of the wrong type, raises UsageError before MPI is touched. It runs
+in one process, or on every rank of an `mpirun` (each rank calls train() with the same options):
+rank 0 gets the run's summary (the --summary-json dict) with the final parameters, a worker its
+own report. The process keeps MPI between calls, so one script can run a sweep.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import inspect
+import os
 
 from mpitrain.config import TrainConfig, UsageError, parse_straggler, validate
+
+FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+# What each annotation accepts from Python, and how a refusal names it. bool is an int in
+# Python: refused where a number is meant (epochs=True is a mistake, not one epoch).
+KINDS = {"int": ((int,), "an integer"), "float": ((int, float), "a number"), "str": ((str,), "a string"),
+         "bool": ((bool,), "True or False")}
 
 
 class Diverged(RuntimeError):
@@ -34,26 +45,78 @@ class TrainingFailed(RuntimeError):
         self.code = code
 
 
-FIELDS = {f.name for f in dataclasses.fields(TrainConfig)}
+class Result(dict):
+    """What train() returns: the summary (rank 0) or this worker's report, as a dict, and on rank 0
+    the trained model: `params` (the final flat float32 parameters), `model` (its layout, on NumPy)
+    and `predict(x)`. A worker's are None."""
+
+    def __init__(self, values: dict, params=None, model=None):
+        super().__init__(values)
+        self.params, self.model = params, model
+
+    def predict(self, x):
+        """Class indices for the rows of `x`, features as the dataset's loader gives them
+        (mpitrain.dataset(NAME).x_test, for instance)."""
+        import numpy as np
+
+        if self.params is None or self.model is None:
+            raise RuntimeError("this rank holds no trained parameters (train() ended without a model)")
+        x = np.asarray(x, np.float32)
+        if x.ndim != 2 or x.shape[1] != self.model.sizes[0]:
+            raise ValueError(f"predict takes rows of {self.model.sizes[0]} features, not an array of shape {x.shape}")
+        _, _, pred = self.model.evaluate(self.params, x, np.zeros(len(x), np.int64))
+        return pred
+
+
+def _suggest(name: str) -> str:
+    """The option a mistyped or command-line-shaped keyword most likely meant."""
+    if name.startswith("no_") and name[3:] in FIELDS:  # --no-progress -> progress=False
+        return f"; use {name[3:]}=False"
+    flags = {f.metadata["option"].flag: f.name for f in FIELDS.values() if f.metadata["option"].flag}
+    if "--" + name.replace("_", "-") in flags:  # --straggler -> stragglers=[...]
+        return f"; use {flags['--' + name.replace('_', '-')]}=[...] (the flag is repeatable)"
+    close = difflib.get_close_matches(name, list(FIELDS), n=1)
+    return f"; did you mean {close[0]}=?" if close else ""
+
+
+def _check_type(name: str, value):
+    """`value` as TrainConfig's field `name` holds it, or UsageError naming the type it takes."""
+    f = FIELDS[name]
+    kind = f.type.removesuffix(" | None")
+    if value is None and f.type.endswith(" | None"):
+        return None
+    if name == "hidden":  # hidden=100, hidden="256,128" (as the flag) or hidden=(256, 128)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return (value,)
+        try:
+            widths = tuple(int(h) for h in (value.split(",") if isinstance(value, str) else value))
+            if any(isinstance(h, (bool, float)) for h in ([] if isinstance(value, str) else value)):
+                raise ValueError
+            return widths
+        except (TypeError, ValueError):
+            raise UsageError(f"hidden takes widths like 100, '256,128' or (256, 128), not {value!r}") from None
+    if name == "stragglers":  # ["2:x5", "3:0.01"], as --straggler
+        if isinstance(value, str):
+            value = [value]
+        try:
+            return tuple(s if isinstance(s, tuple) else parse_straggler(s) for s in value)
+        except (TypeError, AttributeError):
+            raise UsageError(f"stragglers takes a list like ['2:x5', '3:0.01'], not {value!r}") from None
+    types, words = KINDS[kind]
+    if isinstance(value, bool) and kind != "bool" or not isinstance(value, types):
+        example = f.default if f.default not in (None, ()) else {"int": 10, "float": 0.5, "str": "'...'"}[kind]
+        raise UsageError(f"{name} takes {words}{' or None' if f.type.endswith(' | None') else ''}, "
+                         f"not {value!r}; e.g. {name}={example!r}")
+    return float(value) if kind == "float" else value
 
 
 def config(**options) -> TrainConfig:
     """A validated TrainConfig from keyword options (the flags, with underscores)."""
-    unknown = sorted(set(options) - FIELDS)
-    if unknown:
-        raise UsageError(f"unknown option(s) {', '.join(unknown)}; the options are the command line's flags with "
-                         f"underscores (python -m mpitrain --help), e.g. batch_size=100")
-    if isinstance(options.get("hidden"), (int, str)):  # hidden=100 or hidden="256,128", as the flag
-        hidden = options["hidden"]
-        try:
-            options["hidden"] = (hidden,) if isinstance(hidden, int) else tuple(int(h) for h in hidden.split(","))
-        except ValueError:
-            raise UsageError(f"hidden takes widths like 100 or '256,128', not {hidden!r}") from None
-    elif "hidden" in options:
-        options["hidden"] = tuple(options["hidden"])
-    if "stragglers" in options:  # ["2:x5", "3:0.01"], as --straggler
-        options["stragglers"] = tuple(s if isinstance(s, tuple) else parse_straggler(s) for s in options["stragglers"])
-    return validate(TrainConfig(**options))
+    for name in sorted(options):
+        if name not in FIELDS:
+            raise UsageError(f"unknown option {name}{_suggest(name)} (the options are the command line's flags with "
+                             f"underscores: help(mpitrain.train))")
+    return validate(TrainConfig(**{name: _check_type(name, value) for name, value in options.items()}))
 
 
 def rank() -> int:
@@ -63,9 +126,24 @@ def rank() -> int:
     return world().Get_rank()
 
 
-def train(**options) -> dict:
-    """Train; return the summary (rank 0) or this worker's report. Raises UsageError for bad
-    options or data (on every rank), Diverged when the loss diverged, TrainingFailed otherwise."""
+def size() -> int:
+    """The number of processes in the job (1 in a plain `python`; parameter servers + workers under mpirun)."""
+    from mpitrain.runtime import world
+
+    return world().Get_size()
+
+
+def local_rank() -> int:
+    """This process's rank among those on its host, as the launcher says (MPICH's MPI_LOCALRANKID,
+    Open MPI's OMPI_COMM_WORLD_LOCAL_RANK, Slurm's SLURM_LOCALID); 0 when no launcher started it.
+    Asks no other rank, so it may be called from any one of them."""
+    from mpitrain.mpienv import launcher_local_rank
+
+    local = launcher_local_rank(os.environ)
+    return local if local is not None else 0
+
+
+def train(**options) -> Result:
     from mpitrain.runtime import node_info, world
     from mpitrain.trainer import EXIT_DIVERGED, run
 
@@ -78,11 +156,50 @@ def train(**options) -> dict:
         raise Diverged(outcome.error, outcome.summary)
     if outcome.code != 0:
         raise TrainingFailed(outcome.error or f"mpitrain: exit {outcome.code}", outcome.code)
-    return outcome.summary if outcome.summary is not None else outcome.report
+    return Result(outcome.summary if outcome.summary is not None else outcome.report, outcome.params, outcome.model)
+
+
+def _signature() -> inspect.Signature:
+    return inspect.Signature([inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
+                                                annotation=f.type) for f in FIELDS.values()],
+                             return_annotation="Result")
+
+
+def _options_doc() -> str:
+    lines = []
+    for f in FIELDS.values():
+        opt = f.metadata["option"]
+        words = opt.default_words(f.default)
+        choices = opt.choice_list()
+        lines.append(f"    {f.name}: {opt.help}" + (f" ({' | '.join(choices)})" if choices else "")
+                     + (f"; default {words}" if words else ""))
+    return "\n".join(lines)
+
+
+train.__signature__ = _signature()
+train.__doc__ = f"""Train; return the summary with the trained model (rank 0), or this worker's report.
+
+Every rank of an mpirun calls it with the same options; in one process it trains locally. The
+result is a dict (the --summary-json keys: test_accuracy, global_step, ...) with `params`, `model`
+and `predict(x)` on rank 0. Raises UsageError for a bad option (name, type or value) before any MPI
+traffic, and for bad data on every rank; Diverged when the loss diverged; TrainingFailed otherwise.
+
+Options (the command line's flags, with underscores; python -m mpitrain --help):
+{_options_doc()}
+"""
 
 
 def evaluate(checkpoint: str, dataset: str = "digits", data_dir: str | None = None) -> dict:
-    """Test accuracy, loss and confusion matrix of a checkpoint, in this process (no MPI)."""
+    """Test accuracy, loss and confusion matrix of a checkpoint (a ckpt-*.npz file, or a
+    --checkpoint-dir: its newest), in this process (no MPI)."""
     from mpitrain.evaluation import evaluate as evaluate_checkpoint
 
     return evaluate_checkpoint(checkpoint, dataset, data_dir)
+
+
+def dataset(name: str = "digits", data_dir: str | None = None):
+    """The arrays a run trains on (x_train, y_train, x_test, y_test, n_classes), as --dataset NAME
+    loads them: what predict() takes."""
+    from mpitrain.data import load_dataset
+
+    return load_dataset(config(dataset=name, data_dir=data_dir))

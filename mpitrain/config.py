@@ -7,7 +7,8 @@ has pinned the BLAS threads (a test holds it to that).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
+from typing import Callable
 
 MODES = ("async", "sync")
 
@@ -35,6 +36,13 @@ def optimizer_names() -> tuple[str, ...]:
     return tuple(REGISTRY)
 
 
+def optimizer_lrs() -> str:
+    """Each optimizer's default learning rate, as --help shows it: "sgd 0.1, momentum 0.01, adam 0.001"."""
+    from mpitrain.optim import REGISTRY
+
+    return ", ".join(f"{name} {kind.default_lr:g}" for name, kind in REGISTRY.items())
+
+
 # Used when neither --epochs nor --steps is given: enough for digits to pass 93%.
 DEFAULT_EPOCHS = 50
 # Seconds of silence (no heartbeat, no message) after which a rank is declared lost. Heartbeats
@@ -59,61 +67,161 @@ class UsageError(Exception):
 
 
 @dataclass(frozen=True)
+class Option:
+    """How a TrainConfig field is offered to users: the command line (cli.py builds its parser from
+    these), the Python API's signature and docstring (api.py), and --help. Declared once, here."""
+
+    group: str  # --help's section
+    help: str  # one line, in the user's terms
+    shown: str | Callable[[], str] | None = None  # the default in words, where its value would not say it
+    metavar: str | None = None
+    choices: tuple[str, ...] | Callable[[], tuple[str, ...]] | None = None  # a callable: a registry, asked late
+    flag: str | None = None  # the flag, where it is not --NAME-WITH-DASHES (--straggler, repeatable)
+
+    def choice_list(self) -> tuple[str, ...] | None:
+        return self.choices() if callable(self.choices) else self.choices
+
+    def default_words(self, default) -> str | None:
+        """The default as --help shows it: in words where given, else the value (None: not shown)."""
+        if self.shown is not None:
+            return self.shown() if callable(self.shown) else self.shown
+        if isinstance(default, bool):  # a switch (--fresh) is off unless given; --no-X turns one off
+            return "on" if default else None
+        return None if default is None else f"{default:g}" if isinstance(default, float) else str(default)
+
+
+def _section(group: str):
+    """A field maker for one --help section: `NAME: type = PARALLELISM(default, "help", ...)`."""
+
+    def option(default, help: str, **how):
+        return field(default=default, metadata={"option": Option(group, help, **how)})
+
+    return option
+
+
+PARALLELISM, MODEL, OPTIMISATION, DATA, DEVICE, CHECKPOINTS, OUTPUT = map(_section, (
+    "parallelism", "model", "optimisation", "data", "device",
+    "checkpoints (rank 0 writes them; a run resumes from the newest)", "output"))
+
+
+@dataclass(frozen=True)
 class TrainConfig:
-    # parallelism
-    mode: str = "async"
-    num_ps: int = 1  # parameter servers: ranks 0..num_ps-1, each serving one shard of the parameters
-    overlap: bool = True
-    compress: str = "none"
-    quorum: int | None = None  # sync: gradients averaged per update (None: every worker)
-    max_staleness: int | None = None  # async: bound on the staleness of every applied gradient
-    staleness_lr: bool = False
-    stragglers: tuple[tuple[int, str, float], ...] = ()  # (rank, "delay"|"factor", value)
-    wait: str = "auto"
-    worker_timeout: float = DEFAULT_WORKER_TIMEOUT_S  # 0: never declare a rank lost
-    # model
-    model: str = "mlp"
-    hidden: tuple[int, ...] = (100,)
-    l2: float = 0.0
-    # optimisation
-    optimizer: str = "sgd"  # the seeds' GradientDescentOptimizer; momentum + async staleness is fragile
-    lr: float = 0.1
-    lr_decay: float = 0.99
-    lr_scaling: str | None = None  # None: "linear" in sync, "none" in async (see scaled_lr)
-    warmup_epochs: float = DEFAULT_WARMUP_EPOCHS
-    momentum: float = 0.9
-    ema_decay: float | None = None
-    batch_size: int = 100
-    epochs: int | None = None
-    steps: int | None = None
-    seed: int = 0
-    divergence_factor: float = DEFAULT_DIVERGENCE_FACTOR  # 0: only non-finite losses stop a run
-    # data
-    dataset: str = "digits"
-    data_dir: str | None = None
-    train_split: str = "train"  # tfds:NAME only
-    test_split: str = "test"
-    synthetic_samples: int = 12000
-    synthetic_features: int = 784
-    # device
-    device: str = "auto"
-    cuda_aware: bool = False
-    # checkpoints
-    checkpoint_dir: str | None = None
-    checkpoint_every_secs: float = 60.0
-    checkpoint_every_steps: int | None = None
-    keep_checkpoints: int = 3
-    fresh: bool = False
-    # output
-    eval_every: int | None = None
-    log_dir: str | None = None
-    log_every: int = 10
-    progress: bool = True
-    summary_json: str | None = None
-    straggler_report: float = DEFAULT_STRAGGLER_REPORT  # 0: name nobody
-    stall_warning: float = DEFAULT_STALL_WARNING_S  # 0: never
-    timeline: str | None = None
-    timeline_steps: int = DEFAULT_TIMELINE_STEPS
+    """Every training option: the command line's flags (with underscores) and the Python API's keywords."""
+
+    mode: str = PARALLELISM(
+        "async", "async: each worker pushes gradients to and pulls parameters from the parameter server on its own; "
+        "sync: the workers average their gradients with Allreduce every step", choices=MODES)
+    num_ps: int = PARALLELISM(
+        1, "parameter servers: ranks 0..K-1 each own one slice of the parameters (and its optimizer state); "
+        "rank 0 stays the chief that evaluates, logs and checkpoints", metavar="K")
+    overlap: bool = PARALLELISM(
+        True, "async: receive the next parameters while computing the next gradient (one exchange staler, "
+        "no idle round trip)")
+    compress: str = PARALLELISM(
+        "none", "send gradients and parameters as float16 or bfloat16 (half the bytes; bf16 converts faster on a "
+        "CPU); update in float32", choices=COMPRESSIONS)
+    quorum: int | None = PARALLELISM(
+        None, "sync: each update averages the first Q fresh gradients; later ones are dropped and counted",
+        shown="every worker, a plain Allreduce", metavar="Q")
+    max_staleness: int | None = PARALLELISM(
+        None, "async: hold back a worker's reply so that no applied gradient is more than S updates stale "
+        "(implies --no-overlap)", shown="unbounded", metavar="S")
+    staleness_lr: bool = PARALLELISM(
+        False, "async: divide each step's learning rate by its gradient's staleness (Zhang et al. 2016)")
+    stragglers: tuple[tuple[int, str, float], ...] = PARALLELISM(  # (rank, "delay"|"factor", value)
+        (), "slow worker RANK down on every step by SEC seconds, or F times (repeatable; for tests and demos)",
+        shown="none", metavar="RANK:SEC|RANK:xF", flag="--straggler")
+    wait: str = PARALLELISM(
+        "auto", "how workers wait in Allreduce: spin (MPICH's blocking call) or yield (test and sleep); "
+        "auto yields when a node has more computing ranks than cores", choices=WAITS)
+    worker_timeout: float = PARALLELISM(
+        DEFAULT_WORKER_TIMEOUT_S, "declare a rank lost after SEC seconds without a heartbeat (0: never); "
+        "async goes on without a lost worker under `mpirun -disable-auto-cleanup`", metavar="SEC")
+
+    model: str = MODEL("mlp", "softmax regression, or a ReLU multi-layer perceptron", choices=model_names)
+    hidden: tuple[int, ...] = MODEL((100,), "MLP hidden layer widths", shown="100", metavar="W[,W...]")
+    l2: float = MODEL(0.0, "L2 weight decay on the weights (not the biases)", metavar="L")
+
+    # the seeds' GradientDescentOptimizer by default; momentum + async staleness is fragile
+    optimizer: str = OPTIMISATION("sgd", "the update rule, on the flat parameter vector", choices=optimizer_names)
+    lr: float | None = OPTIMISATION(
+        None, "learning rate", shown=lambda: "the optimizer's: " + optimizer_lrs(), metavar="LR")
+    lr_decay: float = OPTIMISATION(
+        0.99, "multiply the learning rate by this per epoch of global data (1: constant)", metavar="D")
+    lr_scaling: str | None = OPTIMISATION(  # None: "linear" in sync, "none" in async (see scaled_lr)
+        None, "sync: multiply --lr by the gradients averaged per update, as Horovod (linear), or keep it (none)",
+        shown="linear in sync, none in async", choices=LR_SCALINGS)
+    warmup_epochs: float = OPTIMISATION(
+        DEFAULT_WARMUP_EPOCHS, "sync with linear scaling: ramp the learning rate up from --lr over E epochs of "
+        "global data", metavar="E")
+    momentum: float = OPTIMISATION(0.9, "momentum coefficient (--optimizer momentum)", metavar="M")
+    ema_decay: float | None = OPTIMISATION(
+        None, "keep a moving average of the weights (e.g. 0.99), evaluated beside them and checkpointed",
+        shown="off", metavar="D")
+    batch_size: int = OPTIMISATION(100, "examples per worker and step", metavar="N")
+    epochs: int | None = OPTIMISATION(
+        None, "passes of each worker over its shard of the data",
+        shown=f"{DEFAULT_EPOCHS}, or none when --steps is given", metavar="E")
+    steps: int | None = OPTIMISATION(None, "stop at this global step", shown="no limit", metavar="N")
+    seed: int = OPTIMISATION(0, "seeds initialisation, shuffling and synthetic data", metavar="N")
+    divergence_factor: float = OPTIMISATION(
+        DEFAULT_DIVERGENCE_FACTOR, "stop (exit 4) when the smoothed training loss exceeds F times the loss the "
+        "run started from (0: only a non-finite loss stops it)", metavar="F")
+
+    dataset: str = DATA(
+        "digits", "digits (bundled, offline), mnist, fashion_mnist, synthetic, npz:PATH (your arrays "
+        "x_train, y_train, x_test, y_test) or tfds:NAME (a prepared tensorflow-datasets classifier)", metavar="NAME")
+    data_dir: str | None = DATA(
+        None, "folder with MNIST-format IDX .gz files, or a tensorflow-datasets data dir",
+        shown="tensorflow-datasets' own", metavar="DIR")
+    train_split: str = DATA("train", "tfds:NAME only: the split to train on", metavar="SPLIT")
+    test_split: str = DATA("test", "tfds:NAME only: the split to evaluate on", metavar="SPLIT")
+    synthetic_samples: int = DATA(12000, "--dataset synthetic: examples (train and test together)", metavar="N")
+    synthetic_features: int = DATA(784, "--dataset synthetic: features per example", metavar="D")
+
+    device: str = DEVICE(
+        "auto", "auto: CuPy on a GPU when one is usable, else NumPy; each worker takes GPU "
+        "(node-local rank mod GPUs)", choices=DEVICES)
+    cuda_aware: bool = DEVICE(
+        False, "hand GPU buffers straight to MPI (a CUDA-aware MPI build) instead of staging them through host memory")
+
+    checkpoint_dir: str | None = CHECKPOINTS(
+        None, "save checkpoints here, and resume from the newest one found here", shown="no checkpoints",
+        metavar="DIR")
+    checkpoint_every_secs: float = CHECKPOINTS(60.0, "save every S seconds", metavar="S")
+    checkpoint_every_steps: int | None = CHECKPOINTS(None, "also save every N global steps", shown="off",
+                                                     metavar="N")
+    keep_checkpoints: int = CHECKPOINTS(3, "keep the newest K checkpoints", metavar="K")
+    fresh: bool = CHECKPOINTS(False, "start from scratch; earlier checkpoints move to a superseded-* folder")
+
+    eval_every: int | None = OUTPUT(
+        None, "evaluate rank 0's parameters on the test set every N global steps (summary: eval_history)",
+        shown="at the end only", metavar="N")
+    log_dir: str | None = OUTPUT(None, "write events.jsonl and TensorBoard event files here (rank 0)",
+                                 shown="no log", metavar="DIR")
+    log_every: int = OUTPUT(10, "log the training scalars every N global steps", metavar="N")
+    progress: bool = OUTPUT(True, "draw a progress bar on rank 0's stderr")
+    summary_json: str | None = OUTPUT(None, "write the run's summary here as JSON", shown="none", metavar="PATH")
+    straggler_report: float = OUTPUT(
+        DEFAULT_STRAGGLER_REPORT, "name a worker whose median compute time per step is X times the other "
+        "workers' (0: never)", metavar="X")
+    stall_warning: float = OUTPUT(
+        DEFAULT_STALL_WARNING_S, "after SEC seconds without a global step, say what is waited for (0: never)",
+        metavar="SEC")
+    timeline: str | None = OUTPUT(
+        None, "write a Chrome/Perfetto trace of every rank's phases here (open it in ui.perfetto.dev)",
+        shown="none", metavar="PATH")
+    timeline_steps: int = OUTPUT(DEFAULT_TIMELINE_STEPS, "--timeline keeps each rank's first N steps and about "
+                                 "its last N", metavar="N")
+
+    @property
+    def learning_rate(self) -> float:
+        """--lr, or the optimizer's own default (optim.REGISTRY: Adam's 1e-3, as Keras and PyTorch)."""
+        if self.lr is not None:
+            return self.lr
+        from mpitrain.optim import REGISTRY
+
+        return REGISTRY[self.optimizer].default_lr
 
     @property
     def wire_dtype(self):
@@ -223,8 +331,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise UsageError(f"--num-ps must be at least 1 (got {cfg.num_ps}); e.g. --num-ps 2 (ranks 0 and 1 serve)")
     if cfg.batch_size <= 0:
         raise UsageError(f"--batch-size must be a positive integer (got {cfg.batch_size}); e.g. --batch-size 100")
-    if not cfg.lr > 0:
-        raise UsageError(f"--lr must be positive (got {cfg.lr}); e.g. --lr 0.1")
+    if cfg.lr is not None and not cfg.lr > 0:
+        raise UsageError(f"--lr must be positive (got {cfg.lr}); e.g. --lr 0.1, or leave it out for "
+                         f"{cfg.optimizer}'s default")
     if not 0 < cfg.lr_decay <= 1:
         raise UsageError(f"--lr-decay must be in (0, 1] (got {cfg.lr_decay}); 1 turns decay off")
     if not 0 <= cfg.momentum < 1:
@@ -299,6 +408,15 @@ def validate_for_world(cfg: TrainConfig, size: int) -> None:
         here = "one process trains locally with no server" if size == 1 else f"{size} ranks leave no worker"
         raise UsageError(f"--num-ps {K} needs at least {K + 1} ranks ({K} servers and a worker), and {here}; "
                          f"use mpirun -np {K + 1} or more, or a smaller --num-ps")
+    if size == 1:  # trains locally: no worker to slow down, hold back or leave out
+        alone = "one process trains locally, with no parameter server and no other worker"
+        for given, what in ((cfg.stragglers, "--straggler slows a worker down"),
+                            (cfg.max_staleness is not None, "--max-staleness bounds the staleness of async workers"),
+                            (cfg.staleness_lr, "--staleness-lr damps stale async gradients"),
+                            ((cfg.quorum or 1) > 1, f"--quorum {cfg.quorum} averages the gradients of that many workers")):
+            if given:
+                raise UsageError(f"{what}, but {alone}; run under mpirun (e.g. mpirun -np 3 python -m mpitrain ...) "
+                                 f"or drop it")
     layout = Layout(size, K)
     workers = layout.workers
     servers = "rank 0 is the parameter server" if K == 1 else f"ranks 0..{K - 1} are the parameter servers"

@@ -13,7 +13,9 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shlex
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -67,15 +69,45 @@ def _is_openmpi(mpirun: str) -> bool:
     return "Open MPI" in out.stdout + out.stderr or "OpenRTE" in out.stdout + out.stderr
 
 
-def build_command(mpirun: str, hosts: list[tuple[str, int]], np_: int, openmpi: bool, hostfile_out: Path,
-                  trainer_args: list[str]) -> list[str]:
-    if openmpi:
-        hostfile_out.write_text("".join(f"{h} slots={s}\n" for h, s in hosts))
-        flag = ["--hostfile", str(hostfile_out)]
-    else:
-        hostfile_out.write_text("".join(f"{h}:{s}\n" for h, s in hosts))
-        flag = ["-f", str(hostfile_out)]
+def hostfile_syntax(path: str) -> str:
+    """"mpich" (host:slots), "openmpi" (host slots=N), or "plain" (host names only: both read it)."""
+    lines = [raw.split("#", 1)[0].strip() for raw in Path(path).read_text().splitlines()]
+    if any("slots=" in line for line in lines):
+        return "openmpi"
+    return "mpich" if any(":" in line for line in lines) else "plain"
+
+
+def launcher_hostfile(path: str, hosts: list[tuple[str, int]], openmpi: bool, keep: bool, tmp: Path) -> Path:
+    """A hostfile this mpirun reads: the user's own when it is in the MPI's syntax (so a printed
+    command names a file that stays), else a converted copy, in `tmp` or, for a command printed to
+    run later (`keep`), in a file that is not deleted."""
+    if hostfile_syntax(path) in ("plain", "openmpi" if openmpi else "mpich"):
+        return Path(path).resolve()
+    text = "".join(f"{h} slots={s}\n" if openmpi else f"{h}:{s}\n" for h, s in hosts)
+    if keep:
+        fd, name = tempfile.mkstemp(prefix="mpitrain-hosts-", suffix=".txt")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        return Path(name)
+    out = tmp / "hosts"
+    out.write_text(text)
+    return out
+
+
+def build_command(mpirun: str, hostfile: Path, np_: int, openmpi: bool, trainer_args: list[str]) -> list[str]:
+    flag = ["--hostfile", str(hostfile)] if openmpi else ["-f", str(hostfile)]
     return [mpirun, *flag, "-np", str(np_), sys.executable, "-m", "mpitrain", *trainer_args]
+
+
+def unresolved_hosts(names: list[str]) -> list[str]:
+    """The host names this machine cannot resolve (mpirun would fail on them in ssh's or hydra's words)."""
+    bad = []
+    for host in names:
+        try:
+            socket.getaddrinfo(host, None)
+        except (socket.gaierror, UnicodeError):
+            bad.append(host)
+    return bad
 
 
 def rank_hosts(hosts: list[tuple[str, int]], np_: int) -> list[str]:
@@ -106,7 +138,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("-f", "--hostfile", required=True)
     p.add_argument("-np", "--np", type=int, dest="np_", help="number of ranks (default: all slots)")
     p.add_argument("--mpirun", default=None, help="the mpirun to use (default: the one beside this Python, else PATH)")
-    p.add_argument("--dry-run", action="store_true", help="print the mpirun command instead of running it")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the mpirun command instead of running it (host names are not resolved)")
     args, trainer_args = p.parse_known_args(argv)
     try:
         hosts = parse_hostfile(args.hostfile)
@@ -120,14 +153,20 @@ def main(argv: list[str]) -> int:
         mpirun = args.mpirun or (str(beside) if beside.exists() else shutil.which("mpirun"))
         if not mpirun:
             raise UsageError("no mpirun found; pip install 'mpitrain[mpich]' or load your MPI module")
+        bad = [] if args.dry_run else unresolved_hosts(list(dict.fromkeys(rank_hosts(hosts, np_))))
+        if bad:
+            raise UsageError(f"{args.hostfile} names host(s) this machine cannot resolve: {', '.join(bad)}; fix the "
+                             f"name(s), or add them to /etc/hosts or DNS")
     except UsageError as e:
         say(f"mpitrain launch: error: {e}", sys.stderr)
         return 2
     for line in server_lines(hosts, np_, trainer_args):
         say(line)
+    openmpi = _is_openmpi(mpirun)
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = build_command(mpirun, hosts, np_, _is_openmpi(mpirun), Path(tmp) / "hosts", trainer_args)
-        if args.dry_run:
-            say(" ".join(cmd))
+        hostfile = launcher_hostfile(args.hostfile, hosts, openmpi, args.dry_run, Path(tmp))
+        cmd = build_command(mpirun, hostfile, np_, openmpi, trainer_args)
+        if args.dry_run:  # to run later, or elsewhere: no host is contacted or resolved here
+            say(" ".join(shlex.quote(part) for part in cmd))
             return 0
         return subprocess.call(cmd, env=os.environ)

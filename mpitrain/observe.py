@@ -147,9 +147,13 @@ class Activity:
         return beat
 
     def report(self) -> dict:
-        """The end-of-run step time, in a worker's report."""
+        """The end-of-run step time, in a worker's report: also the compute seconds per gradient and
+        the number of step-time samples, which attribute() needs before it names a worker slow."""
         compute, wait = self.shares()
-        return {"median_s": self.median_step_s(), "compute": compute, "wait": wait, "gradients": self.gradients}
+        wall = self.clock() - self.started
+        return {"median_s": self.median_step_s(), "compute": compute, "wait": wait, "gradients": self.gradients,
+                "compute_s": compute * wall / self.gradients if self.gradients else float("nan"),
+                "samples": len(self.samples)}
 
 
 def step_time_from_beat(beat: list[float]) -> dict:
@@ -157,25 +161,46 @@ def step_time_from_beat(beat: list[float]) -> dict:
     return {"median_s": beat[BEAT_STEP_S], "compute": beat[BEAT_COMPUTE], "wait": beat[BEAT_WAIT]}
 
 
+# A worker is named slow only on a median of at least this many step-time samples (SAMPLE_S each,
+# so 2.5 s of its training): one window can hold a start-up hiccup or a scheduler slice given to
+# another rank on an oversubscribed node (measured: "1.9x" on 5 of ~25 sub-second runs of a busy
+# 2-core VM, every worker healthy), and a median of five outvotes two such windows.
+MIN_SLOW_SAMPLES = 5
+
+
+def _ratio_to_others(times: dict[int, dict], rank: int, key: str) -> float:
+    """times[rank][key] over the median of the other workers' (nan when there is nothing to compare).
+    The others, not all: with two workers the median of all is their mean, and a worker 5x slower
+    than its peer would read as 1.7x."""
+    mine = times[rank].get(key, float("nan"))
+    others = [u[key] for r, u in times.items() if r != rank and finite(u.get(key, float("nan")))]
+    typical = statistics.median(others) if others else 0.0
+    return mine / typical if typical > 0 and finite(mine) else float("nan")
+
+
 def attribute(times: dict[int, dict], threshold: float) -> tuple[list[dict], list[dict]]:
-    """(every worker's step time with its ratio to the median of the other workers, the workers at
-    or above `threshold` times it); `times` maps rank -> Activity.report(). The others, not all:
-    with two workers the median of all is their mean, and a worker 5x slower than its peer would
-    read as 1.7x."""
+    """(every worker's step time with its ratio to the median of the other workers, the workers
+    named slow); `times` maps rank -> Activity.report() (or a heartbeat's step_time_from_beat).
+
+    A worker is named only when it is slow in its own work, not in waiting: its step time AND its
+    compute seconds per gradient are both at least `threshold` times the others' (an async worker
+    whose replies come late has a long step but an ordinary compute time: it waits, the server or
+    the node is what is slow), and only on at least MIN_SLOW_SAMPLES samples."""
     rows = []
     for rank in sorted(times):
         t = times[rank]
-        others = [u["median_s"] for r, u in times.items() if r != rank and finite(u["median_s"])]
-        typical = statistics.median(others) if others else 0.0
-        ratio = t["median_s"] / typical if typical > 0 and finite(t["median_s"]) else float("nan")
-        rows.append({"rank": rank, "median_s": t["median_s"], "ratio": ratio, "compute": t["compute"], "wait": t["wait"]})
-    slow = [r for r in rows if threshold > 0 and r["ratio"] >= threshold]
+        rows.append({"rank": rank, "median_s": t["median_s"], "ratio": _ratio_to_others(times, rank, "median_s"),
+                     "compute_ratio": _ratio_to_others(times, rank, "compute_s"), "compute": t["compute"],
+                     "wait": t["wait"]})
+    slow = [r for r in rows if threshold > 0 and r["ratio"] >= threshold and r["compute_ratio"] >= threshold
+            and times[r["rank"]].get("samples", 0) >= MIN_SLOW_SAMPLES]
     return rows, sorted(slow, key=lambda r: -r["ratio"])
 
 
 def slow_line(row: dict) -> str:
     return (f"rank {row['rank']} is {row['ratio']:.1f}x the other workers' median step time "
-            f"({row['median_s'] * 1e3:.2f} ms; compute {100 * row['compute']:.0f}%, wait {100 * row['wait']:.0f}%)")
+            f"({row['median_s'] * 1e3:.2f} ms; its compute {row['compute_ratio']:.1f}x theirs; "
+            f"compute {100 * row['compute']:.0f}%, wait {100 * row['wait']:.0f}%)")
 
 
 def write_trace(path: str, events: list[dict], names: dict[int, str]) -> None:

@@ -194,7 +194,7 @@ class Context:
         workers in a sync update (--lr-scaling, after --warmup-epochs), decayed by the epochs of
         global data seen before it (--lr-decay)."""
         seen = step * self.global_batch
-        return decayed_lr(self.cfg.lr, self.cfg.lr_decay, seen, self.data.n_train) * self.lr_scale_at(seen)
+        return decayed_lr(self.cfg.learning_rate, self.cfg.lr_decay, seen, self.data.n_train) * self.lr_scale_at(seen)
 
     @property
     def lr_scale(self) -> int:

@@ -70,6 +70,8 @@ class Outcome:
     summary: dict | None = None  # rank 0
     report: dict | None = None  # a worker: its own report to rank 0
     error: str | None = None  # the one line, on every rank, when the code is not 0
+    params: np.ndarray | None = None  # rank 0: the final flat parameters (host)
+    model: object = None  # rank 0: their layout, on NumPy (model.Model), for the API's predict
 
 
 def agree_on_setup(cfg: TrainConfig | None, comm, node: Node, err: str | None) -> tuple[Context | None, str | None]:
@@ -299,7 +301,7 @@ def build_summary(ctx: Context, mine: RoleResult, reports: list, placements: lis
         staleness=staleness_summary(state.staleness),
         quorum=quorum,
         lr_scaling="linear" if cfg.scaled_lr else "none",
-        lr_effective=cfg.lr * ctx.lr_scale,  # after the warm-up, before --lr-decay
+        lr_effective=cfg.learning_rate * ctx.lr_scale,  # after the warm-up, before --lr-decay
         steps_per_second=state.global_step / max(state.train_s, 1e-9) if trained else None,
         eval_history=state.eval_history,
         param_digest=digest(state.params),
@@ -456,6 +458,11 @@ def verdict(ctx: Context, mine: RoleResult, reports: list, summary: dict | None,
     """The exit code and error line of a run that got to its end."""
     own = None if ctx.rank == PS_RANK else dataclasses.asdict(mine.report)
     outcome = Outcome(0, summary, own)
+    if ctx.rank == PS_RANK:
+        from mpitrain.model import from_sizes
+
+        outcome.params = np.asarray(mine.state.params, np.float32).copy()
+        outcome.model = from_sizes(ctx.model.sizes, ctx.cfg.l2)
     if ctx.rank == PS_RANK and not ctx.local and not any(isinstance(r, WorkerReport) for r in reports):
         outcome.code = EXIT_PEER_LOST  # every worker was lost: the budget was not finished
         outcome.error = "mpitrain: every worker was lost"
@@ -557,10 +564,14 @@ def announce(ctx: Context, placements: list[str]) -> None:
     if ctx.local:
         say("mpitrain: one process: training locally with no parameter server "
             "(mpirun -np 3 gives 1 parameter server + 2 workers)")
+    lr = cfg.learning_rate
+    line = f"mpitrain: {cfg.optimizer}, learning rate {lr:g} " + (
+        "(--lr)" if cfg.lr is not None else f"({cfg.optimizer}'s default; --lr sets another)")
     if ctx.lr_scale > 1:
         warm = f"after a {cfg.warmup_epochs:g}-epoch warm-up" if cfg.warmup_epochs > 0 else "from the first step"
-        say(f"mpitrain: sync learning rate {cfg.lr:g} x {ctx.lr_scale} gradients per update = "
-            f"{cfg.lr * ctx.lr_scale:g} {warm} (--lr-scaling none keeps {cfg.lr:g})")
+        line += (f"; sync: learning rate {lr:g} x {ctx.lr_scale} gradients per update = {lr * ctx.lr_scale:g} "
+                 f"{warm} (--lr-scaling none keeps {lr:g})")
+    say(line)
     if ctx.resume:
         path, st = ctx.resume
         WRITES.newest_checkpoint = str(path)

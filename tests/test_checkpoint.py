@@ -239,7 +239,7 @@ def test_an_optimizer_added_to_the_registry_is_stepped_saved_and_resumed_by_its_
         s += grad
         params -= np.float32(lr) * np.sign(s)
 
-    monkeypatch.setitem(optim.REGISTRY, "signum", optim.OptimizerKind(("s",), signum))
+    monkeypatch.setitem(optim.REGISTRY, "signum", optim.OptimizerKind(("s",), signum, 0.1))
     cfg = validate(TrainConfig(optimizer="signum", ema_decay=0.9))
     assert checkpoint.state_arrays(cfg) == ["params", "opt_s", "ema"]
     params, opt = np.zeros(4, np.float32), optim.Optimizer("signum", 4)

@@ -1,10 +1,12 @@
 """`mpitrain launch`: hostfile checks before anything starts, then mpirun across the hosts."""
 
 import json
+import subprocess
+from pathlib import Path
 
 import pytest
 
-from conftest import run_mpitrain
+from conftest import MPI_TIMEOUT_S, child_env, run_mpitrain
 from mpitrain.config import UsageError
 from mpitrain.launch import parse_hostfile
 
@@ -67,3 +69,34 @@ def test_launch_says_which_host_serves_which_shard(tmp_path):
     assert lines[:2] == ["mpitrain launch: parameter-server shard 0/2: rank 0 on localhost",
                          "mpitrain launch: parameter-server shard 1/2: rank 1 on 127.0.0.1"], lines
     assert lines[2].split()[-4:] == ["--num-ps", "2", "--mode", "sync"]  # the trainer gets the flag
+
+
+@pytest.mark.parametrize("content", ["localhost:3\n", "localhost slots=3\n"])
+def test_a_dry_run_prints_a_command_whose_hostfile_still_exists(tmp_path, content):
+    """It printed `mpirun -f /tmp/.../hosts` of a folder deleted as it returned: the printed command
+    could never run. Now it names the user's own file (same syntax) or a converted copy that stays."""
+    import shlex
+
+    f = tmp_path / "hosts"
+    f.write_text(content)
+    proc = run_mpitrain(0, "launch", "-f", str(f), "--dry-run", "--steps", "3", "--no-progress")
+    assert proc.returncode == 0, proc.stderr
+    cmd = shlex.split(proc.stdout.splitlines()[-1])
+    named = Path(cmd[cmd.index("-f") + 1])
+    assert named.is_file() and "localhost" in named.read_text()
+    if content.startswith("localhost:"):
+        assert named == f.resolve()  # already MPICH's syntax: the user's file itself
+    ran = subprocess.run(cmd, capture_output=True, text=True, timeout=MPI_TIMEOUT_S, env=child_env())
+    assert ran.returncode == 0 and "global step 3" in ran.stdout, ran.stdout + ran.stderr
+    if named != f.resolve():
+        named.unlink()
+
+
+def test_launch_refuses_a_host_name_that_does_not_resolve(tmp_path):
+    f = tmp_path / "hosts"
+    f.write_text("localhost:2\nno-such-host.invalid:2\n")
+    proc = run_mpitrain(0, "launch", "-f", str(f), "-np", "4", timeout=60)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "cannot resolve: no-such-host.invalid" in proc.stderr and "Traceback" not in proc.stderr
+    fits = run_mpitrain(0, "launch", "-f", str(f), "-np", "2", "--steps", "2", "--no-progress")  # only localhost
+    assert fits.returncode == 0, fits.stderr

@@ -71,7 +71,7 @@ def test_a_burst_of_stops_shows_in_the_median_where_a_per_step_median_would_hide
 
 def test_attribution_names_the_worker_slow_against_the_others_median():
     def t(s):
-        return {"median_s": s, "compute": 0.9, "wait": 0.05}
+        return {"median_s": s, "compute": 0.9, "wait": 0.05, "compute_s": 0.9 * s, "samples": 20}
 
     rows, slow = observe.attribute({1: t(0.001), 2: t(0.005)}, 1.5)
     assert [r["rank"] for r in slow] == [2] and slow[0]["ratio"] == pytest.approx(5.0)  # two workers: 5x, not 1.7x
@@ -82,6 +82,32 @@ def test_attribution_names_the_worker_slow_against_the_others_median():
     assert observe.attribute({1: t(0.001)}, 1.5)[1] == []  # alone: nobody to compare with
     rows, slow = observe.attribute({1: t(float("nan")), 2: t(0.001)}, 1.5)
     assert slow == [] and rows[0]["ratio"] != rows[0]["ratio"]
+
+
+def test_a_worker_that_mostly_waits_or_was_barely_measured_is_not_named_slow():
+    """The false alarm of a busy machine: "rank 1 is 1.9x ... (compute 9%, wait 82%)". Its step was
+    long because its replies came late; its compute per gradient was the others'. And a sub-second
+    run's one or two samples name nobody, however they read."""
+    def t(step_s, compute_s, samples=20, compute=0.9, wait=0.05):
+        return {"median_s": step_s, "compute": compute, "wait": wait, "compute_s": compute_s, "samples": samples}
+
+    waits = {1: t(0.0019, 0.0002, compute=0.09, wait=0.82), 2: t(0.001, 0.0002), 3: t(0.001, 0.00021)}
+    rows, slow = observe.attribute(waits, 1.5)
+    assert slow == [] and rows[0]["ratio"] == pytest.approx(1.9) and rows[0]["compute_ratio"] < 1.5
+    computes = {1: t(0.0019, 0.0009), 2: t(0.001, 0.0002), 3: t(0.001, 0.00021)}
+    assert [r["rank"] for r in observe.attribute(computes, 1.5)[1]] == [1]  # slow in its own work: named
+    few = {1: t(0.0019, 0.0009, samples=observe.MIN_SLOW_SAMPLES - 1), 2: t(0.001, 0.0002)}
+    assert observe.attribute(few, 1.5)[1] == []
+    clock = FakeClock()
+    act = observe.Activity(clock=clock)
+    for _ in range(3):  # 3 ms of compute and 1 ms of waiting per gradient
+        act.enter(observe.COMPUTE)
+        clock.t += 0.003
+        act.enter(observe.PULL)
+        clock.t += 0.001
+        act.stepped()
+    report = act.report()
+    assert report["compute_s"] == pytest.approx(0.003) and report["samples"] == 0
 
 
 def test_the_timeline_keeps_the_first_and_last_steps_only():
