@@ -7,7 +7,9 @@ network that is not there.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
+import logging
 import os
 import socket
 import zipfile
@@ -294,8 +296,9 @@ def load_tfds(name: str, data_dir: str | None, splits: tuple[str, str] = ("train
         raise UsageError(f"tensorflow-datasets has no dataset {name!r}; names are listed at "
                          f"https://www.tensorflow.org/datasets/catalog (e.g. tfds:kmnist, tfds:cifar10)")
     try:
-        train = tfds.data_source(name, split=splits[0], download=False, **kwargs)
-        test = tfds.data_source(name, split=splits[1], download=False, **kwargs)
+        with _absl_quiet():
+            train = tfds.data_source(name, split=splits[0], download=False, **kwargs)
+            test = tfds.data_source(name, split=splits[1], download=False, **kwargs)
     except Exception:
         if not _online():
             idx = "put the four IDX .gz files in a folder and pass --data-dir DIR, or " if name in KNOWN_CLASSES else ""
@@ -312,6 +315,20 @@ def load_tfds(name: str, data_dir: str | None, splits: tuple[str, str] = ("train
     x_train, y_train = _tfds_arrays(train, name, splits[0], image, label, classes)
     x_test, y_test = _tfds_arrays(test, name, splits[1], image, label, classes)
     return Dataset(name if name in KNOWN_CLASSES else f"{TFDS_PREFIX}{name}", x_train, y_train, x_test, y_test, classes)
+
+
+@contextlib.contextmanager
+def _absl_quiet():
+    """tfds warns through absl ("Variant folder ... has no dataset_info.json") while it looks for
+    prepared data, once per rank, before mpitrain's own one line says what is missing and the fix:
+    only errors get through while it looks."""
+    logger = logging.getLogger("absl")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _tfds_knows(tfds, name: str) -> bool:

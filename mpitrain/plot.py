@@ -3,7 +3,7 @@
 Four panels: minibatch loss and test accuracy, each against global step and against wall time;
 one line per run, labelled with its folder and mode. Reads each folder's events.jsonl.
 `mpitrain plot --timeline TRACE.json -o timeline.png` draws a --timeline trace instead: one row
-per rank (and thread), its phases in colour, over the last --window milliseconds of the trace
+per rank (and thread), its phases in colour, over the last --window milliseconds of training
 (ui.perfetto.dev shows the same file interactively).
 """
 
@@ -64,17 +64,26 @@ def _starts_run(lines: list[str]) -> bool:
         return False
 
 
+def has_accuracy_curves(runs: list[dict]) -> bool:
+    """Whether any run evaluated at two steps or more (--eval-every): one final point is no curve."""
+    return any(len({e["global_step"] for e in run["eval"] if "test_accuracy" in e}) >= 2 for run in runs)
+
+
 def plot(runs: list[dict], out: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), constrained_layout=True)
-    panels = [(0, 0, "train", "loss", "global_step"), (0, 1, "train", "loss", "seconds"),
-              (1, 0, "eval", "test_accuracy", "global_step"), (1, 1, "eval", "test_accuracy", "seconds")]
-    for row, col, kind, y, x in panels:
-        ax = axes[row][col]
+    panels = [("train", "loss", "global_step"), ("train", "loss", "seconds")]
+    if has_accuracy_curves(runs):
+        panels += [("eval", "test_accuracy", "global_step"), ("eval", "test_accuracy", "seconds")]
+    else:
+        say("mpitrain plot: no run evaluated during training (only at its end): drawing the loss only; "
+            "train with --eval-every N for test-accuracy curves")
+    fig, axes = plt.subplots(len(panels) // 2, 2, figsize=(11, 3.75 * (len(panels) // 2)), constrained_layout=True,
+                             squeeze=False)
+    for (kind, y, x), ax in zip(panels, axes.flat):
         for run in runs:
             pts = [(e[x], e[y]) for e in run[kind] if y in e and e[y] == e[y]]
             if pts:
@@ -83,10 +92,11 @@ def plot(runs: list[dict], out: str) -> None:
                         label=f"{run['label']} ({run['mode']})")
         ax.set_xlabel("global step" if x == "global_step" else "wall time (s)")
         ax.set_ylabel("minibatch loss" if y == "loss" else "test accuracy")
-        if y == "loss":
+        if y == "loss" and ax.has_data():
             ax.set_yscale("log")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.has_data():  # an empty legend is a matplotlib warning
+            ax.legend(fontsize=8)
     fig.suptitle("mpitrain: " + ", ".join(f"{r['label']} ({r['mode']})" for r in runs))
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     save_figure(fig, out)
@@ -110,6 +120,17 @@ def read_trace(path: str) -> dict:
     return {"spans": spans, "names": names}
 
 
+# The phases of a training step. The final evaluation and checkpoint come after the last step: a
+# window ending at the trace's end showed only them.
+STEP_PHASES = ("compute", "push", "pull", "wait", "allreduce", "apply")
+
+
+def training_end(spans: list[dict]) -> float:
+    """When the last step's span ends (the trace's end if it has no step)."""
+    steps = [e["ts"] + e["dur"] for e in spans if e["name"] in STEP_PHASES]
+    return max(steps) if steps else max(e["ts"] + e["dur"] for e in spans)
+
+
 def plot_timeline(trace: dict, out: str, window_ms: float) -> None:
     import matplotlib
 
@@ -118,13 +139,13 @@ def plot_timeline(trace: dict, out: str, window_ms: float) -> None:
     from matplotlib.patches import Patch
 
     spans = trace["spans"]
-    end = max(e["ts"] + e["dur"] for e in spans)
+    end = training_end(spans)
     begin = end - window_ms * 1e3
     tracks = sorted({(e["pid"], e["tid"]) for e in spans})
     fig, ax = plt.subplots(figsize=(12, 0.6 * len(tracks) + 1.6), constrained_layout=True)
     for row, (pid, tid) in enumerate(tracks):
         bars = [(e["ts"], e["dur"], e["name"]) for e in spans
-                if (e["pid"], e["tid"]) == (pid, tid) and e["ts"] + e["dur"] >= begin]
+                if (e["pid"], e["tid"]) == (pid, tid) and e["ts"] + e["dur"] >= begin and e["ts"] <= end]
         for name in PHASE_COLOURS:
             mine = [((ts - begin) / 1e3, dur / 1e3) for ts, dur, n in bars if n == name]
             if mine:
@@ -134,7 +155,7 @@ def plot_timeline(trace: dict, out: str, window_ms: float) -> None:
     ax.set_yticks(range(len(tracks)), labels)
     ax.invert_yaxis()
     ax.set_xlim(0, window_ms)
-    ax.set_xlabel(f"milliseconds (the last {window_ms:g} ms of the trace)")
+    ax.set_xlabel(f"milliseconds (the last {window_ms:g} ms of training)")
     ax.legend(handles=[Patch(color=c, label=n) for n, c in PHASE_COLOURS.items()], ncol=len(PHASE_COLOURS),
               fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.25))
     Path(out).parent.mkdir(parents=True, exist_ok=True)
@@ -146,7 +167,8 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="mpitrain plot", description=__doc__.splitlines()[0])
     p.add_argument("runs", nargs="*", metavar="RUN_DIR")
     p.add_argument("--timeline", metavar="TRACE", help="draw a --timeline trace instead of training curves")
-    p.add_argument("--window", type=float, default=50.0, metavar="MS", help="--timeline: the last MS milliseconds")
+    p.add_argument("--window", type=float, default=50.0, metavar="MS",
+                   help="--timeline: the last MS milliseconds of training (its last step's end; default: 50)")
     p.add_argument("-o", "--output", default=None, help="curves.png (or timeline.png with --timeline)")
     args = p.parse_args(argv)
     try:

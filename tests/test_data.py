@@ -111,6 +111,22 @@ def test_tfds_offline_fails_in_seconds(tmp_path, monkeypatch, name):
     assert time.perf_counter() - t0 < 10
 
 
+def test_a_half_prepared_tfds_folder_is_one_line_not_a_warning_per_rank(tmp_path, monkeypatch, caplog):
+    """An empty mnist/3.0.1 (a download that never finished) made tfds warn through absl, on every
+    rank ("Variant folder ... has no dataset_info.json"), before mpitrain's own line."""
+    pytest.importorskip("tensorflow_datasets")
+    import logging
+
+    from mpitrain.config import TrainConfig
+
+    (tmp_path / "mnist" / "3.0.1").mkdir(parents=True)
+    monkeypatch.setattr(data, "_online", lambda *a, **k: False)
+    with pytest.raises(UsageError, match="mnist is not prepared in"):
+        data.load_dataset(TrainConfig(dataset="mnist", data_dir=str(tmp_path)))
+    assert not [r for r in caplog.records if "dataset_info.json" in r.getMessage()], caplog.text
+    assert logging.getLogger("absl").level == logging.NOTSET  # put back as it was
+
+
 def test_online_probe_gives_up_quickly():
     t0 = time.perf_counter()
     data._online(("192.0.2.1", 9), timeout=0.5)  # TEST-NET-1: never answers

@@ -67,6 +67,20 @@ def test_plot_overlays_runs_in_a_png(two_runs, tmp_path):
         assert len(colours) > 20  # curves, not a blank canvas
 
 
+def test_plot_of_runs_without_eval_every_draws_the_loss_and_says_why(tmp_path):
+    """No --eval-every: the accuracy panels were empty and matplotlib warned about empty legends."""
+    d = tmp_path / "run"
+    train(3, tmp_path, "--steps", "60", "--log-dir", str(d), "--log-every", "5")
+    out = tmp_path / "curves.png"
+    proc = run_mpitrain(0, "plot", str(d), "-o", str(out))
+    assert proc.returncode == 0 and "Warning" not in proc.stderr, proc.stderr
+    assert "drawing the loss only; train with --eval-every N" in proc.stdout
+    from PIL import Image
+
+    with Image.open(out) as img:
+        assert img.size == (1100, 375)  # one row of panels: the loss against steps and time
+
+
 def test_plot_refuses_a_folder_without_log(tmp_path):
     proc = run_mpitrain(0, "plot", str(tmp_path), "-o", str(tmp_path / "x.png"))
     assert proc.returncode == 2 and "no events.jsonl" in proc.stderr and proc.stderr.count("\n") == 1

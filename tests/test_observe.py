@@ -300,6 +300,16 @@ def test_the_timeline_is_a_trace_with_every_ranks_phases(tmp_path, mode):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_timeline_window_ends_at_the_last_step_not_the_final_eval():
+    """The default window showed the last 50 ms of the trace: the final evaluation, no step."""
+    from mpitrain.plot import training_end
+
+    spans = [{"name": "compute", "ts": 0.0, "dur": 1000.0}, {"name": "push", "ts": 1000.0, "dur": 500.0},
+             {"name": "eval", "ts": 2000.0, "dur": 90000.0}, {"name": "checkpoint", "ts": 92000.0, "dur": 10.0}]
+    assert training_end(spans) == 1500.0
+    assert training_end(spans[2:]) == 92010.0  # no step at all: the trace's end
+
+
 def test_plot_refuses_what_is_not_a_trace(tmp_path):
     junk = tmp_path / "junk.json"
     junk.write_text("{}")
