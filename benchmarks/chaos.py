@@ -372,7 +372,8 @@ def stopped_as_documented(case: Case, err: str, code: int, summary: dict | None,
 
 def report(trials: list[Trial], durations: dict[str, float], seconds: float) -> str:
     out = ["# Chaos: real SIGKILLs, stop signals and full disks from outside, at random moments", "",
-           f"`python benchmarks/chaos.py` on {machine()}; {len(trials)} trials in {seconds / 60:.1f} min. "
+           f"`python benchmarks/chaos.py`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, on {machine()}; "
+           f"{len(trials)} trials in {seconds / 60:.1f} min. "
            f"Each trial: `mpirun -disable-auto-cleanup -np {NP}` (1 server + 3 workers; with `--num-ps 2` "
            f"2 servers + 2 workers), `--worker-timeout "
            f"{TIMEOUT_S:g}`, synthetic data, MLP (hidden 100, or 2000 in the *-big cases: 6.4 MB messages), one "

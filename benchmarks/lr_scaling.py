@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from pathlib import Path
 
 from run import machine, run_mpitrain  # same folder
@@ -70,7 +71,7 @@ def main() -> int:
         f"-- np=3 (1 PS + 2 workers), MLP 784-100-10, {epochs} epochs, every other flag at its default; test "
         "accuracy of rank 0's final parameters on the 10,000 test images, one run per seed and mode.",
         "",
-        f"Machine: {machine()}.",
+        f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. Machine: {machine()}.",
         "",
         *lines,
         "",

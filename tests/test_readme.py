@@ -1,0 +1,132 @@
+"""Every command of the README and jobs/README.md runs as written.
+
+A newcomer pastes them from the repository's root: each `bash` and `python` block is run as it
+stands, the blocks of one section in order in one fresh folder (so a later block may use what an
+earlier one wrote, as a reader's would), with the repository's hostfiles/, examples/, jobs/ and
+benchmarks/ beside it. A block that cannot run on one machine without a GPU, root or other hosts
+says so on the line before it: `<!-- not run by tests/test_readme.py: REASON -->`. Output samples
+are `text` blocks. Figures the README quotes come from results files in benchmarks/ with a date.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from conftest import child_env
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ("README.md", "jobs/README.md")
+RUNNABLE = ("bash", "python")
+LANGUAGES = RUNNABLE + ("text",)
+NOT_RUN = re.compile(r"^\s*<!-- not run by tests/test_readme.py: (?P<why>.+\S) -->\s*$")
+FENCE = re.compile(r"^(?P<indent>\s*)```(?P<lang>\S*)\s*$")
+SHARED = ("hostfiles", "examples", "jobs", "benchmarks")  # repo-relative paths the commands name
+SECTION_TIMEOUT_S = 600  # a hang fails; the slowest section (6 ranks on 2 cores) takes ~1 min
+
+
+def blocks(doc: str) -> list[dict]:
+    """Every fenced block: its line, section, language, code and why it is not run (or None)."""
+    lines = (ROOT / doc).read_text().splitlines()
+    found, section, i = [], doc, 0
+    while i < len(lines):
+        if lines[i].startswith("## "):
+            section = f"{doc}: {lines[i][3:].strip()}"
+        m = FENCE.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        start, body = i, []
+        i += 1
+        while i < len(lines) and not re.match(r"^\s*```\s*$", lines[i]):
+            body.append(lines[i])
+            i += 1
+        before = next((ln for ln in reversed(lines[:start]) if ln.strip()), "")
+        why = NOT_RUN.match(before)
+        found.append({"doc": doc, "line": start + 1, "section": section, "lang": m["lang"],
+                      "code": textwrap.dedent("\n".join(body)) + "\n", "not_run": why["why"] if why else None})
+        i += 1
+    return found
+
+
+ALL = [b for doc in DOCS for b in blocks(doc)]
+SECTIONS: dict[str, list[dict]] = {}
+for _b in ALL:
+    if _b["lang"] in RUNNABLE and _b["not_run"] is None:
+        SECTIONS.setdefault(_b["section"], []).append(_b)
+
+
+def test_every_block_is_run_or_says_why_not():
+    unlabelled = [f"{b['doc']}:{b['line']}" for b in ALL if b["lang"] not in LANGUAGES]
+    assert not unlabelled, f"label these blocks bash, python or text: {unlabelled}"
+    marked_text = [f"{b['doc']}:{b['line']}" for b in ALL if b["lang"] == "text" and b["not_run"]]
+    assert not marked_text, f"a text block is never run; the marker belongs before a command: {marked_text}"
+    runnable = [b for s in SECTIONS.values() for b in s]
+    assert len(runnable) >= 8, f"only {len(runnable)} blocks would run"  # a parser that finds nothing fails
+    assert {"README.md: The main job", "README.md: Checkpoints and resuming", "README.md: Python API"} <= set(SECTIONS)
+    assert any(b["lang"] == "python" for b in runnable)
+
+
+def run_block(block: dict, folder: Path) -> subprocess.CompletedProcess:
+    env = child_env()
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # python, mpirun, mpitrain
+    if block["lang"] == "bash":
+        cmd = ["bash", "-e", "-o", "pipefail", "-c", block["code"]]
+    else:
+        cmd = [sys.executable, "-c", block["code"]]
+    return subprocess.run(cmd, cwd=folder, env=env, capture_output=True, text=True, timeout=SECTION_TIMEOUT_S)
+
+
+@pytest.mark.parametrize("section", list(SECTIONS))
+def test_the_commands_of_each_section_run_as_written(section, tmp_path):
+    for name in SHARED:
+        (tmp_path / name).symlink_to(ROOT / name)
+    for block in SECTIONS[section]:
+        proc = run_block(block, tmp_path)
+        where = f"{block['doc']}:{block['line']} ({block['lang']})"
+        assert proc.returncode == 0, f"{where} exited {proc.returncode}:\n{block['code']}\n{proc.stdout}\n{proc.stderr}"
+        assert "Traceback" not in proc.stderr, f"{where}:\n{proc.stderr}"
+
+
+def test_readme_figures_come_from_dated_results_files():
+    """Each results file the README cites exists and says when it was measured."""
+    text = (ROOT / "README.md").read_text()
+    cited = sorted(set(re.findall(r"\]\((benchmarks/[A-Z_]+\.md)\)", text)))
+    assert len(cited) >= 5, cited
+    for path in cited:
+        content = (ROOT / path).read_text()
+        assert re.search(r"20\d\d-[01]\d-[0-3]\d", content), f"{path} does not say when it was measured"
+
+
+def test_the_flag_table_names_only_flags_that_exist_with_their_defaults():
+    """The README's Main flags table against the parser (generated from TrainConfig): a renamed or
+    removed flag, or a changed default of a one-flag row, fails here."""
+    import dataclasses
+
+    from mpitrain.cli import build_parser, flag_name
+    from mpitrain.config import TrainConfig
+
+    text = (ROOT / "README.md").read_text()
+    table = text.split("## Main flags", 1)[1].split("\n## ", 1)[0]
+    rows = [ln for ln in table.splitlines() if ln.startswith("| `--")]
+    flags = {opt for a in build_parser()._actions for opt in a.option_strings}
+    named = {f for row in rows for f in re.findall(r"(--[a-z][a-z0-9-]*)", row.split(" | ")[0])}
+    assert named - flags == set(), f"the README names flags that do not exist: {named - flags}"
+    assert len(named) >= 40, len(named)
+    by_flag = {flag_name(f): f for f in dataclasses.fields(TrainConfig)}
+    checked = 0
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split(" | ")]
+        first = re.findall(r"(--[a-z][a-z0-9-]*)", cells[0])
+        field = by_flag.get(first[0]) if len(first) == 1 else None
+        if field is None or not isinstance(field.default, (int, float)) or isinstance(field.default, bool):
+            continue
+        assert cells[1] == f"{field.default:g}", f"{first[0]}: README says {cells[1]}, the code {field.default}"
+        checked += 1
+    assert checked >= 5, checked
