@@ -81,7 +81,7 @@ def test_async_with_several_servers_learns(tmp_path, k):
 
 @pytest.mark.parametrize("k", [2, 3])
 def test_sync_with_several_servers_equals_one_server_to_the_bit(tmp_path, k):
-    args = ("--mode", "sync", "--epochs", "12", "--optimizer", "momentum", "--ema-decay", "0.9", "--eval-every", "10")
+    args = ("--mode", "sync", "--epochs", "12", "--optimizer", "momentum", "--lr", "0.1", "--ema-decay", "0.9", "--eval-every", "10")
     one = train(4, tmp_path, "--num-ps", "1", *args)
     many = train(k + 3, tmp_path, "--num-ps", str(k), *args)
     assert many["param_digest"] == one["param_digest"]
