@@ -44,6 +44,7 @@ from run import env, machine, mpirun  # noqa: E402  (same folder)
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from mpitrain import checkpoint  # noqa: E402
+from mpitrain.exitcodes import ExitCode  # noqa: E402
 from mpitrain.faults import rank_pids  # noqa: E402
 from mpitrain.layout import Layout  # noqa: E402
 
@@ -52,7 +53,7 @@ TIMEOUT_S = 3.0  # --worker-timeout
 GRACE_S = 10.0  # the job must end within TIMEOUT_S + GRACE_S of the kill
 START_WAIT_S = 60.0
 EXIT_RANK_KILLED = 128 + signal.SIGKILL  # mpirun reports the killed rank's supervisor's exit
-EXIT_PEER_LOST = 5
+EXIT_PEER_LOST = ExitCode.PEER_LOST
 
 
 @dataclass(frozen=True)

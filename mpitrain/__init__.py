@@ -8,7 +8,8 @@ TrainingFailed. Importing mpitrain loads none of them until used, so `python -m 
 stays fast; dir(mpitrain) lists them.
 """
 
-__version__ = "0.1.0"
+from mpitrain.version import __version__
+
 API = ("train", "evaluate", "dataset", "rank", "size", "local_rank", "Result", "UsageError", "Diverged",
        "TrainingFailed")
 __all__ = [*API, "__version__"]

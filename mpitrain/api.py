@@ -145,14 +145,15 @@ def local_rank() -> int:
 
 def train(**options) -> Result:
     from mpitrain.runtime import node_info, world
-    from mpitrain.trainer import EXIT_DIVERGED, run
+    from mpitrain.exitcodes import ExitCode
+    from mpitrain.trainer import run
 
     cfg = config(**options)
     comm = world()
     outcome = run(cfg, comm, node_info(comm), None, library=True)
-    if outcome.code == 2:
+    if outcome.code == ExitCode.USAGE:
         raise UsageError(outcome.error.removeprefix("mpitrain: error: "))
-    if outcome.code == EXIT_DIVERGED:
+    if outcome.code == ExitCode.DIVERGED:
         raise Diverged(outcome.error, outcome.summary)
     if outcome.code != 0:
         raise TrainingFailed(outcome.error or f"mpitrain: exit {outcome.code}", outcome.code)

@@ -14,7 +14,7 @@ import os
 import signal
 import sys
 
-from mpitrain import __version__
+from mpitrain.version import __version__
 from mpitrain.config import TrainConfig, UsageError, parse_straggler, validate
 from mpitrain.mpienv import launcher_rank
 

@@ -16,7 +16,9 @@ import numpy as np
 
 from mpitrain import checkpoint
 from mpitrain.config import TrainConfig, UsageError, validate
-from mpitrain.metrics import say, write_json_atomic
+from mpitrain.console import say
+from mpitrain.exitcodes import ExitCode
+from mpitrain.metrics import write_json_atomic
 
 
 def confusion_matrix(y_true: np.ndarray, y_pred: np.ndarray, classes: int) -> np.ndarray:
@@ -74,7 +76,7 @@ def main(argv: list[str]) -> int:
         out = evaluate(args.checkpoint, args.dataset, args.data_dir)
     except UsageError as e:
         say(f"mpitrain evaluate: error: {e}", sys.stderr)
-        return 2
+        return ExitCode.USAGE
     say(f"{out['checkpoint']} (global step {out['global_step']}, {out['model_description']}) on {out['dataset']} "
         f"test set ({out['test_examples']} examples):")
     say(f"  accuracy {out['test_accuracy']:.4f} | loss {out['test_loss']:.4f}"

@@ -22,7 +22,8 @@ import tempfile
 from pathlib import Path
 
 from mpitrain.config import UsageError
-from mpitrain.metrics import say
+from mpitrain.console import say
+from mpitrain.exitcodes import ExitCode
 
 _MPICH_LINE = re.compile(r"^(?P<host>[^\s:#]+)(?::(?P<slots>\S+))?$")
 _OPENMPI_LINE = re.compile(r"^(?P<host>[^\s:#=]+)(?P<opts>(?:\s+\S+=\S+)*)$")
@@ -159,7 +160,7 @@ def main(argv: list[str]) -> int:
                              f"name(s), or add them to /etc/hosts or DNS")
     except UsageError as e:
         say(f"mpitrain launch: error: {e}", sys.stderr)
-        return 2
+        return ExitCode.USAGE
     for line in server_lines(hosts, np_, trainer_args):
         say(line)
     openmpi = _is_openmpi(mpirun)

@@ -11,14 +11,9 @@ import time
 from pathlib import Path
 
 from mpitrain.atomic import set_aside, write_atomic
+from mpitrain.console import say
+from mpitrain.observe import slow_line
 from mpitrain.outputs import WRITES
-
-
-def say(line: str, stream=None) -> None:
-    """One line in one write: mpirun interleaves ranks' output at write boundaries."""
-    stream = stream or sys.stdout
-    stream.write(line + "\n")
-    stream.flush()
 
 
 class Progress:
@@ -316,8 +311,6 @@ def summary_stop_line(s: dict) -> str:
 
 def slow_lines(s: dict) -> list[str]:
     """Measured, whatever the cause (--straggler-report): observe.attribute's slow workers."""
-    from mpitrain.observe import slow_line
-
     return [f"  slow worker: {slow_line(row)}" for row in s.get("slow_workers") or []]
 
 

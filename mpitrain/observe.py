@@ -23,6 +23,7 @@ from collections import deque
 from pathlib import Path
 
 from mpitrain.atomic import write_atomic
+from mpitrain.console import say
 from mpitrain.protocol import (BEAT_COMPUTE, BEAT_FIELDS, BEAT_GLOBAL_STEP, BEAT_PHASE, BEAT_PHASE_S, BEAT_STEP_S,
                                BEAT_STEPS, BEAT_WAIT)
 
@@ -256,7 +257,8 @@ class Stall:
         mark = self.marker()
         if mark != self.last:
             if self.reported and self.said:
-                _say(f"mpitrain: training resumed after {now - self.since:.1f} s without progress", self.stream)
+                say(f"mpitrain: training resumed after {now - self.since:.1f} s without progress",
+                    self.stream or sys.stderr)
             self.last, self.since, self.reported, self.said = mark, now, False, False
             return
         if not self.reported and now - self.since >= self.after_s:
@@ -267,13 +269,9 @@ class Stall:
             self.reported, self.said = True, bool(line)
             if line:
                 self.reports += 1
-                _say(line, self.stream)
+                say(line, self.stream or sys.stderr)
 
 
-def _say(line: str, stream) -> None:
-    from mpitrain.metrics import say
-
-    say(line, stream or sys.stderr)
 
 
 def server_waits_for(mode: str, quorum: int | None, workers: int) -> str:

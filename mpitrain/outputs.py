@@ -4,7 +4,7 @@ A full disk, a quota, an I/O error, a read-only remount or a folder removed unde
 makes a write fail with an OSError. Training outlives it: the first failure of each kind prints
 one line naming the path, the error and what happens now; later ones are counted; the summary's
 `write_errors` reports them all, with the newest checkpoint that was written. A run whose final
-checkpoint or summary could not be written ends with EXIT_OUTPUTS_INCOMPLETE, and its summary
+checkpoint or summary could not be written ends with ExitCode.OUTPUTS_INCOMPLETE, and its summary
 goes to standard output so that the result is never lost.
 """
 
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import sys
 
-EXIT_OUTPUTS_INCOMPLETE = 6  # training finished, but the final checkpoint or the summary was not written
 
 
 class WriteErrors:

@@ -16,8 +16,8 @@ from pathlib import Path
 
 from mpitrain.atomic import write_atomic
 from mpitrain.config import UsageError
-from mpitrain.metrics import say
-from mpitrain.outputs import EXIT_OUTPUTS_INCOMPLETE
+from mpitrain.console import say
+from mpitrain.exitcodes import ExitCode
 
 
 def read_run(run_dir: str) -> dict:
@@ -186,7 +186,7 @@ def main(argv: list[str]) -> int:
             raise UsageError("mpitrain plot needs matplotlib: pip install 'mpitrain[plot]'") from None
     except UsageError as e:
         say(f"mpitrain plot: error: {e}", sys.stderr)
-        return 2
+        return ExitCode.USAGE
     out = args.output or ("timeline.png" if trace is not None else "curves.png")
     try:
         if trace is not None:
@@ -196,7 +196,7 @@ def main(argv: list[str]) -> int:
     except OSError as e:  # a full disk, a quota, a missing or read-only folder
         say(f"mpitrain plot: error: {out} not written: {e.strerror or e} ({Path(out).resolve().parent}); "
             f"free space or pick another -o", sys.stderr)
-        return EXIT_OUTPUTS_INCOMPLETE
+        return ExitCode.OUTPUTS_INCOMPLETE
     what = f"{len(trace['spans']):,} spans" if trace is not None else f"{len(runs)} run(s)"
     say(f"mpitrain plot: wrote {out} ({what})")
     return 0

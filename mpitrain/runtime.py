@@ -21,7 +21,7 @@ from mpitrain.backend import Backend, make_backend
 from mpitrain.config import TrainConfig, UsageError, validate_for_world
 from mpitrain.data import Dataset, check_batch_fits, load_dataset, steps_per_epoch
 from mpitrain.layout import PS_RANK, Layout
-from mpitrain.metrics import say
+from mpitrain.console import say
 from mpitrain.model import Model, build
 from mpitrain.observe import Activity
 from mpitrain.optim import decayed_lr

@@ -28,7 +28,8 @@ from mpitrain.codec import decode, encode
 from mpitrain.guard import NON_FINITE, LossGuard
 from mpitrain.layout import PS_RANK
 from mpitrain.liveness import PeerLost
-from mpitrain.metrics import Progress, RunLog, say
+from mpitrain.console import say
+from mpitrain.metrics import Progress, RunLog
 from mpitrain.observe import APPLY, CHECKPOINT, EVAL, PUSH, WAIT, attribute, step_time_from_beat
 from mpitrain.optim import Optimizer, make_ema, staleness_scaled_lr
 from mpitrain.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_LAST, FLAG_STOP, TAG_GRAD, TAG_PARAMS, TAG_SHARD,

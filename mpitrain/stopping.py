@@ -13,6 +13,8 @@ final checkpoint as at the end of a run, and every rank exits 128 + the signal's
 
 from __future__ import annotations
 
+from mpitrain.exitcodes import interrupted
+
 import os
 import signal
 import threading
@@ -20,12 +22,6 @@ import time
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 UNKNOWN = -1  # on the wire: a stop was requested, by a signal this sender does not know
-
-
-def exit_code(signum: int) -> int:
-    """The shell's and Slurm's convention for "ended by signal N", so a scheduler reads it as
-    interrupted: 130 (SIGINT), 143 (SIGTERM), 138 (SIGUSR1)."""
-    return 128 + signum
 
 
 def signal_name(signum: int) -> str:
@@ -78,7 +74,7 @@ def force_exit(signum: int) -> None:
     lock.release_all()
     os.write(2, f"mpitrain: {signal_name(signum)} again {FORCE_AFTER_S:g} s after the stop request: ending now, "
                 f"without a final checkpoint (the newest complete one loads)\n".encode())
-    os._exit(exit_code(signum))
+    os._exit(interrupted(signum))
 
 
 STOP = StopRequest()  # one per process: signal handlers and message headers both reach it

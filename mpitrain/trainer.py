@@ -15,26 +15,27 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from mpitrain import __version__, checkpoint, liveness, lock, observe, outputs, stopping
+from mpitrain import checkpoint, liveness, lock, observe, outputs, stopping
 from mpitrain.config import TrainConfig, UsageError, agreed_fields
+from mpitrain.version import __version__
 from mpitrain.faults import Kill
 from mpitrain.guard import NON_FINITE
-from mpitrain.metrics import (Progress, human_summary, say, staleness_summary, summary_stop_line, to_json,
+from mpitrain.console import say
+from mpitrain.metrics import (Progress, human_summary, staleness_summary, summary_stop_line, to_json,
                               write_json_atomic)
-from mpitrain.outputs import EXIT_OUTPUTS_INCOMPLETE, WRITES
+from mpitrain.exitcodes import ExitCode, interrupted
+from mpitrain.outputs import WRITES
 from mpitrain.liveness import PeerLost, mpi_error_reason
 from mpitrain.protocol import BEAT_GLOBAL_STEP, FLAG_PEER_LOST, FLAG_STOPPED, TAG_REPORT, Message, ProtocolError
 from mpitrain.protocol import VERSION as PROTOCOL_VERSION
 from mpitrain.reports import ShardReport, Summary, WorkerReport, from_bytes, to_bytes
 from mpitrain.runtime import PS_RANK, Context, Node, broadcast_start, setup
-from mpitrain.stopping import STOP, exit_code, signal_name
+from mpitrain.stopping import STOP, signal_name
 from mpitrain.server import record_lost, seen_workers
 from mpitrain.transport import END_POLL_S, Poller
 from mpitrain.waiting import poll
 from mpitrain.worker import WorkerResult
 
-EXIT_DIVERGED = 4  # every rank, after the summary: training stopped on a non-finite loss
-EXIT_PEER_LOST = 5  # a rank this one cannot go on without was lost (--worker-timeout)
 ABORT_FLUSH_S = 0.5
 STALL_DETAIL_WORKERS = 4  # a stall line describes every worker up to this many, else only the late ones
 FINALIZE_MIN_S = 5.0  # a healthy MPI_Finalize takes milliseconds: every rank arrives within that of the others
@@ -353,7 +354,7 @@ def run(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: boo
 def _run(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: bool) -> Outcome:
     ctx, line = agree_on_setup(cfg, comm, node, err)
     if ctx is None:
-        return Outcome(2, error=line)
+        return Outcome(ExitCode.USAGE, error=line)
     ctx, placements, heartbeat = connect(ctx)
     try:
         mine, reports = train_and_report(ctx)
@@ -362,14 +363,14 @@ def _run(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: bo
     except ProtocolError as e:
         say(f"mpitrain: rank {ctx.rank}: wire-format error: {e}", sys.stderr)
         lock.release_all()
-        comm.Abort(3)
-        return Outcome(3)
+        comm.Abort(ExitCode.PROTOCOL)
+        return Outcome(ExitCode.PROTOCOL)
     except Exception:
         sys.stderr.write(f"mpitrain: rank {ctx.rank} failed:\n{traceback.format_exc()}")
         sys.stderr.flush()
         lock.release_all()
-        comm.Abort(1)  # peers may be blocked on this rank: end the whole job, never hang
-        return Outcome(1)
+        comm.Abort(ExitCode.FAILED)  # peers may be blocked on this rank: end the whole job, never hang
+        return Outcome(ExitCode.FAILED)
     diverged = _divergence(ctx, mine, reports)
     summary = None
     if ctx.rank == PS_RANK:
@@ -457,27 +458,27 @@ def publish(ctx: Context, mine: RoleResult, reports: list, placements: list[str]
 def verdict(ctx: Context, mine: RoleResult, reports: list, summary: dict | None, diverged: dict | None) -> Outcome:
     """The exit code and error line of a run that got to its end."""
     own = None if ctx.rank == PS_RANK else dataclasses.asdict(mine.report)
-    outcome = Outcome(0, summary, own)
+    outcome = Outcome(ExitCode.OK, summary, own)
     if ctx.rank == PS_RANK:
         from mpitrain.model import from_sizes
 
         outcome.params = np.asarray(mine.state.params, np.float32).copy()
         outcome.model = from_sizes(ctx.model.sizes, ctx.cfg.l2)
     if ctx.rank == PS_RANK and not ctx.local and not any(isinstance(r, WorkerReport) for r in reports):
-        outcome.code = EXIT_PEER_LOST  # every worker was lost: the budget was not finished
+        outcome.code = ExitCode.PEER_LOST  # every worker was lost: the budget was not finished
         outcome.error = "mpitrain: every worker was lost"
     stopped = summary["stopped"] if ctx.rank == PS_RANK else STOP.requested
     if stopped and not diverged:
-        outcome.code = exit_code(STOP.signum or int(signal.SIGTERM))
+        outcome.code = interrupted(STOP.signum or int(signal.SIGTERM))
         outcome.error = (summary_stop_line(summary) if ctx.rank == PS_RANK else
                          f"mpitrain: stopped ({signal_name(STOP.signum)}); rank 0 saved the run")
     if ctx.rank == PS_RANK and WRITES.incomplete and not outcome.code:
-        outcome.code = EXIT_OUTPUTS_INCOMPLETE
+        outcome.code = ExitCode.OUTPUTS_INCOMPLETE
         outcome.error = ("mpitrain: training finished, but its outputs are incomplete (see write_errors in the "
                          "summary above): free space or fix the folder, then run the same command again")
         say(outcome.error, sys.stderr)
     if diverged:
-        outcome.code = EXIT_DIVERGED
+        outcome.code = ExitCode.DIVERGED
         if ctx.rank == PS_RANK:
             outcome.error = divergence_line(diverged, mine.checkpoints)
             say(outcome.error, sys.stderr)
@@ -679,13 +680,13 @@ def peer_lost(ctx: Context, e: PeerLost) -> int:
         # line (measured: the line missing in 1 run of ~40). Give it a moment first.
         time.sleep(ABORT_FLUSH_S)
         lock.release_all()
-        ctx.comm.Abort(EXIT_PEER_LOST)  # the other workers are stuck in the collective
-        return EXIT_PEER_LOST
+        ctx.comm.Abort(ExitCode.PEER_LOST)  # the other workers are stuck in the collective
+        return ExitCode.PEER_LOST
     whom = "the parameter server" if all(lay.is_server(r) for r in e.lost) else "a peer"
     say(f"mpitrain: error: rank {ctx.rank} lost {whom} ({who}); stopping. Rank 0's "
         f"newest checkpoint in --checkpoint-dir resumes the run", sys.stderr)
-    exit_without_finalize(EXIT_PEER_LOST)
-    return EXIT_PEER_LOST
+    exit_without_finalize(ExitCode.PEER_LOST)
+    return ExitCode.PEER_LOST
 
 
 def resume_hint(ctx: Context, lost: int) -> str:

@@ -22,7 +22,8 @@ from mpitrain import checkpoint, outputs
 from mpitrain.checkpoint import Checkpointer, TrainState
 from mpitrain.config import defaults
 from mpitrain.metrics import RunLog
-from mpitrain.outputs import EXIT_OUTPUTS_INCOMPLETE, WRITES
+from mpitrain.exitcodes import ExitCode
+from mpitrain.outputs import WRITES
 
 MODES = {"async": (3, ()), "sync": (3, ("--mode", "sync")), "one process": (0, ())}
 
@@ -52,7 +53,7 @@ def test_a_full_checkpoint_folder_never_ends_training(tmp_path, small_fs, mode):
     # Each checkpoint of digits' MLP is ~31 KB: the first fits, the next ones do not.
     proc = run_mpitrain(np_, "--no-progress", *flags, "--steps", "600", "--checkpoint-every-steps", "100",
                         "--checkpoint-dir", str(ck), "--summary-json", str(summary))
-    assert proc.returncode == EXIT_OUTPUTS_INCOMPLETE, proc.stdout + proc.stderr  # the final one is missing
+    assert proc.returncode == ExitCode.OUTPUTS_INCOMPLETE, proc.stdout + proc.stderr  # the final one is missing
     assert "Traceback" not in proc.stderr
     failed = [x for x in mpitrain_lines(proc.stderr) if "not written" in x]
     assert len(failed) == 1, proc.stderr  # the first failure only; the rest are counted
@@ -90,7 +91,7 @@ def test_a_summary_that_cannot_be_written_goes_to_stdout(small_fs, mode):
     fill(small_fs)
     proc = run_mpitrain(np_, "--no-progress", *flags, "--steps", "100", "--summary-json", str(small_fs / "s.json"),
                         "--timeline", str(small_fs / "t.json"))
-    assert proc.returncode == EXIT_OUTPUTS_INCOMPLETE, proc.stdout + proc.stderr
+    assert proc.returncode == ExitCode.OUTPUTS_INCOMPLETE, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr and "BAD TERMINATION" not in proc.stdout
     (line,) = [x for x in proc.stdout.splitlines() if x.startswith("{")]
     s = json.loads(line)
@@ -160,7 +161,7 @@ def test_a_plot_that_cannot_be_written_is_one_line(tmp_path, small_fs):
               {"event": "eval", "global_step": 1, "seconds": 0.1, "test_accuracy": 0.5}]
     (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
     fill(small_fs)
-    assert plot.main([str(tmp_path), "-o", str(small_fs / "curves.png")]) == EXIT_OUTPUTS_INCOMPLETE
+    assert plot.main([str(tmp_path), "-o", str(small_fs / "curves.png")]) == ExitCode.OUTPUTS_INCOMPLETE
     assert not list(small_fs.glob("curves*"))
 
 

@@ -1,0 +1,22 @@
+"""Every exit code mpitrain ends with, in one place (the README's "When things go wrong" table
+says what each means to a user; a scheduler reads them)."""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class ExitCode(IntEnum):
+    OK = 0
+    FAILED = 1  # an unexpected exception during training: the job is aborted (MPI_Abort)
+    USAGE = 2  # bad input (flags, data, hostfile, checkpoint): one line, every rank, before training
+    PROTOCOL = 3  # a malformed message (magic, version, kind, count): MPI_Abort
+    DIVERGED = 4  # every rank, after the summary: a non-finite or exploding loss stopped training
+    PEER_LOST = 5  # a rank this one cannot go on without was lost (--worker-timeout)
+    OUTPUTS_INCOMPLETE = 6  # training finished, but the final checkpoint or the summary was not written
+
+
+def interrupted(signum: int) -> int:
+    """The shell's and Slurm's convention for "ended by signal N", so a scheduler reads it as
+    interrupted: 130 (SIGINT), 143 (SIGTERM), 138 (SIGUSR1)."""
+    return 128 + signum
