@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from mpitrain import checkpoint, liveness, lock, observe, outputs, stopping
+from mpitrain import asyncps, checkpoint, liveness, local, lock, observe, outputs, quorum, stopping, sync
 from mpitrain.config import TrainConfig, UsageError, agreed_fields
 from mpitrain.version import __version__
 from mpitrain.faults import Kill
@@ -31,10 +31,10 @@ from mpitrain.protocol import VERSION as PROTOCOL_VERSION
 from mpitrain.reports import ShardReport, Summary, WorkerReport, from_bytes, to_bytes
 from mpitrain.runtime import PS_RANK, Context, Node, broadcast_start, setup
 from mpitrain.stopping import STOP, signal_name
-from mpitrain.server import record_lost, seen_workers
+from mpitrain.chief import begin, record_lost, seen_workers
 from mpitrain.transport import END_POLL_S, Poller
 from mpitrain.waiting import poll
-from mpitrain.worker import WorkerResult
+from mpitrain.gradients import WorkerResult
 
 ABORT_FLUSH_S = 0.5
 STALL_DETAIL_WORKERS = 4  # a stall line describes every worker up to this many, else only the late ones
@@ -132,28 +132,50 @@ def _evaluate(ctx: Context, params_host: np.ndarray) -> tuple[float, float]:
     return loss, acc
 
 
-def train_role(ctx: Context) -> RoleResult:
-    """Run this rank's part; return what it reports to rank 0 (rank 0 also keeps its state)."""
-    from mpitrain import local, server, worker
+def role_of(ctx: Context) -> tuple[str, str]:
+    """(role, mode) of this rank: its key in ROLES."""
+    if ctx.local:
+        return "local", "local"
+    mode = "quorum" if ctx.with_quorum else ctx.cfg.mode
+    if ctx.rank == PS_RANK:
+        return "chief", mode
+    return ("shard" if ctx.is_ps else "worker"), mode
 
+
+# Who runs what: the one place a run chooses its loop, by role and mode. rank 0 ("chief") and the
+# local run get the progress bar and return rank 0's ServerState (the local run also its worker
+# result); another server of --num-ps ("shard") its ServerState; a worker its WorkerResult.
+# --quorum is sync's worker loop with quorum.py's steps; rank 0 and the servers follow as in sync.
+ROLES = {
+    ("local", "local"): local.run_local,
+    ("chief", "async"): asyncps.serve,
+    ("chief", "sync"): sync.follow_chief,
+    ("chief", "quorum"): sync.follow_chief,
+    ("shard", "async"): asyncps.serve_shard,
+    ("shard", "sync"): sync.keep_shard,
+    ("shard", "quorum"): sync.keep_shard,
+    ("worker", "async"): asyncps.work,
+    ("worker", "sync"): sync.work,
+    ("worker", "quorum"): lambda ctx: sync.work(ctx, quorum.train),
+}
+
+
+def train_role(ctx: Context) -> RoleResult:
+    """Run this rank's part (ROLES); return what it reports to rank 0 (rank 0 also keeps its state)."""
     cfg = ctx.cfg
     if nothing_to_train(ctx):
         return already_trained(ctx)
-    if ctx.is_ps and ctx.rank != PS_RANK:  # --num-ps: a server of one shard, reporting to rank 0
-        state = server.serve_shard(ctx)
-        return RoleResult(shard=shard_report(ctx, state))
-    if ctx.is_ps or ctx.local:
+    role, mode = role_of(ctx)
+    loop = ROLES[role, mode]
+    if role == "shard":  # --num-ps: a server of one shard, reporting to rank 0
+        return RoleResult(shard=shard_report(ctx, loop(ctx)))
+    if role in ("chief", "local"):
         progress = Progress(cfg.progress, ctx.global_step_budget, ctx.global_batch)
-        if cfg.stall_warning > 0 and not ctx.local:
+        if cfg.stall_warning > 0 and role == "chief":
             ctx.watch.stall = observe.Stall(cfg.stall_warning, lambda: progress.step,
                                             lambda stalled_s: server_stall_line(ctx, progress.step, stalled_s))
         try:
-            if ctx.local:
-                state, wres = local.run_local(ctx, progress)
-            elif cfg.mode == "async":
-                state, wres = server.serve_async(ctx, progress), None
-            else:
-                state, wres = server.serve_sync(ctx, progress), None
+            state, wres = loop(ctx, progress) if role == "local" else (loop(ctx, progress), None)
         finally:
             progress.close()
         ctx.activity.enter(observe.EVAL, state.global_step)
@@ -165,7 +187,7 @@ def train_role(ctx: Context) -> RoleResult:
     if cfg.stall_warning > 0:
         ctx.watch.stall = observe.Stall(cfg.stall_warning, lambda: ctx.activity.gradients,
                                         lambda stalled_s: worker_stall_line(ctx, stalled_s))
-    wres = worker.run_async(ctx) if cfg.mode == "async" else worker.run_sync(ctx)
+    wres = loop(ctx)
     ctx.activity.enter(observe.EVAL)
     return RoleResult(worker=_worker_report(ctx, wres, _evaluate(ctx, wres.params)))
 
@@ -179,11 +201,9 @@ def nothing_to_train(ctx: Context) -> bool:
 
 def already_trained(ctx: Context) -> RoleResult:
     """A run with nothing to train: each rank evaluates what it starts from, and reports as usual."""
-    from mpitrain import server
-
     start = ctx.start
     if ctx.is_ps or ctx.local:
-        _, state, _ = server.begin(ctx)
+        _, state, _ = begin(ctx)
         state.ema = start.ema
         if ctx.rank != PS_RANK:
             return RoleResult(shard=shard_report(ctx, state))

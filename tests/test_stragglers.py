@@ -9,7 +9,7 @@ from mpitrain import observe
 from mpitrain.config import UsageError, parse_straggler
 from mpitrain.metrics import staleness_summary
 from mpitrain.optim import staleness_scaled_lr
-from mpitrain.worker import PACE_RUN, PACE_SLACK, PACE_WINDOW, ChiefPace
+from mpitrain.quorum import PACE_RUN, PACE_SLACK, PACE_WINDOW, ChiefPace
 
 DIGITS_NP4 = ["--epochs", "40"]
 
@@ -177,12 +177,14 @@ def test_staleness_scaled_lr():
 
 
 def test_staleness_rule_keeps_every_pending_gradient_within_the_bound():
-    from mpitrain.server import staleness_feasible
+    from mpitrain.asyncps import StalenessHold
 
+    staleness_feasible = StalenessHold(2).allows
     # 3 workers, S=2, all start on step 0's parameters; A was applied at step 0 (basis 1 now).
     # Applying A again at g=1 would leave B and C, both on step 0, needing steps 2 and 3: C at 3.
-    assert not staleness_feasible(1, [0, 0], 2)
+    assert not staleness_feasible(1, [0, 0])
     # B (basis 0) may go: then C (0) at step 2 and A (1) at step 3 are both 2 stale
-    assert staleness_feasible(1, [0, 1], 2)
-    assert staleness_feasible(0, [0, 0], 2)  # the first update of a run
-    assert not staleness_feasible(0, [0, 0, 0], 2)  # 4 workers on the same parameters need S >= 3
+    assert staleness_feasible(1, [0, 1])
+    assert staleness_feasible(0, [0, 0])  # the first update of a run
+    assert not staleness_feasible(0, [0, 0, 0])  # 4 workers on the same parameters need S >= 3
+    assert StalenessHold(None).allows(10**6, [0, 0, 0])  # no --max-staleness: anything goes

@@ -1,0 +1,418 @@
+"""Async mode, both sides: the parameter servers' serve loop (AsyncServer: rank 0, and with
+--num-ps K ranks 1..K-1 too, each over its slice of the parameters) and the workers' push/pull
+(AsyncWorker). Who runs what: trainer.ROLES.
+
+A server pre-posts one Irecv per worker; whichever gradient completes is applied and answered
+with fresh parameters, held back with --max-staleness while applying it would leave another
+worker's gradient too stale (StalenessHold). Rank 0 also does the chief's duties (chief.py) and
+gathers the other servers' slices only to evaluate or save (shards.py). A worker computes on the
+parameters it has, pushes its gradient to every server and receives the next parameters, with
+--overlap while it computes the next gradient.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from mpi4py import MPI
+
+from mpitrain import checkpoint
+from mpitrain.checkpoint import TrainState
+from mpitrain.chief import ChiefDuties, ServerState, record_lost
+from mpitrain.codec import decode, encode
+from mpitrain.faults import Kill
+from mpitrain.gradients import GradientSource, WorkerResult
+from mpitrain.guard import NON_FINITE, LossGuard
+from mpitrain.layout import PS_RANK
+from mpitrain.liveness import PeerLost
+from mpitrain.metrics import Progress
+from mpitrain.observe import APPLY, COMPUTE, PULL, PUSH, WAIT
+from mpitrain.optim import Optimizer, make_ema, staleness_scaled_lr
+from mpitrain.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_LAST, FLAG_STOP, TAG_GRAD, TAG_PARAMS,
+                               Message, ProtocolError)
+from mpitrain.runtime import Context, start_state
+from mpitrain.shards import Gather, ShardService, assemble
+from mpitrain.stopping import STOP
+from mpitrain.transport import PS_POLL_NO_OVERLAP_S, PS_POLL_S, WORKER_POLL_S, Poller, tested
+
+
+@dataclass(frozen=True)
+class StalenessHold:
+    """--max-staleness S as a decision without side effects: may a gradient be applied now, at
+    global step g, given the bases (the steps their parameters came from) of the other workers'
+    pending gradients? After it the others can at best follow oldest basis first, the k-th at step
+    g+k, so it needs g + k - basis <= S for each (earliest deadline first: the oldest pending
+    gradient always qualifies, so this cannot deadlock when S >= workers-1). None: unbounded."""
+
+    bound: int | None
+
+    def allows(self, global_step: int, other_bases: list[int]) -> bool:
+        if self.bound is None:
+            return True
+        return all(global_step + k - b <= self.bound for k, b in enumerate(sorted(other_bases), start=1))
+
+
+class AsyncServer:
+    """The async serve loop and its bookkeeping, one method per decision. With --num-ps K each
+    server runs one for its slice of the parameters (`self.params`, a view of `state.params`);
+    rank 0, the chief, also evaluates and saves, with the other slices gathered for it."""
+
+    def __init__(self, ctx: Context, progress: Progress):
+        cfg = ctx.cfg
+        self.ctx, self.cfg, self.comm, self.progress = ctx, cfg, ctx.comm, progress
+        self.chief = ctx.rank == PS_RANK
+        shard, W = ctx.shard, ctx.workers
+        n = shard.stop - shard.start
+        self.duties = ChiefDuties(ctx, progress)  # rank 0's; another server keeps only its state
+        start, self.state, self.ckpt = self.duties.start, self.duties.state, self.duties.ckpt
+        self.hold = StalenessHold(cfg.max_staleness)
+        self.params = self.state.params[shard]  # this server's slice, updated in place
+        self.opt = Optimizer(cfg.optimizer, n, np, momentum=cfg.momentum)
+        self.guard = LossGuard(cfg.divergence_factor)
+        self.opt.restore(start.opt_t, {k: a[shard] for k, a in start.opt_state.items()})
+        self.ema = make_ema(cfg.ema_decay, self.params, np, start.global_step,
+                            None if start.ema is None else start.ema[shard])
+        wire = cfg.wire_dtype
+        self.inbox = [Message(n, dtype=wire) for _ in range(W)]
+        self.outbox = [Message(n, dtype=wire) for _ in range(W)]
+        self.message_bytes = self.inbox[0].buf.nbytes if W else 0
+        # float16 / bfloat16 gradients are widened once, so the optimizer only ever sees float32.
+        self.grad32 = np.empty(n, np.float32) if wire != np.float32 else None
+        self.worker_ranks = list(ctx.layout.worker_ranks)  # worker w is MPI rank worker_ranks[w]
+        self.recv = [self.comm.Irecv(self.inbox[w].spec(), source=r, tag=TAG_GRAD) for w, r in enumerate(self.worker_ranks)]
+        self.sends = [MPI.REQUEST_NULL] * W
+        # With --overlap a reply is not awaited until the worker's next gradient is computed, so
+        # rank 0 can sleep longer between polls and leave the cores to the workers.
+        self.poller = Poller(PS_POLL_S if cfg.effective_overlap else PS_POLL_NO_OVERLAP_S, ctx.watch)
+        self.gather = Gather(ctx, self.poller) if self.chief else None  # the other servers' slices
+        self.service = None if self.chief else ShardService(ctx, n)  # rank 0's requests for this slice
+        self.active = set(range(W))  # workers not yet told to stop
+        self.held: list[int] = []  # gradients received, not yet applied (--max-staleness)
+        self.basis = [self.state.global_step] * W  # version each worker's next gradient is computed on
+        self.stopping = False
+
+    def run(self) -> ServerState:
+        while self.active:
+            try:
+                self._serve_once()
+            except PeerLost as e:  # silent past --worker-timeout, or its message failed in MPI
+                self._lose(e.lost)
+        self._drain_sends()
+        self.duties.finish()
+        if self.chief:
+            final = self._full_state(FLAG_STOP)
+            self.state.params, self.state.ema = final.params, final.ema
+            self.duties.save(final, final=True)  # the final checkpoint
+        else:
+            self.service.finish(self._own_state(), self.poller)
+            self.state.ema = self._ema_avg
+        return self.state
+
+    def _serve_once(self) -> None:
+        """Apply what may be applied, then wait for the next gradients (and, on a server other
+        than rank 0, for rank 0's request for this slice). A stop request (a signal here, or in
+        a message's header) stops every worker at its next gradient, as --steps does."""
+        self.stopping = self.stopping or STOP.requested
+        self._apply_held()
+        if self.held and not any(self.recv[w] for w in self.active):
+            self._apply(self._oldest_held())  # never reached with S >= W-1; no hang regardless
+            return
+        self.ctx.activity.enter(WAIT)
+        reqs = self.recv if self.chief else self.recv + [self.service.req]
+        done = self.poller.some(reqs)
+        if done.failed:  # a gradient from a process that died while sending it: never applied
+            self._lose({(self.worker_ranks[w] if w < len(self.recv) else PS_RANK): why for w, why in done.failed.items()})
+        for w in done.arrived:
+            if w == len(self.recv):
+                self.service.handle(self._own_state(), self.poller)
+                continue
+            self.ctx.watch.heard(self.worker_ranks[w])
+            if self.inbox[w].flags & FLAG_STOP:  # the worker leaves: another server stopped it
+                self.inbox[w].check(TAG_GRAD, self.worker_ranks[w], count=0)
+                self.active.discard(w)
+                continue
+            self.inbox[w].check(TAG_GRAD, self.worker_ranks[w])
+            self.state.bytes_in += self.message_bytes
+            self.held.append(w)
+
+    def _lose(self, lost: dict[int, str]) -> None:
+        """Carry on without these workers: their gradients in flight are dropped, nothing is sent
+        to them again, and the budget is finished by the others. A lost server cannot be done
+        without (its slice of the parameters is gone): PeerLost ends the job (trainer.py)."""
+        servers = {r: why for r, why in lost.items() if self.ctx.layout.is_server(r)}
+        if servers:
+            raise PeerLost(servers)
+        for rank, why in lost.items():
+            w = self.ctx.layout.worker_index(rank)
+            self.ctx.watch.declare(rank, why)
+            if any(info["rank"] == rank for info in self.state.lost_workers):
+                continue
+            self.active.discard(w)
+            if w in self.held:
+                self.held.remove(w)
+            # Requests to or from a dead process never complete: dropped (never waited on), and
+            # the job ends without MPI_Finalize, which would wait for them (see trainer.py).
+            self.recv[w] = MPI.REQUEST_NULL
+            self.sends[w] = MPI.REQUEST_NULL
+            record_lost(self.state, rank, why, f"; continuing with {len(self.active)} worker(s)" if self.active else "",
+                        loud=self.chief)
+
+    def _drain_sends(self) -> None:
+        """Wait for the last replies, giving up on any worker lost meanwhile."""
+        while True:
+            try:
+                self.poller.all(self.sends, self.worker_ranks)
+                return
+            except PeerLost as e:
+                self._lose(e.lost)
+
+    @property
+    def _ema_avg(self) -> np.ndarray | None:
+        return self.ema.avg if self.ema else None
+
+    def _own_state(self) -> TrainState:
+        """This server's slice of the training state (the whole of it with one server)."""
+        st = self.state
+        return TrainState(self.params, st.global_step, self.opt.t, dict(self.opt.state), list(st.local_steps),
+                          self._ema_avg)
+
+    def _full_state(self, flags: int) -> TrainState:
+        """Rank 0: the whole training state, the other servers' slices asked for (`flags` say
+        why: FLAG_EVAL, FLAG_CKPT, FLAG_STOP). With one server, its own state as it is."""
+        own = self._own_state()
+        if not self.gather:
+            return own
+        pieces = self.gather.ask_all(own.global_step, flags)
+        names, n = self.gather.names, self.ctx.model.n_params
+        mine = (self.ctx.shard, checkpoint.to_flat(own, names))
+        return assemble([mine] + pieces, names, n, own.global_step, own.opt_t, own.positions)
+
+    def _oldest_held(self) -> int:
+        return min(self.held, key=lambda w: self.inbox[w].step)
+
+    def _may_apply(self, w: int) -> bool:
+        """--max-staleness: whether w's gradient may be applied now (StalenessHold). With --num-ps
+        each server holds its own count."""
+        return self.hold.allows(self.state.global_step, [self.basis[u] for u in self.active if u != w])
+
+    def _apply_held(self) -> None:
+        progressed = True
+        while self.held and progressed:
+            progressed = False
+            if self.stopping:
+                for w in list(self.held):
+                    self.held.remove(w)
+                    self._reply(w, stop=True)
+                return
+            w = self._oldest_held()
+            if self._may_apply(w):
+                self._apply(w)
+                progressed = True
+
+    def _apply(self, w: int) -> None:
+        cfg, state, msg = self.cfg, self.state, self.inbox[w]
+        self.held.remove(w)
+        why = NON_FINITE if not math.isfinite(msg.loss) else self.guard.exploded(msg.loss)
+        if why:  # diverged: never applied, and every worker is stopped
+            state.diverged = {"global_step": state.global_step, "ranks": [self.worker_ranks[w]], "loss": msg.loss,
+                              "why": why}
+            self.stopping = True
+            self._reply(w, stop=True)
+            return
+        staleness = state.global_step - msg.step
+        self.ctx.activity.enter(APPLY, state.global_step)
+        lr = self.ctx.lr_at(state.global_step)
+        if cfg.staleness_lr:
+            lr = staleness_scaled_lr(lr, staleness)
+        grad = msg.payload
+        if self.grad32 is not None:
+            decode(np, grad, self.grad32)
+            grad = self.grad32
+        self.opt.step(self.params, grad, lr)
+        if self.ema:
+            self.ema.update(self.params)
+        state.global_step += 1
+        state.local_steps[w] += 1
+        state.staleness[staleness] += 1
+        state.recent_losses.append(msg.loss)
+        if self.chief:
+            self._chief_duties(msg.loss, staleness)
+        # --steps counts rank 0's updates, the run's global step. Another server's count can run ahead
+        # of it (a worker that died half-way through a push delivered that server's part only:
+        # measured by chaos, the run then ended at 999 of 1000), so only rank 0 stops at the budget;
+        # the workers it stops leave the other servers.
+        self.stopping = STOP.requested or (self.chief and cfg.steps is not None and state.global_step >= cfg.steps)
+        self._reply(w, stop=self.stopping or bool(msg.flags & FLAG_LAST))
+
+    def _chief_duties(self, loss: float, staleness: int) -> None:
+        """Rank 0 after each update: the bar, the log, --eval-every and checkpoints."""
+        state, step, duties = self.state, self.state.global_step, self.duties
+        duties.stepped(step, loss, staleness=staleness, local_steps=list(state.local_steps))
+        # The budget's last step is saved once, at the end (run): with --num-ps the other servers
+        # may not have applied their last gradients yet, and a save of the same step is skipped.
+        evaluate, save = duties.eval_due(step), duties.save_due(step) and step < self.ctx.global_step_budget
+        if not (evaluate or save):
+            return
+        whole = self._full_state((FLAG_CKPT if save else 0) | (FLAG_EVAL if evaluate else 0))
+        if save:
+            duties.save(whole)
+        if evaluate:
+            duties.evaluate(whole, step)
+
+    def _reply(self, w: int, stop: bool) -> None:
+        state = self.state
+        self.ctx.activity.enter(PUSH)
+        rank = self.worker_ranks[w]
+        if not tested(self.sends[w], rank, self.ctx.watch):  # consumed before this push: done at once
+            self.poller.all([self.sends[w]], [rank])
+        reply = self.outbox[w]
+        encode(np, self.params, reply.payload)  # a copy (narrowed with --compress): params change in flight
+        flags = (FLAG_STOP | (FLAG_DIVERGED if state.diverged else 0)) if stop else 0
+        reply.stamp(TAG_PARAMS, state.global_step, state.local_steps[w], flags)
+        self.sends[w] = self.comm.Isend(reply.spec(), dest=rank, tag=TAG_PARAMS)
+        state.bytes_out += self.message_bytes
+        self.basis[w] = state.global_step
+        if stop:
+            self.active.discard(w)
+        else:
+            self.recv[w] = self.comm.Irecv(self.inbox[w].spec(), source=rank, tag=TAG_GRAD)
+
+
+def serve(ctx: Context, progress: Progress) -> ServerState:
+    """Rank 0 in async mode: serve its shard (all of the parameters with one server)."""
+    return AsyncServer(ctx, progress).run()
+
+
+def serve_shard(ctx: Context) -> ServerState:
+    """A server other than rank 0 (--num-ps) in async mode: the same loop over its slice, no bar."""
+    return AsyncServer(ctx, Progress(False, None, ctx.global_batch)).run()
+
+
+
+
+class AsyncWorker:
+    """Pull/compute/push, shaped like AsyncServer: the buffers and counters are fields,
+    one method per step of the exchange. With --overlap (default) the reply to push k is
+    received while the gradient of step k+1 is computed, so a worker never idles on the round
+    trip; each gradient is then computed on parameters one exchange older. --no-overlap waits for
+    every reply. With --num-ps K each push and pull is K messages, one per server, each over its
+    slice of the one flat buffer (protocol.Message.shard_parts: received in place; sent from a
+    copy but for the first server's); the servers count their own versions, and a worker stops
+    when any server stops it (telling the others it leaves)."""
+
+    def __init__(self, ctx: Context):
+        be = ctx.backend
+        self.ctx, self.model, self.be, self.comm, self.act = ctx, ctx.model, be, ctx.comm, ctx.activity
+        n, wire = ctx.model.n_params, ctx.cfg.wire_dtype
+        self.overlap = ctx.cfg.effective_overlap
+        self.servers = list(ctx.layout.server_ranks)
+        slices = ctx.layout.shard_slices(n)
+        inbox = [Message(n, be.host_alloc, wire), Message(n, be.host_alloc, wire)]  # current / next parameters
+        outbox = [Message(n, be.host_alloc, wire), Message(n, be.host_alloc, wire)]  # alternating: one in flight
+        self.inbox = inbox
+        self.inparts = [m.shard_parts(slices) for m in inbox]  # [buffer][server]; with one server, the buffers
+        self.outparts = [m.shard_parts(slices, sending=True) for m in outbox]
+        self.outbox = outbox
+        self.peers = self.servers + self.servers  # of reqs: a receive from each server, then a send to each
+        # NumPy + float32: compute straight from the receive buffer and into the send buffer.
+        self.zero_copy = be.mirror(inbox[0].payload) is inbox[0].payload
+        start = start_state(ctx)
+        if self.zero_copy:
+            inbox[0].payload[:] = start.params
+            self.params = inbox[0].payload
+        else:
+            self.params = be.asarray(start.params)
+        self.grads = [be.mirror(m.payload) for m in outbox]
+        self.cur = 0  # which inbox holds the parameters in use
+        self.versions = [start.global_step] * len(self.servers)  # each server's step of those parameters
+        self.source = GradientSource(ctx, start.position(ctx.worker_index))
+        self.poller = Poller(WORKER_POLL_S, ctx.watch)
+        self.kill = Kill(ctx.rank)
+        self.reqs: list = []  # the exchange in flight: a receive from each server, then a send to each
+        self.pushed = 0
+        self.sent_last = False
+        self.diverged: dict = {}  # filled when a server stops the run because a loss diverged
+
+    def run(self) -> WorkerResult:
+        # Resumed with its own epochs done (the others' are not): a gradient now would train past
+        # the budget, so it leaves at once.
+        running = not self.source.exhausted
+        if not running:
+            self._leave(self.servers)
+        while running:
+            if self.reqs and (not self.overlap or self.sent_last):
+                if self._adopt_reply():
+                    break
+                if self.sent_last:
+                    raise ProtocolError("the parameter server did not stop this worker after its last gradient")
+            slot = self.pushed % 2
+            loss, used_versions = self._compute(slot)
+            if self.reqs and self._adopt_reply():
+                break  # the gradient just computed is not pushed: training is over
+            self._push(slot, loss, used_versions)
+        for part in self.inparts[0] + self.inparts[1] + self.outparts[0] + self.outparts[1]:
+            part.free()
+        return WorkerResult(self.pushed, self.be.to_host(self.params).copy(), self.act.times(),
+                            diverged=self.diverged or None)
+
+    def _compute(self, slot: int) -> tuple[float, list[int]]:
+        """The next minibatch's gradient into outbox `slot`; its loss and the versions it used."""
+        self.act.enter(COMPUTE, self.versions[0])
+        used_versions = self.versions
+        grad = self.grads[slot]
+        loss = self.source.compute(self.params, grad)
+        self.be.download(grad, self.outbox[slot].payload)
+        self.act.stepped()
+        return loss, used_versions
+
+    def _push(self, slot: int, loss: float, used_versions: list[int]) -> None:
+        """Send the gradient in outbox `slot` to every server and post the receives of their replies."""
+        last = self.source.exhausted
+        self.kill.at(self.pushed + 1)
+        self.act.enter(PUSH)
+        for part, version in zip(self.outparts[slot], used_versions):
+            part.refresh()
+            part.stamp(TAG_GRAD, version, self.pushed + 1, FLAG_LAST if last else 0, loss)
+        comm, nxt = self.comm, self.inparts[1 - self.cur]
+        self.reqs = ([comm.Irecv(part.spec(), source=rank, tag=TAG_PARAMS) for part, rank in zip(nxt, self.servers)]
+                     + [comm.Isend(part.spec(), dest=rank, tag=TAG_GRAD)
+                        for part, rank in zip(self.outparts[slot], self.servers)])
+        self.pushed += 1
+        self.sent_last = last
+
+    def _adopt_reply(self) -> bool:
+        """Wait for the exchange in flight; make its replies the current parameters. True when
+        told to stop."""
+        self.act.enter(PULL)
+        self.poller.all(self.reqs, self.peers)
+        self.reqs = []
+        nxt = 1 - self.cur
+        for part, rank in zip(self.inparts[nxt], self.servers):
+            part.check(TAG_PARAMS, rank)
+        self.cur = nxt
+        if self.zero_copy:
+            self.params = self.inbox[nxt].payload
+        else:
+            self.be.upload(self.params, self.inbox[nxt].payload)
+        parts = self.inparts[nxt]
+        self.versions = [part.step for part in parts]
+        if any(part.flags & FLAG_DIVERGED for part in parts):
+            self.diverged["global_step"] = self.versions[0]
+        stopped = [bool(part.flags & FLAG_STOP) for part in parts]
+        if any(stopped) and not all(stopped):
+            self._leave([rank for rank, stop in zip(self.servers, stopped) if not stop])
+        return any(stopped)
+
+    def _leave(self, ranks: list[int]) -> None:
+        """Another server stopped this worker (--steps reached there first): these ones, still
+        waiting for its next gradient, get a header-only goodbye instead."""
+        bye = Message(0)
+        bye.stamp(TAG_GRAD, self.versions[0], self.pushed, FLAG_STOP)
+        self.poller.all([self.comm.Isend(bye.spec(), dest=rank, tag=TAG_GRAD) for rank in ranks], ranks)
+
+
+def work(ctx: Context) -> WorkerResult:
+    """A worker in async mode."""
+    return AsyncWorker(ctx).run()

@@ -1,0 +1,160 @@
+"""Rank 0's duties, whoever trains: the run's state as rank 0 keeps it (ServerState), the start
+state, and after each global step the bar, the log, --eval-every and checkpoints (ChiefDuties).
+The async server (asyncps.py), rank 0's sync follower (sync.py) and the local run (local.py) each
+hand their steps to one ChiefDuties; the other servers (--num-ps) keep a ServerState too.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mpitrain.checkpoint import Checkpointer, TrainState
+from mpitrain.console import say
+from mpitrain.gradients import LOSS_WINDOW
+from mpitrain.layout import PS_RANK
+from mpitrain.metrics import Progress, RunLog
+from mpitrain.observe import CHECKPOINT, EVAL, attribute, step_time_from_beat
+from mpitrain.runtime import Context, start_state
+
+
+@dataclass
+class ServerState:
+    params: np.ndarray
+    global_step: int = 0
+    local_steps: list[int] = field(default_factory=list)
+    recent_losses: deque = field(default_factory=lambda: deque(maxlen=LOSS_WINDOW))
+    staleness: Counter = field(default_factory=Counter)  # staleness -> applied gradients
+    eval_history: list[dict] = field(default_factory=list)
+    checkpoints: list[str] = field(default_factory=list)  # written by this run, oldest first
+    ema: np.ndarray | None = None  # --ema-decay: the averaged parameters at the end
+    start_step: int = 0  # > 0 when resumed
+    diverged: dict | None = None  # {"global_step", "ranks", "loss"} once a loss was not finite
+    log: RunLog | None = None  # --log-dir
+    lost_workers: list[dict] = field(default_factory=list)  # async: workers declared lost, in order
+    train_s: float = 0.0
+    busy_fraction: float = 0.0
+    bytes_in: int = 0  # message bytes this server received and sent while training (--num-ps rows)
+    bytes_out: int = 0
+
+    @property
+    def final_loss(self) -> float:
+        return float(np.mean(self.recent_losses)) if self.recent_losses else float("nan")
+
+
+def begin(ctx: Context) -> tuple[TrainState, ServerState, Checkpointer]:
+    """The start state (fresh or resumed, broadcast to the workers), rank 0's view of it, and the
+    checkpointer (which will not save the step it resumed from again)."""
+    start = start_state(ctx)
+    state = ServerState(start.params, global_step=start.global_step, local_steps=list(start.positions),
+                        start_step=start.global_step)
+    cfg = ctx.cfg
+    if cfg.log_dir and ctx.rank == PS_RANK:
+        state.log = RunLog(cfg.log_dir, {"mode": "local" if ctx.local else cfg.mode, "model": ctx.model.description,
+                                         "dataset": ctx.data.name, "world_size": ctx.size, "workers": ctx.workers,
+                                         "start_step": start.global_step}, cfg.log_every)
+    ckpt = Checkpointer(ctx.cfg, ctx.fingerprint)
+    ckpt.mark(start.global_step)
+    state.checkpoints = ckpt.saved  # the same list: it grows as rank 0 saves
+    return start, state, ckpt
+
+
+class Clock:
+    """Wall and CPU time of rank 0 over training: busy fraction = CPU / wall."""
+
+    def __init__(self):
+        self.wall0, self.cpu0 = time.perf_counter(), time.process_time()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.wall0
+
+    def stop(self, state: ServerState) -> None:
+        state.train_s = self.elapsed()
+        state.busy_fraction = (time.process_time() - self.cpu0) / max(state.train_s, 1e-9)
+
+
+def record_eval(ctx: Context, state: ServerState, clock: Clock, params: np.ndarray, step: int,
+                ema: np.ndarray | None = None) -> None:
+    """--eval-every: test-set loss and accuracy of rank 0's parameters (and of their moving
+    average), with the wall time."""
+    ctx.activity.enter(EVAL)
+    loss, acc, _ = ctx.model.evaluate(params, ctx.data.x_test, ctx.data.y_test)
+    entry = {"global_step": step, "seconds": clock.elapsed(), "test_accuracy": acc, "test_loss": loss}
+    if ema is not None:
+        entry["ema_test_loss"], entry["ema_test_accuracy"], _ = ctx.model.evaluate(ema, ctx.data.x_test, ctx.data.y_test)
+    state.eval_history.append(entry)
+    if state.log:
+        state.log.eval(entry)
+
+
+def log_train(ctx: Context, state: ServerState, clock: Clock, step: int, loss: float, force: bool = False,
+              **extra) -> None:
+    """--log-dir: the training scalars at a global step (loss, lr, samples/s, each worker's step
+    time from its heartbeats, and what the caller adds)."""
+    if state.log is None or not (force or state.log.due(step)):
+        return
+    lr = ctx.lr_at(step)
+    rate = (step - state.start_step) * ctx.global_batch / max(clock.elapsed(), 1e-9)
+    state.log.train(step, True, loss=loss, lr=lr, samples_per_second=rate, **extra)
+    rows, _ = attribute(beat_step_times(ctx), ctx.cfg.straggler_report)
+    if rows:
+        state.log.workers(step, rows)
+
+
+def seen_workers(ctx: Context) -> dict[int, tuple]:
+    """Watch.seen() of the workers only (rank 0 also watches the other servers, --num-ps)."""
+    return {r: seen for r, seen in ctx.watch.seen().items() if not ctx.layout.is_server(r)}
+
+
+def beat_step_times(ctx: Context) -> dict[int, dict]:
+    """Each worker's step time as its last heartbeat told it."""
+    return {r: step_time_from_beat(b) for r, (b, _, _) in seen_workers(ctx).items() if b is not None}
+
+
+def record_lost(state: ServerState, rank: int, why: str, then: str = "", loud: bool = True) -> None:
+    """A worker declared lost: in the summary (lost_workers), on stderr (rank 0's line; `loud`),
+    and in the log."""
+    info = {"rank": rank, "global_step": state.global_step, "reason": why}
+    state.lost_workers.append(info)
+    if loud:
+        say(f"mpitrain: worker rank {rank} lost at global step {state.global_step} ({why}){then}", sys.stderr)
+    if state.log:
+        state.log.event("worker_lost", **info)
+
+
+class ChiefDuties:
+    """Rank 0 after each global step, the same whatever the mode: the bar and the log
+    (`stepped`), test accuracy at --eval-every (`evaluate`) and checkpoints (`save`), with the
+    run's ServerState (`state`), its start state and wall clock. The caller says when: it knows
+    where the whole state is (its own, gathered from the other servers, or sent by the chief
+    worker)."""
+
+    def __init__(self, ctx: Context, progress: Progress):
+        self.ctx, self.progress = ctx, progress
+        self.start, self.state, self.ckpt = begin(ctx)
+        self.clock = Clock()
+
+    def stepped(self, step: int, loss: float, force_log: bool = False, **log_extra) -> None:
+        self.progress.update(step, loss)
+        log_train(self.ctx, self.state, self.clock, step, loss, force=force_log, **log_extra)
+
+    def eval_due(self, step: int) -> bool:
+        return self.ctx.eval_due(step)
+
+    def save_due(self, step: int) -> bool:
+        return self.ckpt.due(step)
+
+    def evaluate(self, whole: TrainState, step: int) -> None:
+        record_eval(self.ctx, self.state, self.clock, whole.params, step, whole.ema)
+
+    def save(self, whole: TrainState, final: bool = False) -> None:
+        self.ctx.activity.enter(CHECKPOINT, whole.global_step)
+        self.ckpt.save(whole, final=final)
+
+    def finish(self) -> ServerState:
+        self.clock.stop(self.state)
+        return self.state

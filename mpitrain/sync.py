@@ -1,0 +1,328 @@
+"""Sync mode: the Allreduce step every worker takes (SyncStep), the workers' loop (train; the
+first worker also reports to rank 0: work), rank 0's follower of that chief worker
+(follow_chief) and the other servers' loop (keep_shard, --num-ps). --quorum's loop is in
+quorum.py and shares SyncStep. Who runs what: trainer.ROLES.
+
+Rank 0 is not in the gradient Allreduce: the workers average among themselves on their own
+communicator and apply identical updates, so replicas stay bitwise identical. The chief worker
+sends rank 0 a status for the bar, and its state at eval, checkpoint and end (each server its
+slice), all on one tag.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+
+import numpy as np
+from mpi4py import MPI
+
+from mpitrain import checkpoint
+from mpitrain.checkpoint import Checkpointer, TrainState, state_arrays, to_flat
+from mpitrain.chief import ChiefDuties, Clock, ServerState, begin
+from mpitrain.codec import wire_sum
+from mpitrain.faults import Kill
+from mpitrain.gradients import LOSS_WINDOW, GradientSource, WorkerResult, mean_loss
+from mpitrain.guard import NON_FINITE, LossGuard
+from mpitrain.layout import PS_RANK
+from mpitrain.liveness import CHECK_EVERY_S as VERDICT_POLL_S
+from mpitrain.liveness import PeerLost
+from mpitrain.metrics import Progress
+from mpitrain.observe import ALLREDUCE, APPLY, COMPUTE, PUSH, WAIT
+from mpitrain.optim import Optimizer, make_ema
+from mpitrain.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_STOP, TAG_SHARD, TAG_STATUS, Message,
+                               ProtocolError)
+from mpitrain.runtime import Context, start_state
+from mpitrain.shards import Gather, assemble, cut
+from mpitrain.stopping import STOP
+from mpitrain.transport import CHIEF_POLL_S, WORKER_POLL_S, Poller, collective_poll_s, tested
+from mpitrain.waiting import poll
+
+SYNC_SLOTS = 3  # behind a sync step's gradient: loss, weight, stop vote (SyncStep)
+STATUS_EVERY_S = 0.2  # sync chief -> PS progress reports; off the hot path
+
+
+class SyncStep:
+    """One synchronous update: average the workers' gradients with Allreduce, then apply the same
+    optimizer step on every worker, so replicas stay bitwise identical. The buffer is
+    [gradient..., loss, weight, stop]: the loss rides along so every worker knows the mean loss, the
+    weight (1 from each worker) so the sum divides by the number of gradients in it, and the stop
+    vote (1 from a worker that knows of a stop request) so that every worker stops after the same
+    step (`stop`). --quorum sums its gradients on the chief worker instead (QuorumChief) and every
+    worker `apply`s the mean."""
+
+    def __init__(self, ctx: Context, params, start: TrainState | None = None):
+        cfg, be, model = ctx.cfg, ctx.backend, ctx.model
+        self.ctx, self.params = ctx, params
+        n = model.n_params
+        self.n = n
+        self.buf = be.xp.zeros(n + SYNC_SLOTS, be.xp.float32)
+        wire = np.dtype(cfg.wire_dtype)
+        # What travels: the buffer itself (NumPy or CUDA-aware, float32), else a staged copy.
+        self.wire = None
+        if wire != np.float32 or (be.is_gpu and not be.cuda_aware):
+            self.wire = be.host_alloc(wire.itemsize * (n + SYNC_SLOTS)).view(wire)
+        self.mpi_type, self.op = wire_sum(cfg.compress)
+        self.opt = Optimizer(cfg.optimizer, n, be.xp, momentum=cfg.momentum)
+        self.ema = None
+        self.own_loss = 0.0  # this worker's own minibatch loss in the step being reduced
+        self.guard = LossGuard(cfg.divergence_factor)  # on the mean loss: every worker decides alike
+        self.why: str | None = None  # set when the step just reduced diverged (and was not applied)
+        self.stop = False  # set when the step just reduced is the last: a stop was requested (stopping.py)
+        if start is not None:
+            self.opt.restore(start.opt_t, start.opt_state)
+            if ctx.worker_index == 0:  # the chief (or the local run) keeps the moving average
+                self.ema = make_ema(cfg.ema_decay, params, be.xp, start.global_step, start.ema)
+        self.comm = ctx.worker_comm
+        self.activity = ctx.activity
+        # Always nonblocking and watched: a blocking Allreduce cannot notice that rank 0 died (the
+        # workers would wait for a peer that has already stopped). It spins, as MPICH's blocking
+        # one does, unless ranks outnumber cores (--wait; transport.collective_poll_s).
+        self.waiter = Poller(collective_poll_s(ctx.cfg.wait, ctx.node.oversubscribed), ctx.watch)
+
+    def train_state(self, step: int) -> TrainState:
+        """Host copies of what a checkpoint needs (plain sync: every worker is at `step`)."""
+        def host(a):
+            return None if a is None else np.array(self.ctx.backend.to_host(a), np.float32)
+
+        return TrainState(host(self.params), step, self.opt.t, {k: host(a) for k, a in self.opt.state.items()},
+                          [step] * self.ctx.workers, host(self.ema.avg) if self.ema else None)
+
+    def compute(self, source: GradientSource) -> float:
+        """This worker's gradient on the current parameters, weight 1."""
+        loss = source.compute(self.params, self.buf[: self.n])
+        self._weigh(loss)
+        return loss
+
+    def _weigh(self, loss: float) -> None:
+        self.own_loss = loss
+        self.buf[self.n] = loss
+        self.buf[self.n + 1] = 1.0
+        self.buf[self.n + 2] = 1.0 if STOP.requested else 0.0
+
+    def _allreduce(self, spec, op) -> None:
+        done = self.waiter.some([self.comm.Iallreduce(MPI.IN_PLACE, spec, op=op)])
+        if done.failed:
+            await_verdict(self.ctx, done.failed[0])
+
+    def reduce_and_apply(self, step: int) -> float:
+        """Sum over workers, divide by the summed weight, apply; returns the mean loss."""
+        be, buf = self.ctx.backend, self.buf
+        if self.comm is not None and self.comm.Get_size() > 1:
+            self.activity.enter(ALLREDUCE)
+            if self.wire is not None:
+                be.download(buf, self.wire)
+                self._allreduce([self.wire, self.mpi_type], self.op)
+                be.upload(buf, self.wire)
+            else:
+                be.download(buf, buf)  # NumPy: nothing; CUDA-aware: finish compute before MPI reads
+                self._allreduce([buf, MPI.FLOAT], MPI.SUM)
+            buf *= be.xp.float32(1.0) / buf[self.n + 1]
+        self.stop = bool(buf[self.n + 2] > 0)  # the same sum on every worker: all stop after this step
+        if self.stop:
+            STOP.request()
+        return self.apply(step)
+
+    def apply(self, step: int) -> float:
+        """Apply the mean gradient in buf (mean loss behind it) as update `step`, unless that loss
+        says the run diverged (`why`); returns the mean loss."""
+        ctx, buf = self.ctx, self.buf
+        self.activity.enter(APPLY)
+        loss = float(buf[self.n])
+        self.why = NON_FINITE if not math.isfinite(loss) else self.guard.exploded(loss)
+        if self.why:
+            return loss  # diverged: every worker sees the same mean, and none applies it
+        self.opt.step(self.params, buf[: self.n], ctx.lr_at(step))
+        if self.ema:
+            self.ema.update(self.params)
+        return loss
+
+
+def train(ctx: Context, start: TrainState, on_step=None) -> WorkerResult:
+    """The plain sync loop, shared by sync workers and the local (one-process) run, from global
+    step `start.global_step` (a resumed run) to the budget. `on_step(step, loss, sync_step)` reports
+    each step: to rank 0 (chief worker) or to the bar and checkpoints (local)."""
+    be = ctx.backend
+    params = be.asarray(start.params)
+    step_fn = SyncStep(ctx, params, start)
+    source = GradientSource(ctx, start.position(ctx.worker_index))
+    kill, act = Kill(ctx.rank), ctx.activity
+    total = ctx.global_step_budget
+    recent = deque([float("nan")], maxlen=LOSS_WINDOW)  # nan only if resumed at the budget
+    done = max(total, start.global_step)
+    for step in range(start.global_step, total):
+        act.enter(COMPUTE, step)
+        kill.at(step - start.global_step + 1)
+        step_fn.compute(source)
+        act.stepped()
+        loss = step_fn.reduce_and_apply(step)
+        if step_fn.why:
+            return sync_result(step_fn, step, loss, act.times(), contributed=step)
+        recent.append(loss)
+        if on_step is not None:
+            on_step(step + 1, loss, step_fn)
+        if step_fn.stop:
+            done = step + 1
+            break
+    return sync_result(step_fn, done, mean_loss(recent), act.times(), contributed=done)
+
+
+def sync_result(step_fn: SyncStep, step: int, loss: float, timing: dict, contributed: int,
+                 dropped: int = 0) -> WorkerResult:
+    """What a sync worker (or the local run) reports at global step `step`. When the step
+    diverged (step_fn.why) update `step` was not applied: the state is the last good one, and
+    whether this worker's own loss was the culprit goes to rank 0."""
+    state = step_fn.train_state(step)  # host copies; its params are the result's params
+    diverged = None
+    if step_fn.why:
+        diverged = {"global_step": step, "loss": loss, "why": step_fn.why,
+                    "mine": not math.isfinite(step_fn.own_loss)}
+    return WorkerResult(step, state.params, timing, dropped, contributed, loss, state, diverged)
+
+
+def await_verdict(ctx: Context, why: str) -> None:
+    """The gradient Allreduce failed: a worker died in the middle of it. Rank 0 notices within
+    --worker-timeout and ends the job naming that worker (sync cannot go on without it); a worker
+    that stopped here on its own would be taken for a second lost one. So wait for rank 0, still
+    watching it: if it is gone too, PeerLost ends this rank."""
+    if not ctx.watch.watched:  # --worker-timeout 0: nobody will decide
+        raise PeerLost({PS_RANK: f"the gradient Allreduce failed ({why}) and --worker-timeout is 0"})
+    poll(lambda: False, VERDICT_POLL_S, ctx.watch)  # ends in PeerLost (rank 0's Abort ends this process first)
+
+
+def work(ctx: Context, loop=train) -> WorkerResult:
+    """A sync worker, training with `loop` (`train`, or quorum.train with --quorum; trainer.ROLES
+    chooses). The first worker (the chief) also keeps rank 0 informed, all on one tag so
+    the messages arrive in order: a header-only status every STATUS_EVERY_S; its parameters and
+    optimizer state at --eval-every and checkpoint steps; the same, flagged STOP, at the end.
+    With --num-ps K the state goes to the K servers, each its slice (shards.py)."""
+    start = start_state(ctx)
+    if ctx.worker_index != 0:
+        return loop(ctx, start)
+    n = ctx.model.n_params
+    names = state_arrays(ctx.cfg)
+    servers = list(ctx.layout.server_ranks)
+    slices = ctx.layout.shard_slices(n)
+    status = Message(0)
+    fulls = [Message((s.stop - s.start) * len(names)) for s in slices]  # one per server
+    pending = [MPI.REQUEST_NULL] * (1 + len(servers))  # one status, one full message per server in flight at most
+    last_sent = [0.0]
+    ckpt = Checkpointer(ctx.cfg, ctx.fingerprint)  # only decides when; rank 0 writes
+    waiter = Poller(WORKER_POLL_S, ctx.watch)  # a full message waits for its server: never a dead one
+
+    def send_full(state: TrainState, flags: int, loss: float) -> None:
+        ctx.activity.enter(PUSH)
+        waiter.all(pending[1:], servers)
+        flat = to_flat(state, names)
+        for k, (full, s, rank) in enumerate(zip(fulls, slices, servers), 1):
+            cut(flat, names, n, s, full.payload)
+            full.stamp(TAG_STATUS, state.global_step, state.global_step, flags, loss)
+            pending[k] = ctx.comm.Isend(full.spec(), dest=rank, tag=TAG_STATUS)
+
+    def report(step: int, loss: float, sync_step: SyncStep) -> None:
+        flags = (FLAG_EVAL if ctx.eval_due(step) else 0) | (FLAG_CKPT if ckpt.due(step) else 0)
+        if flags:
+            if flags & FLAG_CKPT:
+                ckpt.mark(step)
+            send_full(sync_step.train_state(step), flags, loss)
+            return
+        now = time.perf_counter()
+        if now - last_sent[0] < STATUS_EVERY_S or not tested(pending[0], PS_RANK, ctx.watch):
+            return  # rate-limited, and never more than one status in flight
+        status.stamp(TAG_STATUS, step, step, 0, loss)
+        pending[0] = ctx.comm.Isend(status.spec(), dest=PS_RANK, tag=TAG_STATUS)
+        last_sent[0] = now
+
+    result = loop(ctx, start, report)
+    send_full(result.train_state, FLAG_STOP | (FLAG_DIVERGED if result.diverged else 0), result.recent_loss)
+    waiter.all(pending, [PS_RANK] + servers)
+    return result
+
+
+def follow_chief(ctx: Context, progress: Progress) -> ServerState:
+    """Follow the chief worker: header-only status messages for the bar, full ones (FLAG_EVAL)
+    to evaluate, and the last one (FLAG_STOP) with the final parameters; one tag, so MPI's
+    ordering delivers the final one last. (--quorum steps are decided by the chief worker.)"""
+    cfg = ctx.cfg
+    W = ctx.workers
+    duties = ChiefDuties(ctx, progress)
+    state = duties.state
+    chief = ctx.layout.worker_rank(0)
+    names = checkpoint.state_arrays(cfg)  # [params, optimizer state..., ema]
+    full_count = (ctx.shard.stop - ctx.shard.start) * len(names)  # rank 0's slice (all of it with one server)
+    box = Message(full_count)
+    poller = Poller(CHIEF_POLL_S, ctx.watch)  # PeerLost ends the job (trainer.py)
+    gather = Gather(ctx, poller)  # --num-ps: the other servers forward their slices of the same step
+    status = ctx.comm.Irecv(box.spec(), source=chief, tag=TAG_STATUS)
+    final_seen = False
+    while not final_seen:
+        ctx.activity.enter(WAIT, state.global_step)
+        done = poller.some([status])
+        if done.failed:  # the chief died while sending
+            raise PeerLost({chief: done.failed[0]})  # sync cannot go on: trainer.py
+        if done.arrived:
+            final, full = bool(box.flags & FLAG_STOP), bool(box.flags & (FLAG_STOP | FLAG_EVAL | FLAG_CKPT))
+            box.check(TAG_STATUS, chief, count=full_count if full else 0)
+            duties.stepped(box.step, box.loss, force_log=True,  # the chief already rate-limits
+                           staleness=0, local_steps=[box.step] * W)
+            received = _received(ctx, gather, box, names) if full else None
+            state.bytes_in += box.buf.nbytes if full else 0
+            if box.flags & FLAG_EVAL:
+                duties.evaluate(received, box.step)
+            if box.flags & (FLAG_CKPT | FLAG_STOP):
+                duties.save(received, final=final)
+            if final and box.flags & FLAG_DIVERGED:  # the why and the loss come in the chief's report
+                state.diverged = {"global_step": box.step, "ranks": [], "loss": float("nan"), "why": None}
+            if final:  # its loss is the chief's mean over the last LOSS_WINDOW steps
+                state.global_step = box.step
+                state.recent_losses.append(box.loss)
+                state.params[:] = received.params
+                state.ema = received.ema
+                final_seen = True
+                status = MPI.REQUEST_NULL
+            else:
+                status = ctx.comm.Irecv(box.spec(), source=chief, tag=TAG_STATUS)
+    state.local_steps = [state.global_step] * W
+    return duties.finish()
+
+
+def _received(ctx: Context, gather: Gather, box: Message, names: list[str]) -> TrainState:
+    """The whole state the chief worker sent at box.step: rank 0's slice, and the other
+    servers' slices of the same step, which they forward (keep_shard)."""
+    pieces = [(ctx.shard, box.payload)]
+    if gather:
+        pieces += gather.wait(gather.post(), gather.ranks)
+        behind = [(r, step) for r, step in zip(gather.ranks, gather.steps()) if step != box.step]
+        if behind:
+            raise ProtocolError(f"server rank {behind[0][0]} forwarded step {behind[0][1]} while the chief worker "
+                                f"sent step {box.step}")
+    return assemble(pieces, names, ctx.model.n_params, box.step, box.step, [box.step] * ctx.workers)
+
+
+def keep_shard(ctx: Context) -> ServerState:
+    """A server k > 0 in sync mode: the workers average among themselves, so it only keeps its
+    slice of the state, which the chief worker sends it at eval, checkpoint and end, and
+    forwards each to rank 0 for the whole state (one message, the same header, tag TAG_SHARD)."""
+    _, state, _ = begin(ctx)
+    clock = Clock()
+    names, s = checkpoint.state_arrays(ctx.cfg), ctx.shard
+    m, chief = s.stop - s.start, ctx.layout.worker_rank(0)
+    box = Message(m * len(names))
+    poller = Poller(CHIEF_POLL_S, ctx.watch)
+    while True:
+        ctx.activity.enter(WAIT, state.global_step)
+        poller.all([ctx.comm.Irecv(box.spec(), source=chief, tag=TAG_STATUS)], [chief])
+        box.check(TAG_STATUS, chief)
+        state.global_step = box.step
+        state.params[s] = box.payload[:m]
+        state.bytes_in += box.buf.nbytes
+        box.stamp(TAG_SHARD, box.step, box.local_step, box.flags, box.loss)
+        poller.all([ctx.comm.Isend(box.spec(), dest=PS_RANK, tag=TAG_SHARD)], [PS_RANK])
+        state.bytes_out += box.buf.nbytes
+        if box.flags & FLAG_STOP:
+            if box.flags & FLAG_DIVERGED:  # rank 0 and the workers say why
+                state.diverged = {"global_step": box.step}
+            break
+    clock.stop(state)
+    return state
