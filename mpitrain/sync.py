@@ -1,4 +1,4 @@
-"""Sync mode: the Allreduce step every worker takes (SyncStep), the workers' loop (train; the
+"""Sync mode: the Allreduce step every worker takes (SyncStep, summing through a Reducer: MPI's), the workers' loop (train; the
 first worker also reports to rank 0: work), rank 0's follower of that chief worker
 (follow_chief) and the other servers' loop (keep_shard, --num-ps). --quorum's loop is in
 quorum.py and shares SyncStep. Who runs what: trainer.ROLES.
@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from typing import Protocol
 
 import numpy as np
 from mpi4py import MPI
@@ -43,6 +44,52 @@ SYNC_SLOTS = 3  # behind a sync step's gradient: loss, weight, stop vote (SyncSt
 STATUS_EVERY_S = 0.2  # sync chief -> PS progress reports; off the hot path
 
 
+class Reducer(Protocol):
+    """How sync workers sum a buffer, in place, over all of them: SyncStep's [gradient..., loss,
+    weight, stop vote]. MPIReducer is the one mpitrain uses; another transport (NCCL between GPUs)
+    is another class with this one method. `sum` returns whether it summed anything (False: this
+    worker is alone, the buffer is already the sum)."""
+
+    def sum(self, buf) -> bool: ...
+
+
+class MPIReducer:
+    """The workers' Allreduce on their own communicator (rank 0 is not in it), in the wire type of
+    --compress, staged through host memory where MPI cannot read the buffer (a GPU without
+    CUDA-aware MPI). Always nonblocking and watched: a blocking Allreduce cannot notice that rank 0
+    died (the workers would wait for a peer that has already stopped). It spins, as MPICH's
+    blocking one does, unless ranks outnumber cores (--wait; transport.collective_poll_s)."""
+
+    def __init__(self, ctx: Context, count: int):
+        cfg, be = ctx.cfg, ctx.backend
+        self.ctx, self.be, self.comm = ctx, be, ctx.worker_comm
+        wire = np.dtype(cfg.wire_dtype)
+        self.wire = None  # what travels: the buffer itself (NumPy or CUDA-aware, float32), else a staged copy
+        if wire != np.float32 or (be.is_gpu and not be.cuda_aware):
+            self.wire = be.host_alloc(wire.itemsize * count).view(wire)
+        self.mpi_type, self.op = wire_sum(cfg.compress)
+        self.waiter = Poller(collective_poll_s(cfg.wait, ctx.node.oversubscribed), ctx.watch)
+
+    def sum(self, buf) -> bool:
+        if self.comm is None or self.comm.Get_size() == 1:
+            return False
+        be = self.be
+        self.ctx.activity.enter(ALLREDUCE)
+        if self.wire is not None:
+            be.download(buf, self.wire)
+            self._allreduce([self.wire, self.mpi_type], self.op)
+            be.upload(buf, self.wire)
+        else:
+            be.download(buf, buf)  # NumPy: nothing; CUDA-aware: finish compute before MPI reads
+            self._allreduce([buf, MPI.FLOAT], MPI.SUM)
+        return True
+
+    def _allreduce(self, spec, op) -> None:
+        done = self.waiter.some([self.comm.Iallreduce(MPI.IN_PLACE, spec, op=op)])
+        if done.failed:
+            await_verdict(self.ctx, done.failed[0])
+
+
 class SyncStep:
     """One synchronous update: average the workers' gradients with Allreduce, then apply the same
     optimizer step on every worker, so replicas stay bitwise identical. The buffer is
@@ -52,18 +99,13 @@ class SyncStep:
     step (`stop`). --quorum sums its gradients on the chief worker instead (QuorumChief) and every
     worker `apply`s the mean."""
 
-    def __init__(self, ctx: Context, params, start: TrainState | None = None):
+    def __init__(self, ctx: Context, params, start: TrainState | None = None, reducer: Reducer | None = None):
         cfg, be, model = ctx.cfg, ctx.backend, ctx.model
         self.ctx, self.params = ctx, params
         n = model.n_params
         self.n = n
         self.buf = be.xp.zeros(n + SYNC_SLOTS, be.xp.float32)
-        wire = np.dtype(cfg.wire_dtype)
-        # What travels: the buffer itself (NumPy or CUDA-aware, float32), else a staged copy.
-        self.wire = None
-        if wire != np.float32 or (be.is_gpu and not be.cuda_aware):
-            self.wire = be.host_alloc(wire.itemsize * (n + SYNC_SLOTS)).view(wire)
-        self.mpi_type, self.op = wire_sum(cfg.compress)
+        self.reducer = reducer or MPIReducer(ctx, n + SYNC_SLOTS)
         self.opt = Optimizer(cfg.optimizer, n, be.xp, momentum=cfg.momentum)
         self.ema = None
         self.own_loss = 0.0  # this worker's own minibatch loss in the step being reduced
@@ -74,12 +116,7 @@ class SyncStep:
             self.opt.restore(start.opt_t, start.opt_state)
             if ctx.worker_index == 0:  # the chief (or the local run) keeps the moving average
                 self.ema = make_ema(cfg.ema_decay, params, be.xp, start.global_step, start.ema)
-        self.comm = ctx.worker_comm
         self.activity = ctx.activity
-        # Always nonblocking and watched: a blocking Allreduce cannot notice that rank 0 died (the
-        # workers would wait for a peer that has already stopped). It spins, as MPICH's blocking
-        # one does, unless ranks outnumber cores (--wait; transport.collective_poll_s).
-        self.waiter = Poller(collective_poll_s(ctx.cfg.wait, ctx.node.oversubscribed), ctx.watch)
 
     def train_state(self, step: int) -> TrainState:
         """Host copies of what a checkpoint needs (plain sync: every worker is at `step`)."""
@@ -101,23 +138,10 @@ class SyncStep:
         self.buf[self.n + 1] = 1.0
         self.buf[self.n + 2] = 1.0 if STOP.requested else 0.0
 
-    def _allreduce(self, spec, op) -> None:
-        done = self.waiter.some([self.comm.Iallreduce(MPI.IN_PLACE, spec, op=op)])
-        if done.failed:
-            await_verdict(self.ctx, done.failed[0])
-
     def reduce_and_apply(self, step: int) -> float:
-        """Sum over workers, divide by the summed weight, apply; returns the mean loss."""
+        """Sum over workers (the reducer), divide by the summed weight, apply; returns the mean loss."""
         be, buf = self.ctx.backend, self.buf
-        if self.comm is not None and self.comm.Get_size() > 1:
-            self.activity.enter(ALLREDUCE)
-            if self.wire is not None:
-                be.download(buf, self.wire)
-                self._allreduce([self.wire, self.mpi_type], self.op)
-                be.upload(buf, self.wire)
-            else:
-                be.download(buf, buf)  # NumPy: nothing; CUDA-aware: finish compute before MPI reads
-                self._allreduce([buf, MPI.FLOAT], MPI.SUM)
+        if self.reducer.sum(buf):
             buf *= be.xp.float32(1.0) / buf[self.n + 1]
         self.stop = bool(buf[self.n + 2] > 0)  # the same sum on every worker: all stop after this step
         if self.stop:
