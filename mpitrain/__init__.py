@@ -3,14 +3,15 @@
 Rank 0 is the parameter server; ranks 1..N-1 are workers (NumPy or CuPy).
 
 The Python API (mpitrain/api.py): train(**options) -> Result, evaluate(checkpoint, ...),
-dataset(name), rank(), size(), local_rank(), and the errors they raise: UsageError, Diverged,
+dataset(name), rank(), size(), local_rank(), Model (the protocol a model of your own implements), and
+the errors they raise: UsageError, Diverged,
 TrainingFailed. Importing mpitrain loads none of them until used, so `python -m mpitrain --help`
 stays fast; dir(mpitrain) lists them.
 """
 
 from mpitrain.version import __version__
 
-API = ("train", "evaluate", "dataset", "rank", "size", "local_rank", "Result", "UsageError", "Diverged",
+API = ("train", "evaluate", "dataset", "rank", "size", "local_rank", "Model", "Result", "UsageError", "Diverged",
        "TrainingFailed")
 __all__ = [*API, "__version__"]
 

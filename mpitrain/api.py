@@ -20,6 +20,7 @@ import inspect
 import os
 
 from mpitrain.config import TrainConfig, UsageError, parse_straggler, validate
+from mpitrain.model import Model  # public: the protocol a model of your own implements
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 # What each annotation accepts from Python, and how a refusal names it. bool is an int in
@@ -85,6 +86,14 @@ def _check_type(name: str, value):
     kind = f.type.removesuffix(" | None")
     if value is None and f.type.endswith(" | None"):
         return None
+    if name == "model" and not isinstance(value, str):  # a Model of your own (model.Model)
+        from mpitrain.model import MODEL_MEMBERS
+
+        missing = [m for m in MODEL_MEMBERS if not hasattr(value, m)]
+        if missing:
+            raise UsageError(f"model takes 'softmax', 'mlp' or an object with model.Model's members; "
+                             f"{type(value).__name__} lacks {', '.join(missing)} (see examples/custom_model.py)")
+        return value
     if name == "hidden":  # hidden=100, hidden="256,128" (as the flag) or hidden=(256, 128)
         if isinstance(value, int) and not isinstance(value, bool):
             return (value,)
@@ -190,12 +199,13 @@ Options (the command line's flags, with underscores; python -m mpitrain --help):
 """
 
 
-def evaluate(checkpoint: str, dataset: str = "digits", data_dir: str | None = None) -> dict:
+def evaluate(checkpoint: str, dataset: str = "digits", data_dir: str | None = None, model=None) -> dict:
     """Test accuracy, loss and confusion matrix of a checkpoint (a ckpt-*.npz file, or a
-    --checkpoint-dir: its newest), in this process (no MPI)."""
+    --checkpoint-dir: its newest), in this process (no MPI). A checkpoint of a model of your own
+    needs that model (`model=MyModel(...)`, with the spec it was trained with)."""
     from mpitrain.evaluation import evaluate as evaluate_checkpoint
 
-    return evaluate_checkpoint(checkpoint, dataset, data_dir)
+    return evaluate_checkpoint(checkpoint, dataset, data_dir, model)
 
 
 def dataset(name: str = "digits", data_dir: str | None = None):

@@ -137,10 +137,14 @@ class Checkpointer:
         return True
 
 
-def fingerprint(sizes: tuple[int, ...], optimizer: str, dataset: str = "", seed: int = 0) -> dict:
-    """What a resumed run must share with the checkpoint: the model's shape and optimizer (the
-    state's layout), and the dataset and --seed (the data order it continues)."""
-    return {"format": FORMAT, "layer_sizes": list(sizes), "optimizer": optimizer, "dataset": dataset, "seed": seed}
+def fingerprint(sizes: tuple[int, ...], optimizer: str, dataset: str = "", seed: int = 0,
+                model: dict | None = None) -> dict:
+    """What a resumed run must share with the checkpoint: the model (its spec, model.Model; the
+    built-ins' is their kind and layer sizes) and optimizer (the state's layout), and the dataset
+    and --seed (the data order it continues)."""
+    spec = model if model is not None else {"kind": "softmax" if len(sizes) == 2 else "mlp", "sizes": list(sizes)}
+    return {"format": FORMAT, "layer_sizes": list(sizes), "model": spec, "optimizer": optimizer, "dataset": dataset,
+            "seed": seed}
 
 
 def path_for(directory: Path, step: int) -> Path:
@@ -191,8 +195,13 @@ def load(path: Path, fp: dict | None = None) -> TrainState:
     if missing:
         raise UsageError(f"checkpoint {path} lacks {', '.join(sorted(missing))}: not an mpitrain checkpoint; {fix}")
     saved = json.loads(str(data["fingerprint"]))
+    if fp is not None and "model" not in saved:  # written before models had a spec: the built-ins' sizes say it
+        fp = {k: v for k, v in fp.items() if k != "model"}
     if fp is not None and saved != fp:
-        differ = ", ".join(f"{k} {saved.get(k)} vs {fp[k]} here" for k in fp if saved.get(k) != fp[k])
+        keys = [k for k in fp if saved.get(k) != fp[k]]
+        if "model" in keys and "layer_sizes" in keys:  # the model's spec says its sizes
+            keys.remove("layer_sizes")
+        differ = ", ".join(f"{k} {saved.get(k)} vs {fp[k]} here" for k in keys)
         raise UsageError(f"checkpoint {path} is of another model or run ({differ}); use the same --model/--hidden/"
                          f"--optimizer/--dataset/--seed, another --checkpoint-dir, or --fresh")
     params = data["params"]
@@ -201,6 +210,12 @@ def load(path: Path, fp: dict | None = None) -> TrainState:
     opt_state = {k[len(OPT_PREFIX):]: a for k, a in data.items() if k.startswith(OPT_PREFIX) and k != OPT_COUNT}
     return TrainState(params=params, global_step=int(data["global_step"]), opt_t=int(data[OPT_COUNT]),
                       opt_state=opt_state, positions=[int(p) for p in data["positions"]], ema=data.get("ema"))
+
+
+def saved_fingerprint(path: Path) -> dict:
+    """The fingerprint a checkpoint was written with (load() has validated the file)."""
+    with np.load(path, allow_pickle=False) as z:
+        return json.loads(str(z["fingerprint"]))
 
 
 def set_aside(directory: Path) -> Path | None:

@@ -267,6 +267,20 @@ def agreed_fields() -> tuple[str, ...]:
     return tuple(f.name for f in fields(TrainConfig) if f.name not in PER_RANK_FIELDS)
 
 
+def plain_value(cfg: TrainConfig, name: str):
+    """A field as JSON and a peer rank can compare it: tuples as lists, a user's model object as
+    its spec (each rank builds its own object; their specs must agree)."""
+    value = getattr(cfg, name)
+    if name == "model" and not isinstance(value, str):
+        return value.spec
+    return [list(v) if isinstance(v, tuple) else v for v in value] if isinstance(value, tuple) else value
+
+
+def as_record(cfg: TrainConfig) -> dict:
+    """Every option, JSON-able: the summary's `config`."""
+    return {f.name: plain_value(cfg, f.name) for f in fields(TrainConfig)}
+
+
 def parse_straggler(text: str) -> tuple[int, str, float]:
     """RANK:SECONDS (added to every step) or RANK:xFACTOR (every step takes FACTOR times as long)."""
     rank_s, sep, amount = text.partition(":")
@@ -304,7 +318,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     Only checks that need no file system or MPI live here, so every rank reaches the same verdict.
     """
     _choice("mode", cfg.mode, MODES)
-    _choice("model", cfg.model, model_names())
+    if isinstance(cfg.model, str):  # else a Model object of the user's (the API checked its members)
+        _choice("model", cfg.model, model_names())
     _choice("optimizer", cfg.optimizer, optimizer_names())
     prefix = next((p for p in DATASET_PREFIXES if cfg.dataset.startswith(p)), None)
     if prefix is None:

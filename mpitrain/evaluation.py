@@ -32,9 +32,11 @@ def format_matrix(m: np.ndarray) -> list[str]:
     return [head] + [f"{i:>9}" + "".join(f"{v:>{width}}" for v in row) for i, row in enumerate(m)]
 
 
-def evaluate(path: str, dataset: str, data_dir: str | None) -> dict:
+def evaluate(path: str, dataset: str, data_dir: str | None, model=None) -> dict:
+    """A checkpoint's test accuracy, loss and confusion matrix. `model`: a model of the user's own
+    (the API); the built-ins are rebuilt from the checkpoint's spec."""
     from mpitrain.data import load_dataset
-    from mpitrain.model import from_sizes
+    from mpitrain.model import from_sizes, is_builtin
 
     p = Path(path)
     if p.is_dir():  # a --checkpoint-dir: its newest checkpoint, as a resumed run would take
@@ -45,15 +47,23 @@ def evaluate(path: str, dataset: str, data_dir: str | None) -> dict:
     elif not p.is_file():
         raise UsageError(f"checkpoint {path} does not exist; pass a ckpt-*.npz file or a --checkpoint-dir")
     state = checkpoint.load(p)
-    with np.load(p, allow_pickle=False) as z:
-        import json
-
-        sizes = tuple(json.loads(str(z["fingerprint"]))["layer_sizes"])
+    saved = checkpoint.saved_fingerprint(p)
+    sizes = tuple(saved["layer_sizes"])
+    spec = saved.get("model") or {"kind": "softmax" if len(sizes) == 2 else "mlp", "sizes": list(sizes)}
+    if model is None:
+        if not is_builtin(spec):
+            raise UsageError(f"checkpoint {p} holds a model of your own ({spec.get('kind')}); evaluate it from Python: "
+                             f"mpitrain.evaluate({str(p)!r}, model=YourModel(...))")
+        model = from_sizes(sizes)
+    else:
+        model = model.with_backend(np)
+        if model.spec != spec:
+            raise UsageError(f"checkpoint {p} is of the model {spec}, not {model.spec}; pass the model it was "
+                             f"trained with")
     data = load_dataset(validate(TrainConfig(dataset=dataset, data_dir=data_dir)))
     if (data.n_features, data.n_classes) != (sizes[0], sizes[-1]):
         raise UsageError(f"{dataset} has {data.n_features} features and {data.n_classes} classes but the checkpoint's "
                          f"model is {'-'.join(map(str, sizes))}; evaluate it on the dataset it was trained on")
-    model = from_sizes(sizes)
     out = {"checkpoint": str(p), "global_step": state.global_step, "dataset": dataset,
            "model_description": model.description, "test_examples": int(len(data.y_test))}
     for name, params in (("", state.params), ("ema_", state.ema)):

@@ -14,17 +14,36 @@ import numpy as np
 
 
 class Model(Protocol):
-    """What the trainer needs of a model: one flat float32 parameter vector of `n_params`, its
-    initial value, the loss and gradient of a batch, and evaluation. `sizes` (layer widths) is
-    what a checkpoint's fingerprint records and `from_sizes` rebuilds it from."""
+    """What the trainer needs of a model, built-in or your own (`mpitrain.train(model=MyModel())`,
+    examples/custom_model.py). Parameters are ONE flat float32 vector of `n_params` (every message,
+    optimizer state and checkpoint is that vector); gradients have the same layout.
+
+    - `sizes`: (input features, ..., classes); the first and last are checked against the data.
+    - `spec`: a JSON-able dict naming the model and its shape, e.g. {"kind": "mlp", "sizes": [...]}:
+      a checkpoint stores it, a resumed run and every rank must have the same.
+    - `description`: one line for the start and summary lines.
+    - `init_params(seed)`: the initial parameters, host float32 (NumPy), the same for a seed.
+    - `loss_and_grad(params, x, y, grad)`: the mean loss of the batch (a float), its gradient
+      written into `grad`; x is float32 rows (N, sizes[0]), y int64 labels, all of `xp`'s kind.
+    - `evaluate(params, x, y)`: (mean loss, accuracy, predicted labels as a host int array).
+    - `with_backend(xp)`: the same model computing with array module xp (numpy, or cupy on a GPU
+      worker); it may return itself where xp is already its own.
+    """
 
     sizes: tuple[int, ...]
     n_params: int
     description: str
+    spec: dict
 
     def init_params(self, seed: int) -> np.ndarray: ...
     def loss_and_grad(self, params, x, y, grad) -> float: ...
     def evaluate(self, params, x, y, chunk: int = 4096) -> tuple[float, float, np.ndarray]: ...
+    def with_backend(self, xp) -> "Model": ...
+
+
+# What a model object must have (the API checks a user's model against it, naming what is missing).
+MODEL_MEMBERS = ("sizes", "n_params", "description", "spec", "init_params", "loss_and_grad", "evaluate",
+                 "with_backend")
 
 
 class MLP:
@@ -46,9 +65,19 @@ class MLP:
         self._scratch: dict[int, list] = {}
 
     @property
+    def kind(self) -> str:
+        return "softmax" if len(self.sizes) == 2 else "mlp"
+
+    @property
     def description(self) -> str:
-        kind = "softmax" if len(self.sizes) == 2 else "mlp"
-        return f"{kind} {'-'.join(map(str, self.sizes))} ({self.n_params:,} params)"
+        return f"{self.kind} {'-'.join(map(str, self.sizes))} ({self.n_params:,} params)"
+
+    @property
+    def spec(self) -> dict:
+        return {"kind": self.kind, "sizes": list(self.sizes)}
+
+    def with_backend(self, xp) -> "MLP":
+        return self if xp is self.xp else MLP(self.sizes, self.l2, xp)
 
     def layers(self, flat):
         """[(W, b), ...] as views into `flat` (parameters or gradients)."""
@@ -186,3 +215,13 @@ def build(name: str, n_features: int, hidden: tuple[int, ...], n_classes: int, l
 def from_sizes(sizes, l2: float = 0.0, xp=np) -> Model:
     """The model a checkpoint's fingerprint (its `layer_sizes`) describes."""
     return MLP(tuple(sizes), l2, xp)
+
+
+def is_builtin(spec: dict) -> bool:
+    """Whether a checkpoint's model spec is one mpitrain builds itself (--model), or a user's."""
+    return spec.get("kind") in HIDDEN
+
+
+def model_name(model) -> str:
+    """--model's value, or the kind a user's model object calls itself (summaries, logs)."""
+    return model if isinstance(model, str) else str(model.spec.get("kind", type(model).__name__))

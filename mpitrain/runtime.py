@@ -234,9 +234,23 @@ class Context:
         return f"rank {self.rank} {role} {self.host} {self.backend.description}"
 
 
+def make_model(cfg: TrainConfig, data: Dataset, xp) -> Model:
+    """--model NAME for this data, or the user's own model object (the API), on this rank's array
+    module; a user's model must fit the data (its sizes: features first, classes last)."""
+    if isinstance(cfg.model, str):
+        return build(cfg.model, data.n_features, cfg.hidden, data.n_classes, cfg.l2, xp)
+    model = cfg.model.with_backend(xp)
+    sizes = tuple(model.sizes)
+    if (sizes[0], sizes[-1]) != (data.n_features, data.n_classes):
+        raise UsageError(f"your model {model.description} takes {sizes[0]} features and gives {sizes[-1]} classes, "
+                         f"but {data.name} has {data.n_features} features and {data.n_classes} classes; build it "
+                         f"with sizes ({data.n_features}, ..., {data.n_classes})")
+    return model
+
+
 def fingerprint(cfg: TrainConfig, data: Dataset, model: Model) -> dict:
     """What a checkpoint must match to be resumed by this run."""
-    return checkpoint.fingerprint(model.sizes, cfg.optimizer, data.name, cfg.seed)
+    return checkpoint.fingerprint(model.sizes, cfg.optimizer, data.name, cfg.seed, model.spec)
 
 
 def check_launch(size: int, env=os.environ) -> None:
@@ -278,7 +292,7 @@ def setup(cfg: TrainConfig, comm, node: Node) -> Context:
     backend = make_backend(cfg.device, node.rank, uses_gpu=not layout.is_server(rank), cuda_aware=cfg.cuda_aware)
     data = load_dataset(cfg)
     check_batch_fits(data.n_train, layout.workers, cfg.batch_size)
-    model = build(cfg.model, data.n_features, cfg.hidden, data.n_classes, cfg.l2, backend.xp)
+    model = make_model(cfg, data, backend.xp)
     resume = None
     if rank == PS_RANK and cfg.checkpoint_dir and not cfg.fresh:
         resume = checkpoint.load_latest(Path(cfg.checkpoint_dir), fingerprint(cfg, data, model))

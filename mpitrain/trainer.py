@@ -16,7 +16,8 @@ import numpy as np
 from mpi4py import MPI
 
 from mpitrain import asyncps, checkpoint, liveness, local, lock, observe, outputs, quorum, stopping, sync
-from mpitrain.config import TrainConfig, UsageError, agreed_fields
+from mpitrain.config import TrainConfig, UsageError, agreed_fields, as_record, plain_value
+from mpitrain.model import model_name
 from mpitrain.version import __version__
 from mpitrain.faults import Kill
 from mpitrain.guard import NON_FINITE
@@ -107,7 +108,7 @@ def identity(ctx: Context | None) -> dict | None:
     if ctx is None:
         return None
     return {"mpitrain": __version__, "protocol": PROTOCOL_VERSION, "layer_sizes": list(ctx.model.sizes),
-            **{k: getattr(ctx.cfg, k) for k in AGREED}}
+            **{k: plain_value(ctx.cfg, k) for k in AGREED}}
 
 
 def mismatches(idents: list[dict | None]) -> list[tuple[int, str]]:
@@ -296,7 +297,7 @@ def build_summary(ctx: Context, mine: RoleResult, reports: list, placements: lis
     return Summary(
         mpitrain_version=__version__,
         mode="local" if ctx.local else cfg.mode,
-        model=cfg.model,
+        model=model_name(cfg.model),
         model_description=ctx.model.description,
         dataset=ctx.data.name,
         world_size=ctx.size,
@@ -336,7 +337,7 @@ def build_summary(ctx: Context, mine: RoleResult, reports: list, placements: lis
         resumed_from=str(ctx.resume[0]) if ctx.resume else None,
         checkpoints=mine.checkpoints,
         placement=placements,
-        config={k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(cfg).items()},
+        config=as_record(cfg),
         diverged=diverged,
         stopped=stop_record(ctx, state, reports, diverged),
         write_errors=WRITES.report(),
@@ -480,10 +481,8 @@ def verdict(ctx: Context, mine: RoleResult, reports: list, summary: dict | None,
     own = None if ctx.rank == PS_RANK else dataclasses.asdict(mine.report)
     outcome = Outcome(ExitCode.OK, summary, own)
     if ctx.rank == PS_RANK:
-        from mpitrain.model import from_sizes
-
         outcome.params = np.asarray(mine.state.params, np.float32).copy()
-        outcome.model = from_sizes(ctx.model.sizes, ctx.cfg.l2)
+        outcome.model = ctx.model.with_backend(np)
     if ctx.rank == PS_RANK and not ctx.local and not any(isinstance(r, WorkerReport) for r in reports):
         outcome.code = ExitCode.PEER_LOST  # every worker was lost: the budget was not finished
         outcome.error = "mpitrain: every worker was lost"

@@ -124,7 +124,7 @@ def test_the_api_is_discoverable():
     import mpitrain
     from mpitrain.config import TrainConfig
 
-    assert {"train", "evaluate", "dataset", "rank", "size", "local_rank", "Result", "UsageError", "Diverged",
+    assert {"train", "evaluate", "dataset", "rank", "size", "local_rank", "Model", "Result", "UsageError", "Diverged",
             "TrainingFailed", "__version__"} <= set(dir(mpitrain))
     params = inspect.signature(mpitrain.train).parameters
     fields = dataclasses.fields(TrainConfig)

@@ -56,10 +56,21 @@ def test_truncated_checkpoint_is_a_usage_error_and_stays(tmp_path):
 
 def test_other_model_is_refused(tmp_path):
     path = checkpoint.save(tmp_path, _state(3), FP, keep=3)
-    with pytest.raises(UsageError, match=r"another model or run \(layer_sizes \[4, 3, 2\] vs \[4, 8, 2\] here\)"):
+    with pytest.raises(UsageError, match=r"another model or run \(model \{'kind': 'mlp', 'sizes': \[4, 3, 2\]\} vs "
+                                         r"\{'kind': 'mlp', 'sizes': \[4, 8, 2\]\} here\)"):
         checkpoint.load(path, checkpoint.fingerprint((4, 8, 2), "adam"))
     with pytest.raises(UsageError, match="seed 0 vs 5 here"):
         checkpoint.load(path, checkpoint.fingerprint((4, 3, 2), "adam", seed=5))
+
+
+def test_a_checkpoint_written_before_model_specs_still_resumes(tmp_path):
+    """Checkpoints of earlier versions have no "model" in their fingerprint: a built-in model's
+    layer sizes identify it, so they load (and one of other sizes is still refused)."""
+    old = {k: v for k, v in FP.items() if k != "model"}
+    path = checkpoint.save(tmp_path, _state(3), old, keep=3)
+    assert checkpoint.load(path, FP).global_step == 3
+    with pytest.raises(UsageError, match=r"layer_sizes \[4, 3, 2\] vs \[4, 8, 2\] here"):
+        checkpoint.load(path, checkpoint.fingerprint((4, 8, 2), "adam"))
 
 
 def test_checkpointer_schedule():

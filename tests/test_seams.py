@@ -55,3 +55,66 @@ def test_without_a_reducer_a_lone_sync_worker_uses_mpi_s_and_applies_its_own_gra
     grad, before = step.buf[: ctx.model.n_params].copy(), step.params.copy()
     step.reduce_and_apply(0)
     np.testing.assert_allclose(step.params, before - np.float32(ctx.lr_at(0)) * grad, rtol=1e-5, atol=1e-7)
+
+
+# -- your own model through the API ----------------------------------------------------------------
+
+def run_python(code: str, np_: int = 0, cwd=None):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import MPI_TIMEOUT_S, child_env, mpirun_path
+
+    root = Path(__file__).resolve().parent.parent
+    cmd = [sys.executable, *(["-c", code] if "\n" in code else code.split())]
+    if np_:
+        cmd = [mpirun_path(), "-np", str(np_), *cmd]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=MPI_TIMEOUT_S, env=child_env(),
+                          cwd=cwd or root)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_the_custom_model_example_trains_in_each_mode(mode):
+    proc = run_python(f"examples/custom_model.py {mode}", np_=3)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("custom model")]
+    assert len(lines) == 1 and lines[0].startswith(f"custom model, {mode}: test accuracy"), proc.stdout  # rank 0 only
+    assert float(lines[0].split("test accuracy ")[1].split(";")[0]) > 0.9
+    assert "smoothed-logistic 64-10 (650 params)" in proc.stdout  # its description in the summary
+
+
+def test_a_custom_model_checkpoints_resumes_and_evaluates_by_its_spec(tmp_path):
+    """The checkpoint stores the model's spec: the same model resumes; another one (other
+    smoothing) is refused; `mpitrain evaluate` says to use the API; the API evaluates it."""
+    code = f"""
+import sys
+sys.path.insert(0, "examples")
+import mpitrain
+from custom_model import SmoothedLogistic
+ck = {str(tmp_path / 'ck')!r}
+a = mpitrain.train(model=SmoothedLogistic(64, 10), steps=30, checkpoint_dir=ck, progress=False)
+b = mpitrain.train(model=SmoothedLogistic(64, 10), steps=60, checkpoint_dir=ck, progress=False)
+print("RESUMED", b["resumed_from"].endswith("ckpt-000000030.npz"), b["global_step"], b["model"])
+try:
+    mpitrain.train(model=SmoothedLogistic(64, 10, smoothing=0.2), steps=90, checkpoint_dir=ck, progress=False)
+except mpitrain.UsageError as e:
+    print("REFUSED", "another model or run" in str(e) and "'smoothing': 0.1" in str(e))
+e = mpitrain.evaluate(ck, model=SmoothedLogistic(64, 10))
+print("EVAL", e["global_step"], e["test_accuracy"] == b["test_accuracy"])
+class Half:
+    sizes, n_params = (64, 10), 650
+try:
+    mpitrain.train(model=Half())
+except mpitrain.UsageError as e:
+    print("INCOMPLETE", e)
+"""
+    proc = run_python(code)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "RESUMED True 60 smoothed-logistic" in out and "REFUSED True" in out and "EVAL 60 True" in out, out
+    assert "INCOMPLETE model takes 'softmax', 'mlp' or an object with model.Model's members; Half lacks " \
+           "description, spec, init_params, loss_and_grad, evaluate, with_backend" in out, out
+    cli = run_python(f"-m mpitrain evaluate {tmp_path / 'ck'}")
+    assert cli.returncode == 2 and cli.stderr.count("\n") == 1, cli.stderr
+    assert "holds a model of your own (smoothed-logistic); evaluate it from Python" in cli.stderr
