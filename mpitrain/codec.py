@@ -17,11 +17,10 @@ widen (benchmarks/README.md). CuPy keeps its own casts: a GPU converts float16 n
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
-
-# --compress value -> element type on the wire. bfloat16 travels as its 16 raw bits.
-WIRE_DTYPES = {"none": np.float32, "fp16": np.float16, "bf16": np.uint16}
 BF16_ROUND = 0x7FFF  # with the kept bits' lowest one added: round to nearest, ties to even
 
 # float32 -> float16 on the bits (after Maratyszcza's FP16 library, fp16_ieee_from_fp32_value):
@@ -155,18 +154,36 @@ def _sum_op(wire_dtype):
     return add
 
 
-_fp16_sum, _bf16_sum = _sum_op(np.float16), _sum_op(np.uint16)
-_SUMS: dict = {}
+@dataclass(frozen=True)
+class Codec:
+    """One --compress choice: its element type on the wire (bfloat16 travels as its 16 raw bits)
+    and its Allreduce SUM. encode/decode above serve every codec (they go by the wire type)."""
+
+    name: str
+    wire: type
+    add: Callable | None = None  # the body of its MPI SUM op; None: MPI's own float SUM
+
+    def mpi_sum(self):
+        """(MPI datatype, SUM op) for an Allreduce of wire-typed values. MPI has no portable
+        float16 or bfloat16 SUM: a commutative user op over 2-byte elements (the datatype is
+        UINT16_T, so MPI never splits an element), created once per process."""
+        from mpi4py import MPI
+
+        if self.add is None:
+            return MPI.FLOAT, MPI.SUM
+        if self.name not in _OPS:
+            _OPS[self.name] = MPI.Op.Create(self.add, commute=True)
+        return MPI.UINT16_T, _OPS[self.name]
+
+
+_OPS: dict = {}
+
+# --compress NAME -> its codec: the one list of them (the CLI's choices and validate read it).
+CODECS = {c.name: c for c in (Codec("none", np.float32), Codec("fp16", np.float16, _sum_op(np.float16)),
+                              Codec("bf16", np.uint16, _sum_op(np.uint16)))}
+WIRE_DTYPES = {name: c.wire for name, c in CODECS.items()}  # --compress -> element type on the wire
 
 
 def wire_sum(compress: str):
-    """(MPI datatype, SUM op) for an Allreduce of wire-typed values. MPI has no portable float16
-    or bfloat16 SUM: a commutative user op over 2-byte elements (the datatype is UINT16_T, so MPI
-    never splits an element), created once per process."""
-    from mpi4py import MPI
-
-    if compress == "none":
-        return MPI.FLOAT, MPI.SUM
-    if compress not in _SUMS:
-        _SUMS[compress] = MPI.Op.Create({"fp16": _fp16_sum, "bf16": _bf16_sum}[compress], commute=True)
-    return MPI.UINT16_T, _SUMS[compress]
+    """(MPI datatype, SUM op) of --compress `compress` (Codec.mpi_sum)."""
+    return CODECS[compress].mpi_sum()

@@ -16,7 +16,6 @@ DATASETS = ("digits", "mnist", "fashion_mnist", "synthetic")
 NPZ_PREFIX, TFDS_PREFIX = "npz:", "tfds:"  # --dataset npz:PATH (your own arrays), tfds:NAME (any tfds image classifier)
 DATASET_PREFIXES = {NPZ_PREFIX: ("PATH", "a file", "npz:mydata.npz"), TFDS_PREFIX: ("NAME", "a dataset name", "tfds:kmnist")}
 DEVICES = ("auto", "cpu", "gpu")
-COMPRESSIONS = ("none", "fp16", "bf16")  # codec.WIRE_DTYPES has their element types
 WAITS = ("auto", "spin", "yield")
 LR_SCALINGS = ("linear", "none")
 
@@ -34,6 +33,13 @@ def optimizer_names() -> tuple[str, ...]:
     from mpitrain.optim import REGISTRY
 
     return tuple(REGISTRY)
+
+
+def codec_names() -> tuple[str, ...]:
+    """--compress's choices: codec.py's CODECS (imported when called, as model_names)."""
+    from mpitrain.codec import CODECS
+
+    return tuple(CODECS)
 
 
 def optimizer_lrs() -> str:
@@ -119,7 +125,7 @@ class TrainConfig:
         "no idle round trip)")
     compress: str = PARALLELISM(
         "none", "send gradients and parameters as float16 or bfloat16 (half the bytes; bf16 converts faster on a "
-        "CPU); update in float32", choices=COMPRESSIONS)
+        "CPU); update in float32", choices=codec_names)
     quorum: int | None = PARALLELISM(
         None, "sync: each update averages the first Q fresh gradients; later ones are dropped and counted",
         shown="every worker, a plain Allreduce", metavar="Q")
@@ -330,7 +336,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if (cfg.train_split, cfg.test_split) != ("train", "test") and prefix != TFDS_PREFIX:
         raise UsageError("--train-split/--test-split name tensorflow-datasets splits: use them with --dataset tfds:NAME")
     _choice("device", cfg.device, DEVICES)
-    _choice("compress", cfg.compress, COMPRESSIONS)
+    _choice("compress", cfg.compress, codec_names())
     _choice("wait", cfg.wait, WAITS)
     if cfg.lr_scaling is not None:
         _choice("lr_scaling", cfg.lr_scaling, LR_SCALINGS)

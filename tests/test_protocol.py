@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from mpitrain.codec import WIRE_DTYPES, decode, encode
-from mpitrain.config import COMPRESSIONS
+from mpitrain.config import codec_names
 from mpitrain.protocol import (FLAG_STOP, HEADER_BYTES, MAGIC, TAG_GRAD, TAG_PARAMS, VERSION, Message,
                                ProtocolError, H_MAGIC, H_VERSION)
 
@@ -26,8 +26,20 @@ def test_a_16_bit_payload_halves_the_bytes(compress):
     assert Message(10, dtype=WIRE_DTYPES[compress]).buf.nbytes == HEADER_BYTES + 20
 
 
-def test_every_compression_has_a_wire_type():
-    assert tuple(WIRE_DTYPES) == COMPRESSIONS
+def test_every_compression_has_a_wire_type_that_round_trips_and_a_sum_of_its_width():
+    """Each codec of the one list: its wire type carries a float32 value there and back (to its
+    precision), and its MPI SUM works on elements of the wire type's width."""
+    from mpitrain.codec import CODECS
+
+    assert codec_names() == tuple(CODECS) == ("none", "fp16", "bf16")
+    values = np.array([0.0, 1.0, -2.5, 3.0e-3, 1024.0], np.float32)
+    for name, codec in CODECS.items():
+        wire, back = np.empty(len(values), codec.wire), np.empty(len(values), np.float32)
+        encode(np, values, wire)
+        decode(np, wire, back)
+        np.testing.assert_allclose(back, values, rtol=1e-2 if name != "none" else 0)
+        assert np.dtype(codec.wire).itemsize == (4 if name == "none" else 2)
+        assert (codec.add is None) == (name == "none")  # float32 sums with MPI's own SUM
 
 
 def test_bf16_keeps_the_top_half_rounded_to_nearest_even():
@@ -60,7 +72,7 @@ def test_16_bit_allreduce_ops_add_in_place():
         acc, other = np.empty(3, dtype), np.empty(3, dtype)
         encode(np, a, acc)
         encode(np, b, other)
-        {"fp16": codec._fp16_sum, "bf16": codec._bf16_sum}[compress](other, acc, None)
+        codec.CODECS[compress].add(other, acc, None)
         total = np.empty(3, np.float32)
         decode(np, acc, total)
         assert total == pytest.approx(a + b, rel=2.0 ** -7), compress
@@ -129,6 +141,6 @@ def test_fp16_allreduce_op_is_numpys_float16_add():
     rng = np.random.default_rng(3)
     a, b = (rng.standard_normal(5000).astype(np.float16) * 100 for _ in range(2))
     acc = a.copy()
-    codec._fp16_sum(b, acc, None)
+    codec.CODECS["fp16"].add(b, acc, None)
     with np.errstate(over="ignore"):
         assert np.array_equal(acc.view(np.uint16), (a + b).view(np.uint16))
