@@ -24,7 +24,7 @@ from mpitrain.chief import ChiefDuties, ServerState, record_lost
 from mpitrain.codec import decode, encode
 from mpitrain.faults import Kill
 from mpitrain.gradients import GradientSource, WorkerResult
-from mpitrain.guard import NON_FINITE, LossGuard
+from mpitrain.guard import NON_FINITE, Diverged, LossGuard
 from mpitrain.layout import PS_RANK
 from mpitrain.liveness import PeerLost
 from mpitrain.metrics import Progress
@@ -216,8 +216,7 @@ class AsyncServer:
         self.held.remove(w)
         why = NON_FINITE if not math.isfinite(msg.loss) else self.guard.exploded(msg.loss)
         if why:  # diverged: never applied, and every worker is stopped
-            state.diverged = {"global_step": state.global_step, "ranks": [self.worker_ranks[w]], "loss": msg.loss,
-                              "why": why}
+            state.diverged = Diverged(state.global_step, [self.worker_ranks[w]], msg.loss, why)
             self.stopping = True
             self._reply(w, stop=True)
             return
@@ -333,7 +332,7 @@ class AsyncWorker:
         self.reqs: list = []  # the exchange in flight: a receive from each server, then a send to each
         self.pushed = 0
         self.sent_last = False
-        self.diverged: dict = {}  # filled when a server stops the run because a loss diverged
+        self.diverged: Diverged | None = None  # set when a server stops the run because a loss diverged
 
     def run(self) -> WorkerResult:
         # Resumed with its own epochs done (the others' are not): a gradient now would train past
@@ -355,7 +354,7 @@ class AsyncWorker:
         for part in self.inparts[0] + self.inparts[1] + self.outparts[0] + self.outparts[1]:
             part.free()
         return WorkerResult(self.pushed, self.be.to_host(self.params).copy(), self.act.times(),
-                            diverged=self.diverged or None)
+                            diverged=self.diverged)
 
     def _compute(self, slot: int) -> tuple[float, list[int]]:
         """The next minibatch's gradient into outbox `slot`; its loss and the versions it used."""
@@ -399,7 +398,7 @@ class AsyncWorker:
         parts = self.inparts[nxt]
         self.versions = [part.step for part in parts]
         if any(part.flags & FLAG_DIVERGED for part in parts):
-            self.diverged["global_step"] = self.versions[0]
+            self.diverged = Diverged(self.versions[0])
         stopped = [bool(part.flags & FLAG_STOP) for part in parts]
         if any(stopped) and not all(stopped):
             self._leave([rank for rank, stop in zip(self.servers, stopped) if not stop])

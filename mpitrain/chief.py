@@ -16,6 +16,7 @@ import numpy as np
 from mpitrain.checkpoint import Checkpointer, TrainState
 from mpitrain.console import say
 from mpitrain.gradients import LOSS_WINDOW
+from mpitrain.guard import Diverged
 from mpitrain.layout import PS_RANK
 from mpitrain.metrics import Progress, RunLog
 from mpitrain.observe import CHECKPOINT, EVAL, attribute, step_time_from_beat
@@ -33,7 +34,7 @@ class ServerState:
     checkpoints: list[str] = field(default_factory=list)  # written by this run, oldest first
     ema: np.ndarray | None = None  # --ema-decay: the averaged parameters at the end
     start_step: int = 0  # > 0 when resumed
-    diverged: dict | None = None  # {"global_step", "ranks", "loss"} once a loss was not finite
+    diverged: Diverged | None = None  # once a loss was not finite or exploded
     log: RunLog | None = None  # --log-dir
     lost_workers: list[dict] = field(default_factory=list)  # async: workers declared lost, in order
     train_s: float = 0.0

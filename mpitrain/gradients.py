@@ -18,6 +18,7 @@ import numpy as np
 from mpitrain.checkpoint import TrainState
 from mpitrain.data import epoch_batches
 from mpitrain.faults import injected_step
+from mpitrain.guard import Diverged
 from mpitrain.runtime import Context
 
 LOSS_WINDOW = 20  # final_loss: mean minibatch loss of the last LOSS_WINDOW global steps
@@ -34,7 +35,7 @@ class WorkerResult:
     contributed: int | None = None  # sync: gradients that went into updates
     recent_loss: float | None = None  # sync: mean minibatch loss of the last LOSS_WINDOW steps
     train_state: TrainState | None = None  # sync: what a checkpoint of the final step holds
-    diverged: dict | None = None  # the non-finite or exploding loss that stopped the run, if any
+    diverged: Diverged | None = None  # the non-finite or exploding loss that stopped the run, if any
 
 
 class BatchStream:

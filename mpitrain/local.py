@@ -4,6 +4,8 @@ distributed run. Who runs what: trainer.ROLES."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from mpitrain.chief import ChiefDuties, ServerState
 from mpitrain.gradients import WorkerResult
 from mpitrain.metrics import Progress
@@ -31,6 +33,6 @@ def run_local(ctx: Context, progress: Progress) -> tuple[ServerState, WorkerResu
     state.recent_losses.append(result.recent_loss)
     state.ema = result.train_state.ema
     if result.diverged:
-        state.diverged = {**result.diverged, "ranks": [0]}
+        state.diverged = dataclasses.replace(result.diverged, ranks=[0])
     duties.save(result.train_state, final=True)
     return state, result

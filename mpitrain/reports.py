@@ -16,7 +16,7 @@ class WorkerReport:
     rank: int
     pushed: int  # gradients computed and sent (sync: local steps taken)
     dropped: int  # gradients left out of every update (--quorum)
-    diverged: dict | None  # the non-finite or exploding loss that stopped it, if any
+    diverged: dict | None  # the non-finite or exploding loss that stopped it, if any (guard.Diverged as a dict)
     contributed: int | None  # sync: gradients that went into updates
     test_loss: float  # of this worker's own parameters
     test_accuracy: float

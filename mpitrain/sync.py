@@ -25,7 +25,7 @@ from mpitrain.chief import ChiefDuties, Clock, ServerState, begin
 from mpitrain.codec import wire_sum
 from mpitrain.faults import Kill
 from mpitrain.gradients import LOSS_WINDOW, GradientSource, WorkerResult, mean_loss
-from mpitrain.guard import NON_FINITE, LossGuard
+from mpitrain.guard import NON_FINITE, Diverged, LossGuard
 from mpitrain.layout import PS_RANK
 from mpitrain.liveness import CHECK_EVERY_S as VERDICT_POLL_S
 from mpitrain.liveness import PeerLost
@@ -200,8 +200,7 @@ def sync_result(step_fn: SyncStep, step: int, loss: float, timing: dict, contrib
     state = step_fn.train_state(step)  # host copies; its params are the result's params
     diverged = None
     if step_fn.why:
-        diverged = {"global_step": step, "loss": loss, "why": step_fn.why,
-                    "mine": not math.isfinite(step_fn.own_loss)}
+        diverged = Diverged(step, loss=loss, why=step_fn.why, mine=not math.isfinite(step_fn.own_loss))
     return WorkerResult(step, state.params, timing, dropped, contributed, loss, state, diverged)
 
 
@@ -297,7 +296,7 @@ def follow_chief(ctx: Context, progress: Progress) -> ServerState:
             if box.flags & (FLAG_CKPT | FLAG_STOP):
                 duties.save(received, final=final)
             if final and box.flags & FLAG_DIVERGED:  # the why and the loss come in the chief's report
-                state.diverged = {"global_step": box.step, "ranks": [], "loss": float("nan"), "why": None}
+                state.diverged = Diverged(box.step)
             if final:  # its loss is the chief's mean over the last LOSS_WINDOW steps
                 state.global_step = box.step
                 state.recent_losses.append(box.loss)
@@ -346,7 +345,7 @@ def keep_shard(ctx: Context) -> ServerState:
         state.bytes_out += box.buf.nbytes
         if box.flags & FLAG_STOP:
             if box.flags & FLAG_DIVERGED:  # rank 0 and the workers say why
-                state.diverged = {"global_step": box.step}
+                state.diverged = Diverged(box.step)
             break
     clock.stop(state)
     return state

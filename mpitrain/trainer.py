@@ -20,7 +20,7 @@ from mpitrain.config import TrainConfig, UsageError, agreed_fields, as_record, p
 from mpitrain.model import model_name
 from mpitrain.version import __version__
 from mpitrain.faults import Kill
-from mpitrain.guard import NON_FINITE
+from mpitrain.guard import Diverged
 from mpitrain.console import say
 from mpitrain.metrics import (Progress, human_summary, staleness_summary, summary_stop_line, to_json,
                               write_json_atomic)
@@ -227,7 +227,7 @@ def shard_report(ctx: Context, state) -> ShardReport:
     s = ctx.shard
     return ShardReport(ctx.rank, ctx.host, ctx.layout.shard_index(ctx.rank), s.stop - s.start, state.busy_fraction,
                        state.global_step, state.bytes_in, state.bytes_out, staleness_summary(state.staleness),
-                       state.diverged, stop_signal=STOP.signum)
+                       as_dict(state.diverged), stop_signal=STOP.signum)
 
 
 def server_stall_line(ctx: Context, step: int, stalled_s: float) -> str:
@@ -273,11 +273,12 @@ def _worker_report(ctx: Context, wres: WorkerResult, evaluation: tuple[float, fl
     wall = max(t["wall_s"], 1e-9)
     breakdown = {"compute": t["compute_s"] / wall, "communication_and_wait": t["wait_s"] / wall,
                  "other": max(0.0, 1 - (t["compute_s"] + t["wait_s"]) / wall)}
-    return WorkerReport(ctx.rank, wres.pushed, wres.dropped, wres.diverged, wres.contributed, evaluation[0],
+    return WorkerReport(ctx.rank, wres.pushed, wres.dropped, as_dict(wres.diverged), wres.contributed, evaluation[0],
                         evaluation[1], digest(wres.params), breakdown, ctx.activity.report(), stop_signal=STOP.signum)
 
 
-def build_summary(ctx: Context, mine: RoleResult, reports: list, placements: list[str], diverged: dict | None) -> Summary:
+def build_summary(ctx: Context, mine: RoleResult, reports: list, placements: list[str],
+                  diverged: Diverged | None) -> Summary:
     cfg, state = ctx.cfg, mine.state
     workers = [r for r in reports if isinstance(r, WorkerReport)]
     shards = [shard_report(ctx, state)] + [r for r in reports if isinstance(r, ShardReport)]
@@ -338,14 +339,14 @@ def build_summary(ctx: Context, mine: RoleResult, reports: list, placements: lis
         checkpoints=mine.checkpoints,
         placement=placements,
         config=as_record(cfg),
-        diverged=diverged,
+        diverged=as_dict(diverged),
         stopped=stop_record(ctx, state, reports, diverged),
         write_errors=WRITES.report(),
         trained=trained,
     )
 
 
-def stop_record(ctx: Context, state, reports: list, diverged: dict | None) -> dict | None:
+def stop_record(ctx: Context, state, reports: list, diverged: Diverged | None) -> dict | None:
     """Rank 0: whether a stop request ended the run before its budget, and by which signal (its
     own, or the one a reporting rank received). A run that reached its budget anyway is done."""
     if diverged or not STOP.requested or state.global_step >= ctx.global_step_budget:
@@ -450,7 +451,8 @@ def train_and_report(ctx: Context) -> tuple[RoleResult, list]:
     return mine, []
 
 
-def publish(ctx: Context, mine: RoleResult, reports: list, placements: list[str], diverged: dict | None) -> tuple[dict, bool]:
+def publish(ctx: Context, mine: RoleResult, reports: list, placements: list[str],
+            diverged: Diverged | None) -> tuple[dict, bool]:
     """Rank 0: the summary (printed, --summary-json, the log's end), the timeline, then the
     goodbyes. Returns the summary and whether a peer turned out to be lost."""
     cfg, state = ctx.cfg, mine.state
@@ -476,7 +478,7 @@ def publish(ctx: Context, mine: RoleResult, reports: list, placements: list[str]
     return summary, say_goodbye(ctx, [r.rank for r in reports], bool(state.lost_workers), bool(summary["stopped"]))
 
 
-def verdict(ctx: Context, mine: RoleResult, reports: list, summary: dict | None, diverged: dict | None) -> Outcome:
+def verdict(ctx: Context, mine: RoleResult, reports: list, summary: dict | None, diverged: Diverged | None) -> Outcome:
     """The exit code and error line of a run that got to its end."""
     own = None if ctx.rank == PS_RANK else dataclasses.asdict(mine.report)
     outcome = Outcome(ExitCode.OK, summary, own)
@@ -499,10 +501,10 @@ def verdict(ctx: Context, mine: RoleResult, reports: list, summary: dict | None,
     if diverged:
         outcome.code = ExitCode.DIVERGED
         if ctx.rank == PS_RANK:
-            outcome.error = divergence_line(diverged, mine.checkpoints)
+            outcome.error = diverged.line(mine.checkpoints)
             say(outcome.error, sys.stderr)
         else:  # a worker knows the step only; rank 0 printed the line with the loss and whose it was
-            outcome.error = f"mpitrain: training diverged at global step {diverged['global_step']} (rank 0 says why)"
+            outcome.error = f"mpitrain: training diverged at global step {diverged.global_step} (rank 0 says why)"
     return outcome
 
 
@@ -736,24 +738,21 @@ def exit_without_finalize(code: int) -> None:
     os._exit(code)
 
 
-def _divergence(ctx: Context, mine: RoleResult, reports: list) -> dict | None:
+def _divergence(ctx: Context, mine: RoleResult, reports: list) -> Diverged | None:
     """Rank 0: where training diverged and whose loss it was; workers: whether it did."""
     if ctx.rank != 0:
-        return mine.report.diverged
+        return Diverged.from_dict(mine.report.diverged)
     d = mine.state.diverged
     if d is None:
         return None
-    told = [r for r in reports if isinstance(r, WorkerReport) and r.diverged]
-    ranks = d["ranks"] or [w.rank for w in told if w.diverged.get("mine")]
-    if d.get("why") is None and told:  # sync: rank 0 learnt only the step; the workers know the rest
-        d = {**d, "why": told[0].diverged["why"], "loss": told[0].diverged["loss"]}
-    return {**d, "ranks": ranks}
+    told = {r.rank: Diverged.from_dict(r.diverged) for r in reports if isinstance(r, WorkerReport) and r.diverged}
+    ranks = d.ranks or [rank for rank, theirs in told.items() if theirs.mine]
+    if d.why is None and told:  # sync: rank 0 learnt only the step; the workers know the rest
+        first = next(iter(told.values()))
+        d = dataclasses.replace(d, why=first.why, loss=first.loss)
+    return dataclasses.replace(d, ranks=ranks)
 
 
-def divergence_line(d: dict, checkpoints: list[str]) -> str:
-    who = f"worker rank {', '.join(map(str, d['ranks']))}'s loss" if d["ranks"] else "the workers' mean loss"
-    kept = f"; the last good checkpoint is {checkpoints[-1]}" if checkpoints else ""
-    why = d.get("why") or NON_FINITE
-    off = "" if why == NON_FINITE else ", or --divergence-factor 0 to turn this check off"
-    return (f"mpitrain: error: training diverged at global step {d['global_step']}: {who} {why}; "
-            f"lower --lr (or use --optimizer adam / --l2{off}){kept}")
+def as_dict(d: Diverged | None) -> dict | None:
+    """A Diverged as reports and the summary carry it (JSON)."""
+    return None if d is None else dataclasses.asdict(d)
