@@ -339,7 +339,7 @@ def build_summary(ctx: Context, mine: RoleResult, reports: list, placements: lis
         checkpoints=mine.checkpoints,
         placement=placements,
         config=as_record(cfg),
-        diverged=as_dict(diverged),
+        diverged=None if diverged is None else {k: v for k, v in as_dict(diverged).items() if k != "mine"},
         stopped=stop_record(ctx, state, reports, diverged),
         write_errors=WRITES.report(),
         trained=trained,
