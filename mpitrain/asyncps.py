@@ -21,7 +21,6 @@ from mpi4py import MPI
 from mpitrain import checkpoint
 from mpitrain.checkpoint import TrainState
 from mpitrain.chief import ChiefDuties, ServerState, record_lost
-from mpitrain.codec import decode, encode
 from mpitrain.faults import Kill
 from mpitrain.gradients import GradientSource, WorkerResult
 from mpitrain.guard import NON_FINITE, Diverged, LossGuard
@@ -56,8 +55,11 @@ class StalenessHold:
 
 class AsyncServer:
     """The async serve loop and its bookkeeping, one method per decision. With --num-ps K each
-    server runs one for its slice of the parameters (`self.params`, a view of `state.params`);
-    rank 0, the chief, also evaluates and saves, with the other slices gathered for it."""
+    server runs one for its slice of the parameters (`self.params`); rank 0, the chief, also
+    evaluates and saves, with the other slices gathered for it. All array work goes through the
+    server's backend (ctx.backend, chosen by --ps-device): on NumPy `self.params` is a view of
+    `state.params` and a float32 gradient is applied straight from its receive buffer; on a GPU
+    they live on the device, and messages are staged as a worker's are."""
 
     def __init__(self, ctx: Context, progress: Progress):
         cfg = ctx.cfg
@@ -68,18 +70,21 @@ class AsyncServer:
         self.duties = ChiefDuties(ctx, progress)  # rank 0's; another server keeps only its state
         start, self.state, self.ckpt = self.duties.start, self.duties.state, self.duties.ckpt
         self.hold = StalenessHold(cfg.max_staleness)
-        self.params = self.state.params[shard]  # this server's slice, updated in place
-        self.opt = Optimizer(cfg.optimizer, n, np, momentum=cfg.momentum)
+        be = self.be = ctx.backend
+        self.params = be.asarray(self.state.params[shard])  # this server's slice (NumPy: a view, updated in place)
+        self.opt = Optimizer(cfg.optimizer, n, be.xp, momentum=cfg.momentum)
         self.guard = LossGuard(cfg.divergence_factor)
         self.opt.restore(start.opt_t, {k: a[shard] for k, a in start.opt_state.items()})
-        self.ema = make_ema(cfg.ema_decay, self.params, np, start.global_step,
+        self.ema = make_ema(cfg.ema_decay, self.params, be.xp, start.global_step,
                             None if start.ema is None else start.ema[shard])
         wire = cfg.wire_dtype
-        self.inbox = [Message(n, dtype=wire) for _ in range(W)]
-        self.outbox = [Message(n, dtype=wire) for _ in range(W)]
+        self.inbox = [Message(n, be.host_alloc, wire) for _ in range(W)]
+        self.outbox = [Message(n, be.host_alloc, wire) for _ in range(W)]
         self.message_bytes = self.inbox[0].buf.nbytes if W else 0
-        # float16 / bfloat16 gradients are widened once, so the optimizer only ever sees float32.
-        self.grad32 = np.empty(n, np.float32) if wire != np.float32 else None
+        # NumPy + float32: a gradient is applied from its receive buffer. Otherwise it is staged
+        # (widened from float16 / bfloat16, or copied to the GPU) into one float32 buffer first.
+        self.zero_copy = bool(W) and be.mirror(self.inbox[0].payload) is self.inbox[0].payload
+        self.grad = None if self.zero_copy else be.xp.empty(n, be.xp.float32)
         self.worker_ranks = list(ctx.layout.worker_ranks)  # worker w is MPI rank worker_ranks[w]
         self.recv = [self.comm.Irecv(self.inbox[w].spec(), source=r, tag=TAG_GRAD) for w, r in enumerate(self.worker_ranks)]
         self.sends = [MPI.REQUEST_NULL] * W
@@ -170,13 +175,14 @@ class AsyncServer:
 
     @property
     def _ema_avg(self) -> np.ndarray | None:
-        return self.ema.avg if self.ema else None
+        return self.be.to_host(self.ema.avg) if self.ema else None
 
     def _own_state(self) -> TrainState:
-        """This server's slice of the training state (the whole of it with one server)."""
-        st = self.state
-        return TrainState(self.params, st.global_step, self.opt.t, dict(self.opt.state), list(st.local_steps),
-                          self._ema_avg)
+        """This server's slice of the training state (the whole of it with one server), on the
+        host (NumPy: the arrays themselves, no copy)."""
+        st, host = self.state, self.be.to_host
+        return TrainState(host(self.params), st.global_step, self.opt.t,
+                          {k: host(a) for k, a in self.opt.state.items()}, list(st.local_steps), self._ema_avg)
 
     def _full_state(self, flags: int) -> TrainState:
         """Rank 0: the whole training state, the other servers' slices asked for (`flags` say
@@ -226,9 +232,9 @@ class AsyncServer:
         if cfg.staleness_lr:
             lr = staleness_scaled_lr(lr, staleness)
         grad = msg.payload
-        if self.grad32 is not None:
-            decode(np, grad, self.grad32)
-            grad = self.grad32
+        if not self.zero_copy:
+            self.be.upload(self.grad, grad)
+            grad = self.grad
         self.opt.step(self.params, grad, lr)
         if self.ema:
             self.ema.update(self.params)
@@ -267,7 +273,7 @@ class AsyncServer:
         if not tested(self.sends[w], rank, self.ctx.watch):  # consumed before this push: done at once
             self.poller.all([self.sends[w]], [rank])
         reply = self.outbox[w]
-        encode(np, self.params, reply.payload)  # a copy (narrowed with --compress): params change in flight
+        self.be.download(self.params, reply.payload)  # a copy (narrowed with --compress): params change in flight
         flags = (FLAG_STOP | (FLAG_DIVERGED if state.diverged else 0)) if stop else 0
         reply.stamp(TAG_PARAMS, state.global_step, state.local_steps[w], flags)
         self.sends[w] = self.comm.Isend(reply.spec(), dest=rank, tag=TAG_PARAMS)

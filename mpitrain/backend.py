@@ -134,7 +134,8 @@ def mpi_cuda_support() -> bool | None:
     return bool(query())
 
 
-def make_backend(device: str, node_local_rank: int, uses_gpu: bool = True, cuda_aware: bool = False) -> Backend:
+def make_backend(device: str, node_local_rank: int, uses_gpu: bool = True, cuda_aware: bool = False,
+                 flag: str = "--device") -> Backend:
     """`uses_gpu=False` for the parameter server, whose optimizer runs on the host buffers it sends."""
     if device == "cpu" or not uses_gpu:
         return Backend()
@@ -146,7 +147,7 @@ def make_backend(device: str, node_local_rank: int, uses_gpu: bool = True, cuda_
     cupy, n = _import_cupy()
     if n == 0:
         if device == "gpu":
-            raise UsageError("--device gpu but no GPU is usable here (CuPy missing or no CUDA device); "
-                             "install mpitrain[cuda13] or [cuda12] on a GPU node, or use --device cpu")
+            raise UsageError(f"{flag} gpu but no GPU is usable here (CuPy missing or no CUDA device); "
+                             f"install mpitrain[cuda13] or [cuda12] on a GPU node, or use {flag} cpu")
         return Backend()
     return CupyBackend(cupy, node_local_rank % n, cuda_aware)

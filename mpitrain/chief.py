@@ -83,10 +83,12 @@ def record_eval(ctx: Context, state: ServerState, clock: Clock, params: np.ndarr
     """--eval-every: test-set loss and accuracy of rank 0's parameters (and of their moving
     average), with the wall time."""
     ctx.activity.enter(EVAL)
-    loss, acc, _ = ctx.model.evaluate(params, ctx.data.x_test, ctx.data.y_test)
+    be = ctx.backend  # rank 0's model computes on its backend's arrays (--ps-device)
+    x, y = be.asarray(ctx.data.x_test), be.asarray(ctx.data.y_test)
+    loss, acc, _ = ctx.model.evaluate(be.asarray(params), x, y)
     entry = {"global_step": step, "seconds": clock.elapsed(), "test_accuracy": acc, "test_loss": loss}
     if ema is not None:
-        entry["ema_test_loss"], entry["ema_test_accuracy"], _ = ctx.model.evaluate(ema, ctx.data.x_test, ctx.data.y_test)
+        entry["ema_test_loss"], entry["ema_test_accuracy"], _ = ctx.model.evaluate(be.asarray(ema), x, y)
     state.eval_history.append(entry)
     if state.log:
         state.log.eval(entry)

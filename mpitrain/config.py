@@ -16,6 +16,7 @@ DATASETS = ("digits", "mnist", "fashion_mnist", "synthetic")
 NPZ_PREFIX, TFDS_PREFIX = "npz:", "tfds:"  # --dataset npz:PATH (your own arrays), tfds:NAME (any tfds image classifier)
 DATASET_PREFIXES = {NPZ_PREFIX: ("PATH", "a file", "npz:mydata.npz"), TFDS_PREFIX: ("NAME", "a dataset name", "tfds:kmnist")}
 DEVICES = ("auto", "cpu", "gpu")
+PS_DEVICES = ("cpu", "gpu")
 WAITS = ("auto", "spin", "yield")
 LR_SCALINGS = ("linear", "none")
 
@@ -190,6 +191,9 @@ class TrainConfig:
         "(node-local rank mod GPUs)", choices=DEVICES)
     cuda_aware: bool = DEVICE(
         False, "hand GPU buffers straight to MPI (a CUDA-aware MPI build) instead of staging them through host memory")
+    ps_device: str = DEVICE(
+        "cpu", "async: where the parameter servers hold their shard and apply the updates: cpu (NumPy), or gpu "
+        "(CuPy, the GPU of the server's node-local rank)", choices=PS_DEVICES)
 
     checkpoint_dir: str | None = CHECKPOINTS(
         None, "save checkpoints here, and resume from the newest one found here", shown="no checkpoints",
@@ -262,7 +266,7 @@ class TrainConfig:
 # with another --steps, would send rank 0 something else than it expects, or stop at another
 # step): trainer.agree_on_setup refuses the run in one line. A new field is agreed unless listed.
 PER_RANK_FIELDS = frozenset({
-    "data_dir", "device", "cuda_aware", "wait",  # this host's files and hardware
+    "data_dir", "device", "cuda_aware", "ps_device", "wait",  # this host's files and hardware
     "progress", "summary_json", "log_dir", "timeline", "timeline_steps",  # output (rank 0's, or this rank's spans)
     "straggler_report", "stall_warning",  # rank 0's reporting
     "fresh", "keep_checkpoints",  # rank 0 writes the checkpoints
@@ -337,6 +341,10 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise UsageError("--train-split/--test-split name tensorflow-datasets splits: use them with --dataset tfds:NAME")
     _choice("device", cfg.device, DEVICES)
     _choice("compress", cfg.compress, codec_names())
+    _choice("ps_device", cfg.ps_device, PS_DEVICES)
+    if cfg.ps_device == "gpu" and cfg.mode != "async":
+        raise UsageError("--ps-device gpu applies to --mode async (in sync mode the workers apply the updates "
+                         "on their own devices); drop it")
     _choice("wait", cfg.wait, WAITS)
     if cfg.lr_scaling is not None:
         _choice("lr_scaling", cfg.lr_scaling, LR_SCALINGS)

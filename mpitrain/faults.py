@@ -8,6 +8,10 @@ MPITRAIN_INJECT_HANG=RANK:STEP:SEC worker RANK's training thread stops for SEC s
                                 local step STEP, its heartbeats going on (alive, not progressing:
                                 a rank stuck in a slow read or a lock; tests/test_observe.py)
 
+MPITRAIN_TEST_BACKEND=server     the parameter servers compute on CopyingBackend: NumPy arrays
+                                that never share memory with message buffers, as a GPU's do not
+                                (the --ps-device gpu data path, tested on a CPU; tests/test_seams.py)
+
 and, for kills from outside at random moments (benchmarks/chaos.py, tests/test_chaos.py), where
 each rank's real training process is (`rank_pids`).
 """
@@ -17,6 +21,39 @@ from __future__ import annotations
 import os
 import signal
 import time
+
+import numpy as np
+
+from mpitrain.backend import Backend
+from mpitrain.codec import decode, encode
+
+
+class CopyingBackend(Backend):
+    """NumPy, but every array is its own memory: mirror, asarray and to_host copy, upload and
+    download convert, as between a GPU and pinned host buffers. Code that skipped a staging step
+    (used a message buffer as the parameters, or the reverse) trains differently here."""
+
+    description = "CPU (NumPy, copying as a GPU backend: MPITRAIN_TEST_BACKEND)"
+
+    def mirror(self, host: np.ndarray):
+        return np.zeros(host.shape, np.float32)
+
+    def upload(self, dev, host: np.ndarray) -> None:
+        decode(np, host, dev)
+
+    def download(self, dev, host: np.ndarray) -> None:
+        encode(np, dev, host)
+
+    def asarray(self, a):
+        return np.array(a, copy=True)
+
+    def to_host(self, a) -> np.ndarray:
+        return np.array(a, copy=True)
+
+
+def copying_backend_for(role: str, env=os.environ) -> CopyingBackend | None:
+    """MPITRAIN_TEST_BACKEND=ROLE: a CopyingBackend for that role's ranks, else None."""
+    return CopyingBackend() if env.get("MPITRAIN_TEST_BACKEND") == role else None
 
 
 def injected_step(var: str, rank: int, env=os.environ) -> int | None:

@@ -20,6 +20,7 @@ from mpitrain import checkpoint, lock
 from mpitrain.backend import Backend, make_backend
 from mpitrain.config import TrainConfig, UsageError, validate_for_world
 from mpitrain.data import Dataset, check_batch_fits, load_dataset, steps_per_epoch
+from mpitrain.faults import copying_backend_for
 from mpitrain.layout import PS_RANK, Layout
 from mpitrain.console import say
 from mpitrain.model import Model, build
@@ -234,6 +235,17 @@ class Context:
         return f"rank {self.rank} {role} {self.host} {self.backend.description}"
 
 
+def rank_backend(cfg: TrainConfig, layout: Layout, rank: int, node: Node) -> Backend:
+    """This rank's arrays: a worker's on --device; a server's on --ps-device (the host by default:
+    with a CPU server, the updates are applied on the very buffers it sends). MPITRAIN_TEST_BACKEND
+    (faults.py) swaps a server's for a NumPy backend that copies like a GPU one, for the tests."""
+    if layout.is_server(rank) and not (cfg.mode == "async" and cfg.ps_device == "gpu"):
+        return copying_backend_for("server") or make_backend("cpu", node.rank)
+    if layout.is_server(rank):
+        return make_backend("gpu", node.rank, cuda_aware=cfg.cuda_aware, flag="--ps-device")
+    return make_backend(cfg.device, node.rank, cuda_aware=cfg.cuda_aware)
+
+
 def make_model(cfg: TrainConfig, data: Dataset, xp) -> Model:
     """--model NAME for this data, or the user's own model object (the API), on this rank's array
     module; a user's model must fit the data (its sizes: features first, classes last)."""
@@ -289,7 +301,7 @@ def setup(cfg: TrainConfig, comm, node: Node) -> Context:
             say(line, sys.stderr)
     layout = Layout(size, cfg.num_ps)
     node = node.for_layout(layout)
-    backend = make_backend(cfg.device, node.rank, uses_gpu=not layout.is_server(rank), cuda_aware=cfg.cuda_aware)
+    backend = rank_backend(cfg, layout, rank, node)
     data = load_dataset(cfg)
     check_batch_fits(data.n_train, layout.workers, cfg.batch_size)
     model = make_model(cfg, data, backend.xp)

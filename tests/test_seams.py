@@ -118,3 +118,42 @@ except mpitrain.UsageError as e:
     cli = run_python(f"-m mpitrain evaluate {tmp_path / 'ck'}")
     assert cli.returncode == 2 and cli.stderr.count("\n") == 1, cli.stderr
     assert "holds a model of your own (smoothed-logistic); evaluate it from Python" in cli.stderr
+
+
+# -- the servers' backend (--ps-device) --------------------------------------------------------------
+
+@pytest.mark.parametrize("compress", ["none", "bf16"])
+def test_an_async_server_computes_through_its_backend(tmp_path, compress):
+    """The server's arrays come from its backend: with MPITRAIN_TEST_BACKEND=server a NumPy backend
+    that shares no memory with the message buffers (as a GPU's does not) trains to the very same
+    parameters as the default one. One worker and --no-overlap: the run is deterministic."""
+    import json
+
+    from conftest import child_env, run_mpitrain
+
+    digests = []
+    for test_backend in ("", "server"):
+        env = {**child_env(), "MPITRAIN_TEST_BACKEND": test_backend}
+        summary = tmp_path / f"s-{test_backend}.json"
+        proc = run_mpitrain(2, "--no-overlap", "--steps", "150", "--compress", compress, "--ema-decay", "0.9",
+                            "--eval-every", "50", "--optimizer", "adam", "--no-progress", "--summary-json",
+                            str(summary), env=env)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert ("copying as a GPU backend" in proc.stdout) == bool(test_backend)
+        s = json.loads(summary.read_text())
+        digests.append((s["param_digest"], s["test_accuracy"], [e["test_accuracy"] for e in s["eval_history"]]))
+    assert digests[0] == digests[1]
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--ps-device", "gpu", "--mode", "sync"], "--ps-device gpu applies to --mode async"),
+    (["--ps-device", "gpu"], "--ps-device gpu but no GPU is usable here"),
+])
+def test_ps_device_gpu_is_refused_in_one_line_where_it_cannot_work(flags, needle):
+    from conftest import run_mpitrain
+    from mpitrain.backend import _import_cupy
+
+    if "--mode" not in flags and _import_cupy()[1] > 0:
+        pytest.skip("a GPU is usable here")
+    proc = run_mpitrain(3, *flags, "--steps", "5")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and needle in proc.stderr, proc.stderr
