@@ -17,16 +17,21 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import inspect
+import numbers
 import os
+
+import numpy as np
 
 from mpitrain.config import TrainConfig, UsageError, parse_straggler, validate
 from mpitrain.model import Model  # public: the protocol a model of your own implements
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+
 # What each annotation accepts from Python, and how a refusal names it. bool is an int in
 # Python: refused where a number is meant (epochs=True is a mistake, not one epoch).
-KINDS = {"int": ((int,), "an integer"), "float": ((int, float), "a number"), "str": ((str,), "a string"),
-         "bool": ((bool,), "True or False")}
+# NumPy's scalars count (a sweep over np.linspace or np.arange hands them in).
+KINDS = {"int": ((numbers.Integral,), "an integer"), "float": ((numbers.Real,), "a number"),
+         "str": ((str,), "a string"), "bool": ((bool, np.bool_), "True or False")}
 
 
 class Diverged(RuntimeError):
@@ -58,8 +63,6 @@ class Result(dict):
     def predict(self, x):
         """Class indices for the rows of `x`, features as the dataset's loader gives them
         (mpitrain.dataset(NAME).x_test, for instance)."""
-        import numpy as np
-
         if self.params is None or self.model is None:
             raise RuntimeError("this rank holds no trained parameters (train() ended without a model)")
         x = np.asarray(x, np.float32)
@@ -116,7 +119,7 @@ def _check_type(name: str, value):
         example = f.default if f.default not in (None, ()) else {"int": 10, "float": 0.5, "str": "'...'"}[kind]
         raise UsageError(f"{name} takes {words}{' or None' if f.type.endswith(' | None') else ''}, "
                          f"not {value!r}; e.g. {name}={example!r}")
-    return float(value) if kind == "float" else value
+    return {"float": float, "int": int, "bool": bool}.get(kind, str)(value)
 
 
 def config(**options) -> TrainConfig:

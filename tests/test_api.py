@@ -81,6 +81,11 @@ def test_bad_options_raise_before_mpi():
         config(hidden="2x")
     assert config(mode="sync", stragglers=["2:x5"]).stragglers == ((2, "factor", 5.0),)
     assert config(lr=1).lr == 1.0 and isinstance(config(lr=1).lr, float)  # an int is a number
+    import numpy as np  # a sweep's values: NumPy scalars are numbers too, stored as Python's
+
+    swept = config(lr=np.float32(0.05), batch_size=np.int64(50), progress=np.bool_(False))
+    assert (swept.lr, swept.batch_size, swept.progress) == (pytest.approx(0.05), 50, False)
+    assert type(swept.batch_size) is int and type(swept.lr) is float and type(swept.progress) is bool
 
 
 # (options, what the one line must say): a wrong type, a command-line-shaped name, a typo. Each
