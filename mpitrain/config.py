@@ -213,8 +213,8 @@ class TrainConfig:
     progress: bool = OUTPUT(True, "draw a progress bar on rank 0's stderr")
     summary_json: str | None = OUTPUT(None, "write the run's summary here as JSON", shown="none", metavar="PATH")
     straggler_report: float = OUTPUT(
-        DEFAULT_STRAGGLER_REPORT, "name a worker whose median compute time per step is X times the other "
-        "workers' (0: never)", metavar="X")
+        DEFAULT_STRAGGLER_REPORT, "name a worker whose step time and compute time per gradient are X times the "
+        "other workers' (0: never)", metavar="X")
     stall_warning: float = OUTPUT(
         DEFAULT_STALL_WARNING_S, "after SEC seconds without a global step, say what is waited for (0: never)",
         metavar="SEC")
