@@ -134,10 +134,9 @@ def mpi_cuda_support() -> bool | None:
     return bool(query())
 
 
-def make_backend(device: str, node_local_rank: int, uses_gpu: bool = True, cuda_aware: bool = False,
-                 flag: str = "--device") -> Backend:
-    """`uses_gpu=False` for the parameter server, whose optimizer runs on the host buffers it sends."""
-    if device == "cpu" or not uses_gpu:
+def make_backend(device: str, node_local_rank: int, cuda_aware: bool = False, flag: str = "--device") -> Backend:
+    """The backend of --device (or --ps-device, `flag`) on this node-local rank."""
+    if device == "cpu":
         return Backend()
     if cuda_aware and mpi_cuda_support() is False:
         # Handing device pointers to an MPI that treats them as host memory crashes or corrupts.

@@ -22,6 +22,7 @@ import numpy as np
 from mpitrain import atomic
 from mpitrain.atomic import write_atomic
 from mpitrain.config import UsageError
+from mpitrain.model import builtin_spec
 from mpitrain.optim import REGISTRY as OPTIMIZER_REGISTRY
 from mpitrain.outputs import WRITES
 
@@ -142,7 +143,7 @@ def fingerprint(sizes: tuple[int, ...], optimizer: str, dataset: str = "", seed:
     """What a resumed run must share with the checkpoint: the model (its spec, model.Model; the
     built-ins' is their kind and layer sizes) and optimizer (the state's layout), and the dataset
     and --seed (the data order it continues)."""
-    spec = model if model is not None else {"kind": "softmax" if len(sizes) == 2 else "mlp", "sizes": list(sizes)}
+    spec = model if model is not None else builtin_spec(sizes)
     return {"format": FORMAT, "layer_sizes": list(sizes), "model": spec, "optimizer": optimizer, "dataset": dataset,
             "seed": seed}
 

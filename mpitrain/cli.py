@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
         text = (opt.help + (f" (default: {words})" if words else "")).replace("%", "%%")
         kw = {"dest": f.name, "default": f.default}
         if f.name == "stragglers":
-            kw.update(action="append", type=_straggler, default=[], metavar=opt.metavar)
+            kw.update(action="append", type=PARSERS[f.name], default=[], metavar=opt.metavar)
         elif f.type == "bool":
             kw["action"] = argparse.BooleanOptionalAction if f.default else "store_true"
         else:

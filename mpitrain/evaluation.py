@@ -36,7 +36,7 @@ def evaluate(path: str, dataset: str, data_dir: str | None, model=None) -> dict:
     """A checkpoint's test accuracy, loss and confusion matrix. `model`: a model of the user's own
     (the API); the built-ins are rebuilt from the checkpoint's spec."""
     from mpitrain.data import load_dataset
-    from mpitrain.model import from_sizes, is_builtin
+    from mpitrain.model import builtin_spec, from_sizes, is_builtin
 
     p = Path(path)
     if p.is_dir():  # a --checkpoint-dir: its newest checkpoint, as a resumed run would take
@@ -49,7 +49,7 @@ def evaluate(path: str, dataset: str, data_dir: str | None, model=None) -> dict:
     state = checkpoint.load(p)
     saved = checkpoint.saved_fingerprint(p)
     sizes = tuple(saved["layer_sizes"])
-    spec = saved.get("model") or {"kind": "softmax" if len(sizes) == 2 else "mlp", "sizes": list(sizes)}
+    spec = saved.get("model") or builtin_spec(sizes)  # written before models had a spec
     if model is None:
         if not is_builtin(spec):
             raise UsageError(f"checkpoint {p} holds a model of your own ({spec.get('kind')}); evaluate it from Python: "

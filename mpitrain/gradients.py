@@ -112,10 +112,6 @@ class GradientSource:
     def exhausted(self) -> bool:
         return self.batches.exhausted
 
-    @property
-    def taken(self) -> int:
-        return self.batches.taken
-
 
 def mean_loss(recent: deque) -> float:
     """The mean of the last LOSS_WINDOW minibatch losses (a NaN placeholder left out)."""

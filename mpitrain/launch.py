@@ -29,16 +29,24 @@ _MPICH_LINE = re.compile(r"^(?P<host>[^\s:#]+)(?::(?P<slots>\S+))?$")
 _OPENMPI_LINE = re.compile(r"^(?P<host>[^\s:#=]+)(?P<opts>(?:\s+\S+=\S+)*)$")
 
 
+def _lines(path: str) -> list[tuple[int, str, str]]:
+    """(line number, the line as written, its content without comment or blanks) of each line
+    that holds something."""
+    out = []
+    for number, raw in enumerate(Path(path).read_text().splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if line:
+            out.append((number, raw, line))
+    return out
+
+
 def parse_hostfile(path: str) -> list[tuple[str, int]]:
     """[(host, slots), ...] in file order. Raises UsageError naming the file and line."""
     p = Path(path)
     if not p.is_file():
         raise UsageError(f"hostfile {path} does not exist; see hostfiles/ for examples")
     hosts = []
-    for number, raw in enumerate(p.read_text().splitlines(), 1):
-        line = raw.split("#", 1)[0].strip()
-        if not line:
-            continue
+    for number, raw, line in _lines(path):
         where = f"{path}:{number}: {raw.strip()!r}"
         m = _MPICH_LINE.match(line)
         if m:
@@ -72,7 +80,7 @@ def _is_openmpi(mpirun: str) -> bool:
 
 def hostfile_syntax(path: str) -> str:
     """"mpich" (host:slots), "openmpi" (host slots=N), or "plain" (host names only: both read it)."""
-    lines = [raw.split("#", 1)[0].strip() for raw in Path(path).read_text().splitlines()]
+    lines = [line for _, _, line in _lines(path)]
     if any("slots=" in line for line in lines):
         return "openmpi"
     return "mpich" if any(":" in line for line in lines) else "plain"

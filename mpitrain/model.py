@@ -65,16 +65,12 @@ class MLP:
         self._scratch: dict[int, list] = {}
 
     @property
-    def kind(self) -> str:
-        return "softmax" if len(self.sizes) == 2 else "mlp"
+    def spec(self) -> dict:
+        return builtin_spec(self.sizes)
 
     @property
     def description(self) -> str:
-        return f"{self.kind} {'-'.join(map(str, self.sizes))} ({self.n_params:,} params)"
-
-    @property
-    def spec(self) -> dict:
-        return {"kind": self.kind, "sizes": list(self.sizes)}
+        return f"{self.spec['kind']} {'-'.join(map(str, self.sizes))} ({self.n_params:,} params)"
 
     def with_backend(self, xp) -> "MLP":
         return self if xp is self.xp else MLP(self.sizes, self.l2, xp)
@@ -215,6 +211,11 @@ def build(name: str, n_features: int, hidden: tuple[int, ...], n_classes: int, l
 def from_sizes(sizes, l2: float = 0.0, xp=np) -> Model:
     """The model a checkpoint's fingerprint (its `layer_sizes`) describes."""
     return MLP(tuple(sizes), l2, xp)
+
+
+def builtin_spec(sizes) -> dict:
+    """The spec of this file's MLP of these layer sizes (softmax regression: no hidden layer)."""
+    return {"kind": "softmax" if len(sizes) == 2 else "mlp", "sizes": list(sizes)}
 
 
 def is_builtin(spec: dict) -> bool:

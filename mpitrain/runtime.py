@@ -239,11 +239,11 @@ def rank_backend(cfg: TrainConfig, layout: Layout, rank: int, node: Node) -> Bac
     """This rank's arrays: a worker's on --device; a server's on --ps-device (the host by default:
     with a CPU server, the updates are applied on the very buffers it sends). MPITRAIN_TEST_BACKEND
     (faults.py) swaps a server's for a NumPy backend that copies like a GPU one, for the tests."""
-    if layout.is_server(rank) and not (cfg.mode == "async" and cfg.ps_device == "gpu"):
-        return copying_backend_for("server") or make_backend("cpu", node.rank)
-    if layout.is_server(rank):
+    if not layout.is_server(rank):
+        return make_backend(cfg.device, node.rank, cuda_aware=cfg.cuda_aware)
+    if cfg.ps_device == "gpu":  # async only (validate)
         return make_backend("gpu", node.rank, cuda_aware=cfg.cuda_aware, flag="--ps-device")
-    return make_backend(cfg.device, node.rank, cuda_aware=cfg.cuda_aware)
+    return copying_backend_for("server") or make_backend("cpu", node.rank)
 
 
 def make_model(cfg: TrainConfig, data: Dataset, xp) -> Model:
