@@ -149,7 +149,7 @@ def local_rank() -> int:
     """This process's rank among those on its host, as the launcher says (MPICH's MPI_LOCALRANKID,
     Open MPI's OMPI_COMM_WORLD_LOCAL_RANK, Slurm's SLURM_LOCALID); 0 when no launcher started it.
     Asks no other rank, so it may be called from any one of them."""
-    from mpitrain.mpienv import launcher_local_rank
+    from mpitrain.mpiimpl import launcher_local_rank
 
     local = launcher_local_rank(os.environ)
     return local if local is not None else 0

@@ -16,7 +16,7 @@ import sys
 
 from mpitrain.version import __version__
 from mpitrain.config import TrainConfig, UsageError, parse_straggler, validate
-from mpitrain.mpienv import launcher_rank
+from mpitrain.mpiimpl import launcher_rank
 
 # One BLAS thread per rank: at these matrix sizes two threads are slower than one, and ranks
 # already share the cores. Set before NumPy loads; an explicit user setting wins.

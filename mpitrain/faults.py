@@ -87,23 +87,28 @@ class Kill:
 def rank_pids(root: int, supervised: bool = True) -> dict[int, tuple[int, int | None]]:
     """For the chaos tests: MPI rank -> (pid of the training process, pid of its supervisor or
     None), among the descendants of process `root` (mpirun), read from /proc. Under hydra the
-    supervisor, a fork of the same `python -m mpitrain`, carries PMI_RANK too: the training
-    process is the one whose parent is a rank. With `supervised`, a rank whose training process
-    is not forked yet is left out (so a caller never kills a supervisor by mistake)."""
-    parents, ranks = {}, {}
+    supervisor, a fork of the same `python -m mpitrain`, carries the rank's variables too: the
+    training process is the one whose parent is a rank. With `supervised`, a rank whose launcher
+    gives it a supervisor (mpiimpl.needs_supervisor) but whose training process is not forked yet
+    is left out (so a caller never kills a supervisor by mistake)."""
+    from mpitrain.mpiimpl import launcher_rank, needs_supervisor
+
+    parents, ranks, expect_supervisor = {}, {}, {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         pid = int(entry)
         try:
             parents[pid] = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
-            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+            raw = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
             cmd = open(f"/proc/{pid}/cmdline", "rb").read()
         except (OSError, ValueError, IndexError):
             continue
-        rank = next((int(v[9:]) for v in env if v.startswith(b"PMI_RANK=") and v[9:].isdigit()), None)
+        env = dict(v.decode(errors="replace").partition("=")[::2] for v in raw if b"=" in v)
+        rank = launcher_rank(env)
         if rank is not None and b"mpitrain" in cmd:
             ranks[pid] = rank
+            expect_supervisor[pid] = supervised and needs_supervisor(env)
 
     def descends(pid: int) -> bool:
         while pid > 1:
@@ -119,6 +124,6 @@ def rank_pids(root: int, supervised: bool = True) -> dict[int, tuple[int, int | 
         parent = parents.get(pid)
         if parent in ranks:  # pid is the rank, its parent the supervisor
             out[rank] = (pid, parent)
-        elif rank not in out and not supervised:  # no supervisor (MPITRAIN_SUPERVISE=0, srun)
+        elif rank not in out and not expect_supervisor[pid]:  # no supervisor (Open MPI, srun, MPITRAIN_SUPERVISE=0)
             out[rank] = (pid, None)
     return out

@@ -1,11 +1,12 @@
 """`mpitrain launch`: check a hostfile, then start the job with mpirun across its hosts.
 
-    mpitrain launch -f hostfiles/mpich.hosts [-np N] [trainer flags...]
+    mpitrain launch -f hostfiles/mpich.hosts [-np N] [--keep-going] [trainer flags...] [-- mpirun flags...]
 
 A hostfile mistake (missing file, bad line, zero slots, more ranks than slots) is reported in one
 line with exit code 2 before any process starts, instead of as an MPI launcher error. Both
 MPICH (`host:slots`) and Open MPI (`host slots=N`) syntax are read; mpirun gets a hostfile in
-the syntax of the MPI it belongs to.
+the syntax of the MPI it belongs to. `--keep-going` becomes that MPI's flag for going on without a
+lost worker (mpiimpl.Impl.keep_going); flags after `--` go to mpirun as they are.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 from mpitrain.config import UsageError
 from mpitrain.console import say
 from mpitrain.exitcodes import ExitCode
+from mpitrain.mpiimpl import Impl, of_mpirun
 
 _MPICH_LINE = re.compile(r"^(?P<host>[^\s:#]+)(?::(?P<slots>\S+))?$")
 _OPENMPI_LINE = re.compile(r"^(?P<host>[^\s:#=]+)(?P<opts>(?:\s+\S+=\S+)*)$")
@@ -73,11 +75,6 @@ def parse_hostfile(path: str) -> list[tuple[str, int]]:
     return hosts
 
 
-def _is_openmpi(mpirun: str) -> bool:
-    out = subprocess.run([mpirun, "--version"], capture_output=True, text=True, timeout=30)
-    return "Open MPI" in out.stdout + out.stderr or "OpenRTE" in out.stdout + out.stderr
-
-
 def hostfile_syntax(path: str) -> str:
     """"mpich" (host:slots), "openmpi" (host slots=N), or "plain" (host names only: both read it)."""
     lines = [line for _, _, line in _lines(path)]
@@ -86,13 +83,13 @@ def hostfile_syntax(path: str) -> str:
     return "mpich" if any(":" in line for line in lines) else "plain"
 
 
-def launcher_hostfile(path: str, hosts: list[tuple[str, int]], openmpi: bool, keep: bool, tmp: Path) -> Path:
+def launcher_hostfile(path: str, hosts: list[tuple[str, int]], impl: Impl, keep: bool, tmp: Path) -> Path:
     """A hostfile this mpirun reads: the user's own when it is in the MPI's syntax (so a printed
     command names a file that stays), else a converted copy, in `tmp` or, for a command printed to
     run later (`keep`), in a file that is not deleted."""
-    if hostfile_syntax(path) in ("plain", "openmpi" if openmpi else "mpich"):
+    if hostfile_syntax(path) in ("plain", impl.name):
         return Path(path).resolve()
-    text = "".join(f"{h} slots={s}\n" if openmpi else f"{h}:{s}\n" for h, s in hosts)
+    text = "".join(impl.hostfile_line(h, s) + "\n" for h, s in hosts)
     if keep:
         fd, name = tempfile.mkstemp(prefix="mpitrain-hosts-", suffix=".txt")
         with os.fdopen(fd, "w") as f:
@@ -103,9 +100,11 @@ def launcher_hostfile(path: str, hosts: list[tuple[str, int]], openmpi: bool, ke
     return out
 
 
-def build_command(mpirun: str, hostfile: Path, np_: int, openmpi: bool, trainer_args: list[str]) -> list[str]:
-    flag = ["--hostfile", str(hostfile)] if openmpi else ["-f", str(hostfile)]
-    return [mpirun, *flag, "-np", str(np_), sys.executable, "-m", "mpitrain", *trainer_args]
+def build_command(mpirun: str, impl: Impl, hostfile: Path, np_: int, trainer_args: list[str],
+                  mpirun_args: list[str], keep_going: bool) -> list[str]:
+    keep = list(impl.keep_going) if keep_going else []
+    return [mpirun, impl.hostfile_flag, str(hostfile), *keep, *mpirun_args, "-np", str(np_),
+            sys.executable, "-m", "mpitrain", *trainer_args]
 
 
 def unresolved_hosts(names: list[str]) -> list[str]:
@@ -149,7 +148,12 @@ def main(argv: list[str]) -> int:
     p.add_argument("--mpirun", default=None, help="the mpirun to use (default: the one beside this Python, else PATH)")
     p.add_argument("--dry-run", action="store_true",
                    help="print the mpirun command instead of running it (host names are not resolved)")
-    args, trainer_args = p.parse_known_args(argv)
+    p.add_argument("--keep-going", action="store_true",
+                   help="a lost worker does not end the job: mpirun -disable-auto-cleanup (MPICH) or "
+                        "--with-ft ulfm (Open MPI)")
+    p.epilog = "Flags after -- go to mpirun as they are, e.g. -- --oversubscribe (Open MPI)."
+    mpirun_args = argv[argv.index("--") + 1:] if "--" in argv else []
+    args, trainer_args = p.parse_known_args(argv[:len(argv) - len(mpirun_args) - (1 if "--" in argv else 0)])
     try:
         hosts = parse_hostfile(args.hostfile)
         total = sum(s for _, s in hosts)
@@ -162,7 +166,10 @@ def main(argv: list[str]) -> int:
         mpirun = args.mpirun or (str(beside) if beside.exists() else shutil.which("mpirun"))
         if not mpirun:
             raise UsageError("no mpirun found; pip install 'mpitrain[mpich]' or load your MPI module")
-        bad = [] if args.dry_run else unresolved_hosts(list(dict.fromkeys(rank_hosts(hosts, np_))))
+        impl = of_mpirun(mpirun)
+        # hydra contacts the hosts that get ranks; prterun starts a daemon on every host of the file
+        contacted = [h for h, _ in hosts] if impl.contacts_every_host else rank_hosts(hosts, np_)
+        bad = [] if args.dry_run else unresolved_hosts(list(dict.fromkeys(contacted)))
         if bad:
             raise UsageError(f"{args.hostfile} names host(s) this machine cannot resolve: {', '.join(bad)}; fix the "
                              f"name(s), or add them to /etc/hosts or DNS")
@@ -171,10 +178,9 @@ def main(argv: list[str]) -> int:
         return ExitCode.USAGE
     for line in server_lines(hosts, np_, trainer_args):
         say(line)
-    openmpi = _is_openmpi(mpirun)
     with tempfile.TemporaryDirectory() as tmp:
-        hostfile = launcher_hostfile(args.hostfile, hosts, openmpi, args.dry_run, Path(tmp))
-        cmd = build_command(mpirun, hostfile, np_, openmpi, trainer_args)
+        hostfile = launcher_hostfile(args.hostfile, hosts, impl, args.dry_run, Path(tmp))
+        cmd = build_command(mpirun, impl, hostfile, np_, trainer_args, mpirun_args, args.keep_going)
         if args.dry_run:  # to run later, or elsewhere: no host is contacted or resolved here
             say(" ".join(shlex.quote(part) for part in cmd))
             return 0

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mpitrain import checkpoint, lock
+from mpitrain import checkpoint, lock, mpiimpl
 from mpitrain.backend import Backend, make_backend
 from mpitrain.config import TrainConfig, UsageError, validate_for_world
 from mpitrain.data import Dataset, check_batch_fits, load_dataset, steps_per_epoch
@@ -77,23 +77,28 @@ def node_info(comm) -> Node:
     here = tuple(node.allgather(comm.Get_rank()))  # setup-time only
     info = Node(node.Get_rank(), node.Get_size(), node.Get_size(), len(os.sched_getaffinity(0)), here)
     info = info.for_layout(Layout(comm.Get_size()))  # setup() recounts with --num-ps
+    impl = mpiimpl.running()
+    if impl is mpiimpl.OPENMPI:  # each rank maps a peer's segment when it first sends to it: all pairs, now
+        node.alltoall(list(range(node.Get_size())))
+        node.Barrier()
     node.Free()
-    if info.rank == 0:
-        unlink_init_shm()  # every rank on this node is past MPI_Init: the names are not needed
+    if info.rank == 0 and impl is not None:
+        unlink_init_shm(impl.shm_prefix)  # every rank on this node has mapped them: the names are not needed
     return info
 
 
-# MPICH (4.x, 5.x) names a node's shared-memory segment after the job's PMI name
-# ("mpich_shm_<hash of the kvsname>_<node>", ch4 posix_init.c), and only the rank that created it
-# unlinks it, in MPI_Finalize. A job with a killed rank never gets there, so the file stays in
-# /dev/shm (measured: 4 MB per node per job), and the next job whose PMI name hashes the same --
-# under Slurm "<jobid>.<step>", so any cluster that reuses job ids -- opens the stale segment and
-# spins in MPI_Init forever. All local ranks have mapped it once MPI_Init returned everywhere, so
-# the name can go now; the memory lives until the last rank unmaps it, however that rank ends.
-INIT_SHM_PREFIX = "mpich_shm_"
+# A node's shared-memory segments are named after the job, and only the rank that created one
+# unlinks it, in MPI_Finalize. A job with a killed rank never gets there, so the files stay in
+# /dev/shm (measured: MPICH 4 MB per node per job, "mpich_shm_<hash of the kvsname>_<node>", ch4
+# posix_init.c; Open MPI 16 MB per rank, "sm_segment.<host>.<uid>.<job>.<local rank>"). With MPICH
+# the next job whose PMI name hashes the same -- under Slurm "<jobid>.<step>", so any cluster that
+# reuses job ids -- opens the stale segment and spins in MPI_Init forever. Once every local rank
+# has mapped them (MPICH: in MPI_Init; Open MPI: at a rank's first message to each peer, so
+# node_info sends one between every pair first) the names can go; the memory lives until the last
+# rank unmaps it, however that rank ends.
 
 
-def unlink_init_shm(maps: str = "/proc/self/maps", shm_dir: str = "/dev/shm") -> list[str]:
+def unlink_init_shm(prefix: str, maps: str = "/proc/self/maps", shm_dir: str = "/dev/shm") -> list[str]:
     """Unlink the init segments this process maps; returns what it removed."""
     try:
         with open(maps) as f:
@@ -104,7 +109,7 @@ def unlink_init_shm(maps: str = "/proc/self/maps", shm_dir: str = "/dev/shm") ->
     removed = []
     for path in sorted(paths):
         name = os.path.basename(path)
-        if os.path.dirname(path) == shm_dir and name.startswith(INIT_SHM_PREFIX) and " " not in name:
+        if os.path.dirname(path) == shm_dir and name.startswith(prefix) and " " not in name:
             try:  # (a name already unlinked shows as "NAME (deleted)")
                 os.unlink(path)
                 removed.append(path)
@@ -270,7 +275,7 @@ def check_launch(size: int, env=os.environ) -> None:
     ntasks = env.get("SLURM_NTASKS") or env.get("SLURM_NPROCS")
     if ntasks and ntasks.isdigit() and int(ntasks) > 1 and size == 1:
         raise UsageError(f"Slurm started {ntasks} tasks but MPI sees a world of 1: launch with "
-                         "`srun --mpi=pmi2 python -m mpitrain` (or `mpirun -np $SLURM_NTASKS ...`)")
+                         f"`{mpiimpl.slurm_hint()}` (or `mpirun -np $SLURM_NTASKS ...`)")
 
 
 def check_output_path(flag: str, path: str | None) -> None:

@@ -85,7 +85,7 @@ def handled(env=os.environ) -> tuple[signal.Signals, ...]:
     SIGUSR1 when a peer dies (measured with -disable-auto-cleanup): MPICH's own handler for it must
     stay there, and a dead peer must not stop the run. Slurm's `--signal=USR1` reaches srun's tasks,
     which hydra does not start."""
-    from mpitrain.supervise import hydra_env
+    from mpitrain.mpiimpl import hydra_env
 
     return tuple(s for s in SIGNALS if not (s == signal.SIGUSR1 and hydra_env(env)))
 

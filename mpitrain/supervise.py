@@ -13,7 +13,8 @@ socket, hydra SIGKILLs the supervisors, and the kernel kills their ranks with th
 (PR_SET_PDEATHSIG), so the whole job still ends at once.
 
 The supervisor is the same process forked before MPI is initialised (no second interpreter
-start). MPITRAIN_SUPERVISE=0 turns it off.
+start). MPITRAIN_SUPERVISE=0 turns it off (mpiimpl.needs_supervisor). Open MPI's prterun needs
+none: under `--with-ft ulfm` it keeps the others running however a rank died.
 """
 
 from __future__ import annotations
@@ -22,26 +23,17 @@ import os
 import signal
 import sys
 
+from mpitrain.mpiimpl import needs_supervisor
+
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 PR_SET_NAME = 15
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR2, signal.SIGCONT)
 
 
-def hydra_env(env=os.environ) -> bool:
-    """Hydra's proxy hands each rank a PMI socket (PMI_FD) and hydra-only locality variables;
-    Slurm's srun (PMI-2) sets no MPI_LOCALRANKID."""
-    return "PMI_FD" in env and "MPI_LOCALRANKID" in env
-
-
-def under_hydra(env=os.environ) -> bool:
-    """Under hydra, with the supervisor not turned off (MPITRAIN_SUPERVISE=0)."""
-    return hydra_env(env) and env.get("MPITRAIN_SUPERVISE", "1") != "0"
-
-
 def supervise() -> None:
     """Fork. The child returns and becomes the MPI rank; the parent never returns: it waits for
     the child and exits with its status."""
-    if not sys.platform.startswith("linux") or not under_hydra():
+    if not sys.platform.startswith("linux") or not needs_supervisor():
         return
     parent = os.getpid()
     rank = os.environ.get("PMI_RANK", "")

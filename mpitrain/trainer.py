@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from mpitrain import asyncps, checkpoint, liveness, local, lock, observe, outputs, quorum, stopping, sync
+from mpitrain import asyncps, checkpoint, liveness, local, lock, mpiimpl, observe, outputs, quorum, stopping, sync
 from mpitrain.config import TrainConfig, UsageError, agreed_fields, as_record, plain_value
 from mpitrain.model import model_name
 from mpitrain.version import __version__
@@ -488,6 +488,10 @@ def verdict(ctx: Context, mine: RoleResult, reports: list, summary: dict | None,
     if ctx.rank == PS_RANK and not ctx.local and not any(isinstance(r, WorkerReport) for r in reports):
         outcome.code = ExitCode.PEER_LOST  # every worker was lost: the budget was not finished
         outcome.error = "mpitrain: every worker was lost"
+    elif ctx.rank == PS_RANK and mine.state.lost_workers:
+        outcome.code = ExitCode.WORKER_LOST
+        lost = ", ".join(f"rank {w['rank']}" for w in mine.state.lost_workers)
+        outcome.error = f"mpitrain: the budget was finished without lost worker(s) {lost} (exit 8)"
     stopped = summary["stopped"] if ctx.rank == PS_RANK else STOP.requested
     if stopped and not diverged:
         outcome.code = interrupted(STOP.signum or int(signal.SIGTERM))
@@ -694,6 +698,7 @@ def peer_lost(ctx: Context, e: PeerLost) -> int:
             which = "; ".join(f"{lay.shard_index(r)}/{lay.shards} (rank {r}: {e.lost[r]})" for r in shards)
             say(f"mpitrain: error: lost parameter-server shard {which}. Training cannot go on without "
                 f"that part of the parameters; {resume_hint(ctx, 0)}", sys.stderr)
+            mpiimpl.farewell(ctx.comm, ctx.cfg.worker_timeout)  # the workers' lines first (Open MPI)
         else:
             say(f"mpitrain: error: lost worker {who}. Sync training cannot finish a collective without it; "
                 f"{resume_hint(ctx, len(e.lost))}", sys.stderr)
@@ -706,6 +711,7 @@ def peer_lost(ctx: Context, e: PeerLost) -> int:
     whom = "the parameter server" if all(lay.is_server(r) for r in e.lost) else "a peer"
     say(f"mpitrain: error: rank {ctx.rank} lost {whom} ({who}); stopping. Rank 0's "
         f"newest checkpoint in --checkpoint-dir resumes the run", sys.stderr)
+    mpiimpl.farewell(ctx.comm, ctx.cfg.worker_timeout)  # the other survivors' lines too (Open MPI)
     exit_without_finalize(ExitCode.PEER_LOST)
     return ExitCode.PEER_LOST
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -10,6 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from mpitrain import mpiimpl
 
 MPI_TIMEOUT_S = 120  # a deadlock fails the test instead of hanging CI
 
@@ -20,6 +23,52 @@ def mpirun_path() -> str:
     if not found:
         pytest.skip("no mpirun on PATH (pip install 'mpitrain[mpich]')")
     return found
+
+
+@functools.cache
+def mpi_impl() -> mpiimpl.Impl:
+    """The MPI implementation whose mpirun the tests launch (MPICH or Open MPI: CI runs the suite
+    under each)."""
+    return mpiimpl.of_mpirun(mpirun_path())
+
+
+def launcher_flags() -> list[str]:
+    """The flags every test job needs from mpirun: Open MPI refuses root (containers, CI) and more
+    ranks than cores (3 ranks on 2 cores here) without them."""
+    impl = mpi_impl()
+    root = impl.root_flags if os.geteuid() == 0 else ()
+    return [*root, *impl.oversubscribe_flags]
+
+
+def launcher() -> list[str]:
+    return [mpirun_path(), *launcher_flags()]
+
+
+def keep_going() -> tuple[str, ...]:
+    """mpirun's flags for a job that goes on without a lost rank, on this MPI."""
+    return mpi_impl().keep_going
+
+
+def only_on(name: str, why: str):
+    """Skip a test that holds for one MPI implementation only, saying why."""
+    return pytest.mark.skipif(mpi_impl().name != name, reason=f"{mpiimpl.IMPLS[name].title} only: {why}")
+
+
+def own_lines(text: str) -> list[str]:
+    """What mpitrain itself wrote: Open MPI's launcher adds its own message, framed by lines of
+    dashes, when a rank exits non-zero (hydra adds nothing to a clean exit 2)."""
+    out, boxed = [], False
+    for line in text.splitlines():
+        if line.startswith("-" * 20):
+            boxed = not boxed
+        elif not boxed:
+            out.append(line)
+    return out
+
+
+@pytest.fixture
+def mpi() -> mpiimpl.Impl:
+    return mpi_impl()
 
 
 def child_env() -> dict:
@@ -35,7 +84,7 @@ def run_mpitrain(np_: int, *args: str, timeout: float = MPI_TIMEOUT_S, env: dict
     """`mpirun -np np_ python -m mpitrain ARGS` (np_ == 0: plain `python -m mpitrain`, no launcher)."""
     cmd = [sys.executable, "-m", "mpitrain", *args]
     if np_ > 0:
-        cmd = [mpirun_path(), "-np", str(np_), *cmd]
+        cmd = [*launcher(), "-np", str(np_), *cmd]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env or child_env(), cwd=cwd)
 
 
@@ -129,4 +178,4 @@ def wait_for_checkpoint(proc: subprocess.Popen, directory: Path, timeout: float 
 
 
 def mpitrain_cmd(np_: int, *args: str, launcher_flags: tuple[str, ...] = ()) -> list[str]:
-    return [mpirun_path(), *launcher_flags, "-np", str(np_), sys.executable, "-m", "mpitrain", *args]
+    return [*launcher(), *launcher_flags, "-np", str(np_), sys.executable, "-m", "mpitrain", *args]

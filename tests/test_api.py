@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import MPI_TIMEOUT_S, child_env, mpirun_path
+from conftest import MPI_TIMEOUT_S, child_env, launcher
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -16,7 +16,7 @@ def python(code: str, np_: int = 0) -> subprocess.CompletedProcess:
     """Run `code` in a fresh interpreter (MPI initialised there, not in pytest), under mpirun if np_."""
     cmd = [sys.executable, "-c", code]
     if np_:
-        cmd = [mpirun_path(), "-np", str(np_), *cmd]
+        cmd = [*launcher(), "-np", str(np_), *cmd]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=MPI_TIMEOUT_S, env=child_env(), cwd=ROOT)
 
 
@@ -39,7 +39,7 @@ print("EVAL", json.dumps([e["test_accuracy"], e["global_step"]]))
 
 
 def test_the_sweep_example_under_mpirun():
-    proc = subprocess.run([mpirun_path(), "-np", "3", sys.executable, "examples/sweep_lr.py"], capture_output=True,
+    proc = subprocess.run([*launcher(), "-np", "3", sys.executable, "examples/sweep_lr.py"], capture_output=True,
                           text=True, timeout=MPI_TIMEOUT_S, env=child_env(), cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("sweep:")]

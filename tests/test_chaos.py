@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from mpi4py import MPI
 
-from conftest import child_env, mpitrain_cmd, run_detached
+from conftest import child_env, keep_going, mpitrain_cmd, run_detached
 from mpitrain.liveness import PeerLost
 from mpitrain.transport import Poller
 
@@ -48,7 +48,7 @@ def test_a_worker_killed_after_its_report_does_not_hang_the_others(tmp_path):
     """The others would wait in MPI_Finalize for it forever (on main: a hang)."""
     summary = tmp_path / "s.json"
     proc, seconds = run_detached(mpitrain_cmd(4, "--no-progress", "--steps", "600", "--worker-timeout", "2",
-                                              "--summary-json", str(summary), launcher_flags=("-disable-auto-cleanup",)),
+                                              "--summary-json", str(summary), launcher_flags=keep_going()),
                                  env={**child_env(), "MPITRAIN_INJECT_KILL": "2:report"}, timeout=60)
     assert "Traceback" not in proc.stderr and not proc.leftovers
     s = json.loads(summary.read_text())

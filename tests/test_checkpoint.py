@@ -11,7 +11,7 @@ import zipfile
 import numpy as np
 import pytest
 
-from conftest import child_env, mpirun_path, run_mpitrain, train
+from conftest import child_env, launcher, own_lines, run_mpitrain, train
 from mpitrain import checkpoint
 from mpitrain.checkpoint import TrainState
 from mpitrain.config import UsageError
@@ -139,7 +139,7 @@ def test_corrupt_or_mismatched_checkpoint_exits_2_and_deletes_nothing(tmp_path):
     ck = tmp_path / "ck"
     train(3, tmp_path, "--steps", "20", "--checkpoint-dir", str(ck))
     proc = run_mpitrain(3, "--steps", "40", "--checkpoint-dir", str(ck), "--hidden", "50")
-    assert proc.returncode == 2 and "another model" in proc.stderr and proc.stderr.count("\n") == 1
+    assert proc.returncode == 2 and "another model" in proc.stderr and len(own_lines(proc.stderr)) == 1
     proc = run_mpitrain(3, "--steps", "40", "--checkpoint-dir", str(ck), "--seed", "3")
     assert proc.returncode == 2 and "seed 0 vs 3 here" in proc.stderr
     newest = checkpoint.list_checkpoints(ck)[-1]
@@ -185,7 +185,7 @@ def test_sigkill_at_any_moment_leaves_the_newest_checkpoint_loadable(tmp_path):
     for when in (saving, saving, between_saves):
         stale = writing(set())  # what the previous kill left: the next resume must not mind it
         first = newest()
-        proc = subprocess.Popen([mpirun_path(), "-np", "3", sys.executable, "-m", "mpitrain", *big],
+        proc = subprocess.Popen([*launcher(), "-np", "3", sys.executable, "-m", "mpitrain", *big],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=child_env(),
                                 start_new_session=True)
         _kill_when(proc, lambda: when(stale, first))

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import child_env, run_mpitrain
+from conftest import child_env, own_lines, run_mpitrain
 from mpitrain import checkpoint
 
 
@@ -67,13 +67,13 @@ def test_ranks_started_with_different_flags_stop_before_training(workers_flags, 
     import subprocess
     import sys
 
-    from conftest import mpirun_path
+    from conftest import launcher
 
-    cmd = [mpirun_path(), "-np", "1", sys.executable, "-m", "mpitrain", "--no-progress", ":",
+    cmd = [*launcher(), "-np", "1", sys.executable, "-m", "mpitrain", "--no-progress", ":",
            "-np", "2", sys.executable, "-m", "mpitrain", "--no-progress", *workers_flags]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=child_env())
     assert proc.returncode == 2
-    assert proc.stderr.count("\n") == 1
+    assert len(own_lines(proc.stderr)) == 1
     assert f"error on rank 1: it disagrees with rank 0 ({says}" in proc.stderr
     assert "mpitrain done" not in proc.stdout
 

@@ -6,7 +6,7 @@ import struct
 import numpy as np
 import pytest
 
-from conftest import run_mpitrain, train
+from conftest import own_lines, run_mpitrain, train
 from mpitrain.evaluation import confusion_matrix
 
 
@@ -83,7 +83,7 @@ def test_plot_of_runs_without_eval_every_draws_the_loss_and_says_why(tmp_path):
 
 def test_plot_refuses_a_folder_without_log(tmp_path):
     proc = run_mpitrain(0, "plot", str(tmp_path), "-o", str(tmp_path / "x.png"))
-    assert proc.returncode == 2 and "no events.jsonl" in proc.stderr and proc.stderr.count("\n") == 1
+    assert proc.returncode == 2 and "no events.jsonl" in proc.stderr and len(own_lines(proc.stderr)) == 1
 
 
 def test_evaluate_prints_accuracy_and_confusion_matrix(two_runs, tmp_path):

@@ -11,12 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import child_env, mpirun_path
+from conftest import child_env, mpirun_path, only_on
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import netns  # noqa: E402  (benchmarks/netns.py: the namespaces, shared with benchmarks/slowlink.py)
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300),
+              only_on("mpich", "the namespaces are joined through hydra's -launcher-exec (an ssh stand-in)")]
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import child_env, communicate_or_kill, mpitrain_cmd, run_mpitrain, wait_for_training
+from conftest import child_env, communicate_or_kill, mpitrain_cmd, own_lines, run_mpitrain, wait_for_training
 from mpitrain import observe
 from mpitrain.config import TrainConfig, UsageError, validate
 from mpitrain.faults import Kill, rank_pids
@@ -314,5 +314,5 @@ def test_plot_refuses_what_is_not_a_trace(tmp_path):
     junk = tmp_path / "junk.json"
     junk.write_text("{}")
     proc = run_mpitrain(0, "plot", "--timeline", str(junk), "-o", str(tmp_path / "x.png"))
-    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+    assert proc.returncode == 2 and len(own_lines(proc.stderr)) == 1
     assert "is not a trace written by --timeline" in proc.stderr and "Traceback" not in proc.stderr

@@ -4,6 +4,7 @@ another), and (below) a user's own model through the API."""
 import numpy as np
 import pytest
 
+from conftest import own_lines
 from test_cli import FakeWorld
 
 
@@ -64,12 +65,12 @@ def run_python(code: str, np_: int = 0, cwd=None):
     import sys
     from pathlib import Path
 
-    from conftest import MPI_TIMEOUT_S, child_env, mpirun_path
+    from conftest import MPI_TIMEOUT_S, child_env, launcher
 
     root = Path(__file__).resolve().parent.parent
     cmd = [sys.executable, *(["-c", code] if "\n" in code else code.split())]
     if np_:
-        cmd = [mpirun_path(), "-np", str(np_), *cmd]
+        cmd = [*launcher(), "-np", str(np_), *cmd]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=MPI_TIMEOUT_S, env=child_env(),
                           cwd=cwd or root)
 
@@ -116,7 +117,7 @@ except mpitrain.UsageError as e:
     assert "INCOMPLETE model takes 'softmax', 'mlp' or an object with model.Model's members; Half lacks " \
            "description, spec, init_params, loss_and_grad, evaluate, with_backend" in out, out
     cli = run_python(f"-m mpitrain evaluate {tmp_path / 'ck'}")
-    assert cli.returncode == 2 and cli.stderr.count("\n") == 1, cli.stderr
+    assert cli.returncode == 2 and len(own_lines(cli.stderr)) == 1, cli.stderr
     assert "holds a model of your own (smoothed-logistic); evaluate it from Python" in cli.stderr
 
 
@@ -156,4 +157,4 @@ def test_ps_device_gpu_is_refused_in_one_line_where_it_cannot_work(flags, needle
     if "--mode" not in flags and _import_cupy()[1] > 0:
         pytest.skip("a GPU is usable here")
     proc = run_mpitrain(3, *flags, "--steps", "5")
-    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and needle in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and len(own_lines(proc.stderr)) == 1 and needle in proc.stderr, proc.stderr

