@@ -2,9 +2,11 @@
 
     python benchmarks/chaos.py                       # 51 trials, ~15 min on 2 cores; writes benchmarks/CHAOS.md
     python benchmarks/chaos.py --trials 1 --cases async-big,sync   # a quick look
+    python benchmarks/chaos.py --mpi openmpi        # from an install with .[openmpi]: the same under Open MPI
 
 Not part of CI (tests/test_chaos.py runs a few trials of the same code under timeouts). Each
-trial starts `mpirun -disable-auto-cleanup -np 4 python -m mpitrain ...` (1 server + 3 workers,
+trial starts `mpirun -disable-auto-cleanup -np 4 python -m mpitrain ...` (Open MPI: `mpirun --with-ft
+ulfm`; mpiimpl.Impl.keep_going) (1 server + 3 workers,
 or 2 servers + 2 workers in the `--num-ps 2` cases) in its own session, waits for rank 0's start
 lines, sleeps a random time drawn over the whole run (calibrated per case, the end-of-run report
 included), and SIGKILLs the real training process of a random worker (or of rank 0, of server
@@ -43,17 +45,17 @@ from run import env, machine, mpirun  # noqa: E402  (same folder)
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from mpitrain import checkpoint  # noqa: E402
+from mpitrain import checkpoint, mpiimpl  # noqa: E402
 from mpitrain.exitcodes import ExitCode  # noqa: E402
-from mpitrain.faults import rank_pids  # noqa: E402
+from mpitrain.faults import kill_session, rank_pids  # noqa: E402
 from mpitrain.layout import Layout  # noqa: E402
 
 NP = 4
 TIMEOUT_S = 3.0  # --worker-timeout
 GRACE_S = 10.0  # the job must end within TIMEOUT_S + GRACE_S of the kill
 START_WAIT_S = 60.0
-EXIT_RANK_KILLED = 128 + signal.SIGKILL  # mpirun reports the killed rank's supervisor's exit
 EXIT_PEER_LOST = ExitCode.PEER_LOST
+IMPL = mpiimpl.of_mpirun(mpirun())  # the MPI of the mpirun used (--mpi checks it)
 
 
 @dataclass(frozen=True)
@@ -156,11 +158,7 @@ class Job:
             code = None
         for r in self._readers:
             r.join(timeout=5)
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            leftovers = True
-        except ProcessLookupError:
-            leftovers = False
+        leftovers = kill_session(self.proc.pid)  # the session: Open MPI gives each rank a process group
         if code is None:
             self.proc.wait()
         return code, leftovers
@@ -170,7 +168,8 @@ class Job:
 
 
 def command(case: Case, tmp: str) -> list[str]:
-    return [mpirun(), "-disable-auto-cleanup", "-np", str(NP), sys.executable, "-m", "mpitrain", *BASE, *case.args,
+    return [mpirun(), *IMPL.keep_going, *mpiimpl.local_flags(IMPL), "-np", str(NP), sys.executable, "-m", "mpitrain",
+            *BASE, *case.args,
             "--steps", str(case.steps), "--checkpoint-dir", os.path.join(tmp, "ck"),
             "--summary-json", os.path.join(tmp, "summary.json")]
 
@@ -320,7 +319,7 @@ def expected(case: Case, trial: Trial, err: str, code: int, summary: dict | None
             problems.append(f"lost_workers {lost}, killed {v}")
         if not ck or checkpoint.load(ck[-1]).global_step != case.steps:
             problems.append("no final checkpoint at the budget")
-        if code != EXIT_RANK_KILLED:
+        if code != IMPL.worker_lost_exit:  # not 0: a scheduler must see the loss
             problems.append(f"exit {code}")
         return problems
     # sync: the job ends naming the rank and the newest checkpoint; or it had finished already
@@ -351,13 +350,17 @@ def filled_as_documented(case: Case, err: str, code: int, summary: dict | None, 
 def stopped_as_documented(case: Case, err: str, code: int, summary: dict | None, ck: list, tmp: Path) -> list[str]:
     """A stop signal: the summary says where it stopped, the final checkpoint is that step, the
     exit code is 128 + the signal, and the same command resumes from it (or the run had finished)."""
+    # Open MPI's mpirun turns its SIGTERM or SIGINT into a SIGTERM of each rank and exits 1 (Impl.stop_exit),
+    # even when the signal came after training ended
+    by_prterun = case.target == "launcher" and IMPL.stop_exit is not None
     if summary is not None and summary["global_step"] == case.steps and summary["stopped"] is None:
-        return [] if code == 0 else [f"finished, exit {code}"]
+        return [] if code in (0, IMPL.stop_exit if by_prterun else 0) else [f"finished, exit {code}"]
     if summary is None or summary["stopped"] is None:
         return [f"no summary of the stop (exit {code})"]
     step = summary["stopped"]["global_step"]
-    problems = [] if code == 128 + case.sig else [f"exit {code}"]
-    if summary["stopped"]["signal"] != signal.Signals(case.sig).name:
+    sig = signal.SIGTERM if by_prterun else case.sig
+    problems = [] if code == (IMPL.stop_exit if by_prterun else 128 + case.sig) else [f"exit {code}"]
+    if summary["stopped"]["signal"] != signal.Signals(sig).name:
         problems.append(f"stopped by {summary['stopped']['signal']}")
     if not ck or checkpoint.load(ck[-1]).global_step != step:
         problems.append(f"no final checkpoint at step {step}")
@@ -374,8 +377,8 @@ def stopped_as_documented(case: Case, err: str, code: int, summary: dict | None,
 def report(trials: list[Trial], durations: dict[str, float], seconds: float) -> str:
     out = ["# Chaos: real SIGKILLs, stop signals and full disks from outside, at random moments", "",
            f"`python benchmarks/chaos.py`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, on {machine()}; "
-           f"{len(trials)} trials in {seconds / 60:.1f} min. "
-           f"Each trial: `mpirun -disable-auto-cleanup -np {NP}` (1 server + 3 workers; with `--num-ps 2` "
+           f"{len(trials)} trials in {seconds / 60:.1f} min, under {IMPL.title}. "
+           f"Each trial: `mpirun {' '.join(IMPL.keep_going)} -np {NP}` (1 server + 3 workers; with `--num-ps 2` "
            f"2 servers + 2 workers), `--worker-timeout "
            f"{TIMEOUT_S:g}`, synthetic data, MLP (hidden 100, or 2000 in the *-big cases: 6.4 MB messages), one "
            "SIGKILL of the real training process of a random worker (or rank 0, or server rank 1, or the chief "
@@ -413,11 +416,19 @@ def main() -> int:
     p.add_argument("--cases", default=",".join(c.name for c in CASES))
     p.add_argument("--trials", type=int, default=None, help="per case (default: 2-6 per case, 51 in all)")
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "CHAOS.md"))
+    p.add_argument("--mpi", choices=sorted(mpiimpl.IMPLS), default=None,
+                   help="the MPI to run under (default: that of the mpirun beside this Python); it must be that one")
+    p.add_argument("--out", default=None, help="default: benchmarks/CHAOS.md (MPICH), CHAOS-openmpi.md")
     a = p.parse_args()
+    if a.mpi and mpiimpl.IMPLS[a.mpi] is not IMPL:
+        print(f"chaos.py: error: {mpirun()} is {IMPL.title}'s; run this from an install with "
+              f"pip install -e '.[{a.mpi}]'", file=sys.stderr)
+        return 2
+    out = a.out or str(ROOT / "benchmarks" / ("CHAOS.md" if IMPL is mpiimpl.MPICH else f"CHAOS-{IMPL.name}.md"))
     seed = a.seed if a.seed is not None else int(time.time())
     rng = random.Random(seed)
-    chosen = [c for c in CASES if c.name in a.cases.split(",")]
+    # No supervisor outside hydra (mpiimpl.needs_supervisor): nothing to kill in that case.
+    chosen = [c for c in CASES if c.name in a.cases.split(",") and (c.target != "supervisor" or IMPL is mpiimpl.MPICH)]
     t0 = time.perf_counter()
     durations = {c.name: calibrate(c) for c in chosen}
     print("calibrated (s):", {k: round(v, 1) for k, v in durations.items()}, f"seed {seed}", flush=True)
@@ -430,7 +441,7 @@ def main() -> int:
         print(f"[{i}/{len(plan)}] {case.name}: rank {t.victim} at {t.kill_after_s:.2f} s -> {t.outcome} "
               f"(exit {t.exit_code}, noticed {t.notice_s} s by {t.noticed_by or '-'}) {t.why}", flush=True)
     text = report(trials, durations, time.perf_counter() - t0)
-    Path(a.out).write_text(text)
+    Path(out).write_text(text)
     print(text)
     return 0 if all(t.outcome == "documented" for t in trials) else 1
 

@@ -24,6 +24,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from mpitrain.mpiimpl import local_flags, of_mpirun  # noqa: E402
+
 PY = sys.executable
 TRACE = os.path.join(tempfile.gettempdir(), "mpitrain-benchmark-trace.json")  # --timeline rows (overwritten)
 
@@ -43,7 +46,7 @@ def env() -> dict:
 
 def mpitrain_cmd(np_: int, args: list[str], summary: str) -> list[str]:
     cmd = [PY, "-m", "mpitrain", "--no-progress", "--summary-json", summary, *args]
-    return cmd if np_ == 0 else [mpirun(), "-np", str(np_), *cmd]
+    return cmd if np_ == 0 else [mpirun(), *local_flags(of_mpirun(mpirun())), "-np", str(np_), *cmd]
 
 
 def run_mpitrain(np_: int, args: list[str]) -> dict:
@@ -238,8 +241,12 @@ def machine() -> str:
         pass
     import numpy
 
-    mpi = subprocess.run([str(Path(PY).parent / "mpichversion")], capture_output=True, text=True).stdout.split("\n")[0] \
-        if (Path(PY).parent / "mpichversion").exists() else "system MPI"
+    try:
+        from mpi4py import MPI
+
+        mpi = MPI.Get_library_version().splitlines()[0].split(",")[0].strip()  # "MPICH Version: 5.0.2", "Open MPI v5.0.11"
+    except ImportError:
+        mpi = "no mpi4py"
     try:
         import torch
 

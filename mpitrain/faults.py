@@ -4,6 +4,8 @@ MPITRAIN_INJECT_NAN=RANK:STEP   worker RANK reports a NaN loss at its local step
 MPITRAIN_INJECT_KILL=RANK:STEP  worker RANK SIGKILLs itself at its local step STEP (as the OOM
                                 killer or `kill -9` would)
 MPITRAIN_INJECT_KILL=RANK:report  ... right after it sent rank 0 its end-of-run report
+MPITRAIN_INJECT_RAISE=RANK:STEP worker RANK raises an unexpected exception at its local step STEP
+                                (a bug: its traceback, then MPI_Abort ends every rank)
 MPITRAIN_INJECT_HANG=RANK:STEP:SEC worker RANK's training thread stops for SEC seconds at its
                                 local step STEP, its heartbeats going on (alive, not progressing:
                                 a rank stuck in a slow read or a lock; tests/test_observe.py)
@@ -63,11 +65,13 @@ def injected_step(var: str, rank: int, env=os.environ) -> int | None:
 
 
 class Kill:
-    """MPITRAIN_INJECT_KILL and _HANG for this rank: `at(local_step)` kills the process (or holds
-    its training thread) at the step, `after_report()` kills it once its report is sent."""
+    """MPITRAIN_INJECT_KILL, _RAISE and _HANG for this rank: `at(local_step)` kills the process
+    (raises, or holds its training thread) at the step, `after_report()` kills it once its report
+    is sent."""
 
     def __init__(self, rank: int, env=os.environ):
         self.step = injected_step("MPITRAIN_INJECT_KILL", rank, env)
+        self.raise_step = injected_step("MPITRAIN_INJECT_RAISE", rank, env)
         self.report = env.get("MPITRAIN_INJECT_KILL") == f"{rank}:report"
         spec, _, seconds = env.get("MPITRAIN_INJECT_HANG", "").rpartition(":")
         self.hang_step = injected_step("MPITRAIN_INJECT_HANG", rank, {"MPITRAIN_INJECT_HANG": spec})
@@ -76,6 +80,8 @@ class Kill:
     def at(self, local_step: int) -> None:
         if local_step == self.step:
             os.kill(os.getpid(), signal.SIGKILL)
+        if local_step == self.raise_step:
+            raise RuntimeError(f"MPITRAIN_INJECT_RAISE at local step {local_step}")
         if local_step == self.hang_step:
             time.sleep(self.hang_s)
 
@@ -127,3 +133,34 @@ def rank_pids(root: int, supervised: bool = True) -> dict[int, tuple[int, int | 
         elif rank not in out and not expect_supervisor[pid]:  # no supervisor (Open MPI, srun, MPITRAIN_SUPERVISE=0)
             out[rank] = (pid, None)
     return out
+
+
+def session_pids(sid: int) -> list[int]:
+    """The live processes of session `sid` (a job started with start_new_session: mpirun and all it
+    started). A zombie has ended: a container's PID 1 may never reap it."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
+            state, session = fields[0], int(fields[3])
+        except (OSError, ValueError, IndexError):
+            continue
+        if session == sid and state != "Z":
+            found.append(int(entry))
+    return found
+
+
+def kill_session(sid: int) -> bool:
+    """SIGKILL every process of session `sid`. Not its process group: Open MPI puts each rank in a
+    group of its own, so a killpg of mpirun's left the ranks running (writing checkpoints). True if
+    any was there."""
+    found = False
+    for pid in session_pids(sid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+            found = True
+        except ProcessLookupError:
+            pass
+    return found

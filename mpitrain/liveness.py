@@ -45,9 +45,30 @@ def beat_message() -> Message:
 
 def mpi_error_reason(message: str) -> str:
     """Why a peer is lost, from MPI's error string for its message (the error stack's last line,
-    e.g. "copy_iovs(224): process_vm_readv failed (errno 3)")."""
+    e.g. "copy_iovs(224): process_vm_readv failed (errno 3)"). Every MPI error of a message comes
+    here; a revoked communicator is not a lost peer but a job that another rank aborts
+    (mpiimpl.abort, under ULFM): this rank ends at once."""
+    if REVOKED in message:
+        end_aborted()
     lines = message.strip().splitlines() or ["unknown"]
     return f"MPI error: {lines[-1].strip()}"
+
+
+REVOKED = "MPI_ERR_REVOKED"
+
+
+def end_aborted() -> None:
+    """Another rank aborted the job and said why: leave without a word of blame for a peer."""
+    import os
+    import sys
+
+    from mpitrain import lock
+    from mpitrain.exitcodes import ExitCode
+
+    os.write(2, f"mpitrain: rank {MPI.COMM_WORLD.Get_rank()}: another rank aborted the job; ending\n".encode())
+    lock.release_all()
+    sys.stdout.flush()
+    os._exit(ExitCode.FAILED)
 
 
 class PeerLost(Exception):

@@ -39,6 +39,17 @@ class Impl:
     slurm_mpi: str  # srun --mpi=...
     shm_prefix: str  # the node's segments in /dev/shm that a killed job leaves behind
     contacts_every_host: bool = False  # mpirun starts a daemon on every host of a hostfile, used or not
+    # mpirun's exit code after it got SIGTERM or SIGINT (Ctrl-C); None: 128 + the signal. Hydra passes
+    # the signal on to every rank and exits with their code, their output intact. prterun sends the
+    # ranks SIGCONT and SIGTERM, SIGKILLs them about 2 s later, drops their output meanwhile and
+    # exits 1 (measured): the ranks still stop and save in that time (a small model), and the
+    # summary is in --summary-json only. SIGUSR1 and SIGUSR2 it passes on as they are, and waits.
+    stop_exit: int | None = None
+    stop_signal: str = "SIGTERM"  # what to send mpirun to stop a job with every rank's output and code
+    # mpirun's exit code when rank 0 finished the budget without a worker killed by SIGKILL: Open MPI
+    # reports rank 0's (ExitCode.WORKER_LOST, 8); hydra ORs every rank's, 8 with the killed rank's
+    # supervisor's 137, which stays 137.
+    worker_lost_exit: int = 8
     root_flags: tuple[str, ...] = ()  # what mpirun needs to run as root (containers)
     oversubscribe_flags: tuple[str, ...] = ()  # what mpirun needs for more ranks than cores
 
@@ -46,9 +57,10 @@ class Impl:
         return self.slots_syntax.format(host=host, slots=slots)
 
 
-MPICH = Impl("mpich", "MPICH", ("-disable-auto-cleanup",), "-f", "{host}:{slots}", "pmi2", "mpich_shm_")
+MPICH = Impl("mpich", "MPICH", ("-disable-auto-cleanup",), "-f", "{host}:{slots}", "pmi2", "mpich_shm_",
+             worker_lost_exit=128 + 9)
 OPENMPI = Impl("openmpi", "Open MPI", ("--with-ft", "ulfm"), "--hostfile", "{host} slots={slots}", "pmix",
-               "sm_segment.", contacts_every_host=True, root_flags=("--allow-run-as-root",), oversubscribe_flags=("--oversubscribe",))
+               "sm_segment.", contacts_every_host=True, stop_exit=1, stop_signal="SIGUSR1", root_flags=("--allow-run-as-root",), oversubscribe_flags=("--oversubscribe",))
 IMPLS = {impl.name: impl for impl in (MPICH, OPENMPI)}
 
 RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
@@ -75,6 +87,13 @@ def launcher_rank(env) -> int | None:
 def launcher_local_rank(env) -> int | None:
     """This process's rank among those on its host, as the launcher tells it, or None."""
     return _first_int(env, LOCAL_RANK_VARS)
+
+
+def local_flags(impl: Impl) -> list[str]:
+    """What mpirun needs for a job on this one machine (the tests, the benchmarks): Open MPI refuses
+    root (containers, CI) and more ranks than cores (3 ranks on 2 cores) without its flags."""
+    root = impl.root_flags if os.geteuid() == 0 else ()
+    return [*root, *impl.oversubscribe_flags]
 
 
 def from_env(env) -> Impl | None:
@@ -155,6 +174,21 @@ def farewell(comm, timeout_s: float, env=os.environ) -> bool:
             return True
         time.sleep(0.01)
     return False
+
+
+def abort(comm, code: int, *others, env=os.environ) -> None:
+    """MPI_Abort that ends every rank. Under ULFM, Open MPI's MPI_Abort ends mpirun but leaves the
+    other ranks running, orphaned (measured, 5.0.11): revoking the communicators first (`comm` and
+    the `others` in use, e.g. the sync workers') fails every pending and later call on them in every
+    rank, so each one ends on its own error (liveness.end_aborted)."""
+    if ends_job_on_error_exit(env):
+        for c in (comm, *others):
+            try:
+                if c is not None and c != c.__class__():  # not MPI_COMM_NULL
+                    c.Revoke()
+            except Exception:  # an MPI without ULFM's calls: MPI_Abort alone is all there is
+                pass
+    comm.Abort(code)
 
 
 def slurm_hint(env=os.environ) -> str:

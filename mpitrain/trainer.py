@@ -385,13 +385,13 @@ def _run(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: bo
     except ProtocolError as e:
         say(f"mpitrain: rank {ctx.rank}: wire-format error: {e}", sys.stderr)
         lock.release_all()
-        comm.Abort(ExitCode.PROTOCOL)
+        mpiimpl.abort(comm, ExitCode.PROTOCOL, ctx.worker_comm)
         return Outcome(ExitCode.PROTOCOL)
     except Exception:
         sys.stderr.write(f"mpitrain: rank {ctx.rank} failed:\n{traceback.format_exc()}")
         sys.stderr.flush()
         lock.release_all()
-        comm.Abort(ExitCode.FAILED)  # peers may be blocked on this rank: end the whole job, never hang
+        mpiimpl.abort(comm, ExitCode.FAILED, ctx.worker_comm)  # peers may wait on this rank: end the job, never hang
         return Outcome(ExitCode.FAILED)
     diverged = _divergence(ctx, mine, reports)
     summary = None
@@ -698,15 +698,19 @@ def peer_lost(ctx: Context, e: PeerLost) -> int:
             which = "; ".join(f"{lay.shard_index(r)}/{lay.shards} (rank {r}: {e.lost[r]})" for r in shards)
             say(f"mpitrain: error: lost parameter-server shard {which}. Training cannot go on without "
                 f"that part of the parameters; {resume_hint(ctx, 0)}", sys.stderr)
-            mpiimpl.farewell(ctx.comm, ctx.cfg.worker_timeout)  # the workers' lines first (Open MPI)
         else:
             say(f"mpitrain: error: lost worker {who}. Sync training cannot finish a collective without it; "
                 f"{resume_hint(ctx, len(e.lost))}", sys.stderr)
+        if mpiimpl.ends_job_on_error_exit():
+            # Open MPI under ULFM: MPI_Abort ended mpirun but left the workers running (measured), and
+            # they all end here too (ULFM fails their collective): meet them, so each line gets out.
+            mpiimpl.farewell(ctx.comm, ctx.cfg.worker_timeout)
+            exit_without_finalize(ExitCode.PEER_LOST)
         # MPI_Abort makes hydra kill every rank, and its proxy may do that before it forwards this
         # line (measured: the line missing in 1 run of ~40). Give it a moment first.
         time.sleep(ABORT_FLUSH_S)
         lock.release_all()
-        ctx.comm.Abort(ExitCode.PEER_LOST)  # the other workers are stuck in the collective
+        mpiimpl.abort(ctx.comm, ExitCode.PEER_LOST, ctx.worker_comm)  # the workers are stuck in the collective
         return ExitCode.PEER_LOST
     whom = "the parameter server" if all(lay.is_server(r) for r in e.lost) else "a peer"
     say(f"mpitrain: error: rank {ctx.rank} lost {whom} ({who}); stopping. Rank 0's "

@@ -33,11 +33,8 @@ def mpi_impl() -> mpiimpl.Impl:
 
 
 def launcher_flags() -> list[str]:
-    """The flags every test job needs from mpirun: Open MPI refuses root (containers, CI) and more
-    ranks than cores (3 ranks on 2 cores here) without them."""
-    impl = mpi_impl()
-    root = impl.root_flags if os.geteuid() == 0 else ()
-    return [*root, *impl.oversubscribe_flags]
+    """The flags every test job needs from mpirun (Open MPI: root, 3 ranks on 2 cores)."""
+    return mpiimpl.local_flags(mpi_impl())
 
 
 def launcher() -> list[str]:
@@ -115,27 +112,30 @@ def run_detached(cmd: list[str], timeout: float = MPI_TIMEOUT_S, env: dict | Non
     return result, elapsed
 
 
-def kill_session(proc: subprocess.Popen) -> bool:
-    """SIGKILL whatever is left of a command started in its own session; True if anything was
-    (under `mpirun -disable-auto-cleanup` ranks may outlive mpirun: a test says whether they did)."""
-    import signal
+LINGER_S = 1.0  # a rank may still be on its way out when mpirun has returned: that is not an orphan
 
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-        return True
-    except ProcessLookupError:
-        return False
+
+def kill_session(proc: subprocess.Popen) -> bool:
+    """SIGKILL whatever is left of a command started in its own session, LINGER_S after it ended;
+    True if anything was (with the keep-going flag ranks may outlive mpirun: a test says whether
+    they did)."""
+    import time
+
+    from mpitrain.faults import kill_session as kill_all, session_pids
+
+    deadline = time.monotonic() + LINGER_S
+    while proc.poll() is not None and session_pids(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return kill_all(proc.pid)
 
 
 def communicate_or_kill(proc: subprocess.Popen, timeout: float = MPI_TIMEOUT_S) -> tuple[str, str]:
     """(stdout, stderr) of a command started in its own session; past the timeout the whole
     session is killed and the test fails."""
-    import signal
-
     try:
         return proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_session(proc)
         out, err = proc.communicate()
         pytest.fail(f"timed out after {timeout} s\nstdout:\n{out}\nstderr:\n{err}")
 

@@ -144,13 +144,17 @@ def test_the_api_is_discoverable():
 
 
 def test_size_and_local_rank_under_mpirun():
+    """local_rank() is the launcher's: 0..2 on this one host (Open MPI numbers them in its own order)."""
     code = """
-import sys, mpitrain
-sys.stdout.write(f"R {mpitrain.rank()} {mpitrain.size()} {mpitrain.local_rank()}" + chr(10))
+import os, sys, mpitrain
+said = os.environ.get("MPI_LOCALRANKID", os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK"))
+sys.stdout.write(f"R {mpitrain.rank()} {mpitrain.size()} {mpitrain.local_rank()} {said}" + chr(10))
 """
     proc = python(code, np_=3)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert sorted(ln for ln in proc.stdout.splitlines() if ln.startswith("R ")) == ["R 0 3 0", "R 1 3 1", "R 2 3 2"]
+    rows = sorted(ln.split()[1:] for ln in proc.stdout.splitlines() if ln.startswith("R "))
+    assert [(r, n) for r, n, _, _ in rows] == [("0", "3"), ("1", "3"), ("2", "3")], rows
+    assert sorted(local for _, _, local, _ in rows) == ["0", "1", "2"] and all(local == said for *_, local, said in rows)
     alone = python("import mpitrain; print('R', mpitrain.size(), mpitrain.local_rank())")
     assert "R 1 0" in alone.stdout, alone.stdout + alone.stderr
 

@@ -15,6 +15,7 @@ from mpi4py import MPI
 
 from conftest import child_env, keep_going, mpitrain_cmd, run_detached
 from mpitrain.liveness import PeerLost
+from mpitrain.mpiimpl import MPICH
 from mpitrain.transport import Poller
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -44,8 +45,9 @@ def test_random_kills_from_outside_end_as_documented(case):
                                                f"{trial.outcome}: {trial.why}")
 
 
-def test_a_worker_killed_after_its_report_does_not_hang_the_others(tmp_path):
-    """The others would wait in MPI_Finalize for it forever (on main: a hang)."""
+def test_a_worker_killed_after_its_report_does_not_hang_the_others(tmp_path, mpi):
+    """The others would wait in MPI_Finalize for it forever (on main: a hang; MPICH). Open MPI's
+    MPI_Finalize under ULFM does not wait for the dead."""
     summary = tmp_path / "s.json"
     proc, seconds = run_detached(mpitrain_cmd(4, "--no-progress", "--steps", "600", "--worker-timeout", "2",
                                               "--summary-json", str(summary), launcher_flags=keep_going()),
@@ -54,7 +56,8 @@ def test_a_worker_killed_after_its_report_does_not_hang_the_others(tmp_path):
     s = json.loads(summary.read_text())
     assert s["global_step"] == 600 and s["worker_ranks"] == [1, 2, 3]  # it had reported: not lost
     stuck = [ln for ln in proc.stderr.splitlines() if "MPI_Finalize still waiting" in ln]
-    assert sorted(ln.split()[2] for ln in stuck) == ["1:", "3:"], proc.stderr
+    if mpi is MPICH:
+        assert sorted(ln.split()[2] for ln in stuck) == ["1:", "3:"], proc.stderr
     assert seconds < 30
 
 

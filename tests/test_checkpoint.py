@@ -1,8 +1,6 @@
 """Checkpoints: atomic, validated, pruned; exact resume in sync mode; a SIGKILL never costs the
 newest complete checkpoint."""
 
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -11,7 +9,7 @@ import zipfile
 import numpy as np
 import pytest
 
-from conftest import child_env, launcher, own_lines, run_mpitrain, train
+from conftest import child_env, kill_session, launcher, own_lines, run_mpitrain, train
 from mpitrain import checkpoint
 from mpitrain.checkpoint import TrainState
 from mpitrain.config import UsageError
@@ -156,7 +154,7 @@ def _kill_when(proc: subprocess.Popen, ready, timeout: float = 60) -> None:
     while not ready():
         assert time.time() < deadline and proc.poll() is None, "the job never got there"
         time.sleep(0.001)
-    os.killpg(proc.pid, signal.SIGKILL)
+    kill_session(proc)  # mpirun and every rank (Open MPI's each in a process group of its own)
     proc.wait(timeout=30)
 
 
