@@ -89,6 +89,14 @@ def launcher_local_rank(env) -> int | None:
     return _first_int(env, LOCAL_RANK_VARS)
 
 
+def local_env(impl: Impl) -> dict[str, str]:
+    """The same as `local_flags`, as environment variables (for commands written without them)."""
+    if impl is not OPENMPI:
+        return {}
+    root = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"} if os.geteuid() == 0 else {}
+    return {**root, "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe"}
+
+
 def local_flags(impl: Impl) -> list[str]:
     """What mpirun needs for a job on this one machine (the tests, the benchmarks): Open MPI refuses
     root (containers, CI) and more ranks than cores (3 ranks on 2 cores) without its flags."""
@@ -174,6 +182,19 @@ def farewell(comm, timeout_s: float, env=os.environ) -> bool:
             return True
         time.sleep(0.01)
     return False
+
+
+def failed_ranks(comm, world) -> list[int]:
+    """The COMM_WORLD ranks of `comm`'s processes that ULFM knows have failed ([] without ULFM)."""
+    from mpi4py import MPI
+
+    try:
+        failed = comm.Get_failed()
+        ranks = MPI.Group.Translate_ranks(failed, list(range(failed.Get_size())), world.Get_group())
+        failed.Free()
+        return [r for r in ranks if r != MPI.UNDEFINED]
+    except (MPI.Exception, NotImplementedError, AttributeError):
+        return []
 
 
 def abort(comm, code: int, *others, env=os.environ) -> None:

@@ -19,7 +19,7 @@ from typing import Protocol
 import numpy as np
 from mpi4py import MPI
 
-from mpitrain import checkpoint
+from mpitrain import checkpoint, mpiimpl
 from mpitrain.checkpoint import Checkpointer, TrainState, state_arrays, to_flat
 from mpitrain.chief import ChiefDuties, Clock, ServerState, begin
 from mpitrain.codec import wire_sum
@@ -209,6 +209,11 @@ def await_verdict(ctx: Context, why: str) -> None:
     --worker-timeout and ends the job naming that worker (sync cannot go on without it); a worker
     that stopped here on its own would be taken for a second lost one. So wait for rank 0, still
     watching it: if it is gone too, PeerLost ends this rank."""
+    if mpiimpl.ends_job_on_error_exit():
+        # Open MPI under ULFM: rank 0 does not abort (mpiimpl.farewell) and ULFM names the dead
+        dead = mpiimpl.failed_ranks(ctx.worker_comm, ctx.comm)
+        if dead:
+            raise PeerLost({rank: f"the gradient Allreduce failed ({why})" for rank in dead})
     if not ctx.watch.watched:  # --worker-timeout 0: nobody will decide
         raise PeerLost({PS_RANK: f"the gradient Allreduce failed ({why}) and --worker-timeout is 0"})
     poll(lambda: False, VERDICT_POLL_S, ctx.watch)  # ends in PeerLost (rank 0's Abort ends this process first)

@@ -16,7 +16,10 @@ import subprocess
 import time
 from pathlib import Path
 
-PACKAGES = ["slurm-wlm", "munge"]
+# libpmix-dev: Slurm's pmix plugin (srun --mpi=pmix, for Open MPI) dlopens pmix2/lib/libpmix.so, which
+# only the -dev package installs (measured: "mpi_pmix.c:195: pmi/pmix: can not load PMIx library").
+PACKAGES = ["slurm-wlm", "munge", "libpmix-dev"]
+PMIX_LIB = "/usr/lib/*/pmix2/lib/libpmix.so"
 
 
 class Unavailable(Exception):
@@ -28,7 +31,9 @@ def _run(cmd, **kw) -> subprocess.CompletedProcess:
 
 
 def ensure_installed() -> None:
-    if shutil.which("slurmctld") and shutil.which("munged"):
+    import glob
+
+    if shutil.which("slurmctld") and shutil.which("munged") and glob.glob(PMIX_LIB):
         return
     if os.geteuid() != 0:
         raise Unavailable("Slurm is not installed and installing it needs root")

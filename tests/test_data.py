@@ -219,7 +219,7 @@ def test_npz_that_is_not_an_archive(tmp_path):
 @pytest.mark.parametrize("damage", ["truncated", "a member's bytes changed"])
 def test_a_damaged_npz_is_one_line_on_every_rank(tmp_path, damage):
     """Was: three interleaved BadZipFile tracebacks, exit 1 (a damaged member: Bad CRC-32)."""
-    from conftest import run_mpitrain
+    from conftest import own_lines, run_mpitrain
 
     path = write_npz(tmp_path / "mine.npz")
     raw = bytearray(path.read_bytes())
@@ -230,7 +230,7 @@ def test_a_damaged_npz_is_one_line_on_every_rank(tmp_path, damage):
     path.write_bytes(bytes(raw))
     proc = run_mpitrain(3, "--no-progress", "--dataset", f"npz:{path}", timeout=60)
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    lines = [x for x in proc.stderr.splitlines() if x.strip()]
+    lines = [x for x in own_lines(proc.stderr) if x.strip()]
     assert len(lines) == 1 and "mine.npz is corrupt or truncated" in lines[0] and "np.savez" in lines[0], lines
 
 

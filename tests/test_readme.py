@@ -4,8 +4,10 @@ A newcomer pastes them from the repository's root: each `bash` and `python` bloc
 stands, the blocks of one section in order in one fresh folder (so a later block may use what an
 earlier one wrote, as a reader's would), with the repository's hostfiles/, examples/, jobs/ and
 benchmarks/ beside it. A block that cannot run on one machine without a GPU, root or other hosts
-says so on the line before it: `<!-- not run by tests/test_readme.py: REASON -->`. Output samples
-are `text` blocks. Figures the README quotes come from results files in benchmarks/ with a date.
+says so on the line before it: `<!-- not run by tests/test_readme.py: REASON -->`; one for one MPI
+implementation says `<!-- run by tests/test_readme.py under Open MPI only -->` (CI runs the suite
+under each). Under Open MPI every command runs with what its README section says to set as root
+and on 2 cores (mpiimpl.local_env). Output samples are `text` blocks. Figures the README quotes come from results files in benchmarks/ with a date.
 """
 
 from __future__ import annotations
@@ -19,13 +21,15 @@ from pathlib import Path
 
 import pytest
 
-from conftest import child_env
+from conftest import child_env, mpi_impl
+from mpitrain import mpiimpl
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ("README.md", "jobs/README.md")
 RUNNABLE = ("bash", "python")
 LANGUAGES = RUNNABLE + ("text",)
 NOT_RUN = re.compile(r"^\s*<!-- not run by tests/test_readme.py: (?P<why>.+\S) -->\s*$")
+ONLY = re.compile(r"^\s*<!-- run by tests/test_readme.py under (?P<title>.+\S) only -->\s*$")
 FENCE = re.compile(r"^(?P<indent>\s*)```(?P<lang>\S*)\s*$")
 SHARED = ("hostfiles", "examples", "jobs", "benchmarks")  # repo-relative paths the commands name
 SECTION_TIMEOUT_S = 600  # a hang fails; the slowest section (6 ranks on 2 cores) takes ~1 min
@@ -48,9 +52,10 @@ def blocks(doc: str) -> list[dict]:
             body.append(lines[i])
             i += 1
         before = next((ln for ln in reversed(lines[:start]) if ln.strip()), "")
-        why = NOT_RUN.match(before)
+        why, only = NOT_RUN.match(before), ONLY.match(before)
         found.append({"doc": doc, "line": start + 1, "section": section, "lang": m["lang"],
-                      "code": textwrap.dedent("\n".join(body)) + "\n", "not_run": why["why"] if why else None})
+                      "code": textwrap.dedent("\n".join(body)) + "\n", "not_run": why["why"] if why else None,
+                      "only": only["title"] if only else None})
         i += 1
     return found
 
@@ -63,6 +68,8 @@ for _b in ALL:
 
 
 def test_every_block_is_run_or_says_why_not():
+    titles = {impl.title for impl in mpiimpl.IMPLS.values()}
+    assert {b["only"] for b in ALL if b["only"]} <= titles, "'under X only' names an MPI: MPICH or Open MPI"
     unlabelled = [f"{b['doc']}:{b['line']}" for b in ALL if b["lang"] not in LANGUAGES]
     assert not unlabelled, f"label these blocks bash, python or text: {unlabelled}"
     marked_text = [f"{b['doc']}:{b['line']}" for b in ALL if b["lang"] == "text" and b["not_run"]]
@@ -74,7 +81,7 @@ def test_every_block_is_run_or_says_why_not():
 
 
 def run_block(block: dict, folder: Path) -> subprocess.CompletedProcess:
-    env = child_env()
+    env = {**child_env(), **mpiimpl.local_env(mpi_impl())}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # python, mpirun, mpitrain
     if block["lang"] == "bash":
         cmd = ["bash", "-e", "-o", "pipefail", "-c", block["code"]]
@@ -87,7 +94,10 @@ def run_block(block: dict, folder: Path) -> subprocess.CompletedProcess:
 def test_the_commands_of_each_section_run_as_written(section, tmp_path):
     for name in SHARED:
         (tmp_path / name).symlink_to(ROOT / name)
-    for block in SECTIONS[section]:
+    blocks_here = [b for b in SECTIONS[section] if b["only"] in (None, mpi_impl().title)]
+    if not blocks_here:
+        pytest.skip(f"{mpi_impl().title} runs no block of this section (they are for another MPI)")
+    for block in blocks_here:
         proc = run_block(block, tmp_path)
         where = f"{block['doc']}:{block['line']} ({block['lang']})"
         assert proc.returncode == 0, f"{where} exited {proc.returncode}:\n{block['code']}\n{proc.stdout}\n{proc.stderr}"

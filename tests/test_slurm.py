@@ -54,14 +54,14 @@ def test_bad_submission_fails_with_the_trainers_message(slurm, tmp_path):
     assert "Traceback" not in out
 
 
-def test_plain_srun_without_pmi_is_refused(slurm, tmp_path):
+def test_plain_srun_without_pmi_is_refused(slurm, tmp_path, mpi):
     script = tmp_path / "bad.sbatch"
     script.write_text(f"#!/bin/bash\n#SBATCH --ntasks=2\n#SBATCH --output=bad-%j.out\n"
                       f"srun --mpi=none {sys.executable} -m mpitrain --no-progress --steps 5\n")
     job = slurm.submit(script, tmp_path, {})
     info = slurm.wait(job)
     assert info["JobState"] == "FAILED"
-    assert "--mpi=pmi2" in (tmp_path / f"bad-{job}.out").read_text()
+    assert f"--mpi={mpi.slurm_mpi} " in (tmp_path / f"bad-{job}.out").read_text()  # pmi2, pmix: this MPI's
 
 
 def test_chained_job_resumes_from_the_shared_checkpoint_dir(slurm, tmp_path):
@@ -92,7 +92,7 @@ def _task_pid(job: int, task: int) -> int | None:
 
 
 @pytest.mark.parametrize("how", ["injected", "from outside"])
-def test_async_job_finishes_without_a_task_killed_mid_training(slurm, tmp_path, how):
+def test_async_job_finishes_without_a_task_killed_mid_training(slurm, tmp_path, how, mpi):
     """srun --kill-on-bad-exit=0 --no-kill (jobs/async.sbatch): rank 0 finishes the budget with
     the worker left when the other one is SIGKILLed (no supervisor under srun)."""
     import os
@@ -117,6 +117,12 @@ def test_async_job_finishes_without_a_task_killed_mid_training(slurm, tmp_path, 
         os.kill(pid, signal.SIGKILL)
     info = slurm.wait(job)
     out = (tmp_path / f"mpitrain-{job}.out").read_text()
+    if mpi.slurm_mpi == "pmix":
+        # Slurm 22.05's pmix plugin cancels the whole step on the PMIx error a dead task raises, whatever
+        # --kill-on-bad-exit says (measured; jobs/README.md): the job ends FAILED, without a summary.
+        assert info["JobState"] == "FAILED" and "CANCELLED" in out, out
+        assert not (tmp_path / "runs" / str(job) / "summary.json").exists()
+        return
     summary = json.loads((tmp_path / "runs" / str(job) / "summary.json").read_text())
     assert [w["rank"] for w in summary["lost_workers"]] == [2], out
     assert summary["global_step"] == (6000 if how == "injected" else 15000) and summary["worker_ranks"] == [1]
