@@ -152,10 +152,16 @@ def session_pids(sid: int) -> list[int]:
     return found
 
 
-def kill_session(sid: int) -> bool:
-    """SIGKILL every process of session `sid`. Not its process group: Open MPI puts each rank in a
-    group of its own, so a killpg of mpirun's left the ranks running (writing checkpoints). True if
-    any was there."""
+LINGER_S = 1.0  # a rank may still be on its way out when mpirun has returned: that is not an orphan
+
+
+def kill_session(sid: int, linger_s: float = 0.0) -> bool:
+    """SIGKILL every process of session `sid` still there `linger_s` after the call. Not its process
+    group: Open MPI puts each rank in a group of its own, so a killpg of mpirun's left the ranks
+    running (writing checkpoints). True if any was there."""
+    deadline = time.monotonic() + linger_s
+    while session_pids(sid) and time.monotonic() < deadline:
+        time.sleep(0.02)
     found = False
     for pid in session_pids(sid):
         try:

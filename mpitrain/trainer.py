@@ -497,7 +497,8 @@ def verdict(ctx: Context, mine: RoleResult, reports: list, summary: dict | None,
         outcome.code = interrupted(STOP.signum or int(signal.SIGTERM))
         outcome.error = (summary_stop_line(summary) if ctx.rank == PS_RANK else
                          f"mpitrain: stopped ({signal_name(STOP.signum)}); rank 0 saved the run")
-    if ctx.rank == PS_RANK and WRITES.incomplete and not outcome.code:
+    # Incomplete outputs outrank a lost worker: both finished the budget, but this one needs the user.
+    if ctx.rank == PS_RANK and WRITES.incomplete and outcome.code in (ExitCode.OK, ExitCode.WORKER_LOST):
         outcome.code = ExitCode.OUTPUTS_INCOMPLETE
         outcome.error = ("mpitrain: training finished, but its outputs are incomplete (see write_errors in the "
                          "summary above): free space or fix the folder, then run the same command again")

@@ -112,21 +112,13 @@ def run_detached(cmd: list[str], timeout: float = MPI_TIMEOUT_S, env: dict | Non
     return result, elapsed
 
 
-LINGER_S = 1.0  # a rank may still be on its way out when mpirun has returned: that is not an orphan
-
-
 def kill_session(proc: subprocess.Popen) -> bool:
-    """SIGKILL whatever is left of a command started in its own session, LINGER_S after it ended;
-    True if anything was (with the keep-going flag ranks may outlive mpirun: a test says whether
-    they did)."""
-    import time
+    """SIGKILL whatever is left of a command started in its own session, faults.LINGER_S after it
+    ended; True if anything was (with the keep-going flag ranks may outlive mpirun: a test says
+    whether they did)."""
+    from mpitrain import faults
 
-    from mpitrain.faults import kill_session as kill_all, session_pids
-
-    deadline = time.monotonic() + LINGER_S
-    while proc.poll() is not None and session_pids(proc.pid) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return kill_all(proc.pid)
+    return faults.kill_session(proc.pid, faults.LINGER_S if proc.poll() is not None else 0.0)
 
 
 def communicate_or_kill(proc: subprocess.Popen, timeout: float = MPI_TIMEOUT_S) -> tuple[str, str]:

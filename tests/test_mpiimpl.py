@@ -1,0 +1,41 @@
+"""The launcher layer (mpitrain/mpiimpl.py): which MPI runs a process, and what follows from it.
+The behaviour of each implementation is tested end to end by the rest of the suite, which CI runs
+under both; these are the answers themselves."""
+
+import subprocess
+import sys
+
+from mpitrain import mpiimpl
+from mpitrain.mpiimpl import MPICH, OPENMPI
+
+
+def test_the_implementation_is_told_by_the_environment_and_by_the_library():
+    assert mpiimpl.from_env({"PMI_RANK": "1", "PMI_FD": "7", "MPI_LOCALRANKID": "1"}) is MPICH  # hydra
+    assert mpiimpl.from_env({"OMPI_COMM_WORLD_RANK": "1", "PMIX_RANK": "1"}) is OPENMPI  # prterun
+    assert mpiimpl.from_env({"PMI_RANK": "1", "PMI_FD": "7"}) is None  # srun --mpi=pmi2: either library
+    assert mpiimpl.from_env({}) is None
+    assert mpiimpl.from_library("MPICH Version:      5.0.2\nMPICH Release date: ...") is MPICH
+    assert mpiimpl.from_library("Open MPI v5.0.11, package: Open MPI user@localhost ...") is OPENMPI
+    assert mpiimpl.launcher_rank({"OMPI_COMM_WORLD_RANK": "2"}) == 2 and mpiimpl.launcher_rank({}) is None
+    assert mpiimpl.launcher_local_rank({"MPI_LOCALRANKID": "1", "SLURM_LOCALID": "0"}) == 1
+
+
+def test_what_each_needs_differs_where_it_was_measured_to():
+    assert MPICH.keep_going == ("-disable-auto-cleanup",) and OPENMPI.keep_going == ("--with-ft", "ulfm")
+    assert (MPICH.slurm_mpi, OPENMPI.slurm_mpi) == ("pmi2", "pmix")
+    assert MPICH.hostfile_line("n1", 3) == "n1:3" and OPENMPI.hostfile_line("n1", 3) == "n1 slots=3"
+    assert MPICH.worker_lost_exit == 137 and OPENMPI.worker_lost_exit == 8  # never 0: a scheduler sees it
+    assert "--oversubscribe" in mpiimpl.local_flags(OPENMPI) and mpiimpl.local_flags(MPICH) == []
+    assert mpiimpl.local_env(MPICH) == {} and "OMPI_MCA_btl" in mpiimpl.local_env(OPENMPI)
+
+
+def test_only_ulfm_makes_a_rank_wait_for_the_others_before_a_non_zero_exit():
+    assert mpiimpl.ends_job_on_error_exit({mpiimpl.ULFM_VAR: "1"})
+    assert not mpiimpl.ends_job_on_error_exit({})  # hydra, srun: farewell returns at once
+    assert mpiimpl.farewell(None, 30.0, env={}) is True
+
+
+def test_the_job_scripts_ask_which_srun_plugin(mpi):
+    out = subprocess.run([sys.executable, "-m", "mpitrain.mpiimpl", "slurm-mpi"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == mpi.slurm_mpi  # this install's MPI (mpi4py's library)
