@@ -152,8 +152,9 @@ def main(argv: list[str]) -> int:
                    help="a lost worker does not end the job: mpirun -disable-auto-cleanup (MPICH) or "
                         "--with-ft ulfm (Open MPI)")
     p.epilog = "Flags after -- go to mpirun as they are, e.g. -- --oversubscribe (Open MPI)."
-    mpirun_args = argv[argv.index("--") + 1:] if "--" in argv else []
-    args, trainer_args = p.parse_known_args(argv[:len(argv) - len(mpirun_args) - (1 if "--" in argv else 0)])
+    cut = argv.index("--") if "--" in argv else len(argv)
+    mpirun_args = argv[cut + 1:]
+    args, trainer_args = p.parse_known_args(argv[:cut])
     try:
         hosts = parse_hostfile(args.hostfile)
         total = sum(s for _, s in hosts)
