@@ -6,8 +6,7 @@ tests and benchmarks). Nothing here initialises MPI: the launcher's environment,
 Two implementations are known, measured with the PyPI wheels (MPICH 5.0.2's hydra, Open MPI
 5.0.11's prterun) and mpi4py's binary wheel, which runs on either:
 
-- which one a rank runs under: its environment (hydra's PMI_*, prterun's OMPI_COMM_WORLD_*), or
-  MPI_Get_library_version once MPI is up;
+- which one runs: MPI_Get_library_version (mpi4py's library), or `mpirun --version`;
 - the rank of a process before MPI_Init (--version prints once; the API's local_rank());
 - how to keep a job alive after a lost rank: `-disable-auto-cleanup` (hydra) or `--with-ft ulfm`
   (Open MPI; hydra's flag makes prterun exit 213 before anything runs);
@@ -28,6 +27,8 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+
+from mpitrain.exitcodes import ExitCode
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ class Impl:
     # mpirun's exit code when rank 0 finished the budget without a worker killed by SIGKILL: Open MPI
     # reports rank 0's (ExitCode.WORKER_LOST, 8); hydra ORs every rank's, 8 with the killed rank's
     # supervisor's 137, which stays 137.
-    worker_lost_exit: int = 8
+    worker_lost_exit: int = ExitCode.WORKER_LOST
     root_flags: tuple[str, ...] = ()  # what mpirun needs to run as root (containers)
     oversubscribe_flags: tuple[str, ...] = ()  # what mpirun needs for more ranks than cores
     # On one host: the shared-memory transport only. Open MPI's default also opens its network
@@ -64,8 +65,9 @@ class Impl:
 MPICH = Impl("mpich", "MPICH", ("-disable-auto-cleanup",), "-f", "{host}:{slots}", "pmi2", "mpich_shm_",
              worker_lost_exit=128 + 9)
 OPENMPI = Impl("openmpi", "Open MPI", ("--with-ft", "ulfm"), "--hostfile", "{host} slots={slots}", "pmix",
-               "sm_segment.", contacts_every_host=True, stop_exit=1, stop_signal="SIGUSR1", root_flags=("--allow-run-as-root",),
-               oversubscribe_flags=("--oversubscribe",), one_host_flags=("--mca", "btl", "self,sm"))
+               "sm_segment.", contacts_every_host=True, stop_exit=1, stop_signal="SIGUSR1",
+               root_flags=("--allow-run-as-root",), oversubscribe_flags=("--oversubscribe",),
+               one_host_flags=("--mca", "btl", "self,sm"))
 IMPLS = {impl.name: impl for impl in (MPICH, OPENMPI)}
 
 RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
@@ -108,16 +110,6 @@ def local_flags(impl: Impl) -> list[str]:
     starts faster with its shared-memory transport alone."""
     root = impl.root_flags if os.geteuid() == 0 else ()
     return [*root, *impl.oversubscribe_flags, *impl.one_host_flags]
-
-
-def from_env(env) -> Impl | None:
-    """The implementation whose launcher started this process, or None (not launched, or srun,
-    whose PMI variables do not say which library the program links)."""
-    if "OMPI_COMM_WORLD_RANK" in env:
-        return OPENMPI
-    if hydra_env(env):
-        return MPICH
-    return None
 
 
 def from_library(version: str) -> Impl | None:

@@ -6,14 +6,13 @@ import subprocess
 import sys
 
 from mpitrain import mpiimpl
+from mpitrain.exitcodes import ExitCode
 from mpitrain.mpiimpl import MPICH, OPENMPI
 
 
-def test_the_implementation_is_told_by_the_environment_and_by_the_library():
-    assert mpiimpl.from_env({"PMI_RANK": "1", "PMI_FD": "7", "MPI_LOCALRANKID": "1"}) is MPICH  # hydra
-    assert mpiimpl.from_env({"OMPI_COMM_WORLD_RANK": "1", "PMIX_RANK": "1"}) is OPENMPI  # prterun
-    assert mpiimpl.from_env({"PMI_RANK": "1", "PMI_FD": "7"}) is None  # srun --mpi=pmi2: either library
-    assert mpiimpl.from_env({}) is None
+def test_the_implementation_is_told_by_the_library_and_a_rank_by_the_environment():
+    assert mpiimpl.hydra_env({"PMI_RANK": "1", "PMI_FD": "7", "MPI_LOCALRANKID": "1"})
+    assert not mpiimpl.hydra_env({"PMI_RANK": "1", "PMI_FD": "7"})  # srun --mpi=pmi2: no hydra
     assert mpiimpl.from_library("MPICH Version:      5.0.2\nMPICH Release date: ...") is MPICH
     assert mpiimpl.from_library("Open MPI v5.0.11, package: Open MPI user@localhost ...") is OPENMPI
     assert mpiimpl.launcher_rank({"OMPI_COMM_WORLD_RANK": "2"}) == 2 and mpiimpl.launcher_rank({}) is None
@@ -24,7 +23,7 @@ def test_what_each_needs_differs_where_it_was_measured_to():
     assert MPICH.keep_going == ("-disable-auto-cleanup",) and OPENMPI.keep_going == ("--with-ft", "ulfm")
     assert (MPICH.slurm_mpi, OPENMPI.slurm_mpi) == ("pmi2", "pmix")
     assert MPICH.hostfile_line("n1", 3) == "n1:3" and OPENMPI.hostfile_line("n1", 3) == "n1 slots=3"
-    assert MPICH.worker_lost_exit == 137 and OPENMPI.worker_lost_exit == 8  # never 0: a scheduler sees it
+    assert MPICH.worker_lost_exit == 137 and OPENMPI.worker_lost_exit == ExitCode.WORKER_LOST == 8  # never 0
     assert "--oversubscribe" in mpiimpl.local_flags(OPENMPI) and mpiimpl.local_flags(MPICH) == []
     assert mpiimpl.local_env(MPICH) == {} and "OMPI_MCA_btl" in mpiimpl.local_env(OPENMPI)
 
