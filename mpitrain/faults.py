@@ -90,6 +90,12 @@ class Kill:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _stat(pid: int) -> list[str]:
+    """/proc/PID/stat's fields after the command name (which may hold spaces and parentheses):
+    state, ppid, pgrp, session, ... Raises OSError for a process that is gone."""
+    return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+
+
 def rank_pids(root: int, supervised: bool = True) -> dict[int, tuple[int, int | None]]:
     """For the chaos tests: MPI rank -> (pid of the training process, pid of its supervisor or
     None), among the descendants of process `root` (mpirun), read from /proc. Under hydra the
@@ -105,7 +111,7 @@ def rank_pids(root: int, supervised: bool = True) -> dict[int, tuple[int, int | 
             continue
         pid = int(entry)
         try:
-            parents[pid] = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+            parents[pid] = int(_stat(pid)[1])
             raw = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
             cmd = open(f"/proc/{pid}/cmdline", "rb").read()
         except (OSError, ValueError, IndexError):
@@ -143,7 +149,7 @@ def session_pids(sid: int) -> list[int]:
         if not entry.isdigit():
             continue
         try:
-            fields = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
+            fields = _stat(int(entry))
             state, session = fields[0], int(fields[3])
         except (OSError, ValueError, IndexError):
             continue
