@@ -17,8 +17,9 @@ middle of a message. Outcomes:
 
   documented  what README "When things go wrong" says for that case (checked below, per case)
   traceback   a Python traceback on any rank
-  hang        the job did not end within --worker-timeout + 10 s of the kill (then killed); in async
-              with a worker killed, that plus the time the rest of the budget takes on fewer workers
+  hang        the job did not end within --worker-timeout + 10 s of the kill (then killed); where
+              a lost worker is dropped (async; sync but with --on-lost-worker stop or --num-ps 2),
+              that plus the time the rest of the budget takes on fewer workers
   other       it ended, but not as documented (the reason is kept)
 
 Time to notice: from the kill to the first line that names the loss.
@@ -88,6 +89,8 @@ CASES = [
     Case("chief-quorum", ("--mode", "sync", "--quorum", "2"), "chief", 2500),  # it gathers every quorum step
     Case("quorum-big", ("--mode", "sync", "--quorum", "2", "--hidden", "2000"), "worker", 300),  # 6.4 MB messages
     Case("sync-big", ("--mode", "sync", "--hidden", "2000"), "worker", 300),
+    Case("chief-sync", ("--mode", "sync"), "chief", 4000),  # the workers left regroup under a new chief
+    Case("sync-stop", ("--mode", "sync", "--on-lost-worker", "stop"), "worker", 4000),  # the old behaviour
     Case("rank0-async", ("--mode", "async", "--hidden", "2000"), "rank0", 1200),
     Case("rank0-sync", ("--mode", "sync"), "rank0", 4000),
     Case("supervisor", ("--mode", "async"), "supervisor", 20000),
@@ -105,7 +108,7 @@ CASES = [
     Case("disk-full", ("--mode", "sync"), "disk", 4000, 0),
 ]
 DEFAULT_TRIALS = {"async": 5, "async-staleness": 4, "async-big": 6, "sync": 4, "sync-quorum": 4, "chief-quorum": 3,
-                  "quorum-big": 3, "sync-big": 3, "rank0-async": 4, "rank0-sync": 3, "supervisor": 3, "async-2ps": 4,
+                  "quorum-big": 3, "sync-big": 3, "chief-sync": 3, "sync-stop": 2, "rank0-async": 4, "rank0-sync": 3, "supervisor": 3, "async-2ps": 4,
                   "shard-async": 3, "shard-sync": 2, "term-mpirun-async": 3, "term-rank-sync": 3,
                   "int-mpirun-quorum": 3, "term-rank0-2ps": 3, "disk-full": 3}
 
@@ -245,7 +248,7 @@ def _run_trial(case: Case, duration_s: float, rng: random.Random, tmp: str) -> T
     # Async rank 0 goes on without a lost worker: the rest of the budget, on fewer workers. With a
     # full disk every rank goes on: the rest of the run (a fill 1.2 s into a 14.8 s run was judged
     # a hang at 13 s, the job finishing as documented meanwhile).
-    lost_one = case.mode == "async" and case.target == "worker" and case.sig == signal.SIGKILL
+    lost_one = goes_on(case) and case.target in ("worker", "chief") and case.sig == signal.SIGKILL
     rest = duration_s * lay.workers / (lay.workers - 1) if lost_one else duration_s if case.target == "disk" else 0.0
     code, leftovers = job.finish(rest + TIMEOUT_S + GRACE_S - (time.monotonic() - killed_at))
     trial.exit_code = code
@@ -308,7 +311,7 @@ def expected(case: Case, trial: Trial, err: str, code: int, summary: dict | None
         # hydra SIGKILLs every rank when one of its own children (a supervisor) dies by a signal.
         return [] if code != 0 and summary is None else [f"exit {code}; the job went on"]
     lost_lines = [ln for ln in err.splitlines() if f"worker rank {v} lost" in ln or f"lost worker rank {v}" in ln]
-    if case.mode == "async":
+    if goes_on(case):
         problems = []
         if summary is None:
             return [f"no summary (exit {code})"]
@@ -322,13 +325,15 @@ def expected(case: Case, trial: Trial, err: str, code: int, summary: dict | None
             problems.append(f"lost_workers {lost}, killed {v}")
         if not ck or checkpoint.load(ck[-1]).global_step != case.steps:
             problems.append("no final checkpoint at the budget")
+        if case.mode == "sync" and summary["worker_param_digests"] != [summary["param_digest"]] * len(summary["worker_ranks"]):
+            problems.append("replicas differ")
         # Not 0 when a worker was lost: a scheduler must see it. Killed after its report, nothing was
         # lost: hydra still reports the killed rank's 137 (its supervisor's), Open MPI rank 0's 0.
         want = IMPL.worker_lost_exit if lost or IMPL is mpiimpl.MPICH else 0
         if code != want:
             problems.append(f"exit {code}")
         return problems
-    # sync: the job ends naming the rank and the newest checkpoint; or it had finished already
+    # sync --on-lost-worker stop: the job ends naming the rank and the newest checkpoint; or it had finished already
     if summary is not None and summary["global_step"] == case.steps:
         return []
     if code != EXIT_PEER_LOST:
@@ -336,6 +341,12 @@ def expected(case: Case, trial: Trial, err: str, code: int, summary: dict | None
     if len(lost_lines) != 1 or (ck and str(ck[-1]) not in lost_lines[0]):
         return [f"{len(lost_lines)} lines name rank {v} with the newest checkpoint"]
     return []
+
+
+def goes_on(case: Case) -> bool:
+    """A lost worker is dropped and the job finishes its budget with the others: async, and sync
+    (--quorum too) unless --on-lost-worker stop or --num-ps K (README, Elastic)."""
+    return "stop" not in case.args and (case.mode == "async" or "--num-ps" not in case.args)
 
 
 def filled_as_documented(case: Case, err: str, code: int, summary: dict | None, ck: list) -> list[str]:

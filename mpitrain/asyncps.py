@@ -145,10 +145,13 @@ class AsyncServer:
     def _lose(self, lost: dict[int, str]) -> None:
         """Carry on without these workers: their gradients in flight are dropped, nothing is sent
         to them again, and the budget is finished by the others. A lost server cannot be done
-        without (its slice of the parameters is gone): PeerLost ends the job (trainer.py)."""
+        without (its slice of the parameters is gone), nor any worker with --on-lost-worker stop: PeerLost
+        ends the job (trainer.py)."""
         servers = {r: why for r, why in lost.items() if self.ctx.layout.is_server(r)}
         if servers:
             raise PeerLost(servers)
+        if self.ctx.cfg.on_lost_worker == "stop":
+            raise PeerLost(lost)
         for rank, why in lost.items():
             w = self.ctx.layout.worker_index(rank)
             self.ctx.watch.declare(rank, why)

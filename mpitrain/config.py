@@ -18,6 +18,7 @@ DATASET_PREFIXES = {NPZ_PREFIX: ("PATH", "a file", "npz:mydata.npz"), TFDS_PREFI
 DEVICES = ("auto", "cpu", "gpu")
 PS_DEVICES = ("cpu", "gpu")
 WAITS = ("auto", "spin", "yield")
+LOST_WORKER_CHOICES = ("continue", "stop")  # --on-lost-worker
 LR_SCALINGS = ("linear", "none")
 
 
@@ -144,6 +145,11 @@ class TrainConfig:
     worker_timeout: float = PARALLELISM(
         DEFAULT_WORKER_TIMEOUT_S, "declare a rank lost after SEC seconds without a heartbeat (0: never); "
         "async goes on without a lost worker under `mpirun -disable-auto-cleanup`", metavar="SEC")
+
+    on_lost_worker: str = PARALLELISM(
+        "continue", "when a worker is lost (under the launcher's keep-going flag): go on with the others (sync: they "
+        "regroup and re-shard; --quorum Q: while Q are left) or stop the job (exit 5; resume from a checkpoint)",
+        choices=LOST_WORKER_CHOICES)
 
     model: str = MODEL("mlp", "softmax regression, or a ReLU multi-layer perceptron", choices=model_names)
     hidden: tuple[int, ...] = MODEL((100,), "MLP hidden layer widths", shown="100", metavar="W[,W...]")

@@ -32,6 +32,7 @@ class Layout:
 
     size: int
     num_ps: int = 1
+    lost: frozenset[int] = frozenset()  # workers lost and regrouped without (sync, elastic.py)
 
     @property
     def local(self) -> bool:
@@ -44,8 +45,22 @@ class Layout:
 
     @cached_property
     def worker_ranks(self) -> tuple[int, ...]:
+        """The workers training now: those the job started with, less the lost."""
+        return tuple(r for r in self.started_ranks if r not in self.lost)
+
+    @cached_property
+    def started_ranks(self) -> tuple[int, ...]:
         servers = self.server_ranks
         return (PS_RANK,) if self.local else tuple(r for r in range(self.size) if r not in servers)
+
+    @property
+    def started_workers(self) -> int:
+        """The workers the job started with: its step budget is counted in their epochs."""
+        return len(self.started_ranks)
+
+    def without(self, ranks) -> Layout:
+        """This layout after losing the workers `ranks` (sync regroups, elastic.py)."""
+        return Layout(self.size, self.num_ps, self.lost | frozenset(ranks))
 
     @cached_property
     def workers(self) -> int:
@@ -90,4 +105,4 @@ class Layout:
         if not self.is_server(rank):
             return list(self.server_ranks)
         others = [r for r in self.server_ranks if r != rank] if rank == PS_RANK else [PS_RANK]
-        return sorted(others + list(self.worker_ranks))
+        return sorted(others + list(self.started_ranks))

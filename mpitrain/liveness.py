@@ -122,6 +122,14 @@ class Heartbeat:
             if self._stop.wait(self.interval):
                 return
 
+    def forget(self, rank: int) -> None:
+        """A peer declared lost: never beaten (nor its last beat tested) again. MPICH's progress on
+        a send to a dead process can hold this process, GIL and all, for seconds at a time
+        (measured: rank 0 frozen 4 s, 30 to 60 s after a worker was killed), and every survivor
+        then took rank 0 for lost."""
+        if rank in self.peers:
+            self.gone.add(self.peers.index(rank))
+
     def close(self, lost: set[int]) -> bool:
         """Stop; send the last beat to every peer not in `lost`. False if that did not go out
         within the timeout (a peer died meanwhile: then MPI_Finalize is unsafe)."""
@@ -129,14 +137,14 @@ class Heartbeat:
         self._thread.join()
         expected = [i for i, peer in enumerate(self.peers) if peer not in lost]
         live = [i for i in expected if i not in self.gone]
-        if len(live) < len(expected) or not _wait_all([self.reqs[i] for i in live], self.timeout_s):
+        if len(live) < len(expected) or not wait_all([self.reqs[i] for i in live], self.timeout_s):
             return False  # a peer died that nobody declared
         for i in live:
             self._beat(i, FLAG_STOP)
-        return _wait_all([self.reqs[i] for i in live], self.timeout_s)
+        return wait_all([self.reqs[i] for i in live], self.timeout_s)
 
 
-def _wait_all(reqs: list, timeout_s: float) -> bool:
+def wait_all(reqs: list, timeout_s: float) -> bool:
     """True when every request completed within the timeout; False on timeout or an MPI error
     (a peer died meanwhile)."""
     try:
@@ -159,6 +167,8 @@ class Watch:
         self.boxes = {r: beat_message() for r in peers}
         self.beats: dict[int, tuple[list[float], float]] = {}  # rank -> (its last beat's payload, when)
         self.stall = None  # observe.Stall, while training runs
+        self.heartbeat = None  # this rank's Heartbeat: it stops beating to a peer declared lost
+        self.notices = None  # elastic.Notices on a sync worker that regroups: rank 0's word, looked at here
         self.recv = {r: self._post(r) for r in peers}  # open until the peer's last beat
         self.checked = set(peers)  # peers whose silence counts
         self.lost: dict[int, dict] = {}  # rank -> {"rank", "silent_s", "reason"}
@@ -184,6 +194,8 @@ class Watch:
         if rank in self.last and rank not in self.lost:
             self.lost[rank] = {"rank": rank, "silent_s": round(self.clock() - self.last[rank], 3), "reason": reason}
             self.checked.discard(rank)
+            if self.heartbeat is not None:
+                self.heartbeat.forget(rank)
 
     def _drain(self, rank: int, now: float) -> None:
         """Take every beat that has arrived; a last beat (FLAG_STOP) retires the receive."""
@@ -218,6 +230,8 @@ class Watch:
             self.declare(rank, why)
         if newly:
             raise PeerLost(newly)
+        if self.notices is not None:
+            self.notices.check()  # raises elastic.Regroup where this rank waits
         if self.stall is not None:
             self.stall.check()
 
@@ -251,7 +265,9 @@ def start(comm, rank: int, layout: Layout, timeout_s: float, activity=None):
     if layout.local or timeout_s <= 0:
         return None, NoWatch()
     peers = layout.peers(rank)
-    return Heartbeat(comm, peers, timeout_s, activity), Watch(comm, peers, timeout_s)
+    heartbeat, watch = Heartbeat(comm, peers, timeout_s, activity), Watch(comm, peers, timeout_s)
+    watch.heartbeat = heartbeat
+    return heartbeat, watch
 
 
 class NoWatch:

@@ -18,6 +18,7 @@ from mpi4py import MPI
 
 from mpitrain.checkpoint import TrainState
 from mpitrain.codec import encode
+from mpitrain.elastic import Regroup
 from mpitrain.faults import Kill
 from mpitrain.gradients import LOSS_WINDOW, GradientSource, WorkerResult, mean_loss
 from mpitrain.layout import PS_RANK
@@ -30,6 +31,10 @@ from mpitrain.sync import SyncStep, await_verdict, sync_result
 from mpitrain.transport import WORKER_POLL_S, Poller, tested
 from mpitrain.waiting import poll
 
+# The messages between workers travel on the workers' communicator (ranks: worker indices), not
+# COMM_WORLD: after a regroup (elastic.py) the receives left posted on the old one can never take
+# a message meant for the new one.
+CHIEF_INDEX = 0
 SWITCH_INTERVAL_S = 1e-4  # --quorum: GIL hand-over between the MPI thread and the compute thread
 # --quorum: updates the chief keeps for a worker still computing before it waits for it, and the
 # memory they may take (a worker that far behind is a straggler at 32x: waiting costs little then).
@@ -170,7 +175,8 @@ class UpdateRing:
 
     def send(self, update: QuorumUpdate) -> None:
         spec = update.msg.spec()
-        update.reqs = [self.ctx.comm.Isend(spec, dest=r, tag=TAG_UPDATE) for r in self.peers]
+        comm, index = self.ctx.worker_comm, self.ctx.layout.worker_index
+        update.reqs = [comm.Isend(spec, dest=index(r), tag=TAG_UPDATE) for r in self.peers]
         self.busy.append(update)
 
     def delivered(self) -> bool:
@@ -250,7 +256,7 @@ class QuorumChief:
         self.narrow = np.dtype(wire) != np.float32
         self.inbox = [Message(n, be.host_alloc, wire) for _ in self.others]
         self.landing = [be.mirror(m.payload) for m in self.inbox]  # float32 on the device; NumPy: the payload
-        self.recv = [ctx.comm.Irecv(m.spec(), source=r, tag=TAG_QGRAD) for m, r in zip(self.inbox, self.others)]
+        self.recv = [self._post(m, r) for m, r in zip(self.inbox, self.others)]
         self.updates = UpdateRing(ctx, self.others, Poller(WORKER_POLL_S, ctx.watch))
         self.kill = Kill(ctx.rank)
         self.pace = ChiefPace(len(self.others), self.Q)
@@ -268,26 +274,37 @@ class QuorumChief:
         total = ctx.global_step_budget
         recent = deque([float("nan")], maxlen=LOSS_WINDOW)
         diverged, loss = None, float("nan")
-        for step in range(self.start.global_step, total):
-            self.kill.at(step - self.start.global_step + 1)
-            self.chosen = []
-            ctx.activity.enter(WAIT, step)
-            poll(lambda: self._gathered(step), WORKER_POLL_S, ctx.watch)
-            last = STOP.requested  # a stop request: this update is the last, and says so
-            loss = self._update(step, FLAG_STOP_STEP if last else 0)
-            if step_fn.why:
-                diverged = step
-                break
-            recent.append(loss)
-            if self.on_step is not None:
-                self.on_step(step + 1, loss, step_fn)
-            if last:
-                total = step + 1
-                break
-        self.helper.close()
-        sys.setswitchinterval(switch)
+        applied = self.start.global_step  # updates applied: where a regroup takes this worker's state from
+        try:
+            for step in range(self.start.global_step, total):
+                self.kill.at(step - self.start.global_step + 1)
+                self.chosen = []
+                ctx.activity.enter(WAIT, step)
+                poll(lambda: self._gathered(step), WORKER_POLL_S, ctx.watch)
+                last = STOP.requested  # a stop request: this update is the last, and says so
+                loss = self._update(step, FLAG_STOP_STEP if last else 0)
+                if step_fn.why:
+                    diverged = step
+                    break
+                applied = step + 1
+                recent.append(loss)
+                if self.on_step is not None:
+                    self.on_step(step + 1, loss, step_fn)
+                if last:
+                    total = step + 1
+                    break
+        except Regroup as r:
+            r.state, r.counts = step_fn.train_state(applied), (self.contributed, self.dropped)
+            raise
+        finally:
+            self.helper.close()
+            sys.setswitchinterval(switch)
         ctx.activity.enter(WAIT)
-        poll(self._closed, WORKER_POLL_S, ctx.watch)
+        try:
+            poll(self._closed, WORKER_POLL_S, ctx.watch)
+        except Regroup as r:
+            r.state, r.counts = step_fn.train_state(applied), (self.contributed, self.dropped)
+            raise
         timing = ctx.activity.times()
         if diverged is not None:
             return sync_result(step_fn, diverged, loss, timing, self.contributed, self.dropped)
@@ -351,7 +368,10 @@ class QuorumChief:
             self.ctx.backend.upload(self.landing[i], msg.payload)
             self._add(i + 1, self.landing[i], msg.loss)
         # else late: its worker learns from the update that it was left out, and counts it
-        self.recv[i] = self.ctx.comm.Irecv(msg.spec(), source=rank, tag=TAG_QGRAD)
+        self.recv[i] = self._post(msg, rank)
+
+    def _post(self, msg: Message, rank: int):
+        return self.ctx.worker_comm.Irecv(msg.spec(), source=self.ctx.layout.worker_index(rank), tag=TAG_QGRAD)
 
     def _add(self, w: int, grad, loss: float) -> None:
         buf, n = self.step_fn.buf, self.n
@@ -422,6 +442,13 @@ class QuorumFollower:
         self.loss = float("nan")
 
     def run(self) -> WorkerResult:
+        try:
+            return self._run()
+        except Regroup as r:  # self.step: the updates applied, in order
+            r.state, r.counts = self.step_fn.train_state(self.step), (self.contributed, self.dropped)
+            raise
+
+    def _run(self) -> WorkerResult:
         ctx, act, step_fn = self.ctx, self.ctx.activity, self.step_fn
         self._post()
         while self.step < self.total and not step_fn.why:
@@ -459,11 +486,11 @@ class QuorumFollower:
         out = self.outs[slot]
         self.ctx.backend.download(self.grads[slot], out.payload)
         out.stamp(TAG_QGRAD, step, self.computed, flags, loss, seconds)
-        self.sends[slot] = self.ctx.comm.Isend(out.spec(), dest=self.chief, tag=TAG_QGRAD)
+        self.sends[slot] = self.ctx.worker_comm.Isend(out.spec(), dest=CHIEF_INDEX, tag=TAG_QGRAD)
 
     def _post(self) -> None:
         if self.step < self.total:
-            self.pending = self.ctx.comm.Irecv(self.update.msg.spec(), source=self.chief, tag=TAG_UPDATE)
+            self.pending = self.ctx.worker_comm.Irecv(self.update.msg.spec(), source=CHIEF_INDEX, tag=TAG_UPDATE)
 
     def _take_updates(self) -> bool:
         """Apply every update that came, in order; True if any did."""

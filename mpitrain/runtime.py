@@ -175,6 +175,15 @@ class Context:
         """--quorum Q below the number of workers: sync steps go on without the slowest."""
         return self.cfg.quorum is not None and self.cfg.quorum < self.workers
 
+    @property
+    def regroups(self) -> bool:
+        """Sync (--quorum too) goes on without a lost worker: the workers left regroup on rank 0's
+        word (elastic.py). Needs heartbeats (rank 0 notices the loss) and one server (a second
+        one would have to follow the new chief too: with --num-ps K a lost worker ends the job)."""
+        cfg = self.cfg
+        return (cfg.on_lost_worker == "continue" and cfg.mode == "sync" and not self.local
+                and self.layout.shards == 1 and cfg.worker_timeout > 0)
+
     def eval_due(self, step: int) -> bool:
         """--eval-every: rank 0 evaluates after global step `step`."""
         return bool(self.cfg.eval_every) and step % self.cfg.eval_every == 0
@@ -191,8 +200,11 @@ class Context:
         budgets = [] if cfg.steps is None else [cfg.steps]
         epochs = cfg.epochs_or_default
         if epochs is not None:
-            per_step = 1 if cfg.mode == "sync" or self.local else self.workers
-            budgets.append(epochs * self.steps_per_epoch * per_step)
+            # Counted in the epochs of the workers the job started with: a worker lost (sync,
+            # elastic.py) changes the shards, not where the run ends.
+            workers = self.layout.started_workers
+            per_step = 1 if cfg.mode == "sync" or self.local else workers
+            budgets.append(epochs * steps_per_epoch(self.data.n_train, workers, cfg.batch_size) * per_step)
         return min(budgets)
 
     def lr_at(self, step: int) -> float:

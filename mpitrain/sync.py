@@ -19,21 +19,22 @@ from typing import Protocol
 import numpy as np
 from mpi4py import MPI
 
-from mpitrain import checkpoint, mpiimpl
+from mpitrain import checkpoint, elastic, mpiimpl
 from mpitrain.checkpoint import Checkpointer, TrainState, state_arrays, to_flat
-from mpitrain.chief import ChiefDuties, Clock, ServerState, begin
+from mpitrain.chief import ChiefDuties, Clock, ServerState, begin, record_lost
 from mpitrain.codec import wire_sum
 from mpitrain.faults import Kill
 from mpitrain.gradients import LOSS_WINDOW, GradientSource, WorkerResult, mean_loss
 from mpitrain.guard import NON_FINITE, Diverged, LossGuard
 from mpitrain.layout import PS_RANK
 from mpitrain.liveness import CHECK_EVERY_S as VERDICT_POLL_S
+from mpitrain.elastic import Regroup
 from mpitrain.liveness import PeerLost
 from mpitrain.metrics import Progress
 from mpitrain.observe import ALLREDUCE, APPLY, COMPUTE, PUSH, WAIT
 from mpitrain.optim import Optimizer, make_ema
-from mpitrain.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_STOP, TAG_SHARD, TAG_STATUS, Message,
-                               ProtocolError)
+from mpitrain.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_REGROUPED, FLAG_STOP, TAG_SHARD, TAG_STATUS,
+                               Message, ProtocolError)
 from mpitrain.runtime import Context, start_state
 from mpitrain.shards import Gather, assemble, cut
 from mpitrain.stopping import STOP
@@ -175,20 +176,26 @@ def train(ctx: Context, start: TrainState, on_step=None) -> WorkerResult:
     total = ctx.global_step_budget
     recent = deque([float("nan")], maxlen=LOSS_WINDOW)  # nan only if resumed at the budget
     done = max(total, start.global_step)
-    for step in range(start.global_step, total):
-        act.enter(COMPUTE, step)
-        kill.at(step - start.global_step + 1)
-        step_fn.compute(source)
-        act.stepped()
-        loss = step_fn.reduce_and_apply(step)
-        if step_fn.why:
-            return sync_result(step_fn, step, loss, act.times(), contributed=step)
-        recent.append(loss)
-        if on_step is not None:
-            on_step(step + 1, loss, step_fn)
-        if step_fn.stop:
-            done = step + 1
-            break
+    applied = start.global_step  # updates applied: where a regroup takes this worker's state from
+    try:
+        for step in range(start.global_step, total):
+            act.enter(COMPUTE, step)
+            kill.at(step - start.global_step + 1)
+            step_fn.compute(source)
+            act.stepped()
+            loss = step_fn.reduce_and_apply(step)
+            if step_fn.why:
+                return sync_result(step_fn, step, loss, act.times(), contributed=step)
+            applied = step + 1
+            recent.append(loss)
+            if on_step is not None:
+                on_step(step + 1, loss, step_fn)
+            if step_fn.stop:
+                done = step + 1
+                break
+    except Regroup as r:
+        r.state = step_fn.train_state(applied)
+        raise
     return sync_result(step_fn, done, mean_loss(recent), act.times(), contributed=done)
 
 
@@ -206,13 +213,15 @@ def sync_result(step_fn: SyncStep, step: int, loss: float, timing: dict, contrib
 
 def await_verdict(ctx: Context, why: str) -> None:
     """The gradient Allreduce failed: a worker died in the middle of it. Rank 0 notices within
-    --worker-timeout and ends the job naming that worker (sync cannot go on without it); a worker
-    that stopped here on its own would be taken for a second lost one. So wait for rank 0, still
-    watching it: if it is gone too, PeerLost ends this rank."""
+    --worker-timeout and either tells the workers left to regroup (elastic.Regroup is raised here)
+    or ends the job naming that worker; a worker that stopped here on its own would be taken for a
+    second lost one. So wait for rank 0, still watching it: if it is gone too, PeerLost ends this
+    rank."""
     if mpiimpl.ends_job_on_error_exit():
         # Open MPI under ULFM: rank 0 does not abort (mpiimpl.farewell) and ULFM names the dead
         dead = mpiimpl.failed_ranks(ctx.worker_comm, ctx.comm)
-        if dead:
+        left = len(set(ctx.layout.worker_ranks) - set(dead))
+        if dead and not (ctx.regroups and left >= elastic.minimum_workers(ctx)):
             raise PeerLost({rank: f"the gradient Allreduce failed ({why})" for rank in dead})
     if not ctx.watch.watched:  # --worker-timeout 0: nobody will decide
         raise PeerLost({PS_RANK: f"the gradient Allreduce failed ({why}) and --worker-timeout is 0"})
@@ -221,51 +230,96 @@ def await_verdict(ctx: Context, why: str) -> None:
 
 def work(ctx: Context, loop=train) -> WorkerResult:
     """A sync worker, training with `loop` (`train`, or quorum.train with --quorum; trainer.ROLES
-    chooses). The first worker (the chief) also keeps rank 0 informed, all on one tag so
-    the messages arrive in order: a header-only status every STATUS_EVERY_S; its parameters and
-    optimizer state at --eval-every and checkpoint steps; the same, flagged STOP, at the end.
-    With --num-ps K the state goes to the K servers, each its slice (shards.py)."""
+    chooses). The first worker (the chief) also keeps rank 0 informed (ChiefReport). When a worker
+    is lost (--on-lost-worker continue), rank 0's word interrupts the loop wherever it waits
+    (elastic.Regroup): the workers left regroup and run the loop again from the step they agree
+    on, the first of them the chief. The loop's end is rank 0's to declare (elastic.Notices)."""
     start = start_state(ctx)
-    if ctx.worker_index != 0:
-        return loop(ctx, start)
-    n = ctx.model.n_params
-    names = state_arrays(ctx.cfg)
-    servers = list(ctx.layout.server_ranks)
-    slices = ctx.layout.shard_slices(n)
-    status = Message(0)
-    fulls = [Message((s.stop - s.start) * len(names)) for s in slices]  # one per server
-    pending = [MPI.REQUEST_NULL] * (1 + len(servers))  # one status, one full message per server in flight at most
-    last_sent = [0.0]
-    ckpt = Checkpointer(ctx.cfg, ctx.fingerprint)  # only decides when; rank 0 writes
-    waiter = Poller(WORKER_POLL_S, ctx.watch)  # a full message waits for its server: never a dead one
+    notices = None
+    if ctx.regroups:
+        notices = ctx.watch.notices = elastic.Notices(ctx)
+    report = None
+    contributed = dropped = 0  # --quorum: the counts of the loops a regroup interrupted
+    while True:
+        if ctx.worker_index == 0 and report is None:
+            report = ChiefReport(ctx)
+        result = None
+        try:
+            result = loop(ctx, start, report.report if ctx.worker_index == 0 else None)
+            if ctx.worker_index == 0:
+                report.final(result)
+            if notices is not None:
+                notices.await_done(ctx)
+            break
+        except elastic.Regroup as r:
+            if result is not None:  # the loop had ended: its state is its result's
+                r.state, r.counts = result.train_state, (result.contributed or 0, result.dropped)
+            if loop is not train:  # plain sync counts every step it took part in already
+                contributed, dropped = contributed + r.counts[0], dropped + r.counts[1]
+            ctx, start = elastic.regroup(ctx, r)
+            if ctx.worker_index == 0:
+                report = report or ChiefReport(ctx)
+                report.regrouped(start.global_step, r.gen)
+    if loop is not train:
+        result.contributed, result.dropped = (result.contributed or 0) + contributed, result.dropped + dropped
+    return result
 
-    def send_full(state: TrainState, flags: int, loss: float) -> None:
+
+class ChiefReport:
+    """The chief worker keeps rank 0 informed, all on one tag so the messages arrive in order: a
+    header-only status every STATUS_EVERY_S; its parameters and optimizer state at --eval-every and
+    checkpoint steps; the same, flagged STOP, at the end. With --num-ps K the state goes to the K
+    servers, each its slice (shards.py). A worker that becomes the chief in a regroup starts with
+    FLAG_REGROUPED."""
+
+    def __init__(self, ctx: Context):
+        self.ctx = ctx
+        n = self.n = ctx.model.n_params
+        self.names = state_arrays(ctx.cfg)
+        self.servers = list(ctx.layout.server_ranks)
+        self.slices = ctx.layout.shard_slices(n)
+        self.status = Message(0)
+        self.fulls = [Message((s.stop - s.start) * len(self.names)) for s in self.slices]  # one per server
+        self.pending = [MPI.REQUEST_NULL] * (1 + len(self.servers))  # a status, a full message per server
+        self.last_sent = 0.0
+        self.ckpt = Checkpointer(ctx.cfg, ctx.fingerprint)  # only decides when; rank 0 writes
+        self.waiter = Poller(WORKER_POLL_S, ctx.watch)  # a full message waits for its server: never a dead one
+
+    def send_full(self, state: TrainState, flags: int, loss: float) -> None:
+        ctx = self.ctx
         ctx.activity.enter(PUSH)
-        waiter.all(pending[1:], servers)
-        flat = to_flat(state, names)
-        for k, (full, s, rank) in enumerate(zip(fulls, slices, servers), 1):
-            cut(flat, names, n, s, full.payload)
+        self.waiter.all(self.pending[1:], self.servers)
+        flat = to_flat(state, self.names)
+        for k, (full, s, rank) in enumerate(zip(self.fulls, self.slices, self.servers), 1):
+            cut(flat, self.names, self.n, s, full.payload)
             full.stamp(TAG_STATUS, state.global_step, state.global_step, flags, loss)
-            pending[k] = ctx.comm.Isend(full.spec(), dest=rank, tag=TAG_STATUS)
+            self.pending[k] = ctx.comm.Isend(full.spec(), dest=rank, tag=TAG_STATUS)
 
-    def report(step: int, loss: float, sync_step: SyncStep) -> None:
-        flags = (FLAG_EVAL if ctx.eval_due(step) else 0) | (FLAG_CKPT if ckpt.due(step) else 0)
+    def report(self, step: int, loss: float, sync_step: SyncStep) -> None:
+        ctx = self.ctx
+        flags = (FLAG_EVAL if ctx.eval_due(step) else 0) | (FLAG_CKPT if self.ckpt.due(step) else 0)
         if flags:
             if flags & FLAG_CKPT:
-                ckpt.mark(step)
-            send_full(sync_step.train_state(step), flags, loss)
+                self.ckpt.mark(step)
+            self.send_full(sync_step.train_state(step), flags, loss)
             return
         now = time.perf_counter()
-        if now - last_sent[0] < STATUS_EVERY_S or not tested(pending[0], PS_RANK, ctx.watch):
+        if now - self.last_sent < STATUS_EVERY_S or not tested(self.pending[0], PS_RANK, ctx.watch):
             return  # rate-limited, and never more than one status in flight
-        status.stamp(TAG_STATUS, step, step, 0, loss)
-        pending[0] = ctx.comm.Isend(status.spec(), dest=PS_RANK, tag=TAG_STATUS)
-        last_sent[0] = now
+        self._status(step, 0, loss)
+        self.last_sent = now
 
-    result = loop(ctx, start, report)
-    send_full(result.train_state, FLAG_STOP | (FLAG_DIVERGED if result.diverged else 0), result.recent_loss)
-    waiter.all(pending, [PS_RANK] + servers)
-    return result
+    def regrouped(self, step: int, gen: int) -> None:
+        self.waiter.all(self.pending[:1], [PS_RANK])
+        self._status(step, FLAG_REGROUPED, 0.0, gen)
+
+    def _status(self, step: int, flags: int, loss: float, local_step: int | None = None) -> None:
+        self.status.stamp(TAG_STATUS, step, step if local_step is None else local_step, flags, loss)
+        self.pending[0] = self.ctx.comm.Isend(self.status.spec(), dest=PS_RANK, tag=TAG_STATUS)
+
+    def final(self, result: WorkerResult) -> None:
+        self.send_full(result.train_state, FLAG_STOP | (FLAG_DIVERGED if result.diverged else 0), result.recent_loss)
+        self.waiter.all(self.pending, [PS_RANK] + self.servers)
 
 
 def follow_chief(ctx: Context, progress: Progress) -> ServerState:
@@ -283,17 +337,39 @@ def follow_chief(ctx: Context, progress: Progress) -> ServerState:
     poller = Poller(CHIEF_POLL_S, ctx.watch)  # PeerLost ends the job (trainer.py)
     gather = Gather(ctx, poller)  # --num-ps: the other servers forward their slices of the same step
     status = ctx.comm.Irecv(box.spec(), source=chief, tag=TAG_STATUS)
+    arbiter = elastic.Arbiter(ctx) if ctx.regroups else None  # else a lost worker ends the job (trainer.py)
+    layout = ctx.layout
     final_seen = False
     while not final_seen:
         ctx.activity.enter(WAIT, state.global_step)
-        done = poller.some([status])
-        if done.failed:  # the chief died while sending
-            raise PeerLost({chief: done.failed[0]})  # sync cannot go on: trainer.py
+        try:
+            done = poller.some([status])
+            if done.failed:  # the chief died while sending
+                ctx.watch.declare(chief, done.failed[0])
+                raise PeerLost({chief: done.failed[0]})
+        except PeerLost as e:
+            if arbiter is None:
+                raise
+            layout = arbiter.lost(e, layout)  # or PeerLost again: the job cannot go on
+            for rank, why in e.lost.items():
+                record_lost(state, rank, why, f"; regrouping: continuing with {layout.workers} worker(s)")
+            W = layout.workers
+            if chief != layout.worker_rank(0):  # the old chief's receive is left behind with it
+                chief = layout.worker_rank(0)
+                status = ctx.comm.Irecv(box.spec(), source=chief, tag=TAG_STATUS)
+            continue
+        if done.arrived and arbiter is not None and arbiter.awaiting:
+            # sent before the chief regrouped: superseded (the workers redo it from the agreed step)
+            if box.flags & FLAG_REGROUPED and arbiter.regrouped(box.local_step):
+                box.check(TAG_STATUS, chief, count=0)
+            status = ctx.comm.Irecv(box.spec(), source=chief, tag=TAG_STATUS)
+            continue
         if done.arrived:
             final, full = bool(box.flags & FLAG_STOP), bool(box.flags & (FLAG_STOP | FLAG_EVAL | FLAG_CKPT))
             box.check(TAG_STATUS, chief, count=full_count if full else 0)
             duties.stepped(box.step, box.loss, force_log=True,  # the chief already rate-limits
                            staleness=0, local_steps=[box.step] * W)
+            state.global_step = box.step  # where a lost worker's line says it was lost
             received = _received(ctx, gather, box, names) if full else None
             state.bytes_in += box.buf.nbytes if full else 0
             if box.flags & FLAG_EVAL:
@@ -311,6 +387,8 @@ def follow_chief(ctx: Context, progress: Progress) -> ServerState:
                 status = MPI.REQUEST_NULL
             else:
                 status = ctx.comm.Irecv(box.spec(), source=chief, tag=TAG_STATUS)
+    if arbiter is not None:
+        arbiter.done(layout)
     state.local_steps = [state.global_step] * W
     return duties.finish()
 

@@ -700,8 +700,10 @@ def peer_lost(ctx: Context, e: PeerLost) -> int:
             say(f"mpitrain: error: lost parameter-server shard {which}. Training cannot go on without "
                 f"that part of the parameters; {resume_hint(ctx, 0)}", sys.stderr)
         else:
-            say(f"mpitrain: error: lost worker {who}. Sync training cannot finish a collective without it; "
-                f"{resume_hint(ctx, len(e.lost))}", sys.stderr)
+            gone = set(e.lost) | set(ctx.watch.lost)  # with the ones lost earlier, when the others regrouped
+            left = len([r for r in ctx.layout.worker_ranks if r not in gone])
+            say(f"mpitrain: error: lost worker {who}. {why_it_ends(ctx, left)}; "
+                f"{resume_hint(ctx, len(gone))}", sys.stderr)
         if mpiimpl.ends_job_on_error_exit():
             # Open MPI under ULFM: MPI_Abort ended mpirun but left the workers running (measured), and
             # they all end here too (ULFM fails their collective): meet them, so each line gets out.
@@ -719,6 +721,24 @@ def peer_lost(ctx: Context, e: PeerLost) -> int:
     mpiimpl.farewell(ctx.comm, ctx.cfg.worker_timeout)  # the other survivors' lines too (Open MPI)
     exit_without_finalize(ExitCode.PEER_LOST)
     return ExitCode.PEER_LOST
+
+
+def why_it_ends(ctx: Context, left: int) -> str:
+    """Why a lost worker ends this job (rank 0's line), `left` workers being left."""
+    cfg = ctx.cfg
+    if cfg.on_lost_worker == "stop":
+        return "--on-lost-worker stop ends the job"
+    if cfg.mode == "async":
+        return "Async cannot go on"
+    if ctx.layout.shards > 1:
+        return f"Sync with --num-ps {ctx.layout.shards} cannot regroup without it"
+    if cfg.worker_timeout <= 0:
+        return "With --worker-timeout 0 nobody tells the others to regroup"
+    if cfg.quorum and left < cfg.quorum:
+        return f"Fewer than --quorum {cfg.quorum} workers are left"
+    if left < 1:
+        return "No worker is left"
+    return "A second worker was lost while the others regrouped"
 
 
 def resume_hint(ctx: Context, lost: int) -> str:

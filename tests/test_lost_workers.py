@@ -1,8 +1,9 @@
 """A lost rank (issue: survive faults). Workers are SIGKILLed mid-training through
 MPITRAIN_INJECT_KILL, as the OOM killer or `kill -9` would. Async under the launcher's keep-going
 flag (`mpirun -disable-auto-cleanup`, MPICH; `mpirun --with-ft ulfm`, Open MPI) finishes with the
-others and exits non-zero; without it the launcher ends the job at once; sync stops within
---worker-timeout, naming the rank, and resumes with fewer workers."""
+others and exits non-zero; without it the launcher ends the job at once; sync with --on-lost-worker
+stop stops within --worker-timeout, naming the rank, and resumes with fewer workers (sync going on
+without it, the default: tests/test_elastic.py)."""
 
 from __future__ import annotations
 
@@ -93,7 +94,8 @@ def test_sync_lost_worker_stops_within_the_timeout_then_resumes_with_fewer(tmp_p
     timeout = 2.0
     proc, seconds = run_detached(mpitrain_cmd(4, "--mode", "sync", "--no-progress", "--steps", "100000",
                                               "--worker-timeout", str(timeout), "--checkpoint-dir", str(ck),
-                                              "--checkpoint-every-steps", "20", launcher_flags=keep_going()),
+                                              "--checkpoint-every-steps", "20", "--on-lost-worker", "stop",
+                                              launcher_flags=keep_going()),
                                  env=killing(3, 70))
     assert proc.returncode == 5, proc.stdout + proc.stderr
     assert seconds < timeout + 10

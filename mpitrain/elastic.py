@@ -1,0 +1,177 @@
+"""Sync (and --quorum) goes on without a lost worker (--on-lost-worker continue): the workers left
+regroup. Rank 0 runs the Arbiter (inside sync.follow_chief), every worker a Notices receive and
+`regroup` (inside sync.work).
+
+Rank 0 is the one that decides: it hears every worker's heartbeat, so it notices a lost one
+(silent past --worker-timeout, or an MPI error on its message) while the others may only see
+their Allreduce hang (MPICH) or fail (Open MPI's ULFM). It sends each worker left a NOTICE
+(TAG_REGROUP: a generation number and every rank lost so far). A worker sees it at its next
+look at the watch, wherever it waits (Regroup is raised there), and:
+
+1. forms a new worker communicator over the workers left, with MPI_Comm_create_from_group
+   (MPI-4): it needs no collective over a communicator that holds the dead process (Open MPI
+   refuses MPI_Comm_create_group over COMM_WORLD after a failure; measured), and the old
+   communicator, with the dead worker's collective pending on it, is simply left behind;
+2. agrees on the state: the workers are at most one update apart (a collective may have
+   completed on some and not on others when the worker died in it), so the one furthest ahead
+   (the lowest rank among them) broadcasts parameters and optimizer state to the others: the
+   replicas are bitwise identical again;
+3. trains on from that step, the data re-sharded over the workers left (each worker's stream
+   from that step on, with the new shard), the learning rate scaled to the new count (--lr-scaling
+   linear), the first of them the chief (it says FLAG_REGROUPED to rank 0 first; rank 0 ignores
+   what the chief sent before that).
+
+When a worker's loop ends it does not leave the training phase on its own: it waits for rank 0's
+DONE (TAG_REGROUP flagged STOP), which rank 0 sends once it has the chief's final state; a NOTICE
+instead (a worker died during the last step) regroups once more, at the budget, and ends again.
+A second loss while the workers regroup (a blocking moment of milliseconds) ends the job as
+--on-lost-worker stop does: the workers could be waiting inside the regroup's collectives for the
+dead one. Requests left on the old communicator never complete, so every rank ends without
+MPI_Finalize (the goodbye says a peer was lost).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+from mpi4py import MPI
+
+from mpitrain.checkpoint import TrainState, state_arrays
+from mpitrain.layout import PS_RANK
+from mpitrain.liveness import PeerLost, wait_all
+from mpitrain.protocol import FLAG_STOP, TAG_REGROUP, Message
+from mpitrain.runtime import Context
+from mpitrain.transport import WORKER_POLL_S
+from mpitrain.waiting import poll
+
+STRINGTAG = "mpitrain.regroup.{gen}"  # MPI_Comm_create_from_group's tag: one per generation
+
+
+class Regroup(Exception):
+    """Raised on a worker where it waits, when rank 0's NOTICE has come: regroup without `lost`
+    (every rank lost so far). The loop it interrupts attaches where it was (`state`, `counts`)."""
+
+    def __init__(self, gen: int, lost: frozenset[int]):
+        super().__init__(f"regroup {gen} without rank(s) {sorted(lost)}")
+        self.gen, self.lost = gen, lost
+        self.state: TrainState | None = None  # the updates this worker has applied
+        self.counts = (0, 0)  # --quorum: gradients it contributed and dropped in the loop it left
+
+
+def minimum_workers(ctx: Context) -> int:
+    """Below this many workers sync ends (--quorum Q: Q; plain sync: one)."""
+    return ctx.cfg.quorum or 1
+
+
+class Notices:
+    """A worker's receive of rank 0's TAG_REGROUP messages, looked at with the watch (every wait
+    looks at it): a NOTICE raises Regroup; DONE says training is over (`done`)."""
+
+    def __init__(self, ctx: Context):
+        self.comm = ctx.comm
+        self.box = Message(ctx.size)
+        self.req = self._post()
+        self.gen = 0
+        self.done = False
+
+    def _post(self):
+        return self.comm.Irecv(self.box.spec(), source=PS_RANK, tag=TAG_REGROUP)
+
+    def check(self) -> None:
+        if self.done or not self.req.Test():
+            return
+        self.box.check(TAG_REGROUP, PS_RANK)
+        if self.box.flags & FLAG_STOP:
+            self.done = True  # the last message rank 0 sends on this tag: nothing is left posted
+            return
+        self.gen = int(self.box.step)
+        lost = frozenset(int(r) for r in np.flatnonzero(self.box.payload))
+        self.req = self._post()
+        raise Regroup(self.gen, lost)
+
+    def await_done(self, ctx: Context) -> None:
+        """After the loop: until rank 0 says training is over (or a NOTICE raises Regroup)."""
+        poll(lambda: self.done, WORKER_POLL_S * 50, ctx.watch)
+
+
+def regroup(ctx: Context, r: Regroup) -> tuple[Context, TrainState]:
+    """This worker's part of a regroup: the new communicator over the workers left, then the state
+    of the one furthest ahead. Returns the new context and the state to train on from."""
+    layout = ctx.layout.without(r.lost)
+    group = ctx.comm.Get_group().Incl(list(layout.worker_ranks))
+    comm = MPI.Intracomm.Create_from_group(group, stringtag=STRINGTAG.format(gen=r.gen),
+                                           errhandler=MPI.ERRORS_RETURN)
+    group.Free()
+    ctx = dataclasses.replace(ctx, layout=layout, worker_comm=comm)
+    mine = r.state
+    step = np.array([mine.global_step], np.int64)
+    comm.Allreduce(MPI.IN_PLACE, step, op=MPI.MAX)
+    root = np.array([comm.Get_rank() if mine.global_step == step[0] else comm.Get_size()], np.int64)
+    comm.Allreduce(MPI.IN_PLACE, root, op=MPI.MIN)
+    state = broadcast_state(ctx, comm, mine, int(root[0]))
+    state.positions = [state.global_step] * ctx.workers  # each worker's new shard, from this step
+    return ctx, state
+
+
+def broadcast_state(ctx: Context, comm, mine: TrainState, root: int) -> TrainState:
+    """`root`'s parameters, step and optimizer state on every worker of `comm`. The moving average
+    (--ema-decay) lives on the chief only: the new chief keeps its own, or starts one (None)."""
+    head = np.array([mine.global_step, mine.opt_t], np.int64)
+    comm.Bcast(head, root=root)
+    state = TrainState(None, int(head[0]), int(head[1]), ema=mine.ema if ctx.worker_index == 0 else None)
+    for name in [k for k in state_arrays(ctx.cfg) if k != "ema"]:  # params, then the optimizer's
+        a = np.ascontiguousarray(mine.array(name), np.float32)
+        comm.Bcast([a, MPI.FLOAT], root=root)
+        state.set_array(name, a)
+    return state
+
+
+class Arbiter:
+    """Rank 0's side, inside sync.follow_chief: `lost` decides whether the job goes on and sends
+    the NOTICEs; `done` ends the workers' training phase. `awaiting` is the generation whose
+    FLAG_REGROUPED the chief has not sent yet (0: none)."""
+
+    def __init__(self, ctx: Context):
+        self.ctx = ctx
+        self.gen = 0
+        self.awaiting = 0
+        self.lost_ranks: frozenset[int] = frozenset()
+        self.sends: list = []  # (message, its sends): never waited on, a worker may die before it takes its NOTICE
+
+    def lost(self, e: PeerLost, layout) -> object:
+        """The workers in `e` are lost: the new layout, after a NOTICE to every worker left; or
+        PeerLost again when the job cannot go on (a server, a second loss while regrouping, or
+        fewer workers left than it needs)."""
+        ctx = self.ctx
+        if any(layout.is_server(r) for r in e.lost) or self.awaiting:
+            raise e
+        layout = layout.without(e.lost)
+        if layout.workers < minimum_workers(ctx):
+            raise e
+        self.gen += 1
+        self.awaiting = self.gen
+        self.lost_ranks = layout.lost
+        self._tell(layout.worker_ranks, self.gen, 0)
+        return layout
+
+    def regrouped(self, gen: int) -> bool:
+        """The chief's FLAG_REGROUPED of generation `gen` came: what it sends from now on counts."""
+        if gen == self.awaiting:
+            self.awaiting = 0
+        return not self.awaiting
+
+    def done(self, layout) -> None:
+        """Training is over: every worker left may leave its loop (its sends are waited for with a
+        bound and never raise: a worker lost now is the end of the run's business)."""
+        reqs = self._tell(layout.worker_ranks, self.gen, FLAG_STOP)
+        wait_all(reqs, self.ctx.cfg.worker_timeout)
+
+    def _tell(self, ranks, gen: int, flags: int) -> list:
+        box = Message(self.ctx.size)
+        box.payload[:] = 0
+        box.payload[list(self.lost_ranks)] = 1
+        box.stamp(TAG_REGROUP, gen, 0, flags)
+        reqs = [self.ctx.comm.Isend(box.spec(), dest=r, tag=TAG_REGROUP) for r in ranks]
+        self.sends.append((box, reqs))  # kept alive until the end: a send to a dead worker never completes
+        return reqs

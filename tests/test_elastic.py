@@ -1,0 +1,82 @@
+"""Elastic sync (issue: lose a worker and go on in every mode): a worker of a sync or --quorum job
+SIGKILLed from outside, at a random moment (mid-Allreduce too), no longer ends the job. The
+workers left regroup (mpitrain/elastic.py), finish the budget with bitwise identical replicas, and
+the summary lists the lost worker. Below --quorum Q workers, or with --on-lost-worker stop, the
+job ends as before (exit 5)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import time
+
+import pytest
+
+from conftest import (child_env, communicate_or_kill, keep_going, kill_session, mpi_impl, mpitrain_cmd,
+                      wait_for_training)
+from mpitrain.faults import rank_pids
+
+STEPS = {"sync": 3000, "quorum": 2500}  # ~6-10 s on 2 cores: a kill lands mid-run, the run ends soon after
+MODE_FLAGS = {"sync": ("--mode", "sync"), "quorum": ("--mode", "sync", "--quorum", "2")}
+
+
+def kill_during_training(tmp_path, np_: int, args: tuple[str, ...], victims: list[int], rng: random.Random,
+                         timeout_s: float = 120):
+    """Start a job, SIGKILL each of `victims` (MPI ranks) from outside at a random moment of
+    training, and wait for the job's end. Returns (result, summary or None, seconds after the kill)."""
+    summary = tmp_path / "s.json"
+    cmd = mpitrain_cmd(np_, *args, "--no-progress", "--worker-timeout", "2", "--summary-json", str(summary),
+                       launcher_flags=keep_going())
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
+                            start_new_session=True)
+    head = wait_for_training(proc, np_)
+    for victim in victims:
+        time.sleep(rng.uniform(0.2, 1.5))
+        os.kill(rank_pids(proc.pid)[victim][0], signal.SIGKILL)
+    killed_at = time.monotonic()
+    out, err = communicate_or_kill(proc, timeout_s)
+    result = subprocess.CompletedProcess(cmd, proc.returncode, "\n".join(head) + "\n" + out, err)
+    result.leftovers = kill_session(proc)
+    return result, json.loads(summary.read_text()) if summary.exists() else None, time.monotonic() - killed_at
+
+
+@pytest.mark.parametrize("mode,victim", [("sync", 3), ("sync", 1), ("quorum", 2), ("quorum", 1)],
+                         ids=["sync-worker", "sync-chief", "quorum-worker", "quorum-chief"])
+def test_a_sync_job_goes_on_without_a_worker_killed_from_outside(tmp_path, mode, victim):
+    rng = random.Random(f"{mode}{victim}{time.time()}")
+    proc, s, _ = kill_during_training(tmp_path, 4, MODE_FLAGS[mode] + ("--steps", str(STEPS[mode])), [victim], rng)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == mpi_impl().worker_lost_exit, out  # finished, one worker short (exit 8; hydra: 137)
+    assert "Traceback" not in out and not proc.leftovers
+    assert f"worker rank {victim} lost at global step" in proc.stderr
+    assert "regrouping: continuing with 2 worker(s)" in proc.stderr
+    assert s["global_step"] == STEPS[mode]  # the whole budget
+    assert [x["rank"] for x in s["lost_workers"]] == [victim]
+    assert s["worker_ranks"] == [r for r in (1, 2, 3) if r != victim]
+    # Replicas bitwise identical: every worker left and rank 0 end on the same parameters.
+    assert s["worker_param_digests"] == [s["param_digest"]] * 2
+    assert s["test_accuracy"] > 0.9
+
+
+def test_quorum_ends_when_fewer_than_q_workers_are_left(tmp_path):
+    proc, s, after = kill_during_training(tmp_path, 4, MODE_FLAGS["quorum"] + ("--steps", "100000"), [3, 2],
+                                          random.Random(7))
+    assert proc.returncode == 5, proc.stdout + proc.stderr
+    assert "Fewer than --quorum 2 workers are left" in proc.stderr
+    assert "regrouping: continuing with 2 worker(s)" in proc.stderr  # the first loss was survived
+    assert s is None and not proc.leftovers
+    assert after < 30
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_on_lost_worker_stop_ends_the_job_as_before(tmp_path, mode):
+    proc, s, after = kill_during_training(tmp_path, 4, ("--mode", mode, "--steps", "100000", "--on-lost-worker",
+                                                        "stop"), [2], random.Random(3))
+    assert proc.returncode == 5, proc.stdout + proc.stderr
+    line = [ln for ln in proc.stderr.splitlines() if "lost worker" in ln]
+    assert len(line) == 1 and "rank 2" in line[0] and "--on-lost-worker stop ends the job" in line[0]
+    assert s is None and not proc.leftovers
+    assert after < 30
