@@ -48,6 +48,7 @@ UPDATES_IN_FLIGHT_BYTES = 256 << 20
 # gradients in a row said so, and each other worker's time is the lower median of its last
 # PACE_WINDOW pushes.
 PACE_SLACK = 2.0
+OWED_MARGIN_S = 2e-3  # --quorum: an update's trip to a worker and its push's back, on top of its compute time
 PACE_RUN, PACE_WINDOW = 3, 5
 
 
@@ -264,6 +265,9 @@ class QuorumChief:
         self.own_for: int | None = None  # the step of its last own gradient: one per step at most
         self.own_loss = 0.0
         self.dropped = self.contributed = self.stopped = 0
+        self.taken = [0] * ctx.workers  # gradients each worker has in the updates (its fair share: owed_until)
+        self.held: tuple | None = None  # its own gradient for this step, held for a worker owed a turn
+        self.sent_at = time.perf_counter()  # when the last update went out
 
     def run(self) -> WorkerResult:
         ctx, step_fn = self.ctx, self.step_fn
@@ -318,11 +322,14 @@ class QuorumChief:
         if helper.finished:
             self.pace.computed(helper.seconds)
             if helper.version == step:
-                self._add(0, helper.grad, helper.loss)
+                self._offer_own(step, helper.grad, helper.loss)
             else:
                 self.dropped += 1  # computed on parameters of a step that closed without it
             helper.discard()
         self._take_pushes(step)
+        if self.held is not None and len(self.chosen) < self.Q and time.perf_counter() >= self.held[2]:
+            self._add(0, *self.held[:2])  # nobody owed came in time
+            self.held = None
         if len(self.chosen) >= self.Q:
             return True
         if helper.idle and self.own_for != step:
@@ -333,9 +340,41 @@ class QuorumChief:
         return False
 
     def _take_pushes(self, step: int) -> None:
-        for i, rank in enumerate(self.others):
+        # Pushes that are in together: the worker with the fewest gradients counted first.
+        for i in sorted(range(len(self.others)), key=lambda i: self.taken[i + 1]):
+            rank = self.others[i]
             if len(self.chosen) < self.Q and self.recv[i] and arrived(self.ctx, self.recv[i], rank):
                 self._receive(i, step)
+
+    def _offer_own(self, step: int, grad, loss: float) -> None:
+        """Its own gradient for `step` is ready: in at once, unless a worker with fewer gradients
+        counted can still push one for this step in time (`owed_until`): then held until it does
+        (the push goes in, its own is dropped if that makes Q) or until then (its own goes in).
+        Without this the chief's own gradient, computed while the others still receive the last
+        update, always came first: --quorum 1 of 2 counted [2994, 6] (issue #33)."""
+        until = self.owed_until()
+        if until is None:
+            self._add(0, grad, loss)
+        else:
+            self.held = (grad, loss, until)
+
+    def owed_until(self) -> float | None:
+        """When the earliest push of a worker owed a turn is due: one with fewer gradients counted
+        than the chief, not in this step yet, and not a straggler (its gradients take at most
+        PACE_SLACK times the chief's). None when nobody is owed, or that time has passed. A
+        worker's push is due PACE_SLACK times its (lower median) compute time after the last
+        update went out, plus OWED_MARGIN_S for the messages."""
+        own, mine = self.taken[0], max(self.helper.seconds, 1e-9)
+        due = []
+        for i, times in enumerate(self.pace.others):
+            if i + 1 in self.chosen or self.taken[i + 1] >= own or not times:
+                continue
+            t = sorted(times)[(len(times) - 1) // 2]
+            if t <= PACE_SLACK * mine:
+                due.append(self.sent_at + PACE_SLACK * t + OWED_MARGIN_S)
+        if not due or min(due) <= time.perf_counter():
+            return None
+        return min(due)
 
     def _compute_inline(self, step: int) -> bool:
         """Its own gradient for `step`, on the main thread (in the gradient thread's buffer: the
@@ -348,7 +387,7 @@ class QuorumChief:
         self._take_pushes(step)
         self.pace.computed(helper.seconds)  # against what the pushes just taken say too
         if len(self.chosen) < self.Q:
-            self._add(0, helper.grad, loss)
+            self._offer_own(step, helper.grad, loss)
         else:
             self.dropped += 1  # in time, but after Q others
         return len(self.chosen) >= self.Q
@@ -397,6 +436,12 @@ class QuorumChief:
         update.weigh(self.chosen)
         update.msg.stamp(TAG_UPDATE, step, len(self.chosen), flags, float(buf[n]))
         self.updates.send(update)
+        self.sent_at = time.perf_counter()
+        for w in self.chosen:
+            self.taken[w] += 1
+        if self.held is not None:  # held for a worker owed a turn, which came: Q without it
+            self.dropped += 1
+            self.held = None
         own = 0 in self.chosen
         self.contributed += own
         self.step_fn.own_loss = self.own_loss if own else 0.0

@@ -109,6 +109,18 @@ def test_quorum_with_a_compressed_wire_keeps_replicas_identical(tmp_path, compre
     assert s["test_accuracy"] >= 0.85
 
 
+@pytest.mark.parametrize("np_,quorum", [(3, 1), (4, 2)], ids=["1-of-2", "2-of-3"])
+def test_without_a_straggler_the_quorum_counts_every_worker(tmp_path, np_, quorum):
+    """TF's backup workers take gradients as they come: no worker's shard may starve. The chief's
+    own gradient is ready first every step (the others first receive the update); before
+    quorum.owed_until it won almost every step: --quorum 1 of 2 counted [2994, 6]."""
+    s = train(np_, tmp_path, "--mode", "sync", "--quorum", str(quorum), "--steps", "1500")
+    counted = s["local_steps"]
+    assert sum(counted) == quorum * 1500  # every update averaged exactly Q gradients
+    assert max(counted) <= 2 * min(counted), counted  # each worker's share within 2x of the others'
+    assert set(s["worker_param_digests"]) == {s["param_digest"]}
+
+
 def test_quorum_equal_to_workers_drops_nothing(tmp_path):
     s = train(4, tmp_path, "--mode", "sync", "--quorum", "3", "--straggler", "3:x3", "--steps", "40")
     assert s["quorum"] == 3 and s["dropped_gradients"] == 0
