@@ -33,11 +33,14 @@ MPI_Finalize (the goodbye says a peer was lost).
 from __future__ import annotations
 
 import dataclasses
+import sys
+import time
 
 import numpy as np
 from mpi4py import MPI
 
 from mpitrain.checkpoint import TrainState, state_arrays
+from mpitrain.console import say
 from mpitrain.layout import PS_RANK
 from mpitrain.liveness import PeerLost, wait_all
 from mpitrain.protocol import FLAG_STOP, TAG_REGROUP, Message
@@ -137,6 +140,7 @@ class Arbiter:
         self.gen = 0
         self.awaiting = 0
         self.lost_ranks: frozenset[int] = frozenset()
+        self.declared_at = 0.0
         self.sends: list = []  # (message, its sends): never waited on, a worker may die before it takes its NOTICE
 
     def lost(self, e: PeerLost, layout) -> object:
@@ -151,14 +155,18 @@ class Arbiter:
             raise e
         self.gen += 1
         self.awaiting = self.gen
+        self.declared_at = time.monotonic()
         self.lost_ranks = layout.lost
         self._tell(layout.worker_ranks, self.gen, 0)
         return layout
 
-    def regrouped(self, gen: int) -> bool:
-        """The chief's FLAG_REGROUPED of generation `gen` came: what it sends from now on counts."""
+    def regrouped(self, gen: int, step: int, workers: int) -> bool:
+        """The chief's FLAG_REGROUPED of generation `gen` came: what it sends from now on counts.
+        Says so in one line (how long the regroup took, from the loss being declared)."""
         if gen == self.awaiting:
             self.awaiting = 0
+            say(f"mpitrain: {workers} worker(s) regrouped at global step {step}, "
+                f"{time.monotonic() - self.declared_at:.2f} s after the loss was declared", sys.stderr)
         return not self.awaiting
 
     def done(self, layout) -> None:

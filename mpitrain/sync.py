@@ -360,7 +360,7 @@ def follow_chief(ctx: Context, progress: Progress) -> ServerState:
             continue
         if done.arrived and arbiter is not None and arbiter.awaiting:
             # sent before the chief regrouped: superseded (the workers redo it from the agreed step)
-            if box.flags & FLAG_REGROUPED and arbiter.regrouped(box.local_step):
+            if box.flags & FLAG_REGROUPED and arbiter.regrouped(box.local_step, box.step, W):
                 box.check(TAG_STATUS, chief, count=0)
             status = ctx.comm.Irecv(box.spec(), source=chief, tag=TAG_STATUS)
             continue

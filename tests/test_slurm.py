@@ -91,10 +91,10 @@ def _task_pid(job: int, task: int) -> int | None:
     return None
 
 
-@pytest.mark.parametrize("how", ["injected", "from outside"])
-def test_async_job_finishes_without_a_task_killed_mid_training(slurm, tmp_path, how, mpi):
-    """srun --kill-on-bad-exit=0 --no-kill (jobs/async.sbatch): rank 0 finishes the budget with
-    the worker left when the other one is SIGKILLed (no supervisor under srun)."""
+@pytest.mark.parametrize("script,how", [("async", "injected"), ("async", "from outside"), ("sync", "from outside")])
+def test_a_job_finishes_without_a_task_killed_mid_training(slurm, tmp_path, script, how, mpi):
+    """srun --kill-on-bad-exit=0 --no-kill (jobs/*.sbatch): the job finishes the budget with the
+    worker left when the other one is SIGKILLed (no supervisor under srun); in sync it regroups."""
     import os
     import random
     import signal
@@ -105,7 +105,7 @@ def test_async_job_finishes_without_a_task_killed_mid_training(slurm, tmp_path, 
         env["MPITRAIN_INJECT_KILL"] = "2:50"
     else:
         env["MPITRAIN_ARGS"] = "--steps 15000 --worker-timeout 2"
-    job = slurm.submit(ROOT / "jobs" / "async.sbatch", tmp_path, env)
+    job = slurm.submit(ROOT / "jobs" / f"{script}.sbatch", tmp_path, env)
     if how == "from outside":
         out_file = tmp_path / f"mpitrain-{job}.out"
         deadline = time.time() + 120
@@ -127,6 +127,9 @@ def test_async_job_finishes_without_a_task_killed_mid_training(slurm, tmp_path, 
     assert [w["rank"] for w in summary["lost_workers"]] == [2], out
     assert summary["global_step"] == (6000 if how == "injected" else 15000) and summary["worker_ranks"] == [1]
     assert "worker rank 2 lost at global step" in out and "Traceback" not in out
+    if script == "sync":
+        assert "regrouping: continuing with 1 worker(s)" in out
+        assert summary["worker_param_digests"] == [summary["param_digest"]]
     assert info["JobState"] == "FAILED"  # the dead task's exit code is the step's
 
 
