@@ -1,9 +1,10 @@
 """What one slow worker costs each mode, and what --quorum and --max-staleness buy back.
 
-    python benchmarks/stragglers.py            # ~3 min on 2 cores; writes benchmarks/STRAGGLERS.md
+    python benchmarks/stragglers.py            # ~5 min on 2 cores; writes benchmarks/STRAGGLERS.md
 
-np=4 (1 parameter server + 3 workers), MLP 784-100-10, batch 100, synthetic data; the straggler is
-rank 3 with every step taking 5x as long (--straggler 3:x5). Each configuration runs with and
+np=4 (1 parameter server + 3 workers), and np=3 (2 workers: issue #33's TF backup-worker case),
+MLP 784-100-10, batch 100, synthetic data; the straggler is the last rank with every step taking
+5x as long (--straggler 3:x5 at np=4). Each configuration runs with and
 without the straggler, interleaved, median of --reps. Reported: global steps/s, the ratio to the
 same configuration without straggler, and the time until rank 0's parameters first reach
 --target test accuracy (evaluated every --eval-every global steps).
@@ -20,14 +21,22 @@ from pathlib import Path
 from run import machine, run_mpitrain  # same folder
 
 ROOT = Path(__file__).resolve().parent.parent
-CONFIGS = [
-    ("sync, no quorum", ["--mode", "sync"]),
-    ("sync --quorum 2", ["--mode", "sync", "--quorum", "2"]),
-    ("async", ["--mode", "async"]),
-    ("async --max-staleness 2", ["--mode", "async", "--max-staleness", "2"]),
+CONFIGS = [  # (name, ranks, flags); the straggler is the last rank
+    ("sync, no quorum", 4, ["--mode", "sync"]),
+    ("sync --quorum 2", 4, ["--mode", "sync", "--quorum", "2"]),
+    ("async", 4, ["--mode", "async"]),
+    ("async --max-staleness 2", 4, ["--mode", "async", "--max-staleness", "2"]),
+    # issue #33's anchor: TF's backup workers, replicas_to_aggregate=1 of 2
+    ("np=3 sync, no quorum", 3, ["--mode", "sync"]),
+    ("np=3 sync --quorum 1", 3, ["--mode", "sync", "--quorum", "1"]),
 ]
-STRAGGLER = ["--straggler", "3:x5"]
-QUORUM = "sync --quorum 2"
+
+
+def straggler(np_: int) -> list[str]:
+    return ["--straggler", f"{np_ - 1}:x5"]
+
+
+QUORUM, Q1, SYNC3 = "sync --quorum 2", "np=3 sync --quorum 1", "np=3 sync, no quorum"
 
 
 def time_to(summary: dict, target: float) -> float | None:
@@ -50,17 +59,17 @@ def main() -> int:
             "--lr", str(args.lr)]
     raw: dict = {}
     for rep in range(args.reps):
-        for name, flags in CONFIGS:
+        for name, np_, flags in CONFIGS:
             for slow in (False, True):
                 print(f"[rep {rep + 1}/{args.reps}] {name} {'with' if slow else 'without'} straggler",
                       file=sys.stderr, flush=True)
-                s = run_mpitrain(4, [*base, *flags, *(STRAGGLER if slow else [])])
+                s = run_mpitrain(np_, [*base, *flags, *(straggler(np_) if slow else [])])
                 raw.setdefault((name, slow), []).append(s)
-    lines = ["| mode | steps/s, no straggler | steps/s, rank 3 at 5x | kept | time to "
+    lines = ["| mode | steps/s, no straggler | steps/s, the last rank at 5x | kept | time to "
              f"{args.target:.0%}, no straggler | with straggler | dropped gradients | staleness max / mean |",
              "|---|---|---|---|---|---|---|---|"]
     kept, rate, shares = {}, {}, {}
-    for name, _ in CONFIGS:
+    for name, _, _ in CONFIGS:
         fast, slow = raw[(name, False)], raw[(name, True)]
         r_fast = statistics.median(s["steps_per_second"] for s in fast)
         r_slow = statistics.median(s["steps_per_second"] for s in slow)
@@ -89,13 +98,19 @@ def main() -> int:
          rate["sync --quorum 2"][0] / rate["sync, no quorum"][0] >= 0.90, rate["sync --quorum 2"][0] / rate["sync, no quorum"][0]),
         ("sync --quorum 2 without a straggler: every worker's gradients counted within 2x of the others' "
          f"({shares[QUORUM][0]})", shares[QUORUM][1] <= 2.0, shares[QUORUM][1]),
+        ("np=3 --quorum 1 with the straggler: >= 3.5x plain sync's steps/s with it",
+         rate[Q1][1] / rate[SYNC3][1] >= 3.5, rate[Q1][1] / rate[SYNC3][1]),
+        ("np=3 --quorum 1 without a straggler: >= 0.90x plain sync's steps/s",
+         rate[Q1][0] / rate[SYNC3][0] >= 0.90, rate[Q1][0] / rate[SYNC3][0]),
+        ("np=3 --quorum 1 without a straggler: both workers' gradients counted within 2x "
+         f"({shares[Q1][0]})", shares[Q1][1] <= 2.0, shares[Q1][1]),
     ]
     text = "\n".join([
         "# Stragglers: one worker at 5x its step time", "",
         f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         f"- machine: {machine()}",
         f"- command: `{' '.join(['python benchmarks/stragglers.py', *sys.argv[1:]])}`",
-        f"- np=4 (1 PS + 3 workers on 2 cores: oversubscribed), MLP 784-100-10, batch 100, synthetic data, "
+        f"- np=4 (1 PS + 3 workers on 2 cores: oversubscribed; the np=3 rows 1 PS + 2 workers), MLP 784-100-10, batch 100, synthetic data, "
         f"{args.steps} global steps, SGD lr {args.lr}, median of {args.reps}; *kept* = steps/s with the straggler / "
         "without; time to accuracy counts from the first step", "",
         *lines, "",

@@ -240,11 +240,18 @@ def work(ctx: Context, loop=train) -> WorkerResult:
         notices = ctx.watch.notices = elastic.Notices(ctx)
     report = None
     contributed = dropped = 0  # --quorum: the counts of the loops a regroup interrupted
+    regroup = None  # rank 0's word to act on before the loop (runs) again
     while True:
-        if ctx.worker_index == 0 and report is None:
-            report = ChiefReport(ctx)
         result = None
         try:
+            if regroup is not None:
+                ctx, start = elastic.regroup(ctx, regroup)
+                gen, regroup = regroup.gen, None
+                if ctx.worker_index == 0:
+                    report = report or ChiefReport(ctx)
+                    report.regrouped(start.global_step, gen)
+            if ctx.worker_index == 0 and report is None:
+                report = ChiefReport(ctx)
             result = loop(ctx, start, report.report if ctx.worker_index == 0 else None)
             if ctx.worker_index == 0:
                 report.final(result)
@@ -252,14 +259,12 @@ def work(ctx: Context, loop=train) -> WorkerResult:
                 notices.await_done(ctx)
             break
         except elastic.Regroup as r:
-            if result is not None:  # the loop had ended: its state is its result's
-                r.state, r.counts = result.train_state, (result.contributed or 0, result.dropped)
+            if r.state is None:  # not from inside the loop: after it (its result), or before it (the start)
+                r.state = result.train_state if result is not None else start
+                r.counts = (result.contributed or 0, result.dropped) if result is not None else (0, 0)
             if loop is not train:  # plain sync counts every step it took part in already
                 contributed, dropped = contributed + r.counts[0], dropped + r.counts[1]
-            ctx, start = elastic.regroup(ctx, r)
-            if ctx.worker_index == 0:
-                report = report or ChiefReport(ctx)
-                report.regrouped(start.global_step, r.gen)
+            regroup = r
     if loop is not train:
         result.contributed, result.dropped = (result.contributed or 0) + contributed, result.dropped + dropped
     return result
