@@ -43,9 +43,9 @@ from mpitrain.checkpoint import TrainState, state_arrays
 from mpitrain.console import say
 from mpitrain.layout import PS_RANK
 from mpitrain.liveness import PeerLost, wait_all
-from mpitrain.protocol import FLAG_STOP, TAG_REGROUP, Message
+from mpitrain.protocol import FLAG_GO, FLAG_STOP, TAG_REGROUP, Message
 from mpitrain.runtime import Context
-from mpitrain.transport import WORKER_POLL_S
+from mpitrain.transport import WORKER_POLL_S, Poller
 from mpitrain.waiting import poll
 
 STRINGTAG = "mpitrain.regroup.{gen}"  # MPI_Comm_create_from_group's tag: one per generation
@@ -75,7 +75,7 @@ class Notices:
         self.comm = ctx.comm
         self.box = Message(ctx.size)
         self.req = self._post()
-        self.gen = 0
+        self.go = 0  # the last generation rank 0 said GO for
         self.done = False
 
     def _post(self):
@@ -88,10 +88,30 @@ class Notices:
         if self.box.flags & FLAG_STOP:
             self.done = True  # the last message rank 0 sends on this tag: nothing is left posted
             return
-        self.gen = int(self.box.step)
+        gen = int(self.box.step)
+        go = bool(self.box.flags & FLAG_GO)
         lost = frozenset(int(r) for r in np.flatnonzero(self.box.payload))
         self.req = self._post()
-        raise Regroup(self.gen, lost)
+        if go:
+            self.go = gen
+            return
+        raise Regroup(gen, lost)
+
+    def _go_for(self, gen: int) -> bool:
+        self.check()
+        return self.go == gen
+
+    def ready(self, ctx: Context, gen: int) -> None:
+        """Tell rank 0 this worker is ready to regroup (generation `gen`), then wait for its GO,
+        watching: a newer NOTICE (another worker lost meanwhile) raises Regroup here, and this
+        worker starts over without that one too. Nothing blocks before GO."""
+        msg = Message(0)
+        msg.stamp(TAG_REGROUP, gen)
+        req = self.comm.Isend(msg.spec(), dest=PS_RANK, tag=TAG_REGROUP)
+        # Looked at on every poll, not at the watch's pace (0.1 s): a worker that dies between its
+        # READY and the collectives hangs the others there, so that window must stay milliseconds.
+        poll(lambda: self._go_for(gen), WORKER_POLL_S * 50, ctx.watch)
+        Poller(WORKER_POLL_S * 50, ctx.watch).all([req], [PS_RANK])
 
     def await_done(self, ctx: Context) -> None:
         """After the loop: until rank 0 says training is over (or a NOTICE raises Regroup)."""
@@ -141,32 +161,65 @@ class Arbiter:
         self.awaiting = 0
         self.lost_ranks: frozenset[int] = frozenset()
         self.declared_at = 0.0
+        self.going = False  # GO sent for generation `awaiting`: the workers are in the regroup's collectives
+        self.expected: list[int] = []  # the workers left, whose READY this generation needs
+        self.readied: set[int] = set()
+        self.ready_boxes = {r: Message(0) for r in ctx.layout.worker_ranks}
+        self.ready_reqs: dict = {}
         self.sends: list = []  # (message, its sends): never waited on, a worker may die before it takes its NOTICE
 
     def lost(self, e: PeerLost, layout) -> object:
         """The workers in `e` are lost: the new layout, after a NOTICE to every worker left; or
-        PeerLost again when the job cannot go on (a server, a second loss while regrouping, or
-        fewer workers left than it needs)."""
+        PeerLost again when the job cannot go on (a server, a loss after GO while the workers
+        regroup, or fewer workers left than it needs). A loss before GO (another worker killed
+        before the first one was declared: a node with several ranks going down) just starts the
+        regroup again, without both."""
         ctx = self.ctx
-        if any(layout.is_server(r) for r in e.lost) or self.awaiting:
+        if any(layout.is_server(r) for r in e.lost) or self.going:
             raise e
         layout = layout.without(e.lost)
         if layout.workers < minimum_workers(ctx):
             raise e
         self.gen += 1
         self.awaiting = self.gen
-        self.declared_at = time.monotonic()
+        if not self.declared_at:
+            self.declared_at = time.monotonic()
         self.lost_ranks = layout.lost
+        self.readied = set()
+        self.expected = list(layout.worker_ranks)
+        for r in self.expected:  # one receive per worker, kept across generations (a stale READY is re-posted)
+            if not self.ready_reqs.get(r):
+                self.ready_reqs[r] = self.ctx.comm.Irecv(self.ready_boxes[r].spec(), source=r, tag=TAG_REGROUP)
         self._tell(layout.worker_ranks, self.gen, 0)
         return layout
+
+    def requests(self) -> tuple[list[int], list]:
+        """The READY receives to wait on beside the chief's status: (their ranks, the requests)."""
+        ranks = [r for r in self.expected if self.awaiting and not self.going and r not in self.readied]
+        return ranks, [self.ready_reqs[r] for r in ranks]
+
+    def ready(self, rank: int) -> None:
+        """Worker `rank`'s READY came. Once every worker left is ready for this generation, GO: they
+        are all alive and listening, and go into the regroup's collectives together."""
+        box = self.ready_boxes[rank]
+        box.check(TAG_REGROUP, rank, count=0)
+        self.ready_reqs[rank] = None
+        if box.step != self.gen:  # for a generation superseded since
+            self.ready_reqs[rank] = self.ctx.comm.Irecv(box.spec(), source=rank, tag=TAG_REGROUP)
+            return
+        self.readied.add(rank)
+        if self.readied == set(self.expected):
+            self.going = True
+            self._tell(self.expected, self.gen, FLAG_GO)
 
     def regrouped(self, gen: int, step: int, workers: int) -> bool:
         """The chief's FLAG_REGROUPED of generation `gen` came: what it sends from now on counts.
         Says so in one line (how long the regroup took, from the loss being declared)."""
-        if gen == self.awaiting:
-            self.awaiting = 0
+        if gen == self.awaiting and self.going:
+            self.awaiting, self.going = 0, False
             say(f"mpitrain: {workers} worker(s) regrouped at global step {step}, "
                 f"{time.monotonic() - self.declared_at:.2f} s after the loss was declared", sys.stderr)
+            self.declared_at = 0.0
         return not self.awaiting
 
     def done(self, layout) -> None:

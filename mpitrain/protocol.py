@@ -28,7 +28,7 @@ TAG_UPDATE = 16  # sync --quorum, chief worker -> the other workers: step H_STEP
 TAG_HEARTBEAT = 17  # any rank -> its watchers: I am alive, and what I do (BEAT_* below; liveness.py)
 TAG_REPORT = 18  # at the end, worker -> PS: its report (JSON bytes, once); PS -> worker: goodbye (header)
 TAG_SHARD = 19  # --num-ps: rank 0 -> server k: send me your shard (header); server k -> rank 0: its shard's state
-TAG_REGROUP = 20  # sync, rank 0 -> the workers left: regroup without the lost (H_STEP: generation; payload: lost ranks), or, flagged STOP, training is over (elastic.py)
+TAG_REGROUP = 20  # sync, rank 0 -> the workers left: regroup without the lost (H_STEP: generation; payload: lost ranks), flagged GO: now, flagged STOP: training is over; worker -> rank 0: READY for generation H_STEP (elastic.py)
 
 # Header slots.
 H_MAGIC = 0
@@ -64,6 +64,7 @@ FLAG_PEER_LOST = 32  # PS -> worker, goodbye: a rank was lost, so nobody may cal
 FLAG_STOP_STEP = 64  # --quorum update: the last step; a stop was requested (stopping.py)
 FLAG_STOPPED = 128  # PS -> worker, goodbye: the run stopped on request before its budget (exit 128 + H_SIGNAL)
 FLAG_REGROUPED = 256  # sync, the chief worker -> PS: the first status after a regroup (H_LOCAL_STEP: its generation)
+FLAG_GO = 512  # sync, PS -> the workers left: every one of them is READY (TAG_REGROUP, header only, back): regroup now
 
 
 class ProtocolError(RuntimeError):

@@ -245,6 +245,7 @@ def work(ctx: Context, loop=train) -> WorkerResult:
         result = None
         try:
             if regroup is not None:
+                notices.ready(ctx, regroup.gen)  # until rank 0's GO: every worker left is ready
                 ctx, start = elastic.regroup(ctx, regroup)
                 gen, regroup = regroup.gen, None
                 if ctx.worker_index == 0:
@@ -259,7 +260,9 @@ def work(ctx: Context, loop=train) -> WorkerResult:
                 notices.await_done(ctx)
             break
         except elastic.Regroup as r:
-            if r.state is None:  # not from inside the loop: after it (its result), or before it (the start)
+            if r.state is None and regroup is not None:  # a newer NOTICE before GO: the same state, fewer workers
+                r.state = regroup.state
+            elif r.state is None:  # not from inside the loop: after it (its result), or before it (the start)
                 r.state = result.train_state if result is not None else start
                 r.counts = (result.contributed or 0, result.dropped) if result is not None else (0, 0)
             if loop is not train:  # plain sync counts every step it took part in already
@@ -348,10 +351,16 @@ def follow_chief(ctx: Context, progress: Progress) -> ServerState:
     while not final_seen:
         ctx.activity.enter(WAIT, state.global_step)
         try:
-            done = poller.some([status])
-            if done.failed:  # the chief died while sending
-                ctx.watch.declare(chief, done.failed[0])
-                raise PeerLost({chief: done.failed[0]})
+            ready_ranks, ready = arbiter.requests() if arbiter is not None else ([], [])
+            done = poller.some([status] + ready)  # the chief's next message, or a worker READY to regroup
+            if done.failed:  # the chief (or a worker) died while sending
+                i, why = next(iter(done.failed.items()))
+                rank = ready_ranks[i - 1] if i else chief
+                ctx.watch.declare(rank, why)
+                raise PeerLost({rank: why})
+            for i in done.arrived:
+                if i:
+                    arbiter.ready(ready_ranks[i - 1])
         except PeerLost as e:
             if arbiter is None:
                 raise
@@ -363,35 +372,36 @@ def follow_chief(ctx: Context, progress: Progress) -> ServerState:
                 chief = layout.worker_rank(0)
                 status = ctx.comm.Irecv(box.spec(), source=chief, tag=TAG_STATUS)
             continue
-        if done.arrived and arbiter is not None and arbiter.awaiting:
+        if 0 not in done.arrived:
+            continue
+        if arbiter is not None and arbiter.awaiting:
             # sent before the chief regrouped: superseded (the workers redo it from the agreed step)
             if box.flags & FLAG_REGROUPED and arbiter.regrouped(box.local_step, box.step, W):
                 box.check(TAG_STATUS, chief, count=0)
             status = ctx.comm.Irecv(box.spec(), source=chief, tag=TAG_STATUS)
             continue
-        if done.arrived:
-            final, full = bool(box.flags & FLAG_STOP), bool(box.flags & (FLAG_STOP | FLAG_EVAL | FLAG_CKPT))
-            box.check(TAG_STATUS, chief, count=full_count if full else 0)
-            duties.stepped(box.step, box.loss, force_log=True,  # the chief already rate-limits
-                           staleness=0, local_steps=[box.step] * W)
-            state.global_step = box.step  # where a lost worker's line says it was lost
-            received = _received(ctx, gather, box, names) if full else None
-            state.bytes_in += box.buf.nbytes if full else 0
-            if box.flags & FLAG_EVAL:
-                duties.evaluate(received, box.step)
-            if box.flags & (FLAG_CKPT | FLAG_STOP):
-                duties.save(received, final=final)
-            if final and box.flags & FLAG_DIVERGED:  # the why and the loss come in the chief's report
-                state.diverged = Diverged(box.step)
-            if final:  # its loss is the chief's mean over the last LOSS_WINDOW steps
-                state.global_step = box.step
-                state.recent_losses.append(box.loss)
-                state.params[:] = received.params
-                state.ema = received.ema
-                final_seen = True
-                status = MPI.REQUEST_NULL
-            else:
-                status = ctx.comm.Irecv(box.spec(), source=chief, tag=TAG_STATUS)
+        final, full = bool(box.flags & FLAG_STOP), bool(box.flags & (FLAG_STOP | FLAG_EVAL | FLAG_CKPT))
+        box.check(TAG_STATUS, chief, count=full_count if full else 0)
+        duties.stepped(box.step, box.loss, force_log=True,  # the chief already rate-limits
+                       staleness=0, local_steps=[box.step] * W)
+        state.global_step = box.step  # where a lost worker's line says it was lost
+        received = _received(ctx, gather, box, names) if full else None
+        state.bytes_in += box.buf.nbytes if full else 0
+        if box.flags & FLAG_EVAL:
+            duties.evaluate(received, box.step)
+        if box.flags & (FLAG_CKPT | FLAG_STOP):
+            duties.save(received, final=final)
+        if final and box.flags & FLAG_DIVERGED:  # the why and the loss come in the chief's report
+            state.diverged = Diverged(box.step)
+        if final:  # its loss is the chief's mean over the last LOSS_WINDOW steps
+            state.global_step = box.step
+            state.recent_losses.append(box.loss)
+            state.params[:] = received.params
+            state.ema = received.ema
+            final_seen = True
+            status = MPI.REQUEST_NULL
+        else:
+            status = ctx.comm.Irecv(box.spec(), source=chief, tag=TAG_STATUS)
     if arbiter is not None:
         arbiter.done(layout)
     state.local_steps = [state.global_step] * W
