@@ -6,7 +6,11 @@ Rank 0 is the one that decides: it hears every worker's heartbeat, so it notices
 (silent past --worker-timeout, or an MPI error on its message) while the others may only see
 their Allreduce hang (MPICH) or fail (Open MPI's ULFM). It sends each worker left a NOTICE
 (TAG_REGROUP: a generation number and every rank lost so far). A worker sees it at its next
-look at the watch, wherever it waits (Regroup is raised there), and:
+look at the watch, wherever it waits (Regroup is raised there), answers READY and waits for
+rank 0's GO, which comes once every worker left is ready. Until GO nothing blocks: a worker lost
+meanwhile (several killed at once, or one killed before the first was declared: in
+benchmarks/elastic_soak.py that ended most jobs before READY/GO) makes rank 0 send a newer
+NOTICE, and the regroup starts again without it too. After GO each worker:
 
 1. forms a new worker communicator over the workers left, with MPI_Comm_create_from_group
    (MPI-4): it needs no collective over a communicator that holds the dead process (Open MPI
@@ -24,10 +28,10 @@ look at the watch, wherever it waits (Regroup is raised there), and:
 When a worker's loop ends it does not leave the training phase on its own: it waits for rank 0's
 DONE (TAG_REGROUP flagged STOP), which rank 0 sends once it has the chief's final state; a NOTICE
 instead (a worker died during the last step) regroups once more, at the budget, and ends again.
-A second loss while the workers regroup (a blocking moment of milliseconds) ends the job as
---on-lost-worker stop does: the workers could be waiting inside the regroup's collectives for the
-dead one. Requests left on the old communicator never complete, so every rank ends without
-MPI_Finalize (the goodbye says a peer was lost).
+A loss after GO, while the workers are in the regroup's collectives (milliseconds), ends the job
+as --on-lost-worker stop does: they could be waiting there for the dead one. Requests left on
+the old communicator never complete, so every rank ends without MPI_Finalize (the goodbye says a
+peer was lost).
 """
 
 from __future__ import annotations
