@@ -266,7 +266,7 @@ def judge(case: Case, trial: Trial, job: Job, code: int | None, leftovers: bool,
         trial.notice_s = round(max(0.0, notice[0] - killed_at), 2)
         trial.noticed_by = "MPI error" if any("MPI error" in ln for ln in trial.lines) else "heartbeat"
     if "Traceback" in err:
-        trial.outcome, trial.why = "traceback", err[err.index("Traceback"):][:600]
+        trial.outcome, trial.why = "traceback", err[err.index("Traceback"):][:3000]
         return
     if code is None:
         trial.outcome, trial.why = "hang", err[-600:]
@@ -427,8 +427,11 @@ def report(trials: list[Trial], durations: dict[str, float], seconds: float) -> 
     out += ["", f"**{len(trials) - len(bad)} of {len(trials)} trials ended as documented.**"]
     if bad:
         out += ["", "Not as documented:", ""]
-        out += [f"- {t.case}, rank {t.victim} killed {t.kill_after_s:.2f} s in: **{t.outcome}**: "
-                f"{t.why.splitlines()[0] if t.why else ''}" for t in bad]
+        for t in bad:  # the first line, then all of it (a traceback's last lines say where)
+            out += [f"- {t.case}, rank {t.victim} killed {t.kill_after_s:.2f} s in: **{t.outcome}**: "
+                    f"{t.why.splitlines()[0] if t.why else ''}"]
+            if t.why and len(t.why.splitlines()) > 1:
+                out += ["", "  ```text", *[f"  {line}" for line in t.why.splitlines()[-25:]], "  ```", ""]
     return "\n".join(out) + "\n"
 
 

@@ -49,7 +49,7 @@ from mpitrain.layout import PS_RANK
 from mpitrain.liveness import PeerLost, wait_all
 from mpitrain.protocol import FLAG_GO, FLAG_STOP, TAG_REGROUP, Message
 from mpitrain.runtime import Context
-from mpitrain.transport import WORKER_POLL_S, Poller
+from mpitrain.transport import WORKER_POLL_S, Poller, tested
 from mpitrain.waiting import poll
 
 STRINGTAG = "mpitrain.regroup.{gen}"  # MPI_Comm_create_from_group's tag: one per generation
@@ -86,7 +86,7 @@ class Notices:
         return self.comm.Irecv(self.box.spec(), source=PS_RANK, tag=TAG_REGROUP)
 
     def check(self) -> None:
-        if self.done or not self.req.Test():
+        if self.done or not tested(self.req, PS_RANK):  # rank 0 dead (ULFM fails this receive): PeerLost
             return
         self.box.check(TAG_REGROUP, PS_RANK)
         if self.box.flags & FLAG_STOP:
@@ -156,8 +156,9 @@ def broadcast_state(ctx: Context, comm, mine: TrainState, root: int) -> TrainSta
 
 class Arbiter:
     """Rank 0's side, inside sync.follow_chief: `lost` decides whether the job goes on and sends
-    the NOTICEs; `done` ends the workers' training phase. `awaiting` is the generation whose
-    FLAG_REGROUPED the chief has not sent yet (0: none)."""
+    the NOTICEs; `requests` and `ready` take the workers' READY and send GO; `regrouped` takes the
+    new chief's first status; `done` ends the workers' training phase. `awaiting` is the
+    generation whose FLAG_REGROUPED the chief has not sent yet (0: none)."""
 
     def __init__(self, ctx: Context):
         self.ctx = ctx

@@ -80,3 +80,27 @@ def test_on_lost_worker_stop_ends_the_job_as_before(tmp_path, mode):
     assert len(line) == 1 and "rank 2" in line[0] and "--on-lost-worker stop ends the job" in line[0]
     assert s is None and not proc.leftovers
     assert after < 30
+
+
+def test_a_regroup_receive_that_fails_in_mpi_means_rank_0_is_lost():
+    """Under ULFM a worker's posted receive of rank 0's regroup word fails when rank 0 dies; that is
+    rank 0 lost (one line, exit 5), never a traceback (benchmarks/CHAOS-openmpi.md saw one)."""
+    import types
+
+    from mpi4py import MPI
+
+    from mpitrain.elastic import Notices
+    from mpitrain.liveness import PeerLost
+
+    class Failing:
+        def Test(self):
+            raise MPI.Exception(MPI.ERR_OTHER)
+
+    class Comm:
+        def Irecv(self, *args, **kwargs):
+            return Failing()
+
+    notices = Notices(types.SimpleNamespace(comm=Comm(), size=4))
+    with pytest.raises(PeerLost) as lost:
+        notices.check()
+    assert list(lost.value.lost) == [0]
