@@ -178,11 +178,24 @@ class Context:
     @property
     def regroups(self) -> bool:
         """Sync (--quorum too) goes on without a lost worker: the workers left regroup on rank 0's
-        word (elastic.py). Needs heartbeats (rank 0 notices the loss) and one server (a second
-        one would have to follow the new chief too: with --num-ps K a lost worker ends the job)."""
+        word (elastic.py)."""
+        return self.why_no_regroup is None
+
+    @property
+    def why_no_regroup(self) -> str | None:
+        """Why a lost worker would end this job rather than the workers left regroup (rank 0's
+        line says it), or None. Regrouping needs sync, heartbeats (rank 0 notices the loss) and one
+        server (a second one would have to follow the new chief too)."""
         cfg = self.cfg
-        return (cfg.on_lost_worker == "continue" and cfg.mode == "sync" and not self.local
-                and self.layout.shards == 1 and cfg.worker_timeout > 0)
+        if cfg.on_lost_worker == "stop":
+            return "--on-lost-worker stop ends the job"
+        if cfg.mode != "sync" or self.local:
+            return "Async cannot go on"
+        if self.layout.shards > 1:
+            return f"Sync with --num-ps {self.layout.shards} cannot regroup without it"
+        if cfg.worker_timeout <= 0:
+            return "With --worker-timeout 0 nobody tells the others to regroup"
+        return None
 
     def eval_due(self, step: int) -> bool:
         """--eval-every: rank 0 evaluates after global step `step`."""

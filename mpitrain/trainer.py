@@ -725,17 +725,11 @@ def peer_lost(ctx: Context, e: PeerLost) -> int:
 
 def why_it_ends(ctx: Context, left: int) -> str:
     """Why a lost worker ends this job (rank 0's line), `left` workers being left."""
-    cfg = ctx.cfg
-    if cfg.on_lost_worker == "stop":
-        return "--on-lost-worker stop ends the job"
-    if cfg.mode == "async":
-        return "Async cannot go on"
-    if ctx.layout.shards > 1:
-        return f"Sync with --num-ps {ctx.layout.shards} cannot regroup without it"
-    if cfg.worker_timeout <= 0:
-        return "With --worker-timeout 0 nobody tells the others to regroup"
-    if cfg.quorum and left < cfg.quorum:
-        return f"Fewer than --quorum {cfg.quorum} workers are left"
+    quorum = ctx.cfg.quorum
+    if ctx.why_no_regroup:
+        return ctx.why_no_regroup
+    if quorum and left < quorum:
+        return f"Fewer than --quorum {quorum} workers are left"
     if left < 1:
         return "No worker is left"
     return "A second worker was lost while the others regrouped"
