@@ -150,6 +150,9 @@ class TrainConfig:
         "continue", "when a worker is lost (under the launcher's keep-going flag): go on with the others (sync: they "
         "regroup and re-shard; --quorum Q: while Q are left) or stop the job (exit 5; resume from a checkpoint)",
         choices=LOST_WORKER_CHOICES)
+    join: bool = PARALLELISM(
+        False, "start this process as one more worker of the job running with the same flags and --checkpoint-dir: "
+        "`mpirun -np 1 python -m mpitrain [the job's flags] --join` (MPICH; the job makes room at a step boundary)")
 
     model: str = MODEL("mlp", "softmax regression, or a ReLU multi-layer perceptron", choices=model_names)
     hidden: tuple[int, ...] = MODEL((100,), "MLP hidden layer widths", shown="100", metavar="W[,W...]")
@@ -276,6 +279,7 @@ PER_RANK_FIELDS = frozenset({
     "progress", "summary_json", "log_dir", "timeline", "timeline_steps",  # output (rank 0's, or this rank's spans)
     "straggler_report", "stall_warning",  # rank 0's reporting
     "fresh", "keep_checkpoints",  # rank 0 writes the checkpoints
+    "join",  # the joiner's own way in (join.py); the job's flags are compared when it joins
 })
 
 
@@ -334,6 +338,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     Only checks that need no file system or MPI live here, so every rank reaches the same verdict.
     """
     _choice("mode", cfg.mode, MODES)
+    if cfg.join and not cfg.checkpoint_dir:
+        raise UsageError("--join finds the running job through its folder: give the job's --checkpoint-dir too")
     if isinstance(cfg.model, str):  # else a Model object of the user's (the API checked its members)
         _choice("model", cfg.model, model_names())
     _choice("optimizer", cfg.optimizer, optimizer_names())

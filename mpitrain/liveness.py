@@ -169,6 +169,7 @@ class Watch:
         self.stall = None  # observe.Stall, while training runs
         self.heartbeat = None  # this rank's Heartbeat: it stops beating to a peer declared lost
         self.notices = None  # elastic.Notices on a sync worker that regroups: rank 0's word, looked at here
+        self.lobby = None  # join.Lobby on rank 0 of a job that can grow: a worker asking to join, looked at here
         self.recv = {r: self._post(r) for r in peers}  # open until the peer's last beat
         self.checked = set(peers)  # peers whose silence counts
         self.lost: dict[int, dict] = {}  # rank -> {"rank", "silent_s", "reason"}
@@ -232,6 +233,8 @@ class Watch:
             raise PeerLost(newly)
         if self.notices is not None:
             self.notices.check()  # raises elastic.Regroup where this rank waits
+        if self.lobby is not None:
+            self.lobby.check()
         if self.stall is not None:
             self.stall.check()
 

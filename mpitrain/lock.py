@@ -142,8 +142,8 @@ def acquire_folders(folders: list[tuple[str, str | None]]) -> list[str]:
             if path is None:
                 continue
             key = Path(path).expanduser().resolve()
-            if key in seen:
-                continue
+            if key in seen or any(held.dir.expanduser().resolve() == key for held in HELD):
+                continue  # named twice, or this process holds it already (the next phase of a job a worker joined)
             seen.add(key)
             line = FolderLock(flag, Path(path)).acquire()
             if line:

@@ -16,8 +16,9 @@ import numpy as np
 from mpitrain.stopping import STOP
 
 MAGIC = 0x4D505452  # "MPTR": catches a peer that is not mpitrain, or a misrouted buffer
-VERSION = 6  # bump when the layout below changes (2: heartbeats carry an activity snapshot; 3: --quorum messages;
-#               4: H_SECONDS; 5: H_SIGNAL, FLAG_STOP_STEP, FLAG_STOPPED; 6: TAG_REGROUP, FLAG_REGROUPED)
+VERSION = 7  # bump when the layout below changes (2: heartbeats carry an activity snapshot; 3: --quorum messages;
+#               4: H_SECONDS; 5: H_SIGNAL, FLAG_STOP_STEP, FLAG_STOPPED; 6: TAG_REGROUP, FLAG_REGROUPED;
+#               7: TAG_JOIN, FLAG_REFORM, the goodbye's payload)
 
 # Tags (one per message kind, so a posted receive can never match the wrong kind).
 TAG_GRAD = 11  # worker -> PS: a gradient (async)
@@ -28,6 +29,7 @@ TAG_UPDATE = 16  # sync --quorum, chief worker -> the other workers: step H_STEP
 TAG_HEARTBEAT = 17  # any rank -> its watchers: I am alive, and what I do (BEAT_* below; liveness.py)
 TAG_REPORT = 18  # at the end, worker -> PS: its report (JSON bytes, once); PS -> worker: goodbye (header)
 TAG_SHARD = 19  # --num-ps: rank 0 -> server k: send me your shard (header); server k -> rank 0: its shard's state
+TAG_JOIN = 21  # rank 0 <-> a worker joining, on their own connection (join.py): JSON hello and answer, then GO (header; flagged STOP: the job ended instead)
 TAG_REGROUP = 20  # sync, rank 0 -> the workers left: regroup without the lost (H_STEP: generation; payload: lost ranks), flagged GO: now, flagged STOP: training is over; worker -> rank 0: READY for generation H_STEP (elastic.py)
 
 # Header slots.
@@ -64,6 +66,7 @@ FLAG_PEER_LOST = 32  # PS -> worker, goodbye: a rank was lost, so nobody may cal
 FLAG_STOP_STEP = 64  # --quorum update: the last step; a stop was requested (stopping.py)
 FLAG_STOPPED = 128  # PS -> worker, goodbye: the run stopped on request before its budget (exit 128 + H_SIGNAL)
 FLAG_REGROUPED = 256  # sync, the chief worker -> PS: the first status after a regroup (H_LOCAL_STEP: its generation)
+FLAG_REFORM = 1024  # PS -> worker, goodbye: not the end, a worker joins: every rank left forms a new world with it (payload: the ranks lost)
 FLAG_GO = 512  # sync, PS -> the workers left: every one of them is READY (TAG_REGROUP, header only, back): regroup now
 
 

@@ -94,6 +94,7 @@ class Summary:
     worker_test_accuracy: list[float]
     final_loss: float | None  # mean minibatch loss of the last global steps (None: no step trained)
     lost_workers: list[dict]  # rank, global step, reason and local steps of each worker declared lost
+    joined_workers: list[dict]  # rank, global step and host of each worker that joined (--join; ranks are renumbered then)
     max_rss_mb: list[dict]  # per rank: peak resident memory at the start and end of training
     dropped_gradients: int
     dropped_gradients_per_worker: list[int]

@@ -179,6 +179,9 @@ def train(ctx: Context, start: TrainState, on_step=None) -> WorkerResult:
     applied = start.global_step  # updates applied: where a regroup takes this worker's state from
     try:
         for step in range(start.global_step, total):
+            # A worker alone (the others lost) never waits, and a wait is where the watch is looked
+            # at: rank 0's stop request (a worker joining) and its death must still reach it.
+            ctx.watch.check()
             act.enter(COMPUTE, step)
             kill.at(step - start.global_step + 1)
             step_fn.compute(source)

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from mpitrain import asyncps, checkpoint, liveness, local, lock, mpiimpl, observe, outputs, quorum, stopping, sync
+from mpitrain import asyncps, checkpoint, join, liveness, local, lock, mpiimpl, observe, outputs, quorum, stopping, sync
 from mpitrain.config import TrainConfig, UsageError, agreed_fields, as_record, plain_value
 from mpitrain.model import model_name
 from mpitrain.version import __version__
@@ -27,10 +27,11 @@ from mpitrain.metrics import (Progress, human_summary, staleness_summary, summar
 from mpitrain.exitcodes import ExitCode, interrupted
 from mpitrain.outputs import WRITES
 from mpitrain.liveness import PeerLost, mpi_error_reason
-from mpitrain.protocol import BEAT_GLOBAL_STEP, FLAG_PEER_LOST, FLAG_STOPPED, TAG_REPORT, Message, ProtocolError
+from mpitrain.protocol import (BEAT_GLOBAL_STEP, FLAG_PEER_LOST, FLAG_REFORM, FLAG_STOPPED, TAG_REPORT, Message,
+                               ProtocolError)
 from mpitrain.protocol import VERSION as PROTOCOL_VERSION
 from mpitrain.reports import ShardReport, Summary, WorkerReport, from_bytes, to_bytes
-from mpitrain.runtime import PS_RANK, Context, Node, broadcast_start, setup
+from mpitrain.runtime import PS_RANK, Context, Node, broadcast_start, node_info, setup
 from mpitrain.stopping import STOP, signal_name
 from mpitrain.chief import begin, record_lost, seen_workers
 from mpitrain.transport import END_POLL_S, Poller
@@ -74,6 +75,7 @@ class Outcome:
     error: str | None = None  # the one line, on every rank, when the code is not 0
     params: np.ndarray | None = None  # rank 0: the final flat parameters (host)
     model: object = None  # rank 0: their layout, on NumPy (model.Model), for the API's predict
+    grown: tuple | None = None  # a worker joined: (the flags, the new world, its node) of the run's next phase
 
 
 def agree_on_setup(cfg: TrainConfig | None, comm, node: Node, err: str | None) -> tuple[Context | None, str | None]:
@@ -105,10 +107,12 @@ AGREED = agreed_fields()
 
 
 def identity(ctx: Context | None) -> dict | None:
-    if ctx is None:
-        return None
-    return {"mpitrain": __version__, "protocol": PROTOCOL_VERSION, "layer_sizes": list(ctx.model.sizes),
-            **{k: plain_value(ctx.cfg, k) for k in AGREED}}
+    return None if ctx is None else identity_of(ctx.cfg, ctx.model)
+
+
+def identity_of(cfg: TrainConfig, model) -> dict:
+    return {"mpitrain": __version__, "protocol": PROTOCOL_VERSION, "layer_sizes": list(model.sizes),
+            **{k: plain_value(cfg, k) for k in AGREED}}
 
 
 def mismatches(idents: list[dict | None]) -> list[tuple[int, str]]:
@@ -278,7 +282,7 @@ def _worker_report(ctx: Context, wres: WorkerResult, evaluation: tuple[float, fl
 
 
 def build_summary(ctx: Context, mine: RoleResult, reports: list, placements: list[str],
-                  diverged: Diverged | None) -> Summary:
+                  diverged: Diverged | None, joins: list[dict] = ()) -> Summary:
     cfg, state = ctx.cfg, mine.state
     workers = [r for r in reports if isinstance(r, WorkerReport)]
     shards = [shard_report(ctx, state)] + [r for r in reports if isinstance(r, ShardReport)]
@@ -288,7 +292,7 @@ def build_summary(ctx: Context, mine: RoleResult, reports: list, placements: lis
     else:  # rank 0 counts by worker index; the summary's lists follow worker_ranks, the lost apart
         index = ctx.layout.worker_index
         local_steps = [state.local_steps[index(w.rank)] for w in workers]
-        lost = [{**x, "local_steps": state.local_steps[index(x["rank"])]} for x in lost]
+        lost = [x if "local_steps" in x else {**x, "local_steps": state.local_steps[index(x["rank"])]} for x in lost]
     trained = not nothing_to_train(ctx)
     quorum = None
     if cfg.mode == "sync" and not ctx.local:
@@ -316,6 +320,7 @@ def build_summary(ctx: Context, mine: RoleResult, reports: list, placements: lis
         worker_test_accuracy=[w.test_accuracy for w in workers],
         final_loss=state.final_loss if trained else None,
         lost_workers=lost,
+        joined_workers=list(joins),
         max_rss_mb=[{"rank": 0, "start": mine.max_rss_mb[0], "end": mine.max_rss_mb[1]}]
         + [{"rank": w.rank, "start": w.max_rss_mb[0], "end": w.max_rss_mb[1]} for w in workers
            if w.max_rss_mb],  # a local run's own worker report has none: its rank is 0, above
@@ -365,19 +370,59 @@ def run(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: boo
     SIGINT, SIGTERM and SIGUSR1 stop training at a step boundary meanwhile (stopping.py)."""
     restore = stopping.install()
     outputs.reset()
+    carry = join.Carry()
     try:
-        return _run(cfg, comm, node, err, library)
+        if err is None and cfg is not None and cfg.join:
+            try:
+                cfg, comm, node = joined(cfg, comm, carry)
+            except UsageError as e:
+                line = f"mpitrain: error: {e}"
+                say(line, sys.stderr)
+                return Outcome(ExitCode.USAGE, error=line)
+            if comm is None:
+                line = "mpitrain: the job ended before it could make room for this worker"
+                say(line, sys.stderr)
+                return Outcome(ExitCode.FAILED, error=line)
+        while True:  # one phase, and one more each time a worker joins (join.py)
+            outcome = _run(cfg, comm, node, err, library, carry)
+            if outcome.grown is None:
+                return outcome
+            cfg, comm, node = outcome.grown
     finally:
+        if carry.token is not None:
+            join.withdraw_token(cfg)
         lock.release_all()
         if library:
             restore()
 
 
-def _run(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: bool) -> Outcome:
+def joined(cfg: TrainConfig, comm, carry: join.Carry) -> tuple[TrainConfig, object, Node]:
+    """--join: this process asks the running job to let it in, and waits until it has made room.
+    Returns the next phase's flags, the new world (None: the job ended first) and its node."""
+    if comm.Get_size() != 1:
+        raise UsageError(f"--join starts one worker, but MPI started {comm.Get_size()}: run it under mpirun -np 1")
+    from mpitrain.runtime import make_model
+    from mpitrain.data import load_dataset
+
+    data = load_dataset(cfg)
+    model = make_model(cfg, data, np)
+    world, budget = join.join_job(cfg, identity_of(cfg, model))
+    if world is None:
+        return cfg, None, None
+    carry.budget, carry.joiner = budget, True
+    if not STOP.signum:
+        STOP.reset()
+    return carry.next_config(cfg), world, node_info(world)
+
+
+def _run(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: bool, carry: join.Carry) -> Outcome:
     ctx, line = agree_on_setup(cfg, comm, node, err)
     if ctx is None:
         return Outcome(ExitCode.USAGE, error=line)
     ctx, placements, heartbeat = connect(ctx)
+    if carry.budget is None:
+        carry.budget = ctx.global_step_budget  # the job's, whoever joins later
+    lobby = open_lobby(ctx, carry)
     try:
         mine, reports = train_and_report(ctx)
     except PeerLost as e:
@@ -396,23 +441,96 @@ def _run(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: bo
     diverged = _divergence(ctx, mine, reports)
     summary = None
     if ctx.rank == PS_RANK:
-        summary, peer_was_lost = publish(ctx, mine, reports, placements, diverged)
+        if lobby is not None and lobby.joiner is not None:
+            why = no_room(ctx, mine, reports, diverged)
+            if why is None:
+                return make_room(ctx, mine, reports, heartbeat, carry, lobby.joiner)
+            lobby.release(why)
+        carry.into(mine.state)
+        summary, peer_was_lost = publish(ctx, mine, reports, placements, diverged, carry.joins)
     else:
         try:
             bye = await_goodbye(ctx)
         except PeerLost as e:
             return Outcome(peer_lost(ctx, e))
-        peer_was_lost = bool(bye & FLAG_PEER_LOST)
-        if not bye & FLAG_STOPPED:
+        if bye.flags & FLAG_REFORM:
+            return grow_with_joiner(ctx, heartbeat, carry, bye)
+        peer_was_lost = bool(bye.flags & FLAG_PEER_LOST)
+        if not bye.flags & FLAG_STOPPED:
             STOP.reset()  # the run reached its budget anyway: done, not stopped
     outcome = verdict(ctx, mine, reports, summary, diverged)
-    if not retire_heartbeats(ctx, heartbeat) or peer_was_lost:
-        exit_without_finalize(outcome.code)
+    if not retire_heartbeats(ctx, heartbeat) or peer_was_lost or carry.peer_lost:
+        if not carry.joiner:  # a joiner's launcher ran without the keep-going flag: it would kill it (exit 9)
+            exit_without_finalize(outcome.code)
+        finalize(ctx, outcome.code)  # the dead were never its peers (measured: MPICH finalizes at once)
+        return outcome
     if library:  # MPI stays up for the next run; only this run's communicator goes
         free_worker_comm(ctx)
     else:
         finalize(ctx, outcome.code)
     return outcome
+
+
+def open_lobby(ctx: Context, carry: join.Carry) -> join.Lobby | None:
+    """Rank 0 of a job that can grow: the lobby a worker joins through, looked at with the watch."""
+    if ctx.rank != PS_RANK or join.why_not(ctx) is not None:
+        return None
+    if carry.token is None:
+        carry.token = join.publish_token(ctx.cfg)
+        carry.identity = identity(ctx)  # the job's flags as given: a joiner's are compared with these
+    ctx.watch.lobby = join.Lobby(ctx, carry.identity, carry.token, carry.budget)
+    return ctx.watch.lobby
+
+
+def no_room(ctx: Context, mine: RoleResult, reports: list, diverged: Diverged | None) -> str | None:
+    """Rank 0: why the job ends rather than going on with the worker it let in, or None."""
+    if diverged:
+        return "training diverged"
+    if STOP.signum or any(r.stop_signal for r in reports):
+        return "the job was stopped"
+    if mine.state.global_step >= ctx.global_step_budget:
+        return "the job finished its budget"
+    return None
+
+
+def make_room(ctx: Context, mine: RoleResult, reports: list, heartbeat, carry: join.Carry,
+              joiner: join.Joiner) -> Outcome:
+    """Rank 0, the phase over (the checkpoint saved): tell every rank left to form a new world with
+    the joiner instead of ending, and form it."""
+    state = mine.state
+    lost = sorted(set(ctx.watch.lost) | {w["rank"] for w in state.lost_workers})
+    if ctx.cfg.mode == "async":  # the summary's count of each lost worker's gradients, by this phase's index
+        state.lost_workers = [{**x, "local_steps": state.local_steps[ctx.layout.worker_index(x["rank"])]}
+                              for x in state.lost_workers]
+    carry.add_phase(state)
+    gen = len(carry.joins) + 1
+    peer_was_lost = say_goodbye(ctx, [r.rank for r in reports], bool(lost), False, reform=(gen, lost))
+    carry.peer_lost |= peer_was_lost or bool(lost)
+    world = _regrow(ctx, heartbeat, carry, lost, gen, joiner)
+    carry.joins.append({"rank": world.Get_size() - 1, "global_step": state.global_step, "host": joiner.host})
+    say(f"mpitrain: the worker on {joiner.host} joined as rank {world.Get_size() - 1} at global step "
+        f"{state.global_step}: {world.Get_size() - ctx.layout.shards} worker(s) from here")
+    return Outcome(ExitCode.OK, grown=(carry.next_config(ctx.cfg), world, node_info(world)))
+
+
+def grow_with_joiner(ctx: Context, heartbeat, carry: join.Carry, bye: Message) -> Outcome:
+    """A worker (or another server), rank 0's goodbye flagged FLAG_REFORM: into the new world."""
+    lost = [int(r) for r in np.flatnonzero(bye.payload)]
+    carry.peer_lost |= bool(bye.flags & FLAG_PEER_LOST)
+    world = _regrow(ctx, heartbeat, carry, lost, bye.step, None)
+    return Outcome(ExitCode.OK, grown=(carry.next_config(ctx.cfg), world, node_info(world)))
+
+
+def _regrow(ctx: Context, heartbeat, carry: join.Carry, lost: list[int], gen: int, joiner: join.Joiner | None):
+    """Every rank left: end this phase's heartbeats and communicators, then the new world (rank 0
+    lets the joiner in once the stop that made room is forgotten: its GO must not carry it)."""
+    if not retire_heartbeats(ctx, heartbeat):
+        carry.peer_lost = True
+    free_worker_comm(ctx)
+    if not STOP.signum:  # the stop that made room; a signal of this rank's own stops the next phase
+        STOP.reset()
+    live = [r for r in range(ctx.size) if r not in lost]
+    return join.grow(ctx.comm, ctx.rank, live, join.admit(joiner) if joiner else None, gen)
 
 
 def connect(ctx: Context) -> tuple[Context, list[str], liveness.Heartbeat | None]:
@@ -452,7 +570,7 @@ def train_and_report(ctx: Context) -> tuple[RoleResult, list]:
 
 
 def publish(ctx: Context, mine: RoleResult, reports: list, placements: list[str],
-            diverged: Diverged | None) -> tuple[dict, bool]:
+            diverged: Diverged | None, joins: list[dict]) -> tuple[dict, bool]:
     """Rank 0: the summary (printed, --summary-json, the log's end), the timeline, then the
     goodbyes. Returns the summary and whether a peer turned out to be lost."""
     cfg, state = ctx.cfg, mine.state
@@ -461,7 +579,7 @@ def publish(ctx: Context, mine: RoleResult, reports: list, placements: list[str]
             write_timeline(ctx, reports, placements)
         except OSError as e:
             WRITES.failed("timeline", "--timeline", cfg.timeline, e, "the run goes on without it")
-    summary = build_summary(ctx, mine, reports, placements, diverged).to_dict()
+    summary = build_summary(ctx, mine, reports, placements, diverged, joins).to_dict()
     for line in human_summary(summary):
         say(line)
     if state.log:
@@ -665,12 +783,19 @@ def _take_report(ctx: Context, rank: int, poller: Poller) -> WorkerReport | Shar
     return from_bytes(buf)
 
 
-def say_goodbye(ctx: Context, ranks: list[int], peer_was_lost: bool, stopped: bool) -> bool:
+def say_goodbye(ctx: Context, ranks: list[int], peer_was_lost: bool, stopped: bool,
+                reform: tuple[int, list[int]] | None = None) -> bool:
     """Rank 0, after the summary: release the workers, telling them whether MPI_Finalize is safe
-    and whether the run stopped on request (the header says by which signal). True when a worker
-    turned out to be lost meanwhile."""
-    bye = Message(0)
-    bye.stamp(TAG_REPORT, 0, flags=(FLAG_PEER_LOST if peer_was_lost else 0) | (FLAG_STOPPED if stopped else 0))
+    and whether the run stopped on request (the header says by which signal); or, when a worker
+    joins (`reform`: the join's number and the ranks lost), that they go on in a new world
+    without the lost. True when a worker turned out to be lost meanwhile."""
+    bye = Message(ctx.size)
+    bye.payload[:] = 0
+    flags = (FLAG_PEER_LOST if peer_was_lost else 0) | (FLAG_STOPPED if stopped else 0)
+    if reform is not None:
+        bye.payload[reform[1]] = 1
+        flags |= FLAG_REFORM
+    bye.stamp(TAG_REPORT, reform[0] if reform else 0, flags=flags)
     ranks = [r for r in ranks if r != ctx.rank]  # a local run's own report is among them
     try:
         Poller(END_POLL_S, ctx.watch).all([ctx.comm.Isend(bye.spec(), dest=r, tag=TAG_REPORT) for r in ranks], ranks)
@@ -679,13 +804,13 @@ def say_goodbye(ctx: Context, ranks: list[int], peer_was_lost: bool, stopped: bo
     return peer_was_lost
 
 
-def await_goodbye(ctx: Context) -> int:
-    """A worker: wait (watching rank 0) until rank 0 is done; the goodbye's flags (FLAG_PEER_LOST,
-    FLAG_STOPPED)."""
-    bye = Message(0)
+def await_goodbye(ctx: Context) -> Message:
+    """A worker: wait (watching rank 0) until rank 0 is done; the goodbye (its flags: FLAG_PEER_LOST,
+    FLAG_STOPPED, FLAG_REFORM)."""
+    bye = Message(ctx.size)
     Poller(END_POLL_S, ctx.watch).all([ctx.comm.Irecv(bye.spec(), source=PS_RANK, tag=TAG_REPORT)], [PS_RANK])
     bye.check(TAG_REPORT, PS_RANK)
-    return bye.flags
+    return bye
 
 
 def peer_lost(ctx: Context, e: PeerLost) -> int:

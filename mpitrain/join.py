@@ -1,0 +1,370 @@
+"""A worker joins a running job (`--join`): the job grows by one worker at a step boundary.
+
+The joiner is the same command with `--join`, started while the job runs, e.g. to replace a worker
+lost to `kill -9` or to add one more than the job started with:
+
+    mpirun -np 1 python -m mpitrain [the job's flags] --join
+
+How (MPICH; Open MPI 5 cannot connect two separately started mpiruns without a DVM: measured,
+both sides hang):
+
+1. Rank 0 of a job that can grow (--checkpoint-dir, --worker-timeout > 0) writes a random token
+   into its checkpoint folder (TOKEN, the user's permissions only) and removes it at its end.
+2. The joiner checks its flags, opens an MPI port, and writes a request (its port, host and pid)
+   into REQUESTS there, which it touches while it waits in MPI_Comm_accept. It is the joiner that
+   listens and the job that connects: MPICH's MPI_Comm_accept cannot be left or interrupted (a
+   thread in it stalls every other MPI call of the process: measured), so rank 0 must never wait
+   in one. Rank 0 connects only to a request touched within FRESH_S (a dead joiner's port crashes
+   MPICH's UCX on connect: measured), with a bounded timeout.
+3. Over that connection the joiner proves it belongs to the job: it sends the token and its
+   identity (version, protocol, model and every agreed flag: trainer.identity). A wrong token or
+   another set of flags is refused in one line on both sides, and nothing in the job changes.
+4. Rank 0 requests a stop (stopping.STOP, without a signal): every mode ends the current step as
+   it does for Ctrl-C, and rank 0 saves the checkpoint. Rank 0's goodbye says FLAG_REFORM instead
+   of the end: every rank left, and the joiner, form one new communicator (MPI_Intercomm_create
+   over the live ranks and the joiner, then merged: the joiner is the last rank), and the run goes
+   on from that checkpoint on it (trainer.run's next phase: the data re-sharded over the workers,
+   the sync learning rate scaled to their number, the step budget the job started with).
+
+The summary lists the joins (`joined_workers`) with the lost workers of every phase. The ranks are
+numbered anew at each join: the live ranks in their order, then the joiner.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import secrets
+import socket
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+from mpi4py import MPI
+
+from mpitrain import atomic, mpiimpl
+from mpitrain.config import TrainConfig, UsageError
+from mpitrain.console import say
+from mpitrain.layout import PS_RANK
+from mpitrain.protocol import FLAG_STOP, TAG_JOIN, Message
+from mpitrain.stopping import STOP
+from mpitrain.waiting import poll
+
+TOKEN = ".mpitrain.join-token"  # in --checkpoint-dir: who may join (the user's permissions only)
+REQUESTS = ".mpitrain.joins"  # in --checkpoint-dir: one file per joiner waiting ("HOST.PID.json")
+TOUCH_S = 0.25  # a waiting joiner touches its request this often
+FRESH_S = 2.0  # rank 0 connects only to a request touched this recently (a dead joiner's is stale)
+SCAN_EVERY_S = 0.5  # rank 0 looks for requests this often (one listdir)
+CONNECT_TIMEOUT_S = 5  # MPI_Comm_connect's own bound ("timeout" info key, MPICH)
+HELLO_BYTES = 1 << 16  # the joiner's hello and rank 0's answer: JSON, never pickle
+ANSWER_S = 10.0  # how long either side waits for the other's word on the connection
+GROW_TAG = 77  # MPI_Intercomm_create's tag between rank 0 and the joiner
+
+
+@dataclasses.dataclass
+class Carry:
+    """What one phase of a job hands the next when a worker joins: the step budget the job
+    started with, and (rank 0) what the summary says of earlier phases."""
+
+    budget: int | None = None
+    joins: list[dict] = dataclasses.field(default_factory=list)  # {"rank", "global_step", "host"}
+    lost_workers: list[dict] = dataclasses.field(default_factory=list)  # earlier phases' (their ranks then)
+    train_s: float = 0.0
+    start_step: int | None = None
+    peer_lost: bool = False  # a rank died in an earlier phase: MPI_Finalize would wait for it
+    joiner: bool = False  # this process came in with --join
+    token: str | None = None  # rank 0: the job's join token (written once, removed at its end)
+    identity: dict | None = None  # rank 0: the job's flags as given, which a joiner's must match
+
+    def add_phase(self, state) -> None:
+        """Rank 0: a phase that ended in a join (its ServerState), for the summary at the end."""
+        self.train_s += state.train_s
+        self.start_step = state.start_step if self.start_step is None else self.start_step
+        self.lost_workers += state.lost_workers
+        state.lost_workers = []
+
+    def into(self, state) -> None:
+        """Rank 0, the last phase: the earlier ones into its state (the whole job's summary)."""
+        if self.start_step is None:
+            return
+        state.train_s += self.train_s
+        state.start_step = self.start_step
+        state.lost_workers[:0] = self.lost_workers
+
+    def next_config(self, cfg: TrainConfig) -> TrainConfig:
+        """The next phase's flags: the same, resumed, with the budget the job started with."""
+        return dataclasses.replace(cfg, steps=self.budget, epochs=None, fresh=False, join=False)
+
+
+def why_not(ctx) -> str | None:
+    """Why workers cannot join this job, or None."""
+    if ctx.local or not ctx.cfg.checkpoint_dir:
+        return "the job needs --checkpoint-dir (a joiner finds it there) and a parameter server"
+    if ctx.cfg.worker_timeout <= 0:
+        return "the job runs with --worker-timeout 0 (no heartbeat tells its workers to make room)"
+    if mpiimpl.running() is mpiimpl.OPENMPI:
+        return "Open MPI 5 cannot connect two separately started mpiruns (MPICH can)"
+    return None
+
+
+def _folder(cfg: TrainConfig) -> Path:
+    return Path(cfg.checkpoint_dir).expanduser()
+
+
+def publish_token(cfg: TrainConfig) -> str:
+    """Rank 0: the token a joiner must show, written whole, readable by this user only."""
+    token = secrets.token_hex(16)
+    _write_private(_folder(cfg) / TOKEN, token)
+    (_folder(cfg) / REQUESTS).mkdir(mode=0o700, exist_ok=True)
+    return token
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Written whole (temporary file, then os.replace), readable by this user only."""
+    def write(f) -> None:
+        os.fchmod(f.fileno(), 0o600)
+        f.write(text)
+
+    atomic.write_atomic(path, write)
+
+
+def withdraw_token(cfg: TrainConfig) -> None:
+    """Rank 0, at the end of the job: a joiner started from now on is told no job is running."""
+    try:
+        os.unlink(_folder(cfg) / TOKEN)
+    except OSError:
+        pass
+
+
+def _send_json(comm, obj: dict, dest: int) -> None:
+    data = np.frombuffer(json.dumps(obj).encode(), np.uint8)
+    if data.size > HELLO_BYTES:
+        raise ValueError("join message too large")
+    comm.Send([data, MPI.BYTE], dest=dest, tag=TAG_JOIN)
+
+
+def _recv_json(comm, source: int, timeout_s: float) -> dict | None:
+    """The peer's JSON message, or None if it did not come in time or was not JSON."""
+    buf = bytearray(HELLO_BYTES)
+    status = MPI.Status()
+    req = comm.Irecv([buf, MPI.BYTE], source=source, tag=TAG_JOIN)
+    try:
+        if not poll(lambda: req.Test(status), 1e-3, deadline=time.monotonic() + timeout_s):
+            req.Cancel()
+            return None
+        return json.loads(bytes(buf[: status.Get_count(MPI.BYTE)]).decode())
+    except (MPI.Exception, ValueError):
+        return None
+
+
+@dataclasses.dataclass
+class Joiner:
+    """A joiner rank 0 has let in: its connection (an intercommunicator) and where it runs."""
+
+    inter: object
+    host: str
+    pid: int
+
+
+class Lobby:
+    """Rank 0's side while a job that can grow trains: looked at with the watch (every wait looks
+    at it). It connects to a fresh request, lets the joiner in or refuses it, and on the first it
+    lets in requests the stop that makes room (`joiner`)."""
+
+    def __init__(self, ctx, identity: dict, token: str, budget: int):
+        self.cfg, self.identity, self.token, self.budget = ctx.cfg, identity, token, budget
+        self.dir = _folder(ctx.cfg) / REQUESTS
+        self.joiner: Joiner | None = None
+        self._next = 0.0
+
+    def check(self) -> None:
+        now = time.monotonic()
+        if self.joiner is not None or STOP.requested or now < self._next:  # one at a time; never into a stop
+            return
+        self._next = now + SCAN_EVERY_S
+        for path in self._requests():
+            self._consider(path)
+            if self.joiner is not None:
+                return
+
+    def _requests(self) -> list[Path]:
+        try:
+            return sorted(self.dir.glob("*.json"), key=lambda p: p.stat().st_mtime)
+        except OSError:
+            return []
+
+    def _consider(self, path: Path) -> None:
+        try:
+            touched = time.time() - path.stat().st_mtime
+            request = json.loads(path.read_text())
+            port, host, pid = str(request["port"]), str(request["host"]), int(request["pid"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return  # being written, or gone: the next scan sees it whole
+        if touched > FRESH_S:  # its joiner died (or hangs): never connect to a dead port
+            _remove(path)
+            return
+        _remove(path)  # one try per request: a refused joiner does not come back
+        info = MPI.Info.Create()
+        info.Set("timeout", str(CONNECT_TIMEOUT_S))
+        try:
+            inter = MPI.COMM_SELF.Connect(port, info)
+        except MPI.Exception as e:
+            say(f"mpitrain: could not connect to the worker waiting to join on {host} (pid {pid}): "
+                f"{str(e).strip().splitlines()[-1]}; the job goes on without it")
+            return
+        finally:
+            info.Free()
+        hello = _recv_json(inter, 0, ANSWER_S) or {}
+        why = self._refusal(hello)
+        try:
+            _send_json(inter, {"ok": why is None, "why": why or "", "budget": self.budget}, 0)
+        except MPI.Exception:
+            why = why or "it died while joining"
+        if why:
+            say(f"mpitrain: refused a worker on {host} (pid {pid}): {why}")
+            inter.Disconnect()
+            return
+        self.joiner = Joiner(inter, host, pid)
+        say(f"mpitrain: a worker on {host} (pid {pid}) joins: making room at the next step boundary")
+        STOP.request()  # every mode ends this step as for Ctrl-C; trainer.run goes on with the joiner
+
+    def _refusal(self, hello: dict) -> str | None:
+        if not secrets.compare_digest(str(hello.get("token", "")), self.token):
+            return "it did not show this job's token (another job's folder, or not mpitrain)"
+        theirs = hello.get("identity") or {}
+        diff = [k for k in self.identity if theirs.get(k) != self.identity[k]]
+        if diff:
+            return ("its flags differ from the job's (" + ", ".join(f"{k} {theirs.get(k)} vs {self.identity[k]}"
+                                                                  for k in diff) + "); join with the job's flags")
+        return None
+
+    def release(self, why: str) -> None:
+        """The job ends instead of growing: tell the joiner it let in, and let it go."""
+        if self.joiner is None:
+            return
+        end = Message(0)
+        end.stamp(TAG_JOIN, 0, flags=FLAG_STOP)
+        try:
+            req = self.joiner.inter.Isend(end.spec(), dest=0, tag=TAG_JOIN)
+            poll(lambda: req.Test(), 1e-3, deadline=time.monotonic() + ANSWER_S)
+        except MPI.Exception:
+            pass
+        say(f"mpitrain: the worker on {self.joiner.host} (pid {self.joiner.pid}) did not join: {why}")
+        self.joiner = None
+
+
+def _remove(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def admit(joiner: Joiner) -> object:
+    """Rank 0, once the job has made room: GO to the joiner, then the two of them as one
+    intracommunicator (the peer of the grow)."""
+    go = Message(0)
+    go.stamp(TAG_JOIN, 0)
+    joiner.inter.Send(go.spec(), dest=0, tag=TAG_JOIN)
+    return joiner.inter.Merge(high=False)
+
+
+def grow(comm, rank: int, live: list[int], pair, gen: int):
+    """Every live rank of `comm` (rank 0 with `pair`, its intracommunicator with the joiner): the
+    new world, the live ranks in order, then the joiner."""
+    if len(live) == comm.Get_size():
+        local = comm
+    else:  # without the dead: MPI_Comm_create_from_group needs no collective over them
+        group = comm.Get_group().Incl(live)
+        local = MPI.Intracomm.Create_from_group(group, stringtag=f"mpitrain.join.{gen}")
+        group.Free()
+    inter = local.Create_intercomm(0, pair if rank == PS_RANK else MPI.COMM_SELF, 1, GROW_TAG)
+    world = inter.Merge(high=False)
+    inter.Free()
+    return world
+
+
+# --- the joiner's side ---------------------------------------------------------------------------
+
+
+def join_job(cfg: TrainConfig, identity: dict):
+    """The joiner: ask the job in --checkpoint-dir to let it in, wait until it has made room, and
+    return (the new world, the job's step budget). UsageError (exit 2) when there is no job, or
+    it refuses this worker."""
+    folder = _folder(cfg)
+    if mpiimpl.running() is mpiimpl.OPENMPI:
+        raise UsageError("--join needs MPICH: Open MPI 5 cannot connect two separately started mpiruns; "
+                         "restart the job instead (it resumes from its newest checkpoint)")
+    try:
+        token = (folder / TOKEN).read_text().strip()
+    except OSError:
+        raise UsageError(f"--join: no running job takes workers in --checkpoint-dir {folder}; start the job first "
+                         f"(with --checkpoint-dir {folder} and --worker-timeout > 0, under MPICH)") from None
+    port = MPI.Open_port()
+    request = folder / REQUESTS / f"{socket.gethostname()}.{os.getpid()}.json"
+    waiting = threading.Event()
+    try:
+        _write_private(request, json.dumps({"port": port, "host": socket.gethostname(), "pid": os.getpid()}))
+    except OSError as e:
+        raise UsageError(f"--join: cannot write a request into {request.parent} ({e.strerror}); "
+                         f"join as the user who runs the job") from None
+    toucher = threading.Thread(target=_touch, args=(request, folder / TOKEN, waiting), daemon=True)
+    toucher.start()
+    say(f"mpitrain: waiting for the job in {folder} to let this worker in")
+    inter = MPI.COMM_SELF.Accept(port)
+    waiting.set()
+    _remove(request)
+    MPI.Close_port(port)
+    _send_json(inter, {"token": token, "identity": identity}, 0)
+    answer = _recv_json(inter, 0, ANSWER_S)
+    if answer is None:
+        raise UsageError("--join: the job did not answer; it may have ended")
+    if not answer.get("ok"):
+        raise UsageError(f"--join: the job refused this worker: {answer.get('why')}")
+    go = Message(0)
+    req = inter.Irecv(go.spec(), source=0, tag=TAG_JOIN)
+    # Rank 0 makes room within a step or two (or tells this worker the job ended instead); should
+    # it die meanwhile, its token outlives it, so a generous bound ends the wait.
+    if not poll(lambda: req.Test(), 1e-3, deadline=time.monotonic() + max(60.0, 4 * cfg.worker_timeout)):
+        raise UsageError("--join: the job let this worker in but never made room for it; it may have died")
+    go.check(TAG_JOIN, 0)
+    if go.flags & FLAG_STOP:
+        return None, None
+    pair = inter.Merge(high=True)
+    world = MPI.COMM_SELF.Create_intercomm(0, pair, 0, GROW_TAG).Merge(high=True)
+    return world, answer.get("budget")
+
+
+def _touch(request: Path, token: Path, waiting: threading.Event) -> None:
+    """While the joiner waits in MPI_Comm_accept (which nothing interrupts): keep its request
+    fresh; when the job is gone (its token removed), end the process with one line."""
+    while not waiting.wait(TOUCH_S):
+        try:
+            os.utime(request)
+        except OSError:
+            pass
+        if not waiting.is_set() and (not token.exists() or _owner_gone(token.parent)):
+            say("mpitrain: error: --join: the job ended before it let this worker in")
+            _remove(request)
+            os._exit(1)
+
+
+def _owner_gone(folder: Path) -> bool:
+    """The job that holds the folder's lock has died (killed: its token is still there)."""
+    from mpitrain import lock
+
+    try:
+        owner = json.loads((folder / lock.NAME).read_text())
+    except (OSError, ValueError):
+        return True
+    if not isinstance(owner, dict) or owner.get("host") != socket.gethostname() or not isinstance(owner.get("pid"), int):
+        return False  # on another host nothing here can tell: the token's removal will
+    try:
+        os.kill(owner["pid"], 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        pass
+    return False

@@ -1,0 +1,138 @@
+"""A worker joins a running job (`--join`, mpitrain/join.py), as a user does it: the job runs, the
+same command with `--join` is started under its own mpirun, and the job grows by one worker at a
+step boundary: it replaces a worker lost to `kill -9`, or adds one more than the job started with.
+A joiner with other flags is refused in one line and changes nothing. MPICH only: Open MPI 5
+cannot connect two separately started mpiruns (the joiner says so, exit 2)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from conftest import (MPI_TIMEOUT_S, child_env, communicate_or_kill, keep_going, kill_session, mpi_impl, mpitrain_cmd,
+                      only_on, wait_for_training)
+from mpitrain import join
+from mpitrain.faults import rank_pids
+
+# Long enough (~20-30 s on 2 cores) that the joiner, which starts in ~3 s, finds the job training.
+# Sync is slowed down on rank 1 (2 ms a step): alone, after a kill, a worker would finish first.
+JOB = {"async": ("--mode", "async", "--steps", "40000"),
+       "sync": ("--mode", "sync", "--steps", "8000", "--straggler", "1:0.002")}
+BUDGET = {"async": 40000, "sync": 8000}
+COMMON = ("--no-progress", "--worker-timeout", "5")  # the joiner's flags must match: the same everywhere
+
+mpich_only = only_on("mpich", "Open MPI 5 cannot connect two separately started mpiruns (join.py)")
+
+
+def start_job(tmp_path, np_: int, args: tuple[str, ...], common: tuple[str, ...] = COMMON,
+              launcher_flags: tuple[str, ...] = ()):
+    cmd = mpitrain_cmd(np_, *args, *common, "--checkpoint-dir", str(tmp_path / "ck"), "--summary-json",
+                       str(tmp_path / "s.json"), launcher_flags=launcher_flags)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
+                            start_new_session=True)
+    head = wait_for_training(proc, np_)
+    return proc, head
+
+
+def run_joiner(tmp_path, args: tuple[str, ...], timeout: float = MPI_TIMEOUT_S) -> subprocess.CompletedProcess:
+    cmd = mpitrain_cmd(1, *args, *COMMON, "--checkpoint-dir", str(tmp_path / "ck"), "--join")
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=child_env())
+
+
+def finish(proc, head, tmp_path):
+    out, err = communicate_or_kill(proc, MPI_TIMEOUT_S)
+    result = subprocess.CompletedProcess(proc.args, proc.returncode, "\n".join(head) + "\n" + out, err)
+    result.leftovers = kill_session(proc)
+    summary = tmp_path / "s.json"
+    return result, json.loads(summary.read_text()) if summary.exists() else None
+
+
+@mpich_only
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_worker_joins_a_running_job_and_trains(tmp_path, mode):
+    proc, head = start_job(tmp_path, 3, JOB[mode])
+    joiner = run_joiner(tmp_path, JOB[mode])
+    job, s = finish(proc, head, tmp_path)
+    out = job.stdout + job.stderr
+    assert joiner.returncode == 0, joiner.stdout + joiner.stderr
+    assert job.returncode == 0 and not job.leftovers, out
+    assert "Traceback" not in out + joiner.stderr
+    assert "joins: making room at the next step boundary" in out
+    assert "joined as rank 3 at global step" in out
+    assert s["global_step"] == BUDGET[mode]  # the budget the job started with
+    assert s["workers"] == 3 and s["worker_ranks"] == [1, 2, 3]
+    [joined] = s["joined_workers"]
+    assert joined["rank"] == 3 and 0 < joined["global_step"] < BUDGET[mode]
+    assert s["gradients_pushed"][2] > 0  # the joiner trained
+    assert s["worker_param_digests"] == [s["param_digest"]] * 3 if mode == "sync" else True
+    assert s["test_accuracy"] > 0.9
+    # Its token is gone with the job: a joiner started now is told there is no job.
+    assert not (tmp_path / "ck" / join.TOKEN).exists()
+
+
+@mpich_only
+def test_a_joiner_replaces_a_worker_killed_with_sigkill(tmp_path):
+    proc, head = start_job(tmp_path, 3, JOB["sync"], launcher_flags=keep_going())
+    time.sleep(1)
+    os.kill(rank_pids(proc.pid)[2][0], signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    lines = []
+    while time.monotonic() < deadline:  # rank 0's word that the worker left goes on alone
+        line = proc.stderr.readline()
+        lines.append(line)
+        if "regrouped" in line or not line:
+            break
+    assert any("regrouped" in ln for ln in lines), "".join(lines)
+    joiner = run_joiner(tmp_path, JOB["sync"])
+    job, s = finish(proc, head, tmp_path)
+    out = job.stdout + "".join(lines) + job.stderr
+    assert joiner.returncode == 0, joiner.stdout + joiner.stderr + out
+    assert job.returncode == mpi_impl().worker_lost_exit, out  # a worker was lost: exit 8 (hydra: 137)
+    assert "Traceback" not in out and not job.leftovers
+    assert [x["rank"] for x in s["lost_workers"]] == [2]
+    assert s["workers"] == 2 and len(s["joined_workers"]) == 1
+    assert s["global_step"] == BUDGET["sync"]
+    assert s["worker_param_digests"] == [s["param_digest"]] * 2
+
+
+@mpich_only
+def test_a_joiner_with_other_flags_or_without_the_token_is_refused_and_changes_nothing(tmp_path):
+    """Anyone can connect to a port: only a process that read the job's token, with the job's
+    flags, gets in. Each refusal is one line on both sides; the job goes on as it was."""
+    proc, head = start_job(tmp_path, 3, JOB["async"])
+    other = run_joiner(tmp_path, JOB["async"] + ("--hidden", "50"))
+    token = tmp_path / "ck" / join.TOKEN
+    real = token.read_text()
+    token.write_text("0" * 32)  # what the next joiner reads: not the job's
+    try:
+        stranger = run_joiner(tmp_path, JOB["async"])
+    finally:
+        token.write_text(real)
+    job, s = finish(proc, head, tmp_path)
+    assert other.returncode == 2, other.stdout + other.stderr
+    assert "the job refused this worker: its flags differ from the job's (layer_sizes" in other.stderr
+    assert stranger.returncode == 2, stranger.stdout + stranger.stderr
+    assert "did not show this job's token" in stranger.stderr
+    assert "Traceback" not in other.stderr + stranger.stderr + job.stderr
+    assert job.returncode == 0, job.stdout + job.stderr
+    assert job.stdout.count("refused a worker on") == 2
+    assert s["workers"] == 2 and s["joined_workers"] == [] and s["global_step"] == BUDGET["async"]
+
+
+def test_join_without_a_running_job_says_so(tmp_path):
+    joiner = run_joiner(tmp_path, JOB["async"], timeout=120)
+    assert joiner.returncode == 2, joiner.stdout + joiner.stderr
+    lines = [ln for ln in joiner.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "--join" in lines[0] and "Traceback" not in joiner.stderr
+    assert ("no running job takes workers" in lines[0]) if mpi_impl().name == "mpich" else ("needs MPICH" in lines[0])
+
+
+def test_join_needs_the_checkpoint_dir(tmp_path):
+    cmd = mpitrain_cmd(1, "--join", "--no-progress")
+    joiner = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=child_env())
+    assert joiner.returncode == 2 and "--join finds the running job through its folder" in joiner.stderr
