@@ -9,6 +9,8 @@ MPITRAIN_INJECT_RAISE=RANK:STEP worker RANK raises an unexpected exception at it
 MPITRAIN_INJECT_HANG=RANK:STEP:SEC worker RANK's training thread stops for SEC seconds at its
                                 local step STEP, its heartbeats going on (alive, not progressing:
                                 a rank stuck in a slow read or a lock; tests/test_observe.py)
+MPITRAIN_INJECT_JOIN=vanish     a --join worker SIGKILLs itself once the job has let it in, before
+                                the job's GO (it died while the job made room: tests/test_join.py)
 
 MPITRAIN_TEST_BACKEND=server     the parameter servers compute on CopyingBackend: NumPy arrays
                                 that never share memory with message buffers, as a GPU's do not
@@ -176,3 +178,9 @@ def kill_session(sid: int, linger_s: float = 0.0) -> bool:
         except ProcessLookupError:
             pass
     return found
+
+
+def vanish_after_let_in() -> None:
+    """MPITRAIN_INJECT_JOIN=vanish: a joiner let in dies before the job's GO."""
+    if os.environ.get("MPITRAIN_INJECT_JOIN") == "vanish":
+        os.kill(os.getpid(), signal.SIGKILL)

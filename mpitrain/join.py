@@ -21,7 +21,8 @@ both sides hang):
    another set of flags is refused in one line on both sides, and nothing in the job changes.
 4. Rank 0 requests a stop (stopping.STOP, without a signal): every mode ends the current step as
    it does for Ctrl-C, and rank 0 saves the checkpoint. Rank 0's goodbye says FLAG_REFORM instead
-   of the end: every rank left, and the joiner, form one new communicator (MPI_Intercomm_create
+   of the end (once the joiner has answered rank 0's GO: one that died meanwhile is not waited
+   for, and the ranks left go on without it): every rank left, and the joiner, form one new communicator (MPI_Intercomm_create
    over the live ranks and the joiner, then merged: the joiner is the last rank), and the run goes
    on from that checkpoint on it (trainer.run's next phase: the data re-sharded over the workers,
    the sync learning rate scaled to their number, the step budget the job started with).
@@ -44,10 +45,9 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from mpitrain import atomic, mpiimpl
+from mpitrain import atomic, faults, mpiimpl
 from mpitrain.config import TrainConfig, UsageError
 from mpitrain.console import say
-from mpitrain.layout import PS_RANK
 from mpitrain.protocol import FLAG_STOP, TAG_JOIN, Message
 from mpitrain.stopping import STOP
 from mpitrain.waiting import poll
@@ -116,8 +116,7 @@ def _folder(cfg: TrainConfig) -> Path:
 def publish_token(cfg: TrainConfig) -> str:
     """Rank 0: the token a joiner must show, written whole, readable by this user only."""
     token = secrets.token_hex(16)
-    _write_private(_folder(cfg) / TOKEN, token)
-    (_folder(cfg) / REQUESTS).mkdir(mode=0o700, exist_ok=True)
+    _write_private(_folder(cfg) / TOKEN, token)  # OSError: a full or read-only folder (trainer.open_lobby)
     return token
 
 
@@ -132,8 +131,14 @@ def _write_private(path: Path, text: str) -> None:
 
 def withdraw_token(cfg: TrainConfig) -> None:
     """Rank 0, at the end of the job: a joiner started from now on is told no job is running."""
+    _remove(_folder(cfg) / TOKEN)
+    _remove_folder(_folder(cfg) / REQUESTS)
+
+
+def _remove_folder(path: Path) -> None:
+    """The requests' folder, once empty (a joiner still waiting removes its request, then this)."""
     try:
-        os.unlink(_folder(cfg) / TOKEN)
+        path.rmdir()
     except OSError:
         pass
 
@@ -262,25 +267,33 @@ def _remove(path: Path) -> None:
         pass
 
 
-def admit(joiner: Joiner) -> object:
-    """Rank 0, once the job has made room: GO to the joiner, then the two of them as one
-    intracommunicator (the peer of the grow)."""
-    go = Message(0)
+def still_there(joiner: Joiner) -> bool:
+    """Rank 0, once the job has made room, before it tells the others: GO to the joiner, and its
+    answer within ANSWER_S. A joiner that died while the job made room must not be waited for in
+    the grow's collectives (they would hang): the job then goes on without it."""
+    go, ack = Message(0), Message(0)
     go.stamp(TAG_JOIN, 0)
-    joiner.inter.Send(go.spec(), dest=0, tag=TAG_JOIN)
-    return joiner.inter.Merge(high=False)
+    try:
+        reqs = [joiner.inter.Irecv(ack.spec(), source=0, tag=TAG_JOIN), joiner.inter.Isend(go.spec(), dest=0, tag=TAG_JOIN)]
+        return poll(lambda: MPI.Request.Testall(reqs), 1e-3, deadline=time.monotonic() + ANSWER_S)
+    except MPI.Exception:
+        return False
 
 
-def grow(comm, rank: int, live: list[int], pair, gen: int):
-    """Every live rank of `comm` (rank 0 with `pair`, its intracommunicator with the joiner): the
-    new world, the live ranks in order, then the joiner."""
+def grow(comm, live: list[int], gen: int, joining: bool, joiner: Joiner | None = None):
+    """Every live rank of `comm`: the new world, the live ranks in order, then the joiner (rank 0
+    holds its connection, `joiner`). Not `joining` (it did not answer GO): the same ranks go on in
+    a world of their own."""
     if len(live) == comm.Get_size():
-        local = comm
+        local = comm if joining else comm.Dup()
     else:  # without the dead: MPI_Comm_create_from_group needs no collective over them
         group = comm.Get_group().Incl(live)
         local = MPI.Intracomm.Create_from_group(group, stringtag=f"mpitrain.join.{gen}")
         group.Free()
-    inter = local.Create_intercomm(0, pair if rank == PS_RANK else MPI.COMM_SELF, 1, GROW_TAG)
+    if not joining:
+        return local
+    pair = joiner.inter.Merge(high=False) if joiner is not None else MPI.COMM_SELF
+    inter = local.Create_intercomm(0, pair, 1, GROW_TAG)
     world = inter.Merge(high=False)
     inter.Free()
     return world
@@ -306,6 +319,7 @@ def join_job(cfg: TrainConfig, identity: dict):
     request = folder / REQUESTS / f"{socket.gethostname()}.{os.getpid()}.json"
     waiting = threading.Event()
     try:
+        request.parent.mkdir(mode=0o700, exist_ok=True)
         _write_private(request, json.dumps({"port": port, "host": socket.gethostname(), "pid": os.getpid()}))
     except OSError as e:
         raise UsageError(f"--join: cannot write a request into {request.parent} ({e.strerror}); "
@@ -316,6 +330,7 @@ def join_job(cfg: TrainConfig, identity: dict):
     inter = MPI.COMM_SELF.Accept(port)
     waiting.set()
     _remove(request)
+    _remove_folder(request.parent)
     MPI.Close_port(port)
     _send_json(inter, {"token": token, "identity": identity}, 0)
     answer = _recv_json(inter, 0, ANSWER_S)
@@ -323,6 +338,7 @@ def join_job(cfg: TrainConfig, identity: dict):
         raise UsageError("--join: the job did not answer; it may have ended")
     if not answer.get("ok"):
         raise UsageError(f"--join: the job refused this worker: {answer.get('why')}")
+    faults.vanish_after_let_in()
     go = Message(0)
     req = inter.Irecv(go.spec(), source=0, tag=TAG_JOIN)
     # Rank 0 makes room within a step or two (or tells this worker the job ended instead); should
@@ -332,6 +348,9 @@ def join_job(cfg: TrainConfig, identity: dict):
     go.check(TAG_JOIN, 0)
     if go.flags & FLAG_STOP:
         return None, None
+    ack = Message(0)
+    ack.stamp(TAG_JOIN, 0)
+    inter.Send(ack.spec(), dest=0, tag=TAG_JOIN)
     pair = inter.Merge(high=True)
     world = MPI.COMM_SELF.Create_intercomm(0, pair, 0, GROW_TAG).Merge(high=True)
     return world, answer.get("budget")
@@ -348,6 +367,7 @@ def _touch(request: Path, token: Path, waiting: threading.Event) -> None:
         if not waiting.is_set() and (not token.exists() or _owner_gone(token.parent)):
             say("mpitrain: error: --join: the job ended before it let this worker in")
             _remove(request)
+            _remove_folder(request.parent)
             os._exit(1)
 
 

@@ -29,7 +29,7 @@ TAG_UPDATE = 16  # sync --quorum, chief worker -> the other workers: step H_STEP
 TAG_HEARTBEAT = 17  # any rank -> its watchers: I am alive, and what I do (BEAT_* below; liveness.py)
 TAG_REPORT = 18  # at the end, worker -> PS: its report (JSON bytes, once); PS -> worker: goodbye (header)
 TAG_SHARD = 19  # --num-ps: rank 0 -> server k: send me your shard (header); server k -> rank 0: its shard's state
-TAG_JOIN = 21  # rank 0 <-> a worker joining, on their own connection (join.py): JSON hello and answer, then GO (header; flagged STOP: the job ended instead)
+TAG_JOIN = 21  # rank 0 <-> a worker joining, on their own connection (join.py): JSON hello and answer, then GO (header; flagged STOP: the job ended instead) and the joiner's header back
 TAG_REGROUP = 20  # sync, rank 0 -> the workers left: regroup without the lost (H_STEP: generation; payload: lost ranks), flagged GO: now, flagged STOP: training is over; worker -> rank 0: READY for generation H_STEP (elastic.py)
 
 # Header slots.

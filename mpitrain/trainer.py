@@ -476,7 +476,12 @@ def open_lobby(ctx: Context, carry: join.Carry) -> join.Lobby | None:
     if ctx.rank != PS_RANK or join.why_not(ctx) is not None:
         return None
     if carry.token is None:
-        carry.token = join.publish_token(ctx.cfg)
+        try:
+            carry.token = join.publish_token(ctx.cfg)
+        except OSError as e:  # a full or read-only folder: training goes on, without joins
+            say(f"mpitrain: no worker can join this job: its token could not be written to --checkpoint-dir "
+                f"{ctx.cfg.checkpoint_dir} ({e.strerror})", sys.stderr)
+            return None
         carry.identity = identity(ctx)  # the job's flags as given: a joiner's are compared with these
     ctx.watch.lobby = join.Lobby(ctx, carry.identity, carry.token, carry.budget)
     return ctx.watch.lobby
@@ -504,12 +509,18 @@ def make_room(ctx: Context, mine: RoleResult, reports: list, heartbeat, carry: j
                               for x in state.lost_workers]
     carry.add_phase(state)
     gen = len(carry.joins) + 1
-    peer_was_lost = say_goodbye(ctx, [r.rank for r in reports], bool(lost), False, reform=(gen, lost))
+    joining = join.still_there(joiner)
+    peer_was_lost = say_goodbye(ctx, [r.rank for r in reports], bool(lost), False, reform=(gen, lost, joining))
     carry.peer_lost |= peer_was_lost or bool(lost)
-    world = _regrow(ctx, heartbeat, carry, lost, gen, joiner)
-    carry.joins.append({"rank": world.Get_size() - 1, "global_step": state.global_step, "host": joiner.host})
-    say(f"mpitrain: the worker on {joiner.host} joined as rank {world.Get_size() - 1} at global step "
-        f"{state.global_step}: {world.Get_size() - ctx.layout.shards} worker(s) from here")
+    world = _regrow(ctx, heartbeat, carry, lost, gen, joining, joiner)
+    workers = world.Get_size() - ctx.layout.shards
+    if joining:
+        carry.joins.append({"rank": world.Get_size() - 1, "global_step": state.global_step, "host": joiner.host})
+        say(f"mpitrain: the worker on {joiner.host} joined as rank {world.Get_size() - 1} at global step "
+            f"{state.global_step}: {workers} worker(s) from here")
+    else:
+        say(f"mpitrain: the worker on {joiner.host} (pid {joiner.pid}) did not answer when the job had made room; "
+            f"going on with {workers} worker(s) from global step {state.global_step}")
     return Outcome(ExitCode.OK, grown=(carry.next_config(ctx.cfg), world, node_info(world)))
 
 
@@ -517,20 +528,21 @@ def grow_with_joiner(ctx: Context, heartbeat, carry: join.Carry, bye: Message) -
     """A worker (or another server), rank 0's goodbye flagged FLAG_REFORM: into the new world."""
     lost = [int(r) for r in np.flatnonzero(bye.payload)]
     carry.peer_lost |= bool(bye.flags & FLAG_PEER_LOST)
-    world = _regrow(ctx, heartbeat, carry, lost, bye.step, None)
+    world = _regrow(ctx, heartbeat, carry, lost, bye.step, bool(bye.local_step), None)
     return Outcome(ExitCode.OK, grown=(carry.next_config(ctx.cfg), world, node_info(world)))
 
 
-def _regrow(ctx: Context, heartbeat, carry: join.Carry, lost: list[int], gen: int, joiner: join.Joiner | None):
-    """Every rank left: end this phase's heartbeats and communicators, then the new world (rank 0
-    lets the joiner in once the stop that made room is forgotten: its GO must not carry it)."""
+def _regrow(ctx: Context, heartbeat, carry: join.Carry, lost: list[int], gen: int, joining: bool,
+            joiner: join.Joiner | None):
+    """Every rank left: end this phase's heartbeats and communicators, then the new world (with
+    the joiner, `joining`; rank 0 holds its connection)."""
     if not retire_heartbeats(ctx, heartbeat):
         carry.peer_lost = True
     free_worker_comm(ctx)
     if not STOP.signum:  # the stop that made room; a signal of this rank's own stops the next phase
         STOP.reset()
     live = [r for r in range(ctx.size) if r not in lost]
-    return join.grow(ctx.comm, ctx.rank, live, join.admit(joiner) if joiner else None, gen)
+    return join.grow(ctx.comm, live, gen, joining, joiner)
 
 
 def connect(ctx: Context) -> tuple[Context, list[str], liveness.Heartbeat | None]:
@@ -784,18 +796,18 @@ def _take_report(ctx: Context, rank: int, poller: Poller) -> WorkerReport | Shar
 
 
 def say_goodbye(ctx: Context, ranks: list[int], peer_was_lost: bool, stopped: bool,
-                reform: tuple[int, list[int]] | None = None) -> bool:
+                reform: tuple[int, list[int], bool] | None = None) -> bool:
     """Rank 0, after the summary: release the workers, telling them whether MPI_Finalize is safe
     and whether the run stopped on request (the header says by which signal); or, when a worker
-    joins (`reform`: the join's number and the ranks lost), that they go on in a new world
-    without the lost. True when a worker turned out to be lost meanwhile."""
+    joins (`reform`: the join's number, the ranks lost, whether the joiner is still there), that
+    they go on in a new world without the lost. True when a worker turned out to be lost meanwhile."""
     bye = Message(ctx.size)
     bye.payload[:] = 0
     flags = (FLAG_PEER_LOST if peer_was_lost else 0) | (FLAG_STOPPED if stopped else 0)
     if reform is not None:
         bye.payload[reform[1]] = 1
         flags |= FLAG_REFORM
-    bye.stamp(TAG_REPORT, reform[0] if reform else 0, flags=flags)
+    bye.stamp(TAG_REPORT, reform[0] if reform else 0, int(reform[2]) if reform else 0, flags=flags)
     ranks = [r for r in ranks if r != ctx.rank]  # a local run's own report is among them
     try:
         Poller(END_POLL_S, ctx.watch).all([ctx.comm.Isend(bye.spec(), dest=r, tag=TAG_REPORT) for r in ranks], ranks)

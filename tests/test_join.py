@@ -124,6 +124,19 @@ def test_a_joiner_with_other_flags_or_without_the_token_is_refused_and_changes_n
     assert s["workers"] == 2 and s["joined_workers"] == [] and s["global_step"] == BUDGET["async"]
 
 
+@mpich_only
+def test_a_joiner_that_dies_while_the_job_makes_room_is_not_waited_for(tmp_path):
+    proc, head = start_job(tmp_path, 3, JOB["async"])
+    env = {**child_env(), "MPITRAIN_INJECT_JOIN": "vanish"}
+    cmd = mpitrain_cmd(1, *JOB["async"], *COMMON, "--checkpoint-dir", str(tmp_path / "ck"), "--join")
+    subprocess.run(cmd, capture_output=True, text=True, timeout=MPI_TIMEOUT_S, env=env)
+    job, s = finish(proc, head, tmp_path)
+    out = job.stdout + job.stderr
+    assert job.returncode == 0 and not job.leftovers, out
+    assert "did not answer when the job had made room; going on with 2 worker(s)" in out
+    assert s["workers"] == 2 and s["joined_workers"] == [] and s["global_step"] == BUDGET["async"]
+
+
 def test_join_without_a_running_job_says_so(tmp_path):
     joiner = run_joiner(tmp_path, JOB["async"], timeout=120)
     assert joiner.returncode == 2, joiner.stdout + joiner.stderr

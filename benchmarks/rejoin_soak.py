@@ -1,0 +1,205 @@
+"""Rejoin soak: kill a worker, start a joiner in its place, again and again; does the job stay whole?
+
+    python benchmarks/rejoin_soak.py                # ~5 min on 2 cores; writes benchmarks/REJOIN.md
+    python benchmarks/rejoin_soak.py --minutes 1    # a quick look
+
+MPICH only (`--join` needs it: join.py). Not part of CI (tests/test_join.py joins once per job
+under timeouts). Runs one job after another until --minutes are spent, alternating async and sync:
+`mpirun -disable-auto-cleanup -np 3` (1 parameter server + 2 workers) on synthetic data with
+--checkpoint-dir. Once training runs, cycle: SIGKILL a random live worker from outside (one the
+job started with, or a joiner), wait for rank 0 to go on without it, start the same command with
+`--join` under its own mpirun, wait until it has joined; CYCLES times. Then the job is stopped
+with SIGTERM to its mpirun, as `scancel` does. A job passes when it stopped as documented (exit
+143, every live rank's process gone, the joiners' mpiruns too), its summary lists every kill in
+`lost_workers` and every join in `joined_workers`, the workers left end on rank 0's parameters in
+sync (identical replicas), and no traceback was printed. Reported: each kill -> going on and
+join -> joined time, and rank 0's resident memory and open file descriptors after each join
+(a leak of communicators, ports or requests per join would show there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from chaos import IMPL, Job  # same folder
+from run import machine, mpirun
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from mpitrain import mpiimpl  # noqa: E402
+from mpitrain.faults import rank_pids  # noqa: E402
+
+NP = 3
+CYCLES = 4
+TIMEOUT_S = 2.0  # --worker-timeout
+STEPS = 10_000_000  # never reached: the job is stopped with SIGTERM after its cycles
+MODES = ("async", "sync")
+GROWTH_LIMIT = 0.10  # rank 0's RSS from the first join to the last
+
+
+def flags(mode: str, ck: str) -> list[str]:
+    return ["--mode", mode, "--dataset", "synthetic", "--no-progress", "--steps", str(STEPS), "--worker-timeout",
+            str(TIMEOUT_S), "--checkpoint-dir", ck, "--straggler", "1:0.002"]
+
+
+def proc_status(pid: int) -> tuple[float, int]:
+    """(resident MiB, open file descriptors) of a process."""
+    rss = 0.0
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            rss = int(line.split()[1]) / 1024
+    return rss, len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def one_job(mode: str, rng: random.Random) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        ck, summary_path = str(Path(tmp) / "ck"), Path(tmp) / "s.json"
+        cmd = [mpirun(), *IMPL.keep_going, "-np", str(NP), sys.executable, "-m", "mpitrain", *flags(mode, ck),
+               "--summary-json", str(summary_path)]
+        job = Job(cmd, tmp)
+        job.wait_for("rank 0 parameter-server", 120)
+        time.sleep(2)
+        rank0 = rank_pids(job.proc.pid)[0][0]
+        joiners: list[Job] = []  # each joiner's own mpirun
+        live = [("job", r) for r in range(1, NP)]  # who to kill: a rank of the job's mpirun, or a joiner's index
+        problems, going_on_s, joined_s, status = [], [], [], []
+        kills = joins = 0
+        for _ in range(CYCLES):
+            victim = rng.choice(live)
+            pid = (rank_pids(job.proc.pid).get(victim[1], (None,))[0] if victim[0] == "job"
+                   else rank_pids(joiners[victim[1]].proc.pid).get(0, (None,))[0])
+            if pid is None or job.proc.poll() is not None:
+                problems.append(f"no process for {victim}, or the job ended")
+                break
+            seen = len([1 for _, _, ln in job.lines if "regrouped at global step" in ln or "; continuing with" in ln])
+            t = time.monotonic()
+            os.kill(pid, signal.SIGKILL)
+            kills += 1
+            live.remove(victim)
+            if not wait_count(job, ("regrouped at global step", "; continuing with"), seen + 1, 60):
+                problems.append("the job did not go on after a kill")
+                break
+            going_on_s.append(time.monotonic() - t)
+            before = len([1 for _, _, ln in job.lines if "joined as rank" in ln])
+            t = time.monotonic()
+            joiner = Job([mpirun(), "-np", "1", sys.executable, "-m", "mpitrain", *flags(mode, ck), "--join"], tmp)
+            joiners.append(joiner)
+            if not wait_count(job, ("joined as rank",), before + 1, 120):
+                problems.append("a joiner did not join")
+                break
+            joins += 1
+            joined_s.append(time.monotonic() - t)
+            live.append(("joiner", len(joiners) - 1))
+            time.sleep(rng.uniform(1.0, 3.0))
+            status.append(proc_status(rank0))
+        job.proc.send_signal(signal.SIGTERM)  # as scancel does
+        code, leftovers = job.finish(120)
+        ends = [j.finish(60) for j in joiners]
+        err = job.text("err") + "".join(j.text() for j in joiners)
+        summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
+        if code is None or any(c is None for c, _ in ends):
+            problems.append("hang")
+        if "Traceback" in err:
+            problems.append("traceback")
+        if leftovers or any(left for _, left in ends):
+            problems.append("a process outlived its mpirun")
+        if code != 143:
+            problems.append(f"exit {code}, not 143 (stopped by SIGTERM)")
+        if summary is None:
+            problems.append("no summary")
+        else:
+            if len(summary["lost_workers"]) != kills:
+                problems.append(f"{len(summary['lost_workers'])} lost_workers for {kills} kills")
+            if len(summary["joined_workers"]) != joins:
+                problems.append(f"{len(summary['joined_workers'])} joined_workers for {joins} joins")
+            if mode == "sync" and summary["worker_param_digests"] != [summary["param_digest"]] * summary["workers"]:
+                problems.append("replicas differ")
+        return {"mode": mode, "kills": kills, "joins": joins, "exit": code, "problems": problems,
+                "going_on_s": going_on_s, "joined_s": joined_s, "status": status,
+                "steps": summary["global_step"] if summary else None, "err": err[-3000:]}
+
+
+def wait_count(job: Job, texts: tuple[str, ...], count: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if len([1 for _, _, ln in list(job.lines) if any(t in ln for t in texts)]) >= count:
+            return True
+        if job.proc.poll() is not None:
+            return False
+        time.sleep(0.05)
+    return False
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--minutes", type=float, default=5.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "REJOIN.md"))
+    args = p.parse_args()
+    if IMPL is not mpiimpl.MPICH:
+        print("rejoin_soak.py: error: --join needs MPICH; run this from an install with pip install -e '.[mpich]'",
+              file=sys.stderr)
+        return 2
+    seed = args.seed if args.seed is not None else int(time.time())
+    rng = random.Random(seed)
+    t0, jobs = time.monotonic(), []
+    while time.monotonic() - t0 < args.minutes * 60:
+        mode = MODES[len(jobs) % len(MODES)]
+        print(f"[job {len(jobs) + 1}] {mode}", file=sys.stderr, flush=True)
+        jobs.append(one_job(mode, rng))
+        j = jobs[-1]
+        print(f"  {j['kills']} kills, {j['joins']} joins, exit {j['exit']}, {j['problems'] or 'as documented'}",
+              file=sys.stderr, flush=True)
+    minutes = (time.monotonic() - t0) / 60
+    rows = ["| job | mode | kills | joins | kill -> going on (s) | start -> joined (s) | rank 0 after each join: RSS MiB / fds | global step | exit | outcome |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    growth_ok = True
+    for i, j in enumerate(jobs, 1):
+        rss = [r for r, _ in j["status"]]
+        fds = [f for _, f in j["status"]]
+        growth_ok &= not rss or (rss[-1] - rss[0]) / rss[0] <= GROWTH_LIMIT
+        growth_ok &= not fds or fds[-1] <= fds[0]
+        rows.append(f"| {i} | {j['mode']} | {j['kills']} | {j['joins']} | {', '.join(f'{x:.1f}' for x in j['going_on_s'])} "
+                    f"| {', '.join(f'{x:.1f}' for x in j['joined_s'])} | "
+                    f"{', '.join(f'{r:.0f}/{f}' for r, f in j['status'])} | {j['steps']} | {j['exit']} | "
+                    f"{'; '.join(j['problems']) or 'documented'} |")
+    ok = sum(not j["problems"] for j in jobs)
+    joined = [x for j in jobs for x in j["joined_s"]]
+    verdict = "PASS" if ok == len(jobs) and growth_ok else "FAIL"
+    text = "\n".join([
+        "# Rejoin soak (MPICH)", "",
+        f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+        f"- machine: {machine()}",
+        f"- command: `{' '.join(['python benchmarks/rejoin_soak.py', *sys.argv[1:]])}` (seed {seed})",
+        f"- each job: `mpirun {' '.join(IMPL.keep_going)} -np {NP}` on synthetic data, --worker-timeout {TIMEOUT_S:g}, "
+        f"rank 1 slowed 2 ms a step; {CYCLES} times: a random live worker SIGKILLed from outside, then "
+        "`mpirun -np 1 ... --join` started once the job went on without it; then SIGTERM to the job's mpirun", "",
+        *rows, "",
+        f"{len(jobs)} jobs in {minutes:.1f} min, {sum(j['kills'] for j in jobs)} kills and "
+        f"{sum(j['joins'] for j in jobs)} joins, {ok} of {len(jobs)} jobs as documented; a joiner's start to joined "
+        f"median {statistics.median(joined) if joined else float('nan'):.1f} s; rank 0's RSS within "
+        f"{GROWTH_LIMIT:.0%} and no more file descriptors from the first join to the last: "
+        f"{'yes' if growth_ok else 'no'}.", "",
+        f"Verdict: **{verdict}**", "",
+    ])
+    for i, j in enumerate(jobs, 1):
+        if j["problems"]:
+            text += f"\nJob {i} ({'; '.join(j['problems'])}), the end of its stderr:\n\n```text\n{j['err']}\n```\n"
+    Path(args.out).write_text(text)
+    print(text)
+    return 0 if verdict == "PASS" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
