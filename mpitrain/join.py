@@ -38,6 +38,7 @@ import json
 import os
 import secrets
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
@@ -61,6 +62,7 @@ CONNECT_TIMEOUT_S = 5  # MPI_Comm_connect's own bound ("timeout" info key, MPICH
 HELLO_BYTES = 1 << 16  # the joiner's hello and rank 0's answer: JSON, never pickle
 ANSWER_S = 10.0  # how long either side waits for the other's word on the connection
 GROW_TAG = 77  # MPI_Intercomm_create's tag between rank 0 and the joiner
+GROW_LIMIT_S = 30.0  # forming the new world takes milliseconds; past this a rank died in it
 
 
 @dataclasses.dataclass
@@ -283,7 +285,28 @@ def still_there(joiner: Joiner) -> bool:
 def grow(comm, live: list[int], gen: int, joining: bool, joiner: Joiner | None = None):
     """Every live rank of `comm`: the new world, the live ranks in order, then the joiner (rank 0
     holds its connection, `joiner`). Not `joining` (it did not answer GO): the same ranks go on in
-    a world of their own."""
+    a world of their own. Its collectives block: a rank that dies in them (milliseconds) would hold
+    the others there, so past GROW_LIMIT_S each rank ends itself, in one line."""
+    guard = threading.Timer(GROW_LIMIT_S, _grow_stuck, (comm.Get_rank(),))
+    guard.daemon = True
+    guard.start()
+    try:
+        return _grow(comm, live, gen, joining, joiner)
+    finally:
+        guard.cancel()
+
+
+def _grow_stuck(rank: int) -> None:
+    from mpitrain import lock
+    from mpitrain.exitcodes import ExitCode
+
+    say(f"mpitrain: error: rank {rank}: the job's new world did not form within {GROW_LIMIT_S:g} s (a rank died "
+        f"while it formed); ending. The newest checkpoint in --checkpoint-dir resumes the run", sys.stderr)
+    lock.release_all()
+    os._exit(ExitCode.PEER_LOST)
+
+
+def _grow(comm, live: list[int], gen: int, joining: bool, joiner: Joiner | None):
     if len(live) == comm.Get_size():
         local = comm if joining else comm.Dup()
     else:  # without the dead: MPI_Comm_create_from_group needs no collective over them
