@@ -153,6 +153,7 @@ def test_a_job_warned_by_usr1_saves_requeues_itself_and_finishes(slurm, tmp_path
     _wait_for_output(out_file, "rank 2 worker")
     time.sleep(1.5)
     slurm.scancel(job, "--signal=USR1")
+    slurm.start_requeued_now(job)
     info = slurm.wait(job, timeout=400)
     out = out_file.read_text()
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", f"{info}\n{out}"
