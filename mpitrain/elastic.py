@@ -12,10 +12,10 @@ meanwhile (several killed at once, or one killed before the first was declared: 
 benchmarks/elastic_soak.py that ended most jobs before READY/GO) makes rank 0 send a newer
 NOTICE, and the regroup starts again without it too. After GO each worker:
 
-1. forms a new worker communicator over the workers left, with MPI_Comm_create_from_group
-   (MPI-4): it needs no collective over a communicator that holds the dead process (Open MPI
-   refuses MPI_Comm_create_group over COMM_WORLD after a failure; measured), and the old
-   communicator, with the dead worker's collective pending on it, is simply left behind;
+1. forms a new worker communicator over the workers left, made by them alone
+   (mpiimpl.survivors: MPI_Comm_create_group under MPICH, MPI_Comm_create_from_group under Open
+   MPI, which refuses the first over COMM_WORLD after a failure; measured): nothing is asked of
+   the dead process, and the old communicator, with its collective pending on it, is left behind;
 2. agrees on the state: the workers are at most one update apart (a collective may have
    completed on some and not on others when the worker died in it), so the one furthest ahead
    (the lowest rank among them) broadcasts parameters and optimizer state to the others: the
@@ -43,6 +43,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from mpitrain import mpiimpl
 from mpitrain.checkpoint import TrainState, state_arrays
 from mpitrain.console import say
 from mpitrain.layout import PS_RANK
@@ -52,7 +53,8 @@ from mpitrain.runtime import Context
 from mpitrain.transport import WORKER_POLL_S, Poller, tested
 from mpitrain.waiting import poll
 
-STRINGTAG = "mpitrain.regroup.{gen}"  # MPI_Comm_create_from_group's tag: one per generation
+STRINGTAG = "mpitrain.regroup.{gen}"  # the new communicator's tag (Open MPI: a string): one per generation
+REGROUP_TAG = 1000  # MPICH's: REGROUP_TAG + generation
 
 
 class Regroup(Exception):
@@ -126,10 +128,7 @@ def regroup(ctx: Context, r: Regroup) -> tuple[Context, TrainState]:
     """This worker's part of a regroup: the new communicator over the workers left, then the state
     of the one furthest ahead. Returns the new context and the state to train on from."""
     layout = ctx.layout.without(r.lost)
-    group = ctx.comm.Get_group().Incl(list(layout.worker_ranks))
-    comm = MPI.Intracomm.Create_from_group(group, stringtag=STRINGTAG.format(gen=r.gen),
-                                           errhandler=MPI.ERRORS_RETURN)
-    group.Free()
+    comm = mpiimpl.survivors(ctx.comm, layout.worker_ranks, REGROUP_TAG + r.gen, STRINGTAG.format(gen=r.gen))
     ctx = dataclasses.replace(ctx, layout=layout, worker_comm=comm)
     mine = r.state
     step = np.array([mine.global_step], np.int64)

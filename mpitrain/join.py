@@ -62,6 +62,7 @@ CONNECT_TIMEOUT_S = 5  # MPI_Comm_connect's own bound ("timeout" info key, MPICH
 HELLO_BYTES = 1 << 16  # the joiner's hello and rank 0's answer: JSON, never pickle
 ANSWER_S = 10.0  # how long either side waits for the other's word on the connection
 GROW_TAG = 77  # MPI_Intercomm_create's tag between rank 0 and the joiner
+JOIN_TAG = 2000  # the live ranks' communicator before the join's (mpiimpl.survivors): JOIN_TAG + join number
 GROW_LIMIT_S = 30.0  # forming the new world takes milliseconds; past this a rank died in it
 
 
@@ -309,10 +310,8 @@ def _grow_stuck(rank: int) -> None:
 def _grow(comm, live: list[int], gen: int, joining: bool, joiner: Joiner | None):
     if len(live) == comm.Get_size():
         local = comm if joining else comm.Dup()
-    else:  # without the dead: MPI_Comm_create_from_group needs no collective over them
-        group = comm.Get_group().Incl(live)
-        local = MPI.Intracomm.Create_from_group(group, stringtag=f"mpitrain.join.{gen}")
-        group.Free()
+    else:  # without the dead: made by the live ranks alone
+        local = mpiimpl.survivors(comm, live, JOIN_TAG + gen, f"mpitrain.join.{gen}")
     if not joining:
         return local
     pair = joiner.inter.Merge(high=False) if joiner is not None else MPI.COMM_SELF

@@ -121,6 +121,26 @@ def from_library(version: str) -> Impl | None:
     return None
 
 
+def survivors(comm, ranks, tag: int, stringtag: str):
+    """A communicator of `ranks` of `comm`, made by those ranks alone (the others may be dead:
+    nothing is asked of them). Open MPI: MPI_Comm_create_from_group (its MPI_Comm_create_group over
+    a communicator with a failed process is refused: measured). MPICH: MPI_Comm_create_group, which
+    maps the group through `comm` itself; MPICH's MPI_Comm_create_from_group maps it through
+    COMM_WORLD and fails an assertion once a process from another launch (a worker that joined,
+    join.py) is in the group (measured: allreduce_group.c:111)."""
+    from mpi4py import MPI
+
+    group = comm.Get_group().Incl(list(ranks))
+    try:
+        if running() is OPENMPI:
+            return MPI.Intracomm.Create_from_group(group, stringtag=stringtag, errhandler=MPI.ERRORS_RETURN)
+        sub = comm.Create_group(group, tag=tag)
+        sub.Set_errhandler(MPI.ERRORS_RETURN)
+        return sub
+    finally:
+        group.Free()
+
+
 def running() -> Impl | None:
     """The library this process's mpi4py runs on (MPI is loaded, not necessarily initialised)."""
     from mpi4py import MPI
