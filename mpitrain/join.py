@@ -210,7 +210,7 @@ class Lobby:
             port, host, pid = str(request["port"]), str(request["host"]), int(request["pid"])
         except (OSError, ValueError, KeyError, TypeError):
             return  # being written, or gone: the next scan sees it whole
-        if touched > FRESH_S:  # its joiner died (or hangs): never connect to a dead port
+        if touched > FRESH_S or _dead_here(host, pid):  # its joiner died: never connect to a dead port
             _remove(path)
             return
         _remove(path)  # one try per request: a refused joiner does not come back
@@ -261,6 +261,19 @@ class Lobby:
             pass
         say(f"mpitrain: the worker on {self.joiner.host} (pid {self.joiner.pid}) did not join: {why}")
         self.joiner = None
+
+
+def _dead_here(host: str, pid: int) -> bool:
+    """A process of this host that no longer exists (of another host nothing here can tell)."""
+    if host != socket.gethostname():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        pass
+    return False
 
 
 def _remove(path: Path) -> None:
@@ -401,12 +414,6 @@ def _owner_gone(folder: Path) -> bool:
         owner = json.loads((folder / lock.NAME).read_text())
     except (OSError, ValueError):
         return True
-    if not isinstance(owner, dict) or owner.get("host") != socket.gethostname() or not isinstance(owner.get("pid"), int):
-        return False  # on another host nothing here can tell: the token's removal will
-    try:
-        os.kill(owner["pid"], 0)
-    except ProcessLookupError:
-        return True
-    except OSError:
-        pass
-    return False
+    if not isinstance(owner, dict) or not isinstance(owner.get("pid"), int):
+        return False
+    return _dead_here(str(owner.get("host")), owner["pid"])  # on another host: the token's removal tells

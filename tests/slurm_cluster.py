@@ -169,21 +169,6 @@ class SlurmCluster:
         if proc.returncode != 0:
             raise AssertionError(f"scancel failed: {proc.stderr}")
 
-    def start_requeued_now(self, job: int, timeout: float = 120) -> bool:
-        """Slurm holds a requeued job back (BeginTime about two minutes on): once it is back in the
-        queue, let it start now, as an administrator's `scontrol update` does (the test is of the
-        requeue, not of the hold). False if it was not requeued within the timeout."""
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            out = _run(["scontrol", "show", "job", str(job)], env=self.env, timeout=30).stdout
-            if "JobState=PENDING" in out and "Restarts=1" in out:
-                _run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=self.env, timeout=30)
-                return True
-            if "JobState=COMPLETED" in out or "JobState=FAILED" in out:
-                return False
-            time.sleep(0.5)
-        return False
-
     def wait(self, job: int, timeout: float = 300) -> dict:
         """Poll squeue (faster than sbatch --wait); then the job's final fields from scontrol."""
         deadline = time.time() + timeout
