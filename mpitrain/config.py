@@ -287,6 +287,14 @@ def agreed_fields() -> tuple[str, ...]:
     return tuple(f.name for f in fields(TrainConfig) if f.name not in PER_RANK_FIELDS)
 
 
+def disagreement(ours: dict, theirs: dict) -> str | None:
+    """Where a peer's identity (trainer.identity: version, protocol, model, agreed flags) differs
+    from ours, as "key theirs vs ours, ..."; None when it agrees. At start (every rank against
+    rank 0) and when a worker joins (join.py)."""
+    diff = [k for k in ours if theirs.get(k) != ours[k]]
+    return ", ".join(f"{k} {theirs.get(k)} vs {ours[k]}" for k in diff) or None
+
+
 def plain_value(cfg: TrainConfig, name: str):
     """A field as JSON and a peer rank can compare it: tuples as lists, a user's model object as
     its spec (each rank builds its own object; their specs must agree)."""

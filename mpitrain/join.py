@@ -47,7 +47,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpitrain import atomic, faults, mpiimpl
-from mpitrain.config import TrainConfig, UsageError
+from mpitrain.config import TrainConfig, UsageError, disagreement
 from mpitrain.console import say
 from mpitrain.protocol import FLAG_STOP, TAG_JOIN, Message
 from mpitrain.stopping import STOP
@@ -101,15 +101,12 @@ class Carry:
         return dataclasses.replace(cfg, steps=self.budget, epochs=None, fresh=False, join=False)
 
 
-def why_not(ctx) -> str | None:
-    """Why workers cannot join this job, or None."""
-    if ctx.local or not ctx.cfg.checkpoint_dir:
-        return "the job needs --checkpoint-dir (a joiner finds it there) and a parameter server"
-    if ctx.cfg.worker_timeout <= 0:
-        return "the job runs with --worker-timeout 0 (no heartbeat tells its workers to make room)"
-    if mpiimpl.running() is mpiimpl.OPENMPI:
-        return "Open MPI 5 cannot connect two separately started mpiruns (MPICH can)"
-    return None
+def can_grow(ctx) -> bool:
+    """Whether workers can join this job: it has a parameter server and --checkpoint-dir (where a
+    joiner finds it), heartbeats (they tell the workers to make room), and runs on MPICH (Open MPI
+    5 cannot connect two separately started mpiruns)."""
+    return (not ctx.local and bool(ctx.cfg.checkpoint_dir) and ctx.cfg.worker_timeout > 0
+            and mpiimpl.running() is not mpiimpl.OPENMPI)
 
 
 def _folder(cfg: TrainConfig) -> Path:
@@ -182,7 +179,7 @@ class Lobby:
     lets in requests the stop that makes room (`joiner`)."""
 
     def __init__(self, ctx, identity: dict, token: str, budget: int):
-        self.cfg, self.identity, self.token, self.budget = ctx.cfg, identity, token, budget
+        self.identity, self.token, self.budget = identity, token, budget
         self.dir = _folder(ctx.cfg) / REQUESTS
         self.joiner: Joiner | None = None
         self._next = 0.0
@@ -241,12 +238,8 @@ class Lobby:
     def _refusal(self, hello: dict) -> str | None:
         if not secrets.compare_digest(str(hello.get("token", "")), self.token):
             return "it did not show this job's token (another job's folder, or not mpitrain)"
-        theirs = hello.get("identity") or {}
-        diff = [k for k in self.identity if theirs.get(k) != self.identity[k]]
-        if diff:
-            return ("its flags differ from the job's (" + ", ".join(f"{k} {theirs.get(k)} vs {self.identity[k]}"
-                                                                  for k in diff) + "); join with the job's flags")
-        return None
+        detail = disagreement(self.identity, hello.get("identity") or {})
+        return f"its flags differ from the job's ({detail}); join with the job's flags" if detail else None
 
     def release(self, why: str) -> None:
         """The job ends instead of growing: tell the joiner it let in, and let it go."""

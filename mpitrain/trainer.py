@@ -16,7 +16,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpitrain import asyncps, checkpoint, join, liveness, local, lock, mpiimpl, observe, outputs, quorum, stopping, sync
-from mpitrain.config import TrainConfig, UsageError, agreed_fields, as_record, plain_value
+from mpitrain.config import TrainConfig, UsageError, agreed_fields, as_record, disagreement, plain_value
 from mpitrain.model import model_name
 from mpitrain.version import __version__
 from mpitrain.faults import Kill
@@ -116,12 +116,10 @@ def identity_of(cfg: TrainConfig, model) -> dict:
 
 
 def mismatches(idents: list[dict | None]) -> list[tuple[int, str]]:
-    ref = idents[0]
     out = []
     for rank, ident in enumerate(idents[1:], 1):
-        diff = [k for k in ref if ident.get(k) != ref[k]]
-        if diff:
-            detail = ", ".join(f"{k} {ident.get(k)} vs {ref[k]}" for k in diff)
+        detail = disagreement(idents[0], ident)
+        if detail:
             out.append((rank, f"it disagrees with rank 0 ({detail}); start every rank from the same "
                               f"mpitrain install with the same flags"))
     return out
@@ -473,7 +471,7 @@ def _run(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: bo
 
 def open_lobby(ctx: Context, carry: join.Carry) -> join.Lobby | None:
     """Rank 0 of a job that can grow: the lobby a worker joins through, looked at with the watch."""
-    if ctx.rank != PS_RANK or join.why_not(ctx) is not None:
+    if ctx.rank != PS_RANK or not join.can_grow(ctx):
         return None
     if carry.token is None:
         try:
