@@ -25,7 +25,6 @@ import os
 import random
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,7 +44,11 @@ CYCLES = 4
 TIMEOUT_S = 2.0  # --worker-timeout
 STEPS = 10_000_000  # never reached: the job is stopped with SIGTERM after its cycles
 MODES = ("async", "sync")
-GROWTH_LIMIT = 0.10  # rank 0's RSS from the first join to the last
+# Rank 0's RSS per join, first to last. Each joined process's UCX shared-memory FIFO (SysV, ~2 MiB)
+# stays mapped in rank 0 after that process is gone (MPICH keeps the endpoint of a process it saw;
+# measured with /proc/PID/smaps: one 2.1 MiB SYSV mapping more per join; ipcs shows none left after
+# the job). A leak of a model's worth of state per join would pass this; one of a FIFO's a phase would not.
+GROWTH_PER_JOIN_MIB = 3.0
 
 
 def flags(mode: str, ck: str) -> list[str]:
@@ -62,7 +65,7 @@ def proc_status(pid: int) -> tuple[float, int]:
     return rss, len(os.listdir(f"/proc/{pid}/fd"))
 
 
-def one_job(mode: str, rng: random.Random) -> dict:
+def one_job(mode: str, rng: random.Random, cycles: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         ck, summary_path = str(Path(tmp) / "ck"), Path(tmp) / "s.json"
         cmd = [mpirun(), *IMPL.keep_going, "-np", str(NP), sys.executable, "-m", "mpitrain", *flags(mode, ck),
@@ -75,7 +78,7 @@ def one_job(mode: str, rng: random.Random) -> dict:
         live = [("job", r) for r in range(1, NP)]  # who to kill: a rank of the job's mpirun, or a joiner's index
         problems, going_on_s, joined_s, status = [], [], [], []
         kills = joins = 0
-        for _ in range(CYCLES):
+        for _ in range(cycles):
             victim = rng.choice(live)
             pid = (rank_pids(job.proc.pid).get(victim[1], (None,))[0] if victim[0] == "job"
                    else rank_pids(joiners[victim[1]].proc.pid).get(0, (None,))[0])
@@ -145,6 +148,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--minutes", type=float, default=5.0)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--cycles", type=int, default=CYCLES, help="kills and joins per job")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "REJOIN.md"))
     args = p.parse_args()
     if IMPL is not mpiimpl.MPICH:
@@ -157,7 +161,7 @@ def main() -> int:
     while time.monotonic() - t0 < args.minutes * 60:
         mode = MODES[len(jobs) % len(MODES)]
         print(f"[job {len(jobs) + 1}] {mode}", file=sys.stderr, flush=True)
-        jobs.append(one_job(mode, rng))
+        jobs.append(one_job(mode, rng, args.cycles))
         j = jobs[-1]
         print(f"  {j['kills']} kills, {j['joins']} joins, exit {j['exit']}, {j['problems'] or 'as documented'}",
               file=sys.stderr, flush=True)
@@ -168,7 +172,7 @@ def main() -> int:
     for i, j in enumerate(jobs, 1):
         rss = [r for r, _ in j["status"]]
         fds = [f for _, f in j["status"]]
-        growth_ok &= not rss or (rss[-1] - rss[0]) / rss[0] <= GROWTH_LIMIT
+        growth_ok &= len(rss) < 2 or (rss[-1] - rss[0]) / (len(rss) - 1) <= GROWTH_PER_JOIN_MIB
         growth_ok &= not fds or fds[-1] <= fds[0]
         rows.append(f"| {i} | {j['mode']} | {j['kills']} | {j['joins']} | {', '.join(f'{x:.1f}' for x in j['going_on_s'])} "
                     f"| {', '.join(f'{x:.1f}' for x in j['joined_s'])} | "
@@ -176,6 +180,7 @@ def main() -> int:
                     f"{'; '.join(j['problems']) or 'documented'} |")
     ok = sum(not j["problems"] for j in jobs)
     joined = [x for j in jobs for x in j["joined_s"]]
+    per_join = [(j["status"][-1][0] - j["status"][0][0]) / (len(j["status"]) - 1) for j in jobs if len(j["status"]) > 1]
     verdict = "PASS" if ok == len(jobs) and growth_ok else "FAIL"
     text = "\n".join([
         "# Rejoin soak (MPICH)", "",
@@ -183,13 +188,14 @@ def main() -> int:
         f"- machine: {machine()}",
         f"- command: `{' '.join(['python benchmarks/rejoin_soak.py', *sys.argv[1:]])}` (seed {seed})",
         f"- each job: `mpirun {' '.join(IMPL.keep_going)} -np {NP}` on synthetic data, --worker-timeout {TIMEOUT_S:g}, "
-        f"rank 1 slowed 2 ms a step; {CYCLES} times: a random live worker SIGKILLed from outside, then "
+        f"rank 1 slowed 2 ms a step; {args.cycles} times: a random live worker SIGKILLed from outside, then "
         "`mpirun -np 1 ... --join` started once the job went on without it; then SIGTERM to the job's mpirun", "",
         *rows, "",
         f"{len(jobs)} jobs in {minutes:.1f} min, {sum(j['kills'] for j in jobs)} kills and "
         f"{sum(j['joins'] for j in jobs)} joins, {ok} of {len(jobs)} jobs as documented; a joiner's start to joined "
-        f"median {statistics.median(joined) if joined else float('nan'):.1f} s; rank 0's RSS within "
-        f"{GROWTH_LIMIT:.0%} and no more file descriptors from the first join to the last: "
+        f"median {statistics.median(joined) if joined else float('nan'):.1f} s; rank 0's RSS grew a median "
+        f"{statistics.median(per_join) if per_join else float('nan'):.1f} MiB per join (at most "
+        f"{GROWTH_PER_JOIN_MIB:g}) and no more file descriptors from the first join to the last: "
         f"{'yes' if growth_ok else 'no'}.", "",
         f"Verdict: **{verdict}**", "",
     ])

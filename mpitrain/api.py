@@ -158,10 +158,10 @@ def local_rank() -> int:
 def train(**options) -> Result:
     from mpitrain.runtime import node_info, world
     from mpitrain.exitcodes import ExitCode
-    from mpitrain.trainer import run
 
     cfg = config(**options)
-    comm = world()
+    comm = world(cfg)
+    from mpitrain.trainer import run  # imports mpi4py.MPI, which initialises MPI: after world()
     outcome = run(cfg, comm, node_info(comm), None, library=True)
     if outcome.code == ExitCode.USAGE:
         raise UsageError(outcome.error.removeprefix("mpitrain: error: "))

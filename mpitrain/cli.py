@@ -128,16 +128,16 @@ def main(argv: list[str] | None = None) -> int:
 
     supervise()  # under hydra: a dying rank must not take its peers down (see supervise.py)
     from mpitrain.runtime import node_info, world
-    from mpitrain.trainer import run
 
-    comm = world()
-    node = node_info(comm)  # collective: before anyone can fail
-    try:
+    try:  # before MPI starts: the flags say how it must (world); a bad flag is reported once it has, by every rank
         cfg, parser = parse_args(argv)
     except UsageError as e:
         cfg, parser, err = None, None, str(e)
     else:
         err = None
+    comm = world(cfg)
+    node = node_info(comm)  # collective: before anyone can fail
+    from mpitrain.trainer import run  # imports mpi4py.MPI, which initialises MPI: after world()
     if err is None and cfg is None:
         if comm.Get_rank() == 0:
             parser.print_help()

@@ -340,6 +340,12 @@ def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
         raise UsageError(f"unknown --{name.replace('_', '-')} {value!r}; choose one of: {', '.join(allowed)}")
 
 
+def can_take_joiners(cfg: TrainConfig) -> bool:
+    """Whether a job with these flags lets workers join it (join.py) where its MPI can: it has
+    --checkpoint-dir, where a joiner finds it, and heartbeats, which tell its workers to make room."""
+    return bool(cfg.checkpoint_dir) and cfg.worker_timeout > 0
+
+
 def validate(cfg: TrainConfig) -> TrainConfig:
     """Raise UsageError naming the problem and the fix; return cfg unchanged when it is fine.
 

@@ -11,6 +11,8 @@ MPITRAIN_INJECT_HANG=RANK:STEP:SEC worker RANK's training thread stops for SEC s
                                 a rank stuck in a slow read or a lock; tests/test_observe.py)
 MPITRAIN_INJECT_JOIN=vanish     a --join worker SIGKILLs itself once the job has let it in, before
                                 the job's GO (it died while the job made room: tests/test_join.py)
+MPITRAIN_INJECT_JOIN=formed     ... once the new world has formed, before its phase starts (it
+                                died in the job's collectives: join.Carry.start_forming)
 
 MPITRAIN_TEST_BACKEND=server     the parameter servers compute on CopyingBackend: NumPy arrays
                                 that never share memory with message buffers, as a GPU's do not
@@ -180,7 +182,8 @@ def kill_session(sid: int, linger_s: float = 0.0) -> bool:
     return found
 
 
-def vanish_after_let_in() -> None:
-    """MPITRAIN_INJECT_JOIN=vanish: a joiner let in dies before the job's GO."""
-    if os.environ.get("MPITRAIN_INJECT_JOIN") == "vanish":
+def vanish_after_let_in(when: str = "vanish") -> None:
+    """MPITRAIN_INJECT_JOIN=vanish: a joiner let in dies before the job's GO; =formed: once the new
+    world has formed."""
+    if os.environ.get("MPITRAIN_INJECT_JOIN") == when:
         os.kill(os.getpid(), signal.SIGKILL)

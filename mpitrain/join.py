@@ -47,7 +47,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpitrain import atomic, faults, mpiimpl
-from mpitrain.config import TrainConfig, UsageError, disagreement
+from mpitrain.config import TrainConfig, UsageError, can_take_joiners, disagreement
 from mpitrain.console import say
 from mpitrain.protocol import FLAG_STOP, TAG_JOIN, Message
 from mpitrain.stopping import STOP
@@ -63,7 +63,7 @@ HELLO_BYTES = 1 << 16  # the joiner's hello and rank 0's answer: JSON, never pic
 ANSWER_S = 10.0  # how long either side waits for the other's word on the connection
 GROW_TAG = 77  # MPI_Intercomm_create's tag between rank 0 and the joiner
 JOIN_TAG = 2000  # the live ranks' communicator before the join's (mpiimpl.survivors): JOIN_TAG + join number
-GROW_LIMIT_S = 30.0  # forming the new world takes milliseconds; past this a rank died in it
+FORM_LIMIT_S = 30.0  # the new world and its phase's start take a second or two; past this a rank died meanwhile
 
 
 @dataclasses.dataclass
@@ -80,6 +80,22 @@ class Carry:
     joiner: bool = False  # this process came in with --join
     token: str | None = None  # rank 0: the job's join token (written once, removed at its end)
     identity: dict | None = None  # rank 0: the job's flags as given, which a joiner's must match
+    forming: threading.Timer | None = None  # from making room until the next phase's heartbeats run
+
+    def start_forming(self, who: str) -> None:
+        """From the moment a world starts to re-form until the next phase's heartbeats run (formed),
+        every step is a collective that blocks, and no heartbeat tells of a rank that died in it
+        (a joiner killed in that second or two: measured, the job hung). Past FORM_LIMIT_S this
+        process ends itself, in one line, instead of hanging."""
+        self.formed()
+        self.forming = threading.Timer(FORM_LIMIT_S, _forming_stuck, (who,))
+        self.forming.daemon = True
+        self.forming.start()
+
+    def formed(self) -> None:
+        if self.forming is not None:
+            self.forming.cancel()
+            self.forming = None
 
     def add_phase(self, state) -> None:
         """Rank 0: a phase that ended in a join (its ServerState), for the summary at the end."""
@@ -105,8 +121,7 @@ def can_grow(ctx) -> bool:
     """Whether workers can join this job: it has a parameter server and --checkpoint-dir (where a
     joiner finds it), heartbeats (they tell the workers to make room), and runs on MPICH (Open MPI
     5 cannot connect two separately started mpiruns)."""
-    return (not ctx.local and bool(ctx.cfg.checkpoint_dir) and ctx.cfg.worker_timeout > 0
-            and mpiimpl.running() is not mpiimpl.OPENMPI)
+    return not ctx.local and can_take_joiners(ctx.cfg) and mpiimpl.running() is not mpiimpl.OPENMPI
 
 
 def _folder(cfg: TrainConfig) -> Path:
@@ -292,28 +307,7 @@ def still_there(joiner: Joiner) -> bool:
 def grow(comm, live: list[int], gen: int, joining: bool, joiner: Joiner | None = None):
     """Every live rank of `comm`: the new world, the live ranks in order, then the joiner (rank 0
     holds its connection, `joiner`). Not `joining` (it did not answer GO): the same ranks go on in
-    a world of their own. Its collectives block: a rank that dies in them (milliseconds) would hold
-    the others there, so past GROW_LIMIT_S each rank ends itself, in one line."""
-    guard = threading.Timer(GROW_LIMIT_S, _grow_stuck, (comm.Get_rank(),))
-    guard.daemon = True
-    guard.start()
-    try:
-        return _grow(comm, live, gen, joining, joiner)
-    finally:
-        guard.cancel()
-
-
-def _grow_stuck(rank: int) -> None:
-    from mpitrain import lock
-    from mpitrain.exitcodes import ExitCode
-
-    say(f"mpitrain: error: rank {rank}: the job's new world did not form within {GROW_LIMIT_S:g} s (a rank died "
-        f"while it formed); ending. The newest checkpoint in --checkpoint-dir resumes the run", sys.stderr)
-    lock.release_all()
-    os._exit(ExitCode.PEER_LOST)
-
-
-def _grow(comm, live: list[int], gen: int, joining: bool, joiner: Joiner | None):
+    a world of their own. Its collectives block (Carry.start_forming guards them)."""
     if len(live) == comm.Get_size():
         local = comm if joining else comm.Dup()
     else:  # without the dead: made by the live ranks alone
@@ -330,7 +324,17 @@ def _grow(comm, live: list[int], gen: int, joining: bool, joiner: Joiner | None)
 # --- the joiner's side ---------------------------------------------------------------------------
 
 
-def join_job(cfg: TrainConfig, identity: dict):
+def _forming_stuck(who: str) -> None:
+    from mpitrain import lock
+    from mpitrain.exitcodes import ExitCode
+
+    say(f"mpitrain: error: {who}: the job did not go on within {FORM_LIMIT_S:g} s of making room for a worker "
+        f"(a rank died meanwhile); ending. The newest checkpoint in --checkpoint-dir resumes the run", sys.stderr)
+    lock.release_all()
+    os._exit(ExitCode.PEER_LOST)
+
+
+def join_job(cfg: TrainConfig, identity: dict, carry: Carry):
     """The joiner: ask the job in --checkpoint-dir to let it in, wait until it has made room, and
     return (the new world, the job's step budget). UsageError (exit 2) when there is no job, or
     it refuses this worker."""
@@ -376,11 +380,13 @@ def join_job(cfg: TrainConfig, identity: dict):
     go.check(TAG_JOIN, 0)
     if go.flags & FLAG_STOP:
         return None, None
+    carry.start_forming("the joining worker")
     ack = Message(0)
     ack.stamp(TAG_JOIN, 0)
     inter.Send(ack.spec(), dest=0, tag=TAG_JOIN)
     pair = inter.Merge(high=True)
     world = MPI.COMM_SELF.Create_intercomm(0, pair, 0, GROW_TAG).Merge(high=True)
+    faults.vanish_after_let_in("formed")
     return world, answer.get("budget")
 
 

@@ -141,6 +141,26 @@ def survivors(comm, ranks, tag: int, stringtag: str):
         group.Free()
 
 
+# MPICH carries every message to and from a joined process (join.py) over UCX, its network module;
+# the job's own stay in MPICH's shared memory. MPICH asks UCX for no error handling, so UCX aborts a
+# process whose peer died during a zero-copy rendezvous (cma_ep.c: process_vm_readv "No such
+# process", SIGABRT): measured, 7 of 13 rejoin-soak jobs ended so when a joined worker was SIGKILLed
+# mid-message. Sent eagerly (copied through UCX's shared-memory FIFOs), a message to or from a dead
+# process is only never received, as in MPICH's own shared memory, and the heartbeats see the loss:
+# every soak job as documented (benchmarks/REJOIN.md). Read once, at MPI_Init; a user's value wins.
+JOIN_TRANSPORT_ENV = {"UCX_RNDV_THRESH": "inf"}
+
+
+def prepare_for_joins(env=os.environ) -> None:
+    """Before MPI_Init, in every process of a job that can take joiners and in each joiner: when
+    MPICH's hydra started every rank of this launch on this host. On several hosts the job's own
+    large messages travel over UCX as well, and copying each would give up their zero-copy speed
+    (InfiniBand); Open MPI cannot join at all."""
+    if hydra_env(env) and env.get("MPI_LOCALNRANKS") == env.get("PMI_SIZE"):
+        for name, value in JOIN_TRANSPORT_ENV.items():
+            env.setdefault(name, value)
+
+
 def running() -> Impl | None:
     """The library this process's mpi4py runs on (MPI is loaded, not necessarily initialised)."""
     from mpi4py import MPI

@@ -18,7 +18,7 @@ import numpy as np
 
 from mpitrain import checkpoint, lock, mpiimpl
 from mpitrain.backend import Backend, make_backend
-from mpitrain.config import TrainConfig, UsageError, validate_for_world
+from mpitrain.config import TrainConfig, UsageError, can_take_joiners, validate_for_world
 from mpitrain.data import Dataset, check_batch_fits, load_dataset, steps_per_epoch
 from mpitrain.faults import copying_backend_for
 from mpitrain.layout import PS_RANK, Layout
@@ -50,13 +50,17 @@ class Node:
         return self.busy > self.cores
 
 
-def world():
+def world(cfg: TrainConfig | None = None):
     """COMM_WORLD, with MPI initialised as every mpitrain rank needs it: training runs on the main
-    thread, and a worker's heartbeat thread (liveness.py) also sends, so MPI_THREAD_MULTIPLE."""
+    thread, and a worker's heartbeat thread (liveness.py) also sends, so MPI_THREAD_MULTIPLE. With
+    the run's flags, the transport settings joins need are made first (mpiimpl.prepare_for_joins)."""
     import sys
 
     if "mpi4py.MPI" not in sys.modules:
         import mpi4py
+
+        if cfg is not None and (cfg.join or can_take_joiners(cfg)):
+            mpiimpl.prepare_for_joins()
 
         mpi4py.rc.thread_level = "multiple"
     from mpi4py import MPI

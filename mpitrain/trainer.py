@@ -387,6 +387,7 @@ def run(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: boo
                 return outcome
             cfg, comm, node = outcome.grown
     finally:
+        carry.formed()
         if carry.token is not None:
             join.withdraw_token(cfg)
         lock.release_all()
@@ -404,7 +405,7 @@ def joined(cfg: TrainConfig, comm, carry: join.Carry) -> tuple[TrainConfig, obje
 
     data = load_dataset(cfg)
     model = make_model(cfg, data, np)
-    world, budget = join.join_job(cfg, identity_of(cfg, model))
+    world, budget = join.join_job(cfg, identity_of(cfg, model), carry)
     if world is None:
         return cfg, None, None
     carry.budget, carry.joiner = budget, True
@@ -418,6 +419,7 @@ def _run(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: bo
     if ctx is None:
         return Outcome(ExitCode.USAGE, error=line)
     ctx, placements, heartbeat = connect(ctx)
+    carry.formed()  # heartbeats run: a rank lost from here is seen as in any phase
     if carry.budget is None:
         carry.budget = ctx.global_step_budget  # the job's, whoever joins later
     lobby = open_lobby(ctx, carry)
@@ -534,6 +536,7 @@ def _regrow(ctx: Context, heartbeat, carry: join.Carry, lost: list[int], gen: in
             joiner: join.Joiner | None):
     """Every rank left: end this phase's heartbeats and communicators, then the new world (with
     the joiner, `joining`; rank 0 holds its connection)."""
+    carry.start_forming(f"rank {ctx.rank}")
     if not retire_heartbeats(ctx, heartbeat):
         carry.peer_lost = True
     free_worker_comm(ctx)

@@ -9,13 +9,16 @@ from __future__ import annotations
 import json
 import os
 import signal
+import random
 import subprocess
+import sys
+import threading
 import time
 
 import pytest
 
-from conftest import (MPI_TIMEOUT_S, child_env, communicate_or_kill, keep_going, kill_session, mpi_impl, mpitrain_cmd,
-                      only_on, wait_for_training)
+from conftest import (MPI_TIMEOUT_S, child_env, communicate_or_kill, keep_going, kill_session, launcher, mpi_impl,
+                      mpitrain_cmd, only_on, wait_for_training)
 from mpitrain import join
 from mpitrain.faults import rank_pids
 
@@ -100,6 +103,66 @@ def test_a_joiner_replaces_a_worker_killed_with_sigkill(tmp_path):
     assert s["worker_param_digests"] == [s["param_digest"]] * 2
 
 
+class Lines:
+    """A stream's lines as they come, read by a thread (the test waits for words in them)."""
+
+    def __init__(self, stream):
+        self.lines: list[str] = []
+        self._thread = threading.Thread(target=lambda: self.lines.extend(iter(stream.readline, "")), daemon=True)
+        self._thread.start()
+
+    def count(self, text: str) -> int:
+        return sum(text in ln for ln in list(self.lines))
+
+    def wait(self, text: str, count: int = 1, timeout: float = MPI_TIMEOUT_S) -> bool:
+        deadline = time.monotonic() + timeout
+        while self.count(text) < count and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self.count(text) >= count
+
+    def text(self) -> str:
+        self._thread.join(10)
+        return "".join(self.lines)
+
+
+@mpich_only
+def test_joined_workers_killed_mid_message_are_lost_and_the_job_goes_on(tmp_path):
+    """A joined worker's messages travel over MPICH's UCX, which aborted the peer of a process killed
+    mid-rendezvous (7 of 13 soak jobs, benchmarks/REJOIN.md) until joins sent eagerly
+    (mpiimpl.JOIN_TRANSPORT_ENV): an async joiner pushes and pulls all the time, so a SIGKILL at a
+    random moment lands mid-message. Three joins, three kills: rank 0 goes on each time, and the job
+    stops on SIGTERM as documented."""
+    args = ("--mode", "async", "--dataset", "synthetic", "--steps", "10000000", "--no-progress",
+            "--worker-timeout", "2", "--checkpoint-dir", str(tmp_path / "ck"))
+    proc = subprocess.Popen(mpitrain_cmd(3, *args, "--summary-json", str(tmp_path / "s.json"),
+                                         launcher_flags=keep_going()),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(),
+                            start_new_session=True)
+    lines, joiners, rng = Lines(proc.stdout), [], random.Random()
+    try:
+        assert lines.wait("rank 2 worker"), lines.text()
+        for n in range(1, 4):
+            joiners.append(subprocess.Popen(mpitrain_cmd(1, *args, "--join"), stdout=subprocess.DEVNULL,
+                                            stderr=subprocess.DEVNULL, env=child_env(), start_new_session=True))
+            # Its phase started (rank 0 announces the ranks again): from here heartbeats see a loss
+            # (until then the job's collectives guard it: Carry.start_forming).
+            assert lines.wait("rank 3 worker", n, 120), lines.text()
+            time.sleep(rng.uniform(0.2, 1.5))
+            os.kill(rank_pids(joiners[-1].pid)[0][0], signal.SIGKILL)
+            assert lines.wait("; continuing with", n, 60), lines.text()
+        proc.send_signal(signal.SIGTERM)  # as scancel does
+        proc.wait(MPI_TIMEOUT_S)
+    finally:
+        leftovers = kill_session(proc)
+        for joiner in joiners:
+            kill_session(joiner)
+    text = lines.text()
+    assert proc.returncode == 143 and not leftovers, text
+    assert "Traceback" not in text and "cma_ep" not in text and "signal 6" not in text, text
+    s = json.loads((tmp_path / "s.json").read_text())
+    assert len(s["joined_workers"]) == 3 and len(s["lost_workers"]) == 3, s
+
+
 @mpich_only
 def test_a_joiner_with_other_flags_or_without_the_token_is_refused_and_changes_nothing(tmp_path):
     """Anyone can connect to a port: only a process that read the job's token, with the job's
@@ -137,6 +200,27 @@ def test_a_joiner_that_dies_while_the_job_makes_room_is_not_waited_for(tmp_path)
     assert s["workers"] == 2 and s["joined_workers"] == [] and s["global_step"] == BUDGET["async"]
 
 
+@mpich_only
+def test_a_joiner_that_dies_as_the_new_world_starts_ends_the_job_in_one_line_not_a_hang(tmp_path):
+    """From the new world's forming to its phase's heartbeats every rank is in a collective that a
+    dead rank never completes, and no heartbeat runs yet: each rank ends itself in one line (exit
+    5) once join.FORM_LIMIT_S has passed, and the checkpoint saved as the job made room resumes it."""
+    proc, head = start_job(tmp_path, 3, JOB["async"], launcher_flags=keep_going())
+    env = {**child_env(), "MPITRAIN_INJECT_JOIN": "formed"}
+    cmd = mpitrain_cmd(1, *JOB["async"], *COMMON, "--checkpoint-dir", str(tmp_path / "ck"), "--join")
+    subprocess.run(cmd, capture_output=True, text=True, timeout=MPI_TIMEOUT_S, env=env)
+    t = time.monotonic()
+    job, s = finish(proc, head, tmp_path)
+    out = job.stdout + job.stderr
+    assert time.monotonic() - t < join.FORM_LIMIT_S + 30, out
+    assert job.returncode == 5 and not job.leftovers and "Traceback" not in out, out
+    stuck = [ln for ln in out.splitlines() if "did not go on within" in ln]
+    assert len(stuck) == 3 and all("(a rank died meanwhile); ending." in ln for ln in stuck), out
+    assert s is None  # no summary: the run resumes from the checkpoint
+    from mpitrain.checkpoint import list_checkpoints
+    assert list_checkpoints(tmp_path / "ck"), out
+
+
 def test_join_without_a_running_job_says_so(tmp_path):
     joiner = run_joiner(tmp_path, JOB["async"], timeout=120)
     assert joiner.returncode == 2, joiner.stdout + joiner.stderr
@@ -149,3 +233,29 @@ def test_join_needs_the_checkpoint_dir(tmp_path):
     cmd = mpitrain_cmd(1, "--join", "--no-progress")
     joiner = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=child_env())
     assert joiner.returncode == 2 and "--join finds the running job through its folder" in joiner.stderr
+
+
+@pytest.mark.parametrize("flags", [("--checkpoint-dir", "ck"), ()])
+def test_a_job_that_can_take_joiners_sets_the_join_transport_before_mpi_starts(tmp_path, flags):
+    """UCX reads its settings once, at MPI_Init: mpiimpl.JOIN_TRANSPORT_ENV must be in the
+    environment when mpi4py.MPI is first imported (which initialises MPI), in a job that can take
+    joiners under MPICH's mpirun on one host, and only there. Seen from inside the process, at
+    that import."""
+    probe = (
+        "import os, sys\n"
+        "seen = []\n"
+        "class Probe:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'mpi4py.MPI' and not seen:\n"
+        "            seen.append(os.environ.get('UCX_RNDV_THRESH'))\n"
+        "sys.meta_path.insert(0, Probe())\n"
+        "from mpitrain import cli\n"
+        f"code = cli.main(['--steps', '2', '--no-progress', *{list(flags)!r}])\n"
+        "print('SEEN', seen)\n"
+    )
+    env = {k: v for k, v in child_env().items() if k != "UCX_RNDV_THRESH"}
+    expected = "inf" if flags and mpi_impl().name == "mpich" else None
+    for cmd in ([*launcher(), "-np", "1", sys.executable, "-c", probe], [sys.executable, "-c", probe]):
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+        assert f"SEEN [{expected!r}]" in out.stdout, out.stdout + out.stderr
+        expected = None  # without mpirun: one process, which takes no joiners
