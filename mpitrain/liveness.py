@@ -126,7 +126,8 @@ class Heartbeat:
         """A peer declared lost: never beaten (nor its last beat tested) again. MPICH's progress on
         a send to a dead process can hold this process, GIL and all, for seconds at a time
         (measured: rank 0 frozen 4 s, 30 to 60 s after a worker was killed), and every survivor
-        then took rank 0 for lost."""
+        then took rank 0 for lost. Each send to a dead process also keeps one of the sender's
+        shared-memory cells for good (mpiimpl.LOSS_TRANSPORT_ENV)."""
         if rank in self.peers:
             self.gone.add(self.peers.index(rank))
 

@@ -141,24 +141,37 @@ def survivors(comm, ranks, tag: int, stringtag: str):
         group.Free()
 
 
+# MPICH's shared memory sends each small message (and the announcement of each large one) in a
+# cell from the sender's own pool, which the receiver hands back once it has read it. A cell sent
+# to a process that has died never comes back: MPICH's default of 64 cells ran out in the --quorum
+# chief worker after the second or third lost worker (it sends every update to every worker), and
+# its heartbeats could not leave any more: rank 0 took it for lost too (measured, 7 of 9 tries;
+# with 512 cells, 5 of 5 went on). It costs 4 MiB of shared memory per rank instead of 0.5.
+LOSS_TRANSPORT_ENV = {"MPIR_CVAR_CH4_SHM_POSIX_IQUEUE_NUM_CELLS": "512"}
+
 # MPICH carries every message to and from a joined process (join.py) over UCX, its network module;
 # the job's own stay in MPICH's shared memory. MPICH asks UCX for no error handling, so UCX aborts a
 # process whose peer died during a zero-copy rendezvous (cma_ep.c: process_vm_readv "No such
 # process", SIGABRT): measured, 7 of 13 rejoin-soak jobs ended so when a joined worker was SIGKILLed
 # mid-message. Sent eagerly (copied through UCX's shared-memory FIFOs), a message to or from a dead
 # process is only never received, as in MPICH's own shared memory, and the heartbeats see the loss:
-# every soak job as documented (benchmarks/REJOIN.md). Read once, at MPI_Init; a user's value wins.
+# every soak job as documented (benchmarks/REJOIN.md).
 JOIN_TRANSPORT_ENV = {"UCX_RNDV_THRESH": "inf"}
 
 
-def prepare_for_joins(env=os.environ) -> None:
-    """Before MPI_Init, in every process of a job that can take joiners and in each joiner: when
-    MPICH's hydra started every rank of this launch on this host. On several hosts the job's own
-    large messages travel over UCX as well, and copying each would give up their zero-copy speed
-    (InfiniBand); Open MPI cannot join at all."""
-    if hydra_env(env) and env.get("MPI_LOCALNRANKS") == env.get("PMI_SIZE"):
-        for name, value in JOIN_TRANSPORT_ENV.items():
-            env.setdefault(name, value)
+def prepare_transport(losses: bool, joins: bool, env=os.environ) -> None:
+    """Before MPI_Init (read once, then; a user's own value wins), under MPICH's hydra: for a run
+    that goes on after a lost rank (`losses`), and for one that can take joiners or is one
+    (`joins`) when hydra started every rank of this launch on this host. On several hosts the
+    job's own large messages travel over UCX as well, and copying each would give up their
+    zero-copy speed (InfiniBand); Open MPI cannot join at all."""
+    if not hydra_env(env):
+        return
+    settings = dict(LOSS_TRANSPORT_ENV) if losses else {}
+    if joins and env.get("MPI_LOCALNRANKS") == env.get("PMI_SIZE"):
+        settings.update(JOIN_TRANSPORT_ENV)
+    for name, value in settings.items():
+        env.setdefault(name, value)
 
 
 def running() -> Impl | None:

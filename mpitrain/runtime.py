@@ -53,14 +53,14 @@ class Node:
 def world(cfg: TrainConfig | None = None):
     """COMM_WORLD, with MPI initialised as every mpitrain rank needs it: training runs on the main
     thread, and a worker's heartbeat thread (liveness.py) also sends, so MPI_THREAD_MULTIPLE. With
-    the run's flags, the transport settings joins need are made first (mpiimpl.prepare_for_joins)."""
+    the run's flags, the transport settings lost ranks and joins need are made first (mpiimpl.prepare_transport)."""
     import sys
 
     if "mpi4py.MPI" not in sys.modules:
         import mpi4py
 
-        if cfg is not None and (cfg.join or can_take_joiners(cfg)):
-            mpiimpl.prepare_for_joins()
+        if cfg is not None:
+            mpiimpl.prepare_transport(losses=cfg.worker_timeout > 0, joins=cfg.join or can_take_joiners(cfg))
 
         mpi4py.rc.thread_level = "multiple"
     from mpi4py import MPI

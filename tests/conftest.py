@@ -8,6 +8,8 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -171,3 +173,25 @@ def wait_for_checkpoint(proc: subprocess.Popen, directory: Path, timeout: float 
 
 def mpitrain_cmd(np_: int, *args: str, launcher_flags: tuple[str, ...] = ()) -> list[str]:
     return [*launcher(), *launcher_flags, "-np", str(np_), sys.executable, "-m", "mpitrain", *args]
+
+
+class Lines:
+    """A stream's lines as they come, read by a thread (the test waits for words in them)."""
+
+    def __init__(self, stream):
+        self.lines: list[str] = []
+        self._thread = threading.Thread(target=lambda: self.lines.extend(iter(stream.readline, "")), daemon=True)
+        self._thread.start()
+
+    def count(self, text: str) -> int:
+        return sum(text in ln for ln in list(self.lines))
+
+    def wait(self, text: str, count: int = 1, timeout: float = MPI_TIMEOUT_S) -> bool:
+        deadline = time.monotonic() + timeout
+        while self.count(text) < count and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self.count(text) >= count
+
+    def text(self) -> str:
+        self._thread.join(10)
+        return "".join(self.lines)

@@ -12,14 +12,13 @@ import signal
 import random
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
 
-from conftest import (MPI_TIMEOUT_S, child_env, communicate_or_kill, keep_going, kill_session, launcher, mpi_impl,
-                      mpitrain_cmd, only_on, wait_for_training)
-from mpitrain import join
+from conftest import (MPI_TIMEOUT_S, Lines, child_env, communicate_or_kill, keep_going, kill_session, launcher,
+                      mpi_impl, mpitrain_cmd, only_on, wait_for_training)
+from mpitrain import join, mpiimpl
 from mpitrain.faults import rank_pids
 
 # Long enough (~20-30 s on 2 cores) that the joiner, which starts in ~3 s, finds the job training.
@@ -101,28 +100,6 @@ def test_a_joiner_replaces_a_worker_killed_with_sigkill(tmp_path):
     assert s["workers"] == 2 and len(s["joined_workers"]) == 1
     assert s["global_step"] == BUDGET["sync"]
     assert s["worker_param_digests"] == [s["param_digest"]] * 2
-
-
-class Lines:
-    """A stream's lines as they come, read by a thread (the test waits for words in them)."""
-
-    def __init__(self, stream):
-        self.lines: list[str] = []
-        self._thread = threading.Thread(target=lambda: self.lines.extend(iter(stream.readline, "")), daemon=True)
-        self._thread.start()
-
-    def count(self, text: str) -> int:
-        return sum(text in ln for ln in list(self.lines))
-
-    def wait(self, text: str, count: int = 1, timeout: float = MPI_TIMEOUT_S) -> bool:
-        deadline = time.monotonic() + timeout
-        while self.count(text) < count and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return self.count(text) >= count
-
-    def text(self) -> str:
-        self._thread.join(10)
-        return "".join(self.lines)
 
 
 @mpich_only
@@ -235,27 +212,32 @@ def test_join_needs_the_checkpoint_dir(tmp_path):
     assert joiner.returncode == 2 and "--join finds the running job through its folder" in joiner.stderr
 
 
-@pytest.mark.parametrize("flags", [("--checkpoint-dir", "ck"), ()])
-def test_a_job_that_can_take_joiners_sets_the_join_transport_before_mpi_starts(tmp_path, flags):
-    """UCX reads its settings once, at MPI_Init: mpiimpl.JOIN_TRANSPORT_ENV must be in the
-    environment when mpi4py.MPI is first imported (which initialises MPI), in a job that can take
-    joiners under MPICH's mpirun on one host, and only there. Seen from inside the process, at
-    that import."""
+@pytest.mark.parametrize("flags", [("--checkpoint-dir", "ck"), (), ("--worker-timeout", "0")])
+def test_the_transport_settings_are_made_before_mpi_starts(tmp_path, flags):
+    """MPI reads its settings once, at MPI_Init: mpiimpl.JOIN_TRANSPORT_ENV (a job that can take
+    joiners, under MPICH's mpirun on one host) and LOSS_TRANSPORT_ENV (under MPICH's mpirun, a job
+    with heartbeats, which goes on after a lost rank) must be in the environment when mpi4py.MPI is
+    first imported (which initialises MPI), and only there. Seen from inside the process."""
+    names = [*mpiimpl.JOIN_TRANSPORT_ENV, *mpiimpl.LOSS_TRANSPORT_ENV]
     probe = (
         "import os, sys\n"
         "seen = []\n"
         "class Probe:\n"
         "    def find_spec(self, name, path=None, target=None):\n"
         "        if name == 'mpi4py.MPI' and not seen:\n"
-        "            seen.append(os.environ.get('UCX_RNDV_THRESH'))\n"
+        f"            seen.extend(os.environ.get(n) for n in {names!r})\n"
         "sys.meta_path.insert(0, Probe())\n"
         "from mpitrain import cli\n"
         f"code = cli.main(['--steps', '2', '--no-progress', *{list(flags)!r}])\n"
         "print('SEEN', seen)\n"
     )
-    env = {k: v for k, v in child_env().items() if k != "UCX_RNDV_THRESH"}
-    expected = "inf" if flags and mpi_impl().name == "mpich" else None
+    env = {k: v for k, v in child_env().items() if k not in names}
+    mpich = mpi_impl().name == "mpich"
+    joins = mpich and "--checkpoint-dir" in flags
+    losses = mpich and "--worker-timeout" not in flags
+    expected = [*(mpiimpl.JOIN_TRANSPORT_ENV.values() if joins else [None]),
+                *(mpiimpl.LOSS_TRANSPORT_ENV.values() if losses else [None])]
     for cmd in ([*launcher(), "-np", "1", sys.executable, "-c", probe], [sys.executable, "-c", probe]):
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
-        assert f"SEEN [{expected!r}]" in out.stdout, out.stdout + out.stderr
-        expected = None  # without mpirun: one process, which takes no joiners
+        assert f"SEEN {expected!r}" in out.stdout, out.stdout + out.stderr
+        expected = [None] * len(names)  # without mpirun: one process, which loses no rank and takes no joiner
