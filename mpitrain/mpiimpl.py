@@ -160,15 +160,13 @@ JOIN_TRANSPORT_ENV = {"UCX_RNDV_THRESH": "inf"}
 
 
 def prepare_transport(losses: bool, joins: bool, env=os.environ) -> None:
-    """Before MPI_Init (read once, then; a user's own value wins), under MPICH's hydra: for a run
-    that goes on after a lost rank (`losses`), and for one that can take joiners or is one
-    (`joins`) when hydra started every rank of this launch on this host. On several hosts the
-    job's own large messages travel over UCX as well, and copying each would give up their
-    zero-copy speed (InfiniBand); Open MPI cannot join at all."""
-    if not hydra_env(env):
-        return
+    """Before MPI_Init (read once, then; a user's own value wins): for a run that goes on after a
+    lost rank (`losses`: under any launcher, srun too; only MPICH reads it), and for one that can
+    take joiners or is one (`joins`) when MPICH's hydra started every rank of this launch on this
+    host. On several hosts the job's own large messages travel over UCX as well, and copying each
+    would give up their zero-copy speed (InfiniBand); Open MPI cannot join at all."""
     settings = dict(LOSS_TRANSPORT_ENV) if losses else {}
-    if joins and env.get("MPI_LOCALNRANKS") == env.get("PMI_SIZE"):
+    if joins and hydra_env(env) and env.get("MPI_LOCALNRANKS") == env.get("PMI_SIZE"):
         settings.update(JOIN_TRANSPORT_ENV)
     for name, value in settings.items():
         env.setdefault(name, value)
