@@ -22,10 +22,13 @@ both sides hang):
 4. Rank 0 requests a stop (stopping.STOP, without a signal): every mode ends the current step as
    it does for Ctrl-C, and rank 0 saves the checkpoint. Rank 0's goodbye says FLAG_REFORM instead
    of the end (once the joiner has answered rank 0's GO: one that died meanwhile is not waited
-   for, and the ranks left go on without it): every rank left, and the joiner, form one new communicator (MPI_Intercomm_create
-   over the live ranks and the joiner, then merged: the joiner is the last rank), and the run goes
-   on from that checkpoint on it (trainer.run's next phase: the data re-sharded over the workers,
-   the sync learning rate scaled to their number, the step budget the job started with).
+   for, and the ranks left go on without it): every rank left, and the joiner, form one new
+   communicator (MPI_Intercomm_create over the live ranks and the joiner, then merged: the joiner
+   is the last rank), and the run goes on from that checkpoint on it (trainer.run's next phase:
+   the data re-sharded over the workers, the sync learning rate scaled to their number, the step
+   budget the job started with).
+5. Until that phase's heartbeats run, every rank is in a collective that a dead rank never
+   completes: Carry.start_forming ends each in one line past FORM_LIMIT_S instead (exit 5).
 
 The summary lists the joins (`joined_workers`) with the lost workers of every phase. The ranks are
 numbered anew at each join: the live ranks in their order, then the joiner.

@@ -53,7 +53,8 @@ class Node:
 def world(cfg: TrainConfig | None = None):
     """COMM_WORLD, with MPI initialised as every mpitrain rank needs it: training runs on the main
     thread, and a worker's heartbeat thread (liveness.py) also sends, so MPI_THREAD_MULTIPLE. With
-    the run's flags, the transport settings lost ranks and joins need are made first (mpiimpl.prepare_transport)."""
+    the run's flags, the transport settings that lost ranks and joins need are made first
+    (mpiimpl.prepare_transport)."""
     import sys
 
     if "mpi4py.MPI" not in sys.modules:
