@@ -244,7 +244,8 @@ def _run_trial(case: Case, duration_s: float, rng: random.Random, tmp: str) -> T
         joiner = Job(join_command(case, tmp), tmp)
         started = job.wait_for("joined as rank", START_WAIT_S)  # from here: the rest of the run
         if started is None:
-            job.finish(5), joiner.finish(5)
+            job.finish(5)
+            joiner.finish(5)
             trial.why = "the joiner never joined: " + (job.text() + joiner.text())[-800:]
             return trial
     trial.kill_after_s = rng.uniform(0.0 if joiner else 0.2, duration_s * (0.8 if joiner else 1.05))
@@ -253,7 +254,9 @@ def _run_trial(case: Case, duration_s: float, rng: random.Random, tmp: str) -> T
     lay = case.layout
     fixed = {"rank0": 0, "shard": 1, "chief": lay.worker_rank(0), "joiner": NP}  # a joiner is the last rank
     trial.victim = fixed[case.target] if case.target in fixed else rng.choice(lay.worker_ranks)
-    pid, supervisor = pids.get(trial.victim, (None, None)) if not joiner else rank_pids(joiner.proc.pid).get(0, (None, None))
+    if joiner:  # the only rank of its own mpirun
+        pids = {trial.victim: rank_pids(joiner.proc.pid).get(0, (None, None))}
+    pid, supervisor = pids.get(trial.victim, (None, None))
     pid = supervisor if case.target == "supervisor" else pid
     if case.target in ("launcher", "disk"):
         trial.victim, pid = -1, job.proc.pid

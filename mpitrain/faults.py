@@ -182,8 +182,8 @@ def kill_session(sid: int, linger_s: float = 0.0) -> bool:
     return found
 
 
-def vanish_after_let_in(when: str = "vanish") -> None:
-    """MPITRAIN_INJECT_JOIN=vanish: a joiner let in dies before the job's GO; =formed: once the new
-    world has formed."""
+def joiner_vanishes(when: str) -> None:
+    """MPITRAIN_INJECT_JOIN=`when`: the joiner dies here ("vanish": let in, before the job's GO;
+    "formed": once the new world has formed)."""
     if os.environ.get("MPITRAIN_INJECT_JOIN") == when:
         os.kill(os.getpid(), signal.SIGKILL)

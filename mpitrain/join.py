@@ -373,7 +373,7 @@ def join_job(cfg: TrainConfig, identity: dict, carry: Carry):
         raise UsageError("--join: the job did not answer; it may have ended")
     if not answer.get("ok"):
         raise UsageError(f"--join: the job refused this worker: {answer.get('why')}")
-    faults.vanish_after_let_in()
+    faults.joiner_vanishes("vanish")
     go = Message(0)
     req = inter.Irecv(go.spec(), source=0, tag=TAG_JOIN)
     # Rank 0 makes room within a step or two (or tells this worker the job ended instead); should
@@ -389,7 +389,7 @@ def join_job(cfg: TrainConfig, identity: dict, carry: Carry):
     inter.Send(ack.spec(), dest=0, tag=TAG_JOIN)
     pair = inter.Merge(high=True)
     world = MPI.COMM_SELF.Create_intercomm(0, pair, 0, GROW_TAG).Merge(high=True)
-    faults.vanish_after_let_in("formed")
+    faults.joiner_vanishes("formed")
     return world, answer.get("budget")
 
 
