@@ -64,6 +64,29 @@ def flag_name(f: dataclasses.Field) -> str:
     return f.metadata["option"].flag or "--" + f.name.replace("_", "-")
 
 
+def as_argv(cfg: TrainConfig) -> list[str]:
+    """The flags that give `cfg` back (each field not at its default), for the worker rank 0 starts
+    itself (--respawn, join.py): parse_args(as_argv(cfg)) == cfg. ValueError for what no flag
+    says (a Python API caller's model object)."""
+    out: list[str] = []
+    for f in dataclasses.fields(TrainConfig):
+        value, flag = getattr(cfg, f.name), flag_name(f)
+        if value == f.default:
+            continue
+        if f.name == "stragglers":
+            for rank, kind, amount in value:
+                out += [flag, f"{rank}:{'x' if kind == 'factor' else ''}{amount!r}"]
+        elif f.type == "bool":
+            out.append(flag if value else "--no-" + flag.removeprefix("--"))
+        elif f.name == "hidden":
+            out += [flag, ",".join(map(str, value))]
+        elif isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            out += [flag, repr(value) if isinstance(value, float) else str(value)]
+        else:
+            raise ValueError(f"{flag} {value!r} has no command-line form")
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The parser, generated from TrainConfig's fields: each one's flag, help, default and choices
     are declared once, in config.py (the Python API's signature comes from the same place)."""

@@ -153,6 +153,10 @@ class TrainConfig:
     join: bool = PARALLELISM(
         False, "start this process as one more worker of the job running with the same flags and --checkpoint-dir: "
         "`mpirun -np 1 python -m mpitrain [the job's flags] --join` (MPICH; the job makes room at a step boundary)")
+    respawn: int = PARALLELISM(
+        0, "replace a lost worker: rank 0 starts a new one with MPI_Comm_spawn, which joins at the next step "
+        "boundary (MPICH and Open MPI), at most N times in the job; needs --checkpoint-dir and --worker-timeout > 0",
+        metavar="N")
 
     model: str = MODEL("mlp", "softmax regression, or a ReLU multi-layer perceptron", choices=model_names)
     hidden: tuple[int, ...] = MODEL((100,), "MLP hidden layer widths", shown="100", metavar="W[,W...]")
@@ -280,6 +284,7 @@ PER_RANK_FIELDS = frozenset({
     "straggler_report", "stall_warning",  # rank 0's reporting
     "fresh", "keep_checkpoints",  # rank 0 writes the checkpoints
     "join",  # the joiner's own way in (join.py); the job's flags are compared when it joins
+    "respawn",  # rank 0 alone starts replacements (join.py)
 })
 
 
@@ -354,6 +359,18 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _choice("mode", cfg.mode, MODES)
     if cfg.join and not cfg.checkpoint_dir:
         raise UsageError("--join finds the running job through its folder: give the job's --checkpoint-dir too")
+    if cfg.respawn < 0:
+        raise UsageError(f"--respawn must be zero (never) or the most lost workers to replace (got {cfg.respawn}); "
+                         f"e.g. --respawn 3")
+    if cfg.respawn and not can_take_joiners(cfg):
+        raise UsageError("--respawn replaces lost workers through the job's folder and heartbeats: give "
+                         "--checkpoint-dir DIR and a --worker-timeout above 0 too")
+    if cfg.respawn and not isinstance(cfg.model, str):
+        raise UsageError("respawn starts a worker as `python -m mpitrain` with the job's flags, which cannot carry a "
+                         "Python model object; use a built-in --model, or respawn=0")
+    if cfg.respawn and cfg.on_lost_worker == "stop":
+        raise UsageError("--respawn replaces a lost worker, but --on-lost-worker stop ends the job when one is lost; "
+                         "drop one of the two")
     if isinstance(cfg.model, str):  # else a Model object of the user's (the API checked its members)
         _choice("model", cfg.model, model_names())
     _choice("optimizer", cfg.optimizer, optimizer_names())

@@ -81,8 +81,12 @@ class Carry:
     start_step: int | None = None
     peer_lost: bool = False  # a rank died in an earlier phase: MPI_Finalize would wait for it
     joiner: bool = False  # this process came in with --join
+    spawned: bool = False  # ... started by the job's ranks (--respawn), under their launcher
+    with_spawned: bool = False  # this rank's world has a process the job's ranks started (--respawn)
     token: str | None = None  # rank 0: the job's join token (written once, removed at its end)
     identity: dict | None = None  # rank 0: the job's flags as given, which a joiner's must match
+    job_cfg: TrainConfig | None = None  # rank 0: the flags as given (--respawn starts a worker with them)
+    respawns_left: int = 0  # rank 0: how many more lost workers --respawn may replace
     forming: threading.Timer | None = None  # from making room until the next phase's heartbeats run
 
     def start_forming(self, who: str) -> None:
@@ -122,9 +126,11 @@ class Carry:
 
 def can_grow(ctx) -> bool:
     """Whether workers can join this job: it has a parameter server and --checkpoint-dir (where a
-    joiner finds it), heartbeats (they tell the workers to make room), and runs on MPICH (Open MPI
-    5 cannot connect two separately started mpiruns)."""
-    return not ctx.local and can_take_joiners(ctx.cfg) and mpiimpl.running() is not mpiimpl.OPENMPI
+    joiner finds it), heartbeats (they tell the workers to make room), and either runs on MPICH or
+    starts its joiners itself (--respawn: Open MPI 5 cannot connect two separately started mpiruns,
+    but spawns within one)."""
+    return (not ctx.local and can_take_joiners(ctx.cfg)
+            and (ctx.cfg.respawn > 0 or mpiimpl.running() is not mpiimpl.OPENMPI))
 
 
 def _folder(cfg: TrainConfig) -> Path:
@@ -196,17 +202,26 @@ class Lobby:
     at it). It connects to a fresh request, lets the joiner in or refuses it, and on the first it
     lets in requests the stop that makes room (`joiner`)."""
 
-    def __init__(self, ctx, identity: dict, token: str, budget: int):
-        self.identity, self.token, self.budget = identity, token, budget
+    def __init__(self, ctx, carry: Carry):
+        self.identity, self.token, self.budget, self.carry = carry.identity, carry.token, carry.budget, carry
+        self.watch = ctx.watch  # its lost workers: --respawn replaces them
+        self.lost_seen = 0
+        self.spawn = False  # --respawn: start a worker where this phase ends (grow)
         self.dir = _folder(ctx.cfg) / REQUESTS
         self.joiner: Joiner | None = None
         self._next = 0.0
 
     def check(self) -> None:
         now = time.monotonic()
-        if self.joiner is not None or STOP.requested or now < self._next:  # one at a time; never into a stop
+        if self.joiner is not None or self.spawn or STOP.requested or now < self._next:  # one at a time; never into a stop
             return
         self._next = now + SCAN_EVERY_S
+        if self._respawn_due():
+            self.spawn = True
+            say(f"mpitrain: starting a worker in place of the one lost at the next step boundary (--respawn: "
+                f"{self.carry.respawns_left} more after this one)")
+            STOP.request()  # every mode ends this step as for Ctrl-C; the phase's end starts the worker
+            return
         for path in self._requests():
             self._consider(path)
             if self.joiner is not None:
@@ -235,10 +250,24 @@ class Lobby:
             inter = MPI.COMM_SELF.Connect(port, info)
         except MPI.Exception as e:
             say(f"mpitrain: could not connect to the worker waiting to join on {host} (pid {pid}): "
-                f"{str(e).strip().splitlines()[-1]}; the job goes on without it")
+                f"{_last_line(e)}; the job goes on without it")
             return
         finally:
             info.Free()
+        self._admit(inter, host, pid)
+
+    def _respawn_due(self) -> bool:
+        """--respawn: a worker was lost in this phase since the last look, and the job may still
+        start a replacement (each loss gets one try, whatever becomes of it)."""
+        lost = len(self.watch.lost)
+        if lost <= self.lost_seen or self.carry.respawns_left <= 0:
+            return False
+        self.lost_seen = lost
+        self.carry.respawns_left -= 1
+        return True
+
+    def _admit(self, inter, host: str, pid: int) -> None:
+        """A connection to a would-be joiner: its hello, then let it in or refuse it, both in one line."""
         hello = _recv_json(inter, 0, ANSWER_S) or {}
         why = self._refusal(hello)
         try:
@@ -261,6 +290,9 @@ class Lobby:
 
     def release(self, why: str) -> None:
         """The job ends instead of growing: tell the joiner it let in, and let it go."""
+        if self.spawn:
+            say(f"mpitrain: no worker was started in place of the lost one: {why}")
+            self.spawn = False
         if self.joiner is None:
             return
         end = Message(0)
@@ -272,6 +304,10 @@ class Lobby:
             pass
         say(f"mpitrain: the worker on {self.joiner.host} (pid {self.joiner.pid}) did not join: {why}")
         self.joiner = None
+
+
+def _last_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[-1]
 
 
 def _dead_here(host: str, pid: int) -> bool:
@@ -307,21 +343,49 @@ def still_there(joiner: Joiner) -> bool:
         return False
 
 
-def grow(comm, live: list[int], gen: int, joining: bool, joiner: Joiner | None = None):
-    """Every live rank of `comm`: the new world, the live ranks in order, then the joiner (rank 0
-    holds its connection, `joiner`). Not `joining` (it did not answer GO): the same ranks go on in
-    a world of their own. Its collectives block (Carry.start_forming guards them)."""
+NOBODY, CONNECTED, SPAWNED = 0, 1, 2  # who joins as the world re-forms (rank 0's goodbye says which)
+
+
+def grow(comm, live: list[int], gen: int, how: int, joiner: Joiner | None = None, argv: list[str] = ()):
+    """Every live rank of `comm`: the new world, the live ranks in order, then the joiner: the one
+    that CONNECTED (rank 0 holds its connection, `joiner`), or one they start together (SPAWNED:
+    this job's command with `argv`, significant at rank 0). NOBODY (the joiner did not answer
+    GO): the same ranks go on in a world of their own. Its collectives block (Carry.start_forming
+    guards them)."""
     if len(live) == comm.Get_size():
-        local = comm if joining else comm.Dup()
+        local = comm if how != NOBODY else comm.Dup()
     else:  # without the dead: made by the live ranks alone
         local = mpiimpl.survivors(comm, live, JOIN_TAG + gen, f"mpitrain.join.{gen}")
-    if not joining:
+    if how == NOBODY:
         return local
-    pair = joiner.inter.Merge(high=False) if joiner is not None else MPI.COMM_SELF
-    inter = local.Create_intercomm(0, pair, 1, GROW_TAG)
+    if how == SPAWNED:
+        # Spawned by every live rank together, not by rank 0 alone: Open MPI 5.0 then connects the
+        # new process to each of them (spawned by rank 0 and merged in, it hung in the first
+        # collective with the others: measured). MPICH does either.
+        info = MPI.Info.Create()
+        info.Set("wdir", os.getcwd())  # --checkpoint-dir and --data-dir may be relative to it
+        try:
+            inter = local.Spawn(sys.executable, ["-m", "mpitrain", *argv], 1, info, root=0)
+        except MPI.Exception as e:  # every rank hears of it (no slot left for it, say): go on without it
+            if local.Get_rank() == 0:
+                say(f"mpitrain: could not start a worker in place of the lost one: {_last_line(e)}")
+            return local
+        finally:
+            info.Free()
+    else:
+        pair = joiner.inter.Merge(high=False) if joiner is not None else MPI.COMM_SELF
+        inter = local.Create_intercomm(0, pair, 1, GROW_TAG)
     world = inter.Merge(high=False)
     inter.Free()
     return world
+
+
+def welcome(world, carry: Carry) -> str:
+    """Rank 0, in the world a SPAWNED worker formed with the others: its hello (where it runs),
+    and the job's flags and step budget for it. Returns its host ("?" if it said nothing)."""
+    hello = _recv_json(world, world.Get_size() - 1, ANSWER_S) or {}
+    _send_json(world, {"budget": carry.budget, "identity": carry.identity}, world.Get_size() - 1)
+    return str(hello.get("host", "?"))
 
 
 # --- the joiner's side ---------------------------------------------------------------------------
@@ -344,29 +408,14 @@ def join_job(cfg: TrainConfig, identity: dict, carry: Carry):
     folder = _folder(cfg)
     if mpiimpl.running() is mpiimpl.OPENMPI:
         raise UsageError("--join needs MPICH: Open MPI 5 cannot connect two separately started mpiruns; "
-                         "restart the job instead (it resumes from its newest checkpoint)")
+                         "start the job with --respawn N instead (rank 0 then starts a worker in place of a lost "
+                         "one), or restart it (it resumes from its newest checkpoint)")
     try:
         token = (folder / TOKEN).read_text().strip()
     except OSError:
         raise UsageError(f"--join: no running job takes workers in --checkpoint-dir {folder}; start the job first "
                          f"(with --checkpoint-dir {folder} and --worker-timeout > 0, under MPICH)") from None
-    port = MPI.Open_port()
-    request = folder / REQUESTS / f"{socket.gethostname()}.{os.getpid()}.json"
-    waiting = threading.Event()
-    try:
-        request.parent.mkdir(mode=0o700, exist_ok=True)
-        _write_private(request, json.dumps({"port": port, "host": socket.gethostname(), "pid": os.getpid()}))
-    except OSError as e:
-        raise UsageError(f"--join: cannot write a request into {request.parent} ({e.strerror}); "
-                         f"join as the user who runs the job") from None
-    toucher = threading.Thread(target=_touch, args=(request, folder / TOKEN, waiting), daemon=True)
-    toucher.start()
-    say(f"mpitrain: waiting for the job in {folder} to let this worker in")
-    inter = MPI.COMM_SELF.Accept(port)
-    waiting.set()
-    _remove(request)
-    _remove_folder(request.parent)
-    MPI.Close_port(port)
+    inter = _wait_to_be_let_in(folder)
     _send_json(inter, {"token": token, "identity": identity}, 0)
     answer = _recv_json(inter, 0, ANSWER_S)
     if answer is None:
@@ -391,6 +440,52 @@ def join_job(cfg: TrainConfig, identity: dict, carry: Carry):
     world = MPI.COMM_SELF.Create_intercomm(0, pair, 0, GROW_TAG).Merge(high=True)
     faults.joiner_vanishes("formed")
     return world, answer.get("budget")
+
+
+def spawned() -> bool:
+    """Whether this process was started by a job's ranks (--respawn): MPI_Comm_get_parent."""
+    return MPI.Comm.Get_parent() != MPI.COMM_NULL
+
+
+def join_spawned(carry: Carry, identity_of) -> tuple[object, int | None]:
+    """The worker a job started (--respawn): into the world it forms with the job's ranks at once
+    (they wait in it), then its hello and rank 0's word: the job's step budget, and its flags,
+    which `identity_of()` (this process's, computed meanwhile) must match."""
+    carry.start_forming("the worker started in place of a lost one")
+    carry.spawned = carry.with_spawned = True
+    world = MPI.Comm.Get_parent().Merge(high=True)
+    _send_json(world, {"host": socket.gethostname(), "pid": os.getpid()}, 0)
+    mine = identity_of()
+    word = _recv_json(world, 0, ANSWER_S)
+    if word is None:
+        raise UsageError("--respawn: the job that started this worker did not answer; it may have ended")
+    detail = disagreement(word.get("identity") or {}, mine)
+    if detail:
+        raise UsageError(f"--respawn: this worker's flags differ from the job's ({detail})")
+    return world, word.get("budget")
+
+
+def _wait_to_be_let_in(folder: Path):
+    """A joiner started by hand: request to join through the job's folder, and wait in
+    MPI_Comm_accept until rank 0 connects. Returns the connection (an intercommunicator)."""
+    port = MPI.Open_port()
+    request = folder / REQUESTS / f"{socket.gethostname()}.{os.getpid()}.json"
+    waiting = threading.Event()
+    try:
+        request.parent.mkdir(mode=0o700, exist_ok=True)
+        _write_private(request, json.dumps({"port": port, "host": socket.gethostname(), "pid": os.getpid()}))
+    except OSError as e:
+        raise UsageError(f"--join: cannot write a request into {request.parent} ({e.strerror}); "
+                         f"join as the user who runs the job") from None
+    toucher = threading.Thread(target=_touch, args=(request, folder / TOKEN, waiting), daemon=True)
+    toucher.start()
+    say(f"mpitrain: waiting for the job in {folder} to let this worker in")
+    inter = MPI.COMM_SELF.Accept(port)
+    waiting.set()
+    _remove(request)
+    _remove_folder(request.parent)
+    MPI.Close_port(port)
+    return inter
 
 
 def _touch(request: Path, token: Path, waiting: threading.Event) -> None:

@@ -57,6 +57,14 @@ class Impl:
     # On one host: the shared-memory transport only. Open MPI's default also opens its network
     # ones (ofi, uct, tcp), which costs each job 0.8 s of start-up (measured: 1.3 s -> 0.5 s for 3 ranks).
     one_host_flags: tuple[str, ...] = ()
+    # ... for a job that starts workers itself (--respawn): a spawned process is of another job, which
+    # Open MPI's shared-memory transport does not reach ("unable to reach each other", abort: measured).
+    one_host_spawn_flags: tuple[str, ...] = ()
+    # After a worker was started in place of a lost one (--respawn), every rank calls MPI_Finalize
+    # even though a peer was lost: prterun then ends the spawned process's job cleanly (exit 8). With
+    # the survivors leaving without it, it reported the spawned one "exited improperly" and exited 1
+    # (1 of 4 jobs, measured). MPICH's MPI_Finalize would wait for the dead forever.
+    finalize_after_respawn: bool = False
 
     def hostfile_line(self, host: str, slots: int) -> str:
         return self.slots_syntax.format(host=host, slots=slots)
@@ -67,7 +75,8 @@ MPICH = Impl("mpich", "MPICH", ("-disable-auto-cleanup",), "-f", "{host}:{slots}
 OPENMPI = Impl("openmpi", "Open MPI", ("--with-ft", "ulfm"), "--hostfile", "{host} slots={slots}", "pmix",
                "sm_segment.", contacts_every_host=True, stop_exit=1, stop_signal="SIGUSR1",
                root_flags=("--allow-run-as-root",), oversubscribe_flags=("--oversubscribe",),
-               one_host_flags=("--mca", "btl", "self,sm"))
+               one_host_flags=("--mca", "btl", "self,sm"), one_host_spawn_flags=("--mca", "btl", "self,sm,tcp"),
+               finalize_after_respawn=True)
 IMPLS = {impl.name: impl for impl in (MPICH, OPENMPI)}
 
 RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
@@ -96,20 +105,23 @@ def launcher_local_rank(env) -> int | None:
     return _first_int(env, LOCAL_RANK_VARS)
 
 
-def local_env(impl: Impl) -> dict[str, str]:
+def local_env(impl: Impl, spawns: bool = False) -> dict[str, str]:
     """The same as `local_flags`, as environment variables (for commands written without them)."""
     if impl is not OPENMPI:
         return {}
     root = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"} if os.geteuid() == 0 else {}
-    return {**root, "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe", "OMPI_MCA_btl": "self,sm"}
+    flags = impl.one_host_spawn_flags if spawns else impl.one_host_flags  # ("--mca", NAME, VALUE) each
+    mca = {f"OMPI_MCA_{flags[i + 1]}": flags[i + 2] for i in range(0, len(flags), 3)}
+    return {**root, "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe", **mca}
 
 
-def local_flags(impl: Impl) -> list[str]:
+def local_flags(impl: Impl, spawns: bool = False) -> list[str]:
     """What mpirun needs for a job on this one machine (the tests, the benchmarks): Open MPI refuses
     root (containers, CI) and more ranks than cores (3 ranks on 2 cores) without its flags, and
-    starts faster with its shared-memory transport alone."""
+    starts faster with its shared-memory transport alone (a job that `spawns` workers: --respawn,
+    needs its network one too)."""
     root = impl.root_flags if os.geteuid() == 0 else ()
-    return [*root, *impl.oversubscribe_flags, *impl.one_host_flags]
+    return [*root, *impl.oversubscribe_flags, *(impl.one_host_spawn_flags if spawns else impl.one_host_flags)]
 
 
 def from_library(version: str) -> Impl | None:

@@ -34,6 +34,7 @@ from mpitrain.reports import ShardReport, Summary, WorkerReport, from_bytes, to_
 from mpitrain.runtime import PS_RANK, Context, Node, broadcast_start, node_info, setup
 from mpitrain.stopping import STOP, signal_name
 from mpitrain.chief import begin, record_lost, seen_workers
+from mpitrain.cli import as_argv
 from mpitrain.transport import END_POLL_S, Poller
 from mpitrain.waiting import poll
 from mpitrain.gradients import WorkerResult
@@ -403,9 +404,13 @@ def joined(cfg: TrainConfig, comm, carry: join.Carry) -> tuple[TrainConfig, obje
     from mpitrain.runtime import make_model
     from mpitrain.data import load_dataset
 
-    data = load_dataset(cfg)
-    model = make_model(cfg, data, np)
-    world, budget = join.join_job(cfg, identity_of(cfg, model), carry)
+    def mine() -> dict:
+        return identity_of(cfg, make_model(cfg, load_dataset(cfg), np))
+
+    if join.spawned():  # started by the job itself (--respawn): it waits in the new world already
+        world, budget = join.join_spawned(carry, mine)
+    else:
+        world, budget = join.join_job(cfg, mine(), carry)
     if world is None:
         return cfg, None, None
     carry.budget, carry.joiner = budget, True
@@ -441,10 +446,10 @@ def _run(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: bo
     diverged = _divergence(ctx, mine, reports)
     summary = None
     if ctx.rank == PS_RANK:
-        if lobby is not None and lobby.joiner is not None:
+        if lobby is not None and (lobby.joiner is not None or lobby.spawn):
             why = no_room(ctx, mine, reports, diverged)
             if why is None:
-                return make_room(ctx, mine, reports, heartbeat, carry, lobby.joiner)
+                return make_room(ctx, mine, reports, heartbeat, carry, lobby)
             lobby.release(why)
         carry.into(mine.state)
         summary, peer_was_lost = publish(ctx, mine, reports, placements, diverged, carry.joins)
@@ -459,9 +464,14 @@ def _run(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: bo
         if not bye.flags & FLAG_STOPPED:
             STOP.reset()  # the run reached its budget anyway: done, not stopped
     outcome = verdict(ctx, mine, reports, summary, diverged)
+    if carry.token is not None:  # the job ends: no worker can join it now (this rank may leave without unwinding)
+        join.withdraw_token(cfg)
+        carry.token = None
     if not retire_heartbeats(ctx, heartbeat) or peer_was_lost or carry.peer_lost:
-        if not carry.joiner:  # a joiner's launcher ran without the keep-going flag: it would kill it (exit 9)
-            exit_without_finalize(outcome.code)
+        impl = mpiimpl.running()
+        respawned_here = carry.with_spawned and impl is not None and impl.finalize_after_respawn
+        if not carry.joiner and not respawned_here:  # a joiner's own launcher ran without the keep-going
+            exit_without_finalize(outcome.code)  # flag: it would kill it (exit 9)
         finalize(ctx, outcome.code)  # the dead were never its peers (measured: MPICH finalizes at once)
         return outcome
     if library:  # MPI stays up for the next run; only this run's communicator goes
@@ -483,7 +493,8 @@ def open_lobby(ctx: Context, carry: join.Carry) -> join.Lobby | None:
                 f"{ctx.cfg.checkpoint_dir} ({e.strerror})", sys.stderr)
             return None
         carry.identity = identity(ctx)  # the job's flags as given: a joiner's are compared with these
-    ctx.watch.lobby = join.Lobby(ctx, carry.identity, carry.token, carry.budget)
+        carry.job_cfg, carry.respawns_left = ctx.cfg, ctx.cfg.respawn
+    ctx.watch.lobby = join.Lobby(ctx, carry)
     return ctx.watch.lobby
 
 
@@ -499,9 +510,9 @@ def no_room(ctx: Context, mine: RoleResult, reports: list, diverged: Diverged | 
 
 
 def make_room(ctx: Context, mine: RoleResult, reports: list, heartbeat, carry: join.Carry,
-              joiner: join.Joiner) -> Outcome:
+              lobby: join.Lobby) -> Outcome:
     """Rank 0, the phase over (the checkpoint saved): tell every rank left to form a new world with
-    the joiner instead of ending, and form it."""
+    the joiner (the one it let in, or one they start: --respawn) instead of ending, and form it."""
     state = mine.state
     lost = sorted(set(ctx.watch.lost) | {w["rank"] for w in state.lost_workers})
     if ctx.cfg.mode == "async":  # the summary's count of each lost worker's gradients, by this phase's index
@@ -509,18 +520,24 @@ def make_room(ctx: Context, mine: RoleResult, reports: list, heartbeat, carry: j
                               for x in state.lost_workers]
     carry.add_phase(state)
     gen = len(carry.joins) + 1
-    joining = join.still_there(joiner)
-    peer_was_lost = say_goodbye(ctx, [r.rank for r in reports], bool(lost), False, reform=(gen, lost, joining))
+    joiner = lobby.joiner
+    how = join.SPAWNED if lobby.spawn else join.CONNECTED if join.still_there(joiner) else join.NOBODY
+    peer_was_lost = say_goodbye(ctx, [r.rank for r in reports], bool(lost), False, reform=(gen, lost, how))
     carry.peer_lost |= peer_was_lost or bool(lost)
-    world = _regrow(ctx, heartbeat, carry, lost, gen, joining, joiner)
+    argv = as_argv(dataclasses.replace(carry.job_cfg, join=True, fresh=False, respawn=0)) if lobby.spawn else []
+    world = _regrow(ctx, heartbeat, carry, lost, gen, how, joiner, argv)
     workers = world.Get_size() - ctx.layout.shards
-    if joining:
-        carry.joins.append({"rank": world.Get_size() - 1, "global_step": state.global_step, "host": joiner.host})
-        say(f"mpitrain: the worker on {joiner.host} joined as rank {world.Get_size() - 1} at global step "
-            f"{state.global_step}: {workers} worker(s) from here")
-    else:
-        say(f"mpitrain: the worker on {joiner.host} (pid {joiner.pid}) did not answer when the job had made room; "
-            f"going on with {workers} worker(s) from global step {state.global_step}")
+    if world.Get_size() == ctx.size - len(lost):  # nobody joined: it did not answer, or could not start
+        why = "" if how == join.SPAWNED else f"the worker on {joiner.host} (pid {joiner.pid}) did not answer when " \
+                                              f"the job had made room; "
+        say(f"mpitrain: {why}going on with {workers} worker(s) from global step {state.global_step}")
+        return Outcome(ExitCode.OK, grown=(carry.next_config(ctx.cfg), world, node_info(world)))
+    host = join.welcome(world, carry) if how == join.SPAWNED else joiner.host
+    who = "a worker started in place of the lost one" if how == join.SPAWNED else "the worker"
+    carry.joins.append({"rank": world.Get_size() - 1, "global_step": state.global_step, "host": host,
+                        "respawned": how == join.SPAWNED})
+    say(f"mpitrain: {who} on {host} joined as rank {world.Get_size() - 1} at global step "
+        f"{state.global_step}: {workers} worker(s) from here")
     return Outcome(ExitCode.OK, grown=(carry.next_config(ctx.cfg), world, node_info(world)))
 
 
@@ -528,14 +545,14 @@ def grow_with_joiner(ctx: Context, heartbeat, carry: join.Carry, bye: Message) -
     """A worker (or another server), rank 0's goodbye flagged FLAG_REFORM: into the new world."""
     lost = [int(r) for r in np.flatnonzero(bye.payload)]
     carry.peer_lost |= bool(bye.flags & FLAG_PEER_LOST)
-    world = _regrow(ctx, heartbeat, carry, lost, bye.step, bool(bye.local_step), None)
+    world = _regrow(ctx, heartbeat, carry, lost, bye.step, bye.local_step, None)
     return Outcome(ExitCode.OK, grown=(carry.next_config(ctx.cfg), world, node_info(world)))
 
 
-def _regrow(ctx: Context, heartbeat, carry: join.Carry, lost: list[int], gen: int, joining: bool,
-            joiner: join.Joiner | None):
+def _regrow(ctx: Context, heartbeat, carry: join.Carry, lost: list[int], gen: int, how: int,
+            joiner: join.Joiner | None, argv: list[str] = ()):
     """Every rank left: end this phase's heartbeats and communicators, then the new world (with
-    the joiner, `joining`; rank 0 holds its connection)."""
+    the joiner, unless `how` is join.NOBODY; rank 0 holds its connection, or the spawn's argv)."""
     carry.start_forming(f"rank {ctx.rank}")
     if not retire_heartbeats(ctx, heartbeat):
         carry.peer_lost = True
@@ -543,7 +560,8 @@ def _regrow(ctx: Context, heartbeat, carry: join.Carry, lost: list[int], gen: in
     if not STOP.signum:  # the stop that made room; a signal of this rank's own stops the next phase
         STOP.reset()
     live = [r for r in range(ctx.size) if r not in lost]
-    return join.grow(ctx.comm, live, gen, joining, joiner)
+    carry.with_spawned |= how == join.SPAWNED
+    return join.grow(ctx.comm, live, gen, how, joiner, argv)
 
 
 def connect(ctx: Context) -> tuple[Context, list[str], liveness.Heartbeat | None]:
@@ -800,7 +818,7 @@ def say_goodbye(ctx: Context, ranks: list[int], peer_was_lost: bool, stopped: bo
                 reform: tuple[int, list[int], bool] | None = None) -> bool:
     """Rank 0, after the summary: release the workers, telling them whether MPI_Finalize is safe
     and whether the run stopped on request (the header says by which signal); or, when a worker
-    joins (`reform`: the join's number, the ranks lost, whether the joiner is still there), that
+    joins (`reform`: the join's number, the ranks lost, who joins: join.NOBODY/CONNECTED/SPAWNED), that
     they go on in a new world without the lost. True when a worker turned out to be lost meanwhile."""
     bye = Message(ctx.size)
     bye.payload[:] = 0
@@ -808,7 +826,7 @@ def say_goodbye(ctx: Context, ranks: list[int], peer_was_lost: bool, stopped: bo
     if reform is not None:
         bye.payload[reform[1]] = 1
         flags |= FLAG_REFORM
-    bye.stamp(TAG_REPORT, reform[0] if reform else 0, int(reform[2]) if reform else 0, flags=flags)
+    bye.stamp(TAG_REPORT, reform[0] if reform else 0, reform[2] if reform else 0, flags=flags)
     ranks = [r for r in ranks if r != ctx.rank]  # a local run's own report is among them
     try:
         Poller(END_POLL_S, ctx.watch).all([ctx.comm.Isend(bye.spec(), dest=r, tag=TAG_REPORT) for r in ranks], ranks)

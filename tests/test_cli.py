@@ -38,6 +38,10 @@ BAD = [
     (["--worker-timeout", "-1"], "--worker-timeout must be zero (never) or a positive"),
     (["--worker-timeout", "nan"], "--worker-timeout must be zero (never) or a positive"),
     (["--mode", "sync", "--staleness-lr"], "--staleness-lr applies to --mode async"),
+    (["--respawn", "-1"], "--respawn must be zero (never)"),
+    (["--respawn", "2"], "give --checkpoint-dir DIR and a --worker-timeout above 0"),
+    (["--respawn", "2", "--checkpoint-dir", "ck", "--worker-timeout", "0"], "--worker-timeout above 0"),
+    (["--respawn", "1", "--checkpoint-dir", "ck", "--on-lost-worker", "stop"], "drop one of the two"),
 ]
 
 
@@ -274,3 +278,31 @@ def test_setup_makes_a_complete_frozen_context_that_needs_no_mpi():
     assert ctx.watch.lost == {} and ctx.worker_comm is None
     connected = dataclasses.replace(ctx, worker_comm="comm")
     assert connected.worker_comm == "comm" and ctx.worker_comm is None and connected.model is ctx.model
+
+
+@pytest.mark.parametrize("args", [
+    [],
+    ["--mode", "sync", "--quorum", "2", "--straggler", "2:x5", "--straggler", "1:0.01", "--hidden", "32,16",
+     "--no-overlap", "--lr", "0.05", "--checkpoint-dir", "ck", "--respawn", "2", "--worker-timeout", "3.5"],
+    ["--model", "softmax", "--dataset", "synthetic", "--compress", "bf16", "--ema-decay", "0.99", "--fresh",
+     "--epochs", "3", "--no-progress", "--num-ps", "2"],
+], ids=["defaults", "sync-flags", "other-flags"])
+def test_the_flags_a_respawned_worker_gets_give_the_same_config(args):
+    """--respawn starts a worker with the job's flags written back out (cli.as_argv): parsed, they
+    must give the job's config field for field, or the worker is refused as a stranger."""
+    from mpitrain.cli import as_argv, parse_args
+
+    cfg, _ = parse_args(args)
+    again, _ = parse_args(as_argv(cfg))
+    assert again == cfg
+    assert len(as_argv(cfg)) <= len(args) + 1  # only what differs from the defaults
+
+
+def test_a_model_object_has_no_flags_to_respawn_with():
+    import dataclasses
+
+    from mpitrain.cli import as_argv
+    from mpitrain.config import TrainConfig
+
+    with pytest.raises(ValueError, match="--model"):
+        as_argv(dataclasses.replace(TrainConfig(), model=object()))

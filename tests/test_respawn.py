@@ -1,0 +1,87 @@
+"""--respawn N: rank 0 replaces a lost worker by starting a new one (MPI_Comm_spawn, join.grow),
+which joins at the next step boundary as a worker started by hand with --join does. Unlike --join,
+it stays within the job's own mpirun, so it runs under Open MPI too: both MPIs, as users run it
+(a worker SIGKILLed from outside)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import MPI_TIMEOUT_S, Lines, child_env, keep_going, kill_session, mpi_impl, mpirun_path
+from mpitrain import join, mpiimpl
+from mpitrain.faults import rank_pids
+
+# As tests/test_join.py: long enough (~20 s on 2 cores) for the kill, the spawn and the join.
+JOB = {"async": ("--mode", "async", "--steps", "40000"),
+       "sync": ("--mode", "sync", "--steps", "8000", "--straggler", "1:0.002")}
+BUDGET = {"async": 40000, "sync": 8000}
+
+
+def respawn_cmd(tmp_path, *args: str) -> list[str]:
+    """The job under this MPI's keep-going flag, with the transports a spawned process needs
+    (mpiimpl.local_flags(spawns=True): Open MPI's shared memory alone does not reach it)."""
+    return [mpirun_path(), *mpiimpl.local_flags(mpi_impl(), spawns=True), *keep_going(), "-np", "3",
+            sys.executable, "-m", "mpitrain", *args, "--no-progress", "--worker-timeout", "5",
+            "--checkpoint-dir", str(tmp_path / "ck"), "--summary-json", str(tmp_path / "s.json")]
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_worker_killed_with_sigkill_is_replaced_and_the_job_finishes_its_budget(tmp_path, mode):
+    proc = subprocess.Popen(respawn_cmd(tmp_path, *JOB[mode], "--respawn", "1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=child_env(), start_new_session=True)
+    lines = Lines(proc.stdout)
+    try:
+        assert lines.wait("rank 2 worker"), lines.text()
+        time.sleep(1)
+        os.kill(rank_pids(proc.pid)[2][0], signal.SIGKILL)
+        assert lines.wait("joined as rank 2", 1, 90), lines.text()
+        proc.wait(MPI_TIMEOUT_S)
+    finally:
+        leftovers = kill_session(proc)
+    text = lines.text()
+    assert proc.returncode == mpi_impl().worker_lost_exit and not leftovers, text
+    assert "Traceback" not in text, text
+    assert "starting a worker in place of the one lost at the next step boundary (--respawn: 0 more" in text
+    s = json.loads((tmp_path / "s.json").read_text())
+    assert [x["rank"] for x in s["lost_workers"]] == [2], s["lost_workers"]
+    [joined] = s["joined_workers"]
+    assert joined["respawned"] and joined["rank"] == 2 and 0 < joined["global_step"] < BUDGET[mode]
+    assert s["workers"] == 2 and s["global_step"] == BUDGET[mode]  # the budget the job started with
+    if mode == "sync":
+        assert s["worker_param_digests"] == [s["param_digest"]] * 2
+    else:
+        assert s["gradients_pushed"][1] > 0  # the new worker trained
+    assert s["test_accuracy"] > 0.9
+    assert not (tmp_path / "ck" / join.TOKEN).exists()
+
+
+class _Watch:
+    def __init__(self):
+        self.lost: dict[int, dict] = {}
+
+
+def test_each_lost_worker_gets_one_respawn_until_the_budget_is_spent(tmp_path):
+    """The lobby's count (no MPI needed): a loss is replaced once, never twice, and no more than
+    --respawn N losses over the job (the Carry holds what is left across phases)."""
+    carry = join.Carry(identity={}, token="t", budget=10, respawns_left=2)
+
+    class Ctx:
+        cfg = type("Cfg", (), {"checkpoint_dir": str(tmp_path)})()
+        watch = _Watch()
+
+    lobby = join.Lobby(Ctx, carry)
+    assert not lobby._respawn_due()  # nobody lost
+    Ctx.watch.lost[2] = {"rank": 2}
+    assert lobby._respawn_due() and not lobby._respawn_due()  # one try for that loss
+    Ctx.watch.lost[3] = {"rank": 3}
+    assert lobby._respawn_due() and carry.respawns_left == 0
+    lobby = join.Lobby(Ctx, carry)  # the next phase: a new watch, the same budget
+    Ctx.watch.lost = {1: {"rank": 1}}
+    assert not lobby._respawn_due()
