@@ -113,12 +113,16 @@ CASES = [
     # The checkpoint folder is a small tmpfs that fills up at a random moment (root only): training
     # must finish, say so once, keep the newest good checkpoint, and exit 6 (final one missing).
     Case("disk-full", ("--mode", "sync"), "disk", 4000, 0),
+    # --respawn 1 (MPICH and Open MPI): the ranks left start a worker in place of the one killed, which
+    # joins at the next step boundary; the budget is finished with it (or first, if the kill came late).
+    Case("respawn-async", ("--mode", "async", "--respawn", "1"), "worker", 20000),
+    Case("respawn-sync", ("--mode", "sync", "--respawn", "1"), "worker", 4000),
 ]
 DEFAULT_TRIALS = {"async": 5, "async-staleness": 4, "async-big": 6, "sync": 4, "sync-quorum": 4, "chief-quorum": 3,
                   "quorum-big": 3, "sync-big": 3, "chief-sync": 3, "sync-stop": 2, "rank0-async": 4, "rank0-sync": 3, "supervisor": 3, "async-2ps": 4,
                   "shard-async": 3, "shard-sync": 2, "term-mpirun-async": 3, "term-rank-sync": 3,
                   "int-mpirun-quorum": 3, "term-rank0-2ps": 3, "disk-full": 3, "rejoin-async": 4,
-                  "rejoin-sync": 3}
+                  "rejoin-sync": 3, "respawn-async": 3, "respawn-sync": 3}
 
 
 @dataclass
@@ -180,7 +184,8 @@ class Job:
 
 
 def command(case: Case, tmp: str) -> list[str]:
-    return [mpirun(), *IMPL.keep_going, *mpiimpl.local_flags(IMPL), "-np", str(NP), sys.executable, "-m", "mpitrain",
+    spawns = "--respawn" in case.args  # Open MPI: its shared memory alone does not reach a spawned process
+    return [mpirun(), *IMPL.keep_going, *mpiimpl.local_flags(IMPL, spawns), "-np", str(NP), sys.executable, "-m", "mpitrain",
             *BASE, *case.args,
             "--steps", str(case.steps), "--checkpoint-dir", os.path.join(tmp, "ck"),
             "--summary-json", os.path.join(tmp, "summary.json")]
@@ -275,8 +280,8 @@ def _run_trial(case: Case, duration_s: float, rng: random.Random, tmp: str) -> T
     # a hang at 13 s, the job finishing as documented meanwhile).
     lost_one = goes_on(case) and case.target in ("worker", "chief") and case.sig == signal.SIGKILL
     rest = duration_s * lay.workers / (lay.workers - 1) if lost_one else duration_s if case.target == "disk" else 0.0
-    if joiner:  # the rest of the run on the workers it started with; or killed as the world re-formed
-        rest = duration_s + FORM_LIMIT_S
+    if joiner or "--respawn" in case.args:  # the rest of the run on the workers it started with (or with
+        rest = duration_s + FORM_LIMIT_S  # the one started in place of the lost); or killed as the world re-formed
     code, leftovers = job.finish(rest + TIMEOUT_S + GRACE_S - (time.monotonic() - killed_at))
     if joiner:
         joiner_code, joiner_left = joiner.finish(GRACE_S)
@@ -364,6 +369,9 @@ def expected(case: Case, trial: Trial, err: str, code: int, summary: dict | None
             problems.append("no final checkpoint at the budget")
         if case.mode == "sync" and summary["worker_param_digests"] != [summary["param_digest"]] * len(summary["worker_ranks"]):
             problems.append("replicas differ")
+        respawned = [j for j in summary["joined_workers"] if j.get("respawned")]
+        if "--respawn" in case.args and lost and not respawned and "no worker was started in place" not in err:
+            problems.append("the lost worker was not replaced, and no line said why")
         # Not 0 when a worker was lost: a scheduler must see it. Killed after its report, nothing was
         # lost: hydra still reports the killed rank's 137 (its supervisor's), Open MPI rank 0's 0.
         want = IMPL.worker_lost_exit if lost or IMPL is mpiimpl.MPICH else 0

@@ -30,6 +30,13 @@ both sides hang):
 5. Until that phase's heartbeats run, every rank is in a collective that a dead rank never
    completes: Carry.start_forming ends each in one line past FORM_LIMIT_S instead (exit 5).
 
+--respawn N (MPICH and Open MPI): instead of a joiner started by hand, rank 0's lobby sees a worker
+lost in this phase (the watch's) and requests the same stop; at the phase's end every rank left
+starts the replacement together (grow, SPAWNED: MPI_Comm_spawn of this job's command with --join,
+its flags written back out by cli.as_argv), which merges into the new world at once and then says
+hello (join_spawned, welcome). Spawned by rank 0 alone and merged in, Open MPI 5.0.11 hung in the
+first collective; spawned by all, it trains (measured).
+
 The summary lists the joins (`joined_workers`) with the lost workers of every phase. The ranks are
 numbered anew at each join: the live ranks in their order, then the joiner.
 """
@@ -66,6 +73,11 @@ HELLO_BYTES = 1 << 16  # the joiner's hello and rank 0's answer: JSON, never pic
 ANSWER_S = 10.0  # how long either side waits for the other's word on the connection
 GROW_TAG = 77  # MPI_Intercomm_create's tag between rank 0 and the joiner
 JOIN_TAG = 2000  # the live ranks' communicator before the join's (mpiimpl.survivors): JOIN_TAG + join number
+# Each launcher tracks a spawned worker (--respawn) as another job, and both misreported the end
+# when the job's own ranks left at the same moment as it: hydra's mpiexec signals the other launch's
+# proxy at each rank's exit, and died of SIGPIPE when that proxy had just gone (exit 141, 2 of 6
+# jobs); prterun printed "PRTE ERROR: Not found" (1 of 7). So the job's ranks leave this long after.
+SPAWNED_LEAVES_FIRST_S = 1.0
 FORM_LIMIT_S = 30.0  # the new world and its phase's start take a second or two; past this a rank died meanwhile
 
 
@@ -453,7 +465,9 @@ def join_spawned(carry: Carry, identity_of) -> tuple[object, int | None]:
     which `identity_of()` (this process's, computed meanwhile) must match."""
     carry.start_forming("the worker started in place of a lost one")
     carry.spawned = carry.with_spawned = True
-    world = MPI.Comm.Get_parent().Merge(high=True)
+    parent = MPI.Comm.Get_parent()
+    world = parent.Merge(high=True)
+    parent.Free()  # as the job's ranks free theirs (grow): MPI_Finalize waits on every dynamic communicator left
     _send_json(world, {"host": socket.gethostname(), "pid": os.getpid()}, 0)
     mine = identity_of()
     word = _recv_json(world, 0, ANSWER_S)

@@ -468,11 +468,9 @@ def _run(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: bo
         join.withdraw_token(cfg)
         carry.token = None
     if not retire_heartbeats(ctx, heartbeat) or peer_was_lost or carry.peer_lost:
-        impl = mpiimpl.running()
-        respawned_here = carry.with_spawned and impl is not None and impl.finalize_after_respawn
-        if not carry.joiner and not respawned_here:  # a joiner's own launcher ran without the keep-going
-            exit_without_finalize(outcome.code)  # flag: it would kill it (exit 9)
-        finalize(ctx, outcome.code)  # the dead were never its peers (measured: MPICH finalizes at once)
+        leave_after_a_loss(carry, outcome.code)
+        finalize(ctx, outcome.code)  # a joiner: the dead were never its peers (measured: MPICH finalizes at once)
+        after_the_spawned(carry)
         return outcome
     if library:  # MPI stays up for the next run; only this run's communicator goes
         free_worker_comm(ctx)
@@ -908,6 +906,26 @@ def max_rss_mb() -> float:
     import resource
 
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+
+
+def leave_after_a_loss(carry: join.Carry, code: int) -> None:
+    """The end of a run that lost a peer: leave without MPI_Finalize (it would wait for the dead),
+    or return to call it. A joiner calls it: its own launcher ran without the keep-going flag and
+    would kill it otherwise (exit 9). With a spawned worker the MPI decides (mpiimpl.Impl)."""
+    impl = mpiimpl.running()
+    if carry.with_spawned:
+        finalizes = impl is not None and impl.finalize_with_spawned
+    else:
+        finalizes = carry.joiner
+    if not finalizes:
+        after_the_spawned(carry)
+        exit_without_finalize(code)
+
+
+def after_the_spawned(carry: join.Carry) -> None:
+    """The job's own ranks leave join.SPAWNED_LEAVES_FIRST_S after a spawned worker (--respawn)."""
+    if carry.with_spawned and not carry.spawned:
+        time.sleep(join.SPAWNED_LEAVES_FIRST_S)
 
 
 def exit_without_finalize(code: int) -> None:

@@ -81,7 +81,7 @@ def test_every_block_is_run_or_says_why_not():
 
 
 def run_block(block: dict, folder: Path) -> subprocess.CompletedProcess:
-    env = {**child_env(), **mpiimpl.local_env(mpi_impl())}
+    env = {**child_env(), **mpiimpl.local_env(mpi_impl(), spawns="--respawn" in block["code"])}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # python, mpirun, mpitrain
     if block["lang"] == "bash":
         cmd = ["bash", "-e", "-o", "pipefail", "-c", block["code"]]
