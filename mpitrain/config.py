@@ -154,8 +154,9 @@ class TrainConfig:
         False, "start this process as one more worker of the job running with the same flags and --checkpoint-dir: "
         "`mpirun -np 1 python -m mpitrain [the job's flags] --join` (MPICH; the job makes room at a step boundary)")
     respawn: int = PARALLELISM(
-        0, "replace a lost worker: rank 0 starts a new one with MPI_Comm_spawn, which joins at the next step "
-        "boundary (MPICH and Open MPI), at most N times in the job; needs --checkpoint-dir and --worker-timeout > 0",
+        0, "replace a lost worker: at the next step boundary the job starts a new one (MPI_Comm_spawn), which "
+        "trains on from there (MPICH and Open MPI), at most N times in the job; needs --checkpoint-dir and "
+        "--worker-timeout > 0",
         metavar="N")
 
     model: str = MODEL("mlp", "softmax regression, or a ReLU multi-layer perceptron", choices=model_names)
