@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from mpitrain import mpiimpl  # noqa: E402
-from mpitrain.faults import rank_pids  # noqa: E402
+from mpitrain.faults import rank_pids, spawned_pids  # noqa: E402
 
 NP = 3
 CYCLES = 4
@@ -73,35 +73,6 @@ def proc_status(pid: int) -> tuple[float, int]:
         if line.startswith("VmRSS:"):
             rss = int(line.split()[1]) / 1024
     return rss, len(os.listdir(f"/proc/{pid}/fd"))
-
-
-def spawned_pids(root: int) -> list[int]:
-    """The training processes the job spawned (--respawn): descendants of `root` (mpirun) started with
-    --join, not hydra's supervisors (their own rank numbers, 0, are no guide: rank_pids maps the job's)."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        pid = int(entry)
-        try:
-            cmd = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
-            comm = open(f"/proc/{pid}/comm").read()
-        except OSError:
-            continue
-        if b"--join" in cmd and b"mpitrain" in cmd and not comm.startswith("mpitrain-sup") and descends(pid, root):
-            out.append(pid)
-    return out
-
-
-def descends(pid: int, root: int) -> bool:
-    while pid > 1:
-        if pid == root:
-            return True
-        try:
-            pid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            return False
-    return False
 
 
 def one_job(mode: str, rng: random.Random, cycles: int, respawn: bool) -> dict:

@@ -41,7 +41,7 @@ from mpitrain.faults import rank_pids  # noqa: E402
 STEPS = {"async": 40000, "sync": 60000}
 EVENTS = (("lost", "lost at global step"), ("start", "starting a worker in place"), ("joined", "joined as rank 2"))
 # Lines that are not mpitrain's own and must not appear: a launcher telling of a rank that ended badly.
-NOISE = ("Traceback", "MPI_Finalize still waiting", "improperly", "LAUNCHER JOB", "PRTE ERROR", "BAD TERMINATION")
+NOISE = ("Traceback", "MPI_Finalize still waiting", *mpiimpl.BAD_END_LINES)
 
 
 def trial(mode: str, tmp: str) -> dict:

@@ -109,33 +109,17 @@ def rank_pids(root: int, supervised: bool = True) -> dict[int, tuple[int, int | 
     is left out (so a caller never kills a supervisor by mistake)."""
     from mpitrain.mpiimpl import launcher_rank, needs_supervisor
 
-    parents, ranks, expect_supervisor = {}, {}, {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        pid = int(entry)
-        try:
-            parents[pid] = int(_stat(pid)[1])
-            raw = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
-            cmd = open(f"/proc/{pid}/cmdline", "rb").read()
-        except (OSError, ValueError, IndexError):
-            continue
-        env = dict(v.decode(errors="replace").partition("=")[::2] for v in raw if b"=" in v)
+    parents, procs = _processes()
+    ranks, expect_supervisor = {}, {}
+    for pid, (_, env) in procs.items():
         rank = launcher_rank(env)
-        if rank is not None and b"mpitrain" in cmd:
+        if rank is not None:
             ranks[pid] = rank
             expect_supervisor[pid] = supervised and needs_supervisor(env)
 
-    def descends(pid: int) -> bool:
-        while pid > 1:
-            if pid == root:
-                return True
-            pid = parents.get(pid, 0)
-        return False
-
     out = {}
     for pid, rank in ranks.items():
-        if not descends(pid):
+        if not _descends(pid, root, parents):
             continue
         parent = parents.get(pid)
         if parent in ranks:  # pid is the rank, its parent the supervisor
@@ -143,6 +127,46 @@ def rank_pids(root: int, supervised: bool = True) -> dict[int, tuple[int, int | 
         elif rank not in out and not expect_supervisor[pid]:  # no supervisor (Open MPI, srun, MPITRAIN_SUPERVISE=0)
             out[rank] = (pid, None)
     return out
+
+
+def _processes() -> tuple[dict[int, int], dict[int, tuple[list[bytes], dict[str, str]]]]:
+    """From /proc: every process's parent, and the arguments and environment of each that runs mpitrain."""
+    parents, procs = {}, {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        pid = int(entry)
+        try:
+            parents[pid] = int(_stat(pid)[1])
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read()
+            if b"mpitrain" in cmd:
+                raw = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+                procs[pid] = (cmd.split(b"\0"), dict(v.decode(errors="replace").partition("=")[::2]
+                                                      for v in raw if b"=" in v))
+        except (OSError, ValueError, IndexError):
+            continue
+    return parents, procs
+
+
+def _descends(pid: int, root: int, parents: dict[int, int]) -> bool:
+    while pid > 1:
+        if pid == root:
+            return True
+        pid = parents.get(pid, 0)
+    return False
+
+
+def spawned_pids(root: int) -> list[int]:
+    """--respawn: the training processes that a job under `root` (mpirun) started itself, whose
+    command carries --join. rank_pids cannot name them: each is rank 0 of a world of its own. Under
+    hydra the training process is the one whose parent, its supervisor, was spawned too; a
+    supervisor whose rank is not forked yet is left out (as in rank_pids)."""
+    from mpitrain.mpiimpl import needs_supervisor
+
+    parents, procs = _processes()
+    spawned = {pid for pid, (args, _) in procs.items() if b"--join" in args}
+    return sorted(pid for pid in spawned if _descends(pid, root, parents)
+                  and (parents.get(pid) in spawned or not needs_supervisor(procs[pid][1])))
 
 
 def session_pids(sid: int) -> list[int]:

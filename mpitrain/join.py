@@ -57,6 +57,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpitrain import atomic, faults, mpiimpl
+from mpitrain.cli import as_argv
 from mpitrain.config import TrainConfig, UsageError, can_take_joiners, disagreement
 from mpitrain.console import say
 from mpitrain.protocol import FLAG_STOP, TAG_JOIN, Message
@@ -134,6 +135,10 @@ class Carry:
     def next_config(self, cfg: TrainConfig) -> TrainConfig:
         """The next phase's flags: the same, resumed, with the budget the job started with."""
         return dataclasses.replace(cfg, steps=self.budget, epochs=None, fresh=False, join=False)
+
+    def spawn_argv(self) -> list[str]:
+        """Rank 0, --respawn: the flags of the worker the job starts, the job's as given, with --join."""
+        return as_argv(dataclasses.replace(self.job_cfg, join=True, fresh=False, respawn=0))
 
 
 def can_grow(ctx) -> bool:
@@ -215,7 +220,7 @@ class Lobby:
     lets in requests the stop that makes room (`joiner`)."""
 
     def __init__(self, ctx, carry: Carry):
-        self.identity, self.token, self.budget, self.carry = carry.identity, carry.token, carry.budget, carry
+        self.carry = carry  # the job's token, flags as given and step budget; what --respawn may still do
         self.watch = ctx.watch  # its lost workers: --respawn replaces them
         self.lost_seen = 0
         self.spawn = False  # --respawn: start a worker where this phase ends (grow)
@@ -283,7 +288,7 @@ class Lobby:
         hello = _recv_json(inter, 0, ANSWER_S) or {}
         why = self._refusal(hello)
         try:
-            _send_json(inter, {"ok": why is None, "why": why or "", "budget": self.budget}, 0)
+            _send_json(inter, {"ok": why is None, "why": why or "", "budget": self.carry.budget}, 0)
         except MPI.Exception:
             why = why or "it died while joining"
         if why:
@@ -295,9 +300,9 @@ class Lobby:
         STOP.request()  # every mode ends this step as for Ctrl-C; trainer.run goes on with the joiner
 
     def _refusal(self, hello: dict) -> str | None:
-        if not secrets.compare_digest(str(hello.get("token", "")), self.token):
+        if not secrets.compare_digest(str(hello.get("token", "")), self.carry.token):
             return "it did not show this job's token (another job's folder, or not mpitrain)"
-        detail = disagreement(self.identity, hello.get("identity") or {})
+        detail = disagreement(self.carry.identity, hello.get("identity") or {})
         return f"its flags differ from the job's ({detail}); join with the job's flags" if detail else None
 
     def release(self, why: str) -> None:

@@ -81,6 +81,10 @@ IMPLS = {impl.name: impl for impl in (MPICH, OPENMPI)}
 
 RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
 LOCAL_RANK_VARS = ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
+# What the launchers print when they take a rank's end for a failure (hydra: "BAD TERMINATION ...";
+# prterun: "... exiting improperly", "PRTE ERROR: Not found", "LAUNCHER JOB OBJECT NOT FOUND";
+# seen at the end of --respawn jobs until they were ordered: join.SPAWNED_LEAVES_FIRST_S).
+BAD_END_LINES = ("BAD TERMINATION", "improperly", "PRTE ERROR", "LAUNCHER JOB")
 # Set in every rank of `mpirun --with-ft ulfm` (measured, Open MPI 5.0.11).
 ULFM_VAR = "OMPI_MCA_mpi_ft_enable"
 # How long a rank ending on a lost peer waits at most for the other survivors (`farewell`): they

@@ -34,7 +34,6 @@ from mpitrain.reports import ShardReport, Summary, WorkerReport, from_bytes, to_
 from mpitrain.runtime import PS_RANK, Context, Node, broadcast_start, node_info, setup
 from mpitrain.stopping import STOP, signal_name
 from mpitrain.chief import begin, record_lost, seen_workers
-from mpitrain.cli import as_argv
 from mpitrain.transport import END_POLL_S, Poller
 from mpitrain.waiting import poll
 from mpitrain.gradients import WorkerResult
@@ -522,7 +521,7 @@ def make_room(ctx: Context, mine: RoleResult, reports: list, heartbeat, carry: j
     how = join.SPAWNED if lobby.spawn else join.CONNECTED if join.still_there(joiner) else join.NOBODY
     peer_was_lost = say_goodbye(ctx, [r.rank for r in reports], bool(lost), False, reform=(gen, lost, how))
     carry.peer_lost |= peer_was_lost or bool(lost)
-    argv = as_argv(dataclasses.replace(carry.job_cfg, join=True, fresh=False, respawn=0)) if lobby.spawn else []
+    argv = carry.spawn_argv() if lobby.spawn else []
     world = _regrow(ctx, heartbeat, carry, lost, gen, how, joiner, argv)
     workers = world.Get_size() - ctx.layout.shards
     if world.Get_size() == ctx.size - len(lost):  # nobody joined: it did not answer, or could not start
@@ -813,7 +812,7 @@ def _take_report(ctx: Context, rank: int, poller: Poller) -> WorkerReport | Shar
 
 
 def say_goodbye(ctx: Context, ranks: list[int], peer_was_lost: bool, stopped: bool,
-                reform: tuple[int, list[int], bool] | None = None) -> bool:
+                reform: tuple[int, list[int], int] | None = None) -> bool:
     """Rank 0, after the summary: release the workers, telling them whether MPI_Finalize is safe
     and whether the run stopped on request (the header says by which signal); or, when a worker
     joins (`reform`: the join's number, the ranks lost, who joins: join.NOBODY/CONNECTED/SPAWNED), that
