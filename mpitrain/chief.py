@@ -34,6 +34,7 @@ class ServerState:
     checkpoints: list[str] = field(default_factory=list)  # written by this run, oldest first
     ema: np.ndarray | None = None  # --ema-decay: the averaged parameters at the end
     start_step: int = 0  # > 0 when resumed
+    resumed_from: str | None = None  # the checkpoint it was resumed from
     diverged: Diverged | None = None  # once a loss was not finite or exploded
     log: RunLog | None = None  # --log-dir
     lost_workers: list[dict] = field(default_factory=list)  # async: workers declared lost, in order
@@ -52,7 +53,7 @@ def begin(ctx: Context) -> tuple[TrainState, ServerState, Checkpointer]:
     checkpointer (which will not save the step it resumed from again)."""
     start = start_state(ctx)
     state = ServerState(start.params, global_step=start.global_step, local_steps=list(start.positions),
-                        start_step=start.global_step)
+                        start_step=start.global_step, resumed_from=str(ctx.resume[0]) if ctx.resume else None)
     cfg = ctx.cfg
     if cfg.log_dir and ctx.rank == PS_RANK:
         state.log = RunLog(cfg.log_dir, {"mode": "local" if ctx.local else cfg.mode, "model": ctx.model.description,

@@ -91,7 +91,8 @@ class Carry:
     joins: list[dict] = dataclasses.field(default_factory=list)  # {"rank", "global_step", "host"}
     lost_workers: list[dict] = dataclasses.field(default_factory=list)  # earlier phases' (their ranks then)
     train_s: float = 0.0
-    start_step: int | None = None
+    start_step: int | None = None  # rank 0: the job's first step, and its checkpoint if it was resumed
+    resumed_from: str | None = None
     peer_lost: bool = False  # a rank died in an earlier phase: MPI_Finalize would wait for it
     joiner: bool = False  # this process came in with --join
     spawned: bool = False  # ... started by the job's ranks (--respawn), under their launcher
@@ -101,6 +102,7 @@ class Carry:
     job_cfg: TrainConfig | None = None  # rank 0: the flags as given (--respawn starts a worker with them)
     respawns_left: int = 0  # rank 0: how many more lost workers --respawn may replace
     forming: threading.Timer | None = None  # from making room until the next phase's heartbeats run
+    earlier: tuple[int, int, int] = (0, 0, 0)  # a worker: gradients pushed, dropped, contributed in earlier phases
 
     def start_forming(self, who: str) -> None:
         """From the moment a world starts to re-form until the next phase's heartbeats run (formed),
@@ -120,7 +122,8 @@ class Carry:
     def add_phase(self, state) -> None:
         """Rank 0: a phase that ended in a join (its ServerState), for the summary at the end."""
         self.train_s += state.train_s
-        self.start_step = state.start_step if self.start_step is None else self.start_step
+        if self.start_step is None:  # the first phase: the later ones resume from a join's checkpoint
+            self.start_step, self.resumed_from = state.start_step, state.resumed_from
         self.lost_workers += state.lost_workers
         state.lost_workers = []
 
@@ -129,8 +132,18 @@ class Carry:
         if self.start_step is None:
             return
         state.train_s += self.train_s
-        state.start_step = self.start_step
+        state.start_step, state.resumed_from = self.start_step, self.resumed_from
         state.lost_workers[:0] = self.lost_workers
+
+    def whole_job(self, report):
+        """A worker's report (reports.WorkerReport) of this phase, counting this process's earlier
+        phases too; kept for the next. A phase's counts start at zero, and rank 0 keeps only the last
+        phase's reports."""
+        pushed, dropped, contributed = self.earlier
+        report = dataclasses.replace(report, pushed=report.pushed + pushed, dropped=report.dropped + dropped,
+                                     contributed=None if report.contributed is None else report.contributed + contributed)
+        self.earlier = (report.pushed, report.dropped, report.contributed or 0)
+        return report
 
     def next_config(self, cfg: TrainConfig) -> TrainConfig:
         """The next phase's flags: the same, resumed, with the budget the job started with."""

@@ -238,6 +238,7 @@ def work(ctx: Context, loop=train) -> WorkerResult:
     (elastic.Regroup): the workers left regroup and run the loop again from the step they agree
     on, the first of them the chief. The loop's end is rank 0's to declare (elastic.Notices)."""
     start = start_state(ctx)
+    first = start.global_step  # this phase's first step: the counts below are of this phase's steps
     notices = None
     if ctx.regroups:
         notices = ctx.watch.notices = elastic.Notices(ctx)
@@ -273,6 +274,12 @@ def work(ctx: Context, loop=train) -> WorkerResult:
             regroup = r
     if loop is not train:
         result.contributed, result.dropped = (result.contributed or 0) + contributed, result.dropped + dropped
+    # The loops count in global steps, where a worker's own steps are the ones from `first`: a
+    # joiner's phases start late, and a run resumed from a checkpoint counts from there (as --quorum).
+    # join.Carry.whole_job adds this process's earlier phases.
+    result.pushed -= first
+    if loop is train:
+        result.contributed = result.pushed
     return result
 
 

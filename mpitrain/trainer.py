@@ -221,7 +221,7 @@ def already_trained(ctx: Context) -> RoleResult:
 def idle_result(ctx: Context) -> WorkerResult:
     """What a worker that trained no step reports: its parameters are the start state's."""
     sync = ctx.cfg.mode == "sync" or ctx.local
-    return WorkerResult(0, ctx.start.params, ctx.activity.times(), contributed=ctx.start.global_step if sync else None)
+    return WorkerResult(0, ctx.start.params, ctx.activity.times(), contributed=0 if sync else None)
 
 
 def shard_report(ctx: Context, state) -> ShardReport:
@@ -338,7 +338,7 @@ def build_summary(ctx: Context, mine: RoleResult, reports: list, placements: lis
         ps_busy_fraction=None if ctx.local else state.busy_fraction,
         num_ps=len(ctx.layout.server_ranks),
         ps_shards=[] if ctx.local else [r.entry() for r in shards],
-        resumed_from=str(ctx.resume[0]) if ctx.resume else None,
+        resumed_from=state.resumed_from,
         checkpoints=mine.checkpoints,
         placement=placements,
         config=as_record(cfg),
@@ -422,13 +422,13 @@ def _run(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: bo
     ctx, line = agree_on_setup(cfg, comm, node, err)
     if ctx is None:
         return Outcome(ExitCode.USAGE, error=line)
-    ctx, placements, heartbeat = connect(ctx)
+    ctx, placements, heartbeat = connect(ctx, regrown=carry.start_step is not None)
     carry.formed()  # heartbeats run: a rank lost from here is seen as in any phase
     if carry.budget is None:
         carry.budget = ctx.global_step_budget  # the job's, whoever joins later
     lobby = open_lobby(ctx, carry)
     try:
-        mine, reports = train_and_report(ctx)
+        mine, reports = train_and_report(ctx, carry)
     except PeerLost as e:
         return Outcome(peer_lost(ctx, e))
     except ProtocolError as e:
@@ -561,17 +561,17 @@ def _regrow(ctx: Context, heartbeat, carry: join.Carry, lost: list[int], gen: in
     return join.grow(ctx.comm, live, gen, how, joiner, argv)
 
 
-def connect(ctx: Context) -> tuple[Context, list[str], liveness.Heartbeat | None]:
+def connect(ctx: Context, regrown: bool = False) -> tuple[Context, list[str], liveness.Heartbeat | None]:
     """The last collectives over every rank (the sync workers' communicator, the start lines, the
     start state), then this rank's activity record and heartbeats. Returns the connected context, the start
-    lines (rank 0) and the heartbeat thread."""
+    lines (rank 0) and the heartbeat thread. `regrown`: rank 0, a phase after a join (join.Carry)."""
     comm, cfg = ctx.comm, ctx.cfg
     worker_comm = None
     if cfg.mode == "sync" and not ctx.local:  # collective on COMM_WORLD: every rank calls it
         worker_comm = comm.Split(MPI.UNDEFINED if ctx.is_ps else 0, ctx.rank)
     placements = comm.gather(ctx.placement(), root=0)
     if ctx.rank == PS_RANK:
-        announce(ctx, placements)
+        announce(ctx, placements, regrown)
     start = broadcast_start(ctx)
     activity = observe.Activity(cfg.timeline_steps if cfg.timeline else 0)
     heartbeat, watch = liveness.start(comm, ctx.rank, ctx.layout, cfg.worker_timeout, activity)
@@ -579,8 +579,9 @@ def connect(ctx: Context) -> tuple[Context, list[str], liveness.Heartbeat | None
     return ctx, placements, heartbeat
 
 
-def train_and_report(ctx: Context) -> tuple[RoleResult, list]:
-    """Train in this rank's role; rank 0 collects every report (returned), the others send theirs."""
+def train_and_report(ctx: Context, carry: join.Carry) -> tuple[RoleResult, list]:
+    """Train in this rank's role; rank 0 collects every report (returned), the others send theirs,
+    a worker's counting what this process did in the job's earlier phases (a join re-forms it)."""
     rss_start = max_rss_mb()
     mine = train_role(ctx)
     ctx.activity.enter(observe.IDLE)
@@ -591,7 +592,7 @@ def train_and_report(ctx: Context) -> tuple[RoleResult, list]:
     if mine.shard is not None:
         send_report(ctx, dataclasses.replace(mine.shard, timeline=timeline_events(ctx)))
     else:
-        send_report(ctx, dataclasses.replace(mine.worker, max_rss_mb=mine.max_rss_mb,
+        send_report(ctx, dataclasses.replace(carry.whole_job(mine.worker), max_rss_mb=mine.max_rss_mb,
                                              timeline=timeline_events(ctx)))
         Kill(ctx.rank).after_report()
     return mine, []
@@ -729,8 +730,9 @@ def _finalize_stuck(rank: int, grace: float, code: int) -> None:
     exit_without_finalize(code)
 
 
-def announce(ctx: Context, placements: list[str]) -> None:
-    """Rank 0, before training: where every rank runs, and what this run starts from."""
+def announce(ctx: Context, placements: list[str], regrown: bool = False) -> None:
+    """Rank 0, before training: where every rank runs, and what this run starts from (after a
+    join: the checkpoint saved to make room, which is no resume of the user's)."""
     cfg = ctx.cfg
     for line in placements:
         say(line)
@@ -748,7 +750,8 @@ def announce(ctx: Context, placements: list[str]) -> None:
     if ctx.resume:
         path, st = ctx.resume
         WRITES.newest_checkpoint = str(path)
-        say(f"mpitrain: resuming from {path} (global step {st.global_step}); --fresh starts over")
+        say(f"mpitrain: training on from {path} (global step {st.global_step}), saved to make room" if regrown
+            else f"mpitrain: resuming from {path} (global step {st.global_step}); --fresh starts over")
     elif cfg.fresh and cfg.checkpoint_dir:
         moved = checkpoint.set_aside(Path(cfg.checkpoint_dir))
         if moved:

@@ -72,6 +72,16 @@ def test_a_worker_joins_a_running_job_and_trains(tmp_path, mode):
     assert joined["rank"] == 3 and 0 < joined["global_step"] < BUDGET[mode]
     assert s["gradients_pushed"][2] > 0  # the joiner trained
     assert s["worker_param_digests"] == [s["param_digest"]] * 3 if mode == "sync" else True
+    # The counts are of the whole job, not of the phase after the join (as before: the job's own
+    # workers had pushed fewer gradients than rank 0 had applied from them, and a sync joiner had
+    # taken part in every step), and the job was not resumed from the join's checkpoint.
+    if mode == "sync":
+        assert s["local_steps"] == s["gradients_pushed"] == [BUDGET[mode]] * 2 + [BUDGET[mode] - joined["global_step"]]
+    else:
+        assert sum(s["local_steps"]) == BUDGET[mode]
+        assert all(p >= k for p, k in zip(s["gradients_pushed"], s["local_steps"])), s
+    assert s["resumed_from"] is None and "resuming from" not in out
+    assert "training on from " in out and ", saved to make room" in out
     assert s["test_accuracy"] > 0.9
     # Its token is gone with the job: a joiner started now is told there is no job.
     assert not (tmp_path / "ck" / join.TOKEN).exists()
