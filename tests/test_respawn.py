@@ -18,30 +18,34 @@ from conftest import MPI_TIMEOUT_S, Lines, child_env, keep_going, kill_session, 
 from mpitrain import join, mpiimpl
 from mpitrain.faults import rank_pids
 
-# As tests/test_join.py: long enough (~20 s on 2 cores) for the kill, the spawn and the join.
-JOB = {"async": ("--mode", "async", "--steps", "40000"),
+# As tests/test_join.py: long enough (~20 s on 2 cores) for the kill, the spawn and the join. Async
+# runs with two parameter servers (4 ranks): the new worker pulls from and pushes to both.
+JOB = {"async": ("--mode", "async", "--steps", "40000", "--num-ps", "2"),
        "sync": ("--mode", "sync", "--steps", "8000", "--straggler", "1:0.002")}
 BUDGET = {"async": 40000, "sync": 8000}
+RANKS = {"async": 4, "sync": 3}
 
 
-def respawn_cmd(tmp_path, *args: str) -> list[str]:
+def respawn_cmd(tmp_path, *args: str, np_: int = 3) -> list[str]:
     """The job under this MPI's keep-going flag, with the transports a spawned process needs
     (mpiimpl.local_flags(spawns=True): Open MPI's shared memory alone does not reach it)."""
-    return [mpirun_path(), *mpiimpl.local_flags(mpi_impl(), spawns=True), *keep_going(), "-np", "3",
+    return [mpirun_path(), *mpiimpl.local_flags(mpi_impl(), spawns=True), *keep_going(), "-np", str(np_),
             sys.executable, "-m", "mpitrain", *args, "--no-progress", "--worker-timeout", "5",
             "--checkpoint-dir", str(tmp_path / "ck"), "--summary-json", str(tmp_path / "s.json")]
 
 
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_a_worker_killed_with_sigkill_is_replaced_and_the_job_finishes_its_budget(tmp_path, mode):
-    proc = subprocess.Popen(respawn_cmd(tmp_path, *JOB[mode], "--respawn", "1"), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=child_env(), start_new_session=True)
+    last = RANKS[mode] - 1  # the victim, and the new worker's rank
+    proc = subprocess.Popen(respawn_cmd(tmp_path, *JOB[mode], "--respawn", "1", np_=RANKS[mode]),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(),
+                            start_new_session=True)
     lines = Lines(proc.stdout)
     try:
-        assert lines.wait("rank 2 worker"), lines.text()
+        assert lines.wait(f"rank {last} worker"), lines.text()
         time.sleep(1)
-        os.kill(rank_pids(proc.pid)[2][0], signal.SIGKILL)
-        assert lines.wait("joined as rank 2", 1, 90), lines.text()
+        os.kill(rank_pids(proc.pid)[last][0], signal.SIGKILL)
+        assert lines.wait(f"joined as rank {last}", 1, 90), lines.text()
         proc.wait(MPI_TIMEOUT_S)
     finally:
         leftovers = kill_session(proc)
@@ -53,9 +57,9 @@ def test_a_worker_killed_with_sigkill_is_replaced_and_the_job_finishes_its_budge
         assert noise not in text, text
     assert "starting a worker in place of the one lost at the next step boundary (--respawn: 0 more" in text
     s = json.loads((tmp_path / "s.json").read_text())
-    assert [x["rank"] for x in s["lost_workers"]] == [2], s["lost_workers"]
+    assert [x["rank"] for x in s["lost_workers"]] == [last], s["lost_workers"]
     [joined] = s["joined_workers"]
-    assert joined["respawned"] and joined["rank"] == 2 and 0 < joined["global_step"] < BUDGET[mode]
+    assert joined["respawned"] and joined["rank"] == last and 0 < joined["global_step"] < BUDGET[mode]
     assert s["workers"] == 2 and s["global_step"] == BUDGET[mode]  # the budget the job started with
     if mode == "sync":
         assert s["worker_param_digests"] == [s["param_digest"]] * 2
