@@ -422,13 +422,12 @@ def welcome(world, carry: Carry) -> str:
 
 
 def _forming_stuck(who: str) -> None:
-    from mpitrain import lock
     from mpitrain.exitcodes import ExitCode
+    from mpitrain.lock import exit_without_finalize
 
     say(f"mpitrain: error: {who}: the job did not go on within {FORM_LIMIT_S:g} s of making room for a worker "
         f"(a rank died meanwhile); ending. The newest checkpoint in --checkpoint-dir resumes the run", sys.stderr)
-    lock.release_all()
-    os._exit(ExitCode.PEER_LOST)
+    exit_without_finalize(ExitCode.PEER_LOST)
 
 
 def join_job(cfg: TrainConfig, identity: dict, carry: Carry):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import os
 import signal
 import sys
 import threading
@@ -25,6 +24,7 @@ from mpitrain.console import say
 from mpitrain.metrics import (Progress, human_summary, staleness_summary, summary_stop_line, to_json,
                               write_json_atomic)
 from mpitrain.exitcodes import ExitCode, interrupted
+from mpitrain.lock import exit_without_finalize
 from mpitrain.outputs import WRITES
 from mpitrain.liveness import PeerLost, mpi_error_reason
 from mpitrain.protocol import (BEAT_GLOBAL_STEP, FLAG_PEER_LOST, FLAG_REFORM, FLAG_STOPPED, TAG_REPORT, Message,
@@ -928,15 +928,6 @@ def after_the_spawned(carry: join.Carry) -> None:
     """The job's own ranks leave join.SPAWNED_LEAVES_FIRST_S after a spawned worker (--respawn)."""
     if carry.with_spawned and not carry.spawned:
         time.sleep(join.SPAWNED_LEAVES_FIRST_S)
-
-
-def exit_without_finalize(code: int) -> None:
-    """End this rank now. After a peer is lost MPI_Finalize would wait for it forever (measured
-    with MPICH 5.0.2), so the survivors flush their output and leave without it."""
-    lock.release_all()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 def _divergence(ctx: Context, mine: RoleResult, reports: list) -> Diverged | None:

@@ -48,6 +48,12 @@ def ensure_installed() -> None:
         raise Unavailable(f"apt-get could not install {' '.join(PACKAGES)}: {proc.stderr.strip()[-300:]}")
 
 
+# A requeued job may start again only cred_expire + 1 s later (slurmctld's job_mgr.c: the new
+# launch credential must post-date the old one's revocation; Slurm's default is 120 s, and asking it
+# to start at once made the second run fail at once, 2 times in 4). A credential must outlive a
+# step's launch, which takes a few seconds here: 20 s leaves room and cuts the requeue test by 100 s.
+CRED_EXPIRE_S = 20
+
 SLURM_CONF = """\
 ClusterName=mpitrain-test
 FirstJobId={first_job}
@@ -55,6 +61,7 @@ SlurmctldHost={host}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
+AuthInfo=cred_expire={cred_expire}
 StateSaveLocation={root}/state
 SlurmdSpoolDir={root}/spool
 SlurmctldPidFile={root}/slurmctld.pid
@@ -104,7 +111,8 @@ class SlurmCluster:
         # MPICH names its shared memory after "<jobid>.<step>" (see runtime.unlink_init_shm).
         first_job = 1000 + int(time.time()) % 1_000_000
         self.conf.write_text(SLURM_CONF.format(host=self.host, root=self.root, cpus=self.cpus, first_job=first_job,
-                                               ctld_port=_free_port(), d_port=_free_port()))
+                                               ctld_port=_free_port(), d_port=_free_port(),
+                                               cred_expire=CRED_EXPIRE_S))
         self._start_munge()
         for daemon, pidfile in (("slurmctld", "slurmctld.pid"), ("slurmd", "slurmd.pid")):
             proc = _run([daemon, "-f", str(self.conf)] + (["-c"] if daemon == "slurmctld" else []),

@@ -142,11 +142,11 @@ def _wait_for_output(path: Path, text: str, timeout: float = 120) -> None:
         time.sleep(0.1)
 
 
-# Slurm holds a requeued job back two minutes (letting it start at once with `scontrol update
-# StartTime=now` made its second run fail at once, 2 times in 4: measured), so this test takes
-# ~2.5 min: run under one MPI only. The requeue is Slurm's and the script's, the same under either;
-# the stop signal through srun under Open MPI is test_a_job_at_its_time_limit_stops_and_saves's.
-@only_on("mpich", "the requeue is the same under either MPI (see above); it takes ~2.5 min")
+# Slurm holds a requeued job back until its credentials expire (slurm_cluster.CRED_EXPIRE_S: 20 s
+# here, 120 s by default), so this test takes ~1.5 min: run under one MPI only. The requeue is
+# Slurm's and the script's, the same under either; the stop signal through srun under Open MPI is
+# test_a_job_at_its_time_limit_stops_and_saves's.
+@only_on("mpich", "the requeue is the same under either MPI (see above); it takes ~1.5 min")
 def test_a_job_warned_by_usr1_saves_requeues_itself_and_finishes(slurm, tmp_path):
     """What `#SBATCH --signal=USR1@90` does before the time limit, sent now with `scancel --signal`:
     every task stops at a step, rank 0 saves; with MPITRAIN_REQUEUE=1 the job goes back in the queue
