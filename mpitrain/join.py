@@ -79,7 +79,9 @@ JOIN_TAG = 2000  # the live ranks' communicator before the join's (mpiimpl.survi
 # proxy at each rank's exit, and died of SIGPIPE when that proxy had just gone (exit 141, 2 of 6
 # jobs); prterun printed "PRTE ERROR: Not found" (1 of 7). So the job's ranks leave this long after.
 SPAWNED_LEAVES_FIRST_S = 1.0
-FORM_LIMIT_S = 30.0  # the new world and its phase's start take a second or two; past this a rank died meanwhile
+# The new world and its phase's start take a second or two; past this a rank died meanwhile. The
+# tests that kill a rank in that window set MPITRAIN_FORM_LIMIT_S lower, to wait less for the verdict.
+FORM_LIMIT_S = float(os.environ.get("MPITRAIN_FORM_LIMIT_S", "30"))
 
 
 @dataclasses.dataclass

@@ -32,11 +32,11 @@ mpich_only = only_on("mpich", "Open MPI 5 cannot connect two separately started 
 
 
 def start_job(tmp_path, np_: int, args: tuple[str, ...], common: tuple[str, ...] = COMMON,
-              launcher_flags: tuple[str, ...] = ()):
+              launcher_flags: tuple[str, ...] = (), env: dict | None = None):
     cmd = mpitrain_cmd(np_, *args, *common, "--checkpoint-dir", str(tmp_path / "ck"), "--summary-json",
                        str(tmp_path / "s.json"), launcher_flags=launcher_flags)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
-                            start_new_session=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env or child_env(), start_new_session=True)
     head = wait_for_training(proc, np_)
     return proc, head
 
@@ -191,18 +191,20 @@ def test_a_joiner_that_dies_while_the_job_makes_room_is_not_waited_for(tmp_path)
 def test_a_joiner_that_dies_as_the_new_world_starts_ends_the_job_in_one_line_not_a_hang(tmp_path):
     """From the new world's forming to its phase's heartbeats every rank is in a collective that a
     dead rank never completes, and no heartbeat runs yet: each rank ends itself in one line (exit
-    5) once join.FORM_LIMIT_S has passed, and the checkpoint saved as the job made room resumes it."""
-    proc, head = start_job(tmp_path, 3, JOB["async"], launcher_flags=keep_going())
-    env = {**child_env(), "MPITRAIN_INJECT_JOIN": "formed"}
+    5) once join.FORM_LIMIT_S has passed (8 s here instead of 30: MPITRAIN_FORM_LIMIT_S), and the
+    checkpoint saved as the job made room resumes it."""
+    limit = {"MPITRAIN_FORM_LIMIT_S": "8"}
+    proc, head = start_job(tmp_path, 3, JOB["async"], launcher_flags=keep_going(), env={**child_env(), **limit})
+    env = {**child_env(), **limit, "MPITRAIN_INJECT_JOIN": "formed"}
     cmd = mpitrain_cmd(1, *JOB["async"], *COMMON, "--checkpoint-dir", str(tmp_path / "ck"), "--join")
     subprocess.run(cmd, capture_output=True, text=True, timeout=MPI_TIMEOUT_S, env=env)
     t = time.monotonic()
     job, s = finish(proc, head, tmp_path)
     out = job.stdout + job.stderr
-    assert time.monotonic() - t < join.FORM_LIMIT_S + 30, out
+    assert time.monotonic() - t < 8 + 30, out
     assert job.returncode == 5 and not job.leftovers and "Traceback" not in out, out
     stuck = [ln for ln in out.splitlines() if "did not go on within" in ln]
-    assert len(stuck) == 3 and all("(a rank died meanwhile); ending." in ln for ln in stuck), out
+    assert len(stuck) == 3 and all("within 8 s" in ln and "(a rank died meanwhile); ending." in ln for ln in stuck), out
     assert s is None  # no summary: the run resumes from the checkpoint
     from mpitrain.checkpoint import list_checkpoints
     assert list_checkpoints(tmp_path / "ck"), out
