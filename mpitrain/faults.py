@@ -13,6 +13,8 @@ MPITRAIN_INJECT_JOIN=vanish     a --join worker SIGKILLs itself once the job has
                                 the job's GO (it died while the job made room: tests/test_join.py)
 MPITRAIN_INJECT_JOIN=formed     ... once the new world has formed, before its phase starts (it
                                 died in the job's collectives: join.Carry.start_forming)
+MPITRAIN_FORM_LIMIT_S=SEC       how long every rank waits for such a world before it ends itself
+                                (join.FORM_LIMIT_S, 30 s; the test that kills there waits less)
 
 MPITRAIN_TEST_BACKEND=server     the parameter servers compute on CopyingBackend: NumPy arrays
                                 that never share memory with message buffers, as a GPU's do not
