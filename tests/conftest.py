@@ -53,6 +53,12 @@ def only_on(name: str, why: str):
     return pytest.mark.skipif(mpi_impl().name != name, reason=f"{mpiimpl.IMPLS[name].title} only: {why}")
 
 
+# For a test of numbers and files (what a run computes, reads or writes), whose MPI calls every
+# other test makes too: one MPI is enough. What differs between MPIs, the launchers, faults, stops
+# and progress, runs under both. It keeps CI (both suites, one after the other) within its time.
+NUMBERS_ONLY = "numbers and files, the same under either MPI; launchers and faults run under both"
+
+
 def own_lines(text: str) -> list[str]:
     """What mpitrain itself wrote: Open MPI's launcher adds its own message, framed by lines of
     dashes, when a rank exits non-zero (hydra adds nothing to a clean exit 2)."""

@@ -6,8 +6,10 @@ import struct
 import numpy as np
 import pytest
 
-from conftest import own_lines, run_mpitrain, train
+from conftest import NUMBERS_ONLY, only_on, own_lines, run_mpitrain, train
 from mpitrain.evaluation import confusion_matrix
+
+pytestmark = only_on("mpich", NUMBERS_ONLY)
 
 
 @pytest.fixture(scope="module")

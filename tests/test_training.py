@@ -2,7 +2,7 @@
 
 import pytest
 
-from conftest import run_mpitrain, train
+from conftest import NUMBERS_ONLY, only_on, run_mpitrain, train
 from mpitrain.reports import SUMMARY_KEYS
 from test_data import write_mnist_dir
 
@@ -35,6 +35,7 @@ def test_sync_np3_learns_and_replicas_stay_identical(tmp_path):
     assert s["local_steps"] == [s["global_step"]] * 2
 
 
+@only_on("mpich", NUMBERS_ONLY)
 def test_sync_same_seed_is_reproducible(tmp_path):
     a = train(3, tmp_path, "--mode", "sync", "--steps", "40", "--optimizer", "adam", "--lr", "0.01")
     b = train(3, tmp_path, "--mode", "sync", "--steps", "40", "--optimizer", "adam", "--lr", "0.01")
@@ -66,6 +67,7 @@ def test_one_process_trains_locally(tmp_path):
     assert s["test_accuracy"] >= 0.90
 
 
+@only_on("mpich", NUMBERS_ONLY)
 def test_mnist_idx_files_end_to_end(tmp_path):
     write_mnist_dir(tmp_path, n_train=600, n_test=100)
     for mode in ("async", "sync"):
@@ -82,6 +84,7 @@ def test_progress_bar_on_stderr_by_default(tmp_path):
     assert "mpitrain done" in proc.stdout and "global step" not in proc.stdout.split("mpitrain done")[0]
 
 
+@only_on("mpich", NUMBERS_ONLY)
 @pytest.mark.parametrize("compress", ["fp16", "bf16"])
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_compression_keeps_accuracy(tmp_path, mode, compress):
@@ -100,6 +103,7 @@ def test_sync_np4_replicas_identical_with_a_16_bit_allreduce(tmp_path, compress)
     assert set(s["worker_param_digests"]) == {s["param_digest"]}
 
 
+@only_on("mpich", NUMBERS_ONLY)
 def test_sync_scales_the_learning_rate_with_the_workers(tmp_path):
     """--lr-scaling linear (sync's default) without warm-up is exactly --lr x workers, bit for bit;
     the warm-up changes the path; async is never scaled."""
@@ -129,6 +133,7 @@ def test_warmup_ramps_linearly_to_the_scaled_rate():
     assert Context.lr_scale_at(ctx, 0) == 4.0
 
 
+@only_on("mpich", NUMBERS_ONLY)
 def test_your_own_npz_trains_like_the_builtin_data(tmp_path):
     """The README's three lines: any arrays saved with np.savez train with one flag."""
     import numpy as np
