@@ -193,7 +193,8 @@ def test_a_joiner_that_dies_as_the_new_world_starts_ends_the_job_in_one_line_not
     dead rank never completes, and no heartbeat runs yet: each rank ends itself in one line (exit
     5) once join.FORM_LIMIT_S has passed (8 s here instead of 30: MPITRAIN_FORM_LIMIT_S), and the
     checkpoint saved as the job made room resumes it."""
-    limit = {"MPITRAIN_FORM_LIMIT_S": "8"}
+    limit_s = 8
+    limit = {"MPITRAIN_FORM_LIMIT_S": str(limit_s)}
     proc, head = start_job(tmp_path, 3, JOB["async"], launcher_flags=keep_going(), env={**child_env(), **limit})
     env = {**child_env(), **limit, "MPITRAIN_INJECT_JOIN": "formed"}
     cmd = mpitrain_cmd(1, *JOB["async"], *COMMON, "--checkpoint-dir", str(tmp_path / "ck"), "--join")
@@ -201,10 +202,10 @@ def test_a_joiner_that_dies_as_the_new_world_starts_ends_the_job_in_one_line_not
     t = time.monotonic()
     job, s = finish(proc, head, tmp_path)
     out = job.stdout + job.stderr
-    assert time.monotonic() - t < 8 + 30, out
+    assert time.monotonic() - t < limit_s + 30, out
     assert job.returncode == 5 and not job.leftovers and "Traceback" not in out, out
     stuck = [ln for ln in out.splitlines() if "did not go on within" in ln]
-    assert len(stuck) == 3 and all("within 8 s" in ln and "(a rank died meanwhile); ending." in ln for ln in stuck), out
+    assert len(stuck) == 3 and all(f"within {limit_s} s" in ln and "(a rank died meanwhile); ending." in ln for ln in stuck), out
     assert s is None  # no summary: the run resumes from the checkpoint
     from mpitrain.checkpoint import list_checkpoints
     assert list_checkpoints(tmp_path / "ck"), out
