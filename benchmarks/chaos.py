@@ -52,6 +52,7 @@ from mpitrain.exitcodes import ExitCode  # noqa: E402
 from mpitrain.join import FORM_LIMIT_S  # noqa: E402
 from mpitrain.faults import LINGER_S, kill_session, rank_pids  # noqa: E402
 from mpitrain.layout import Layout  # noqa: E402
+from mpitrain.stuck import STUCK_LINE  # noqa: E402
 
 NP = 4
 TIMEOUT_S = 3.0  # --worker-timeout
@@ -145,6 +146,7 @@ class Job:
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(),
                                      cwd=cwd, start_new_session=True)
         self.lines: list[tuple[float, str, str]] = []  # (time, stream, line)
+        self.stacks = ""  # of every rank of a job that hung (dump_stacks), before it is killed
         self._readers = [threading.Thread(target=self._read, args=(s, n), daemon=True)
                          for s, n in ((self.proc.stdout, "out"), (self.proc.stderr, "err"))]
         for r in self._readers:
@@ -171,6 +173,7 @@ class Job:
             code = self.proc.wait(timeout=max(timeout, 0.1))
         except subprocess.TimeoutExpired:
             code = None
+            self.stacks = dump_stacks(self.proc.pid)
         for r in self._readers:
             r.join(timeout=5)
         # the session (Open MPI gives each rank a process group), once a rank on its way out is gone
@@ -181,6 +184,20 @@ class Job:
 
     def text(self, stream: str | None = None) -> str:
         return "\n".join(line for _, s, line in self.lines if stream is None or s == stream)
+
+
+def dump_stacks(root: int) -> str:
+    """Where every rank of a hung job is, Python and native frames (py-spy, when installed): the
+    one thing a hang leaves to learn from, taken before the job is killed."""
+    out = []
+    for rank, (pid, _) in sorted(rank_pids(root, supervised=False).items()):
+        try:
+            dump = subprocess.run(["py-spy", "dump", "--native", "--pid", str(pid)], capture_output=True,
+                                  text=True, timeout=30)
+            out.append(f"--- rank {rank} (pid {pid})\n{dump.stdout}{dump.stderr}")
+        except (OSError, subprocess.TimeoutExpired) as e:
+            out.append(f"--- rank {rank} (pid {pid}): no stack ({e})")
+    return "\n".join(out)
 
 
 def command(case: Case, tmp: str) -> list[str]:
@@ -301,12 +318,14 @@ def judge(case: Case, trial: Trial, job: Job, code: int | None, leftovers: bool,
     if notice and trial.victim is not None:
         trial.notice_s = round(max(0.0, notice[0] - killed_at), 2)
         trial.noticed_by = "MPI error" if any("MPI error" in ln for ln in trial.lines) else "heartbeat"
+    if stuck_ranks(err):  # the victim died half-way through a message to these: their MPI never returned
+        trial.noticed_by += f" (stuck: rank {', '.join(map(str, stuck_ranks(err)))})"
     everything = job.text()
     if "Traceback" in everything:
         trial.outcome, trial.why = "traceback", everything[everything.index("Traceback"):][:3000]
         return
     if code is None:
-        trial.outcome, trial.why = "hang", err[-600:]
+        trial.outcome, trial.why = "hang", err[-600:] + ("\n" + job.stacks if job.stacks else "")
         return
     if leftovers:
         trial.why = "a process outlived mpirun"
@@ -328,6 +347,9 @@ def expected(case: Case, trial: Trial, err: str, code: int, summary: dict | None
         return filled_as_documented(case, err, code, summary, ck)
     if case.sig != signal.SIGKILL:
         return stopped_as_documented(case, err, code, summary, ck, tmp)
+    stuck = stuck_ranks(err)
+    if 0 in stuck:
+        return rank0_stuck_as_documented(case, trial, err, code, ck, stuck)
     if case.target == "rank0":
         if summary is not None and summary["global_step"] == case.steps:
             # Killed after it wrote the summary (its goodbyes sent, or being sent): nothing was
@@ -335,7 +357,7 @@ def expected(case: Case, trial: Trial, err: str, code: int, summary: dict | None
             # kill at 0.99 of the run's length). Hangs and leftovers were judged above.
             return []
         others = [r for r in range(1, NP)]
-        said = [r for r in others if f"rank {r} lost the parameter server" in err]
+        said = [r for r in others if f"rank {r} lost the parameter server" in err or r in stuck]
         return [] if said == others else [f"only ranks {said} said they lost rank 0 (exit {code})"]
     if case.target == "shard":  # rank 0 ends the job naming the shard and the newest checkpoint
         if summary is not None and summary["global_step"] == case.steps:
@@ -360,7 +382,7 @@ def expected(case: Case, trial: Trial, err: str, code: int, summary: dict | None
         if summary["global_step"] != case.steps:
             problems.append(f"global step {summary['global_step']} of {case.steps}")
         lost = [w["rank"] for w in summary["lost_workers"]]
-        if lost == [v]:
+        if sorted(lost) == sorted({v, *stuck}):  # a worker stuck in MPI (stuck.py) ends, and is lost too
             if len(lost_lines) != 1:
                 problems.append(f"{len(lost_lines)} lines name the lost rank")
         elif not (lost == [] and v in summary["worker_ranks"]):  # killed after it had reported: not lost
@@ -388,6 +410,32 @@ def expected(case: Case, trial: Trial, err: str, code: int, summary: dict | None
     if len(lost_lines) != 1 or (ck and str(ck[-1]) not in lost_lines[0]):
         return [f"{len(lost_lines)} lines name rank {v} with the newest checkpoint"]
     return []
+
+
+def stuck_ranks(err: str) -> list[int]:
+    """The ranks that said their MPI no longer returns (stuck.py), each in its one line."""
+    return sorted(int(ln.split()[2].rstrip(":")) for ln in err.splitlines()
+                  if ln.startswith("mpitrain: rank ") and STUCK_LINE in ln)
+
+
+def rank0_stuck_as_documented(case: Case, trial: Trial, err: str, code: int, ck: list, stuck: list[int]) -> list[str]:
+    """The victim died half-way through handing rank 0 a message, and MPICH's progress on rank 0
+    then never returns (stuck.py): rank 0 says so in one line, naming the checkpoint it saved with
+    one server; every other rank says it lost rank 0 (or is stuck too); the job ends with
+    PEER_LOST (MPICH's mpirun ORs in the killed rank's 137) and the newest checkpoint resumes it."""
+    problems = []
+    line = [ln for ln in err.splitlines() if ln.startswith(f"mpitrain: rank 0: {STUCK_LINE}")]
+    if len(line) != 1:
+        problems.append(f"{len(line)} stuck lines from rank 0")
+    elif "--num-ps" not in case.args and ck and f"to {ck[-1]};" not in line[0]:
+        problems.append("rank 0 did not name the checkpoint it saved")
+    left = [r for r in range(1, NP) if r != trial.victim]
+    quiet = [r for r in left if f"rank {r} lost the parameter server" not in err and r not in stuck]
+    if quiet:
+        problems.append(f"ranks {quiet} did not say they lost rank 0")
+    if code not in (EXIT_PEER_LOST, (128 + signal.SIGKILL) | EXIT_PEER_LOST):
+        problems.append(f"exit {code}")
+    return problems
 
 
 def goes_on(case: Case) -> bool:
@@ -456,15 +504,16 @@ def report(trials: list[Trial], durations: dict[str, float], seconds: float) -> 
            "resume), and in disk-full the checkpoint folder (a 64 MB tmpfs) filled up. See the script's docstring "
            "for what each outcome means.", "",
            "| case | run (s) | trials | documented | traceback | hang | other | killed after run ended "
-           "| noticed by MPI error / heartbeat | time to notice (median, max s) |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           "| noticed by MPI error / heartbeat | a rank's MPI stuck (stuck.py) | time to notice (median, max s) |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for case in CASES:
         ts = [t for t in trials if t.case == case.name]
         if not ts:
             continue
         count = {k: sum(t.outcome == k for t in ts) for k in ("documented", "traceback", "hang", "other")}
         notices = [t.notice_s for t in ts if t.notice_s is not None]
-        by = f"{sum(t.noticed_by == 'MPI error' for t in ts)} / {sum(t.noticed_by == 'heartbeat' for t in ts)}"
+        by = (f"{sum(t.noticed_by.startswith('MPI error') for t in ts)} / "
+              f"{sum(t.noticed_by.startswith('heartbeat') for t in ts)} | {sum('stuck' in t.noticed_by for t in ts)}")
         when = f"{statistics.median(notices):.1f}, {max(notices):.1f}" if notices else "-"
         how = "fill" if case.target == "disk" else "kill" if case.sig == signal.SIGKILL else signal.Signals(case.sig).name
         out.append(f"| {case.name} ({how} {case.target}) | {durations[case.name]:.1f} | {len(ts)} | {count['documented']} "

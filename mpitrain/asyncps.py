@@ -21,7 +21,7 @@ from mpi4py import MPI
 from mpitrain import checkpoint
 from mpitrain.checkpoint import TrainState
 from mpitrain.chief import ChiefDuties, ServerState, record_lost
-from mpitrain.faults import Kill
+from mpitrain.faults import Kill, never_returns, stuck_from
 from mpitrain.gradients import GradientSource, WorkerResult
 from mpitrain.guard import NON_FINITE, Diverged, LossGuard
 from mpitrain.layout import PS_RANK
@@ -34,6 +34,7 @@ from mpitrain.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_LAST, F
 from mpitrain.runtime import Context, start_state
 from mpitrain.shards import Gather, ShardService, assemble
 from mpitrain.stopping import STOP
+from mpitrain.stuck import WATCHDOG
 from mpitrain.transport import PS_POLL_NO_OVERLAP_S, PS_POLL_S, WORKER_POLL_S, Poller, tested
 
 
@@ -97,6 +98,9 @@ class AsyncServer:
         self.held: list[int] = []  # gradients received, not yet applied (--max-staleness)
         self.basis = [self.state.global_step] * W  # version each worker's next gradient is computed on
         self.stopping = False
+        self.stuck_at = stuck_from(ctx.rank)  # MPITRAIN_INJECT_STUCK
+        if self.chief and not self.gather:  # the whole state is here: a stuck MPI saves it first (stuck.py)
+            WATCHDOG.last_words = self._last_words
 
     def run(self) -> ServerState:
         while self.active:
@@ -104,6 +108,7 @@ class AsyncServer:
                 self._serve_once()
             except PeerLost as e:  # silent past --worker-timeout, or its message failed in MPI
                 self._lose(e.lost)
+        WATCHDOG.last_words = None
         self._drain_sends()
         self.duties.finish()
         if self.chief:
@@ -125,6 +130,8 @@ class AsyncServer:
             self._apply(self._oldest_held())  # never reached with S >= W-1; no hang regardless
             return
         self.ctx.activity.enter(WAIT)
+        if self.stuck_at is not None and self.state.global_step >= self.stuck_at:
+            self.poller.testsome = never_returns
         reqs = self.recv if self.chief else self.recv + [self.service.req]
         done = self.poller.some(reqs)
         if done.failed:  # a gradient from a process that died while sending it: never applied
@@ -166,6 +173,14 @@ class AsyncServer:
             self.sends[w] = MPI.REQUEST_NULL
             record_lost(self.state, rank, why, f"; continuing with {len(self.active)} worker(s)" if self.active else "",
                         loud=self.chief)
+
+    def _last_words(self) -> str | None:
+        """Rank 0's MPI is stuck for good (stuck.py), in a test between updates: save what it holds."""
+        if not self.duties.ckpt.enabled:
+            return None
+        self.duties.save(self._own_state())
+        saved = self.duties.ckpt.saved
+        return f"saved global step {self.state.global_step} to {saved[-1]}" if saved else None
 
     def _drain_sends(self) -> None:
         """Wait for the last replies, giving up on any worker lost meanwhile."""

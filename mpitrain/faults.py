@@ -9,6 +9,9 @@ MPITRAIN_INJECT_RAISE=RANK:STEP worker RANK raises an unexpected exception at it
 MPITRAIN_INJECT_HANG=RANK:STEP:SEC worker RANK's training thread stops for SEC seconds at its
                                 local step STEP, its heartbeats going on (alive, not progressing:
                                 a rank stuck in a slow read or a lock; tests/test_observe.py)
+MPITRAIN_INJECT_STUCK=RANK:STEP rank RANK (a server) makes its first MPI test at or after global step
+                                STEP never return, as MPICH's does when a sender died half-way
+                                through handing it a message (stuck.py; tests/test_faults.py)
 MPITRAIN_INJECT_JOIN=vanish     a --join worker SIGKILLs itself once the job has let it in, before
                                 the job's GO (it died while the job made room: tests/test_join.py)
 MPITRAIN_INJECT_JOIN=formed     ... once the new world has formed, before its phase starts (it
@@ -94,6 +97,17 @@ class Kill:
     def after_report(self) -> None:
         if self.report:
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+def stuck_from(rank: int, env=os.environ) -> int | None:
+    """MPITRAIN_INJECT_STUCK: the global step from which this rank's MPI tests never return."""
+    return injected_step("MPITRAIN_INJECT_STUCK", rank, env)
+
+
+def never_returns(*_args) -> None:
+    """A test of MPI requests that never comes back (the GIL released, as in mpi4py's calls)."""
+    while True:
+        time.sleep(3600)
 
 
 def _stat(pid: int) -> list[str]:

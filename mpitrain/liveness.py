@@ -21,6 +21,7 @@ from mpi4py import MPI
 
 from mpitrain.layout import Layout
 from mpitrain.protocol import BEAT_FIELDS, FLAG_STOP, TAG_HEARTBEAT, Message
+from mpitrain.stuck import WATCHDOG
 from mpitrain.waiting import poll
 
 BEATS_PER_TIMEOUT = 4  # a peer must miss this many heartbeats in a row to be declared lost
@@ -108,19 +109,26 @@ class Heartbeat:
         self.reqs[i] = self.comm.Isend(self.msgs[i].spec(), dest=self.peers[i], tag=TAG_HEARTBEAT)
 
     def _run(self) -> None:
+        me = threading.get_ident()
         while True:
             self.beats += 1
-            for i in range(len(self.peers)):
-                if i in self.gone:
-                    continue
-                try:
-                    if self.reqs[i].Test():
-                        self._beat(i)
-                except MPI.Exception:  # that peer died: its Watch entry here says so in time
-                    self.gone.add(i)
-                    self.reqs[i] = MPI.REQUEST_NULL
+            WATCHDOG.enter(me)  # a round that never ends (MPI stuck, see stuck.py) ends the rank
+            self._round()
+            WATCHDOG.leave(me)
             if self._stop.wait(self.interval):
                 return
+
+    def _round(self) -> None:
+        """One beat to each live peer whose last beat has gone out."""
+        for i in range(len(self.peers)):
+            if i in self.gone:
+                continue
+            try:
+                if self.reqs[i].Test():
+                    self._beat(i)
+            except MPI.Exception:  # that peer died: its Watch entry here says so in time
+                self.gone.add(i)
+                self.reqs[i] = MPI.REQUEST_NULL
 
     def forget(self, rank: int) -> None:
         """A peer declared lost: never beaten (nor its last beat tested) again. MPICH's progress on
@@ -136,6 +144,7 @@ class Heartbeat:
         within the timeout (a peer died meanwhile: then MPI_Finalize is unsafe)."""
         self._stop.set()
         self._thread.join()
+        WATCHDOG.disarm()  # the end of the run has its own limits (trainer.finalize)
         expected = [i for i, peer in enumerate(self.peers) if peer not in lost]
         live = [i for i in expected if i not in self.gone]
         if len(live) < len(expected) or not wait_all([self.reqs[i] for i in live], self.timeout_s):
@@ -219,12 +228,16 @@ class Watch:
             return
         self._next_check = now + CHECK_EVERY_S
         newly = {}
+        me = threading.get_ident()
         for rank in self.watched:
+            WATCHDOG.enter(me)  # every wait comes here: a test that never returns ends the rank (stuck.py)
             try:
                 self._drain(rank, now)
             except MPI.Exception as e:
                 newly[rank] = mpi_error_reason(str(e))
                 continue
+            finally:
+                WATCHDOG.leave(me)
             silent = now - self.last[rank]
             if rank in self.checked and silent > self.timeout_s:
                 newly[rank] = f"no heartbeat for {silent:.1f} s"
@@ -271,6 +284,7 @@ def start(comm, rank: int, layout: Layout, timeout_s: float, activity=None):
     peers = layout.peers(rank)
     heartbeat, watch = Heartbeat(comm, peers, timeout_s, activity), Watch(comm, peers, timeout_s)
     watch.heartbeat = heartbeat
+    WATCHDOG.arm(rank, timeout_s)  # as long as the heartbeats run: a peer takes this rank for lost then
     return heartbeat, watch
 
 

@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 from mpi4py import MPI
 
-from conftest import child_env, keep_going, mpitrain_cmd, run_detached
+from conftest import child_env, keep_going, mpitrain_cmd, only_on, run_detached
+from mpitrain import checkpoint
+from mpitrain.exitcodes import ExitCode
 from mpitrain.liveness import PeerLost
 from mpitrain.mpiimpl import MPICH
 from mpitrain.transport import Poller
@@ -107,3 +109,39 @@ def test_poller_all_names_the_peer_of_a_failed_request_and_survives_an_unowned_e
     with pytest.raises(PeerLost) as lost:
         poller.all(reqs, [5, 7])
     assert list(lost.value.lost) == [7] and len(poller.unattributed) == 1
+
+
+def test_the_watchdog_names_a_call_stuck_for_its_bound_in_its_own_ticks():
+    """stuck.Watchdog counts its own ticks, so a job suspended for longer than the bound and
+    resumed is one tick later, not stuck; a call that left is never named."""
+    from mpitrain.stuck import Watchdog
+
+    dog = Watchdog()
+    dog.bound_ticks = 3
+    dog.enter(7)
+    dog.enter(8)
+    assert [dog.stuck(), dog.stuck()] == [None, None]
+    dog.leave(8)
+    assert dog.stuck() == 7
+    dog.leave(7)
+    assert dog.stuck() is None
+
+
+@only_on("mpich", "MPICH's shared-memory queue is the one that waits forever for a dead sender (stuck.py)")
+def test_a_rank_whose_mpi_never_returns_saves_and_ends_in_one_line(tmp_path):
+    """MPITRAIN_INJECT_STUCK makes rank 0's MPI tests never return from global step 150, as MPICH's
+    do when a worker dies half-way through handing it a message (the CI hang of async-big). Rank 0
+    saves the state it holds, says so in one line and ends; the workers say they lost it; the saved
+    checkpoint is the step it stopped at."""
+    ck = tmp_path / "ck"
+    proc, _ = run_detached(mpitrain_cmd(3, "--mode", "async", "--no-progress", "--worker-timeout", "2", "--steps", "100000",
+                                        "--checkpoint-dir", str(ck), launcher_flags=keep_going()),
+                           env={**child_env(), "MPITRAIN_INJECT_STUCK": "0:150"}, timeout=90)
+    err = proc.stderr
+    assert "Traceback" not in err and not proc.leftovers, err
+    stuck = [ln for ln in err.splitlines() if "MPI has not returned for 2 s" in ln]
+    assert len(stuck) == 1 and stuck[0].startswith("mpitrain: rank 0:"), err
+    saved = checkpoint.list_checkpoints(ck)[-1]
+    assert f"to {saved};" in stuck[0] and checkpoint.load(saved).global_step >= 150, err
+    assert all(f"rank {r} lost the parameter server" in err for r in (1, 2)), err
+    assert proc.returncode == ExitCode.PEER_LOST, err
