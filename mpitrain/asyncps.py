@@ -178,7 +178,7 @@ class AsyncServer:
         """Rank 0's MPI is stuck for good (stuck.py), in a test between updates: save what it holds."""
         if not self.duties.ckpt.enabled:
             return None
-        self.duties.save(self._own_state())
+        self.duties.save(self._own_state(), final=True)
         saved = self.duties.ckpt.saved
         return f"saved global step {self.state.global_step} to {saved[-1]}" if saved else None
 
@@ -261,7 +261,7 @@ class AsyncServer:
         state.staleness[staleness] += 1
         state.recent_losses.append(msg.loss)
         if self.chief:
-            self._chief_duties(msg.loss, staleness)
+            self._chief_duties(msg.loss, staleness, msg.step)
         # --steps counts rank 0's updates, the run's global step. Another server's count can run ahead
         # of it (a worker that died half-way through a push delivered that server's part only:
         # measured by chaos, the run then ended at 999 of 1000), so only rank 0 stops at the budget;
@@ -269,10 +269,11 @@ class AsyncServer:
         self.stopping = STOP.requested or (self.chief and cfg.steps is not None and state.global_step >= cfg.steps)
         self._reply(w, stop=self.stopping or bool(msg.flags & FLAG_LAST))
 
-    def _chief_duties(self, loss: float, staleness: int) -> None:
-        """Rank 0 after each update: the bar, the log, --eval-every and checkpoints."""
+    def _chief_duties(self, loss: float, staleness: int, basis: int) -> None:
+        """Rank 0 after each update: the bar, the log, --eval-every and checkpoints. `basis`: the
+        step whose parameters the gradient and its loss were computed on."""
         state, step, duties = self.state, self.state.global_step, self.duties
-        duties.stepped(step, loss, staleness=staleness, local_steps=list(state.local_steps))
+        duties.stepped(step, loss, basis=basis, staleness=staleness, local_steps=list(state.local_steps))
         # The budget's last step is saved once, at the end (run): with --num-ps the other servers
         # may not have applied their last gradients yet, and a save of the same step is skipped.
         evaluate, save = duties.eval_due(step), duties.save_due(step) and step < self.ctx.global_step_budget

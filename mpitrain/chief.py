@@ -6,6 +6,7 @@ hand their steps to one ChiefDuties; the other servers (--num-ps) keep a ServerS
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from collections import Counter, deque
@@ -16,7 +17,7 @@ import numpy as np
 from mpitrain.checkpoint import Checkpointer, TrainState
 from mpitrain.console import say
 from mpitrain.gradients import LOSS_WINDOW
-from mpitrain.guard import Diverged
+from mpitrain.guard import SMOOTHING, Diverged
 from mpitrain.layout import PS_RANK
 from mpitrain.metrics import Progress, RunLog
 from mpitrain.observe import CHECKPOINT, EVAL, attribute, step_time_from_beat
@@ -46,6 +47,14 @@ class ServerState:
     @property
     def final_loss(self) -> float:
         return float(np.mean(self.recent_losses)) if self.recent_losses else float("nan")
+
+
+def copy_state(state: TrainState) -> TrainState:
+    """A snapshot of a training state that later steps do not change (rank 0's own state is the
+    live parameters)."""
+    return TrainState(np.array(state.params), state.global_step, state.opt_t,
+                      {k: np.array(a) for k, a in state.opt_state.items()}, list(state.positions),
+                      None if state.ema is None else np.array(state.ema))
 
 
 def begin(ctx: Context) -> tuple[TrainState, ServerState, Checkpointer]:
@@ -130,6 +139,36 @@ def record_lost(state: ServerState, rank: int, why: str, then: str = "", loud: b
         state.log.event("worker_lost", **info)
 
 
+PENDING_SAVES = 4
+
+
+class SoundLoss:
+    """Whether the newest training loss looks like a sound model's: finite, under the guard's line
+    (--divergence-factor x the run's first loss, guard.LossGuard) and under JUMP x the lowest
+    smoothed loss so far (a jump, or a climb, which the smoothed loss follows and its lowest does not).
+    It judges the parameters the loss was computed on: the guard itself stops a run only once its
+    smoothed loss crossed the line, steps after the explosion began. --divergence-factor 0 turns it
+    off with the guard."""
+
+    JUMP = 4.0  # a sound run's minibatch losses stay within a few times their mean (a deferred save costs a step)
+
+    def __init__(self, factor: float):
+        self.factor, self.first, self.smoothed, self.lowest, self.ok = factor, None, None, None, True
+
+    def saw(self, loss: float) -> None:
+        if self.factor <= 0:
+            return
+        if not math.isfinite(loss):
+            self.ok = False
+            return
+        if self.first is None:
+            self.first = self.smoothed = self.lowest = loss
+            return
+        self.ok = loss <= self.factor * self.first and loss <= self.JUMP * self.lowest
+        self.smoothed += SMOOTHING * (loss - self.smoothed)
+        self.lowest = min(self.lowest, self.smoothed)
+
+
 class ChiefDuties:
     """Rank 0 after each global step, the same whatever the mode: the bar and the log
     (`stepped`), test accuracy at --eval-every (`evaluate`) and checkpoints (`save`), with the
@@ -141,21 +180,60 @@ class ChiefDuties:
         self.ctx, self.progress = ctx, progress
         self.start, self.state, self.ckpt = begin(ctx)
         self.clock = Clock()
+        self.sound = SoundLoss(ctx.cfg.divergence_factor)
+        # Periodic saves, written once a loss computed on their parameters proves them sound. Async
+        # losses come a few steps behind (staleness): a few may wait at once.
+        self.pending: deque[TrainState] = deque(maxlen=PENDING_SAVES)
+        self.deferred = False  # a save was due while the loss was not sound: the next sound step saves
 
-    def stepped(self, step: int, loss: float, force_log: bool = False, **log_extra) -> None:
+    def stepped(self, step: int, loss: float, force_log: bool = False, basis: int | None = None,
+                **log_extra) -> None:
+        """Global step `step` was applied; `loss` was computed on the parameters of step `basis`
+        (async: its gradient's version; otherwise the step before)."""
         self.progress.update(step, loss)
+        self.sound.saw(loss)
+        self._settle(step - 1 if basis is None else basis)
         log_train(self.ctx, self.state, self.clock, step, loss, force=force_log, **log_extra)
 
     def eval_due(self, step: int) -> bool:
         return self.ctx.eval_due(step)
 
     def save_due(self, step: int) -> bool:
-        return self.ckpt.due(step)
+        return (self.deferred or self.ckpt.due(step)) and self.sound.ok and self.state.diverged is None
 
     def evaluate(self, whole: TrainState, step: int) -> None:
         record_eval(self.ctx, self.state, self.clock, whole.params, step, whole.ema)
 
     def save(self, whole: TrainState, final: bool = False) -> None:
+        """A diverged run writes nothing more: the state at the step that diverged is the
+        explosion's. A periodic save is written once the next step's loss, computed on its
+        parameters, is sound (SoundLoss), and dropped if not, so that the folder's newest checkpoint
+        is always one to resume from ("the last good checkpoint is ..."). A final one (the end, a
+        stop, rank 0's last words) is written at once."""
+        if self.state.diverged is not None:
+            self.pending.clear()
+            return
+        if not final:
+            if not self.sound.ok:
+                self.deferred = self.ckpt.enabled
+                return
+            if self.ckpt.enabled:
+                self.pending.append(copy_state(whole))  # full: the oldest unjudged one goes, a newer stays
+            self.deferred = False
+            return
+        self.pending.clear()
+        self._write(whole, final=True)
+
+    def _settle(self, basis: int) -> None:
+        """Judge the pending saves by the first loss computed on their parameters (or later ones):
+        sound, written; not, dropped, every one (the next sound step saves)."""
+        if not self.sound.ok:
+            self.deferred = self.deferred or bool(self.pending)
+            self.pending.clear()
+        while self.pending and basis >= self.pending[0].global_step:
+            self._write(self.pending.popleft())
+
+    def _write(self, whole: TrainState, final: bool = False) -> None:
         self.ctx.activity.enter(CHECKPOINT, whole.global_step)
         self.ckpt.save(whole, final=final)
 

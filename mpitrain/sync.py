@@ -397,12 +397,12 @@ def follow_chief(ctx: Context, progress: Progress) -> ServerState:
         state.global_step = box.step  # where a lost worker's line says it was lost
         received = _received(ctx, gather, box, names) if full else None
         state.bytes_in += box.buf.nbytes if full else 0
+        if final and box.flags & FLAG_DIVERGED:  # the why and the loss come in the chief's report
+            state.diverged = Diverged(box.step)  # before the save: a diverged state is never saved
         if box.flags & FLAG_EVAL:
             duties.evaluate(received, box.step)
         if box.flags & (FLAG_CKPT | FLAG_STOP):
             duties.save(received, final=final)
-        if final and box.flags & FLAG_DIVERGED:  # the why and the loss come in the chief's report
-            state.diverged = Diverged(box.step)
         if final:  # its loss is the chief's mean over the last LOSS_WINDOW steps
             state.global_step = box.step
             state.recent_losses.append(box.loss)

@@ -653,7 +653,10 @@ def verdict(ctx: Context, mine: RoleResult, reports: list, summary: dict | None,
     if diverged:
         outcome.code = ExitCode.DIVERGED
         if ctx.rank == PS_RANK:
-            outcome.error = diverged.line(mine.checkpoints)
+            # The folder's newest, whichever run wrote it (a resumed run may not have saved yet):
+            # a diverged state is never saved (ChiefDuties._may_save), so it is the last good one.
+            folder = ctx.cfg.checkpoint_dir
+            outcome.error = diverged.line([str(p) for p in checkpoint.list_checkpoints(Path(folder))] if folder else [])
             say(outcome.error, sys.stderr)
         else:  # a worker knows the step only; rank 0 printed the line with the loss and whose it was
             outcome.error = f"mpitrain: training diverged at global step {diverged.global_step} (rank 0 says why)"
