@@ -4,7 +4,7 @@ Rank 0 is the parameter server; ranks 1..N-1 are workers (NumPy or CuPy).
 
 The Python API (mpitrain/api.py): train(**options) -> Result, evaluate(checkpoint, ...),
 dataset(name), rank(), size(), local_rank(), Model (the protocol a model of your own implements), and
-the errors they raise: UsageError, Diverged,
+the errors they raise: UsageError, Diverged, LostPeer,
 TrainingFailed. Importing mpitrain loads none of them until used, so `python -m mpitrain --help`
 stays fast; dir(mpitrain) lists them.
 """
@@ -12,7 +12,7 @@ stays fast; dir(mpitrain) lists them.
 from mpitrain.version import __version__
 
 API = ("train", "evaluate", "dataset", "rank", "size", "local_rank", "Model", "Result", "UsageError", "Diverged",
-       "TrainingFailed")
+       "TrainingFailed", "LostPeer")
 __all__ = [*API, "__version__"]
 
 

@@ -51,6 +51,26 @@ class TrainingFailed(RuntimeError):
         self.code = code
 
 
+class LostPeer(TrainingFailed):
+    """A rank of the job was lost (killed, or silent past --worker-timeout): the command line's
+    exit 5 (this rank cannot go on) or 8 (rank 0 finished the budget without it). `result` is what
+    train() would have returned -- rank 0's summary (its `lost_workers` say who and when) with the
+    trained model, or this worker's report -- or None where none was made.
+
+    MPI in this process can no longer be used: MPI_Finalize would wait for the dead rank forever,
+    and the next train() would need it. So the interpreter goes on (run code after the loss: save,
+    plot, report), and when it exits it leaves without MPI_Finalize, with `code` as its exit status
+    whatever the script returns. A second train() needs a new process."""
+
+    def __init__(self, line: str, code: int, result: "Result | None"):
+        super().__init__(line, code)
+        self.result = result
+
+
+AFTER_A_LOSS = ("; MPI in this process can no longer be used (MPI_Finalize would wait for the lost rank): "
+                "a second train() needs a new process, and this one exits with code {code} without MPI_Finalize")
+
+
 class Result(dict):
     """What train() returns: the summary (rank 0) or this worker's report, as a dict, and on rank 0
     the trained model: `params` (the final flat float32 parameters), `model` (its layout, on NumPy)
@@ -165,11 +185,27 @@ def train(**options) -> Result:
     outcome = run(cfg, comm, node_info(comm), None, library=True)
     if outcome.code == ExitCode.USAGE:
         raise UsageError(outcome.error.removeprefix("mpitrain: error: "))
+    result = Result(outcome.summary if outcome.summary is not None else outcome.report, outcome.params, outcome.model)
+    if outcome.mpi_broken:
+        _leave_at_exit(outcome.code)
+        line = (outcome.error or "mpitrain: the job lost a rank (rank 0's summary says which)") + AFTER_A_LOSS.format(
+            code=outcome.code)
+        raise LostPeer(line, outcome.code, result if (outcome.summary or outcome.report) else None)
     if outcome.code == ExitCode.DIVERGED:
         raise Diverged(outcome.error, outcome.summary)
     if outcome.code != 0:
         raise TrainingFailed(outcome.error or f"mpitrain: exit {outcome.code}", outcome.code)
-    return Result(outcome.summary if outcome.summary is not None else outcome.report, outcome.params, outcome.model)
+    return result
+
+
+def _leave_at_exit(code: int) -> None:
+    """When the interpreter exits, end the process without MPI_Finalize, which would wait for the
+    lost rank forever (mpi4py calls it at exit; atexit runs this first, registered later)."""
+    import atexit
+
+    from mpitrain.lock import exit_without_finalize
+
+    atexit.register(exit_without_finalize, code)
 
 
 def _signature() -> inspect.Signature:
@@ -195,7 +231,8 @@ train.__doc__ = f"""Train; return the summary with the trained model (rank 0), o
 Every rank of an mpirun calls it with the same options; in one process it trains locally. The
 result is a dict (the --summary-json keys: test_accuracy, global_step, ...) with `params`, `model`
 and `predict(x)` on rank 0. Raises UsageError for a bad option (name, type or value) before any MPI
-traffic, and for bad data on every rank; Diverged when the loss diverged; TrainingFailed otherwise.
+traffic, and for bad data on every rank; Diverged when the loss diverged; LostPeer when a rank was
+lost (the process lives on, MPI does not: see LostPeer); TrainingFailed otherwise.
 
 Options (the command line's flags, with underscores; python -m mpitrain --help):
 {_options_doc()}

@@ -4,6 +4,8 @@ MPITRAIN_INJECT_NAN=RANK:STEP   worker RANK reports a NaN loss at its local step
 MPITRAIN_INJECT_KILL=RANK:STEP  worker RANK SIGKILLs itself at its local step STEP (as the OOM
                                 killer or `kill -9` would)
 MPITRAIN_INJECT_KILL=RANK:report  ... right after it sent rank 0 its end-of-run report
+MPITRAIN_INJECT_EXIT=RANK:STEP  worker RANK exits at its local step STEP without a word (exit 137,
+                                as a killed rank's supervisor does: a Python API script has none)
 MPITRAIN_INJECT_RAISE=RANK:STEP worker RANK raises an unexpected exception at its local step STEP
                                 (a bug: its traceback, then MPI_Abort ends every rank)
 MPITRAIN_INJECT_HANG=RANK:STEP:SEC worker RANK's training thread stops for SEC seconds at its
@@ -74,13 +76,14 @@ def injected_step(var: str, rank: int, env=os.environ) -> int | None:
 
 
 class Kill:
-    """MPITRAIN_INJECT_KILL, _RAISE and _HANG for this rank: `at(local_step)` kills the process
+    """MPITRAIN_INJECT_KILL, _EXIT, _RAISE and _HANG for this rank: `at(local_step)` kills the process
     (raises, or holds its training thread) at the step, `after_report()` kills it once its report
     is sent."""
 
     def __init__(self, rank: int, env=os.environ):
         self.step = injected_step("MPITRAIN_INJECT_KILL", rank, env)
         self.raise_step = injected_step("MPITRAIN_INJECT_RAISE", rank, env)
+        self.exit_step = injected_step("MPITRAIN_INJECT_EXIT", rank, env)
         self.report = env.get("MPITRAIN_INJECT_KILL") == f"{rank}:report"
         spec, _, seconds = env.get("MPITRAIN_INJECT_HANG", "").rpartition(":")
         self.hang_step = injected_step("MPITRAIN_INJECT_HANG", rank, {"MPITRAIN_INJECT_HANG": spec})
@@ -89,6 +92,8 @@ class Kill:
     def at(self, local_step: int) -> None:
         if local_step == self.step:
             os.kill(os.getpid(), signal.SIGKILL)
+        if local_step == self.exit_step:
+            os._exit(128 + signal.SIGKILL)
         if local_step == self.raise_step:
             raise RuntimeError(f"MPITRAIN_INJECT_RAISE at local step {local_step}")
         if local_step == self.hang_step:

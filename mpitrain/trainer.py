@@ -76,6 +76,9 @@ class Outcome:
     params: np.ndarray | None = None  # rank 0: the final flat parameters (host)
     model: object = None  # rank 0: their layout, on NumPy (model.Model), for the API's predict
     grown: tuple | None = None  # a worker joined: (the flags, the new world, its node) of the run's next phase
+    # A peer was lost: MPI_Finalize would wait for it forever, so this process must end without it
+    # (the command line does at once; the Python API when the interpreter exits: api.LostPeer).
+    mpi_broken: bool = False
 
 
 def agree_on_setup(cfg: TrainConfig | None, comm, node: Node, err: str | None) -> tuple[Context | None, str | None]:
@@ -430,7 +433,7 @@ def _run(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: bo
     try:
         mine, reports = train_and_report(ctx, carry)
     except PeerLost as e:
-        return Outcome(peer_lost(ctx, e))
+        return peer_lost(ctx, e, library)
     except ProtocolError as e:
         say(f"mpitrain: rank {ctx.rank}: wire-format error: {e}", sys.stderr)
         lock.release_all()
@@ -456,7 +459,7 @@ def _run(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: bo
         try:
             bye = await_goodbye(ctx)
         except PeerLost as e:
-            return Outcome(peer_lost(ctx, e))
+            return peer_lost(ctx, e, library)
         if bye.flags & FLAG_REFORM:
             return grow_with_joiner(ctx, heartbeat, carry, bye)
         peer_was_lost = bool(bye.flags & FLAG_PEER_LOST)
@@ -467,6 +470,9 @@ def _run(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: bo
         join.withdraw_token(cfg)
         carry.token = None
     if not retire_heartbeats(ctx, heartbeat) or peer_was_lost or carry.peer_lost:
+        if library and not (carry.joiner or carry.with_spawned):  # the caller's process goes on (api.LostPeer)
+            outcome.mpi_broken = True
+            return outcome
         leave_after_a_loss(carry, outcome.code)
         finalize(ctx, outcome.code)  # a joiner: the dead were never its peers (measured: MPICH finalizes at once)
         after_the_spawned(carry)
@@ -847,9 +853,10 @@ def await_goodbye(ctx: Context) -> Message:
     return bye
 
 
-def peer_lost(ctx: Context, e: PeerLost) -> int:
-    """A rank this one cannot go on without is lost: say so in one line and end this rank.
-    Rank 0 (sync: a collective cannot finish without the worker) ends the whole job."""
+def peer_lost(ctx: Context, e: PeerLost, library: bool = False) -> Outcome:
+    """A rank this one cannot go on without is lost: say so in one line and end this rank (the
+    Python API's worker: return, MPI unusable from here on). Rank 0 (sync: a collective cannot
+    finish without the worker) ends the whole job."""
     who = "; ".join(f"rank {r}: {why}" for r, why in e.lost.items())
     lay = ctx.layout
     shards = [r for r in e.lost if lay.is_server(r) and r != PS_RANK]
@@ -873,13 +880,15 @@ def peer_lost(ctx: Context, e: PeerLost) -> int:
         time.sleep(ABORT_FLUSH_S)
         lock.release_all()
         mpiimpl.abort(ctx.comm, ExitCode.PEER_LOST, ctx.worker_comm)  # the workers are stuck in the collective
-        return ExitCode.PEER_LOST
+        return Outcome(ExitCode.PEER_LOST)
     whom = "the parameter server" if all(lay.is_server(r) for r in e.lost) else "a peer"
-    say(f"mpitrain: error: rank {ctx.rank} lost {whom} ({who}); stopping. Rank 0's "
-        f"newest checkpoint in --checkpoint-dir resumes the run", sys.stderr)
+    line = (f"mpitrain: error: rank {ctx.rank} lost {whom} ({who}); stopping. Rank 0's "
+            f"newest checkpoint in --checkpoint-dir resumes the run")
+    say(line, sys.stderr)
     mpiimpl.farewell(ctx.comm, ctx.cfg.worker_timeout)  # the other survivors' lines too (Open MPI)
-    exit_without_finalize(ExitCode.PEER_LOST)
-    return ExitCode.PEER_LOST
+    if not library:
+        exit_without_finalize(ExitCode.PEER_LOST)
+    return Outcome(ExitCode.PEER_LOST, error=line, mpi_broken=True)
 
 
 def why_it_ends(ctx: Context, left: int) -> str:

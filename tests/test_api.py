@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import MPI_TIMEOUT_S, child_env, launcher
+from conftest import MPI_TIMEOUT_S, child_env, keep_going, launcher, run_detached
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -221,3 +221,29 @@ print("HANDLER", signal.getsignal(signal.SIGINT) is signal.default_int_handler, 
     out, err = communicate_or_kill(proc)
     assert "CODE 130" in out and "HANDLER True" in out and "Traceback" not in err, out + err
     assert list((tmp_path / "ck").glob("ckpt-*.npz"))
+
+
+def test_a_lost_worker_raises_lost_peer_with_the_summary_and_the_caller_lives_on(tmp_path):
+    """Worker rank 2 exits at its step 40 as a killed rank's supervisor would (a script has no
+    supervisor: under hydra a rank killed by a signal takes the job with it), async under
+    -disable-auto-cleanup / ULFM: rank 0
+    finishes the budget without it, and train() raises LostPeer carrying the summary and the model
+    (it used to end the caller's process); the code after it runs on every survivor, and each then
+    exits with the job's code without MPI_Finalize, which would wait for the dead rank."""
+    code = """
+import mpitrain
+try:
+    mpitrain.train(steps=300, worker_timeout=2, progress=False)
+except mpitrain.LostPeer as e:
+    r = e.result
+    lost = [w["rank"] for w in r["lost_workers"]] if mpitrain.rank() == 0 else None
+    acc = r["test_accuracy"] if mpitrain.rank() == 0 else None
+    print(f"after rank {mpitrain.rank()}: code {e.code} lost {lost} acc {acc} predicts {r.params is not None}", flush=True)
+    assert "a second train() needs a new process" in str(e)
+"""
+    cmd = [*launcher(), *keep_going(), "-np", "3", sys.executable, "-c", code]
+    proc, _ = run_detached(cmd, env={**child_env(), "MPITRAIN_INJECT_EXIT": "2:40"}, timeout=90)
+    out = proc.stdout
+    assert "Traceback" not in proc.stderr and not proc.leftovers, proc.stderr
+    assert "after rank 0: code 8 lost [2] acc 0." in out and "predicts True" in out, out + proc.stderr
+    assert "after rank 1: code 0 lost None" in out, out + proc.stderr  # its own run was whole: its own code
