@@ -60,6 +60,7 @@ from mpitrain import atomic, faults, mpiimpl
 from mpitrain.cli import as_argv
 from mpitrain.config import TrainConfig, UsageError, can_take_joiners, disagreement
 from mpitrain.console import say
+from mpitrain.metrics import JobOutputs
 from mpitrain.protocol import FLAG_STOP, TAG_JOIN, Message
 from mpitrain.stopping import STOP
 from mpitrain.waiting import poll
@@ -105,6 +106,7 @@ class Carry:
     respawns_left: int = 0  # rank 0: how many more lost workers --respawn may replace
     forming: threading.Timer | None = None  # from making room until the next phase's heartbeats run
     earlier: tuple[int, int, int] = (0, 0, 0)  # a worker: gradients pushed, dropped, contributed in earlier phases
+    outputs: JobOutputs = dataclasses.field(default_factory=JobOutputs)  # rank 0: one bar and one log for all phases
 
     def start_forming(self, who: str) -> None:
         """From the moment a world starts to re-form until the next phase's heartbeats run (formed),

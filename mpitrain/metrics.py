@@ -56,6 +56,22 @@ class Progress:
             self.bar.close()
 
 
+class JobOutputs:
+    """Rank 0's progress bar and --log-dir, made by the job's first phase and handed on through
+    the phases a join or a respawn starts (join.Carry; Context.outputs), so that one bar and one
+    series of events go on over the whole job: a join re-forms the world, not the run."""
+
+    def __init__(self):
+        self.progress: Progress | None = None
+        self.log: RunLog | None = None
+
+    def close_bar(self) -> None:
+        """The job's end (or its failure): the bar's last line stays on the terminal."""
+        if self.progress is not None:
+            self.progress.close()
+            self.progress = None
+
+
 class RunLog:
     """--log-dir on rank 0: events.jsonl (one JSON object a line) and, when tensorboardX is
     installed, TensorBoard event files with the same scalars (`tensorboard --logdir DIR`)."""

@@ -22,6 +22,7 @@ from mpitrain.config import TrainConfig, UsageError, can_take_joiners, validate_
 from mpitrain.data import Dataset, check_batch_fits, load_dataset, steps_per_epoch
 from mpitrain.faults import copying_backend_for
 from mpitrain.layout import PS_RANK, Layout
+from mpitrain.metrics import JobOutputs
 from mpitrain.console import say
 from mpitrain.model import Model, build
 from mpitrain.observe import Activity
@@ -152,6 +153,7 @@ class Context:
     watch: object = field(default_factory=_no_watch)  # liveness.Watch (or NoWatch): the peers this rank waits on
     activity: Activity = field(default_factory=Activity)  # what this rank is doing (phases, step times, --timeline)
     start: checkpoint.TrainState | None = None  # what training starts from, broadcast by rank 0 (connect)
+    outputs: JobOutputs = field(default_factory=JobOutputs)  # rank 0's bar and log, the job's (join.Carry's)
 
     @property
     def local(self) -> bool:

@@ -176,14 +176,17 @@ def train_role(ctx: Context) -> RoleResult:
     if role == "shard":  # --num-ps: a server of one shard, reporting to rank 0
         return RoleResult(shard=shard_report(ctx, loop(ctx)))
     if role in ("chief", "local"):
-        progress = Progress(cfg.progress, ctx.global_step_budget, ctx.global_batch)
+        # The job's one bar: a later phase (a join, a respawn) goes on with it; closed by publish.
+        progress = ctx.outputs.progress or Progress(cfg.progress, ctx.global_step_budget, ctx.global_batch)
+        ctx.outputs.progress = progress
         if cfg.stall_warning > 0 and role == "chief":
             ctx.watch.stall = observe.Stall(cfg.stall_warning, lambda: progress.step,
                                             lambda stalled_s: server_stall_line(ctx, progress.step, stalled_s))
         try:
             state, wres = loop(ctx, progress) if role == "local" else (loop(ctx, progress), None)
-        finally:
-            progress.close()
+        except BaseException:  # the line that says why comes next, under the bar's last line
+            ctx.outputs.close_bar()
+            raise
         ctx.activity.enter(observe.EVAL, state.global_step)
         loss, acc = _evaluate(ctx, state.params)
         mine = RoleResult(state, loss, acc, _evaluate(ctx, state.ema) if state.ema is not None else (None, None))
@@ -390,6 +393,7 @@ def run(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: boo
                 return outcome
             cfg, comm, node = outcome.grown
     finally:
+        carry.outputs.close_bar()  # a run that ended early (a lost peer, a failure): the bar's line stays
         carry.formed()
         if carry.token is not None:
             join.withdraw_token(cfg)
@@ -425,7 +429,7 @@ def _run(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: bo
     ctx, line = agree_on_setup(cfg, comm, node, err)
     if ctx is None:
         return Outcome(ExitCode.USAGE, error=line)
-    ctx, placements, heartbeat = connect(ctx, regrown=carry.start_step is not None)
+    ctx, placements, heartbeat = connect(dataclasses.replace(ctx, outputs=carry.outputs), regrown=carry.start_step is not None)
     carry.formed()  # heartbeats run: a rank lost from here is seen as in any phase
     if carry.budget is None:
         carry.budget = ctx.global_step_budget  # the job's, whoever joins later
@@ -615,6 +619,7 @@ def publish(ctx: Context, mine: RoleResult, reports: list, placements: list[str]
         except OSError as e:
             WRITES.failed("timeline", "--timeline", cfg.timeline, e, "the run goes on without it")
     summary = build_summary(ctx, mine, reports, placements, diverged, joins).to_dict()
+    ctx.outputs.close_bar()
     for line in human_summary(summary):
         say(line)
     if state.log:

@@ -37,7 +37,8 @@ def respawn_cmd(tmp_path, *args: str, np_: int = 3) -> list[str]:
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_a_worker_killed_with_sigkill_is_replaced_and_the_job_finishes_its_budget(tmp_path, mode):
     last = RANKS[mode] - 1  # the victim, and the new worker's rank
-    proc = subprocess.Popen(respawn_cmd(tmp_path, *JOB[mode], "--respawn", "1", np_=RANKS[mode]),
+    log = tmp_path / "log"
+    proc = subprocess.Popen(respawn_cmd(tmp_path, *JOB[mode], "--respawn", "1", "--log-dir", str(log), np_=RANKS[mode]),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(),
                             start_new_session=True)
     lines = Lines(proc.stdout)
@@ -67,6 +68,12 @@ def test_a_worker_killed_with_sigkill_is_replaced_and_the_job_finishes_its_budge
         assert s["gradients_pushed"][1] > 0  # the new worker trained
     assert s["test_accuracy"] > 0.9
     assert not (tmp_path / "ck" / join.TOKEN).exists()
+    # One run, one log: the phase after the respawn goes on with the same series, not a new one.
+    events = [json.loads(line) for line in (log / "events.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in events].count("start") == 1 and events[-1]["event"] == "end", events[:3]
+    steps = [e["global_step"] for e in events if e["event"] == "train"]
+    assert steps == sorted(set(steps)) and steps[-1] == BUDGET[mode], steps
+    assert len(list(log.glob("events.out.tfevents.*"))) == 1
 
 
 class _Watch:
