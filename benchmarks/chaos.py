@@ -186,17 +186,19 @@ class Job:
         return "\n".join(line for _, s, line in self.lines if stream is None or s == stream)
 
 
-def dump_stacks(root: int) -> str:
-    """Where every rank of a hung job is, Python and native frames (py-spy, when installed): the
-    one thing a hang leaves to learn from, taken before the job is killed."""
+def dump_stacks(root: int, more: dict[str, int] | None = None) -> str:
+    """Where every rank of a hung job is (and the processes in `more`, by name), Python and native
+    frames (py-spy, when installed): the one thing a hang leaves to learn from, taken before the job
+    is killed."""
     out = []
-    for rank, (pid, _) in sorted(rank_pids(root, supervised=False).items()):
+    named = [(f"rank {rank}", pid) for rank, (pid, _) in sorted(rank_pids(root, supervised=False).items())]
+    for name, pid in named + sorted((more or {}).items()):
         try:
             dump = subprocess.run(["py-spy", "dump", "--native", "--pid", str(pid)], capture_output=True,
                                   text=True, timeout=30)
-            out.append(f"--- rank {rank} (pid {pid})\n{dump.stdout}{dump.stderr}")
+            out.append(f"--- {name} (pid {pid})\n{dump.stdout}{dump.stderr}")
         except (OSError, subprocess.TimeoutExpired) as e:
-            out.append(f"--- rank {rank} (pid {pid}): no stack ({e})")
+            out.append(f"--- {name} (pid {pid}): no stack ({e})")
     return "\n".join(out)
 
 

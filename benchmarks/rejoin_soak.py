@@ -36,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from chaos import IMPL, Job  # same folder
+from chaos import IMPL, Job, dump_stacks  # same folder
 from run import machine, mpirun
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -90,6 +90,7 @@ def one_job(mode: str, rng: random.Random, cycles: int, respawn: bool) -> dict:
         problems, going_on_s, joined_s, status = [], [], [], []
         kills = joins = 0
         spawned_killed = False
+        stacks = ""  # every live process's stack, taken when the job stalled (the known MPICH --respawn stall)
         for _ in range(cycles):
             victim = rng.choice(live)
             pid = (rank_pids(job.proc.pid).get(victim[1], (None,))[0] if victim[0] == "job"
@@ -107,6 +108,7 @@ def one_job(mode: str, rng: random.Random, cycles: int, respawn: bool) -> dict:
             live.remove(victim)
             if not wait_count(job, ("regrouped at global step", "; continuing with"), seen + 1, 60):
                 problems.append("the job did not go on after a kill")
+                stacks = stalled(job)
                 break
             going_on_s.append(time.monotonic() - t)
             before = len([1 for _, _, ln in job.lines if "joined as rank" in ln])
@@ -116,6 +118,7 @@ def one_job(mode: str, rng: random.Random, cycles: int, respawn: bool) -> dict:
                                     *flags(mode, ck), "--join"], tmp))
             if not wait_count(job, ("joined as rank",), before + 1, 120):
                 problems.append("a joiner did not join")
+                stacks = stalled(job)
                 break
             joins += 1
             joined_s.append(time.monotonic() - t)
@@ -156,7 +159,12 @@ def one_job(mode: str, rng: random.Random, cycles: int, respawn: bool) -> dict:
                 problems.append("replicas differ")
         return {"mode": mode, "kills": kills, "joins": joins, "exit": code, "problems": problems,
                 "going_on_s": going_on_s, "joined_s": joined_s, "status": status,
-                "steps": summary["global_step"] if summary else None, "err": err[-3000:]}
+                "steps": summary["global_step"] if summary else None, "err": err[-3000:] + stacks}
+
+
+def stalled(job: Job) -> str:
+    """The job made no progress: where each of its processes is, spawned ones too."""
+    return "\n" + dump_stacks(job.proc.pid, {f"spawned {i}": pid for i, pid in enumerate(spawned_pids(job.proc.pid))})
 
 
 def wait_count(job: Job, texts: tuple[str, ...], count: int, timeout: float) -> bool:

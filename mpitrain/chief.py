@@ -206,14 +206,22 @@ class ChiefDuties:
     def evaluate(self, whole: TrainState, step: int) -> None:
         record_eval(self.ctx, self.state, self.clock, whole.params, step, whole.ema)
 
-    def save(self, whole: TrainState, final: bool = False) -> None:
+    def save(self, whole: TrainState, final: bool = False, at_once: bool = False) -> None:
         """A diverged run writes nothing more: the state at the step that diverged is the
         explosion's. A periodic save is written once the next step's loss, computed on its
         parameters, is sound (SoundLoss), and dropped if not, so that the folder's newest checkpoint
         is always one to resume from ("the last good checkpoint is ..."). A final one (the end, a
-        stop, rank 0's last words) is written at once."""
+        stop, rank 0's last words) is written at once; so is one `at_once`, if the newest loss is
+        sound (sync: rank 0 hears the loss only when the chief worker sends, so a save waiting for
+        the next would wait a whole interval)."""
         if self.state.diverged is not None:
             self.pending.clear()
+            return
+        if at_once and not final:
+            if self.sound.ok:
+                self._write(whole)
+            else:
+                self.deferred = self.ckpt.enabled
             return
         if not final:
             if not self.sound.ok:

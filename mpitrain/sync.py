@@ -402,7 +402,7 @@ def follow_chief(ctx: Context, progress: Progress) -> ServerState:
         if box.flags & FLAG_EVAL:
             duties.evaluate(received, box.step)
         if box.flags & (FLAG_CKPT | FLAG_STOP):
-            duties.save(received, final=final)
+            duties.save(received, final=final, at_once=True)
         if final:  # its loss is the chief's mean over the last LOSS_WINDOW steps
             state.global_step = box.step
             state.recent_losses.append(box.loss)

