@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import child_env, own_lines, run_mpitrain
+from conftest import NUMBERS_ONLY, child_env, only_on, own_lines, run_mpitrain
 from mpitrain import checkpoint
 
 
@@ -129,6 +129,7 @@ def test_loss_guard_follows_a_smoothed_loss_against_the_first():
     assert LossGuard(0).exploded(2.0) is None and LossGuard(0).exploded(1e30) is None
 
 
+@only_on("mpich", NUMBERS_ONLY)
 @pytest.mark.parametrize("np_", [0, 3], ids=["one-process", "async"])
 def test_a_diverged_resume_names_a_checkpoint_from_before_the_explosion_and_resumes_from_it(tmp_path, np_):
     """A good run, then the same folder at --lr 5 saving every step: the guard stops it a few steps

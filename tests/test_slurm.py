@@ -145,10 +145,13 @@ def _wait_for_output(path: Path, text: str, timeout: float = 120) -> None:
 # Slurm holds a requeued job back until its credentials expire (slurm_cluster.CRED_EXPIRE_S: 20 s
 # here, 120 s by default), so this test takes ~1.5 min: run under one MPI only. The requeue is
 # Slurm's and the script's, the same under either; the stop signal through srun under Open MPI is
-# test_a_job_at_its_time_limit_stops_and_saves's.
+# test_a_job_at_its_time_limit_stops_and_saves's (which runs under Open MPI only, for the same reason).
 @only_on("mpich", "the requeue is the same under either MPI (see above); it takes ~1.5 min")
 def test_a_job_warned_by_usr1_saves_requeues_itself_and_finishes(slurm, tmp_path):
-    """What `#SBATCH --signal=USR1@90` does before the time limit, sent now with `scancel --signal`:
+    """Over 60 s because Slurm holds a requeued job until its credentials expire (20 s here, see
+    above), and the job runs twice.
+
+    What `#SBATCH --signal=USR1@90` does before the time limit, sent now with `scancel --signal`:
     every task stops at a step, rank 0 saves; with MPITRAIN_REQUEUE=1 the job goes back in the queue
     under its id, resumes from that checkpoint and finishes the budget."""
     import time
@@ -171,8 +174,12 @@ def test_a_job_warned_by_usr1_saves_requeues_itself_and_finishes(slurm, tmp_path
     assert "Traceback" not in out
 
 
+@only_on("openmpi", "Slurm's time limit and its warning are Slurm's, the same under either MPI; the stop "
+                    "signal through srun under MPICH is the requeue test's. A 1-minute limit: ~45 s")
 def test_a_job_at_its_time_limit_stops_and_saves(slurm, tmp_path):
-    """--time=1 and a time-limit warning: Slurm sends SIGUSR1 at its first check inside the last
+    """Over 60 s because Slurm's time limits count in minutes: the shortest is --time=1.
+
+    --time=1 and a time-limit warning: Slurm sends SIGUSR1 at its first check inside the last
     warning + 30 s (its check period), or, if the limit comes first, SIGTERM (then SIGKILL after
     KillWait). Either way the run stops within seconds and saves. The warning comes 10 s ahead
     here, not the script's 90: Slurm sends it to the job's steps only (job_mgr.c,
