@@ -376,6 +376,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         _choice("model", cfg.model, model_names())
     _choice("optimizer", cfg.optimizer, optimizer_names())
     prefix = next((p for p in DATASET_PREFIXES if cfg.dataset.startswith(p)), None)
+    if prefix is None and cfg.dataset.endswith(".npz"):
+        raise UsageError(f"--dataset {cfg.dataset}: a file of your own arrays is named with npz:, as in "
+                         f"--dataset {NPZ_PREFIX}{cfg.dataset}")
     if prefix is None:
         _choice("dataset", cfg.dataset, DATASETS + tuple(p + arg for p, (arg, _, _) in DATASET_PREFIXES.items()))
     elif cfg.dataset == prefix:

@@ -14,7 +14,7 @@ import os
 import socket
 import zipfile
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +43,7 @@ class Dataset:
     x_test: np.ndarray
     y_test: np.ndarray
     n_classes: int
+    notes: list[str] = field(default_factory=list)  # what rank 0 says of the data before training (a warning)
 
     @property
     def n_features(self) -> int:
@@ -71,22 +72,56 @@ def load_dataset(cfg: TrainConfig) -> Dataset:
 
 
 def scaled_features(x: np.ndarray, where: str) -> np.ndarray:
-    """One row per example, float32: uint8 pixels scaled to [0, 1], floats as they are."""
+    """One row per example, float32: uint8 pixels scaled to [0, 1], floats as they are (an npz's
+    are then standardised: load_npz)."""
     if x.ndim < 2 or x.shape[0] == 0:
         raise UsageError(f"{where} must hold one row (or image) per example, at least one; got shape {x.shape}")
     if x.dtype == np.uint8:
         return x.reshape(x.shape[0], -1).astype(np.float32) / 255.0
     if x.dtype.kind != "f":
         raise UsageError(f"{where} has dtype {x.dtype}; features must be uint8 (scaled to [0, 1]) or float "
-                         f"(used as they are): convert with .astype(np.float32)")
+                         f"(standardised): convert with .astype(np.float32)")
     out = x.reshape(x.shape[0], -1).astype(np.float32)
     if not np.isfinite(out).all():
         raise UsageError(f"{where} holds NaN or infinite values; drop or impute them before training")
     return out
 
 
+def standardised(x_train: np.ndarray, x_test: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Float features: each feature minus the training set's mean, over its standard deviation
+    (1 where it is constant), for both splits. Raw features on their own scales (pixel counts
+    0..16, wine's 0.1..1680) otherwise train to chance at the default learning rate."""
+    mean = x_train.mean(axis=0, dtype=np.float64)
+    std = x_train.std(axis=0, dtype=np.float64)
+    std[std == 0] = 1.0
+    return (((x_train - mean) / std).astype(np.float32), ((x_test - mean) / std).astype(np.float32))
+
+
+def checked_classes(path: str, y_train: np.ndarray, y_test: np.ndarray) -> tuple[int, list[str]]:
+    """The number of classes, C = the largest training label + 1, and rank 0's notes. A test label
+    of C or more is refused (the model would have no output for it); a class under C that never
+    occurs in training is said (the model cannot learn it)."""
+    classes = int(y_train.max()) + 1
+    if classes < 2:
+        raise UsageError(f"{path}: every label in y_train is 0; a classifier needs at least two classes")
+    if y_test.size and y_test.max() >= classes:
+        raise UsageError(f"{path}: y_test has label {int(y_test.max())}, but y_train's labels go up to {classes - 1}: "
+                         f"the model would have no output for it; label both splits with the same classes 0..C-1")
+    missing = sorted(set(range(classes)) - set(np.unique(y_train).tolist()))
+    notes = []
+    if missing:
+        in_test = sorted(set(missing) & set(np.unique(y_test).tolist()))
+        also = f" (y_test has {', '.join(map(str, in_test))})" if in_test else ""
+        notes.append(f"mpitrain: warning: {path}: class {', '.join(map(str, missing))} never appears in y_train"
+                     f"{also}: the model cannot learn it; relabel the classes 0..C-1 without gaps")
+    return classes, notes
+
+
 def class_labels(y: np.ndarray, where: str, n: int, classes: int | None = None) -> np.ndarray:
-    """Integer labels 0..C-1, one per example (C given for a dataset that declares it)."""
+    """Integer labels 0..C-1, one per example (C given for a dataset that declares it); a column
+    (n, 1), as scikit-learn and pandas hand them out, is taken as the labels it holds."""
+    if y.ndim == 2 and y.shape[1] == 1:
+        y = y[:, 0]
     if y.dtype.kind not in "iu" or y.ndim != 1:
         raise UsageError(f"{where} must be a 1-D array of integer class labels 0..C-1 (got dtype {y.dtype}, "
                          f"shape {y.shape}); e.g. y.astype(np.int64)")
@@ -128,12 +163,12 @@ def load_npz(path: str) -> Dataset:
     if x_train.shape[1] != x_test.shape[1]:
         raise UsageError(f"{path}: x_train has {x_train.shape[1]} features per example but x_test "
                          f"{x_test.shape[1]}; both splits need the same shape")
+    if arrays["x_train"].dtype.kind == "f":  # uint8 pixels are already on one scale, [0, 1]
+        x_train, x_test = standardised(x_train, x_test)
     y_train = class_labels(arrays["y_train"], f"{path}: y_train", x_train.shape[0])
     y_test = class_labels(arrays["y_test"], f"{path}: y_test", x_test.shape[0])
-    classes = int(max(y_train.max(), y_test.max())) + 1
-    if classes < 2:
-        raise UsageError(f"{path}: every label is 0; a classifier needs at least two classes")
-    return Dataset(f"{NPZ_PREFIX}{Path(path).name}", x_train, y_train, x_test, y_test, classes)
+    classes, notes = checked_classes(path, y_train, y_test)
+    return Dataset(f"{NPZ_PREFIX}{Path(path).name}", x_train, y_train, x_test, y_test, classes, notes)
 
 
 # --- digits: the 8x8 handwritten digits that ship with scikit-learn ---------------------------
