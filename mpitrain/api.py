@@ -239,9 +239,10 @@ Options (the command line's flags, with underscores; python -m mpitrain --help):
 """
 
 
-def evaluate(checkpoint: str, dataset: str = "digits", data_dir: str | None = None, model=None) -> dict:
+def evaluate(checkpoint: str, dataset: str | None = None, data_dir: str | None = None, model=None) -> dict:
     """Test accuracy, loss and confusion matrix of a checkpoint (a ckpt-*.npz file, or a
-    --checkpoint-dir: its newest), in this process (no MPI). A checkpoint of a model of your own
+    --checkpoint-dir: its newest), in this process (no MPI), on `dataset` (default: the one it was
+    trained on). A checkpoint of a model of your own
     needs that model (`model=MyModel(...)`, with the spec it was trained with)."""
     from mpitrain.evaluation import evaluate as evaluate_checkpoint
 

@@ -1,6 +1,6 @@
 """`mpitrain evaluate CHECKPOINT`: test-set accuracy, loss and confusion matrix of a checkpoint.
 
-    mpitrain evaluate runs/exp1/ckpt-000002000.npz --dataset mnist --data-dir /data/mnist
+    mpitrain evaluate runs/exp1/ckpt-000002000.npz --data-dir /data/mnist   # on the dataset it was trained on
 
 One process, no MPI. The model's layer sizes come from the checkpoint's fingerprint; a dataset
 whose feature or class count does not fit them is refused in one line (exit 2).
@@ -32,9 +32,11 @@ def format_matrix(m: np.ndarray) -> list[str]:
     return [head] + [f"{i:>9}" + "".join(f"{v:>{width}}" for v in row) for i, row in enumerate(m)]
 
 
-def evaluate(path: str, dataset: str, data_dir: str | None, model=None) -> dict:
-    """A checkpoint's test accuracy, loss and confusion matrix. `model`: a model of the user's own
-    (the API); the built-ins are rebuilt from the checkpoint's spec."""
+def evaluate(path: str, dataset: str | None, data_dir: str | None, model=None) -> dict:
+    """A checkpoint's test accuracy, loss and confusion matrix, on `dataset` or, when None, on the
+    one it was trained on (its fingerprint's name; synthetic data is made again from the
+    checkpoint's seed and feature count). `model`: a model of the user's own (the API); the
+    built-ins are rebuilt from the checkpoint's spec."""
     from mpitrain.data import load_dataset
     from mpitrain.model import builtin_spec, from_sizes, is_builtin
 
@@ -60,11 +62,13 @@ def evaluate(path: str, dataset: str, data_dir: str | None, model=None) -> dict:
         if model.spec != spec:
             raise UsageError(f"checkpoint {p} is of the model {spec}, not {model.spec}; pass the model it was "
                              f"trained with")
-    data = load_dataset(validate(TrainConfig(dataset=dataset, data_dir=data_dir)))
+    dataset, own = (dataset, False) if dataset else (saved.get("dataset") or "digits", True)
+    remade = {"seed": int(saved.get("seed", 0)), "synthetic_features": sizes[0]} if own else {}  # synthetic: the same
+    data = load_dataset(validate(TrainConfig(dataset=dataset, data_dir=data_dir, **remade)))
     if (data.n_features, data.n_classes) != (sizes[0], sizes[-1]):
         raise UsageError(f"{dataset} has {data.n_features} features and {data.n_classes} classes but the checkpoint's "
                          f"model is {'-'.join(map(str, sizes))}; evaluate it on the dataset it was trained on")
-    out = {"checkpoint": str(p), "global_step": state.global_step, "dataset": dataset,
+    out = {"checkpoint": str(p), "global_step": state.global_step, "dataset": dataset, "dataset_from_checkpoint": own,
            "model_description": model.description, "test_examples": int(len(data.y_test))}
     for name, params in (("", state.params), ("ema_", state.ema)):
         if params is None:
@@ -78,7 +82,8 @@ def evaluate(path: str, dataset: str, data_dir: str | None, model=None) -> dict:
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="mpitrain evaluate", description=__doc__.splitlines()[0])
     p.add_argument("checkpoint", help="a ckpt-*.npz file, or a --checkpoint-dir (its newest checkpoint)")
-    p.add_argument("--dataset", default="digits", help="as for training: digits, mnist, npz:PATH, tfds:NAME, ...")
+    p.add_argument("--dataset", default=None, help="as for training: digits, mnist, npz:PATH, tfds:NAME, ... "
+                   "(default: the one the checkpoint was trained on)")
     p.add_argument("--data-dir", default=None)
     p.add_argument("--summary-json", default=None, metavar="PATH")
     args = p.parse_args(argv)
@@ -87,8 +92,9 @@ def main(argv: list[str]) -> int:
     except UsageError as e:
         say(f"mpitrain evaluate: error: {e}", sys.stderr)
         return ExitCode.USAGE
+    whose = ", the checkpoint's own" if out["dataset_from_checkpoint"] else ""
     say(f"{out['checkpoint']} (global step {out['global_step']}, {out['model_description']}) on {out['dataset']} "
-        f"test set ({out['test_examples']} examples):")
+        f"test set ({out['test_examples']} examples{whose}):")
     say(f"  accuracy {out['test_accuracy']:.4f} | loss {out['test_loss']:.4f}"
         + (f" | EMA accuracy {out['ema_test_accuracy']:.4f}, loss {out['ema_test_loss']:.4f}" if "ema_test_accuracy" in out else ""))
     for line in format_matrix(np.array(out["confusion_matrix"])):

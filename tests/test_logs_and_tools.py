@@ -123,3 +123,18 @@ def test_evaluate_refuses_a_dataset_of_another_shape(two_runs):
 def test_confusion_matrix_counts():
     m = confusion_matrix(np.array([0, 1, 1, 2]), np.array([0, 1, 2, 2]), 3)
     assert m.tolist() == [[1, 0, 0], [0, 1, 1], [0, 0, 1]]
+
+
+def test_evaluate_takes_the_checkpoints_own_dataset_and_says_so(tmp_path):
+    """A synthetic run's checkpoint used to be evaluated on digits and refused ("evaluate it on the
+    dataset it was trained on"); the fingerprint names the dataset, and synthetic data is made again
+    from the checkpoint's seed and feature count."""
+    ck, summary = tmp_path / "ck", tmp_path / "s.json"
+    proc = run_mpitrain(0, "--dataset", "synthetic", "--synthetic-features", "20", "--seed", "7", "--steps", "200",
+                        "--no-progress", "--checkpoint-dir", str(ck), "--summary-json", str(summary))
+    assert proc.returncode == 0, proc.stderr
+    out = tmp_path / "eval.json"
+    proc = run_mpitrain(0, "evaluate", str(ck), "--summary-json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "on synthetic test set" in proc.stdout and "the checkpoint's own" in proc.stdout
+    assert json.loads(out.read_text())["test_accuracy"] == pytest.approx(json.loads(summary.read_text())["test_accuracy"])
