@@ -142,7 +142,11 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] and argv[0] in SUBCOMMANDS:  # no MPI for these: launch starts mpirun itself
         import importlib
 
-        return importlib.import_module(SUBCOMMANDS[argv[0]]).main(argv[1:])
+        try:
+            return importlib.import_module(SUBCOMMANDS[argv[0]]).main(argv[1:])
+        except BrokenPipeError:  # `mpitrain evaluate ck | head -2`: the reader had enough, no traceback
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's exit flush must not fail again
+            return 0
     if "--version" in argv:
         if launcher_rank(os.environ) in (None, 0):  # under mpirun: once, not once per rank (no MPI needed to ask)
             print(f"mpitrain {__version__}")

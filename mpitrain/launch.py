@@ -144,7 +144,7 @@ def server_lines(hosts: list[tuple[str, int]], np_: int, trainer_args: list[str]
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="mpitrain launch", description=__doc__.splitlines()[0])
     p.add_argument("-f", "--hostfile", required=True)
-    p.add_argument("-np", "--np", type=int, dest="np_", help="number of ranks (default: all slots)")
+    p.add_argument("-np", "--np", type=int, dest="np_", metavar="N", help="number of ranks (default: all slots)")
     p.add_argument("--mpirun", default=None, help="the mpirun to use (default: the one beside this Python, else PATH)")
     p.add_argument("--dry-run", action="store_true",
                    help="print the mpirun command instead of running it (host names are not resolved)")

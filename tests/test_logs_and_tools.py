@@ -138,3 +138,21 @@ def test_evaluate_takes_the_checkpoints_own_dataset_and_says_so(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "on synthetic test set" in proc.stdout and "the checkpoint's own" in proc.stdout
     assert json.loads(out.read_text())["test_accuracy"] == pytest.approx(json.loads(summary.read_text())["test_accuracy"])
+
+
+def test_evaluate_into_a_closed_pipe_ends_quietly(two_runs):
+    """`mpitrain evaluate ck | head -2`: a reader that stopped reading used to get a BrokenPipeError
+    traceback (and exit 1) after the lines it wanted."""
+    import os
+    import subprocess
+    import sys
+
+    d, _ = two_runs["sync"]
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "mpitrain", "evaluate", str(d / "ck")], stdout=write,
+                              stderr=subprocess.PIPE, text=True, timeout=60)
+    finally:
+        os.close(write)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
