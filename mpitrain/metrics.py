@@ -301,9 +301,10 @@ def human_summary(s: dict) -> list[str]:
     workers_acc = ", ".join(f"{a:.4f}" for a in s["worker_test_accuracy"])
     status = ("stopped (diverged)" if s.get("diverged") else
               f"stopped ({s['stopped']['signal']})" if s.get("stopped") else "done")
+    alone = s["world_size"] == 1  # one process: no workers to tell apart, nothing dropped
     if s.get("trained", True):
-        steps = (f" | local steps {s['local_steps']} | {s['wall_seconds']:.2f} s training"
-                 f" | {s['samples_per_second']:,.0f} samples/s")
+        steps = ("" if alone else f" | local steps {s['local_steps']}") + (
+            f" | {s['wall_seconds']:.2f} s training | {s['samples_per_second']:,.0f} samples/s")
     else:
         steps = (f": the checkpoint it resumed from had reached the budget, so nothing was trained "
                  f"(evaluated only; {s['resumed_from']})")
@@ -311,10 +312,10 @@ def human_summary(s: dict) -> list[str]:
     return [
         f"mpitrain {status}: {s['mode']} | {s['model_description']} | {s['dataset']} | {ranks}",
         f"  global step {s['global_step']:,}{steps}",
-        f"  test accuracy {s['test_accuracy']:.4f} (rank 0)"
+        f"  test accuracy {s['test_accuracy']:.4f}" + ("" if alone else " (rank 0)")
         + (f", EMA {s['ema_test_accuracy']:.4f}" if s.get("ema_test_accuracy") is not None else "")
-        + f" | per worker [{workers_acc}] | test loss "
-        f"{s['test_loss']:.4f} | final train loss {final} | dropped gradients {s['dropped_gradients']}",
+        + ("" if alone else f" | per worker [{workers_acc}]") + f" | test loss {s['test_loss']:.4f} | final train "
+        f"loss {final}" + ("" if alone else f" | dropped gradients {s['dropped_gradients']}"),
     ] + ([line] if (line := straggler_line(s)) else []) + slow_lines(s) + lost_lines(s) + (
         [summary_stop_line(s)] if s.get("stopped") else [])
 
