@@ -216,23 +216,17 @@ class ChiefDuties:
         the next would wait a whole interval)."""
         if self.state.diverged is not None:
             self.pending.clear()
-            return
-        if at_once and not final:
-            if self.sound.ok:
-                self._write(whole)
-            else:
-                self.deferred = self.ckpt.enabled
-            return
-        if not final:
-            if not self.sound.ok:
-                self.deferred = self.ckpt.enabled
-                return
-            if self.ckpt.enabled:
-                self.pending.append(copy_state(whole))  # full: the oldest unjudged one goes, a newer stays
+        elif final:
+            self.pending.clear()
+            self._write(whole, final=True)
+        elif not self.sound.ok:
+            self.deferred = self.ckpt.enabled
+        else:
             self.deferred = False
-            return
-        self.pending.clear()
-        self._write(whole, final=True)
+            if at_once:
+                self._write(whole)
+            elif self.ckpt.enabled:
+                self.pending.append(copy_state(whole))  # full: the oldest unjudged one goes, a newer stays
 
     def _settle(self, basis: int) -> None:
         """Judge the pending saves by the first loss computed on their parameters (or later ones):

@@ -113,8 +113,10 @@ class Heartbeat:
         while True:
             self.beats += 1
             WATCHDOG.enter(me)  # a round that never ends (MPI stuck, see stuck.py) ends the rank
-            self._round()
-            WATCHDOG.leave(me)
+            try:
+                self._round()
+            finally:  # a round that failed is no stuck one
+                WATCHDOG.leave(me)
             if self._stop.wait(self.interval):
                 return
 
