@@ -45,11 +45,15 @@ def rank_main() -> None:
     import numpy as np
     from mpi4py import MPI
 
+    from mpitrain.mpiimpl import MPICH
+    from mpitrain.runtime import unlink_init_shm
     from mpitrain.stuck import WATCHDOG
     from mpitrain.transport import Poller
 
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
+    comm.Barrier()  # every rank past MPI_Init: the node's segment may go (a killed job leaves it otherwise)
+    unlink_init_shm(MPICH.shm_prefix)
     if rank == 0:
         WATCHDOG.arm(0, BOUND_S)
         bufs = [np.empty(64, np.uint8) for _ in range(size - 1)]
