@@ -63,6 +63,7 @@ from mpitrain.console import say
 from mpitrain.metrics import JobOutputs
 from mpitrain.protocol import FLAG_STOP, TAG_JOIN, Message
 from mpitrain.stopping import STOP
+from mpitrain.stuck import WATCHDOG
 from mpitrain.waiting import poll
 
 TOKEN = ".mpitrain.join-token"  # in --checkpoint-dir: who may join (the user's permissions only)
@@ -281,7 +282,8 @@ class Lobby:
         info = MPI.Info.Create()
         info.Set("timeout", str(CONNECT_TIMEOUT_S))
         try:
-            inter = MPI.COMM_SELF.Connect(port, info)
+            with WATCHDOG.paused():  # bounded by its own timeout; the heartbeat thread may wait on it
+                inter = MPI.COMM_SELF.Connect(port, info)
         except MPI.Exception as e:
             say(f"mpitrain: could not connect to the worker waiting to join on {host} (pid {pid}): "
                 f"{_last_line(e)}; the job goes on without it")

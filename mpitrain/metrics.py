@@ -110,6 +110,7 @@ class RunLog:
             self.tb, self.tb_failures = None, []
             WRITES.failed("tensorboard", "TensorBoard events", self.dir, e,
                           "no TensorBoard file for this run; events.jsonl and training go on")
+        self.last_train_step = -1
         self.t0 = time.time()  # after the (slow) tensorboardX import: seconds count training time
         self._write({"event": "start", **start})
 
@@ -148,8 +149,10 @@ class RunLog:
         return step % self.every == 0
 
     def train(self, step: int, force: bool = False, **values) -> None:
-        """Training scalars at global `step` (every --log-every steps unless forced)."""
-        if force or self.due(step):
+        """Training scalars at global `step` (every --log-every steps unless forced), once a step:
+        the phase after a join starts at the step the one before it ended at (one series, no repeat)."""
+        if step > self.last_train_step and (force or self.due(step)):
+            self.last_train_step = step
             self._write({"event": "train", "global_step": step, **values})
             self._scalars(step, "train", {k: v for k, v in values.items() if not isinstance(v, (list, dict))})
 

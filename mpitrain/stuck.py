@@ -21,6 +21,7 @@ so a job suspended and resumed (Ctrl-Z, `scontrol suspend`) is not taken for a s
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Callable
 
@@ -35,6 +36,7 @@ class Watchdog:
 
     def __init__(self):
         self.inside: dict[int, int] = {}  # thread ident -> the watchdog tick at which it entered MPI
+        self.pauses = 0  # paused(): ticks meanwhile do not count
         self.tick = 0
         self.bound_ticks = 0
         self.rank = -1
@@ -43,6 +45,16 @@ class Watchdog:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.end: Callable[[str], None] = _end  # replaceable in unit tests
+
+    @contextlib.contextmanager
+    def paused(self):
+        """A blocking MPI call with its own bound (join's MPI_Comm_connect, up to 5 s) may keep the
+        heartbeat thread out of MPI meanwhile: not counted as stuck."""
+        self.pauses += 1
+        try:
+            yield
+        finally:
+            self.pauses -= 1
 
     def enter(self, who: int) -> None:
         """Thread `who` (threading.get_ident()) calls into MPI."""
@@ -71,6 +83,10 @@ class Watchdog:
     def stuck(self) -> int | None:
         """Who has been inside MPI for the bound, if anyone (one look, one tick)."""
         self.tick += 1
+        if self.pauses:  # the paused call's time is not counted against anyone inside
+            for who in list(self.inside):
+                self.inside[who] = self.tick
+            return None
         for who, since in list(self.inside.items()):
             if self.tick - since >= self.bound_ticks:
                 return who

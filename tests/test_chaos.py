@@ -125,6 +125,10 @@ def test_the_watchdog_names_a_call_stuck_for_its_bound_in_its_own_ticks():
     assert dog.stuck() == 7
     dog.leave(7)
     assert dog.stuck() is None
+    dog.enter(9)
+    with dog.paused():  # join's bounded connect: its time is nobody's
+        assert [dog.stuck() for _ in range(5)] == [None] * 5
+    assert [dog.stuck(), dog.stuck(), dog.stuck()] == [None, None, 9]
 
 
 @only_on("mpich", "MPICH's shared-memory queue is the one that waits forever for a dead sender (stuck.py)")
