@@ -7,14 +7,14 @@ previous cell to it. A sender SIGKILLed between the two leaves the receiver's pr
 spinning forever on the missing link (MPIDU_genqi_nem_mpsc_dequeue: "busy wait for the enqueuing to
 finish"), inside whatever MPI call it was in and holding MPICH's lock, so its heartbeat thread cannot
 send either. No MPI call can get that process out again. It hung the CI's async-big chaos trial
-(rank 0 stuck in Testsome); a probe reproduced it (1 kill in 30 of a sender of 64-byte messages).
+(rank 0 stuck in Testsome); benchmarks/stuck_probe.py provokes it (2 kills in 200, STUCK.md).
 
 So every rank with heartbeats runs this watchdog: a thread that makes no MPI call (mpi4py releases
 the GIL in MPI calls, so it runs while another thread is stuck in one). The tests of every wait
 (transport.Poller, liveness.Watch) and each heartbeat round say when they enter and leave MPI (a
 round cannot finish while another thread spins in MPICH's progress holding its lock, so whatever
-call is stuck, a round is too); one that has not come back for --worker-timeout -- by then every peer has declared this rank lost -- is stuck. The rank
-then runs its last words (rank 0 with the whole state: a checkpoint of it), says so in one line,
+call is stuck, a round is too); one that has not come back for --worker-timeout (by then every
+peer has declared this rank lost) is stuck. The rank then runs its last words (rank 0 with the whole state: a checkpoint of it), says so in one line,
 and ends with ExitCode.PEER_LOST. Time is counted in the watchdog's own ticks, not the wall clock,
 so a job suspended and resumed (Ctrl-Z, `scontrol suspend`) is not taken for a stuck one.
 """
@@ -44,7 +44,6 @@ class Watchdog:
         self.last_words: Callable[[], str | None] | None = None  # rank 0: saves, returns what it saved
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self.end: Callable[[str], None] = _end  # replaceable in unit tests
 
     @contextlib.contextmanager
     def paused(self):
@@ -82,11 +81,9 @@ class Watchdog:
 
     def stuck(self) -> int | None:
         """Who has been inside MPI for the bound, if anyone (one look, one tick)."""
-        self.tick += 1
-        if self.pauses:  # the paused call's time is not counted against anyone inside
-            for who in list(self.inside):
-                self.inside[who] = self.tick
+        if self.pauses:  # the clock stands still: the paused call's time is nobody's
             return None
+        self.tick += 1
         for who, since in list(self.inside.items()):
             if self.tick - since >= self.bound_ticks:
                 return who
@@ -96,7 +93,7 @@ class Watchdog:
         while not self._stop.wait(TICK_S):
             who = self.stuck()
             if who is not None:
-                self.end(self.line(who))
+                _end(self.line(who))
                 return
 
     def line(self, who: int) -> str:
