@@ -13,7 +13,7 @@ MPITRAIN_INJECT_HANG=RANK:STEP:SEC worker RANK's training thread stops for SEC s
                                 a rank stuck in a slow read or a lock; tests/test_observe.py)
 MPITRAIN_INJECT_STUCK=RANK:STEP rank RANK (a server) makes its first MPI test at or after global step
                                 STEP never return, as MPICH's does when a sender died half-way
-                                through handing it a message (stuck.py; tests/test_faults.py)
+                                through handing it a message (stuck.py; tests/test_chaos.py)
 MPITRAIN_INJECT_JOIN=vanish     a --join worker SIGKILLs itself once the job has let it in, before
                                 the job's GO (it died while the job made room: tests/test_join.py)
 MPITRAIN_INJECT_JOIN=formed     ... once the new world has formed, before its phase starts (it

@@ -109,14 +109,10 @@ class Heartbeat:
         self.reqs[i] = self.comm.Isend(self.msgs[i].spec(), dest=self.peers[i], tag=TAG_HEARTBEAT)
 
     def _run(self) -> None:
-        me = threading.get_ident()
         while True:
             self.beats += 1
-            WATCHDOG.enter(me)  # a round that never ends (MPI stuck, see stuck.py) ends the rank
-            try:
+            with WATCHDOG:  # a round that never ends (MPI stuck, see stuck.py) ends the rank
                 self._round()
-            finally:  # a round that failed is no stuck one
-                WATCHDOG.leave(me)
             if self._stop.wait(self.interval):
                 return
 
@@ -230,16 +226,13 @@ class Watch:
             return
         self._next_check = now + CHECK_EVERY_S
         newly = {}
-        me = threading.get_ident()
         for rank in self.watched:
-            WATCHDOG.enter(me)  # every wait comes here: a test that never returns ends the rank (stuck.py)
             try:
-                self._drain(rank, now)
+                with WATCHDOG:  # every wait comes here: a test that never returns ends the rank (stuck.py)
+                    self._drain(rank, now)
             except MPI.Exception as e:
                 newly[rank] = mpi_error_reason(str(e))
                 continue
-            finally:
-                WATCHDOG.leave(me)
             silent = now - self.last[rank]
             if rank in self.checked and silent > self.timeout_s:
                 newly[rank] = f"no heartbeat for {silent:.1f} s"

@@ -55,6 +55,14 @@ class Watchdog:
         finally:
             self.pauses -= 1
 
+    def __enter__(self) -> "Watchdog":
+        """`with WATCHDOG:` around an MPI call that must come back: this thread is inside MPI."""
+        self.enter(threading.get_ident())
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        self.leave(threading.get_ident())
+
     def enter(self, who: int) -> None:
         """Thread `who` (threading.get_ident()) calls into MPI."""
         self.inside[who] = self.tick

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from threading import get_ident
 
 from mpi4py import MPI
 
@@ -115,14 +114,11 @@ class Poller:
     def _test(self, reqs: list, active: list[int]) -> Completed | None:
         if len(self._statuses) < len(reqs):
             self._statuses = [MPI.Status() for _ in reqs]
-        me = get_ident()
-        WATCHDOG.enter(me)  # a test that never returns (MPICH waiting on a dead sender) ends the rank
         try:
-            idx = self.testsome(reqs, self._statuses)
+            with WATCHDOG:  # a test that never returns (MPICH waiting on a dead sender) ends the rank
+                idx = self.testsome(reqs, self._statuses)
         except MPI.Exception as e:
             return self._sort_out(e, reqs, active)
-        finally:
-            WATCHDOG.leave(me)
         if idx is None:
             return Completed()
         return Completed(idx) if idx else None
