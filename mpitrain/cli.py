@@ -15,7 +15,7 @@ import signal
 import sys
 
 from mpitrain.version import __version__
-from mpitrain.config import TrainConfig, UsageError, parse_straggler, validate
+from mpitrain.config import TrainConfig, UsageError, flag_name, parse_straggler, validate
 from mpitrain.mpiimpl import launcher_rank
 
 # One BLAS thread per rank: at these matrix sizes two threads are slower than one, and ranks
@@ -58,33 +58,6 @@ def _value_type(f: dataclasses.Field):
 
 
 PARSERS = {"hidden": _hidden, "stragglers": _straggler}
-
-
-def flag_name(f: dataclasses.Field) -> str:
-    return f.metadata["option"].flag or "--" + f.name.replace("_", "-")
-
-
-def as_argv(cfg: TrainConfig) -> list[str]:
-    """The flags that give `cfg` back (each field not at its default), for the worker rank 0 starts
-    itself (--respawn, join.py): parse_args(as_argv(cfg)) == cfg. ValueError for what no flag
-    says (a Python API caller's model object)."""
-    out: list[str] = []
-    for f in dataclasses.fields(TrainConfig):
-        value, flag = getattr(cfg, f.name), flag_name(f)
-        if value == f.default:
-            continue
-        if f.name == "stragglers":
-            for rank, kind, amount in value:
-                out += [flag, f"{rank}:{'x' if kind == 'factor' else ''}{amount!r}"]
-        elif f.type == "bool":
-            out.append(flag if value else "--no-" + flag.removeprefix("--"))
-        elif f.name == "hidden":
-            out += [flag, ",".join(map(str, value))]
-        elif isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            out += [flag, repr(value) if isinstance(value, float) else str(value)]
-        else:
-            raise ValueError(f"{flag} {value!r} has no command-line form")
-    return out
 
 
 def build_parser() -> argparse.ArgumentParser:

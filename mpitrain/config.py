@@ -7,7 +7,7 @@ has pinned the BLAS threads (a test holds it to that).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import Field, dataclass, field, fields
 from typing import Callable
 
 MODES = ("async", "sync")
@@ -507,3 +507,30 @@ def validate_for_world(cfg: TrainConfig, size: int) -> None:
         raise UsageError(f"--max-staleness {cfg.max_staleness} cannot hold with {workers} workers: when all "
                          f"compute on the same parameters one of them is {workers - 1} updates stale; "
                          f"use {workers - 1} or more")
+
+
+def flag_name(f: Field) -> str:
+    return f.metadata["option"].flag or "--" + f.name.replace("_", "-")
+
+
+def as_argv(cfg: TrainConfig) -> list[str]:
+    """The flags that give `cfg` back (each field not at its default), for the worker rank 0 starts
+    itself (--respawn, join.py): parse_args(as_argv(cfg)) == cfg. ValueError for what no flag
+    says (a Python API caller's model object)."""
+    out: list[str] = []
+    for f in fields(TrainConfig):
+        value, flag = getattr(cfg, f.name), flag_name(f)
+        if value == f.default:
+            continue
+        if f.name == "stragglers":
+            for rank, kind, amount in value:
+                out += [flag, f"{rank}:{'x' if kind == 'factor' else ''}{amount!r}"]
+        elif f.type == "bool":
+            out.append(flag if value else "--no-" + flag.removeprefix("--"))
+        elif f.name == "hidden":
+            out += [flag, ",".join(map(str, value))]
+        elif isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            out += [flag, repr(value) if isinstance(value, float) else str(value)]
+        else:
+            raise ValueError(f"{flag} {value!r} has no command-line form")
+    return out

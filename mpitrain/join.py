@@ -33,7 +33,7 @@ both sides hang):
 --respawn N (MPICH and Open MPI): instead of a joiner started by hand, rank 0's lobby sees a worker
 lost in this phase (the watch's) and requests the same stop; at the phase's end every rank left
 starts the replacement together (grow, SPAWNED: MPI_Comm_spawn of this job's command with --join,
-its flags written back out by cli.as_argv), which merges into the new world at once and then says
+its flags written back out by config.as_argv), which merges into the new world at once and then says
 hello (join_spawned, welcome). Spawned by rank 0 alone and merged in, Open MPI 5.0.11 hung in the
 first collective; spawned by all, it trains (measured).
 
@@ -57,8 +57,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpitrain import atomic, faults, mpiimpl
-from mpitrain.cli import as_argv
-from mpitrain.config import TrainConfig, UsageError, can_take_joiners, disagreement
+from mpitrain.config import TrainConfig, UsageError, as_argv, can_take_joiners, disagreement
 from mpitrain.console import say
 from mpitrain.metrics import JobOutputs
 from mpitrain.protocol import FLAG_STOP, TAG_JOIN, Message

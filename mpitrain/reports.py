@@ -7,8 +7,11 @@ setup), so both ends know the fields.
 
 from __future__ import annotations
 
-import json
+import dataclasses
 from dataclasses import asdict, dataclass, field, fields
+import json
+
+import numpy as np
 
 
 @dataclass
@@ -126,3 +129,41 @@ class Summary:
 
 
 SUMMARY_KEYS = tuple(f.name for f in fields(Summary))
+
+
+@dataclasses.dataclass
+class RoleResult:
+    """What training in its role left on this rank: rank 0 (and a local run) its final state and
+    evaluation; a worker its report; a server other than rank 0 its shard's report."""
+
+    state: object = None  # server.ServerState: rank 0 and the local run
+    test_loss: float = float("nan")  # rank 0: of its final parameters
+    test_accuracy: float = float("nan")
+    ema: tuple = (None, None)  # rank 0, --ema-decay: test loss and accuracy of the moving average
+    worker: WorkerReport | None = None  # a worker's (and the local run's) report to rank 0
+    shard: ShardReport | None = None  # a server's other than rank 0
+    max_rss_mb: list[float] = dataclasses.field(default_factory=list)  # start and end of training
+
+    @property
+    def report(self) -> WorkerReport | ShardReport | None:
+        return self.worker or self.shard
+
+    @property
+    def checkpoints(self) -> list[str]:
+        return self.state.checkpoints if self.state is not None else []
+
+
+@dataclasses.dataclass
+class Outcome:
+    """How a run ended on this rank: the exit code, and what the Python API hands back."""
+
+    code: int
+    summary: dict | None = None  # rank 0
+    report: dict | None = None  # a worker: its own report to rank 0
+    error: str | None = None  # the one line, on every rank, when the code is not 0
+    params: np.ndarray | None = None  # rank 0: the final flat parameters (host)
+    model: object = None  # rank 0: their layout, on NumPy (model.Model), for the API's predict
+    grown: tuple | None = None  # a worker joined: (the flags, the new world, its node) of the run's next phase
+    # A peer was lost: MPI_Finalize would wait for it forever, so this process must end without it
+    # (the command line does at once; the Python API when the interpreter exits: api.LostPeer).
+    mpi_broken: bool = False

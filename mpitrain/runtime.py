@@ -7,6 +7,7 @@ reported once (see cli.py).
 
 from __future__ import annotations
 
+
 import os
 import socket
 import sys
@@ -381,3 +382,10 @@ def broadcast_start(ctx: Context) -> checkpoint.TrainState:
             ctx.comm.Bcast([arr, MPI.FLOAT], root=PS_RANK)
             state.set_array(name, arr)
     return state
+
+
+def nothing_to_train(ctx: Context) -> bool:
+    """The run resumed from a checkpoint that has reached the budget already (a re-run of a
+    finished job, a Slurm requeue or `afterany` chain, or a smaller --steps): every rank knows it
+    from the start state, so none trains a step and rank 0 writes no new checkpoint."""
+    return ctx.start.global_step >= ctx.global_step_budget

@@ -119,7 +119,8 @@ def test_the_flag_table_names_only_flags_that_exist_with_their_defaults():
     removed flag, or a changed default of a one-flag row, fails here."""
     import dataclasses
 
-    from mpitrain.cli import build_parser, flag_name
+    from mpitrain.cli import build_parser
+    from mpitrain.config import flag_name
     from mpitrain.config import TrainConfig
 
     text = (ROOT / "README.md").read_text()

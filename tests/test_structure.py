@@ -6,18 +6,34 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "mpitrain"
 
 
+def module_names() -> dict[str, Path]:
+    """Every module of the package by dotted name below mpitrain ("trainer", "modes.sync")."""
+    names = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        if parts:
+            names[".".join(parts)] = path
+    return names
+
+
 def module_imports() -> dict[str, set[str]]:
-    """Each module's imports of other mpitrain modules at module level (those in functions are
-    deliberate: a registry asked late, or MPI after the BLAS threads are pinned)."""
+    """Each module's imports of other mpitrain modules, those inside functions included: an import
+    put off until it runs is still a dependency, and a cycle through one is still a cycle."""
+    names = module_names()
     graph = {}
-    for path in PACKAGE.glob("*.py"):
+    for name, path in names.items():
         deps = set()
-        for node in ast.parse(path.read_text()).body:
+        for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "mpitrain":
-                deps |= {a.name for a in node.names} if node.module == "mpitrain" else {node.module.split(".")[1]}
+                base = node.module.removeprefix("mpitrain").lstrip(".")
+                for alias in node.names:  # `from mpitrain.modes import sync` names a module
+                    sub = f"{base}.{alias.name}" if base else alias.name
+                    deps.add(sub if sub in names else base)
             elif isinstance(node, ast.Import):
-                deps |= {a.name.split(".")[1] for a in node.names if a.name.startswith("mpitrain.")}
-        graph[path.stem] = deps & {p.stem for p in PACKAGE.glob("*.py")}
+                deps |= {a.name.removeprefix("mpitrain.") for a in node.names if a.name.startswith("mpitrain.")}
+        graph[name] = {d for d in deps if d in names and d != name}
     return graph
 
 

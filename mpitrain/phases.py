@@ -1,0 +1,150 @@
+"""The job's phases after the first: a worker joins (--join) or one is started in place of a lost one
+(--respawn). Rank 0 makes room at the end of a phase (a checkpoint saved, the goodbye flagged
+FLAG_REFORM), every rank left forms the new world with the joiner (join.py), and trainer.run goes
+on with the next phase; a run that lost a peer leaves without MPI_Finalize."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import numpy as np
+
+from mpitrain import join, mpiimpl
+from mpitrain.agreement import identity, identity_of
+from mpitrain.config import TrainConfig, UsageError
+from mpitrain.console import say
+from mpitrain.ending import free_worker_comm, retire_heartbeats, say_goodbye
+from mpitrain.exitcodes import ExitCode
+from mpitrain.guard import Diverged
+from mpitrain.lock import exit_without_finalize
+from mpitrain.protocol import FLAG_PEER_LOST, Message
+from mpitrain.reports import Outcome, RoleResult
+from mpitrain.runtime import PS_RANK, Context, Node, node_info
+from mpitrain.stopping import STOP
+
+
+def joined(cfg: TrainConfig, comm, carry: join.Carry) -> tuple[TrainConfig, object, Node]:
+    """--join: this process asks the running job to let it in, and waits until it has made room.
+    Returns the next phase's flags, the new world (None: the job ended first) and its node."""
+    if comm.Get_size() != 1:
+        raise UsageError(f"--join starts one worker, but MPI started {comm.Get_size()}: run it under mpirun -np 1")
+    from mpitrain.data import load_dataset
+    from mpitrain.runtime import make_model
+
+    def mine() -> dict:
+        return identity_of(cfg, make_model(cfg, load_dataset(cfg), np))
+
+    if join.spawned():  # started by the job itself (--respawn): it waits in the new world already
+        world, budget = join.join_spawned(carry, mine)
+    else:
+        world, budget = join.join_job(cfg, mine(), carry)
+    if world is None:
+        return cfg, None, None
+    carry.budget, carry.joiner = budget, True
+    if not STOP.signum:
+        STOP.reset()
+    return carry.next_config(cfg), world, node_info(world)
+
+
+def open_lobby(ctx: Context, carry: join.Carry) -> join.Lobby | None:
+    """Rank 0 of a job that can grow: the lobby a worker joins through, looked at with the watch."""
+    if ctx.rank != PS_RANK or not join.can_grow(ctx):
+        return None
+    if carry.token is None:
+        try:
+            carry.token = join.publish_token(ctx.cfg)
+        except OSError as e:  # a full or read-only folder: training goes on, without joins
+            say(f"mpitrain: no worker can join this job: its token could not be written to --checkpoint-dir "
+                f"{ctx.cfg.checkpoint_dir} ({e.strerror})", sys.stderr)
+            return None
+        carry.identity = identity(ctx)  # the job's flags as given: a joiner's are compared with these
+        carry.job_cfg, carry.respawns_left = ctx.cfg, ctx.cfg.respawn
+    ctx.watch.lobby = join.Lobby(ctx, carry)
+    return ctx.watch.lobby
+
+
+def no_room(ctx: Context, mine: RoleResult, reports: list, diverged: Diverged | None) -> str | None:
+    """Rank 0: why the job ends rather than going on with the worker it let in, or None."""
+    if diverged:
+        return "training diverged"
+    if STOP.signum or any(r.stop_signal for r in reports):
+        return "the job was stopped"
+    if mine.state.global_step >= ctx.global_step_budget:
+        return "the job finished its budget"
+    return None
+
+
+def make_room(ctx: Context, mine: RoleResult, reports: list, heartbeat, carry: join.Carry,
+              lobby: join.Lobby) -> Outcome:
+    """Rank 0, the phase over (the checkpoint saved): tell every rank left to form a new world with
+    the joiner (the one it let in, or one they start: --respawn) instead of ending, and form it."""
+    state = mine.state
+    lost = sorted(set(ctx.watch.lost) | {w["rank"] for w in state.lost_workers})
+    if ctx.cfg.mode == "async":  # the summary's count of each lost worker's gradients, by this phase's index
+        state.lost_workers = [{**x, "local_steps": state.local_steps[ctx.layout.worker_index(x["rank"])]}
+                              for x in state.lost_workers]
+    carry.add_phase(state)
+    gen = len(carry.joins) + 1
+    joiner = lobby.joiner
+    how = join.SPAWNED if lobby.spawn else join.CONNECTED if join.still_there(joiner) else join.NOBODY
+    peer_was_lost = say_goodbye(ctx, [r.rank for r in reports], bool(lost), False, reform=(gen, lost, how))
+    carry.peer_lost |= peer_was_lost or bool(lost)
+    argv = carry.spawn_argv() if lobby.spawn else []
+    world = _regrow(ctx, heartbeat, carry, lost, gen, how, joiner, argv)
+    workers = world.Get_size() - ctx.layout.shards
+    if world.Get_size() == ctx.size - len(lost):  # nobody joined: it did not answer, or could not start
+        why = "" if how == join.SPAWNED else f"the worker on {joiner.host} (pid {joiner.pid}) did not answer when " \
+                                              f"the job had made room; "
+        say(f"mpitrain: {why}going on with {workers} worker(s) from global step {state.global_step}")
+        return Outcome(ExitCode.OK, grown=(carry.next_config(ctx.cfg), world, node_info(world)))
+    host = join.welcome(world, carry) if how == join.SPAWNED else joiner.host
+    who = "a worker started in place of the lost one" if how == join.SPAWNED else "the worker"
+    carry.joins.append({"rank": world.Get_size() - 1, "global_step": state.global_step, "host": host,
+                        "respawned": how == join.SPAWNED})
+    say(f"mpitrain: {who} on {host} joined as rank {world.Get_size() - 1} at global step "
+        f"{state.global_step}: {workers} worker(s) from here")
+    return Outcome(ExitCode.OK, grown=(carry.next_config(ctx.cfg), world, node_info(world)))
+
+
+def grow_with_joiner(ctx: Context, heartbeat, carry: join.Carry, bye: Message) -> Outcome:
+    """A worker (or another server), rank 0's goodbye flagged FLAG_REFORM: into the new world."""
+    lost = [int(r) for r in np.flatnonzero(bye.payload)]
+    carry.peer_lost |= bool(bye.flags & FLAG_PEER_LOST)
+    world = _regrow(ctx, heartbeat, carry, lost, bye.step, bye.local_step, None)
+    return Outcome(ExitCode.OK, grown=(carry.next_config(ctx.cfg), world, node_info(world)))
+
+
+def _regrow(ctx: Context, heartbeat, carry: join.Carry, lost: list[int], gen: int, how: int,
+            joiner: join.Joiner | None, argv: list[str] = ()):
+    """Every rank left: end this phase's heartbeats and communicators, then the new world (with
+    the joiner, unless `how` is join.NOBODY; rank 0 holds its connection, or the spawn's argv)."""
+    carry.start_forming(f"rank {ctx.rank}")
+    if not retire_heartbeats(ctx, heartbeat):
+        carry.peer_lost = True
+    free_worker_comm(ctx)
+    if not STOP.signum:  # the stop that made room; a signal of this rank's own stops the next phase
+        STOP.reset()
+    live = [r for r in range(ctx.size) if r not in lost]
+    carry.with_spawned |= how == join.SPAWNED
+    return join.grow(ctx.comm, live, gen, how, joiner, argv)
+
+
+def leave_after_a_loss(carry: join.Carry, code: int) -> None:
+    """The end of a run that lost a peer: leave without MPI_Finalize (it would wait for the dead),
+    or return to call it. A joiner calls it: its own launcher ran without the keep-going flag and
+    would kill it otherwise (exit 9). With a spawned worker the MPI decides (mpiimpl.Impl)."""
+    impl = mpiimpl.running()
+    if carry.with_spawned:
+        finalizes = impl is not None and impl.finalize_with_spawned
+    else:
+        finalizes = carry.joiner
+    if not finalizes:
+        after_the_spawned(carry)
+        exit_without_finalize(code)
+
+
+def after_the_spawned(carry: join.Carry) -> None:
+    """The job's own ranks leave join.SPAWNED_LEAVES_FIRST_S after a spawned worker (--respawn)."""
+    if carry.with_spawned and not carry.spawned:
+        time.sleep(join.SPAWNED_LEAVES_FIRST_S)
