@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 
+from mpitrain import modes
 from mpitrain.config import TrainConfig, UsageError, agreed_fields, disagreement, plain_value
 from mpitrain.console import say
 from mpitrain.protocol import VERSION as PROTOCOL_VERSION
@@ -17,7 +18,7 @@ def agree_on_setup(cfg: TrainConfig | None, comm, node: Node, err: str | None) -
     ctx = None
     if err is None:
         try:
-            ctx = setup(cfg, comm, node)
+            ctx = setup(cfg, comm, node, modes.of)
         except UsageError as e:
             err = str(e)
     notes = comm.allgather((err, identity(ctx)))  # setup-time only; every rank reaches it on every path

@@ -67,7 +67,7 @@ def begin(ctx: Context) -> tuple[TrainState, ServerState, Checkpointer]:
     if cfg.log_dir and ctx.rank == PS_RANK and ctx.outputs.log is not None:  # a later phase of the job: its log goes on
         state.log = ctx.outputs.log
     elif cfg.log_dir and ctx.rank == PS_RANK:
-        state.log = ctx.outputs.log = RunLog(cfg.log_dir, {"mode": "local" if ctx.local else cfg.mode, "model": ctx.model.description,
+        state.log = ctx.outputs.log = RunLog(cfg.log_dir, {"mode": ctx.mode.name, "model": ctx.model.description,
                                          "dataset": ctx.data.name, "world_size": ctx.size, "workers": ctx.workers,
                                          "start_step": start.global_step}, cfg.log_every)
     ckpt = Checkpointer(ctx.cfg, ctx.fingerprint)

@@ -274,14 +274,6 @@ class Stall:
 
 
 
-def server_waits_for(mode: str, quorum: int | None, workers: int) -> str:
-    if mode == "async":
-        return "waiting for a gradient"
-    if quorum is not None and quorum < workers:
-        return f"waiting for the workers' --quorum steps ({quorum} of {workers} gradients each)"
-    return "waiting for the workers' gradient Allreduce"
-
-
 def describe_server_stall(what: str, step: int, stalled_s: float, peers: list[str], culprits: list[int]) -> str:
     who = f" (not arrived: rank {', '.join(map(str, culprits))})" if culprits else ""
     return (f"mpitrain: stalled at global step {step:,}: no progress for {stalled_s:.0f} s (--stall-warning), "

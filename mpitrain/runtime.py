@@ -150,6 +150,7 @@ class Context:
     model: Model
     layout: Layout
     resume: tuple[Path, checkpoint.TrainState] | None = None  # rank 0: the newest checkpoint in --checkpoint-dir
+    mode: object = None  # modes.base.Mode: how this run trains, and what a global step is (modes.of)
     worker_comm: object = None  # sync mode: the workers only (rank 0 is not in the hot collective)
     watch: object = field(default_factory=_no_watch)  # liveness.Watch (or NoWatch): the peers this rank waits on
     activity: Activity = field(default_factory=Activity)  # what this rank is doing (phases, step times, --timeline)
@@ -179,11 +180,6 @@ class Context:
         return self.layout.role(self.rank)
 
     @property
-    def with_quorum(self) -> bool:
-        """--quorum Q below the number of workers: sync steps go on without the slowest."""
-        return self.cfg.quorum is not None and self.cfg.quorum < self.workers
-
-    @property
     def regroups(self) -> bool:
         """Sync (--quorum too) goes on without a lost worker: the workers left regroup on rank 0's
         word (elastic.py)."""
@@ -197,8 +193,9 @@ class Context:
         cfg = self.cfg
         if cfg.on_lost_worker == "stop":
             return "--on-lost-worker stop ends the job"
-        if cfg.mode != "sync" or self.local:
-            return "Async cannot go on"
+        why = self.mode.why_no_regroup()
+        if why:
+            return why
         if self.layout.shards > 1:
             return f"Sync with --num-ps {self.layout.shards} cannot regroup without it"
         if cfg.worker_timeout <= 0:
@@ -224,7 +221,7 @@ class Context:
             # Counted in the epochs of the workers the job started with: a worker lost (sync,
             # elastic.py) changes the shards, not where the run ends.
             workers = self.layout.started_workers
-            per_step = 1 if cfg.mode == "sync" or self.local else workers
+            per_step = self.mode.worker_batches_per_step(workers)
             budgets.append(epochs * steps_per_epoch(self.data.n_train, workers, cfg.batch_size) * per_step)
         return min(budgets)
 
@@ -251,9 +248,7 @@ class Context:
     def global_batch(self) -> int:
         """Examples behind one global step: one worker's batch in async; in sync, the batches of
         the Q (--quorum) or all workers averaged into the update."""
-        if self.cfg.mode == "async" or self.local:
-            return self.cfg.batch_size
-        return self.cfg.batch_size * (self.cfg.quorum or self.workers)
+        return self.mode.global_batch(self.cfg, self.workers)
 
     @property
     def fingerprint(self) -> dict:
@@ -326,8 +321,9 @@ def check_output_path(flag: str, path: str | None) -> None:
                          f"to") from None
 
 
-def setup(cfg: TrainConfig, comm, node: Node) -> Context:
-    """Raises UsageError for anything the user must fix. Performs no communication."""
+def setup(cfg: TrainConfig, comm, node: Node, choose_mode) -> Context:
+    """Raises UsageError for anything the user must fix. Performs no communication. `choose_mode`
+    (modes.of, passed in: the modes build on this module) picks the mode from the flags and layout."""
     rank, size = comm.Get_rank(), comm.Get_size()
     check_launch(size)
     validate_for_world(cfg, size)
@@ -346,7 +342,8 @@ def setup(cfg: TrainConfig, comm, node: Node) -> Context:
     resume = None
     if rank == PS_RANK and cfg.checkpoint_dir and not cfg.fresh:
         resume = checkpoint.load_latest(Path(cfg.checkpoint_dir), fingerprint(cfg, data, model))
-    return Context(cfg, comm, rank, size, node, socket.gethostname(), backend, data, model, layout, resume)
+    return Context(cfg, comm, rank, size, node, socket.gethostname(), backend, data, model, layout, resume,
+                   choose_mode(cfg, layout))
 
 
 def start_state(ctx: Context) -> checkpoint.TrainState:

@@ -17,7 +17,7 @@ def server_stall_line(ctx: Context, step: int, stalled_s: float) -> str:
     cfg = ctx.cfg
     seen = seen_workers(ctx)
     silent_after = liveness.silent_after(cfg.worker_timeout)
-    what = observe.server_waits_for(cfg.mode, cfg.quorum, ctx.workers)
+    what = ctx.mode.waits_for(cfg, ctx.workers)
     if not seen:
         return observe.describe_server_stall(what, step, stalled_s, ["--worker-timeout 0: no heartbeats say "
                                                                      "what the workers do"], [])
@@ -37,8 +37,7 @@ def worker_stall_line(ctx: Context, stalled_s: float) -> str | None:
     Allreduce, or for a --quorum step's update, it waits on other workers: rank 0, which hears
     from all of them, says who)."""
     act, cfg = ctx.activity, ctx.cfg
-    waits_on_workers = act.phase == observe.ALLREDUCE or (cfg.mode == "sync" and act.phase == observe.WAIT)
-    if waits_on_workers or act.phase in (observe.COMPUTE, observe.IDLE):
+    if act.phase in ctx.mode.waits_on_workers or act.phase in (observe.COMPUTE, observe.IDLE):
         return None
     seen = ctx.watch.seen()
     silent_after = liveness.silent_after(cfg.worker_timeout)

@@ -66,21 +66,18 @@ def build_summary(ctx: Context, mine: RoleResult, reports: list, placements: lis
     workers = [r for r in reports if isinstance(r, WorkerReport)]
     shards = [shard_report(ctx, state)] + [r for r in reports if isinstance(r, ShardReport)]
     lost = state.lost_workers
-    if cfg.mode == "sync" or ctx.local:  # gradients each worker had in the averaged updates
+    if ctx.mode.averages:  # gradients each worker had in the averaged updates
         local_steps = [w.contributed for w in workers]
     else:  # rank 0 counts by worker index; the summary's lists follow worker_ranks, the lost apart
         index = ctx.layout.worker_index
         local_steps = [state.local_steps[index(w.rank)] for w in workers]
         lost = [x if "local_steps" in x else {**x, "local_steps": state.local_steps[index(x["rank"])]} for x in lost]
     trained = not nothing_to_train(ctx)
-    quorum = None
-    if cfg.mode == "sync" and not ctx.local:
-        quorum = cfg.quorum if cfg.quorum is not None else ctx.workers
     samples = (state.global_step - state.start_step) * ctx.global_batch  # this run only, when resumed
     step_times, slow = observe.attribute({w.rank: w.step_time for w in workers}, cfg.straggler_report)
     return Summary(
         mpitrain_version=__version__,
-        mode="local" if ctx.local else cfg.mode,
+        mode=ctx.mode.name,
         model=model_name(cfg.model),
         model_description=ctx.model.description,
         dataset=ctx.data.name,
@@ -106,7 +103,7 @@ def build_summary(ctx: Context, mine: RoleResult, reports: list, placements: lis
         dropped_gradients=sum(w.dropped for w in workers),
         dropped_gradients_per_worker=[w.dropped for w in workers],
         staleness=staleness_summary(state.staleness),
-        quorum=quorum,
+        quorum=ctx.mode.quorum(cfg, ctx.workers),
         lr_scaling="linear" if cfg.scaled_lr else "none",
         lr_effective=cfg.learning_rate * ctx.lr_scale,  # after the warm-up, before --lr-decay
         steps_per_second=state.global_step / max(state.train_s, 1e-9) if trained else None,

@@ -9,7 +9,7 @@ import traceback
 import numpy as np
 from mpi4py import MPI
 
-from mpitrain import asyncps, join, liveness, local, lock, mpiimpl, observe, outputs, quorum, stopping, sync
+from mpitrain import join, liveness, lock, mpiimpl, observe, outputs, stopping
 from mpitrain.agreement import agree_on_setup
 from mpitrain.chief import begin
 from mpitrain.config import TrainConfig, UsageError
@@ -21,6 +21,7 @@ from mpitrain.faults import Kill
 from mpitrain.gradients import WorkerResult
 from mpitrain.liveness import PeerLost
 from mpitrain.metrics import Progress
+from mpitrain.modes.base import CHIEF, SERVER
 from mpitrain.phases import (after_the_spawned, grow_with_joiner, joined, leave_after_a_loss, make_room, no_room,
                              open_lobby)
 from mpitrain.protocol import FLAG_PEER_LOST, FLAG_REFORM, FLAG_STOPPED, ProtocolError
@@ -37,65 +38,38 @@ def _evaluate(ctx: Context, params_host: np.ndarray) -> tuple[float, float]:
     return loss, acc
 
 
-def role_of(ctx: Context) -> tuple[str, str]:
-    """(role, mode) of this rank: its key in ROLES."""
-    if ctx.local:
-        return "local", "local"
-    mode = "quorum" if ctx.with_quorum else ctx.cfg.mode
-    if ctx.rank == PS_RANK:
-        return "chief", mode
-    return ("shard" if ctx.is_ps else "worker"), mode
-
-
-# Who runs what: the one place a run chooses its loop, by role and mode. rank 0 ("chief") and the
-# local run get the progress bar and return rank 0's ServerState (the local run also its worker
-# result); another server of --num-ps ("shard") its ServerState; a worker its WorkerResult.
-# --quorum is sync's worker loop with quorum.py's steps; rank 0 and the servers follow as in sync.
-ROLES = {
-    ("local", "local"): local.run_local,
-    ("chief", "async"): asyncps.serve,
-    ("chief", "sync"): sync.follow_chief,
-    ("chief", "quorum"): sync.follow_chief,
-    ("shard", "async"): asyncps.serve_shard,
-    ("shard", "sync"): sync.keep_shard,
-    ("shard", "quorum"): sync.keep_shard,
-    ("worker", "async"): asyncps.work,
-    ("worker", "sync"): sync.work,
-    ("worker", "quorum"): lambda ctx: sync.work(ctx, quorum.train),
-}
-
-
 def train_role(ctx: Context) -> RoleResult:
-    """Run this rank's part (ROLES); return what it reports to rank 0 (rank 0 also keeps its state)."""
-    cfg = ctx.cfg
+    """Run this rank's part (its mode's loop for its role, modes/); return what it reports to rank
+    0 (rank 0 also keeps its state)."""
+    cfg, mode = ctx.cfg, ctx.mode
     if nothing_to_train(ctx):
         return already_trained(ctx)
-    role, mode = role_of(ctx)
-    loop = ROLES[role, mode]
-    if role == "shard":  # --num-ps: a server of one shard, reporting to rank 0
-        return RoleResult(shard=shard_report(ctx, loop(ctx)))
-    if role in ("chief", "local"):
+    role = mode.role(ctx.layout, ctx.rank)
+    if role == SERVER:  # --num-ps: a server of one shard, reporting to rank 0
+        return RoleResult(shard=shard_report(ctx, mode.run(ctx).state))
+    if role == CHIEF:
         # The job's one bar: a later phase (a join, a respawn) goes on with it; closed by publish.
         progress = ctx.outputs.progress or Progress(cfg.progress, ctx.global_step_budget, ctx.global_batch)
         ctx.outputs.progress = progress
-        if cfg.stall_warning > 0 and role == "chief":
+        if cfg.stall_warning > 0 and not ctx.local:
             ctx.watch.stall = observe.Stall(cfg.stall_warning, lambda: progress.step,
                                             lambda stalled_s: server_stall_line(ctx, progress.step, stalled_s))
         try:
-            state, wres = loop(ctx, progress) if role == "local" else (loop(ctx, progress), None)
+            trained = mode.run(ctx, progress)
         except BaseException:  # the line that says why comes next, under the bar's last line
             ctx.outputs.close_bar()
             raise
+        state = trained.state
         ctx.activity.enter(observe.EVAL, state.global_step)
         loss, acc = _evaluate(ctx, state.params)
         mine = RoleResult(state, loss, acc, _evaluate(ctx, state.ema) if state.ema is not None else (None, None))
-        if wres is not None:  # local: rank 0 is also the one worker
-            mine.worker = worker_report(ctx, wres, (loss, acc))
+        if trained.worker is not None:  # local: rank 0 is also the one worker
+            mine.worker = worker_report(ctx, trained.worker, (loss, acc))
         return mine
     if cfg.stall_warning > 0:
         ctx.watch.stall = observe.Stall(cfg.stall_warning, lambda: ctx.activity.gradients,
                                         lambda stalled_s: worker_stall_line(ctx, stalled_s))
-    wres = loop(ctx)
+    wres = mode.run(ctx).worker
     ctx.activity.enter(observe.EVAL)
     return RoleResult(worker=worker_report(ctx, wres, _evaluate(ctx, wres.params)))
 
@@ -118,8 +92,7 @@ def already_trained(ctx: Context) -> RoleResult:
 
 def idle_result(ctx: Context) -> WorkerResult:
     """What a worker that trained no step reports: its parameters are the start state's."""
-    sync = ctx.cfg.mode == "sync" or ctx.local
-    return WorkerResult(0, ctx.start.params, ctx.activity.times(), contributed=0 if sync else None)
+    return WorkerResult(0, ctx.start.params, ctx.activity.times(), contributed=0 if ctx.mode.averages else None)
 
 
 def run(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: bool = False) -> Outcome:
@@ -229,7 +202,7 @@ def connect(ctx: Context, regrown: bool = False) -> tuple[Context, list[str], li
     lines (rank 0) and the heartbeat thread. `regrown`: rank 0, a phase after a join (join.Carry)."""
     comm, cfg = ctx.comm, ctx.cfg
     worker_comm = None
-    if cfg.mode == "sync" and not ctx.local:  # collective on COMM_WORLD: every rank calls it
+    if ctx.mode.worker_comm:  # collective on COMM_WORLD: every rank calls it
         worker_comm = comm.Split(MPI.UNDEFINED if ctx.is_ps else 0, ctx.rank)
     placements = comm.gather(ctx.placement(), root=0)
     if ctx.rank == PS_RANK:

@@ -91,6 +91,7 @@ def test_every_bad_input_is_one_line_naming_it_on_the_server_and_a_worker(args, 
     rank 0 and as rank 1, refuse it with one line (the launches below show the exit codes)."""
     from mpitrain.cli import parse_args
     from mpitrain.config import UsageError
+    from mpitrain import modes
     from mpitrain.runtime import Node, setup
 
     skip_where_it_is_not_bad(args)
@@ -98,7 +99,7 @@ def test_every_bad_input_is_one_line_naming_it_on_the_server_and_a_worker(args, 
     for rank in (0, 1):  # some checks belong to one role (the GPU: a worker's; output paths: rank 0's)
         try:
             cfg, _ = parse_args(args)
-            setup(cfg, FakeWorld(rank, 3), Node(rank, 3, 2, 2))
+            setup(cfg, FakeWorld(rank, 3), Node(rank, 3, 2, 2), modes.of)
         except UsageError as e:
             errors.append(str(e))
     assert errors, "accepted on both ranks"
@@ -185,13 +186,14 @@ ALONE = [
 def test_options_that_need_workers_are_refused_in_one_process(args, needle):
     from mpitrain.cli import parse_args
     from mpitrain.config import UsageError
+    from mpitrain import modes
     from mpitrain.runtime import Node, setup
 
     with pytest.raises(UsageError) as e:
-        setup(parse_args(args)[0], FakeWorld(0, 1), Node(0, 1, 1, 2))
+        setup(parse_args(args)[0], FakeWorld(0, 1), Node(0, 1, 1, 2), modes.of)
     assert needle in str(e.value) and "mpirun -np 3" in str(e.value)
     cfg, _ = parse_args(["--mode", "sync", "--quorum", "1"])  # 1 of 1 worker: plain sync, accepted
-    setup(cfg, FakeWorld(0, 1), Node(0, 1, 1, 2))
+    setup(cfg, FakeWorld(0, 1), Node(0, 1, 1, 2), modes.of)
 
 
 def test_one_process_with_a_straggler_exits_2_with_one_line():
@@ -267,11 +269,12 @@ def test_setup_makes_a_complete_frozen_context_that_needs_no_mpi():
     import dataclasses
 
     from mpitrain.cli import parse_args
+    from mpitrain import modes
     from mpitrain.runtime import Node, setup
 
     cfg, _ = parse_args(["--dataset", "digits", "--mode", "sync"])
-    ctx = setup(cfg, FakeWorld(1, 3), Node(1, 3, 2, 2))
-    assert ctx.role == "worker" and ctx.worker_index == 0 and ctx.workers == 2 and ctx.resume is None
+    ctx = setup(cfg, FakeWorld(1, 3), Node(1, 3, 2, 2), modes.of)
+    assert ctx.mode is modes.SYNC and ctx.role == "worker" and ctx.worker_index == 0 and ctx.workers == 2 and ctx.resume is None
     with pytest.raises(dataclasses.FrozenInstanceError):
         ctx.watch = None
     ctx.watch.check()  # the inert watch: nobody is ever lost

@@ -17,7 +17,7 @@ from mpitrain.faults import rank_pids
 from mpitrain.layout import Layout, shard_bounds
 from mpitrain.model import build
 from mpitrain.protocol import HEADER_BYTES
-from mpitrain.trainer import digest
+from mpitrain.summary import digest
 
 
 @pytest.mark.parametrize("n,k", [(7510, 2), (7510, 3), (10, 3), (5, 5), (101_770, 4)])

@@ -55,10 +55,38 @@ def test_no_module_imports_itself_through_a_cycle():
     assert not graph["console"] and not graph["version"] and not graph["exitcodes"]  # the bottom layer
 
 
-def test_the_mode_files_say_who_runs_them_and_the_old_dispatch_files_are_gone():
-    for mode in ("asyncps", "sync", "quorum", "local"):
-        doc = ast.get_docstring(ast.parse((PACKAGE / f"{mode}.py").read_text()))
-        assert doc and "trainer.ROLES" in doc, mode
+def reads_of_the_mode_flag(path: Path) -> list[int]:
+    """Lines of `path` that read --mode (`cfg.mode`, `ctx.cfg.mode`, `self.mode` in TrainConfig)."""
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and node.attr == "mode":
+            owner = node.value
+            name = owner.id if isinstance(owner, ast.Name) else owner.attr if isinstance(owner, ast.Attribute) else ""
+            if name in ("cfg", "config") or (name == "self" and path.name == "config.py"):
+                lines.append(node.lineno)
+    return lines
+
+
+def test_a_mode_is_one_object_in_its_own_file_and_the_flag_is_read_in_one_place():
+    """modes/: each file holds one Mode object that the registry can pick; outside the registry
+    only config.py (the flag's own checks and defaults) reads --mode."""
+    from mpitrain import modes
+    from mpitrain.modes.base import Mode
+    from mpitrain.config import TrainConfig
+    from mpitrain.layout import Layout
+
+    files = sorted(p.stem for p in (PACKAGE / "modes").glob("*.py") if p.stem not in ("__init__", "base"))
+    objects = {}
+    for stem in files:
+        module = __import__(f"mpitrain.modes.{stem}", fromlist=["_"])
+        found = [v for v in vars(module).values() if isinstance(v, Mode) and type(v).__module__ == module.__name__]
+        assert len(found) == 1, (stem, found)
+        objects[stem] = found[0]
+    picked = {modes.of(TrainConfig(mode=m, quorum=q), Layout(size)) for m in ("async", "sync")
+              for q in (None, 1) for size in (1, 4)}
+    assert picked == set(objects.values()), (picked, objects)
+    readers = {str(p.relative_to(PACKAGE)): reads_of_the_mode_flag(p) for p in PACKAGE.rglob("*.py")}
+    assert {f for f, lines in readers.items() if lines} == {"config.py", "modes/__init__.py"}, readers
     assert not (PACKAGE / "worker.py").exists() and not (PACKAGE / "server.py").exists()
 
 

@@ -1,7 +1,7 @@
 """Sync mode: the Allreduce step every worker takes (SyncStep, summing through a Reducer: MPI's), the workers' loop (train; the
 first worker also reports to rank 0: work), rank 0's follower of that chief worker
 (follow_chief) and the other servers' loop (keep_shard, --num-ps). --quorum's loop is in
-quorum.py and shares SyncStep. Who runs what: trainer.ROLES.
+quorum.py and shares SyncStep. Who runs what: SyncMode, at the end.
 
 Rank 0 is not in the gradient Allreduce: the workers average among themselves on their own
 communicator and apply identical updates, so replicas stay bitwise identical. The chief worker
@@ -31,6 +31,7 @@ from mpitrain.liveness import CHECK_EVERY_S as VERDICT_POLL_S
 from mpitrain.elastic import Regroup
 from mpitrain.liveness import PeerLost
 from mpitrain.metrics import Progress
+from mpitrain.modes.base import Mode, Trained
 from mpitrain.observe import ALLREDUCE, APPLY, COMPUTE, PUSH, WAIT
 from mpitrain.optim import Optimizer, make_ema
 from mpitrain.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_REGROUPED, FLAG_STOP, TAG_SHARD, TAG_STATUS,
@@ -232,7 +233,7 @@ def await_verdict(ctx: Context, why: str) -> None:
 
 
 def work(ctx: Context, loop=train) -> WorkerResult:
-    """A sync worker, training with `loop` (`train`, or quorum.train with --quorum; trainer.ROLES
+    """A sync worker, training with `loop` (`train`, or quorum.train with --quorum: QuorumMode
     chooses). The first worker (the chief) also keeps rank 0 informed (ChiefReport). When a worker
     is lost (--on-lost-worker continue), rank 0's word interrupts the loop wherever it waits
     (elastic.Regroup): the workers left regroup and run the loop again from the step they agree
@@ -457,3 +458,39 @@ def keep_shard(ctx: Context) -> ServerState:
             break
     clock.stop(state)
     return state
+
+
+class SyncMode(Mode):
+    """Sync: the workers average every step's gradients with one Allreduce among themselves; rank
+    0 follows the chief worker's word (the bar, evaluations, checkpoints) and keeps the model."""
+
+    name = "sync"
+    averages = True
+    worker_comm = True
+
+    def chief(self, ctx: Context, progress: Progress) -> Trained:
+        return Trained(state=follow_chief(ctx, progress))
+
+    def server(self, ctx: Context, progress=None) -> Trained:
+        return Trained(state=keep_shard(ctx))
+
+    def worker(self, ctx: Context, progress=None) -> Trained:
+        return Trained(worker=work(ctx))
+
+    def global_batch(self, cfg, workers: int) -> int:
+        return cfg.batch_size * (cfg.quorum or workers)
+
+    def quorum(self, cfg, workers: int) -> int | None:
+        return cfg.quorum if cfg.quorum is not None else workers
+
+    def why_no_regroup(self) -> str | None:
+        return None
+
+    def waits_for(self, cfg, workers: int) -> str:
+        return "waiting for the workers' gradient Allreduce"
+
+    # Also a status or an update from the chief worker, which waits on the others itself.
+    waits_on_workers = frozenset({ALLREDUCE, WAIT})
+
+
+SYNC = SyncMode()

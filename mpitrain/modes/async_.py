@@ -1,6 +1,6 @@
 """Async mode, both sides: the parameter servers' serve loop (AsyncServer: rank 0, and with
 --num-ps K ranks 1..K-1 too, each over its slice of the parameters) and the workers' push/pull
-(AsyncWorker). Who runs what: trainer.ROLES.
+(AsyncWorker). Who runs what: AsyncMode, at the end.
 
 A server pre-posts one Irecv per worker; whichever gradient completes is applied and answered
 with fresh parameters, held back with --max-staleness while applying it would leave another
@@ -27,6 +27,7 @@ from mpitrain.guard import NON_FINITE, Diverged, LossGuard
 from mpitrain.layout import PS_RANK
 from mpitrain.liveness import PeerLost
 from mpitrain.metrics import Progress
+from mpitrain.modes.base import Mode, Trained
 from mpitrain.observe import APPLY, COMPUTE, PULL, PUSH, WAIT
 from mpitrain.optim import Optimizer, make_ema, staleness_scaled_lr
 from mpitrain.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_LAST, FLAG_STOP, TAG_GRAD, TAG_PARAMS,
@@ -304,18 +305,6 @@ class AsyncServer:
             self.recv[w] = self.comm.Irecv(self.inbox[w].spec(), source=rank, tag=TAG_GRAD)
 
 
-def serve(ctx: Context, progress: Progress) -> ServerState:
-    """Rank 0 in async mode: serve its shard (all of the parameters with one server)."""
-    return AsyncServer(ctx, progress).run()
-
-
-def serve_shard(ctx: Context) -> ServerState:
-    """A server other than rank 0 (--num-ps) in async mode: the same loop over its slice, no bar."""
-    return AsyncServer(ctx, Progress(False, None, ctx.global_batch)).run()
-
-
-
-
 class AsyncWorker:
     """Pull/compute/push, shaped like AsyncServer: the buffers and counters are fields,
     one method per step of the exchange. With --overlap (default) the reply to push k is
@@ -437,6 +426,21 @@ class AsyncWorker:
         self.poller.all([self.comm.Isend(bye.spec(), dest=rank, tag=TAG_GRAD) for rank in ranks], ranks)
 
 
-def work(ctx: Context) -> WorkerResult:
-    """A worker in async mode."""
-    return AsyncWorker(ctx).run()
+class AsyncMode(Mode):
+    """Async: every gradient a worker pushes is one global step, applied by rank 0 (and each
+    server of --num-ps) as it arrives; a worker pulls the parameters back."""
+
+    name = "async"
+
+    def chief(self, ctx: Context, progress: Progress) -> Trained:
+        return Trained(state=AsyncServer(ctx, progress).run())
+
+    def server(self, ctx: Context, progress=None) -> Trained:
+        # Another server of --num-ps: the same loop over its slice, with no bar.
+        return Trained(state=AsyncServer(ctx, Progress(False, None, ctx.global_batch)).run())
+
+    def worker(self, ctx: Context, progress=None) -> Trained:
+        return Trained(worker=AsyncWorker(ctx).run())
+
+
+ASYNC = AsyncMode()

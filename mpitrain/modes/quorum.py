@@ -3,7 +3,7 @@ computed on the current parameters, and nobody waits for the slowest. The chief 
 (QuorumChief, its own gradients inline or on a GradientThread as ChiefPace decides) and sends
 every update through an UpdateRing; every other worker pushes its gradient and applies every
 update in order (QuorumFollower). No collective: a collective waits for every worker. Rank 0
-follows the chief as in plain sync (sync.follow_chief). Who runs what: trainer.ROLES.
+follows the chief as in plain sync (sync.follow_chief). Who runs what: QuorumMode, at the end.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from mpitrain.observe import COMPUTE, PUSH, WAIT
 from mpitrain.protocol import FLAG_STOP, FLAG_STOP_STEP, TAG_QGRAD, TAG_UPDATE, Message, ProtocolError
 from mpitrain.runtime import Context
 from mpitrain.stopping import STOP
-from mpitrain.sync import SyncStep, await_verdict, sync_result
+from mpitrain.modes.base import Trained
+from mpitrain.modes.sync import SyncMode, SyncStep, await_verdict, sync_result, work
 from mpitrain.transport import WORKER_POLL_S, Poller, tested
 from mpitrain.waiting import poll
 
@@ -576,3 +577,19 @@ def train(ctx: Context, start: TrainState, on_step=None) -> WorkerResult:
     if ctx.worker_index == 0:
         return QuorumChief(ctx, start, on_step).run()
     return QuorumFollower(ctx, start).run()
+
+
+class QuorumMode(SyncMode):
+    """Sync --quorum Q below the number of workers: each step averages the first Q gradients; the
+    chief worker (worker 0) decides which, rank 0 and the servers follow as in plain sync."""
+
+    name = "sync"  # the summary's mode: sync, with its quorum
+
+    def worker(self, ctx: Context, progress=None) -> Trained:
+        return Trained(worker=work(ctx, train))
+
+    def waits_for(self, cfg, workers: int) -> str:
+        return f"waiting for the workers' --quorum steps ({cfg.quorum} of {workers} gradients each)"
+
+
+QUORUM = QuorumMode()

@@ -1,6 +1,6 @@
 """One process (`python -m mpitrain`, or a world of 1): the plain sync loop with one worker and no
 parameter server, handing its steps to rank 0's duties (chief.py) itself, as rank 0 does for a
-distributed run. Who runs what: trainer.ROLES."""
+distributed run. Who runs what: LocalMode, at the end."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import dataclasses
 from mpitrain.chief import ChiefDuties, ServerState
 from mpitrain.gradients import WorkerResult
 from mpitrain.metrics import Progress
+from mpitrain.modes.base import CHIEF, Mode, Trained
 from mpitrain.runtime import Context
-from mpitrain.sync import train
+from mpitrain.modes.sync import train
 
 
 def run_local(ctx: Context, progress: Progress) -> tuple[ServerState, WorkerResult]:
@@ -36,3 +37,19 @@ def run_local(ctx: Context, progress: Progress) -> tuple[ServerState, WorkerResu
         state.diverged = dataclasses.replace(result.diverged, ranks=[0])
     duties.save(result.train_state, final=True)
     return state, result
+
+
+class LocalMode(Mode):
+    """One process: rank 0 is the one worker and keeps the model itself."""
+
+    name = "local"
+    averages = True  # its one gradient per step is that step's update
+
+    def role(self, layout, rank: int) -> str:
+        return CHIEF
+
+    def chief(self, ctx: Context, progress: Progress) -> Trained:
+        return Trained(*run_local(ctx, progress))
+
+
+LOCAL = LocalMode()

@@ -1,0 +1,27 @@
+"""The modes, one object each (base.Mode), and the one place that reads --mode.
+
+    async_.py   async: rank 0 (and each server of --num-ps) serves pushes and pulls; workers push
+    sync.py     sync: the workers Allreduce their gradients; rank 0 follows the chief's word
+    quorum.py   sync --quorum Q: a coordinator averages the first Q gradients of each step
+    local.py    one process: the sync loop with one worker and no server
+"""
+
+from __future__ import annotations
+
+from mpitrain.modes.async_ import ASYNC
+from mpitrain.modes.base import Mode
+from mpitrain.modes.local import LOCAL
+from mpitrain.modes.quorum import QUORUM
+from mpitrain.modes.sync import SYNC
+
+BY_FLAG = {"async": ASYNC, "sync": SYNC}  # --mode
+
+
+def of(cfg, layout) -> Mode:
+    """The mode a run with these flags trains in: one process is local whatever --mode says; sync
+    with --quorum Q below the number of workers goes on without the slowest."""
+    if layout.local:
+        return LOCAL
+    if cfg.mode == "sync" and cfg.quorum is not None and cfg.quorum < layout.workers:
+        return QUORUM
+    return BY_FLAG[cfg.mode]

@@ -1,0 +1,82 @@
+"""What a mode is: one object with the same small interface, whatever it trains with.
+
+A mode says which loop each rank runs (`run`, one signature for every role) and the policies
+the rest of the job asks of it: what a global step is (the budget), the examples behind one (the
+global batch), whether the workers left regroup after a loss, what a worker's count means in the
+summary, and what rank 0 waits for while it waits. modes/__init__.py picks the object from the
+flags (the one place that reads --mode); a new mode is a new file here and one registry line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from mpitrain.observe import ALLREDUCE
+
+# Who a rank is in every mode (Layout decides it: rank 0, the other servers of --num-ps, the rest).
+CHIEF = "chief"  # rank 0: the global model, the progress bar, checkpoints, the summary
+SERVER = "server"  # another parameter server of --num-ps K: one shard of the parameters
+WORKER = "worker"  # computes gradients on its shard of the data
+
+
+@dataclasses.dataclass
+class Trained:
+    """What a role's loop leaves on its rank: rank 0's and a server's state (chief.ServerState),
+    a worker's result (gradients.WorkerResult); the one-process run has both."""
+
+    state: object = None
+    worker: object = None
+
+
+class Mode:
+    """The interface every mode fills in. `run(ctx, progress)` is the only way a rank trains;
+    `progress` is the job's bar on rank 0 and None elsewhere."""
+
+    name = ""  # the summary's and the log's "mode"
+    # A global step is one averaged update of every worker's (or Q's) gradient, so a worker's
+    # count in the summary is its contributions; otherwise each gradient is a global step.
+    averages = False
+    worker_comm = False  # the workers need a communicator of their own (the sync Allreduce)
+
+    def role(self, layout, rank: int) -> str:
+        if rank == 0:
+            return CHIEF
+        return SERVER if layout.is_server(rank) else WORKER
+
+    def run(self, ctx, progress=None) -> Trained:
+        """This rank's part of the run, by its role."""
+        role = self.role(ctx.layout, ctx.rank)
+        return {CHIEF: self.chief, SERVER: self.server, WORKER: self.worker}[role](ctx, progress)
+
+    def chief(self, ctx, progress) -> Trained:
+        raise NotImplementedError
+
+    def server(self, ctx, progress) -> Trained:
+        raise NotImplementedError
+
+    def worker(self, ctx, progress) -> Trained:
+        raise NotImplementedError
+
+    def worker_batches_per_step(self, workers: int) -> int:
+        """How many worker batches one global step takes, on average: the budget of --epochs."""
+        return 1 if self.averages else workers
+
+    def global_batch(self, cfg, workers: int) -> int:
+        """Examples behind one global step."""
+        return cfg.batch_size
+
+    def quorum(self, cfg, workers: int) -> int | None:
+        """The summary's quorum: the gradients averaged into one update (None: not averaged)."""
+        return None
+
+    def why_no_regroup(self) -> str | None:
+        """Why a lost worker ends a job of this mode whatever the flags (None: it may regroup)."""
+        return "Async cannot go on"
+
+    def waits_for(self, cfg, workers: int) -> str:
+        """What rank 0 waits for while no global step comes (the --stall-warning line)."""
+        return "waiting for a gradient"
+
+    # The activity phases (observe.py) in which a worker waits on the other workers rather than on
+    # rank 0: its own stall line would blame the wrong rank, so rank 0's says who is late.
+    waits_on_workers = frozenset({ALLREDUCE})
