@@ -6,7 +6,8 @@ from __future__ import annotations
 import sys
 
 from mpitrain import modes
-from mpitrain.config import TrainConfig, UsageError, agreed_fields, disagreement, plain_value
+from mpitrain.config import TrainConfig, UsageError
+from mpitrain.config_io import agreed_fields, disagreement, plain_value
 from mpitrain.console import say
 from mpitrain.protocol import VERSION as PROTOCOL_VERSION
 from mpitrain.runtime import Context, Node, setup

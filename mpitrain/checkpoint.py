@@ -64,7 +64,7 @@ OPT_PREFIX, OPT_COUNT = "opt_", "opt_t"
 
 def state_arrays(cfg) -> list[str]:
     """Names of a training state's flat arrays, in the order they travel (the start-up broadcast,
-    the sync chief -> rank 0): params, the optimizer's state, the moving average."""
+    the sync coordinator -> rank 0): params, the optimizer's state, the moving average."""
     names = ["params"] + [OPT_PREFIX + name for name in OPTIMIZER_REGISTRY[cfg.optimizer].state]
     return names + (["ema"] if cfg.ema_decay else [])
 
@@ -102,7 +102,7 @@ class Checkpointer:
         return bool(every and step % every == 0) or self.clock() - self.last_time >= self.cfg.checkpoint_every_secs
 
     def mark(self, step: int) -> None:
-        """A save was started at `step` (by rank 0, or by the chief sending its state)."""
+        """A save was started at `step` (by rank 0, or by the sync coordinator sending its state)."""
         self.last_time, self.last_step = self.clock(), step
 
     def save(self, state: TrainState, final: bool = False) -> bool:

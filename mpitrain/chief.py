@@ -1,6 +1,6 @@
 """Rank 0's duties, whoever trains: the run's state as rank 0 keeps it (ServerState), the start
 state, and after each global step the bar, the log, --eval-every and checkpoints (ChiefDuties).
-The async server (asyncps.py), rank 0's sync follower (sync.py) and the local run (local.py) each
+The async server (modes/async_.py), rank 0's sync follower (modes/sync.py) and the local run (modes/local.py) each
 hand their steps to one ChiefDuties; the other servers (--num-ps) keep a ServerState too.
 """
 

@@ -14,9 +14,10 @@ import os
 import signal
 import sys
 
-from mpitrain.version import __version__
-from mpitrain.config import TrainConfig, UsageError, flag_name, parse_straggler, validate
+from mpitrain.config import TrainConfig, UsageError, parse_straggler, validate
+from mpitrain.config_io import flag_name
 from mpitrain.mpiimpl import launcher_rank
+from mpitrain.version import __version__
 
 # One BLAS thread per rank: at these matrix sizes two threads are slower than one, and ranks
 # already share the cores. Set before NumPy loads; an explicit user setting wins.

@@ -1,5 +1,5 @@
 """Sync (and --quorum) goes on without a lost worker (--on-lost-worker continue): the workers left
-regroup. Rank 0 runs the Arbiter (inside sync.follow_chief), every worker a Notices receive and
+regroup. Rank 0 runs the Arbiter (inside sync.follow_coordinator), every worker a Notices receive and
 `regroup` (inside sync.work).
 
 Rank 0 is the one that decides: it hears every worker's heartbeat, so it notices a lost one
@@ -22,11 +22,11 @@ NOTICE, and the regroup starts again without it too. After GO each worker:
    replicas are bitwise identical again;
 3. trains on from that step, the data re-sharded over the workers left (each worker's stream
    from that step on, with the new shard), the learning rate scaled to the new count (--lr-scaling
-   linear), the first of them the chief (it says FLAG_REGROUPED to rank 0 first; rank 0 ignores
-   what the chief sent before that).
+   linear), the first of them the coordinator (it says FLAG_REGROUPED to rank 0 first; rank 0 ignores
+   what the coordinator sent before that).
 
 When a worker's loop ends it does not leave the training phase on its own: it waits for rank 0's
-DONE (TAG_REGROUP flagged STOP), which rank 0 sends once it has the chief's final state; a NOTICE
+DONE (TAG_REGROUP flagged STOP), which rank 0 sends once it has the coordinator's final state; a NOTICE
 instead (a worker died during the last step) regroups once more, at the budget, and ends again.
 A loss after GO, while the workers are in the regroup's collectives (milliseconds), ends the job
 as --on-lost-worker stop does: they could be waiting there for the dead one. Requests left on
@@ -36,7 +36,9 @@ peer was lost).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from typing import Callable
 import sys
 import time
 
@@ -66,6 +68,18 @@ class Regroup(Exception):
         self.gen, self.lost = gen, lost
         self.state: TrainState | None = None  # the updates this worker has applied
         self.counts = (0, 0)  # --quorum: gradients it contributed and dropped in the loop it left
+
+
+@contextlib.contextmanager
+def interrupted_at(state: Callable[[], TrainState], counts: Callable[[], tuple[int, int]] = lambda: (0, 0)):
+    """Around a worker's loop: a Regroup raised anywhere inside leaves carrying where the loop was,
+    read when it is raised: the state of the updates applied (`state()`) and, --quorum, the
+    gradients contributed and dropped (`counts()`)."""
+    try:
+        yield
+    except Regroup as r:
+        r.state, r.counts = state(), counts()
+        raise
 
 
 def minimum_workers(ctx: Context) -> int:
@@ -142,7 +156,7 @@ def regroup(ctx: Context, r: Regroup) -> tuple[Context, TrainState]:
 
 def broadcast_state(ctx: Context, comm, mine: TrainState, root: int) -> TrainState:
     """`root`'s parameters, step and optimizer state on every worker of `comm`. The moving average
-    (--ema-decay) lives on the chief only: the new chief keeps its own, or starts one (None)."""
+    (--ema-decay) lives on the coordinator only: the new coordinator keeps its own, or starts one (None)."""
     head = np.array([mine.global_step, mine.opt_t], np.int64)
     comm.Bcast(head, root=root)
     state = TrainState(None, int(head[0]), int(head[1]), ema=mine.ema if ctx.worker_index == 0 else None)
@@ -154,10 +168,10 @@ def broadcast_state(ctx: Context, comm, mine: TrainState, root: int) -> TrainSta
 
 
 class Arbiter:
-    """Rank 0's side, inside sync.follow_chief: `lost` decides whether the job goes on and sends
+    """Rank 0's side, inside sync.follow_coordinator: `lost` decides whether the job goes on and sends
     the NOTICEs; `requests` and `ready` take the workers' READY and send GO; `regrouped` takes the
-    new chief's first status; `done` ends the workers' training phase. `awaiting` is the
-    generation whose FLAG_REGROUPED the chief has not sent yet (0: none)."""
+    new coordinator's first status; `done` ends the workers' training phase. `awaiting` is the
+    generation whose FLAG_REGROUPED the coordinator has not sent yet (0: none)."""
 
     def __init__(self, ctx: Context):
         self.ctx = ctx
@@ -198,7 +212,7 @@ class Arbiter:
         return layout
 
     def requests(self) -> tuple[list[int], list]:
-        """The READY receives to wait on beside the chief's status: (their ranks, the requests)."""
+        """The READY receives to wait on beside the coordinator's status: (their ranks, the requests)."""
         ranks = [r for r in self.expected if self.awaiting and not self.going and r not in self.readied]
         return ranks, [self.ready_reqs[r] for r in ranks]
 
@@ -217,7 +231,7 @@ class Arbiter:
             self._tell(self.expected, self.gen, FLAG_GO)
 
     def regrouped(self, gen: int, step: int, workers: int) -> bool:
-        """The chief's FLAG_REGROUPED of generation `gen` came: what it sends from now on counts.
+        """The coordinator's FLAG_REGROUPED of generation `gen` came: what it sends from now on counts.
         Says so in one line (how long the regroup took, from the loss being declared)."""
         if gen == self.awaiting and self.going:
             self.awaiting, self.going = 0, False

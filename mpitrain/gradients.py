@@ -2,7 +2,7 @@
 
 GradientSource is the one gradient step: the next minibatch of this worker's shard (BatchStream),
 the model's loss and gradient into a buffer, the finite check (Divergence) and the --straggler
-pause. The async worker (asyncps.py), the sync step (sync.py), the quorum chief's gradient thread
+pause. The async worker (modes/async_.py), the sync step (modes/sync.py), the quorum coordinator's gradient thread
 and the quorum follower (quorum.py) and the local run all call it.
 """
 

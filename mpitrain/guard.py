@@ -23,7 +23,7 @@ NON_FINITE = "is not finite"  # the other reason a run diverges (gradients.Diver
 class Diverged:
     """Where and why training diverged, the one shape every rank keeps it in (a report carries it
     as a dict, the summary as its `diverged` entry). Each rank knows part of it: the async server
-    all of it; in sync mode rank 0 only the step (the chief's flag), each worker the mean loss, why,
+    all of it; in sync mode rank 0 only the step (the coordinator's flag), each worker the mean loss, why,
     and whether its own loss was the culprit (`mine`); rank 0 puts them together (trainer)."""
 
     global_step: int

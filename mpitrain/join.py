@@ -17,7 +17,7 @@ both sides hang):
    in one. Rank 0 connects only to a request touched within FRESH_S (a dead joiner's port crashes
    MPICH's UCX on connect: measured), with a bounded timeout.
 3. Over that connection the joiner proves it belongs to the job: it sends the token and its
-   identity (version, protocol, model and every agreed flag: trainer.identity). A wrong token or
+   identity (version, protocol, model and every agreed flag: agreement.identity). A wrong token or
    another set of flags is refused in one line on both sides, and nothing in the job changes.
 4. Rank 0 requests a stop (stopping.STOP, without a signal): every mode ends the current step as
    it does for Ctrl-C, and rank 0 saves the checkpoint. Rank 0's goodbye says FLAG_REFORM instead
@@ -33,7 +33,7 @@ both sides hang):
 --respawn N (MPICH and Open MPI): instead of a joiner started by hand, rank 0's lobby sees a worker
 lost in this phase (the watch's) and requests the same stop; at the phase's end every rank left
 starts the replacement together (grow, SPAWNED: MPI_Comm_spawn of this job's command with --join,
-its flags written back out by config.as_argv), which merges into the new world at once and then says
+its flags written back out by config_io.as_argv), which merges into the new world at once and then says
 hello (join_spawned, welcome). Spawned by rank 0 alone and merged in, Open MPI 5.0.11 hung in the
 first collective; spawned by all, it trains (measured).
 
@@ -56,8 +56,9 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from mpitrain import atomic, faults, mpiimpl
-from mpitrain.config import TrainConfig, UsageError, as_argv, can_take_joiners, disagreement
+from mpitrain import atomic, mpiimpl
+from mpitrain.config import TrainConfig, can_take_joiners
+from mpitrain.config_io import as_argv, disagreement
 from mpitrain.console import say
 from mpitrain.metrics import JobOutputs
 from mpitrain.protocol import FLAG_STOP, TAG_JOIN, Message
@@ -167,18 +168,18 @@ def can_grow(ctx) -> bool:
             and (ctx.cfg.respawn > 0 or mpiimpl.running() is not mpiimpl.OPENMPI))
 
 
-def _folder(cfg: TrainConfig) -> Path:
+def job_folder(cfg: TrainConfig) -> Path:
     return Path(cfg.checkpoint_dir).expanduser()
 
 
 def publish_token(cfg: TrainConfig) -> str:
     """Rank 0: the token a joiner must show, written whole, readable by this user only."""
     token = secrets.token_hex(16)
-    _write_private(_folder(cfg) / TOKEN, token)  # OSError: a full or read-only folder (trainer.open_lobby)
+    write_private(job_folder(cfg) / TOKEN, token)  # OSError: a full or read-only folder (phases.open_lobby)
     return token
 
 
-def _write_private(path: Path, text: str) -> None:
+def write_private(path: Path, text: str) -> None:
     """Written whole (temporary file, then os.replace), readable by this user only."""
     def write(f) -> None:
         os.fchmod(f.fileno(), 0o600)
@@ -189,11 +190,11 @@ def _write_private(path: Path, text: str) -> None:
 
 def withdraw_token(cfg: TrainConfig) -> None:
     """Rank 0, at the end of the job: a joiner started from now on is told no job is running."""
-    _remove(_folder(cfg) / TOKEN)
-    _remove_folder(_folder(cfg) / REQUESTS)
+    remove(job_folder(cfg) / TOKEN)
+    remove_folder(job_folder(cfg) / REQUESTS)
 
 
-def _remove_folder(path: Path) -> None:
+def remove_folder(path: Path) -> None:
     """The requests' folder, once empty (a joiner still waiting removes its request, then this)."""
     try:
         path.rmdir()
@@ -201,14 +202,14 @@ def _remove_folder(path: Path) -> None:
         pass
 
 
-def _send_json(comm, obj: dict, dest: int) -> None:
+def send_json(comm, obj: dict, dest: int) -> None:
     data = np.frombuffer(json.dumps(obj).encode(), np.uint8)
     if data.size > HELLO_BYTES:
         raise ValueError("join message too large")
     comm.Send([data, MPI.BYTE], dest=dest, tag=TAG_JOIN)
 
 
-def _recv_json(comm, source: int, timeout_s: float) -> dict | None:
+def recv_json(comm, source: int, timeout_s: float) -> dict | None:
     """The peer's JSON message, or None if it did not come in time or was not JSON."""
     buf = bytearray(HELLO_BYTES)
     status = MPI.Status()
@@ -241,7 +242,7 @@ class Lobby:
         self.watch = ctx.watch  # its lost workers: --respawn replaces them
         self.lost_seen = 0
         self.spawn = False  # --respawn: start a worker where this phase ends (grow)
-        self.dir = _folder(ctx.cfg) / REQUESTS
+        self.dir = job_folder(ctx.cfg) / REQUESTS
         self.joiner: Joiner | None = None
         self._next = 0.0
 
@@ -274,10 +275,10 @@ class Lobby:
             port, host, pid = str(request["port"]), str(request["host"]), int(request["pid"])
         except (OSError, ValueError, KeyError, TypeError):
             return  # being written, or gone: the next scan sees it whole
-        if touched > FRESH_S or _dead_here(host, pid):  # its joiner died: never connect to a dead port
-            _remove(path)
+        if touched > FRESH_S or dead_here(host, pid):  # its joiner died: never connect to a dead port
+            remove(path)
             return
-        _remove(path)  # one try per request: a refused joiner does not come back
+        remove(path)  # one try per request: a refused joiner does not come back
         info = MPI.Info.Create()
         info.Set("timeout", str(CONNECT_TIMEOUT_S))
         try:
@@ -303,10 +304,10 @@ class Lobby:
 
     def _admit(self, inter, host: str, pid: int) -> None:
         """A connection to a would-be joiner: its hello, then let it in or refuse it, both in one line."""
-        hello = _recv_json(inter, 0, ANSWER_S) or {}
+        hello = recv_json(inter, 0, ANSWER_S) or {}
         why = self._refusal(hello)
         try:
-            _send_json(inter, {"ok": why is None, "why": why or "", "budget": self.carry.budget}, 0)
+            send_json(inter, {"ok": why is None, "why": why or "", "budget": self.carry.budget}, 0)
         except MPI.Exception:
             why = why or "it died while joining"
         if why:
@@ -345,7 +346,7 @@ def _last_line(e: Exception) -> str:
     return str(e).strip().splitlines()[-1]
 
 
-def _dead_here(host: str, pid: int) -> bool:
+def dead_here(host: str, pid: int) -> bool:
     """A process of this host that no longer exists (of another host nothing here can tell)."""
     if host != socket.gethostname():
         return False
@@ -358,7 +359,7 @@ def _dead_here(host: str, pid: int) -> bool:
     return False
 
 
-def _remove(path: Path) -> None:
+def remove(path: Path) -> None:
     try:
         os.unlink(path)
     except OSError:
@@ -418,12 +419,11 @@ def grow(comm, live: list[int], gen: int, how: int, joiner: Joiner | None = None
 def welcome(world, carry: Carry) -> str:
     """Rank 0, in the world a SPAWNED worker formed with the others: its hello (where it runs),
     and the job's flags and step budget for it. Returns its host ("?" if it said nothing)."""
-    hello = _recv_json(world, world.Get_size() - 1, ANSWER_S) or {}
-    _send_json(world, {"budget": carry.budget, "identity": carry.identity}, world.Get_size() - 1)
+    hello = recv_json(world, world.Get_size() - 1, ANSWER_S) or {}
+    send_json(world, {"budget": carry.budget, "identity": carry.identity}, world.Get_size() - 1)
     return str(hello.get("host", "?"))
 
 
-# --- the joiner's side ---------------------------------------------------------------------------
 
 
 def _forming_stuck(who: str) -> None:
@@ -433,120 +433,3 @@ def _forming_stuck(who: str) -> None:
     say(f"mpitrain: error: {who}: the job did not go on within {FORM_LIMIT_S:g} s of making room for a worker "
         f"(a rank died meanwhile); ending. The newest checkpoint in --checkpoint-dir resumes the run", sys.stderr)
     exit_without_finalize(ExitCode.PEER_LOST)
-
-
-def join_job(cfg: TrainConfig, identity: dict, carry: Carry):
-    """The joiner: ask the job in --checkpoint-dir to let it in, wait until it has made room, and
-    return (the new world, the job's step budget). UsageError (exit 2) when there is no job, or
-    it refuses this worker."""
-    folder = _folder(cfg)
-    if mpiimpl.running() is mpiimpl.OPENMPI:
-        raise UsageError("--join needs MPICH: Open MPI 5 cannot connect two separately started mpiruns; "
-                         "start the job with --respawn N instead (rank 0 then starts a worker in place of a lost "
-                         "one), or restart it (it resumes from its newest checkpoint)")
-    try:
-        token = (folder / TOKEN).read_text().strip()
-    except OSError:
-        raise UsageError(f"--join: no running job takes workers in --checkpoint-dir {folder}; start the job first "
-                         f"(with --checkpoint-dir {folder} and --worker-timeout > 0, under MPICH)") from None
-    inter = _wait_to_be_let_in(folder)
-    _send_json(inter, {"token": token, "identity": identity}, 0)
-    answer = _recv_json(inter, 0, ANSWER_S)
-    if answer is None:
-        raise UsageError("--join: the job did not answer; it may have ended")
-    if not answer.get("ok"):
-        raise UsageError(f"--join: the job refused this worker: {answer.get('why')}")
-    faults.joiner_vanishes("vanish")
-    go = Message(0)
-    req = inter.Irecv(go.spec(), source=0, tag=TAG_JOIN)
-    # Rank 0 makes room within a step or two (or tells this worker the job ended instead); should
-    # it die meanwhile, its token outlives it, so a generous bound ends the wait.
-    if not poll(lambda: req.Test(), 1e-3, deadline=time.monotonic() + max(60.0, 4 * cfg.worker_timeout)):
-        raise UsageError("--join: the job let this worker in but never made room for it; it may have died")
-    go.check(TAG_JOIN, 0)
-    if go.flags & FLAG_STOP:
-        return None, None
-    carry.start_forming("the joining worker")
-    ack = Message(0)
-    ack.stamp(TAG_JOIN, 0)
-    inter.Send(ack.spec(), dest=0, tag=TAG_JOIN)
-    pair = inter.Merge(high=True)
-    world = MPI.COMM_SELF.Create_intercomm(0, pair, 0, GROW_TAG).Merge(high=True)
-    faults.joiner_vanishes("formed")
-    return world, answer.get("budget")
-
-
-def spawned() -> bool:
-    """Whether this process was started by a job's ranks (--respawn): MPI_Comm_get_parent."""
-    return MPI.Comm.Get_parent() != MPI.COMM_NULL
-
-
-def join_spawned(carry: Carry, identity_of) -> tuple[object, int | None]:
-    """The worker a job started (--respawn): into the world it forms with the job's ranks at once
-    (they wait in it), then its hello and rank 0's word: the job's step budget, and its flags,
-    which `identity_of()` (this process's, computed meanwhile) must match."""
-    carry.start_forming("the worker started in place of a lost one")
-    carry.spawned = carry.with_spawned = True
-    parent = MPI.Comm.Get_parent()
-    world = parent.Merge(high=True)
-    parent.Free()  # as the job's ranks free theirs (grow): MPI_Finalize waits on every dynamic communicator left
-    _send_json(world, {"host": socket.gethostname(), "pid": os.getpid()}, 0)
-    mine = identity_of()
-    word = _recv_json(world, 0, ANSWER_S)
-    if word is None:
-        raise UsageError("--respawn: the job that started this worker did not answer; it may have ended")
-    detail = disagreement(word.get("identity") or {}, mine)
-    if detail:
-        raise UsageError(f"--respawn: this worker's flags differ from the job's ({detail})")
-    return world, word.get("budget")
-
-
-def _wait_to_be_let_in(folder: Path):
-    """A joiner started by hand: request to join through the job's folder, and wait in
-    MPI_Comm_accept until rank 0 connects. Returns the connection (an intercommunicator)."""
-    port = MPI.Open_port()
-    request = folder / REQUESTS / f"{socket.gethostname()}.{os.getpid()}.json"
-    waiting = threading.Event()
-    try:
-        request.parent.mkdir(mode=0o700, exist_ok=True)
-        _write_private(request, json.dumps({"port": port, "host": socket.gethostname(), "pid": os.getpid()}))
-    except OSError as e:
-        raise UsageError(f"--join: cannot write a request into {request.parent} ({e.strerror}); "
-                         f"join as the user who runs the job") from None
-    toucher = threading.Thread(target=_touch, args=(request, folder / TOKEN, waiting), daemon=True)
-    toucher.start()
-    say(f"mpitrain: waiting for the job in {folder} to let this worker in")
-    inter = MPI.COMM_SELF.Accept(port)
-    waiting.set()
-    _remove(request)
-    _remove_folder(request.parent)
-    MPI.Close_port(port)
-    return inter
-
-
-def _touch(request: Path, token: Path, waiting: threading.Event) -> None:
-    """While the joiner waits in MPI_Comm_accept (which nothing interrupts): keep its request
-    fresh; when the job is gone (its token removed), end the process with one line."""
-    while not waiting.wait(TOUCH_S):
-        try:
-            os.utime(request)
-        except OSError:
-            pass
-        if not waiting.is_set() and (not token.exists() or _owner_gone(token.parent)):
-            say("mpitrain: error: --join: the job ended before it let this worker in")
-            _remove(request)
-            _remove_folder(request.parent)
-            os._exit(1)
-
-
-def _owner_gone(folder: Path) -> bool:
-    """The job that holds the folder's lock has died (killed: its token is still there)."""
-    from mpitrain import lock
-
-    try:
-        owner = json.loads((folder / lock.NAME).read_text())
-    except (OSError, ValueError):
-        return True
-    if not isinstance(owner, dict) or not isinstance(owner.get("pid"), int):
-        return False
-    return _dead_here(str(owner.get("host")), owner["pid"])  # on another host: the token's removal tells

@@ -142,7 +142,7 @@ class Heartbeat:
         within the timeout (a peer died meanwhile: then MPI_Finalize is unsafe)."""
         self._stop.set()
         self._thread.join()
-        WATCHDOG.disarm()  # the end of the run has its own limits (trainer.finalize)
+        WATCHDOG.disarm()  # the end of the run has its own limits (ending.finalize)
         expected = [i for i, peer in enumerate(self.peers) if peer not in lost]
         live = [i for i in expected if i not in self.gone]
         if len(live) < len(expected) or not wait_all([self.reqs[i] for i in live], self.timeout_s):

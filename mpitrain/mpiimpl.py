@@ -160,7 +160,7 @@ def survivors(comm, ranks, tag: int, stringtag: str):
 # MPICH's shared memory sends each small message (and the announcement of each large one) in a
 # cell from the sender's own pool, which the receiver hands back once it has read it. A cell sent
 # to a process that has died never comes back: MPICH's default of 64 cells ran out in the --quorum
-# chief worker after the second or third lost worker (it sends every update to every worker), and
+# coordinator after the second or third lost worker (it sends every update to every worker), and
 # its heartbeats could not leave any more: rank 0 took it for lost too (measured, 7 of 9 tries;
 # with 512 cells, 6 of 6 went on). It costs 4 MiB of shared memory per rank instead of 0.5.
 LOSS_TRANSPORT_ENV = {"MPIR_CVAR_CH4_SHM_POSIX_IQUEUE_NUM_CELLS": "512"}

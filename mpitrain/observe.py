@@ -101,7 +101,7 @@ class Activity:
     def busy_s(self, now: float) -> float:
         """The time behind this rank's gradients so far: wall time less the time in collectives.
         Per gradient, that is the interval at which rank 0 receives this worker's gradients
-        (async) or the chief its pushes (--quorum), whatever slows it (computing, a stopped
+        (async) or the coordinator its pushes (--quorum), whatever slows it (computing, a stopped
         process, a slow link); in a sync Allreduce every worker waits for the slowest, so that
         wait is left out and what remains is the worker's own compute and update."""
         in_collective = self.seconds[ALLREDUCE] + (now - self.since if self.phase == ALLREDUCE else 0.0)

@@ -15,7 +15,7 @@ import numpy as np
 @dataclass(frozen=True)
 class OptimizerKind:
     """One entry of the registry: the names of its flat state arrays (each as long as the
-    parameters; checkpoints, the start-up broadcast and the sync chief's hand-over to rank 0 take
+    parameters; checkpoints, the start-up broadcast and the sync coordinator's hand-over to rank 0 take
     them from here) and its update, step(opt, params, grad, lr), which uses `opt.state[name]`."""
 
     state: tuple[str, ...]

@@ -17,6 +17,7 @@ from mpitrain.console import say
 from mpitrain.ending import free_worker_comm, retire_heartbeats, say_goodbye
 from mpitrain.exitcodes import ExitCode
 from mpitrain.guard import Diverged
+from mpitrain.joiner import join_job, join_spawned, spawned
 from mpitrain.lock import exit_without_finalize
 from mpitrain.protocol import FLAG_PEER_LOST, Message
 from mpitrain.reports import Outcome, RoleResult
@@ -35,10 +36,10 @@ def joined(cfg: TrainConfig, comm, carry: join.Carry) -> tuple[TrainConfig, obje
     def mine() -> dict:
         return identity_of(cfg, make_model(cfg, load_dataset(cfg), np))
 
-    if join.spawned():  # started by the job itself (--respawn): it waits in the new world already
-        world, budget = join.join_spawned(carry, mine)
+    if spawned():  # started by the job itself (--respawn): it waits in the new world already
+        world, budget = join_spawned(carry, mine)
     else:
-        world, budget = join.join_job(cfg, mine(), carry)
+        world, budget = join_job(cfg, mine(), carry)
     if world is None:
         return cfg, None, None
     carry.budget, carry.joiner = budget, True

@@ -1,15 +1,15 @@
 """What a rank reports to rank 0 at the end of a run: typed here, JSON bytes on the wire.
 
 A worker sends a WorkerReport, a parameter server other than rank 0 (--num-ps) a ShardReport,
-point to point (trainer.send_report): never pickled; every rank runs the same mpitrain (agreed at
+point to point (ending.send_report): never pickled; every rank runs the same mpitrain (agreed at
 setup), so both ends know the fields.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import asdict, dataclass, field, fields
 import json
+from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
 
@@ -73,7 +73,7 @@ def from_bytes(data: bytes) -> WorkerReport | ShardReport:
 
 @dataclass
 class Summary:
-    """Rank 0's account of a run (trainer.build_summary): printed, written by --summary-json,
+    """Rank 0's account of a run (summary.build_summary): printed, written by --summary-json,
     closed into the --log-dir log, and handed back by mpitrain.train(), each as `to_dict()`. The
     README's summary keys are these fields (a test keeps the two in step)."""
 

@@ -189,7 +189,7 @@ class Context:
     def why_no_regroup(self) -> str | None:
         """Why a lost worker would end this job rather than the workers left regroup (rank 0's
         line says it), or None. Regrouping needs sync, heartbeats (rank 0 notices the loss) and one
-        server (a second one would have to follow the new chief too)."""
+        server (a second one would have to follow the new coordinator too)."""
         cfg = self.cfg
         if cfg.on_lost_worker == "stop":
             return "--on-lost-worker stop ends the job"

@@ -8,7 +8,7 @@ hold, so evaluation, logs and checkpoints never see shards, and a checkpoint res
 
 Async: rank 0 asks (a header-only TAG_SHARD with FLAG_EVAL / FLAG_CKPT / FLAG_STOP) only when it
 evaluates or saves, and each server answers from its serve loop (ShardService). Sync: each server
-receives its slices from the chief worker and forwards them (sync.keep_shard); rank 0
+receives its slices from the coordinator (worker 0) and forwards them (sync.keep_shard); rank 0
 takes them in the order they come.
 """
 

@@ -27,7 +27,7 @@ def server_stall_line(ctx: Context, step: int, stalled_s: float) -> str:
     peers = [observe.peer_state(r, *seen[r], silent_after, cfg.worker_timeout) for r in shown]
     if len(shown) < len(seen):
         peers.append(f"{len(seen) - len(shown)} other worker(s) waiting")
-    # Sync: the chief's status is rate-limited, the workers' beats may be newer.
+    # Sync: the coordinator's status is rate-limited, the workers' beats may be newer.
     step = max([step] + [int(b[BEAT_GLOBAL_STEP]) for b, _, _ in seen.values() if b is not None])
     return observe.describe_server_stall(what, step, stalled_s, peers, culprits)
 

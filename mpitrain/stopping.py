@@ -7,7 +7,7 @@ job: every header carries the stop signal its sender knows of (protocol.H_SIGNAL
 included, so a signal that reached one rank alone reaches the others within a heartbeat. Each
 mode stops at a step boundary on its own terms (async: the servers stop every worker as they
 would at --steps; sync: a vote slot in the gradient Allreduce, so every worker stops after the
-same step; --quorum: the chief flags its update; one process: after the step), rank 0 writes the
+same step; --quorum: the coordinator flags its update; one process: after the step), rank 0 writes the
 final checkpoint as at the end of a run, and every rank exits 128 + the signal's number.
 """
 

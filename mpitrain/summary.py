@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from pathlib import Path
 import signal
 import sys
+from pathlib import Path
 
 import numpy as np
 
 from mpitrain import checkpoint, observe
-from mpitrain.config import as_record
+from mpitrain.config_io import as_record
 from mpitrain.console import say
 from mpitrain.exitcodes import ExitCode, interrupted
 from mpitrain.gradients import WorkerResult

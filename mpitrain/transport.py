@@ -37,7 +37,7 @@ PS_POLL_S = 200e-6
 PS_POLL_NO_OVERLAP_S = 50e-6
 WORKER_POLL_S = 20e-6
 SPIN = 0.0  # no sleep at all: a sync Allreduce on a node with a core per computing rank (collective_poll_s)
-CHIEF_POLL_S = 2e-3  # rank 0 in sync mode is off the critical path (--quorum too: the chief worker gathers)
+CHIEF_POLL_S = 2e-3  # rank 0 in sync mode is off the critical path (--quorum too: the coordinator gathers)
 END_POLL_S = CLOSE_POLL_S  # end of run (reports, goodbyes): off the hot path, as liveness's close
 
 

@@ -291,10 +291,10 @@ def test_setup_makes_a_complete_frozen_context_that_needs_no_mpi():
      "--epochs", "3", "--no-progress", "--num-ps", "2"],
 ], ids=["defaults", "sync-flags", "other-flags"])
 def test_the_flags_a_respawned_worker_gets_give_the_same_config(args):
-    """--respawn starts a worker with the job's flags written back out (config.as_argv): parsed, they
+    """--respawn starts a worker with the job's flags written back out (config_io.as_argv): parsed, they
     must give the job's config field for field, or the worker is refused as a stranger."""
     from mpitrain.cli import parse_args
-    from mpitrain.config import as_argv
+    from mpitrain.config_io import as_argv
 
     cfg, _ = parse_args(args)
     again, _ = parse_args(as_argv(cfg))
@@ -305,7 +305,7 @@ def test_the_flags_a_respawned_worker_gets_give_the_same_config(args):
 def test_a_model_object_has_no_flags_to_respawn_with():
     import dataclasses
 
-    from mpitrain.config import as_argv
+    from mpitrain.config_io import as_argv
     from mpitrain.config import TrainConfig
 
     with pytest.raises(ValueError, match="--model"):

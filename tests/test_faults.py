@@ -83,7 +83,8 @@ def test_ranks_started_with_different_flags_stop_before_training(workers_flags, 
 def test_only_listed_flags_may_differ_between_ranks():
     from dataclasses import fields
 
-    from mpitrain.config import PER_RANK_FIELDS, TrainConfig, agreed_fields
+    from mpitrain.config import TrainConfig
+    from mpitrain.config_io import PER_RANK_FIELDS, agreed_fields
 
     names = {f.name for f in fields(TrainConfig)}
     assert PER_RANK_FIELDS <= names  # no stale name

@@ -120,7 +120,7 @@ def test_the_flag_table_names_only_flags_that_exist_with_their_defaults():
     import dataclasses
 
     from mpitrain.cli import build_parser
-    from mpitrain.config import flag_name
+    from mpitrain.config_io import flag_name
     from mpitrain.config import TrainConfig
 
     text = (ROOT / "README.md").read_text()

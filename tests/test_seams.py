@@ -10,11 +10,12 @@ from test_cli import FakeWorld
 
 def sync_worker_context(*flags):
     """A sync worker's context (worker 0 of 2), as setup() makes it, without MPI."""
+    from mpitrain import modes
     from mpitrain.cli import parse_args
     from mpitrain.runtime import Node, setup
 
     cfg, _ = parse_args(["--mode", "sync", "--lr-scaling", "none", *flags])
-    return setup(cfg, FakeWorld(1, 3), Node(1, 3, 2, 2))
+    return setup(cfg, FakeWorld(1, 3), Node(1, 3, 2, 2), modes.of)
 
 
 class AsIfAnotherWorkerSentZeros:
@@ -31,7 +32,7 @@ class AsIfAnotherWorkerSentZeros:
 
 def test_the_sync_step_sums_through_the_reducer_it_is_given():
     from mpitrain.gradients import GradientSource
-    from mpitrain.sync import SyncStep
+    from mpitrain.modes.sync import SyncStep
 
     ctx = sync_worker_context()
     params = ctx.model.init_params(0)
@@ -47,7 +48,7 @@ def test_the_sync_step_sums_through_the_reducer_it_is_given():
 
 def test_without_a_reducer_a_lone_sync_worker_uses_mpi_s_and_applies_its_own_gradient():
     from mpitrain.gradients import GradientSource
-    from mpitrain.sync import MPIReducer, SyncStep
+    from mpitrain.modes.sync import MPIReducer, SyncStep
 
     ctx = sync_worker_context()
     step = SyncStep(ctx, ctx.model.init_params(0))

@@ -9,7 +9,7 @@ from mpitrain import observe
 from mpitrain.config import UsageError, parse_straggler
 from mpitrain.metrics import staleness_summary
 from mpitrain.optim import staleness_scaled_lr
-from mpitrain.quorum import PACE_RUN, PACE_SLACK, PACE_WINDOW, ChiefPace
+from mpitrain.modes.quorum_parts import PACE_RUN, PACE_SLACK, PACE_WINDOW, CoordinatorPace
 
 DIGITS_NP4 = ["--epochs", "40"]
 
@@ -35,7 +35,7 @@ def test_quorum_with_a_straggler_drops_late_gradients_and_keeps_replicas_identic
 
 
 def test_chief_pace_moves_its_gradients_to_the_thread_only_while_it_is_the_slow_one():
-    pace = ChiefPace(others=2, quorum=2)
+    pace = CoordinatorPace(others=2, quorum=2)
     for _ in range(PACE_RUN):
         pace.computed(1.0)
     assert pace.inline  # nobody heard from yet: nothing to compare with
@@ -189,7 +189,7 @@ def test_staleness_scaled_lr():
 
 
 def test_staleness_rule_keeps_every_pending_gradient_within_the_bound():
-    from mpitrain.asyncps import StalenessHold
+    from mpitrain.modes.async_ import StalenessHold
 
     staleness_feasible = StalenessHold(2).allows
     # 3 workers, S=2, all start on step 0's parameters; A was applied at step 0 (basis 1 now).

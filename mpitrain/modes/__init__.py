@@ -1,7 +1,7 @@
 """The modes, one object each (base.Mode), and the one place that reads --mode.
 
     async_.py   async: rank 0 (and each server of --num-ps) serves pushes and pulls; workers push
-    sync.py     sync: the workers Allreduce their gradients; rank 0 follows the chief's word
+    sync.py     sync: the workers Allreduce their gradients; rank 0 follows the coordinator's (worker 0's) word
     quorum.py   sync --quorum Q: a coordinator averages the first Q gradients of each step
     local.py    one process: the sync loop with one worker and no server
 """

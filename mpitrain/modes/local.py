@@ -10,8 +10,8 @@ from mpitrain.chief import ChiefDuties, ServerState
 from mpitrain.gradients import WorkerResult
 from mpitrain.metrics import Progress
 from mpitrain.modes.base import CHIEF, Mode, Trained
-from mpitrain.runtime import Context
 from mpitrain.modes.sync import train
+from mpitrain.runtime import Context
 
 
 def run_local(ctx: Context, progress: Progress) -> tuple[ServerState, WorkerResult]:

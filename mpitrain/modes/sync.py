@@ -1,10 +1,10 @@
 """Sync mode: the Allreduce step every worker takes (SyncStep, summing through a Reducer: MPI's), the workers' loop (train; the
-first worker also reports to rank 0: work), rank 0's follower of that chief worker
-(follow_chief) and the other servers' loop (keep_shard, --num-ps). --quorum's loop is in
+first worker also reports to rank 0: work), rank 0's follower of that coordinator
+(follow_coordinator) and the other servers' loop (keep_shard, --num-ps). --quorum's loop is in
 quorum.py and shares SyncStep. Who runs what: SyncMode, at the end.
 
 Rank 0 is not in the gradient Allreduce: the workers average among themselves on their own
-communicator and apply identical updates, so replicas stay bitwise identical. The chief worker
+communicator and apply identical updates, so replicas stay bitwise identical. The coordinator
 sends rank 0 a status for the bar, and its state at eval, checkpoint and end (each server its
 slice), all on one tag.
 """
@@ -23,12 +23,12 @@ from mpitrain import checkpoint, elastic, mpiimpl
 from mpitrain.checkpoint import Checkpointer, TrainState, state_arrays, to_flat
 from mpitrain.chief import ChiefDuties, Clock, ServerState, begin, record_lost
 from mpitrain.codec import wire_sum
+from mpitrain.elastic import interrupted_at
 from mpitrain.faults import Kill
 from mpitrain.gradients import LOSS_WINDOW, GradientSource, WorkerResult, mean_loss
 from mpitrain.guard import NON_FINITE, Diverged, LossGuard
 from mpitrain.layout import PS_RANK
 from mpitrain.liveness import CHECK_EVERY_S as VERDICT_POLL_S
-from mpitrain.elastic import Regroup
 from mpitrain.liveness import PeerLost
 from mpitrain.metrics import Progress
 from mpitrain.modes.base import Mode, Trained
@@ -43,7 +43,7 @@ from mpitrain.transport import CHIEF_POLL_S, WORKER_POLL_S, Poller, collective_p
 from mpitrain.waiting import poll
 
 SYNC_SLOTS = 3  # behind a sync step's gradient: loss, weight, stop vote (SyncStep)
-STATUS_EVERY_S = 0.2  # sync chief -> PS progress reports; off the hot path
+STATUS_EVERY_S = 0.2  # sync coordinator -> PS progress reports; off the hot path
 
 
 class Reducer(Protocol):
@@ -98,7 +98,7 @@ class SyncStep:
     [gradient..., loss, weight, stop]: the loss rides along so every worker knows the mean loss, the
     weight (1 from each worker) so the sum divides by the number of gradients in it, and the stop
     vote (1 from a worker that knows of a stop request) so that every worker stops after the same
-    step (`stop`). --quorum sums its gradients on the chief worker instead (QuorumChief) and every
+    step (`stop`). --quorum sums its gradients on the coordinator instead (QuorumCoordinator) and every
     worker `apply`s the mean."""
 
     def __init__(self, ctx: Context, params, start: TrainState | None = None, reducer: Reducer | None = None):
@@ -116,7 +116,7 @@ class SyncStep:
         self.stop = False  # set when the step just reduced is the last: a stop was requested (stopping.py)
         if start is not None:
             self.opt.restore(start.opt_t, start.opt_state)
-            if ctx.worker_index == 0:  # the chief (or the local run) keeps the moving average
+            if ctx.worker_index == 0:  # the coordinator (or the local run) keeps the moving average
                 self.ema = make_ema(cfg.ema_decay, params, be.xp, start.global_step, start.ema)
         self.activity = ctx.activity
 
@@ -168,7 +168,7 @@ class SyncStep:
 def train(ctx: Context, start: TrainState, on_step=None) -> WorkerResult:
     """The plain sync loop, shared by sync workers and the local (one-process) run, from global
     step `start.global_step` (a resumed run) to the budget. `on_step(step, loss, sync_step)` reports
-    each step: to rank 0 (chief worker) or to the bar and checkpoints (local)."""
+    each step: to rank 0 (coordinator) or to the bar and checkpoints (local)."""
     be = ctx.backend
     params = be.asarray(start.params)
     step_fn = SyncStep(ctx, params, start)
@@ -178,7 +178,7 @@ def train(ctx: Context, start: TrainState, on_step=None) -> WorkerResult:
     recent = deque([float("nan")], maxlen=LOSS_WINDOW)  # nan only if resumed at the budget
     done = max(total, start.global_step)
     applied = start.global_step  # updates applied: where a regroup takes this worker's state from
-    try:
+    with interrupted_at(lambda: step_fn.train_state(applied)):
         for step in range(start.global_step, total):
             # A worker alone (the others lost) never waits, and a wait is where the watch is looked
             # at: rank 0's stop request (a worker joining) and its death must still reach it.
@@ -197,9 +197,6 @@ def train(ctx: Context, start: TrainState, on_step=None) -> WorkerResult:
             if step_fn.stop:
                 done = step + 1
                 break
-    except Regroup as r:
-        r.state = step_fn.train_state(applied)
-        raise
     return sync_result(step_fn, done, mean_loss(recent), act.times(), contributed=done)
 
 
@@ -234,10 +231,10 @@ def await_verdict(ctx: Context, why: str) -> None:
 
 def work(ctx: Context, loop=train) -> WorkerResult:
     """A sync worker, training with `loop` (`train`, or quorum.train with --quorum: QuorumMode
-    chooses). The first worker (the chief) also keeps rank 0 informed (ChiefReport). When a worker
+    chooses). The first worker (the coordinator) also keeps rank 0 informed (CoordinatorReport). When a worker
     is lost (--on-lost-worker continue), rank 0's word interrupts the loop wherever it waits
     (elastic.Regroup): the workers left regroup and run the loop again from the step they agree
-    on, the first of them the chief. The loop's end is rank 0's to declare (elastic.Notices)."""
+    on, the first of them the coordinator. The loop's end is rank 0's to declare (elastic.Notices)."""
     start = start_state(ctx)
     first = start.global_step  # this phase's first step: the counts below are of this phase's steps
     notices = None
@@ -254,10 +251,10 @@ def work(ctx: Context, loop=train) -> WorkerResult:
                 ctx, start = elastic.regroup(ctx, regroup)
                 gen, regroup = regroup.gen, None
                 if ctx.worker_index == 0:
-                    report = report or ChiefReport(ctx)
+                    report = report or CoordinatorReport(ctx)
                     report.regrouped(start.global_step, gen)
             if ctx.worker_index == 0 and report is None:
-                report = ChiefReport(ctx)
+                report = CoordinatorReport(ctx)
             result = loop(ctx, start, report.report if ctx.worker_index == 0 else None)
             if ctx.worker_index == 0:
                 report.final(result)
@@ -284,11 +281,11 @@ def work(ctx: Context, loop=train) -> WorkerResult:
     return result
 
 
-class ChiefReport:
-    """The chief worker keeps rank 0 informed, all on one tag so the messages arrive in order: a
+class CoordinatorReport:
+    """The coordinator keeps rank 0 informed, all on one tag so the messages arrive in order: a
     header-only status every STATUS_EVERY_S; its parameters and optimizer state at --eval-every and
     checkpoint steps; the same, flagged STOP, at the end. With --num-ps K the state goes to the K
-    servers, each its slice (shards.py). A worker that becomes the chief in a regroup starts with
+    servers, each its slice (shards.py). A worker that becomes the coordinator in a regroup starts with
     FLAG_REGROUPED."""
 
     def __init__(self, ctx: Context):
@@ -341,21 +338,21 @@ class ChiefReport:
         self.waiter.all(self.pending, [PS_RANK] + self.servers)
 
 
-def follow_chief(ctx: Context, progress: Progress) -> ServerState:
-    """Follow the chief worker: header-only status messages for the bar, full ones (FLAG_EVAL)
+def follow_coordinator(ctx: Context, progress: Progress) -> ServerState:
+    """Follow the coordinator: header-only status messages for the bar, full ones (FLAG_EVAL)
     to evaluate, and the last one (FLAG_STOP) with the final parameters; one tag, so MPI's
-    ordering delivers the final one last. (--quorum steps are decided by the chief worker.)"""
+    ordering delivers the final one last. (--quorum steps are decided by the coordinator.)"""
     cfg = ctx.cfg
     W = ctx.workers
     duties = ChiefDuties(ctx, progress)
     state = duties.state
-    chief = ctx.layout.worker_rank(0)
+    coordinator = ctx.layout.worker_rank(0)
     names = checkpoint.state_arrays(cfg)  # [params, optimizer state..., ema]
     full_count = (ctx.shard.stop - ctx.shard.start) * len(names)  # rank 0's slice (all of it with one server)
     box = Message(full_count)
     poller = Poller(CHIEF_POLL_S, ctx.watch)  # PeerLost ends the job (trainer.py)
     gather = Gather(ctx, poller)  # --num-ps: the other servers forward their slices of the same step
-    status = ctx.comm.Irecv(box.spec(), source=chief, tag=TAG_STATUS)
+    status = ctx.comm.Irecv(box.spec(), source=coordinator, tag=TAG_STATUS)
     arbiter = elastic.Arbiter(ctx) if ctx.regroups else None  # else a lost worker ends the job (trainer.py)
     layout = ctx.layout
     final_seen = False
@@ -363,10 +360,10 @@ def follow_chief(ctx: Context, progress: Progress) -> ServerState:
         ctx.activity.enter(WAIT, state.global_step)
         try:
             ready_ranks, ready = arbiter.requests() if arbiter is not None else ([], [])
-            done = poller.some([status] + ready)  # the chief's next message, or a worker READY to regroup
-            if done.failed:  # the chief (or a worker) died while sending
+            done = poller.some([status] + ready)  # the coordinator's next message, or a worker READY to regroup
+            if done.failed:  # the coordinator (or a worker) died while sending
                 i, why = next(iter(done.failed.items()))
-                rank = ready_ranks[i - 1] if i else chief
+                rank = ready_ranks[i - 1] if i else coordinator
                 ctx.watch.declare(rank, why)
                 raise PeerLost({rank: why})
             for i in done.arrived:
@@ -379,32 +376,32 @@ def follow_chief(ctx: Context, progress: Progress) -> ServerState:
             for rank, why in e.lost.items():
                 record_lost(state, rank, why, f"; regrouping: continuing with {layout.workers} worker(s)")
             W = layout.workers
-            if chief != layout.worker_rank(0):  # the old chief's receive is left behind with it
-                chief = layout.worker_rank(0)
-                status = ctx.comm.Irecv(box.spec(), source=chief, tag=TAG_STATUS)
+            if coordinator != layout.worker_rank(0):  # the old coordinator's receive is left behind with it
+                coordinator = layout.worker_rank(0)
+                status = ctx.comm.Irecv(box.spec(), source=coordinator, tag=TAG_STATUS)
             continue
         if 0 not in done.arrived:
             continue
         if arbiter is not None and arbiter.awaiting:
-            # sent before the chief regrouped: superseded (the workers redo it from the agreed step)
+            # sent before the coordinator regrouped: superseded (the workers redo it from the agreed step)
             if box.flags & FLAG_REGROUPED and arbiter.regrouped(box.local_step, box.step, W):
-                box.check(TAG_STATUS, chief, count=0)
-            status = ctx.comm.Irecv(box.spec(), source=chief, tag=TAG_STATUS)
+                box.check(TAG_STATUS, coordinator, count=0)
+            status = ctx.comm.Irecv(box.spec(), source=coordinator, tag=TAG_STATUS)
             continue
         final, full = bool(box.flags & FLAG_STOP), bool(box.flags & (FLAG_STOP | FLAG_EVAL | FLAG_CKPT))
-        box.check(TAG_STATUS, chief, count=full_count if full else 0)
-        duties.stepped(box.step, box.loss, force_log=True,  # the chief already rate-limits
+        box.check(TAG_STATUS, coordinator, count=full_count if full else 0)
+        duties.stepped(box.step, box.loss, force_log=True,  # the coordinator already rate-limits
                        staleness=0, local_steps=[box.step] * W)
         state.global_step = box.step  # where a lost worker's line says it was lost
         received = _received(ctx, gather, box, names) if full else None
         state.bytes_in += box.buf.nbytes if full else 0
-        if final and box.flags & FLAG_DIVERGED:  # the why and the loss come in the chief's report
+        if final and box.flags & FLAG_DIVERGED:  # the why and the loss come in the coordinator's report
             state.diverged = Diverged(box.step)  # before the save: a diverged state is never saved
         if box.flags & FLAG_EVAL:
             duties.evaluate(received, box.step)
         if box.flags & (FLAG_CKPT | FLAG_STOP):
             duties.save(received, final=final, at_once=True)
-        if final:  # its loss is the chief's mean over the last LOSS_WINDOW steps
+        if final:  # its loss is the coordinator's mean over the last LOSS_WINDOW steps
             state.global_step = box.step
             state.recent_losses.append(box.loss)
             state.params[:] = received.params
@@ -412,7 +409,7 @@ def follow_chief(ctx: Context, progress: Progress) -> ServerState:
             final_seen = True
             status = MPI.REQUEST_NULL
         else:
-            status = ctx.comm.Irecv(box.spec(), source=chief, tag=TAG_STATUS)
+            status = ctx.comm.Irecv(box.spec(), source=coordinator, tag=TAG_STATUS)
     if arbiter is not None:
         arbiter.done(layout)
     state.local_steps = [state.global_step] * W
@@ -420,32 +417,32 @@ def follow_chief(ctx: Context, progress: Progress) -> ServerState:
 
 
 def _received(ctx: Context, gather: Gather, box: Message, names: list[str]) -> TrainState:
-    """The whole state the chief worker sent at box.step: rank 0's slice, and the other
+    """The whole state the coordinator sent at box.step: rank 0's slice, and the other
     servers' slices of the same step, which they forward (keep_shard)."""
     pieces = [(ctx.shard, box.payload)]
     if gather:
         pieces += gather.wait(gather.post(), gather.ranks)
         behind = [(r, step) for r, step in zip(gather.ranks, gather.steps()) if step != box.step]
         if behind:
-            raise ProtocolError(f"server rank {behind[0][0]} forwarded step {behind[0][1]} while the chief worker "
+            raise ProtocolError(f"server rank {behind[0][0]} forwarded step {behind[0][1]} while the coordinator "
                                 f"sent step {box.step}")
     return assemble(pieces, names, ctx.model.n_params, box.step, box.step, [box.step] * ctx.workers)
 
 
 def keep_shard(ctx: Context) -> ServerState:
     """A server k > 0 in sync mode: the workers average among themselves, so it only keeps its
-    slice of the state, which the chief worker sends it at eval, checkpoint and end, and
+    slice of the state, which the coordinator sends it at eval, checkpoint and end, and
     forwards each to rank 0 for the whole state (one message, the same header, tag TAG_SHARD)."""
     _, state, _ = begin(ctx)
     clock = Clock()
     names, s = checkpoint.state_arrays(ctx.cfg), ctx.shard
-    m, chief = s.stop - s.start, ctx.layout.worker_rank(0)
+    m, coordinator = s.stop - s.start, ctx.layout.worker_rank(0)
     box = Message(m * len(names))
     poller = Poller(CHIEF_POLL_S, ctx.watch)
     while True:
         ctx.activity.enter(WAIT, state.global_step)
-        poller.all([ctx.comm.Irecv(box.spec(), source=chief, tag=TAG_STATUS)], [chief])
-        box.check(TAG_STATUS, chief)
+        poller.all([ctx.comm.Irecv(box.spec(), source=coordinator, tag=TAG_STATUS)], [coordinator])
+        box.check(TAG_STATUS, coordinator)
         state.global_step = box.step
         state.params[s] = box.payload[:m]
         state.bytes_in += box.buf.nbytes
@@ -462,14 +459,14 @@ def keep_shard(ctx: Context) -> ServerState:
 
 class SyncMode(Mode):
     """Sync: the workers average every step's gradients with one Allreduce among themselves; rank
-    0 follows the chief worker's word (the bar, evaluations, checkpoints) and keeps the model."""
+    0 follows the coordinator's word (the bar, evaluations, checkpoints) and keeps the model."""
 
     name = "sync"
     averages = True
     worker_comm = True
 
     def chief(self, ctx: Context, progress: Progress) -> Trained:
-        return Trained(state=follow_chief(ctx, progress))
+        return Trained(state=follow_coordinator(ctx, progress))
 
     def server(self, ctx: Context, progress=None) -> Trained:
         return Trained(state=keep_shard(ctx))
@@ -489,7 +486,7 @@ class SyncMode(Mode):
     def waits_for(self, cfg, workers: int) -> str:
         return "waiting for the workers' gradient Allreduce"
 
-    # Also a status or an update from the chief worker, which waits on the others itself.
+    # Also a status or an update from the coordinator, which waits on the others itself.
     waits_on_workers = frozenset({ALLREDUCE, WAIT})
 
 

@@ -1,0 +1,140 @@
+"""The joiner's side of `--join` (join.py has the protocol and the job's side): ask the job
+through its folder and wait to be let in, or, started by the job itself (--respawn), merge into
+the world it forms at once and say hello."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+from mpi4py import MPI
+
+from mpitrain import faults, mpiimpl
+from mpitrain.config import TrainConfig, UsageError
+from mpitrain.config_io import disagreement
+from mpitrain.console import say
+from mpitrain.join import (ANSWER_S, GROW_TAG, REQUESTS, TOKEN, TOUCH_S, Carry, dead_here, job_folder, recv_json,
+                           remove, remove_folder, send_json, write_private)
+from mpitrain.protocol import FLAG_STOP, TAG_JOIN, Message
+from mpitrain.waiting import poll
+
+
+def join_job(cfg: TrainConfig, identity: dict, carry: Carry):
+    """The joiner: ask the job in --checkpoint-dir to let it in, wait until it has made room, and
+    return (the new world, the job's step budget). UsageError (exit 2) when there is no job, or
+    it refuses this worker."""
+    folder = job_folder(cfg)
+    if mpiimpl.running() is mpiimpl.OPENMPI:
+        raise UsageError("--join needs MPICH: Open MPI 5 cannot connect two separately started mpiruns; "
+                         "start the job with --respawn N instead (rank 0 then starts a worker in place of a lost "
+                         "one), or restart it (it resumes from its newest checkpoint)")
+    try:
+        token = (folder / TOKEN).read_text().strip()
+    except OSError:
+        raise UsageError(f"--join: no running job takes workers in --checkpoint-dir {folder}; start the job first "
+                         f"(with --checkpoint-dir {folder} and --worker-timeout > 0, under MPICH)") from None
+    inter = _wait_to_be_let_in(folder)
+    send_json(inter, {"token": token, "identity": identity}, 0)
+    answer = recv_json(inter, 0, ANSWER_S)
+    if answer is None:
+        raise UsageError("--join: the job did not answer; it may have ended")
+    if not answer.get("ok"):
+        raise UsageError(f"--join: the job refused this worker: {answer.get('why')}")
+    faults.joiner_vanishes("vanish")
+    go = Message(0)
+    req = inter.Irecv(go.spec(), source=0, tag=TAG_JOIN)
+    # Rank 0 makes room within a step or two (or tells this worker the job ended instead); should
+    # it die meanwhile, its token outlives it, so a generous bound ends the wait.
+    if not poll(lambda: req.Test(), 1e-3, deadline=time.monotonic() + max(60.0, 4 * cfg.worker_timeout)):
+        raise UsageError("--join: the job let this worker in but never made room for it; it may have died")
+    go.check(TAG_JOIN, 0)
+    if go.flags & FLAG_STOP:
+        return None, None
+    carry.start_forming("the joining worker")
+    ack = Message(0)
+    ack.stamp(TAG_JOIN, 0)
+    inter.Send(ack.spec(), dest=0, tag=TAG_JOIN)
+    pair = inter.Merge(high=True)
+    world = MPI.COMM_SELF.Create_intercomm(0, pair, 0, GROW_TAG).Merge(high=True)
+    faults.joiner_vanishes("formed")
+    return world, answer.get("budget")
+
+
+def spawned() -> bool:
+    """Whether this process was started by a job's ranks (--respawn): MPI_Comm_get_parent."""
+    return MPI.Comm.Get_parent() != MPI.COMM_NULL
+
+
+def join_spawned(carry: Carry, identity_of) -> tuple[object, int | None]:
+    """The worker a job started (--respawn): into the world it forms with the job's ranks at once
+    (they wait in it), then its hello and rank 0's word: the job's step budget, and its flags,
+    which `identity_of()` (this process's, computed meanwhile) must match."""
+    carry.start_forming("the worker started in place of a lost one")
+    carry.spawned = carry.with_spawned = True
+    parent = MPI.Comm.Get_parent()
+    world = parent.Merge(high=True)
+    parent.Free()  # as the job's ranks free theirs (grow): MPI_Finalize waits on every dynamic communicator left
+    send_json(world, {"host": socket.gethostname(), "pid": os.getpid()}, 0)
+    mine = identity_of()
+    word = recv_json(world, 0, ANSWER_S)
+    if word is None:
+        raise UsageError("--respawn: the job that started this worker did not answer; it may have ended")
+    detail = disagreement(word.get("identity") or {}, mine)
+    if detail:
+        raise UsageError(f"--respawn: this worker's flags differ from the job's ({detail})")
+    return world, word.get("budget")
+
+
+def _wait_to_be_let_in(folder: Path):
+    """A joiner started by hand: request to join through the job's folder, and wait in
+    MPI_Comm_accept until rank 0 connects. Returns the connection (an intercommunicator)."""
+    port = MPI.Open_port()
+    request = folder / REQUESTS / f"{socket.gethostname()}.{os.getpid()}.json"
+    waiting = threading.Event()
+    try:
+        request.parent.mkdir(mode=0o700, exist_ok=True)
+        write_private(request, json.dumps({"port": port, "host": socket.gethostname(), "pid": os.getpid()}))
+    except OSError as e:
+        raise UsageError(f"--join: cannot write a request into {request.parent} ({e.strerror}); "
+                         f"join as the user who runs the job") from None
+    toucher = threading.Thread(target=_touch, args=(request, folder / TOKEN, waiting), daemon=True)
+    toucher.start()
+    say(f"mpitrain: waiting for the job in {folder} to let this worker in")
+    inter = MPI.COMM_SELF.Accept(port)
+    waiting.set()
+    remove(request)
+    remove_folder(request.parent)
+    MPI.Close_port(port)
+    return inter
+
+
+def _touch(request: Path, token: Path, waiting: threading.Event) -> None:
+    """While the joiner waits in MPI_Comm_accept (which nothing interrupts): keep its request
+    fresh; when the job is gone (its token removed), end the process with one line."""
+    while not waiting.wait(TOUCH_S):
+        try:
+            os.utime(request)
+        except OSError:
+            pass
+        if not waiting.is_set() and (not token.exists() or _owner_gone(token.parent)):
+            say("mpitrain: error: --join: the job ended before it let this worker in")
+            remove(request)
+            remove_folder(request.parent)
+            os._exit(1)
+
+
+def _owner_gone(folder: Path) -> bool:
+    """The job that holds the folder's lock has died (killed: its token is still there)."""
+    from mpitrain import lock
+
+    try:
+        owner = json.loads((folder / lock.NAME).read_text())
+    except (OSError, ValueError):
+        return True
+    if not isinstance(owner, dict) or not isinstance(owner.get("pid"), int):
+        return False
+    return dead_here(str(owner.get("host")), owner["pid"])  # on another host: the token's removal tells
