@@ -10,6 +10,7 @@ import math
 import sys
 import time
 from collections import Counter, deque
+from typing import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -196,6 +197,24 @@ class ChiefDuties:
         self.sound.saw(loss)
         self._settle(step - 1 if basis is None else basis)
         log_train(self.ctx, self.state, self.clock, step, loss, force=force_log, **log_extra)
+
+    def advance(self, step: int, loss: float, whole: Callable[[bool, bool], TrainState],
+                basis: int | None = None, **log_extra) -> None:
+        """The one call of a server after each global step, however it got there: the bar and the
+        log, then the evaluation and the checkpoint due at `step`, on the whole state as
+        `whole(evaluate, save)` gives it (asked only when one is due). The budget's last step is
+        saved once, at the end (the server's final save: with --num-ps the other servers may not
+        have applied their last gradients yet, and a save of the same step is skipped)."""
+        self.stepped(step, loss, basis=basis, **log_extra)
+        evaluate = self.eval_due(step)
+        save = self.save_due(step) and step < self.ctx.global_step_budget
+        if not (evaluate or save):
+            return
+        state = whole(evaluate, save)
+        if save:
+            self.save(state)
+        if evaluate:
+            self.evaluate(state, step)
 
     def eval_due(self, step: int) -> bool:
         return self.ctx.eval_due(step)

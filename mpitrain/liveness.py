@@ -20,7 +20,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpitrain.layout import Layout
-from mpitrain.protocol import BEAT_FIELDS, FLAG_STOP, TAG_HEARTBEAT, Message
+from mpitrain.protocol import BEAT_FIELDS, FLAG_LEAVING, TAG_HEARTBEAT, Message
 from mpitrain.stuck import WATCHDOG
 from mpitrain.waiting import poll
 
@@ -84,7 +84,7 @@ class Heartbeat:
     """A daemon thread sending a TAG_HEARTBEAT message to each of `peers`, with this rank's
     activity (observe.Activity.snapshot: phase, progress, step time) as its payload. A beat is
     skipped while the previous one to that peer is still queued, so nothing piles up behind a
-    busy or dead peer. `close` sends each live peer a last beat flagged FLAG_STOP, which lets
+    busy or dead peer. `close` sends each live peer a last beat flagged FLAG_LEAVING, which lets
     its Watch retire the receive it keeps posted (see Watch.close)."""
 
     def __init__(self, comm, peers: list[int], timeout_s: float, activity=None):
@@ -148,7 +148,7 @@ class Heartbeat:
         if len(live) < len(expected) or not wait_all([self.reqs[i] for i in live], self.timeout_s):
             return False  # a peer died that nobody declared
         for i in live:
-            self._beat(i, FLAG_STOP)
+            self._beat(i, FLAG_LEAVING)
         return wait_all([self.reqs[i] for i in live], self.timeout_s)
 
 
@@ -207,14 +207,14 @@ class Watch:
                 self.heartbeat.forget(rank)
 
     def _drain(self, rank: int, now: float) -> None:
-        """Take every beat that has arrived; a last beat (FLAG_STOP) retires the receive."""
+        """Take every beat that has arrived; a last beat (FLAG_LEAVING) retires the receive."""
         req = self.recv.get(rank)
         while req is not None and req.Test():
             box = self.boxes[rank]
             box.check(TAG_HEARTBEAT, rank)
             self.last[rank] = now
             self.beats[rank] = (box.payload.tolist(), now)
-            if box.flags & FLAG_STOP:
+            if box.flags & FLAG_LEAVING:
                 del self.recv[rank]
                 self.checked.discard(rank)
                 return

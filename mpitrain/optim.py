@@ -135,3 +135,24 @@ def make_ema(decay: float | None, params, xp=np, t: int = 0, saved=None) -> Weig
     if saved is not None:
         ema.avg[...] = xp.asarray(saved)
     return ema
+
+
+class ServerUpdate:
+    """The async server's update rule over its slice of the parameters: one gradient, one step of
+    --optimizer at the step's learning rate (divided by the gradient's staleness with
+    --staleness-lr), then the moving average (--ema-decay). Whatever carries the gradient here (a
+    message loop, a store that workers write) calls `apply`; another rule (delay compensation, an
+    outer optimizer) is another class with the same method and state."""
+
+    def __init__(self, cfg, params, xp, start_step: int, opt_t: int, opt_state: dict, saved_ema=None):
+        self.params, self.staleness_lr = params, cfg.staleness_lr
+        self.opt = Optimizer(cfg.optimizer, params.shape[0], xp, momentum=cfg.momentum)
+        self.opt.restore(opt_t, opt_state)
+        self.ema = make_ema(cfg.ema_decay, params, xp, start_step, saved_ema)
+
+    def apply(self, grad, lr: float, staleness: int) -> None:
+        if self.staleness_lr:
+            lr = staleness_scaled_lr(lr, staleness)
+        self.opt.step(self.params, grad, lr)
+        if self.ema:
+            self.ema.update(self.params)

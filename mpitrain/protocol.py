@@ -16,15 +16,15 @@ import numpy as np
 from mpitrain.stopping import STOP
 
 MAGIC = 0x4D505452  # "MPTR": catches a peer that is not mpitrain, or a misrouted buffer
-VERSION = 7  # bump when the layout below changes (2: heartbeats carry an activity snapshot; 3: --quorum messages;
+VERSION = 8  # bump when the layout below changes (2: heartbeats carry an activity snapshot; 3: --quorum messages;
 #               4: H_SECONDS; 5: H_SIGNAL, FLAG_STOP_STEP, FLAG_STOPPED; 6: TAG_REGROUP, FLAG_REGROUPED;
-#               7: TAG_JOIN, FLAG_REFORM, the goodbye's payload)
+#               7: TAG_JOIN, FLAG_REFORM, the goodbye's payload; 8: FLAG_LEAVING, out of FLAG_STOP)
 
 # Tags (one per message kind, so a posted receive can never match the wrong kind).
 TAG_GRAD = 11  # worker -> PS: a gradient (async)
 TAG_PARAMS = 12  # PS -> worker: parameters (async reply)
 TAG_STATUS = 13  # coordinator (worker 0) -> PS: progress of a sync run (header only), or parameters (EVAL/STOP)
-TAG_QGRAD = 15  # sync --quorum, worker -> coordinator (worker 0): a gradient on the parameters of step H_STEP (flagged STOP: its last message)
+TAG_QGRAD = 15  # sync --quorum, worker -> coordinator (worker 0): a gradient on the parameters of step H_STEP (flagged LEAVING: its last message)
 TAG_UPDATE = 16  # sync --quorum, coordinator -> the other workers: step H_STEP's mean gradient, then a weight per worker
 TAG_HEARTBEAT = 17  # any rank -> its watchers: I am alive, and what I do (BEAT_* below; liveness.py)
 TAG_REPORT = 18  # at the end, worker -> PS: its report (JSON bytes, once); PS -> worker: goodbye (header)
@@ -58,7 +58,7 @@ BEAT_GLOBAL_STEP = 6  # the global step it works on
 BEAT_FIELDS = 7
 
 FLAG_LAST = 1  # worker: this is my last gradient (my epochs are done)
-FLAG_STOP = 2  # PS: stop after this reply; --quorum push: my last message; worker -> shard: leaving (header only)
+FLAG_STOP = 2  # training is over for the receiver: the last reply (async), state (sync) or request (TAG_SHARD), DONE (TAG_REGROUP), the job ended (TAG_JOIN)
 FLAG_EVAL = 4  # sync coordinator -> PS: these parameters are for --eval-every
 FLAG_CKPT = 8  # sync coordinator -> PS: checkpoint this state (parameters, then the optimizer's arrays)
 FLAG_DIVERGED = 16  # a non-finite loss: training stops (PS -> workers in async, coordinator -> PS in sync)
@@ -68,6 +68,7 @@ FLAG_STOPPED = 128  # PS -> worker, goodbye: the run stopped on request before i
 FLAG_REGROUPED = 256  # sync, the coordinator (worker 0) -> PS: the first status after a regroup (H_LOCAL_STEP: its generation)
 FLAG_REFORM = 1024  # PS -> worker, goodbye: not the end, a worker joins: every rank left forms a new world with it (payload: the ranks lost)
 FLAG_GO = 512  # sync, PS -> the workers left: every one of them is READY (TAG_REGROUP, header only, back): regroup now
+FLAG_LEAVING = 2048  # the sender sends no more of this kind: a worker leaves a server (header only), its last --quorum push, a last heartbeat
 
 
 class ProtocolError(RuntimeError):

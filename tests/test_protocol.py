@@ -144,3 +144,13 @@ def test_fp16_allreduce_op_is_numpys_float16_add():
     codec.CODECS["fp16"].add(b, acc, None)
     with np.errstate(over="ignore"):
         assert np.array_equal(acc.view(np.uint16), (a + b).view(np.uint16))
+
+
+def test_each_flag_is_a_bit_of_its_own():
+    """One meaning per flag: no two names share a bit, so a message can say two things at once
+    and a reader never has to know which tag a flag came with to know what it means."""
+    from mpitrain import protocol
+
+    flags = {name: value for name, value in vars(protocol).items() if name.startswith("FLAG_")}
+    assert all(v > 0 and v & (v - 1) == 0 for v in flags.values()), flags
+    assert len(set(flags.values())) == len(flags), flags

@@ -48,7 +48,8 @@ def test_the_sync_step_sums_through_the_reducer_it_is_given():
 
 def test_without_a_reducer_a_lone_sync_worker_uses_mpi_s_and_applies_its_own_gradient():
     from mpitrain.gradients import GradientSource
-    from mpitrain.modes.sync import MPIReducer, SyncStep
+    from mpitrain.exchange.mpi import MPIReducer
+    from mpitrain.modes.sync import SyncStep
 
     ctx = sync_worker_context()
     step = SyncStep(ctx, ctx.model.init_params(0))
@@ -59,21 +60,91 @@ def test_without_a_reducer_a_lone_sync_worker_uses_mpi_s_and_applies_its_own_gra
     np.testing.assert_allclose(step.params, before - np.float32(ctx.lr_at(0)) * grad, rtol=1e-5, atol=1e-7)
 
 
+NO_MESSAGE_LOOP = """
+import os, sys, json
+for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):  # as the command line pins them
+    os.environ[var] = "1"
+import dataclasses
+import numpy as np
+sys.path.insert(0, "tests")
+from test_cli import FakeWorld
+from mpitrain import checkpoint, modes
+from mpitrain.chief import ChiefDuties
+from mpitrain.cli import parse_args
+from mpitrain.gradients import GradientSource
+from mpitrain.metrics import Progress
+from mpitrain.optim import ServerUpdate
+from mpitrain.runtime import Node, setup
+from mpitrain.summary import digest
+
+cfg, _ = parse_args(sys.argv[1:])
+ctx = setup(cfg, FakeWorld(0, 1), Node(0, 1, 1, 2), modes.of)
+ctx = dataclasses.replace(ctx, start=checkpoint.TrainState(ctx.model.init_params(cfg.seed)))
+duties = ChiefDuties(ctx, Progress(False, ctx.global_step_budget, ctx.global_batch))
+params = duties.start.params.copy()
+rule = ServerUpdate(cfg, params, np, 0, 0, {})
+source, grad = GradientSource(ctx), np.empty_like(params)
+
+def whole(step):
+    return checkpoint.TrainState(params.copy(), step, rule.opt.t, dict(rule.opt.state), [step], rule.ema.avg.copy())
+
+for step in range(1, ctx.global_step_budget + 1):
+    loss = source.compute(params, grad)
+    rule.apply(grad, ctx.lr_at(step - 1), staleness=0)
+    duties.advance(step, loss, lambda evaluate, save: whole(step), staleness=0, local_steps=[step])
+duties.save(whole(step), final=True)
+print(json.dumps({"param_digest": digest(params), "eval_history": duties.state.eval_history}))
+"""
+
+
+def test_a_server_with_no_message_loop_has_rank_0s_duties(tmp_path):
+    """The server's side of the exchange seam needs no messages (what a shared-memory store or a
+    GPU server would be): a plain loop that applies each gradient with the server's update rule
+    (optim.ServerUpdate) and calls ChiefDuties.advance after each global step evaluates at
+    --eval-every, saves at --checkpoint-every-steps and ends on the very parameters of the
+    one-process run with the same flags."""
+    import json
+    import sys
+
+    from mpitrain import checkpoint
+
+    flags = ["--optimizer", "momentum", "--lr", "0.05", "--ema-decay", "0.9", "--steps", "40", "--eval-every", "10",
+             "--checkpoint-every-steps", "15"]
+    ours = run_python_args([sys.executable, "-c", NO_MESSAGE_LOOP, *flags, "--checkpoint-dir", str(tmp_path / "ck")])
+    assert ours.returncode == 0, ours.stderr
+    loop = json.loads(ours.stdout.splitlines()[-1])
+    assert [e["global_step"] for e in loop["eval_history"]] == [10, 20, 30, 40]
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path / "ck")] == [checkpoint.path_for(tmp_path, s).name
+                                                                             for s in (15, 30, 40)]
+    one = run_python_args([sys.executable, "-m", "mpitrain", *flags, "--no-progress", "--summary-json",
+                           str(tmp_path / "one.json")])
+    assert one.returncode == 0, one.stderr
+    summary = json.loads((tmp_path / "one.json").read_text())
+    assert loop["param_digest"] == summary["param_digest"]
+    assert [e["test_accuracy"] for e in loop["eval_history"]] == [e["test_accuracy"] for e in summary["eval_history"]]
+
+
+def run_python_args(cmd: list[str], cwd=None):
+    import subprocess
+    from pathlib import Path
+
+    from conftest import MPI_TIMEOUT_S, child_env
+
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=MPI_TIMEOUT_S, env=child_env(),
+                          cwd=cwd or Path(__file__).resolve().parent.parent)
+
+
 # -- your own model through the API ----------------------------------------------------------------
 
 def run_python(code: str, np_: int = 0, cwd=None):
-    import subprocess
     import sys
-    from pathlib import Path
 
-    from conftest import MPI_TIMEOUT_S, child_env, launcher
+    from conftest import launcher
 
-    root = Path(__file__).resolve().parent.parent
     cmd = [sys.executable, *(["-c", code] if "\n" in code else code.split())]
     if np_:
         cmd = [*launcher(), "-np", str(np_), *cmd]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=MPI_TIMEOUT_S, env=child_env(),
-                          cwd=cwd or root)
+    return run_python_args(cmd, cwd)
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

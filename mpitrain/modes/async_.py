@@ -21,6 +21,8 @@ from mpi4py import MPI
 from mpitrain import checkpoint
 from mpitrain.checkpoint import TrainState
 from mpitrain.chief import ChiefDuties, ServerState, record_lost
+from mpitrain.exchange.base import PushPull
+from mpitrain.exchange.mpi import MPIPushPull
 from mpitrain.faults import Kill, never_returns, stuck_from
 from mpitrain.gradients import GradientSource, WorkerResult
 from mpitrain.guard import NON_FINITE, Diverged, LossGuard
@@ -29,14 +31,14 @@ from mpitrain.liveness import PeerLost
 from mpitrain.metrics import Progress
 from mpitrain.modes.base import Mode, Trained
 from mpitrain.observe import APPLY, COMPUTE, PULL, PUSH, WAIT
-from mpitrain.optim import Optimizer, make_ema, staleness_scaled_lr
-from mpitrain.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_LAST, FLAG_STOP, TAG_GRAD, TAG_PARAMS, Message,
+from mpitrain.optim import ServerUpdate
+from mpitrain.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_LAST, FLAG_LEAVING, FLAG_STOP, TAG_GRAD, TAG_PARAMS, Message,
                                ProtocolError)
 from mpitrain.runtime import Context, start_state
 from mpitrain.shards import Gather, ShardService, assemble
 from mpitrain.stopping import STOP
 from mpitrain.stuck import WATCHDOG
-from mpitrain.transport import PS_POLL_NO_OVERLAP_S, PS_POLL_S, WORKER_POLL_S, Poller, tested
+from mpitrain.transport import PS_POLL_NO_OVERLAP_S, PS_POLL_S, Poller, tested
 
 
 @dataclass(frozen=True)
@@ -74,11 +76,10 @@ class AsyncServer:
         self.hold = StalenessHold(cfg.max_staleness)
         be = self.be = ctx.backend
         self.params = be.asarray(self.state.params[shard])  # this server's slice (NumPy: a view, updated in place)
-        self.opt = Optimizer(cfg.optimizer, n, be.xp, momentum=cfg.momentum)
+        self.update = ServerUpdate(cfg, self.params, be.xp, start.global_step, start.opt_t,
+                                   {k: a[shard] for k, a in start.opt_state.items()},
+                                   None if start.ema is None else start.ema[shard])
         self.guard = LossGuard(cfg.divergence_factor)
-        self.opt.restore(start.opt_t, {k: a[shard] for k, a in start.opt_state.items()})
-        self.ema = make_ema(cfg.ema_decay, self.params, be.xp, start.global_step,
-                            None if start.ema is None else start.ema[shard])
         wire = cfg.wire_dtype
         self.inbox = [Message(n, be.host_alloc, wire) for _ in range(W)]
         self.outbox = [Message(n, be.host_alloc, wire) for _ in range(W)]
@@ -142,7 +143,7 @@ class AsyncServer:
                 self.service.handle(self._own_state(), self.poller)
                 continue
             self.ctx.watch.heard(self.worker_ranks[w])
-            if self.inbox[w].flags & FLAG_STOP:  # the worker leaves: another server stopped it
+            if self.inbox[w].flags & FLAG_LEAVING:  # the worker leaves: another server stopped it
                 self.inbox[w].check(TAG_GRAD, self.worker_ranks[w], count=0)
                 self.active.discard(w)
                 continue
@@ -194,14 +195,16 @@ class AsyncServer:
 
     @property
     def _ema_avg(self) -> np.ndarray | None:
-        return self.be.to_host(self.ema.avg) if self.ema else None
+        ema = self.update.ema
+        return self.be.to_host(ema.avg) if ema else None
 
     def _own_state(self) -> TrainState:
         """This server's slice of the training state (the whole of it with one server), on the
         host (NumPy: the arrays themselves, no copy)."""
         st, host = self.state, self.be.to_host
-        return TrainState(host(self.params), st.global_step, self.opt.t,
-                          {k: host(a) for k, a in self.opt.state.items()}, list(st.local_steps), self._ema_avg)
+        opt = self.update.opt
+        return TrainState(host(self.params), st.global_step, opt.t, {k: host(a) for k, a in opt.state.items()},
+                          list(st.local_steps), self._ema_avg)
 
     def _full_state(self, flags: int) -> TrainState:
         """Rank 0: the whole training state, the other servers' slices asked for (`flags` say
@@ -247,22 +250,18 @@ class AsyncServer:
             return
         staleness = state.global_step - msg.step
         self.ctx.activity.enter(APPLY, state.global_step)
-        lr = self.ctx.lr_at(state.global_step)
-        if cfg.staleness_lr:
-            lr = staleness_scaled_lr(lr, staleness)
         grad = msg.payload
         if not self.zero_copy:
             self.be.upload(self.grad, grad)
             grad = self.grad
-        self.opt.step(self.params, grad, lr)
-        if self.ema:
-            self.ema.update(self.params)
+        self.update.apply(grad, self.ctx.lr_at(state.global_step), staleness)
         state.global_step += 1
         state.local_steps[w] += 1
         state.staleness[staleness] += 1
         state.recent_losses.append(msg.loss)
-        if self.chief:
-            self._chief_duties(msg.loss, staleness, msg.step)
+        if self.chief:  # the bar, the log, --eval-every and checkpoints at this global step
+            self.duties.advance(state.global_step, msg.loss, self._whole_state, basis=msg.step,
+                                staleness=staleness, local_steps=list(state.local_steps))
         # --steps counts rank 0's updates, the run's global step. Another server's count can run ahead
         # of it (a worker that died half-way through a push delivered that server's part only:
         # measured by chaos, the run then ended at 999 of 1000), so only rank 0 stops at the budget;
@@ -270,21 +269,9 @@ class AsyncServer:
         self.stopping = STOP.requested or (self.chief and cfg.steps is not None and state.global_step >= cfg.steps)
         self._reply(w, stop=self.stopping or bool(msg.flags & FLAG_LAST))
 
-    def _chief_duties(self, loss: float, staleness: int, basis: int) -> None:
-        """Rank 0 after each update: the bar, the log, --eval-every and checkpoints. `basis`: the
-        step whose parameters the gradient and its loss were computed on."""
-        state, step, duties = self.state, self.state.global_step, self.duties
-        duties.stepped(step, loss, basis=basis, staleness=staleness, local_steps=list(state.local_steps))
-        # The budget's last step is saved once, at the end (run): with --num-ps the other servers
-        # may not have applied their last gradients yet, and a save of the same step is skipped.
-        evaluate, save = duties.eval_due(step), duties.save_due(step) and step < self.ctx.global_step_budget
-        if not (evaluate or save):
-            return
-        whole = self._full_state((FLAG_CKPT if save else 0) | (FLAG_EVAL if evaluate else 0))
-        if save:
-            duties.save(whole)
-        if evaluate:
-            duties.evaluate(whole, step)
+    def _whole_state(self, evaluate: bool, save: bool) -> TrainState:
+        """For rank 0's duties: the whole state, with the other servers' slices (asked for why)."""
+        return self._full_state((FLAG_CKPT if save else 0) | (FLAG_EVAL if evaluate else 0))
 
     def _reply(self, w: int, stop: bool) -> None:
         state = self.state
@@ -306,124 +293,68 @@ class AsyncServer:
 
 
 class AsyncWorker:
-    """Pull/compute/push, shaped like AsyncServer: the buffers and counters are fields,
-    one method per step of the exchange. With --overlap (default) the reply to push k is
-    received while the gradient of step k+1 is computed, so a worker never idles on the round
-    trip; each gradient is then computed on parameters one exchange older. --no-overlap waits for
-    every reply. With --num-ps K each push and pull is K messages, one per server, each over its
-    slice of the one flat buffer (protocol.Message.shard_parts: received in place; sent from a
-    copy but for the first server's); the servers count their own versions, and a worker stops
-    when any server stops it (telling the others it leaves)."""
+    """Pull/compute/push through the exchange (exchange.base.PushPull; MPI's by default). With
+    --overlap (default) the answer to push k is received while the gradient of step k+1 is
+    computed, so a worker never idles on the round trip; each gradient is then computed on
+    parameters one exchange older. --no-overlap waits for every answer. With --num-ps K the
+    servers count their own versions, and a worker stops when any server stops it."""
 
-    def __init__(self, ctx: Context):
-        be = ctx.backend
-        self.ctx, self.model, self.be, self.comm, self.act = ctx, ctx.model, be, ctx.comm, ctx.activity
-        n, wire = ctx.model.n_params, ctx.cfg.wire_dtype
-        self.overlap = ctx.cfg.effective_overlap
-        self.servers = list(ctx.layout.server_ranks)
-        slices = ctx.layout.shard_slices(n)
-        inbox = [Message(n, be.host_alloc, wire), Message(n, be.host_alloc, wire)]  # current / next parameters
-        outbox = [Message(n, be.host_alloc, wire), Message(n, be.host_alloc, wire)]  # alternating: one in flight
-        self.inbox = inbox
-        self.inparts = [m.shard_parts(slices) for m in inbox]  # [buffer][server]; with one server, the buffers
-        self.outparts = [m.shard_parts(slices, sending=True) for m in outbox]
-        self.outbox = outbox
-        self.peers = self.servers + self.servers  # of reqs: a receive from each server, then a send to each
-        # NumPy + float32: compute straight from the receive buffer and into the send buffer.
-        self.zero_copy = be.mirror(inbox[0].payload) is inbox[0].payload
+    def __init__(self, ctx: Context, exchange: PushPull | None = None):
         start = start_state(ctx)
-        if self.zero_copy:
-            inbox[0].payload[:] = start.params
-            self.params = inbox[0].payload
-        else:
-            self.params = be.asarray(start.params)
-        self.grads = [be.mirror(m.payload) for m in outbox]
-        self.cur = 0  # which inbox holds the parameters in use
-        self.versions = [start.global_step] * len(self.servers)  # each server's step of those parameters
+        self.ctx, self.be, self.act = ctx, ctx.backend, ctx.activity
+        self.overlap = ctx.cfg.effective_overlap
+        self.exchange = exchange or MPIPushPull(ctx, start)
         self.source = GradientSource(ctx, start.position(ctx.worker_index))
-        self.poller = Poller(WORKER_POLL_S, ctx.watch)
         self.kill = Kill(ctx.rank)
-        self.reqs: list = []  # the exchange in flight: a receive from each server, then a send to each
         self.pushed = 0
         self.sent_last = False
         self.diverged: Diverged | None = None  # set when a server stops the run because a loss diverged
 
     def run(self) -> WorkerResult:
+        ex = self.exchange
         # Resumed with its own epochs done (the others' are not): a gradient now would train past
         # the budget, so it leaves at once.
         running = not self.source.exhausted
         if not running:
-            self._leave(self.servers)
+            ex.leave(self.pushed)
         while running:
-            if self.reqs and (not self.overlap or self.sent_last):
-                if self._adopt_reply():
+            if ex.in_flight and (not self.overlap or self.sent_last):
+                if self._pull():
                     break
                 if self.sent_last:
                     raise ProtocolError("the parameter server did not stop this worker after its last gradient")
             slot = self.pushed % 2
             loss, used_versions = self._compute(slot)
-            if self.reqs and self._adopt_reply():
+            if ex.in_flight and self._pull():
                 break  # the gradient just computed is not pushed: training is over
             self._push(slot, loss, used_versions)
-        for part in self.inparts[0] + self.inparts[1] + self.outparts[0] + self.outparts[1]:
-            part.free()
-        return WorkerResult(self.pushed, self.be.to_host(self.params).copy(), self.act.times(),
-                            diverged=self.diverged)
+        ex.close()
+        return WorkerResult(self.pushed, self.be.to_host(ex.params).copy(), self.act.times(), diverged=self.diverged)
 
     def _compute(self, slot: int) -> tuple[float, list[int]]:
-        """The next minibatch's gradient into outbox `slot`; its loss and the versions it used."""
-        self.act.enter(COMPUTE, self.versions[0])
-        used_versions = self.versions
-        grad = self.grads[slot]
-        loss = self.source.compute(self.params, grad)
-        self.be.download(grad, self.outbox[slot].payload)
+        """The next minibatch's gradient into the exchange's `slot`; its loss and the versions it used."""
+        ex = self.exchange
+        self.act.enter(COMPUTE, ex.versions[0])
+        used_versions = ex.versions
+        loss = self.source.compute(ex.params, ex.gradient(slot))
         self.act.stepped()
         return loss, used_versions
 
     def _push(self, slot: int, loss: float, used_versions: list[int]) -> None:
-        """Send the gradient in outbox `slot` to every server and post the receives of their replies."""
         last = self.source.exhausted
         self.kill.at(self.pushed + 1)
         self.act.enter(PUSH)
-        for part, version in zip(self.outparts[slot], used_versions):
-            part.refresh()
-            part.stamp(TAG_GRAD, version, self.pushed + 1, FLAG_LAST if last else 0, loss)
-        comm, nxt = self.comm, self.inparts[1 - self.cur]
-        self.reqs = ([comm.Irecv(part.spec(), source=rank, tag=TAG_PARAMS) for part, rank in zip(nxt, self.servers)]
-                     + [comm.Isend(part.spec(), dest=rank, tag=TAG_GRAD)
-                        for part, rank in zip(self.outparts[slot], self.servers)])
+        self.exchange.push(slot, loss, used_versions, self.pushed + 1, last)
         self.pushed += 1
         self.sent_last = last
 
-    def _adopt_reply(self) -> bool:
-        """Wait for the exchange in flight; make its replies the current parameters. True when
-        told to stop."""
+    def _pull(self) -> bool:
+        """The answer to the push in flight becomes the parameters. True when told to stop."""
         self.act.enter(PULL)
-        self.poller.all(self.reqs, self.peers)
-        self.reqs = []
-        nxt = 1 - self.cur
-        for part, rank in zip(self.inparts[nxt], self.servers):
-            part.check(TAG_PARAMS, rank)
-        self.cur = nxt
-        if self.zero_copy:
-            self.params = self.inbox[nxt].payload
-        else:
-            self.be.upload(self.params, self.inbox[nxt].payload)
-        parts = self.inparts[nxt]
-        self.versions = [part.step for part in parts]
-        if any(part.flags & FLAG_DIVERGED for part in parts):
-            self.diverged = Diverged(self.versions[0])
-        stopped = [bool(part.flags & FLAG_STOP) for part in parts]
-        if any(stopped) and not all(stopped):
-            self._leave([rank for rank, stop in zip(self.servers, stopped) if not stop])
-        return any(stopped)
-
-    def _leave(self, ranks: list[int]) -> None:
-        """Another server stopped this worker (--steps reached there first): these ones, still
-        waiting for its next gradient, get a header-only goodbye instead."""
-        bye = Message(0)
-        bye.stamp(TAG_GRAD, self.versions[0], self.pushed, FLAG_STOP)
-        self.poller.all([self.comm.Isend(bye.spec(), dest=rank, tag=TAG_GRAD) for rank in ranks], ranks)
+        stopped = self.exchange.pull(self.pushed)
+        if self.exchange.diverged_at is not None:
+            self.diverged = Diverged(self.exchange.diverged_at)
+        return stopped
 
 
 class AsyncMode(Mode):

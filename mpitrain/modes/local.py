@@ -20,11 +20,7 @@ def run_local(ctx: Context, progress: Progress) -> tuple[ServerState, WorkerResu
     duties = ChiefDuties(ctx, progress)
 
     def on_step(step: int, loss: float, sync_step) -> None:
-        duties.stepped(step, loss, staleness=0, local_steps=[step])
-        if duties.eval_due(step):
-            duties.evaluate(sync_step.train_state(step), step)
-        if duties.save_due(step):
-            duties.save(sync_step.train_state(step))
+        duties.advance(step, loss, lambda evaluate, save: sync_step.train_state(step), staleness=0, local_steps=[step])
 
     result = train(ctx, duties.start, on_step)
     state = duties.finish()

@@ -24,7 +24,7 @@ from mpitrain.modes.quorum_parts import (OWED_MARGIN_S, PACE_SLACK, SWITCH_INTER
                                          QuorumUpdate, UpdateRing, arrived, between_workers)
 from mpitrain.modes.sync import SyncMode, SyncStep, sync_result, work
 from mpitrain.observe import COMPUTE, PUSH, WAIT
-from mpitrain.protocol import FLAG_STOP, FLAG_STOP_STEP, TAG_QGRAD, TAG_UPDATE, Message, ProtocolError
+from mpitrain.protocol import FLAG_LEAVING, FLAG_STOP_STEP, TAG_QGRAD, TAG_UPDATE, Message, ProtocolError
 from mpitrain.runtime import Context
 from mpitrain.stopping import STOP
 from mpitrain.transport import WORKER_POLL_S, Poller
@@ -190,7 +190,7 @@ class QuorumCoordinator:
         """Worker i's message, while step `step` is being gathered (None: after the last one)."""
         msg, rank = self.inbox[i], self.others[i]
         msg.check(TAG_QGRAD, rank)
-        if msg.flags & FLAG_STOP:
+        if msg.flags & FLAG_LEAVING:
             self.stopped += 1  # that worker sends nothing more: its receive is not posted again
             return
         if step is not None and msg.step > step:
@@ -307,7 +307,7 @@ class QuorumFollower:
             poll(lambda: self._take_updates() and (self.step != step or step_fn.why), WORKER_POLL_S, ctx.watch)
         act.enter(WAIT)
         self._sent(0)
-        self._push(0, self.step, FLAG_STOP, 0.0)  # no more from this worker
+        self._push(0, self.step, FLAG_LEAVING, 0.0)  # no more from this worker
         between_workers(ctx, lambda: self.poller.all(self.sends, [self.coordinator] * 2))
         timing = act.times()
         if step_fn.why:

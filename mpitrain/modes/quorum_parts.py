@@ -15,7 +15,7 @@ from mpitrain.codec import encode
 from mpitrain.gradients import GradientSource
 from mpitrain.layout import PS_RANK
 from mpitrain.liveness import PeerLost
-from mpitrain.modes.sync import await_verdict
+from mpitrain.exchange.mpi import await_verdict
 from mpitrain.observe import WAIT
 from mpitrain.protocol import TAG_UPDATE, Message
 from mpitrain.runtime import Context

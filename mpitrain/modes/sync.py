@@ -1,4 +1,4 @@
-"""Sync mode: the Allreduce step every worker takes (SyncStep, summing through a Reducer: MPI's), the workers' loop (train; the
+"""Sync mode: the Allreduce step every worker takes (SyncStep, summing through an exchange Reducer), the workers' loop (train; the
 first worker also reports to rank 0: work), rank 0's follower of that coordinator
 (follow_coordinator) and the other servers' loop (keep_shard, --num-ps). --quorum's loop is in
 quorum.py and shares SyncStep. Who runs what: SyncMode, at the end.
@@ -14,21 +14,20 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from typing import Protocol
 
 import numpy as np
 from mpi4py import MPI
 
-from mpitrain import checkpoint, elastic, mpiimpl
+from mpitrain import checkpoint, elastic
 from mpitrain.checkpoint import Checkpointer, TrainState, state_arrays, to_flat
 from mpitrain.chief import ChiefDuties, Clock, ServerState, begin, record_lost
-from mpitrain.codec import wire_sum
 from mpitrain.elastic import interrupted_at
+from mpitrain.exchange.base import Reducer
+from mpitrain.exchange.mpi import MPIReducer
 from mpitrain.faults import Kill
 from mpitrain.gradients import LOSS_WINDOW, GradientSource, WorkerResult, mean_loss
 from mpitrain.guard import NON_FINITE, Diverged, LossGuard
 from mpitrain.layout import PS_RANK
-from mpitrain.liveness import CHECK_EVERY_S as VERDICT_POLL_S
 from mpitrain.liveness import PeerLost
 from mpitrain.metrics import Progress
 from mpitrain.modes.base import Mode, Trained
@@ -39,57 +38,10 @@ from mpitrain.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_REGROUP
 from mpitrain.runtime import Context, start_state
 from mpitrain.shards import Gather, assemble, cut
 from mpitrain.stopping import STOP
-from mpitrain.transport import CHIEF_POLL_S, WORKER_POLL_S, Poller, collective_poll_s, tested
-from mpitrain.waiting import poll
+from mpitrain.transport import CHIEF_POLL_S, WORKER_POLL_S, Poller, tested
 
 SYNC_SLOTS = 3  # behind a sync step's gradient: loss, weight, stop vote (SyncStep)
 STATUS_EVERY_S = 0.2  # sync coordinator -> PS progress reports; off the hot path
-
-
-class Reducer(Protocol):
-    """How sync workers sum a buffer, in place, over all of them: SyncStep's [gradient..., loss,
-    weight, stop vote]. MPIReducer is the one mpitrain uses; another transport (NCCL between GPUs)
-    is another class with this one method. `sum` returns whether it summed anything (False: this
-    worker is alone, the buffer is already the sum)."""
-
-    def sum(self, buf) -> bool: ...
-
-
-class MPIReducer:
-    """The workers' Allreduce on their own communicator (rank 0 is not in it), in the wire type of
-    --compress, staged through host memory where MPI cannot read the buffer (a GPU without
-    CUDA-aware MPI). Always nonblocking and watched: a blocking Allreduce cannot notice that rank 0
-    died (the workers would wait for a peer that has already stopped). It spins, as MPICH's
-    blocking one does, unless ranks outnumber cores (--wait; transport.collective_poll_s)."""
-
-    def __init__(self, ctx: Context, count: int):
-        cfg, be = ctx.cfg, ctx.backend
-        self.ctx, self.be, self.comm = ctx, be, ctx.worker_comm
-        wire = np.dtype(cfg.wire_dtype)
-        self.wire = None  # what travels: the buffer itself (NumPy or CUDA-aware, float32), else a staged copy
-        if wire != np.float32 or (be.is_gpu and not be.cuda_aware):
-            self.wire = be.host_alloc(wire.itemsize * count).view(wire)
-        self.mpi_type, self.op = wire_sum(cfg.compress)
-        self.waiter = Poller(collective_poll_s(cfg.wait, ctx.node.oversubscribed), ctx.watch)
-
-    def sum(self, buf) -> bool:
-        if self.comm is None or self.comm.Get_size() == 1:
-            return False
-        be = self.be
-        self.ctx.activity.enter(ALLREDUCE)
-        if self.wire is not None:
-            be.download(buf, self.wire)
-            self._allreduce([self.wire, self.mpi_type], self.op)
-            be.upload(buf, self.wire)
-        else:
-            be.download(buf, buf)  # NumPy: nothing; CUDA-aware: finish compute before MPI reads
-            self._allreduce([buf, MPI.FLOAT], MPI.SUM)
-        return True
-
-    def _allreduce(self, spec, op) -> None:
-        done = self.waiter.some([self.comm.Iallreduce(MPI.IN_PLACE, spec, op=op)])
-        if done.failed:
-            await_verdict(self.ctx, done.failed[0])
 
 
 class SyncStep:
@@ -210,23 +162,6 @@ def sync_result(step_fn: SyncStep, step: int, loss: float, timing: dict, contrib
     if step_fn.why:
         diverged = Diverged(step, loss=loss, why=step_fn.why, mine=not math.isfinite(step_fn.own_loss))
     return WorkerResult(step, state.params, timing, dropped, contributed, loss, state, diverged)
-
-
-def await_verdict(ctx: Context, why: str) -> None:
-    """The gradient Allreduce failed: a worker died in the middle of it. Rank 0 notices within
-    --worker-timeout and either tells the workers left to regroup (elastic.Regroup is raised here)
-    or ends the job naming that worker; a worker that stopped here on its own would be taken for a
-    second lost one. So wait for rank 0, still watching it: if it is gone too, PeerLost ends this
-    rank."""
-    if mpiimpl.ends_job_on_error_exit():
-        # Open MPI under ULFM: rank 0 does not abort (mpiimpl.farewell) and ULFM names the dead
-        dead = mpiimpl.failed_ranks(ctx.worker_comm, ctx.comm)
-        left = len(set(ctx.layout.worker_ranks) - set(dead))
-        if dead and not (ctx.regroups and left >= elastic.minimum_workers(ctx)):
-            raise PeerLost({rank: f"the gradient Allreduce failed ({why})" for rank in dead})
-    if not ctx.watch.watched:  # --worker-timeout 0: nobody will decide
-        raise PeerLost({PS_RANK: f"the gradient Allreduce failed ({why}) and --worker-timeout is 0"})
-    poll(lambda: False, VERDICT_POLL_S, ctx.watch)  # ends in PeerLost (rank 0's Abort ends this process first)
 
 
 def work(ctx: Context, loop=train) -> WorkerResult:

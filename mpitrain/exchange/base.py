@@ -1,0 +1,36 @@
+"""The exchange's interfaces, which a mode's loop is written against (MPI's in mpi.py)."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class Reducer(Protocol):
+    """How sync workers sum a buffer, in place, over all of them: SyncStep's [gradient..., loss,
+    weight, stop vote]. MPIReducer is the one mpitrain uses; another transport (NCCL between GPUs)
+    is another class with this one method. `sum` returns whether it summed anything (False: this
+    worker is alone, the buffer is already the sum)."""
+
+    def sum(self, buf) -> bool: ...
+
+
+class PushPull(Protocol):
+    """An async worker's side: it computes into `gradient(slot)` on `params` (whose versions, one
+    per server, are `versions`), `push`es the slot, and later `pull`s the answer, which becomes
+    `params`. Two slots, so that with --overlap one push is in flight while the next gradient is
+    computed."""
+
+    params: object  # the parameters to compute on (the backend's array)
+    versions: list[int]  # each server's global step of `params`
+    diverged_at: int | None  # a server stopped the run at this step because a loss diverged
+    in_flight: bool  # a push whose answer has not been pulled
+
+    def gradient(self, slot: int): ...
+
+    def push(self, slot: int, loss: float, versions: list[int], count: int, last: bool) -> None: ...
+
+    def pull(self, count: int) -> bool: ...  # True: a server stopped this worker (after `count` pushes)
+
+    def leave(self, count: int) -> None: ...  # it stops with nothing pushed: tell every server
+
+    def close(self) -> None: ...

@@ -1,0 +1,158 @@
+"""MPI's exchange, the default: the sync workers' nonblocking Allreduce on their own communicator
+(MPIReducer), and an async worker's Isend/Irecv to each server (MPIPushPull)."""
+
+from __future__ import annotations
+
+import numpy as np
+from mpi4py import MPI
+
+from mpitrain import elastic, mpiimpl
+from mpitrain.checkpoint import TrainState
+from mpitrain.codec import wire_sum
+from mpitrain.layout import PS_RANK
+from mpitrain.liveness import CHECK_EVERY_S as VERDICT_POLL_S
+from mpitrain.liveness import PeerLost
+from mpitrain.observe import ALLREDUCE
+from mpitrain.protocol import FLAG_DIVERGED, FLAG_LAST, FLAG_LEAVING, FLAG_STOP, TAG_GRAD, TAG_PARAMS, Message
+from mpitrain.runtime import Context
+from mpitrain.transport import WORKER_POLL_S, Poller, collective_poll_s
+from mpitrain.waiting import poll
+
+
+class MPIReducer:
+    """The workers' Allreduce on their own communicator (rank 0 is not in it), in the wire type of
+    --compress, staged through host memory where MPI cannot read the buffer (a GPU without
+    CUDA-aware MPI). Always nonblocking and watched: a blocking Allreduce cannot notice that rank 0
+    died (the workers would wait for a peer that has already stopped). It spins, as MPICH's
+    blocking one does, unless ranks outnumber cores (--wait; transport.collective_poll_s)."""
+
+    def __init__(self, ctx: Context, count: int):
+        cfg, be = ctx.cfg, ctx.backend
+        self.ctx, self.be, self.comm = ctx, be, ctx.worker_comm
+        wire = np.dtype(cfg.wire_dtype)
+        self.wire = None  # what travels: the buffer itself (NumPy or CUDA-aware, float32), else a staged copy
+        if wire != np.float32 or (be.is_gpu and not be.cuda_aware):
+            self.wire = be.host_alloc(wire.itemsize * count).view(wire)
+        self.mpi_type, self.op = wire_sum(cfg.compress)
+        self.waiter = Poller(collective_poll_s(cfg.wait, ctx.node.oversubscribed), ctx.watch)
+
+    def sum(self, buf) -> bool:
+        if self.comm is None or self.comm.Get_size() == 1:
+            return False
+        be = self.be
+        self.ctx.activity.enter(ALLREDUCE)
+        if self.wire is not None:
+            be.download(buf, self.wire)
+            self._allreduce([self.wire, self.mpi_type], self.op)
+            be.upload(buf, self.wire)
+        else:
+            be.download(buf, buf)  # NumPy: nothing; CUDA-aware: finish compute before MPI reads
+            self._allreduce([buf, MPI.FLOAT], MPI.SUM)
+        return True
+
+    def _allreduce(self, spec, op) -> None:
+        done = self.waiter.some([self.comm.Iallreduce(MPI.IN_PLACE, spec, op=op)])
+        if done.failed:
+            await_verdict(self.ctx, done.failed[0])
+
+
+def await_verdict(ctx: Context, why: str) -> None:
+    """The gradient Allreduce failed: a worker died in the middle of it. Rank 0 notices within
+    --worker-timeout and either tells the workers left to regroup (elastic.Regroup is raised here)
+    or ends the job naming that worker; a worker that stopped here on its own would be taken for a
+    second lost one. So wait for rank 0, still watching it: if it is gone too, PeerLost ends this
+    rank."""
+    if mpiimpl.ends_job_on_error_exit():
+        # Open MPI under ULFM: rank 0 does not abort (mpiimpl.farewell) and ULFM names the dead
+        dead = mpiimpl.failed_ranks(ctx.worker_comm, ctx.comm)
+        left = len(set(ctx.layout.worker_ranks) - set(dead))
+        if dead and not (ctx.regroups and left >= elastic.minimum_workers(ctx)):
+            raise PeerLost({rank: f"the gradient Allreduce failed ({why})" for rank in dead})
+    if not ctx.watch.watched:  # --worker-timeout 0: nobody will decide
+        raise PeerLost({PS_RANK: f"the gradient Allreduce failed ({why}) and --worker-timeout is 0"})
+    poll(lambda: False, VERDICT_POLL_S, ctx.watch)  # ends in PeerLost (rank 0's Abort ends this process first)
+
+
+class MPIPushPull:
+    """An async worker's messages (exchange.base.PushPull): a push is a gradient to every server
+    (with --num-ps K each its slice of the one flat buffer, protocol.Message.shard_parts: received
+    in place; sent from a copy but for the first server's), answered by each with its slice of
+    the parameters. Two receive buffers (the parameters in use, the next) and two send buffers
+    (one may still be in flight). NumPy + float32: computed straight from the receive buffer and
+    into the send buffer."""
+
+    def __init__(self, ctx: Context, start: TrainState):
+        be = ctx.backend
+        self.ctx, self.be, self.comm = ctx, be, ctx.comm
+        n, wire = ctx.model.n_params, ctx.cfg.wire_dtype
+        self.servers = list(ctx.layout.server_ranks)
+        slices = ctx.layout.shard_slices(n)
+        self.inbox = [Message(n, be.host_alloc, wire), Message(n, be.host_alloc, wire)]  # current / next parameters
+        self.outbox = [Message(n, be.host_alloc, wire), Message(n, be.host_alloc, wire)]  # alternating: one in flight
+        self.inparts = [m.shard_parts(slices) for m in self.inbox]  # [buffer][server]; one server: the buffers
+        self.outparts = [m.shard_parts(slices, sending=True) for m in self.outbox]
+        self.peers = self.servers + self.servers  # of reqs: a receive from each server, then a send to each
+        self.zero_copy = be.mirror(self.inbox[0].payload) is self.inbox[0].payload
+        if self.zero_copy:
+            self.inbox[0].payload[:] = start.params
+            self.params = self.inbox[0].payload
+        else:
+            self.params = be.asarray(start.params)
+        self.grads = [be.mirror(m.payload) for m in self.outbox]
+        self.cur = 0  # which inbox holds the parameters in use
+        self.versions = [start.global_step] * len(self.servers)  # each server's step of those parameters
+        self.poller = Poller(WORKER_POLL_S, ctx.watch)
+        self.reqs: list = []  # the exchange in flight: a receive from each server, then a send to each
+        self.diverged_at: int | None = None
+
+    @property
+    def in_flight(self) -> bool:
+        return bool(self.reqs)
+
+    def gradient(self, slot: int):
+        return self.grads[slot]
+
+    def push(self, slot: int, loss: float, versions: list[int], count: int, last: bool) -> None:
+        """Send the gradient of `slot` to every server and post the receives of their answers."""
+        self.be.download(self.grads[slot], self.outbox[slot].payload)
+        for part, version in zip(self.outparts[slot], versions):
+            part.refresh()
+            part.stamp(TAG_GRAD, version, count, FLAG_LAST if last else 0, loss)
+        comm, nxt = self.comm, self.inparts[1 - self.cur]
+        self.reqs = ([comm.Irecv(part.spec(), source=rank, tag=TAG_PARAMS) for part, rank in zip(nxt, self.servers)]
+                     + [comm.Isend(part.spec(), dest=rank, tag=TAG_GRAD)
+                        for part, rank in zip(self.outparts[slot], self.servers)])
+
+    def pull(self, count: int) -> bool:
+        """Wait for the exchange in flight; make its answers the current parameters. True when a
+        server stopped this worker (the others, still waiting for its next gradient, are told)."""
+        self.poller.all(self.reqs, self.peers)
+        self.reqs = []
+        nxt = 1 - self.cur
+        for part, rank in zip(self.inparts[nxt], self.servers):
+            part.check(TAG_PARAMS, rank)
+        self.cur = nxt
+        if self.zero_copy:
+            self.params = self.inbox[nxt].payload
+        else:
+            self.be.upload(self.params, self.inbox[nxt].payload)
+        parts = self.inparts[nxt]
+        self.versions = [part.step for part in parts]
+        if any(part.flags & FLAG_DIVERGED for part in parts):
+            self.diverged_at = self.versions[0]
+        stopped = [bool(part.flags & FLAG_STOP) for part in parts]
+        if any(stopped) and not all(stopped):
+            self.leave(count, [rank for rank, stop in zip(self.servers, stopped) if not stop])
+        return any(stopped)
+
+    def leave(self, count: int, ranks: list[int] | None = None) -> None:
+        """This worker stops (another server stopped it, or it has nothing to train): these servers
+        (all by default), still waiting for its next gradient, get a header-only goodbye instead."""
+        ranks = self.servers if ranks is None else ranks
+        bye = Message(0)
+        bye.stamp(TAG_GRAD, self.versions[0], count, FLAG_LEAVING)
+        self.poller.all([self.comm.Isend(bye.spec(), dest=rank, tag=TAG_GRAD) for rank in ranks], ranks)
+
+    def close(self) -> None:
+        for part in self.inparts[0] + self.inparts[1] + self.outparts[0] + self.outparts[1]:
+            part.free()
