@@ -108,7 +108,7 @@ class Notices:
         if self.box.flags & FLAG_STOP:
             self.done = True  # the last message rank 0 sends on this tag: nothing is left posted
             return
-        gen = int(self.box.step)
+        gen = self.box.generation
         go = bool(self.box.flags & FLAG_GO)
         lost = frozenset(int(r) for r in np.flatnonzero(self.box.payload))
         self.req = self._post()
@@ -126,7 +126,7 @@ class Notices:
         watching: a newer NOTICE (another worker lost meanwhile) raises Regroup here, and this
         worker starts over without that one too. Nothing blocks before GO."""
         msg = Message(0)
-        msg.stamp(TAG_REGROUP, gen)
+        msg.stamp(TAG_REGROUP, generation=gen)
         req = self.comm.Isend(msg.spec(), dest=PS_RANK, tag=TAG_REGROUP)
         # Looked at on every poll, not at the watch's pace (0.1 s): a worker that dies between its
         # READY and the collectives hangs the others there, so that window must stay milliseconds.
@@ -222,7 +222,7 @@ class Arbiter:
         box = self.ready_boxes[rank]
         box.check(TAG_REGROUP, rank, count=0)
         self.ready_reqs[rank] = None
-        if box.step != self.gen:  # for a generation superseded since
+        if box.generation != self.gen:  # for a generation superseded since
             self.ready_reqs[rank] = self.ctx.comm.Irecv(box.spec(), source=rank, tag=TAG_REGROUP)
             return
         self.readied.add(rank)
@@ -250,7 +250,7 @@ class Arbiter:
         box = Message(self.ctx.size)
         box.payload[:] = 0
         box.payload[list(self.lost_ranks)] = 1
-        box.stamp(TAG_REGROUP, gen, 0, flags)
+        box.stamp(TAG_REGROUP, flags=flags, generation=gen)
         reqs = [self.ctx.comm.Isend(box.spec(), dest=r, tag=TAG_REGROUP) for r in ranks]
         self.sends.append((box, reqs))  # kept alive until the end: a send to a dead worker never completes
         return reqs

@@ -112,7 +112,7 @@ def grow_with_joiner(ctx: Context, heartbeat, carry: join.Carry, bye: Message) -
     """A worker (or another server), rank 0's goodbye flagged FLAG_REFORM: into the new world."""
     lost = [int(r) for r in np.flatnonzero(bye.payload)]
     carry.peer_lost |= bool(bye.flags & FLAG_PEER_LOST)
-    world = _regrow(ctx, heartbeat, carry, lost, bye.step, bye.local_step, None)
+    world = _regrow(ctx, heartbeat, carry, lost, bye.generation, bye.joiner, None)
     return Outcome(ExitCode.OK, grown=(carry.next_config(ctx.cfg), world, node_info(world)))
 
 

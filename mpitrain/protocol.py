@@ -18,7 +18,8 @@ from mpitrain.stopping import STOP
 MAGIC = 0x4D505452  # "MPTR": catches a peer that is not mpitrain, or a misrouted buffer
 VERSION = 8  # bump when the layout below changes (2: heartbeats carry an activity snapshot; 3: --quorum messages;
 #               4: H_SECONDS; 5: H_SIGNAL, FLAG_STOP_STEP, FLAG_STOPPED; 6: TAG_REGROUP, FLAG_REGROUPED;
-#               7: TAG_JOIN, FLAG_REFORM, the goodbye's payload; 8: FLAG_LEAVING, out of FLAG_STOP)
+#               7: TAG_JOIN, FLAG_REFORM, the goodbye's payload; 8: FLAG_LEAVING out of FLAG_STOP, H_GENERATION
+#               and H_JOINER out of H_STEP and H_LOCAL_STEP)
 
 # Tags (one per message kind, so a posted receive can never match the wrong kind).
 TAG_GRAD = 11  # worker -> PS: a gradient (async)
@@ -30,20 +31,22 @@ TAG_HEARTBEAT = 17  # any rank -> its watchers: I am alive, and what I do (BEAT_
 TAG_REPORT = 18  # at the end, worker -> PS: its report (JSON bytes, once); PS -> worker: goodbye (header)
 TAG_SHARD = 19  # --num-ps: rank 0 -> server k: send me your shard (header); server k -> rank 0: its shard's state
 TAG_JOIN = 21  # rank 0 <-> a worker joining, on their own connection (join.py): JSON hello and answer, then GO (header; flagged STOP: the job ended instead) and the joiner's header back
-TAG_REGROUP = 20  # sync, rank 0 -> the workers left: regroup without the lost (H_STEP: generation; payload: lost ranks), flagged GO: now, flagged STOP: training is over; worker -> rank 0: READY for generation H_STEP (elastic.py)
+TAG_REGROUP = 20  # sync, rank 0 -> the workers left: regroup without the lost (H_GENERATION; payload: lost ranks), flagged GO: now, flagged STOP: training is over; worker -> rank 0: READY for generation H_GENERATION (elastic.py)
 
 # Header slots.
 H_MAGIC = 0
 H_VERSION = 1
 H_TAG = 2  # the tag it was sent with: a second check that buffer and receive match
 H_COUNT = 3  # number of payload elements (parameters)
-H_STEP = 4  # PS -> worker: global step of these params; worker -> PS: version its gradient used
-H_LOCAL_STEP = 5  # worker's local step count
+H_STEP = 4  # a global step: of these parameters (PS -> worker, sync states), or the version a gradient was computed on
+H_LOCAL_STEP = 5  # a worker's count of its own gradients
 H_FLAGS = 6
 H_LOSS = 7  # float64 bits of the minibatch loss
 H_SECONDS = 8  # float64 bits: --quorum push, how long its gradient took to compute (the coordinator's pace, quorum.CoordinatorPace)
 H_SIGNAL = 9  # the stop request its sender knows of (stopping.StopRequest.wire): 0 none, a signal number, or -1
-HEADER_SLOTS = 10  # 80 bytes keep the payload 16-byte aligned for SIMD loads
+H_GENERATION = 10  # the number of a regroup (TAG_REGROUP, FLAG_REGROUPED) or of a join (a FLAG_REFORM goodbye)
+H_JOINER = 11  # a FLAG_REFORM goodbye: who joins the new world (join.NOBODY, CONNECTED or SPAWNED)
+HEADER_SLOTS = 12  # 96 bytes keep the payload 16-byte aligned for SIMD loads
 HEADER_BYTES = HEADER_SLOTS * 8
 
 # A heartbeat's payload (float64): the sender's activity (observe.Activity.snapshot), so a peer
@@ -65,7 +68,7 @@ FLAG_DIVERGED = 16  # a non-finite loss: training stops (PS -> workers in async,
 FLAG_PEER_LOST = 32  # PS -> worker, goodbye: a rank was lost, so nobody may call MPI_Finalize
 FLAG_STOP_STEP = 64  # --quorum update: the last step; a stop was requested (stopping.py)
 FLAG_STOPPED = 128  # PS -> worker, goodbye: the run stopped on request before its budget (exit 128 + H_SIGNAL)
-FLAG_REGROUPED = 256  # sync, the coordinator (worker 0) -> PS: the first status after a regroup (H_LOCAL_STEP: its generation)
+FLAG_REGROUPED = 256  # sync, the coordinator (worker 0) -> PS: the first status after a regroup (H_GENERATION: its generation)
 FLAG_REFORM = 1024  # PS -> worker, goodbye: not the end, a worker joins: every rank left forms a new world with it (payload: the ranks lost)
 FLAG_GO = 512  # sync, PS -> the workers left: every one of them is READY (TAG_REGROUP, header only, back): regroup now
 FLAG_LEAVING = 2048  # the sender sends no more of this kind: a worker leaves a server (header only), its last --quorum push, a last heartbeat
@@ -90,8 +93,8 @@ class Framed:
 
         return [self.buf, MPI.BYTE]
 
-    def stamp(self, tag: int, step: int, local_step: int = 0, flags: int = 0, loss: float = 0.0,
-              seconds: float = 0.0) -> None:
+    def stamp(self, tag: int, step: int = 0, local_step: int = 0, flags: int = 0, loss: float = 0.0,
+              seconds: float = 0.0, generation: int = 0, joiner: int = 0) -> None:
         h = self.header
         h[H_MAGIC] = MAGIC
         h[H_VERSION] = VERSION
@@ -103,6 +106,8 @@ class Framed:
         h[H_LOSS : H_LOSS + 1].view(np.float64)[0] = loss
         h[H_SECONDS : H_SECONDS + 1].view(np.float64)[0] = seconds
         h[H_SIGNAL] = STOP.wire  # a stop request spreads with every message (stopping.py)
+        h[H_GENERATION] = generation
+        h[H_JOINER] = joiner
 
     def check(self, tag: int, source: int, count: int | None = None) -> None:
         """Raise ProtocolError unless this buffer holds a well-formed message of kind `tag`
@@ -136,6 +141,14 @@ class Framed:
     @property
     def local_step(self) -> int:
         return int(self.header[H_LOCAL_STEP])
+
+    @property
+    def generation(self) -> int:
+        return int(self.header[H_GENERATION])
+
+    @property
+    def joiner(self) -> int:
+        return int(self.header[H_JOINER])
 
     @property
     def flags(self) -> int:

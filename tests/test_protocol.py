@@ -154,3 +154,16 @@ def test_each_flag_is_a_bit_of_its_own():
     flags = {name: value for name, value in vars(protocol).items() if name.startswith("FLAG_")}
     assert all(v > 0 and v & (v - 1) == 0 for v in flags.values()), flags
     assert len(set(flags.values())) == len(flags), flags
+
+
+def test_a_regroup_or_join_number_travels_in_a_slot_of_its_own():
+    """One meaning per header slot: the step and a worker's count are never reused for a
+    regroup's or a join's number, nor for who joins."""
+    from mpitrain.protocol import TAG_REPORT
+
+    m = Message(0)
+    m.stamp(TAG_REPORT, step=5, local_step=3, generation=2, joiner=1)
+    got = Message(0)
+    got.buf[:] = m.buf
+    got.check(TAG_REPORT, source=0)
+    assert (got.step, got.local_step, got.generation, got.joiner) == (5, 3, 2, 1)

@@ -262,10 +262,10 @@ class CoordinatorReport:
 
     def regrouped(self, step: int, gen: int) -> None:
         self.waiter.all(self.pending[:1], [PS_RANK])
-        self._status(step, FLAG_REGROUPED, 0.0, gen)
+        self._status(step, FLAG_REGROUPED, 0.0, generation=gen)
 
-    def _status(self, step: int, flags: int, loss: float, local_step: int | None = None) -> None:
-        self.status.stamp(TAG_STATUS, step, step if local_step is None else local_step, flags, loss)
+    def _status(self, step: int, flags: int, loss: float, generation: int = 0) -> None:
+        self.status.stamp(TAG_STATUS, step, step, flags, loss, generation=generation)
         self.pending[0] = self.ctx.comm.Isend(self.status.spec(), dest=PS_RANK, tag=TAG_STATUS)
 
     def final(self, result: WorkerResult) -> None:
@@ -319,7 +319,7 @@ def follow_coordinator(ctx: Context, progress: Progress) -> ServerState:
             continue
         if arbiter is not None and arbiter.awaiting:
             # sent before the coordinator regrouped: superseded (the workers redo it from the agreed step)
-            if box.flags & FLAG_REGROUPED and arbiter.regrouped(box.local_step, box.step, W):
+            if box.flags & FLAG_REGROUPED and arbiter.regrouped(box.generation, box.step, W):
                 box.check(TAG_STATUS, coordinator, count=0)
             status = ctx.comm.Irecv(box.spec(), source=coordinator, tag=TAG_STATUS)
             continue
@@ -381,7 +381,7 @@ def keep_shard(ctx: Context) -> ServerState:
         state.global_step = box.step
         state.params[s] = box.payload[:m]
         state.bytes_in += box.buf.nbytes
-        box.stamp(TAG_SHARD, box.step, box.local_step, box.flags, box.loss)
+        box.stamp(TAG_SHARD, box.step, box.local_step, box.flags, box.loss, generation=box.generation)
         poller.all([ctx.comm.Isend(box.spec(), dest=PS_RANK, tag=TAG_SHARD)], [PS_RANK])
         state.bytes_out += box.buf.nbytes
         if box.flags & FLAG_STOP:
