@@ -158,11 +158,11 @@ def _run(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: bo
     diverged = divergence(ctx, mine, reports)
     summary = None
     if ctx.rank == PS_RANK:
-        if lobby is not None and (lobby.joiner is not None or lobby.spawn):
+        if lobby is not None and lobby.pending():
             why = no_room(ctx, mine, reports, diverged)
-            if why is None:
+            if why is None and (lobby.joiner is not None or lobby.spawn):
                 return make_room(ctx, mine, reports, heartbeat, carry, lobby)
-            lobby.release(why)
+            lobby.release(why or "the worker was lost as training ended")
         carry.into(mine.state)
         summary = publish(ctx, mine, reports, placements, diverged, carry.joins)
         peer_was_lost = say_goodbye(ctx, [r.rank for r in reports], bool(mine.state.lost_workers),
