@@ -88,8 +88,9 @@ def minimum_workers(ctx: Context) -> int:
 
 
 class Notices:
-    """A worker's receive of rank 0's TAG_REGROUP messages, looked at with the watch (every wait
-    looks at it): a NOTICE raises Regroup; DONE says training is over (`done`)."""
+    """A worker's receive of rank 0's TAG_REGROUP messages, looked at in every wait of the loop
+    that names it (sync.work: watch.during): a NOTICE raises Regroup; DONE says training is over
+    (`done`)."""
 
     def __init__(self, ctx: Context):
         self.comm = ctx.comm

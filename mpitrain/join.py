@@ -233,8 +233,8 @@ class Joiner:
 
 
 class Lobby:
-    """Rank 0's side while a job that can grow trains: looked at with the watch (every wait looks
-    at it). It connects to a fresh request, lets the joiner in or refuses it, and on the first it
+    """Rank 0's side while a job that can grow trains: looked at in every wait of the phase
+    (trainer: watch.during). It connects to a fresh request, lets the joiner in or refuses it, and on the first it
     lets in requests the stop that makes room (`joiner`)."""
 
     def __init__(self, ctx, carry: Carry):

@@ -13,6 +13,7 @@ a lost worker, everything else stops with one line (see trainer.py).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -161,23 +162,47 @@ def wait_all(reqs: list, timeout_s: float) -> bool:
         return False
 
 
-class Watch:
+class WaitHooks:
+    """What every wait looks at besides liveness, named where the loop that waits starts: `with
+    watch.during(hook, ...)` around it, gone when the loop ends. A hook is an object with
+    check(): rank 0's word to regroup (elastic.Notices: raises Regroup where a sync worker waits,
+    in the middle of a collective that would never finish), a worker asking to join (join.Lobby,
+    rank 0), the stall report (observe.Stall). Each wait of the loop (waiting.poll, through
+    check) runs them in the order given; nothing else attaches anything."""
+
+    def __init__(self):
+        self.hooks: list = []
+
+    @contextlib.contextmanager
+    def during(self, *hooks):
+        added = [h for h in hooks if h is not None]
+        self.hooks.extend(added)
+        try:
+            yield
+        finally:
+            for h in added:
+                self.hooks.remove(h)
+
+    def _run_hooks(self) -> None:
+        for hook in list(self.hooks):
+            hook.check()
+
+
+class Watch(WaitHooks):
     """When each of `peers` was last heard from, and what its last heartbeat said it was doing.
     `heard(rank)` for any training message; heartbeats are drained here. `check()` raises
-    PeerLost for peers silent past the timeout, and runs the stall report (`stall`, observe.py).
-    A heartbeat receive is never cancelled (cancelling made MPICH 5.0.2's MPI_Finalize hang,
-    measured): it is retired by the peer's last beat, in `close`."""
+    PeerLost for peers silent past the timeout, then runs the hooks of the loops it waits in
+    (WaitHooks). A heartbeat receive is never cancelled (cancelling made MPICH 5.0.2's
+    MPI_Finalize hang, measured): it is retired by the peer's last beat, in `close`."""
 
     def __init__(self, comm, peers: list[int], timeout_s: float, clock=time.monotonic):
+        super().__init__()
         self.comm, self.timeout_s, self.clock = comm, timeout_s, clock
         now = clock()
         self.last = {r: now for r in peers}
         self.boxes = {r: beat_message() for r in peers}
         self.beats: dict[int, tuple[list[float], float]] = {}  # rank -> (its last beat's payload, when)
-        self.stall = None  # observe.Stall, while training runs
         self.heartbeat = None  # this rank's Heartbeat: it stops beating to a peer declared lost
-        self.notices = None  # elastic.Notices on a sync worker that regroups: rank 0's word, looked at here
-        self.lobby = None  # join.Lobby on rank 0 of a job that can grow: a worker asking to join, looked at here
         self.recv = {r: self._post(r) for r in peers}  # open until the peer's last beat
         self.checked = set(peers)  # peers whose silence counts
         self.lost: dict[int, dict] = {}  # rank -> {"rank", "silent_s", "reason"}
@@ -240,12 +265,7 @@ class Watch:
             self.declare(rank, why)
         if newly:
             raise PeerLost(newly)
-        if self.notices is not None:
-            self.notices.check()  # raises elastic.Regroup where this rank waits
-        if self.lobby is not None:
-            self.lobby.check()
-        if self.stall is not None:
-            self.stall.check()
+        self._run_hooks()
 
     def seen(self, now: float | None = None) -> dict[int, tuple[list[float] | None, float, float]]:
         """Each peer not lost: (its last beat's payload or None, seconds since anything was heard
@@ -283,15 +303,15 @@ def start(comm, rank: int, layout: Layout, timeout_s: float, activity=None):
     return heartbeat, watch
 
 
-class NoWatch:
+class NoWatch(WaitHooks):
     """--worker-timeout 0: nobody is ever declared lost, and no heartbeat says what peers do;
-    the stall report still runs (without that knowledge)."""
+    the hooks still run (the stall report, without that knowledge)."""
 
     watched: list[int] = []
     lost: dict = {}
 
     def __init__(self):
-        self.stall = None
+        super().__init__()
         self._next_check = 0.0
 
     def seen(self, now: float | None = None) -> dict:
@@ -308,9 +328,9 @@ class NoWatch:
 
     def check(self, force: bool = False) -> None:
         now = time.monotonic()
-        if self.stall is not None and (force or now >= self._next_check):
+        if self.hooks and (force or now >= self._next_check):
             self._next_check = now + CHECK_EVERY_S
-            self.stall.check()
+            self._run_hooks()
 
     def close(self) -> bool:
         return True

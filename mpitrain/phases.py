@@ -49,7 +49,7 @@ def joined(cfg: TrainConfig, comm, carry: join.Carry) -> tuple[TrainConfig, obje
 
 
 def open_lobby(ctx: Context, carry: join.Carry) -> join.Lobby | None:
-    """Rank 0 of a job that can grow: the lobby a worker joins through, looked at with the watch."""
+    """Rank 0 of a job that can grow: the lobby a worker joins through (the phase's waits look at it)."""
     if ctx.rank != PS_RANK or not join.can_grow(ctx):
         return None
     if carry.token is None:
@@ -61,8 +61,7 @@ def open_lobby(ctx: Context, carry: join.Carry) -> join.Lobby | None:
             return None
         carry.identity = identity(ctx)  # the job's flags as given: a joiner's are compared with these
         carry.job_cfg, carry.respawns_left = ctx.cfg, ctx.cfg.respawn
-    ctx.watch.lobby = join.Lobby(ctx, carry)
-    return ctx.watch.lobby
+    return join.Lobby(ctx, carry)
 
 
 def no_room(ctx: Context, mine: RoleResult, reports: list, diverged: Diverged | None) -> str | None:

@@ -51,11 +51,13 @@ def train_role(ctx: Context) -> RoleResult:
         # The job's one bar: a later phase (a join, a respawn) goes on with it; closed by publish.
         progress = ctx.outputs.progress or Progress(cfg.progress, ctx.global_step_budget, ctx.global_batch)
         ctx.outputs.progress = progress
+        stall = None
         if cfg.stall_warning > 0 and not ctx.local:
-            ctx.watch.stall = observe.Stall(cfg.stall_warning, lambda: progress.step,
-                                            lambda stalled_s: server_stall_line(ctx, progress.step, stalled_s))
+            stall = observe.Stall(cfg.stall_warning, lambda: progress.step,
+                                  lambda stalled_s: server_stall_line(ctx, progress.step, stalled_s))
         try:
-            trained = mode.run(ctx, progress)
+            with ctx.watch.during(stall):  # training only: the end of the run has its own time limits
+                trained = mode.run(ctx, progress)
         except BaseException:  # the line that says why comes next, under the bar's last line
             ctx.outputs.close_bar()
             raise
@@ -66,10 +68,12 @@ def train_role(ctx: Context) -> RoleResult:
         if trained.worker is not None:  # local: rank 0 is also the one worker
             mine.worker = worker_report(ctx, trained.worker, (loss, acc))
         return mine
+    stall = None
     if cfg.stall_warning > 0:
-        ctx.watch.stall = observe.Stall(cfg.stall_warning, lambda: ctx.activity.gradients,
-                                        lambda stalled_s: worker_stall_line(ctx, stalled_s))
-    wres = mode.run(ctx).worker
+        stall = observe.Stall(cfg.stall_warning, lambda: ctx.activity.gradients,
+                              lambda stalled_s: worker_stall_line(ctx, stalled_s))
+    with ctx.watch.during(stall):
+        wres = mode.run(ctx).worker
     ctx.activity.enter(observe.EVAL)
     return RoleResult(worker=worker_report(ctx, wres, _evaluate(ctx, wres.params)))
 
@@ -141,7 +145,8 @@ def _run(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: bo
         carry.budget = ctx.global_step_budget  # the job's, whoever joins later
     lobby = open_lobby(ctx, carry)
     try:
-        mine, reports = train_and_report(ctx, carry)
+        with ctx.watch.during(lobby):  # rank 0: a worker asking to join is looked at in every wait until the reports are in
+            mine, reports = train_and_report(ctx, carry)
     except PeerLost as e:
         return peer_lost(ctx, e, library)
     except ProtocolError as e:
@@ -220,7 +225,6 @@ def train_and_report(ctx: Context, carry: join.Carry) -> tuple[RoleResult, list]
     rss_start = max_rss_mb()
     mine = train_role(ctx)
     ctx.activity.enter(observe.IDLE)
-    ctx.watch.stall = None  # training is over: the end of the run has its own time limits
     mine.max_rss_mb = [rss_start, max_rss_mb()]  # start and end of training (benchmarks/soak.py)
     if ctx.rank == PS_RANK:
         return mine, collect_reports(ctx, mine)

