@@ -156,3 +156,24 @@ def test_evaluate_into_a_closed_pipe_ends_quietly(two_runs):
     finally:
         os.close(write)
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_training_into_a_closed_pipe_ends_quietly_and_as_it_would(tmp_path):
+    """`python -m mpitrain | head -1`: the reader stops reading while rank 0 still writes its
+    summary. The run goes on to its end (the final checkpoint is written, exit 0), with no
+    BrokenPipeError traceback."""
+    import os
+    import subprocess
+    import sys
+
+    from mpitrain import checkpoint
+
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "mpitrain", "--steps", "20", "--no-progress", "--checkpoint-dir",
+                               str(tmp_path / "ck")], stdout=write, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert [checkpoint.load(p).global_step for p in checkpoint.list_checkpoints(tmp_path / "ck")][-1:] == [20]
