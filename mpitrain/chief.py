@@ -1,7 +1,7 @@
 """Rank 0's duties, whoever trains: the run's state as rank 0 keeps it (ServerState), the start
 state, and after each global step the bar, the log, --eval-every and checkpoints (ChiefDuties).
-The async server (modes/async_.py), rank 0's sync follower (modes/sync.py) and the local run (modes/local.py) each
-hand their steps to one ChiefDuties; the other servers (--num-ps) keep a ServerState too.
+The async server (modes/async_.py), rank 0's sync follower (modes/sync.py) and the local run
+(modes/local.py) each hand their steps to one ChiefDuties; the other servers (--num-ps) keep a ServerState too.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import math
 import sys
 import time
 from collections import Counter, deque
-from typing import Callable
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -206,7 +206,7 @@ class ChiefDuties:
         saved once, at the end (the server's final save: with --num-ps the other servers may not
         have applied their last gradients yet, and a save of the same step is skipped)."""
         self.stepped(step, loss, basis=basis, **log_extra)
-        evaluate = self.eval_due(step)
+        evaluate = self.ctx.eval_due(step)
         save = self.save_due(step) and step < self.ctx.global_step_budget
         if not (evaluate or save):
             return
@@ -215,9 +215,6 @@ class ChiefDuties:
             self.save(state)
         if evaluate:
             self.evaluate(state, step)
-
-    def eval_due(self, step: int) -> bool:
-        return self.ctx.eval_due(step)
 
     def save_due(self, step: int) -> bool:
         return (self.deferred or self.ckpt.due(step)) and self.sound.ok and self.state.diverged is None

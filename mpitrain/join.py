@@ -234,8 +234,8 @@ class Joiner:
 
 class Lobby:
     """Rank 0's side while a job that can grow trains: looked at in every wait of the phase
-    (trainer: watch.during). It connects to a fresh request, lets the joiner in or refuses it, and on the first it
-    lets in requests the stop that makes room (`joiner`)."""
+    (trainer: watch.during). It connects to a fresh request, lets the joiner in or refuses it,
+    and on the first it lets in requests the stop that makes room (`joiner`)."""
 
     def __init__(self, ctx, carry: Carry):
         self.carry = carry  # the job's token, flags as given and step budget; what --respawn may still do
@@ -292,13 +292,16 @@ class Lobby:
             info.Free()
         self._admit(inter, host, pid)
 
-    def _respawn_due(self) -> bool:
+    def _loss_unseen(self) -> bool:
         """--respawn: a worker was lost in this phase since the last look, and the job may still
-        start a replacement (each loss gets one try, whatever becomes of it)."""
-        lost = len(self.watch.lost)
-        if lost <= self.lost_seen or self.carry.respawns_left <= 0:
+        start a replacement."""
+        return len(self.watch.lost) > self.lost_seen and self.carry.respawns_left > 0
+
+    def _respawn_due(self) -> bool:
+        """A replacement is to be started (each loss gets one try, whatever becomes of it)."""
+        if not self._loss_unseen():
             return False
-        self.lost_seen = lost
+        self.lost_seen = len(self.watch.lost)
         self.carry.respawns_left -= 1
         return True
 
@@ -329,13 +332,12 @@ class Lobby:
         last look that --respawn would have replaced (lost as training ended: in the reports' wait,
         where the loss is declared by the look that raises, so no later look saw it; measured once
         in 84 chaos trials, the job ending with no word of the replacement)."""
-        unseen = len(self.watch.lost) > self.lost_seen and self.carry.respawns_left > 0
-        return self.joiner is not None or self.spawn or unseen
+        return self.joiner is not None or self.spawn or self._loss_unseen()
 
     def release(self, why: str) -> None:
         """The job ends instead of growing: tell the joiner it let in, and let it go; say why no
         worker is started in place of a lost one."""
-        if self.spawn or len(self.watch.lost) > self.lost_seen and self.carry.respawns_left > 0:
+        if self.spawn or self._loss_unseen():
             say(f"mpitrain: no worker was started in place of the lost one: {why}")
             self.spawn = False
         if self.joiner is None:

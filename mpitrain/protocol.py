@@ -74,6 +74,11 @@ FLAG_GO = 512  # sync, PS -> the workers left: every one of them is READY (TAG_R
 FLAG_LEAVING = 2048  # the sender sends no more of this kind: a worker leaves a server (header only), its last --quorum push, a last heartbeat
 
 
+def _int_slot(index: int) -> property:
+    """A read-only accessor of one int64 header slot (Framed.step, .flags, ...)."""
+    return property(lambda self: int(self.header[index]))
+
+
 class ProtocolError(RuntimeError):
     """A message that is not what this rank expects: ranks from different versions or models."""
 
@@ -134,25 +139,11 @@ class Framed:
     def free(self) -> None:
         """After the last use: release MPI resources (a Part's datatype)."""
 
-    @property
-    def step(self) -> int:
-        return int(self.header[H_STEP])
-
-    @property
-    def local_step(self) -> int:
-        return int(self.header[H_LOCAL_STEP])
-
-    @property
-    def generation(self) -> int:
-        return int(self.header[H_GENERATION])
-
-    @property
-    def joiner(self) -> int:
-        return int(self.header[H_JOINER])
-
-    @property
-    def flags(self) -> int:
-        return int(self.header[H_FLAGS])
+    step = _int_slot(H_STEP)
+    local_step = _int_slot(H_LOCAL_STEP)
+    generation = _int_slot(H_GENERATION)
+    joiner = _int_slot(H_JOINER)
+    flags = _int_slot(H_FLAGS)
 
     @property
     def loss(self) -> float:

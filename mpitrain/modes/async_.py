@@ -32,8 +32,8 @@ from mpitrain.metrics import Progress
 from mpitrain.modes.base import Mode, Trained
 from mpitrain.observe import APPLY, COMPUTE, PULL, PUSH, WAIT
 from mpitrain.optim import ServerUpdate
-from mpitrain.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_LAST, FLAG_LEAVING, FLAG_STOP, TAG_GRAD, TAG_PARAMS, Message,
-                               ProtocolError)
+from mpitrain.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_LAST, FLAG_LEAVING, FLAG_STOP, TAG_GRAD,
+                               TAG_PARAMS, Message, ProtocolError)
 from mpitrain.runtime import Context, start_state
 from mpitrain.shards import Gather, ShardService, assemble
 from mpitrain.stopping import STOP

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from mpitrain.layout import PS_RANK
 from mpitrain.observe import ALLREDUCE
 
 # Who a rank is in every mode (Layout decides it: rank 0, the other servers of --num-ps, the rest).
@@ -39,7 +40,7 @@ class Mode:
     worker_comm = False  # the workers need a communicator of their own (the sync Allreduce)
 
     def role(self, layout, rank: int) -> str:
-        if rank == 0:
+        if rank == PS_RANK:
             return CHIEF
         return SERVER if layout.is_server(rank) else WORKER
 
