@@ -60,11 +60,11 @@ class Impl:
     # ... for a job that starts workers itself (--respawn): a spawned process is of another job, which
     # Open MPI's shared-memory transport does not reach ("unable to reach each other", abort: measured).
     one_host_spawn_flags: tuple[str, ...] = ()
-    # The end of a world with a spawned worker (--respawn), after a lost rank: every rank calls
-    # MPI_Finalize, Open MPI's (ULFM) returns at once (leaving without it, prterun said the spawned
-    # one "exited improperly" and exited 1: 1 of 4 jobs). MPICH's waits for the dead rank forever
-    # (measured: the guard ended it), so there the ranks leave without it.
-    finalize_with_spawned: bool = False
+    # The end of a world with a spawned worker (--respawn), after a lost rank: the spawned one calls
+    # MPI_Finalize (its own job's fence: itself only) or leaves without it. Open MPI's prterun takes
+    # a spawned process that leaves without it for a failure ("exited improperly", exit 1: 1 of 4
+    # jobs); MPICH's finalize waits for the dead rank forever (measured: the guard ended it).
+    spawned_finalizes: bool = False
 
     def hostfile_line(self, host: str, slots: int) -> str:
         return self.slots_syntax.format(host=host, slots=slots)
@@ -76,7 +76,7 @@ OPENMPI = Impl("openmpi", "Open MPI", ("--with-ft", "ulfm"), "--hostfile", "{hos
                "sm_segment.", contacts_every_host=True, stop_exit=1, stop_signal="SIGUSR1",
                root_flags=("--allow-run-as-root",), oversubscribe_flags=("--oversubscribe",),
                one_host_flags=("--mca", "btl", "self,sm"), one_host_spawn_flags=("--mca", "btl", "self,sm,tcp"),
-               finalize_with_spawned=True)
+               spawned_finalizes=True)
 IMPLS = {impl.name: impl for impl in (MPICH, OPENMPI)}
 
 RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")

@@ -133,12 +133,15 @@ def _regrow(ctx: Context, heartbeat, carry: join.Carry, lost: list[int], gen: in
 def leave_after_a_loss(carry: join.Carry, code: int) -> None:
     """The end of a run that lost a peer: leave without MPI_Finalize (it would wait for the dead),
     or return to call it. A joiner calls it: its own launcher ran without the keep-going flag and
-    would kill it otherwise (exit 9). With a spawned worker the MPI decides (mpiimpl.Impl)."""
+    would kill it otherwise (exit 9). A spawned worker (--respawn) calls it where its MPI needs that
+    (mpiimpl.Impl.spawned_finalizes); the job's own ranks never do once a rank died, spawned
+    worker or not: their MPI_Finalize waits on a fence that counts the dead rank (Open MPI: past
+    the guard's 5 s in 1 of about 10 CI runs), so they leave after the spawned one."""
     impl = mpiimpl.running()
-    if carry.with_spawned:
-        finalizes = impl is not None and impl.finalize_with_spawned
+    if carry.spawned:
+        finalizes = impl is not None and impl.spawned_finalizes
     else:
-        finalizes = carry.joiner
+        finalizes = carry.joiner and not carry.with_spawned
     if not finalizes:
         after_the_spawned(carry)
         exit_without_finalize(code)
