@@ -22,7 +22,8 @@ import os
 
 import numpy as np
 
-from mpitrain.config import TrainConfig, UsageError, parse_straggler, validate
+from mpitrain.config import TrainConfig, UsageError, validate
+from mpitrain.config_io import parse_straggler
 from mpitrain.model import Model  # public: the protocol a model of your own implements
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
@@ -176,8 +177,8 @@ def local_rank() -> int:
 
 
 def train(**options) -> Result:
-    from mpitrain.runtime import node_info, world
     from mpitrain.exitcodes import ExitCode
+    from mpitrain.runtime import node_info, world
 
     cfg = config(**options)
     comm = world(cfg)

@@ -14,8 +14,8 @@ import os
 import signal
 import sys
 
-from mpitrain.config import TrainConfig, UsageError, parse_straggler, validate
-from mpitrain.config_io import flag_name
+from mpitrain.config import TrainConfig, UsageError, validate
+from mpitrain.config_io import flag_name, parse_straggler
 from mpitrain.mpiimpl import launcher_rank
 from mpitrain.version import __version__
 
@@ -82,10 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
         kw = {"dest": f.name, "default": f.default}
         if f.name == "stragglers":
             kw.update(action="append", type=PARSERS[f.name], default=[], metavar=opt.metavar)
-        elif f.type == "bool":
-            kw["action"] = argparse.BooleanOptionalAction if f.default else "store_true"
+        elif f.type in ("bool", "bool | None"):  # None: decided at run time (--overlap)
+            kw["action"] = argparse.BooleanOptionalAction if f.default is not False else "store_true"
         else:
             kw.update(type=PARSERS.get(f.name) or _value_type(f), choices=opt.choice_list(), metavar=opt.metavar)
+            if opt.bare is not None:
+                kw.update(nargs="?", const=opt.bare)
         action = group.add_argument(flag_name(f), **kw)
         action.help = text  # after: BooleanOptionalAction appends its own "(default: True)"
     out = groups["output"]

@@ -63,6 +63,18 @@ DEFAULT_DIVERGENCE_FACTOR = 100.0
 DEFAULT_WARMUP_EPOCHS = 1.0
 # A worker whose median step time is this many times the other workers' median is named slow.
 DEFAULT_STRAGGLER_REPORT = 1.5
+# Async's defaults as workers grow (benchmarks/QUALITY_SCALE.md: MNIST-sized, 2 to 16 workers): a
+# gradient at most this many updates old is applied at the full learning rate, an older one at
+# lr x K / staleness (--staleness-lr K). With 16 workers and no damping async did not learn (0.12-0.34
+# test accuracy); K 8 kept 2 workers' accuracy where K 1 (Zhang et al.'s lr / staleness) and K 4 lost
+# 1-1.5 points by slowing every step.
+DEFAULT_STALENESS_TOLERANCE = 8.0
+# --overlap makes each gradient one exchange staler: about 2W - 1 updates old with W workers instead
+# of W - 1, so it stays on only while that is within the tolerance above (6 workers with overlap: 0.952,
+# without: 0.9585).
+AUTO_OVERLAP_MAX_WORKERS = int(DEFAULT_STALENESS_TOLERANCE + 1) // 2
+# --delay-compensation given without a value: the adaptive variant's lambda_0 in Zheng et al. 2017 (CIFAR-10, ImageNet).
+DEFAULT_DC_LAMBDA = 2.0
 # Seconds without a global step before the waiting rank says what it waits for (Horovod's stall
 # inspector warns after 60 s too).
 DEFAULT_STALL_WARNING_S = 60.0
@@ -85,6 +97,7 @@ class Option:
     metavar: str | None = None
     choices: tuple[str, ...] | Callable[[], tuple[str, ...]] | None = None  # a callable: a registry, asked late
     flag: str | None = None  # the flag, where it is not --NAME-WITH-DASHES (--straggler, repeatable)
+    bare: float | None = None  # the value of the flag given alone (--delay-compensation), where it may be
 
     def choice_list(self) -> tuple[str, ...] | None:
         return self.choices() if callable(self.choices) else self.choices
@@ -122,9 +135,9 @@ class TrainConfig:
     num_ps: int = PARALLELISM(
         1, "parameter servers: ranks 0..K-1 each own one slice of the parameters (and its optimizer state); "
         "rank 0 stays the chief that evaluates, logs and checkpoints", metavar="K")
-    overlap: bool = PARALLELISM(
-        True, "async: receive the next parameters while computing the next gradient (one exchange staler, "
-        "no idle round trip)")
+    overlap: bool | None = PARALLELISM(
+        None, "async: receive the next parameters while computing the next gradient (one exchange staler, "
+        "no idle round trip)", shown=f"on up to {AUTO_OVERLAP_MAX_WORKERS} workers, off above")
     compress: str = PARALLELISM(
         "none", "send gradients and parameters as float16 or bfloat16 (half the bytes; bf16 converts faster on a "
         "CPU); update in float32", choices=codec_names)
@@ -134,8 +147,14 @@ class TrainConfig:
     max_staleness: int | None = PARALLELISM(
         None, "async: hold back a worker's reply so that no applied gradient is more than S updates stale "
         "(implies --no-overlap)", shown="unbounded", metavar="S")
-    staleness_lr: bool = PARALLELISM(
-        False, "async: divide each step's learning rate by its gradient's staleness (Zhang et al. 2016)")
+    staleness_lr: float | None = PARALLELISM(
+        None, "async: scale each step's learning rate by min(1, K / its gradient's staleness): full for "
+        "gradients at most K updates old; the flag alone: K 1, lr / staleness (Zhang et al. 2016); 0: off",
+        shown=f"K {DEFAULT_STALENESS_TOLERANCE:g}", metavar="K", bare=1.0)
+    delay_compensation: float | None = PARALLELISM(
+        None, "async: correct each gradient for the updates applied since its worker was sent its parameters, "
+        "g + LAMBDA * g*g*(w_now - w_sent) / sqrt(mean g*g) (DC-ASGD, Zheng et al. 2017); the flag alone: "
+        f"LAMBDA {DEFAULT_DC_LAMBDA:g}", shown="off", metavar="LAMBDA", bare=DEFAULT_DC_LAMBDA)
     stragglers: tuple[tuple[int, str, float], ...] = PARALLELISM(  # (rank, "delay"|"factor", value)
         (), "slow worker RANK down on every step by SEC seconds, or F times (repeatable; for tests and demos)",
         shown="none", metavar="RANK:SEC|RANK:xF", flag="--straggler")
@@ -254,11 +273,21 @@ class TrainConfig:
 
         return WIRE_DTYPES[self.compress]
 
+    def overlaps(self, workers: int) -> bool:
+        """Async with this many workers: --overlap as given, else on up to AUTO_OVERLAP_MAX_WORKERS.
+        --max-staleness works by holding back replies, which only binds a worker that waits for its
+        reply before computing: it implies --no-overlap."""
+        if self.max_staleness is not None:
+            return False
+        return self.overlap if self.overlap is not None else workers <= AUTO_OVERLAP_MAX_WORKERS
+
     @property
-    def effective_overlap(self) -> bool:
-        """--max-staleness works by holding back replies, which only binds a worker that waits
-        for its reply before computing: it implies --no-overlap."""
-        return self.overlap and self.max_staleness is None
+    def staleness_tolerance(self) -> float | None:
+        """--staleness-lr's K in async (None: no damping)."""
+        if self.mode != "async":
+            return None
+        k = DEFAULT_STALENESS_TOLERANCE if self.staleness_lr is None else float(self.staleness_lr)
+        return k or None
 
     @property
     def scaled_lr(self) -> bool:
@@ -272,28 +301,6 @@ class TrainConfig:
         if self.epochs is not None:
             return self.epochs
         return None if self.steps is not None else DEFAULT_EPOCHS
-
-
-def parse_straggler(text: str) -> tuple[int, str, float]:
-    """RANK:SECONDS (added to every step) or RANK:xFACTOR (every step takes FACTOR times as long)."""
-    rank_s, sep, amount = text.partition(":")
-    try:
-        if not sep:
-            raise ValueError
-        rank = int(rank_s)
-        if amount.lower().startswith("x"):
-            kind, value = "factor", float(amount[1:])
-        else:
-            kind, value = "delay", float(amount)
-    except ValueError:
-        raise UsageError(f"--straggler takes RANK:SECONDS or RANK:xFACTOR, e.g. 3:0.01 or 3:x5, not {text!r}") from None
-    if rank < 1:
-        raise UsageError(f"--straggler {text}: rank {rank} is the parameter server (or invalid); name a worker rank >= 1")
-    if kind == "delay" and not value >= 0:
-        raise UsageError(f"--straggler {text}: the delay must be zero or more seconds")
-    if kind == "factor" and not value >= 1:
-        raise UsageError(f"--straggler {text}: the factor must be at least 1 (x5 makes each step 5 times as long)")
-    return rank, kind, value
 
 
 def defaults() -> TrainConfig:
@@ -403,6 +410,15 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             raise UsageError(f"--max-staleness must be zero or more (got {cfg.max_staleness})")
     if cfg.staleness_lr and cfg.mode != "async":
         raise UsageError("--staleness-lr applies to --mode async (sync gradients are never stale)")
+    if cfg.staleness_lr is not None and not 0 <= cfg.staleness_lr < float("inf"):
+        raise UsageError(f"--staleness-lr takes a K of zero (off) or more (got {cfg.staleness_lr}); "
+                         f"e.g. --staleness-lr {DEFAULT_STALENESS_TOLERANCE:g}")
+    if cfg.delay_compensation is not None:
+        if cfg.mode != "async":
+            raise UsageError("--delay-compensation applies to --mode async (sync gradients are never stale)")
+        if not 0 <= cfg.delay_compensation < float("inf"):
+            raise UsageError(f"--delay-compensation takes a lambda of zero or more (got {cfg.delay_compensation}); "
+                             f"e.g. --delay-compensation {DEFAULT_DC_LAMBDA:g}")
     if cfg.log_every <= 0:
         raise UsageError(f"--log-every must be a positive number of global steps (got {cfg.log_every})")
     if not (cfg.straggler_report == 0 or 1 < cfg.straggler_report < float("inf")):
@@ -448,6 +464,7 @@ def validate_for_world(cfg: TrainConfig, size: int) -> None:
         for given, what in ((cfg.stragglers, "--straggler slows a worker down"),
                             (cfg.max_staleness is not None, "--max-staleness bounds the staleness of async workers"),
                             (cfg.staleness_lr, "--staleness-lr damps stale async gradients"),
+                            (cfg.delay_compensation is not None, "--delay-compensation corrects stale async gradients"),
                             ((cfg.quorum or 1) > 1, f"--quorum {cfg.quorum} averages the gradients of that many workers")):
             if given:
                 raise UsageError(f"{what}, but {alone}; run under mpirun (e.g. mpirun -np 3 python -m mpitrain ...) "

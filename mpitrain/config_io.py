@@ -1,12 +1,12 @@
 """A TrainConfig as it leaves this process: compared with a peer's (the agreed fields), recorded
-in the summary (JSON), and written back out as flags (the worker --respawn starts)."""
+in the summary (JSON), and written back out as flags (the worker --respawn starts); and the one flag
+with a text form of its own read in (--straggler)."""
 
 from __future__ import annotations
 
 from dataclasses import Field, fields
 
-from mpitrain.config import TrainConfig
-
+from mpitrain.config import TrainConfig, UsageError
 
 # What a rank may set for itself: where it reads or writes on its own host, what it shows, how it
 # computes and waits, and what rank 0 alone decides or writes. Every other field must be the same
@@ -65,12 +65,36 @@ def as_argv(cfg: TrainConfig) -> list[str]:
         if f.name == "stragglers":
             for rank, kind, amount in value:
                 out += [flag, f"{rank}:{'x' if kind == 'factor' else ''}{amount!r}"]
-        elif f.type == "bool":
+        elif f.type in ("bool", "bool | None"):
             out.append(flag if value else "--no-" + flag.removeprefix("--"))
         elif f.name == "hidden":
             out += [flag, ",".join(map(str, value))]
+        elif isinstance(value, bool) and f.type == "float | None":  # the Python API's staleness_lr=True
+            out += [flag, repr(float(value))]
         elif isinstance(value, (str, int, float)) and not isinstance(value, bool):
             out += [flag, repr(value) if isinstance(value, float) else str(value)]
         else:
             raise ValueError(f"{flag} {value!r} has no command-line form")
     return out
+
+
+def parse_straggler(text: str) -> tuple[int, str, float]:
+    """RANK:SECONDS (added to every step) or RANK:xFACTOR (every step takes FACTOR times as long)."""
+    rank_s, sep, amount = text.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        rank = int(rank_s)
+        if amount.lower().startswith("x"):
+            kind, value = "factor", float(amount[1:])
+        else:
+            kind, value = "delay", float(amount)
+    except ValueError:
+        raise UsageError(f"--straggler takes RANK:SECONDS or RANK:xFACTOR, e.g. 3:0.01 or 3:x5, not {text!r}") from None
+    if rank < 1:
+        raise UsageError(f"--straggler {text}: rank {rank} is the parameter server (or invalid); name a worker rank >= 1")
+    if kind == "delay" and not value >= 0:
+        raise UsageError(f"--straggler {text}: the delay must be zero or more seconds")
+    if kind == "factor" and not value >= 1:
+        raise UsageError(f"--straggler {text}: the factor must be at least 1 (x5 makes each step 5 times as long)")
+    return rank, kind, value

@@ -6,6 +6,7 @@ Each optimizer updates `params` in place from a flat gradient of the same layout
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -102,10 +103,11 @@ def decayed_lr(lr: float, decay: float, samples_seen: int, n_train: int) -> floa
     return lr * decay ** (samples_seen / n_train)
 
 
-def staleness_scaled_lr(lr: float, staleness: int) -> float:
-    """--staleness-lr (Zhang et al. 2016, "Staleness-aware async-SGD"): divide the step of a
-    gradient computed on parameters `staleness` updates old by that staleness."""
-    return lr / max(1, staleness)
+def staleness_scaled_lr(lr: float, staleness: int, tolerance: float = 1.0) -> float:
+    """--staleness-lr K: the step of a gradient computed on parameters `staleness` updates old is
+    lr * min(1, K / staleness), full for gradients at most K updates old. K = 1 is Zhang et al.
+    2016's "staleness-aware async-SGD" (lr / staleness)."""
+    return lr * min(1.0, tolerance / max(1, staleness))
 
 
 class WeightEMA:
@@ -137,6 +139,72 @@ def make_ema(decay: float | None, params, xp=np, t: int = 0, saved=None) -> Weig
     return ema
 
 
+# DC-ASGD's adaptive variant (Zheng et al., ICML 2017, "Asynchronous Stochastic Gradient Descent with Delay
+# Compensation"): the decay of the gradients' mean square, their value; the floor under its root.
+DC_MEAN_SQUARE_DECAY = 0.95
+DC_EPS = 1e-7
+
+
+class DelayCompensation:
+    """--delay-compensation LAMBDA over one server's slice: a gradient g computed on the parameters
+    w_sent that were sent to its worker is applied as g + lambda_t * g * g * (w_now - w_sent), a
+    first-order correction of g towards the gradient at w_now, with g * g standing for the Hessian's
+    diagonal; lambda_t = LAMBDA / sqrt(mean square of g), elementwise (the paper's adaptive variant),
+    the mean square bias-corrected as Adam's moments are. The parameters each worker was sent are
+    kept by the version they carry (the step a worker's gradient names as its basis): with --overlap
+    a gradient is computed on the parameters sent one reply earlier, so two per worker. Nothing of
+    it is checkpointed: a resumed or re-formed job sends every worker the same start parameters,
+    so their copies are rebuilt exactly; the mean square starts again from the next gradients."""
+
+    KEEP = 2  # copies per worker: the newest reply and, with --overlap, the one before
+
+    def __init__(self, lam: float, params, xp, workers: int, version: int):
+        self.lam, self.params, self.xp = lam, params, xp
+        start = params.copy()  # every worker starts from these (one array shared by all)
+        self.sent: list[dict[int, object]] = [{version: start} for _ in range(workers)]
+        self.mean_square = xp.zeros_like(params)
+        self.t = 0
+        self.uncompensated = 0  # gradients whose parameters were no longer known (none expected)
+        # Scratch, so that the server allocates nothing per gradient; `out` is what compensated()
+        # returns, valid until its next call.
+        self.g2, self.tmp, self.out = (xp.empty_like(params) for _ in range(3))
+
+    def was_sent(self, worker: int, version: int) -> None:
+        """The server's parameters (now at `version`) went to this worker."""
+        kept = self.sent[worker]
+        kept[version] = self.params.copy()
+        for old in sorted(kept)[:-self.KEEP]:
+            del kept[old]
+
+    def forget(self, worker: int) -> None:
+        self.sent[worker] = {}
+
+    def compensated(self, grad, worker: int, basis: int):
+        """g + lambda_t * g * g * (w_now - w_sent), into `self.out`; `grad` is left as it was."""
+        xp, f32, d = self.xp, self.xp.float32, DC_MEAN_SQUARE_DECAY
+        g2, tmp, out = self.g2, self.tmp, self.out
+        self.t += 1
+        xp.multiply(grad, grad, out=g2)
+        self.mean_square *= f32(d)
+        xp.multiply(g2, f32(1 - d), out=tmp)
+        self.mean_square += tmp
+        then = self.sent[worker].get(basis)
+        if then is None:
+            self.uncompensated += 1
+            return grad
+        for old in [v for v in self.sent[worker] if v < basis]:  # the worker has newer ones
+            del self.sent[worker][old]
+        xp.sqrt(self.mean_square, out=tmp)  # the root of the bias-corrected mean square, floored
+        tmp *= f32(1 / math.sqrt(1 - d ** self.t))
+        tmp += f32(DC_EPS)
+        xp.subtract(self.params, then, out=out)
+        out *= g2
+        out /= tmp
+        out *= f32(self.lam)
+        out += grad
+        return out
+
+
 class ServerUpdate:
     """The async server's update rule over its slice of the parameters: one gradient, one step of
     --optimizer at the step's learning rate (divided by the gradient's staleness with
@@ -144,15 +212,29 @@ class ServerUpdate:
     message loop, a store that workers write) calls `apply`; another rule (delay compensation, an
     outer optimizer) is another class with the same method and state."""
 
-    def __init__(self, cfg, params, xp, start_step: int, opt_t: int, opt_state: dict, saved_ema=None):
-        self.params, self.staleness_lr = params, cfg.staleness_lr
+    def __init__(self, cfg, params, xp, start_step: int, opt_t: int, opt_state: dict, saved_ema=None,
+                 workers: int = 0, version: int = 0):
+        self.params, self.tolerance = params, cfg.staleness_tolerance
         self.opt = Optimizer(cfg.optimizer, params.shape[0], xp, momentum=cfg.momentum)
         self.opt.restore(opt_t, opt_state)
         self.ema = make_ema(cfg.ema_decay, params, xp, start_step, saved_ema)
+        self.dc = None if cfg.delay_compensation is None else DelayCompensation(
+            cfg.delay_compensation, params, xp, workers, version)
 
-    def apply(self, grad, lr: float, staleness: int) -> None:
-        if self.staleness_lr:
-            lr = staleness_scaled_lr(lr, staleness)
+    def was_sent(self, worker: int, version: int) -> None:
+        if self.dc:
+            self.dc.was_sent(worker, version)
+
+    def forget(self, worker: int) -> None:
+        if self.dc:
+            self.dc.forget(worker)
+
+    def apply(self, grad, lr: float, staleness: int, worker: int = 0, basis: int = 0) -> None:
+        """One gradient from `worker`, computed on the parameters of version `basis`."""
+        if self.dc:
+            grad = self.dc.compensated(grad, worker, basis)
+        if self.tolerance:
+            lr = staleness_scaled_lr(lr, staleness, self.tolerance)
         self.opt.step(self.params, grad, lr)
         if self.ema:
             self.ema.update(self.params)

@@ -237,6 +237,9 @@ def announce(ctx: Context, placements: list[str], regrown: bool = False) -> None
         line += (f"; sync: learning rate {lr:g} x {ctx.lr_scale} gradients per update = {lr * ctx.lr_scale:g} "
                  f"{warm} (--lr-scaling none keeps {lr:g})")
     say(line)
+    words = ctx.mode.start_words(cfg, ctx.workers)
+    if words:
+        say(f"mpitrain: {words}")
     for note in ctx.data.notes:  # e.g. a class that never occurs in training
         say(note, sys.stderr)
     if ctx.resume:

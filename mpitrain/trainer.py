@@ -9,13 +9,13 @@ import traceback
 import numpy as np
 from mpi4py import MPI
 
-from mpitrain import join, liveness, lock, mpiimpl, observe, outputs, stopping
+from mpitrain import join, liveness, lock, observe, outputs, stopping
 from mpitrain.agreement import agree_on_setup
 from mpitrain.chief import begin
 from mpitrain.config import TrainConfig, UsageError
 from mpitrain.console import say
-from mpitrain.ending import (await_goodbye, collect_reports, finalize, free_worker_comm, peer_lost, retire_heartbeats,
-                             say_goodbye, send_report)
+from mpitrain.ending import (abort_job, await_goodbye, collect_reports, finalize, free_worker_comm, peer_lost,
+                             retire_heartbeats, say_goodbye, send_report)
 from mpitrain.exitcodes import ExitCode
 from mpitrain.faults import Kill
 from mpitrain.gradients import WorkerResult
@@ -151,15 +151,10 @@ def _run(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: bo
         return peer_lost(ctx, e, library)
     except ProtocolError as e:
         say(f"mpitrain: rank {ctx.rank}: wire-format error: {e}", sys.stderr)
-        lock.release_all()
-        mpiimpl.abort(comm, ExitCode.PROTOCOL, ctx.worker_comm)
-        return Outcome(ExitCode.PROTOCOL)
+        return abort_job(ctx, ExitCode.PROTOCOL)
     except Exception:
         sys.stderr.write(f"mpitrain: rank {ctx.rank} failed:\n{traceback.format_exc()}")
-        sys.stderr.flush()
-        lock.release_all()
-        mpiimpl.abort(comm, ExitCode.FAILED, ctx.worker_comm)  # peers may wait on this rank: end the job, never hang
-        return Outcome(ExitCode.FAILED)
+        return abort_job(ctx, ExitCode.FAILED)
     diverged = divergence(ctx, mine, reports)
     summary = None
     if ctx.rank == PS_RANK:

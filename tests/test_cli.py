@@ -38,6 +38,9 @@ BAD = [
     (["--worker-timeout", "-1"], "--worker-timeout must be zero (never) or a positive"),
     (["--worker-timeout", "nan"], "--worker-timeout must be zero (never) or a positive"),
     (["--mode", "sync", "--staleness-lr"], "--staleness-lr applies to --mode async"),
+    (["--staleness-lr", "-2"], "--staleness-lr takes a K of zero (off) or more"),
+    (["--mode", "sync", "--delay-compensation"], "--delay-compensation applies to --mode async"),
+    (["--delay-compensation", "-1"], "--delay-compensation takes a lambda of zero or more"),
     (["--respawn", "-1"], "--respawn must be zero (never)"),
     (["--respawn", "2"], "give --checkpoint-dir DIR and a --worker-timeout above 0"),
     (["--respawn", "2", "--checkpoint-dir", "ck", "--worker-timeout", "0"], "--worker-timeout above 0"),
@@ -178,6 +181,7 @@ ALONE = [
     (["--straggler", "1:x5"], "--straggler slows a worker down, but one process trains locally"),
     (["--max-staleness", "2"], "--max-staleness bounds the staleness of async workers, but one process"),
     (["--staleness-lr"], "--staleness-lr damps stale async gradients, but one process"),
+    (["--delay-compensation"], "--delay-compensation corrects stale async gradients, but one process"),
     (["--mode", "sync", "--quorum", "2"], "--quorum 2 averages the gradients of that many workers, but one"),
 ]
 
@@ -289,7 +293,9 @@ def test_setup_makes_a_complete_frozen_context_that_needs_no_mpi():
      "--no-overlap", "--lr", "0.05", "--checkpoint-dir", "ck", "--respawn", "2", "--worker-timeout", "3.5"],
     ["--model", "softmax", "--dataset", "synthetic", "--compress", "bf16", "--ema-decay", "0.99", "--fresh",
      "--epochs", "3", "--no-progress", "--num-ps", "2"],
-], ids=["defaults", "sync-flags", "other-flags"])
+    ["--overlap", "--staleness-lr", "--delay-compensation"],  # flags whose value may be left out
+    ["--staleness-lr", "0", "--delay-compensation", "0.5", "--no-overlap"],
+], ids=["defaults", "sync-flags", "other-flags", "bare-values", "given-values"])
 def test_the_flags_a_respawned_worker_gets_give_the_same_config(args):
     """--respawn starts a worker with the job's flags written back out (config_io.as_argv): parsed, they
     must give the job's config field for field, or the worker is refused as a stranger."""
@@ -299,7 +305,8 @@ def test_the_flags_a_respawned_worker_gets_give_the_same_config(args):
     cfg, _ = parse_args(args)
     again, _ = parse_args(as_argv(cfg))
     assert again == cfg
-    assert len(as_argv(cfg)) <= len(args) + 1  # only what differs from the defaults
+    flags = [a for a in as_argv(cfg) if a.startswith("--")]
+    assert len(flags) <= len([a for a in args if a.startswith("--")])  # only what differs from the defaults
 
 
 def test_a_model_object_has_no_flags_to_respawn_with():
@@ -310,3 +317,22 @@ def test_a_model_object_has_no_flags_to_respawn_with():
 
     with pytest.raises(ValueError, match="--model"):
         as_argv(dataclasses.replace(TrainConfig(), model=object()))
+
+
+def test_a_flag_given_alone_takes_its_documented_value_and_true_from_python_is_one():
+    """--staleness-lr alone is K 1 (Zhang et al.'s lr / staleness, the flag's meaning before it took a
+    K), --delay-compensation alone the paper's lambda; the Python API's staleness_lr=True is K 1 too."""
+    import dataclasses
+
+    from mpitrain.cli import parse_args
+    from mpitrain.config import DEFAULT_DC_LAMBDA, DEFAULT_STALENESS_TOLERANCE, TrainConfig
+    from mpitrain.config_io import as_argv
+
+    cfg, _ = parse_args(["--staleness-lr", "--delay-compensation"])
+    assert cfg.staleness_tolerance == 1.0 and cfg.delay_compensation == DEFAULT_DC_LAMBDA
+    assert parse_args([])[0].staleness_tolerance == DEFAULT_STALENESS_TOLERANCE  # async's default
+    assert parse_args(["--staleness-lr", "0"])[0].staleness_tolerance is None  # off
+    assert parse_args(["--mode", "sync"])[0].staleness_tolerance is None  # sync gradients are fresh
+    from_python = dataclasses.replace(TrainConfig(), staleness_lr=True)
+    assert from_python.staleness_tolerance == 1.0
+    assert parse_args(as_argv(from_python))[0].staleness_tolerance == 1.0

@@ -3,13 +3,14 @@
 import json
 
 import pytest
-
 from conftest import train
+
 from mpitrain import observe
-from mpitrain.config import UsageError, parse_straggler
+from mpitrain.config import UsageError
+from mpitrain.config_io import parse_straggler
 from mpitrain.metrics import staleness_summary
-from mpitrain.optim import staleness_scaled_lr
 from mpitrain.modes.quorum_parts import PACE_RUN, PACE_SLACK, PACE_WINDOW, CoordinatorPace
+from mpitrain.optim import staleness_scaled_lr
 
 DIGITS_NP4 = ["--epochs", "40"]
 

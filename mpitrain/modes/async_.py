@@ -20,6 +20,7 @@ from mpi4py import MPI
 
 from mpitrain import checkpoint
 from mpitrain.checkpoint import TrainState
+from mpitrain.config import AUTO_OVERLAP_MAX_WORKERS
 from mpitrain.chief import ChiefDuties, ServerState, record_lost
 from mpitrain.exchange.base import PushPull
 from mpitrain.exchange.mpi import MPIPushPull
@@ -78,7 +79,7 @@ class AsyncServer:
         self.params = be.asarray(self.state.params[shard])  # this server's slice (NumPy: a view, updated in place)
         self.update = ServerUpdate(cfg, self.params, be.xp, start.global_step, start.opt_t,
                                    {k: a[shard] for k, a in start.opt_state.items()},
-                                   None if start.ema is None else start.ema[shard])
+                                   None if start.ema is None else start.ema[shard], W, self.state.global_step)
         self.guard = LossGuard(cfg.divergence_factor)
         wire = cfg.wire_dtype
         self.inbox = [Message(n, be.host_alloc, wire) for _ in range(W)]
@@ -93,7 +94,7 @@ class AsyncServer:
         self.sends = [MPI.REQUEST_NULL] * W
         # With --overlap a reply is not awaited until the worker's next gradient is computed, so
         # rank 0 can sleep longer between polls and leave the cores to the workers.
-        self.poller = Poller(PS_POLL_S if cfg.effective_overlap else PS_POLL_NO_OVERLAP_S, ctx.watch)
+        self.poller = Poller(PS_POLL_S if cfg.overlaps(ctx.workers) else PS_POLL_NO_OVERLAP_S, ctx.watch)
         self.gather = Gather(ctx, self.poller) if self.chief else None  # the other servers' slices
         self.service = None if self.chief else ShardService(ctx, n)  # rank 0's requests for this slice
         self.active = set(range(W))  # workers not yet told to stop
@@ -167,6 +168,7 @@ class AsyncServer:
             if any(info["rank"] == rank for info in self.state.lost_workers):
                 continue
             self.active.discard(w)
+            self.update.forget(w)
             if w in self.held:
                 self.held.remove(w)
             # Requests to or from a dead process never complete: dropped (never waited on), and
@@ -254,7 +256,7 @@ class AsyncServer:
         if not self.zero_copy:
             self.be.upload(self.grad, grad)
             grad = self.grad
-        self.update.apply(grad, self.ctx.lr_at(state.global_step), staleness)
+        self.update.apply(grad, self.ctx.lr_at(state.global_step), staleness, w, msg.step)
         state.global_step += 1
         state.local_steps[w] += 1
         state.staleness[staleness] += 1
@@ -289,12 +291,13 @@ class AsyncServer:
         if stop:
             self.active.discard(w)
         else:
+            self.update.was_sent(w, state.global_step)
             self.recv[w] = self.comm.Irecv(self.inbox[w].spec(), source=rank, tag=TAG_GRAD)
 
 
 class AsyncWorker:
     """Pull/compute/push through the exchange (exchange.base.PushPull; MPI's by default). With
-    --overlap (default) the answer to push k is received while the gradient of step k+1 is
+    --overlap (default up to config.AUTO_OVERLAP_MAX_WORKERS workers) the answer to push k is received while the gradient of step k+1 is
     computed, so a worker never idles on the round trip; each gradient is then computed on
     parameters one exchange older. --no-overlap waits for every answer. With --num-ps K the
     servers count their own versions, and a worker stops when any server stops it."""
@@ -302,7 +305,7 @@ class AsyncWorker:
     def __init__(self, ctx: Context, exchange: PushPull | None = None):
         start = start_state(ctx)
         self.ctx, self.be, self.act = ctx, ctx.backend, ctx.activity
-        self.overlap = ctx.cfg.effective_overlap
+        self.overlap = ctx.cfg.overlaps(ctx.workers)
         self.exchange = exchange or MPIPushPull(ctx, start)
         self.source = GradientSource(ctx, start.position(ctx.worker_index))
         self.kill = Kill(ctx.rank)
@@ -362,6 +365,29 @@ class AsyncMode(Mode):
     server of --num-ps) as it arrives; a worker pulls the parameters back."""
 
     name = "async"
+
+    def start_words(self, cfg, workers: int) -> str:
+        """The defaults that follow the worker count (config.DEFAULT_STALENESS_TOLERANCE), as decided."""
+        if cfg.max_staleness is not None:
+            overlap = "no overlap (--max-staleness)"
+        elif cfg.overlap is not None:
+            overlap = "overlap (--overlap)" if cfg.overlap else "no overlap (--no-overlap)"
+        elif cfg.overlaps(workers):
+            overlap = f"overlap (up to {AUTO_OVERLAP_MAX_WORKERS} workers; --no-overlap turns it off)"
+        else:
+            overlap = f"no overlap (above {AUTO_OVERLAP_MAX_WORKERS} workers; --overlap turns it on)"
+        k = cfg.staleness_tolerance
+        given = "--staleness-lr" if cfg.staleness_lr is not None else "--staleness-lr K sets another, 0 none"
+        if k is None:
+            damping = "every gradient at the full learning rate (--staleness-lr 0)"
+        elif k == 1:
+            damping = f"each gradient at learning rate / staleness ({given})"
+        else:
+            damping = f"a gradient more than {k:g} updates stale at learning rate x {k:g} / staleness ({given})"
+        words = f"async, {workers} worker{'s' if workers != 1 else ''}: {overlap}; {damping}"
+        if cfg.delay_compensation is not None:
+            words += f"; delay compensation, lambda {cfg.delay_compensation:g}"
+        return words
 
     def chief(self, ctx: Context, progress: Progress) -> Trained:
         return Trained(state=AsyncServer(ctx, progress).run())

@@ -74,6 +74,10 @@ class Mode:
         """Why a lost worker ends a job of this mode whatever the flags (None: it may regroup)."""
         return "Async cannot go on"
 
+    def start_words(self, cfg, workers: int) -> str | None:
+        """What this mode decided for this many workers, for rank 0's start lines (None: nothing)."""
+        return None
+
     def waits_for(self, cfg, workers: int) -> str:
         """What rank 0 waits for while no global step comes (the --stall-warning line)."""
         return "waiting for a gradient"
