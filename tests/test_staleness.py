@@ -1,10 +1,12 @@
 """Stale async gradients: the defaults that follow the worker count (--overlap, --staleness-lr K) and
 --delay-compensation (DC-ASGD, adaptive), as rules on arrays and in the async server."""
 
+import json
+
 import numpy as np
 import pytest
+from conftest import NUMBERS_ONLY, child_env, keep_going, mpi_impl, mpitrain_cmd, only_on, run_detached, train
 
-from conftest import train
 from mpitrain.cli import parse_args
 from mpitrain.config import AUTO_OVERLAP_MAX_WORKERS, DEFAULT_STALENESS_TOLERANCE
 from mpitrain.optim import DC_EPS, DC_MEAN_SQUARE_DECAY, DelayCompensation, ServerUpdate, staleness_scaled_lr
@@ -67,6 +69,7 @@ def test_with_overlap_the_parameters_two_replies_back_are_the_ones_used():
     assert dc.compensated(g, 0, basis=3) is g and dc.uncompensated == 1
 
 
+@only_on("mpich", NUMBERS_ONLY)
 def test_lambda_zero_trains_as_plain_async_and_the_default_lambda_does_not(tmp_path):
     """One worker, so async is deterministic: LAMBDA 0 gives plain async's parameters bit for bit;
     the flag alone compensates (with --overlap every gradient is one update stale)."""
@@ -79,6 +82,7 @@ def test_lambda_zero_trains_as_plain_async_and_the_default_lambda_does_not(tmp_p
     assert on["test_accuracy"] >= plain["test_accuracy"] - 0.02
 
 
+@only_on("mpich", NUMBERS_ONLY)
 @pytest.mark.parametrize("np_,flags", [(5, []), (5, ["--num-ps", "2", "--optimizer", "momentum"])],
                          ids=["4-workers", "2-servers-momentum"])
 def test_it_learns_on_digits_with_several_workers(tmp_path, np_, flags):
@@ -102,6 +106,7 @@ def test_the_async_server_damps_by_the_configured_tolerance(flags, staleness, st
     np.testing.assert_allclose(params, -step, rtol=1e-6)
 
 
+@only_on("mpich", NUMBERS_ONLY)
 @pytest.mark.parametrize("np_,flags,overlaps", [
     (3, [], True), (AUTO_OVERLAP_MAX_WORKERS + 2, [], False), (AUTO_OVERLAP_MAX_WORKERS + 2, ["--overlap"], True)],
     ids=["2-workers", "5-workers", "5-workers-overlap"])
@@ -117,3 +122,18 @@ def test_overlap_follows_the_worker_count_as_the_start_line_says(tmp_path, np_, 
     assert f"more than {DEFAULT_STALENESS_TOLERANCE:g} updates stale" in said[0]
     mean = s["staleness"]["mean"]
     assert (mean > w) if overlaps else (mean < w), (mean, said[0])
+
+
+def test_a_lost_worker_leaves_delay_compensation_to_the_others(tmp_path):
+    """A worker SIGKILLed mid-run: the servers forget the parameters they sent it, and the others
+    finish the budget with their own copies compensated (the summary and the exit code as without)."""
+    summary = tmp_path / "s.json"
+    proc, _ = run_detached(mpitrain_cmd(4, "--no-progress", "--steps", "3000", "--worker-timeout", "1",
+                                        "--delay-compensation", "--summary-json", str(summary),
+                                        launcher_flags=keep_going()),
+                           env={**child_env(), "MPITRAIN_INJECT_KILL": "2:50"})
+    assert proc.returncode == mpi_impl().worker_lost_exit, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and not proc.leftovers
+    s = json.loads(summary.read_text())
+    assert [x["rank"] for x in s["lost_workers"]] == [2] and s["global_step"] == 3000
+    assert s["test_accuracy"] > 0.9
