@@ -14,8 +14,10 @@ from mpitrain.runtime import Context, Node, setup
 from mpitrain.version import __version__
 
 
-def agree_on_setup(cfg: TrainConfig | None, comm, node: Node, err: str | None) -> tuple[Context | None, str | None]:
-    """Every rank sets up, then all compare notes. (None, the line rank 0 printed) if any failed."""
+def agree_on_setup(cfg: TrainConfig | None, comm, node: Node, err: str | None,
+                   quiet: bool = False) -> tuple[Context | None, str | None]:
+    """Every rank sets up, then all compare notes. (None, the line rank 0 printed) if any failed;
+    `quiet` (the Python API, which raises it): the line is not printed."""
     ctx = None
     if err is None:
         try:
@@ -31,7 +33,7 @@ def agree_on_setup(cfg: TrainConfig | None, comm, node: Node, err: str | None) -
     rank, message = failed[0]
     where = "" if len(failed) == comm.Get_size() else f" on rank {rank}"
     line = f"mpitrain: error{where}: {message}"
-    if comm.Get_rank() == 0:
+    if comm.Get_rank() == 0 and not quiet:
         say(line, sys.stderr)
     return None, line
 

@@ -19,11 +19,12 @@ import difflib
 import inspect
 import numbers
 import os
+import re
 
 import numpy as np
 
 from mpitrain.config import TrainConfig, UsageError, validate
-from mpitrain.config_io import parse_straggler
+from mpitrain.config_io import flag_name, parse_straggler
 from mpitrain.model import Model  # public: the protocol a model of your own implements
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
@@ -149,7 +150,40 @@ def config(**options) -> TrainConfig:
         if name not in FIELDS:
             raise UsageError(f"unknown option {name}{_suggest(name)} (the options are the command line's flags with "
                              f"underscores: help(mpitrain.train))")
-    return validate(TrainConfig(**{name: _check_type(name, value) for name, value in options.items()}))
+    try:
+        return validate(TrainConfig(**{name: _check_type(name, value) for name, value in options.items()}))
+    except UsageError as e:
+        raise UsageError(in_keywords(str(e))) from None
+
+
+# The checks speak the command line's language (config.validate); a caller of train() passed keywords.
+_EXAMPLE = re.compile(r"e\.g\. --([a-z][a-z0-9-]*) ([^\s;,)]+)")
+_FLAG = re.compile(r"--(no-)?([a-z][a-z0-9-]*)")
+
+
+def in_keywords(line: str) -> str:
+    """A usage line with each of mpitrain's flags as its keyword: "e.g. --batch-size 100" ->
+    "e.g. batch_size=100", "--no-overlap" -> "overlap=False", "--lr" -> "lr". Other flags (mpirun's) stay."""
+    by_flag = {flag_name(f): name for name, f in FIELDS.items()}
+
+    def example(m):
+        name = by_flag.get("--" + m[1])
+        if name is None:
+            return m[0]
+        value = m[2]
+        try:
+            float(value)
+        except ValueError:
+            value = repr(value)
+        return f"e.g. {name}={value}"
+
+    def flag(m):
+        name = by_flag.get("--" + m[2])
+        if name is None:
+            return m[0]
+        return f"{name}=False" if m[1] else name
+
+    return _FLAG.sub(flag, _EXAMPLE.sub(example, line))
 
 
 def rank() -> int:
@@ -184,8 +218,8 @@ def train(**options) -> Result:
     comm = world(cfg)
     from mpitrain.trainer import run  # imports mpi4py.MPI, which initialises MPI: after world()
     outcome = run(cfg, comm, node_info(comm), None, library=True)
-    if outcome.code == ExitCode.USAGE:
-        raise UsageError(outcome.error.removeprefix("mpitrain: error: "))
+    if outcome.code == ExitCode.USAGE:  # not printed: the exception is the one place it is said
+        raise UsageError(in_keywords(outcome.error.removeprefix("mpitrain: error: ")))
     result = Result(outcome.summary if outcome.summary is not None else outcome.report, outcome.params, outcome.model)
     if outcome.mpi_broken:
         _leave_at_exit(outcome.code)

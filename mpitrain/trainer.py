@@ -136,7 +136,7 @@ def run(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: boo
 
 
 def _run(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: bool, carry: join.Carry) -> Outcome:
-    ctx, line = agree_on_setup(cfg, comm, node, err)
+    ctx, line = agree_on_setup(cfg, comm, node, err, quiet=library)
     if ctx is None:
         return Outcome(ExitCode.USAGE, error=line)
     ctx, placements, heartbeat = connect(dataclasses.replace(ctx, outputs=carry.outputs), regrown=carry.start_step is not None)

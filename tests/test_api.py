@@ -6,7 +6,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import MPI_TIMEOUT_S, child_env, keep_going, launcher, run_detached
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,9 +68,9 @@ except mpitrain.Diverged as e:
 def test_bad_options_raise_before_mpi():
     import mpitrain
 
-    with pytest.raises(mpitrain.UsageError, match="--lr must be positive"):
+    with pytest.raises(mpitrain.UsageError, match="^lr must be positive"):
         mpitrain.train(lr=-1)
-    with pytest.raises(mpitrain.UsageError, match="--straggler"):
+    with pytest.raises(mpitrain.UsageError, match="^stragglers takes RANK:SECONDS"):
         mpitrain.train(stragglers=["x"])
     from mpitrain.api import config
 
@@ -119,6 +118,27 @@ print("ALIVE", mpitrain.train(steps=2, progress=False)["global_step"])
     proc = python(code)
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
     assert f"USAGE {line}" in proc.stdout and "ALIVE 2" in proc.stdout, proc.stdout
+
+
+# A check written for the command line, raised to a caller of train(): in the keywords they passed.
+IN_KEYWORDS = [
+    ({"batch_size": 0}, "batch_size must be a positive integer (got 0); e.g. batch_size=100"),
+    ({"mode": "sync", "staleness_lr": 2.0}, "staleness_lr applies to mode async"),
+    ({"mode": "async", "quorum": 2}, "quorum applies to mode sync"),
+    ({"overlap": False, "max_staleness": -1}, "max_staleness must be zero or more (got -1)"),
+]
+
+
+@pytest.mark.parametrize("options,line", IN_KEYWORDS, ids=[",".join(o) for o, _ in IN_KEYWORDS])
+def test_a_check_of_the_flags_speaks_in_keywords_to_a_caller(options, line):
+    import mpitrain
+    from mpitrain.api import in_keywords
+
+    with pytest.raises(mpitrain.UsageError) as e:
+        mpitrain.train(**options)
+    assert str(e.value).startswith(line) and "--" not in str(e.value), str(e.value)
+    assert in_keywords("--no-overlap, not --oversubscribe; e.g. --dataset npz:my.npz") == \
+        "overlap=False, not --oversubscribe; e.g. dataset='npz:my.npz'"  # mpirun's flags stay
 
 
 def test_the_api_is_discoverable():
@@ -191,6 +211,7 @@ except mpitrain.UsageError as e:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert sorted(ln for ln in proc.stdout.splitlines() if ln.startswith("USAGE")) == \
         ["USAGE 0 True", "USAGE 1 True", "USAGE 2 True"]
+    assert "no such file" not in proc.stderr  # raised, not printed as well
 
 
 def test_ctrl_c_in_the_api_saves_and_the_caller_lives_on(tmp_path):
