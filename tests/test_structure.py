@@ -127,3 +127,15 @@ def test_what_a_wait_runs_is_named_where_the_loop_starts():
                 if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Attribute) and t.value.attr == "watch":
                     attached.append(f"{name}:{node.lineno}")
     assert not attached, attached
+
+
+def test_every_job_script_starts_its_tasks_as_jobs_readme_says():
+    """jobs/README.md: every script starts its tasks with `srun --mpi=... --kill-on-bad-exit=0 --no-kill`,
+    so that a dead task leaves the others to finish (gpu.sbatch had neither)."""
+    scripts = sorted((PACKAGE.parent / "jobs").glob("*.sbatch"))
+    assert scripts
+    for script in scripts:
+        runs = [line for line in script.read_text().splitlines() if line.lstrip().startswith("srun ")]
+        assert runs, f"{script.name} starts no task with srun"
+        for line in runs:
+            assert "--kill-on-bad-exit=0" in line and "--no-kill" in line, f"{script.name}: {line}"
