@@ -25,7 +25,9 @@ from conftest import child_env, mpi_impl
 from mpitrain import mpiimpl
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = ("README.md", "jobs/README.md")
+# The front page, the job scripts' page and the documentation site's pages (docs/*.md; the folders
+# linked in docs/ are the repository's own, read where they are).
+DOCS = ("README.md", "jobs/README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")))
 RUNNABLE = ("bash", "python")
 LANGUAGES = RUNNABLE + ("text",)
 NOT_RUN = re.compile(r"^\s*<!-- not run by tests/test_readme.py: (?P<why>.+\S) -->\s*$")
@@ -76,7 +78,8 @@ def test_every_block_is_run_or_says_why_not():
     assert not marked_text, f"a text block is never run; the marker belongs before a command: {marked_text}"
     runnable = [b for s in SECTIONS.values() for b in s]
     assert len(runnable) >= 8, f"only {len(runnable)} blocks would run"  # a parser that finds nothing fails
-    assert {"README.md: The main job", "README.md: Checkpoints and resuming", "README.md: Python API"} <= set(SECTIONS)
+    assert {"README.md: The main job", "docs/checkpoints.md: Checkpoints and resuming", "README.md: Python API",
+            "README.md: Your own data"} <= set(SECTIONS)
     assert any(b["lang"] == "python" for b in runnable)
 
 
@@ -105,8 +108,8 @@ def test_the_commands_of_each_section_run_as_written(section, tmp_path):
 
 
 def test_readme_figures_come_from_dated_results_files():
-    """Each results file the README cites exists and says when it was measured."""
-    text = (ROOT / "README.md").read_text()
+    """Each results file the README or a docs page cites exists and says when it was measured."""
+    text = "".join((ROOT / doc).read_text() for doc in DOCS)
     cited = sorted(set(re.findall(r"\]\((benchmarks/[A-Z_]+\.md)\)", text)))
     assert len(cited) >= 5, cited
     for path in cited:
@@ -123,7 +126,7 @@ def test_the_flag_table_names_only_flags_that_exist_with_their_defaults():
     from mpitrain.config_io import flag_name
     from mpitrain.config import TrainConfig
 
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "flags.md").read_text()
     table = text.split("## Main flags", 1)[1].split("\n## ", 1)[0]
     rows = [ln for ln in table.splitlines() if ln.startswith("| `--")]
     flags = {opt for a in build_parser()._actions for opt in a.option_strings}
@@ -141,3 +144,24 @@ def test_the_flag_table_names_only_flags_that_exist_with_their_defaults():
         assert cells[1] == f"{field.default:g}", f"{first[0]}: README says {cells[1]}, the code {field.default}"
         checked += 1
     assert checked >= 5, checked
+
+
+def _anchor(heading: str) -> str:
+    """A heading's anchor as GitHub and MkDocs make it for plain titles."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_link_of_the_front_page_leads_somewhere():
+    """README.md is read on GitHub, not built by mkdocs (which checks docs/ with --strict): each of its
+    relative links names a file or folder that exists, and a section of it that exists."""
+    text = (ROOT / "README.md").read_text()
+    links = re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]+))?\)", text)
+    assert len(links) >= 15, links
+    for path, anchor in links:
+        if path.startswith(("http://", "https://")):
+            continue
+        target = ROOT / (path or "README.md")
+        assert target.exists(), f"README links to {path}, which does not exist"
+        if anchor:
+            headings = [ln.lstrip("#") for ln in target.read_text().splitlines() if ln.startswith("#")]
+            assert anchor in {_anchor(h) for h in headings}, f"README links to {path}#{anchor}: no such section"
