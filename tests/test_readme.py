@@ -32,6 +32,9 @@ RUNNABLE = ("bash", "python")
 LANGUAGES = RUNNABLE + ("text",)
 NOT_RUN = re.compile(r"^\s*<!-- not run by tests/test_readme.py: (?P<why>.+\S) -->\s*$")
 ONLY = re.compile(r"^\s*<!-- run by tests/test_readme.py under (?P<title>.+\S) only -->\s*$")
+# An example that trains says what a user should see, and is held to it: every "test accuracy X" it
+# prints (each run's summary) must be at least the figure (the npz example once said "done" at 0.19).
+CHECKS = re.compile(r"^\s*<!-- tests/test_readme.py checks: test accuracy >= (?P<least>[0-9.]+) -->\s*$")
 FENCE = re.compile(r"^(?P<indent>\s*)```(?P<lang>\S*)\s*$")
 SHARED = ("hostfiles", "examples", "jobs", "benchmarks")  # repo-relative paths the commands name
 SECTION_TIMEOUT_S = 600  # a hang fails; the slowest section (6 ranks on 2 cores) takes ~1 min
@@ -54,10 +57,11 @@ def blocks(doc: str) -> list[dict]:
             body.append(lines[i])
             i += 1
         before = next((ln for ln in reversed(lines[:start]) if ln.strip()), "")
-        why, only = NOT_RUN.match(before), ONLY.match(before)
+        why, only, checks = NOT_RUN.match(before), ONLY.match(before), CHECKS.match(before)
         found.append({"doc": doc, "line": start + 1, "section": section, "lang": m["lang"],
                       "code": textwrap.dedent("\n".join(body)) + "\n", "not_run": why["why"] if why else None,
-                      "only": only["title"] if only else None})
+                      "only": only["title"] if only else None,
+                      "least_accuracy": float(checks["least"]) if checks else None})
         i += 1
     return found
 
@@ -81,6 +85,8 @@ def test_every_block_is_run_or_says_why_not():
     assert {"README.md: The main job", "docs/checkpoints.md: Checkpoints and resuming", "README.md: Python API",
             "README.md: Your own data"} <= set(SECTIONS)
     assert any(b["lang"] == "python" for b in runnable)
+    checked = [f"{b['doc']}:{b['line']}" for b in ALL if b["least_accuracy"] is not None]
+    assert len(checked) >= 3, checked  # the main job, your own data, the API at least
 
 
 def run_block(block: dict, folder: Path) -> subprocess.CompletedProcess:
@@ -105,6 +111,10 @@ def test_the_commands_of_each_section_run_as_written(section, tmp_path):
         where = f"{block['doc']}:{block['line']} ({block['lang']})"
         assert proc.returncode == 0, f"{where} exited {proc.returncode}:\n{block['code']}\n{proc.stdout}\n{proc.stderr}"
         assert "Traceback" not in proc.stderr, f"{where}:\n{proc.stderr}"
+        if block["least_accuracy"] is not None:
+            got = [float(a) for a in re.findall(r"test accuracy (\d\.\d+)", proc.stdout)]
+            assert got and min(got) >= block["least_accuracy"], f"{where}: test accuracy {got}, " \
+                f"the text promises at least {block['least_accuracy']}:\n{proc.stdout}"
 
 
 def test_readme_figures_come_from_dated_results_files():
