@@ -7,7 +7,6 @@ reported once (see cli.py).
 
 from __future__ import annotations
 
-
 import os
 import socket
 import sys
@@ -19,15 +18,16 @@ import numpy as np
 
 from mpitrain import checkpoint, lock, mpiimpl
 from mpitrain.backend import Backend, make_backend
-from mpitrain.config import TrainConfig, UsageError, can_take_joiners, validate_for_world
+from mpitrain.config import TrainConfig, UsageError, can_take_joiners
+from mpitrain.console import say
 from mpitrain.data import Dataset, check_batch_fits, load_dataset, steps_per_epoch
 from mpitrain.faults import copying_backend_for
 from mpitrain.layout import PS_RANK, Layout
 from mpitrain.metrics import JobOutputs
-from mpitrain.console import say
 from mpitrain.model import Model, build
 from mpitrain.observe import Activity
 from mpitrain.optim import decayed_lr
+from mpitrain.worldcheck import validate_for_world
 
 __all__ = ["PS_RANK", "Context", "Layout", "Node", "setup", "start_state", "world"]
 
