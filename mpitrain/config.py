@@ -20,6 +20,7 @@ PS_DEVICES = ("cpu", "gpu")
 WAITS = ("auto", "spin", "yield")
 LOST_WORKER_CHOICES = ("continue", "stop")  # --on-lost-worker
 LR_SCALINGS = ("linear", "none")
+OUTER_OPTIMIZERS = ("sgd", "nesterov")  # --outer-optimizer (outer.py)
 
 
 def model_names() -> tuple[str, ...]:
@@ -73,6 +74,12 @@ DEFAULT_STALENESS_TOLERANCE = 8.0
 # of W - 1, so it stays on only while that is within the tolerance above (6 workers with overlap: 0.952,
 # without: 0.9585).
 AUTO_OVERLAP_MAX_WORKERS = int(DEFAULT_STALENESS_TOLERANCE + 1) // 2
+# --local-steps' outer learning rate unless --outer-lr: sgd 1 is plain model averaging (local SGD),
+# nesterov 0.7 (momentum 0.9) DiLoCo's (Douillard et al. 2023).
+OUTER_DEFAULT_LR = {"sgd": 1.0, "nesterov": 0.7}
+# Measured (MNIST-sized 8,000 / 2,000, 4 workers, H 16, seeds 0-2): nesterov 0.950 / 0.9525 / 0.9605 test
+# accuracy, plain averaging 0.9445 / 0.9445 / 0.9425; sync with an Allreduce every step 0.953 (seed 0).
+DEFAULT_OUTER_OPTIMIZER = "nesterov"
 # --delay-compensation given without a value: the adaptive variant's lambda_0 in Zheng et al. 2017 (CIFAR-10, ImageNet).
 DEFAULT_DC_LAMBDA = 2.0
 # Seconds without a global step before the waiting rank says what it waits for (Horovod's stall
@@ -144,6 +151,16 @@ class TrainConfig:
     quorum: int | None = PARALLELISM(
         None, "sync: each update averages the first Q fresh gradients; later ones are dropped and counted",
         shown="every worker, a plain Allreduce", metavar="Q")
+    local_steps: int = PARALLELISM(
+        1, "sync: each worker takes H steps on its own, then the workers average how far they moved (one "
+        "Allreduce every H steps instead of every step) and apply it with the outer optimizer (local SGD, "
+        "DiLoCo); 1: average every gradient", metavar="H")
+    outer_optimizer: str = PARALLELISM(
+        DEFAULT_OUTER_OPTIMIZER, "--local-steps H: the outer optimizer: nesterov (DiLoCo's) or sgd (with "
+        "--outer-lr 1: plain model averaging)", choices=OUTER_OPTIMIZERS)
+    outer_lr: float | None = PARALLELISM(
+        None, "--local-steps H: the outer learning rate", shown="sgd 1, nesterov 0.7", metavar="LR")
+    outer_momentum: float = PARALLELISM(0.9, "--local-steps H with nesterov: the outer momentum", metavar="M")
     max_staleness: int | None = PARALLELISM(
         None, "async: hold back a worker's reply so that no applied gradient is more than S updates stale "
         "(implies --no-overlap)", shown="unbounded", metavar="S")
@@ -293,7 +310,12 @@ class TrainConfig:
     def scaled_lr(self) -> bool:
         """Sync updates average the gradients of several workers' batches: as Horovod and Goyal et
         al. (2017), the learning rate grows with them. Async applies each gradient alone."""
-        return (self.lr_scaling or ("linear" if self.mode == "sync" else "none")) == "linear"
+        averaged = self.mode == "sync" and self.local_steps == 1  # --local-steps: each inner step is one batch's
+        return (self.lr_scaling or ("linear" if averaged else "none")) == "linear"
+
+    @property
+    def outer_learning_rate(self) -> float:
+        return self.outer_lr if self.outer_lr is not None else OUTER_DEFAULT_LR[self.outer_optimizer]
 
     @property
     def epochs_or_default(self) -> int | None:
@@ -413,6 +435,21 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if cfg.staleness_lr is not None and not 0 <= cfg.staleness_lr < float("inf"):
         raise UsageError(f"--staleness-lr takes a K of zero (off) or more (got {cfg.staleness_lr}); "
                          f"e.g. --staleness-lr {DEFAULT_STALENESS_TOLERANCE:g}")
+    if cfg.local_steps < 1:
+        raise UsageError(f"--local-steps must be at least 1 (got {cfg.local_steps}); e.g. --local-steps 16")
+    if cfg.local_steps > 1 and cfg.mode != "sync":
+        raise UsageError("--local-steps is built for --mode sync so far; async takes a step per gradient "
+                         "(use --mode sync --local-steps H)")
+    if cfg.local_steps > 1 and cfg.quorum is not None:
+        raise UsageError("--local-steps and --quorum do not go together yet (an outer step averages every "
+                         "worker); drop one of the two")
+    if cfg.local_steps == 1 and (cfg.outer_optimizer != DEFAULT_OUTER_OPTIMIZER or cfg.outer_lr is not None):
+        raise UsageError("--outer-optimizer and --outer-lr apply with --local-steps H above 1; "
+                         "e.g. --local-steps 16 --outer-optimizer sgd")
+    if cfg.outer_lr is not None and not 0 < cfg.outer_lr < float("inf"):
+        raise UsageError(f"--outer-lr must be positive (got {cfg.outer_lr})")
+    if not 0 <= cfg.outer_momentum < 1:
+        raise UsageError(f"--outer-momentum must be in [0, 1) (got {cfg.outer_momentum})")
     if cfg.delay_compensation is not None:
         if cfg.mode != "async":
             raise UsageError("--delay-compensation applies to --mode async (sync gradients are never stale)")

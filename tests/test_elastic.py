@@ -19,8 +19,11 @@ from conftest import (Lines, child_env, communicate_or_kill, keep_going, kill_se
                       wait_for_training)
 from mpitrain.faults import rank_pids
 
-STEPS = {"sync": 3000, "quorum": 5000}  # 3-10 s on 2 cores (quorum at 2500 once took under 2 s: the kill found the victim gone): a kill lands mid-run
-MODE_FLAGS = {"sync": ("--mode", "sync"), "quorum": ("--mode", "sync", "--quorum", "2")}
+# 3-10 s on 2 cores (quorum at 2500 once took under 2 s: the kill found the victim gone): a kill lands
+# mid-run; --local-steps 8 takes an Allreduce every 8 steps, about twice sync's pace on one host
+STEPS = {"sync": 3000, "quorum": 5000, "local": 6000}
+MODE_FLAGS = {"sync": ("--mode", "sync"), "quorum": ("--mode", "sync", "--quorum", "2"),
+              "local": ("--mode", "sync", "--local-steps", "8")}
 
 
 def kill_during_training(tmp_path, np_: int, args: tuple[str, ...], victims: list[int], rng: random.Random,
@@ -43,8 +46,8 @@ def kill_during_training(tmp_path, np_: int, args: tuple[str, ...], victims: lis
     return result, json.loads(summary.read_text()) if summary.exists() else None, time.monotonic() - killed_at
 
 
-@pytest.mark.parametrize("mode,victim", [("sync", 3), ("sync", 1), ("quorum", 2), ("quorum", 1)],
-                         ids=["sync-worker", "sync-chief", "quorum-worker", "quorum-chief"])
+@pytest.mark.parametrize("mode,victim", [("sync", 3), ("sync", 1), ("quorum", 2), ("quorum", 1), ("local", 2)],
+                         ids=["sync-worker", "sync-chief", "quorum-worker", "quorum-chief", "local-steps-worker"])
 def test_a_sync_job_goes_on_without_a_worker_killed_from_outside(tmp_path, mode, victim):
     rng = random.Random(f"{mode}{victim}{time.time()}")
     proc, s, _ = kill_during_training(tmp_path, 4, MODE_FLAGS[mode] + ("--steps", str(STEPS[mode])), [victim], rng)

@@ -33,6 +33,7 @@ from mpitrain.metrics import Progress
 from mpitrain.modes.base import Mode, Trained
 from mpitrain.observe import ALLREDUCE, APPLY, COMPUTE, PUSH, WAIT
 from mpitrain.optim import Optimizer, make_ema
+from mpitrain.outer import OUTER_STATE, LocalSteps
 from mpitrain.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_REGROUPED, FLAG_STOP, TAG_SHARD, TAG_STATUS,
                                Message, ProtocolError)
 from mpitrain.runtime import Context, start_state
@@ -70,6 +71,10 @@ class SyncStep:
             self.opt.restore(start.opt_t, start.opt_state)
             if ctx.worker_index == 0:  # the coordinator (or the local run) keeps the moving average
                 self.ema = make_ema(cfg.ema_decay, params, be.xp, start.global_step, start.ema)
+        self.local = None  # --local-steps H > 1: an Allreduce every H steps (outer.py)
+        if cfg.local_steps > 1:
+            self.local = LocalSteps(cfg, params, be.xp, start.opt_state.get(OUTER_STATE) if start else None)
+        self.synced = True  # the step just taken ended with the workers' models identical
         self.activity = ctx.activity
 
     def train_state(self, step: int) -> TrainState:
@@ -77,6 +82,10 @@ class SyncStep:
         def host(a):
             return None if a is None else np.array(self.ctx.backend.to_host(a), np.float32)
 
+        if self.local is not None:  # the global model of the last outer step, and the outer momentum
+            opt = {**self.opt.state, **self.local.outer.state()}
+            return TrainState(host(self.local.anchor), step, self.opt.t, {k: host(a) for k, a in opt.items()},
+                              [step] * self.ctx.workers, host(self.ema.avg) if self.ema else None)
         return TrainState(host(self.params), step, self.opt.t, {k: host(a) for k, a in self.opt.state.items()},
                           [step] * self.ctx.workers, host(self.ema.avg) if self.ema else None)
 
@@ -92,8 +101,12 @@ class SyncStep:
         self.buf[self.n + 1] = 1.0
         self.buf[self.n + 2] = 1.0 if STOP.requested else 0.0
 
-    def reduce_and_apply(self, step: int) -> float:
-        """Sum over workers (the reducer), divide by the summed weight, apply; returns the mean loss."""
+    def reduce_and_apply(self, step: int, last: bool = False) -> float:
+        """Sum over workers (the reducer), divide by the summed weight, apply; returns the mean loss.
+        With --local-steps H, the step is this worker's own, and every H steps (and the `last`) an
+        outer step follows (local_step)."""
+        if self.local is not None:
+            return self.local_step(step, last)
         be, buf = self.ctx.backend, self.buf
         if self.reducer.sum(buf):
             buf *= be.xp.float32(1.0) / buf[self.n + 1]
@@ -101,6 +114,38 @@ class SyncStep:
         if self.stop:
             STOP.request()
         return self.apply(step)
+
+    def local_step(self, step: int, last: bool) -> float:
+        """--local-steps H: apply this worker's own gradient (its own loss comes back); at an outer
+        step, then average the workers' outer gradients anchor - local with their mean inner loss
+        and stop votes, and apply the same outer step on every worker (the mean loss comes back). A
+        diverged mean is not applied: the anchor stays the last good global model."""
+        ctx, be, buf, n, loc = self.ctx, self.ctx.backend, self.buf, self.n, self.local
+        self.activity.enter(APPLY)
+        self.why, self.synced = None, False
+        self.opt.step(self.params, buf[:n], ctx.lr_at(step))
+        loc.losses.append(self.own_loss)
+        if not loc.due(step, last):
+            return self.own_loss
+        be.xp.subtract(loc.anchor, self.params, out=buf[:n])
+        self._weigh(float(np.mean(loc.losses)))
+        loc.losses.clear()
+        if self.reducer.sum(buf):
+            buf *= be.xp.float32(1.0) / buf[n + 1]
+        self.stop = bool(buf[n + 2] > 0)
+        if self.stop:
+            STOP.request()
+        self.activity.enter(APPLY)
+        loss = float(buf[n])
+        self.why = NON_FINITE if not math.isfinite(loss) else self.guard.exploded(loss)
+        if self.why:
+            return loss
+        loc.outer.step(loc.anchor, buf[:n])
+        self.params[...] = loc.anchor
+        self.synced = True
+        if self.ema:
+            self.ema.update(self.params)
+        return loss
 
     def apply(self, step: int) -> float:
         """Apply the mean gradient in buf (mean loss behind it) as update `step`, unless that loss
@@ -139,10 +184,11 @@ def train(ctx: Context, start: TrainState, on_step=None) -> WorkerResult:
             kill.at(step - start.global_step + 1)
             step_fn.compute(source)
             act.stepped()
-            loss = step_fn.reduce_and_apply(step)
+            loss = step_fn.reduce_and_apply(step, last=step + 1 == total)
             if step_fn.why:
-                return sync_result(step_fn, step, loss, act.times(), contributed=step)
-            applied = step + 1
+                return sync_result(step_fn, applied, loss, act.times(), contributed=step)
+            if step_fn.synced:  # with --local-steps, only an outer step's state is the same on every worker
+                applied = step + 1
             recent.append(loss)
             if on_step is not None:
                 on_step(step + 1, loss, step_fn)
@@ -248,8 +294,15 @@ class CoordinatorReport:
             self.pending[k] = ctx.comm.Isend(full.spec(), dest=rank, tag=TAG_STATUS)
 
     def report(self, step: int, loss: float, sync_step: SyncStep) -> None:
-        ctx = self.ctx
-        flags = (FLAG_EVAL if ctx.eval_due(step) else 0) | (FLAG_CKPT if self.ckpt.due(step) else 0)
+        ctx, local = self.ctx, sync_step.local
+        if local is None:
+            flags = (FLAG_EVAL if ctx.eval_due(step) else 0) | (FLAG_CKPT if self.ckpt.due(step) else 0)
+        elif sync_step.synced:  # --local-steps: the global model exists after an outer step only
+            every = ctx.cfg.checkpoint_every_steps
+            save = self.ckpt.due(step) or (self.ckpt.enabled and local.crossed(step, every))
+            flags = (FLAG_EVAL if local.crossed(step, ctx.cfg.eval_every) else 0) | (FLAG_CKPT if save else 0)
+        else:
+            flags = 0
         if flags:
             if flags & FLAG_CKPT:
                 self.ckpt.mark(step)
@@ -418,6 +471,15 @@ class SyncMode(Mode):
 
     def why_no_regroup(self) -> str | None:
         return None
+
+    def start_words(self, cfg, workers: int) -> str | None:
+        """--local-steps H: what an outer step is, for the start line."""
+        if cfg.local_steps == 1:
+            return None
+        how = "plain averaging" if cfg.outer_optimizer == "sgd" else f"momentum {cfg.outer_momentum:g}"
+        return (f"sync, local steps: every {cfg.local_steps} steps the {workers} workers average their models "
+                f"(one Allreduce instead of {cfg.local_steps}) and take an outer {cfg.outer_optimizer} step "
+                f"(lr {cfg.outer_learning_rate:g}, {how}); each inner step applies one worker's batch at --lr")
 
     def waits_for(self, cfg, workers: int) -> str:
         return "waiting for the workers' gradient Allreduce"

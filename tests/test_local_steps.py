@@ -1,0 +1,64 @@
+"""--local-steps H (sync): an Allreduce of the workers' models every H steps and an outer step
+(outer.py), as local SGD and DiLoCo do."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import NUMBERS_ONLY, only_on, train
+
+from mpitrain.cli import parse_args
+from mpitrain.outer import LocalSteps, OuterOptimizer
+
+
+def test_outer_sgd_at_lr_1_is_model_averaging_and_nesterov_is_sutskevers():
+    anchor = np.array([1.0, 2.0], np.float32)
+    delta = np.array([0.5, -1.0], np.float32)  # the mean of anchor - local: the workers moved by -delta
+    OuterOptimizer("sgd", 1.0, 0.9, 2).step(anchor, delta)
+    np.testing.assert_array_equal(anchor, [0.5, 3.0])  # where the workers are on average
+    nesterov, w = OuterOptimizer("nesterov", 0.7, 0.9, 2), np.zeros(2, np.float32)
+    v = np.zeros(2)
+    for g in (delta, delta * 2):
+        v = 0.9 * v + g
+        expected = w - 0.7 * (g + 0.9 * v)
+        nesterov.step(w, g)
+        np.testing.assert_allclose(w, expected, rtol=1e-6)
+        assert np.allclose(nesterov.state()["outer_v"], v)
+
+
+def test_an_outer_step_comes_every_h_steps_and_at_the_end_and_saves_wait_for_it():
+    cfg, _ = parse_args(["--mode", "sync", "--local-steps", "4"])
+    loc = LocalSteps(cfg, np.zeros(3, np.float32), np)
+    assert [s + 1 for s in range(12) if loc.due(s, last=False)] == [4, 8, 12]
+    assert loc.due(5, last=True)  # a budget that is no multiple of H still ends on the global model
+    # --checkpoint-every-steps 10 / --eval-every 10: at the outer step after each multiple of 10
+    assert [s for s in (4, 8, 12, 16, 20, 24) if loc.crossed(s, 10)] == [12, 20]
+    assert not any(loc.crossed(s, 0) for s in (4, 8))
+
+
+@only_on("mpich", NUMBERS_ONLY)
+@pytest.mark.parametrize("outer", ["nesterov", "sgd"])
+def test_local_steps_learn_with_identical_replicas(tmp_path, outer):
+    s = train(3, tmp_path, "--mode", "sync", "--local-steps", "8", "--outer-optimizer", outer)
+    assert s["global_step"] == 350  # --epochs count samples as without local steps
+    assert s["worker_param_digests"] == [s["param_digest"]] * 2
+    assert s["test_accuracy"] >= 0.93
+    assert f"every 8 steps the 2 workers average their models (one Allreduce instead of 8) and take an outer {outer}" \
+        in s["_stdout"]
+
+
+@only_on("mpich", NUMBERS_ONLY)
+def test_a_resumed_run_ends_bit_for_bit_where_an_uninterrupted_one_does(tmp_path):
+    """The checkpoint holds the global model of an outer step and the outer momentum: stopping at
+    step 100 and going on to 200 gives the parameters of one run to 200. Saves asked for every 10
+    steps land on the outer steps after them (multiples of 4)."""
+    flags = ("--mode", "sync", "--local-steps", "4", "--seed", "3")
+    whole = train(3, tmp_path, *flags, "--steps", "200")
+    ck = tmp_path / "ck"
+    first = train(3, tmp_path, *flags, "--steps", "100", "--checkpoint-dir", str(ck), "--checkpoint-every-steps", "10",
+                  "--keep-checkpoints", "100")
+    saved = sorted(int(p.stem.removeprefix("ckpt-")) for p in ck.glob("ckpt-*.npz"))
+    assert saved[:3] == [12, 20, 32] and saved[-1] == 100, saved
+    again = train(3, tmp_path, *flags, "--steps", "200", "--checkpoint-dir", str(ck))
+    assert "resuming from" in again["_stdout"] and first["global_step"] == 100
+    assert again["param_digest"] == whole["param_digest"]
