@@ -6,7 +6,8 @@ Held-out accuracy after the same number of epochs (mpitrain's default, 50) at 2,
 workers (np = workers + 1), MLP, three seeds, for: async with today's defaults; async as it was
 before them (--overlap, no damping); each remedy alone; and sync (its defaults). Data: an MNIST-
 sized set from DIR (the four IDX files; not shipped, name its source with --data-source), digits,
-and synthetic (digits with --batch-size 50 at every size: 16 workers' shards are 89 images). Each run's staleness (mean and 99th percentile) is recorded beside its accuracy.
+and synthetic (digits with --batch-size 50 at every size: 16 workers' shards are 89 images). Each
+run's staleness (mean and 99th percentile) is recorded beside its accuracy.
 On 2 cores 17 ranks are heavily oversubscribed: the accuracy is what this measures, not speed.
 Results go to --json as they come (--resume continues an interrupted run from it).
 """

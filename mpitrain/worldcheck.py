@@ -20,7 +20,8 @@ def validate_for_world(cfg: TrainConfig, size: int) -> None:
                             (cfg.max_staleness is not None, "--max-staleness bounds the staleness of async workers"),
                             (cfg.staleness_lr, "--staleness-lr damps stale async gradients"),
                             (cfg.delay_compensation is not None, "--delay-compensation corrects stale async gradients"),
-                            (cfg.quorum is not None, f"--quorum {cfg.quorum} averages the gradients of that many workers"),
+                            (cfg.quorum is not None,
+                             f"--quorum {cfg.quorum} averages the gradients of that many workers"),
                             (cfg.local_steps > 1, f"--local-steps {cfg.local_steps} averages the workers' models")):
             if given:
                 raise UsageError(f"{what}, but {alone}; run under mpirun (e.g. mpirun -np 3 python -m mpitrain ...) "
