@@ -157,25 +157,26 @@ def config(**options) -> TrainConfig:
 
 
 # The checks speak the command line's language (config.validate); a caller of train() passed keywords.
-_EXAMPLE = re.compile(r"e\.g\. --([a-z][a-z0-9-]*) ([^\s;,)]+)")
+_EXAMPLE = re.compile(r"(e\.g\.|as in) --([a-z][a-z0-9-]*) ([^\s;,)]+)")
 _FLAG = re.compile(r"--(no-)?([a-z][a-z0-9-]*)")
 
 
 def in_keywords(line: str) -> str:
     """A usage line with each of mpitrain's flags as its keyword: "e.g. --batch-size 100" ->
-    "e.g. batch_size=100", "--no-overlap" -> "overlap=False", "--lr" -> "lr". Other flags (mpirun's) stay."""
+    "e.g. batch_size=100" (and "as in ..."), "--no-overlap" -> "overlap=False", "--lr" -> "lr".
+    Other flags (mpirun's) stay."""
     by_flag = {flag_name(f): name for name, f in FIELDS.items()}
 
     def example(m):
-        name = by_flag.get("--" + m[1])
+        name = by_flag.get("--" + m[2])
         if name is None:
             return m[0]
-        value = m[2]
+        value = m[3]
         try:
             float(value)
         except ValueError:
             value = repr(value)
-        return f"e.g. {name}={value}"
+        return f"{m[1]} {name}={value}"
 
     def flag(m):
         name = by_flag.get("--" + m[2])
