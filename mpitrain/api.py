@@ -136,6 +136,8 @@ def _check_type(name: str, value):
             return tuple(s if isinstance(s, tuple) else parse_straggler(s) for s in value)
         except (TypeError, AttributeError):
             raise UsageError(f"stragglers takes a list like ['2:x5', '3:0.01'], not {value!r}") from None
+    if name == "staleness_lr" and isinstance(value, bool):  # the switch it was before it took a K
+        return 1.0 if value else 0.0
     types, words = KINDS[kind]
     if isinstance(value, bool) and kind != "bool" or not isinstance(value, types):
         example = f.default if f.default not in (None, ()) else {"int": 10, "float": 0.5, "str": "'...'"}[kind]

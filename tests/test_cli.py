@@ -338,6 +338,10 @@ def test_a_flag_given_alone_takes_its_documented_value_and_true_from_python_is_o
     assert parse_args([])[0].staleness_tolerance == DEFAULT_STALENESS_TOLERANCE  # async's default
     assert parse_args(["--staleness-lr", "0"])[0].staleness_tolerance is None  # off
     assert parse_args(["--mode", "sync"])[0].staleness_tolerance is None  # sync gradients are fresh
+    from mpitrain.api import config
+
+    assert config(staleness_lr=True).staleness_tolerance == 1.0  # the API's switch as it was: K 1
+    assert config(staleness_lr=False).staleness_tolerance is None
     from_python = dataclasses.replace(TrainConfig(), staleness_lr=True)
     assert from_python.staleness_tolerance == 1.0
     assert parse_args(as_argv(from_python))[0].staleness_tolerance == 1.0
