@@ -24,7 +24,7 @@ from mpitrain.atomic import write_atomic
 from mpitrain.config import UsageError
 from mpitrain.model import builtin_spec
 from mpitrain.optim import REGISTRY as OPTIMIZER_REGISTRY
-from mpitrain.outer import OUTER_STATE
+from mpitrain.outer import OUTER_STATES
 from mpitrain.outputs import WRITES
 
 NAME = re.compile(r"^ckpt-(\d{9})\.npz$")
@@ -67,8 +67,8 @@ def state_arrays(cfg) -> list[str]:
     """Names of a training state's flat arrays, in the order they travel (the start-up broadcast,
     the sync coordinator -> rank 0): params, the optimizer's state, the moving average."""
     names = ["params"] + [OPT_PREFIX + name for name in OPTIMIZER_REGISTRY[cfg.optimizer].state]
-    if cfg.local_steps > 1 and cfg.outer_optimizer == "nesterov":  # the outer momentum (outer.py)
-        names.append(OPT_PREFIX + OUTER_STATE)
+    if cfg.local_steps > 1:  # the outer optimizer's state (outer.py)
+        names += [OPT_PREFIX + name for name in OUTER_STATES[cfg.outer_optimizer]]
     return names + (["ema"] if cfg.ema_decay else [])
 
 

@@ -20,7 +20,6 @@ PS_DEVICES = ("cpu", "gpu")
 WAITS = ("auto", "spin", "yield")
 LOST_WORKER_CHOICES = ("continue", "stop")  # --on-lost-worker
 LR_SCALINGS = ("linear", "none")
-OUTER_OPTIMIZERS = ("sgd", "nesterov")  # --outer-optimizer (outer.py)
 
 
 def model_names() -> tuple[str, ...]:
@@ -77,6 +76,7 @@ AUTO_OVERLAP_MAX_WORKERS = int(DEFAULT_STALENESS_TOLERANCE + 1) // 2
 # --local-steps' outer learning rate unless --outer-lr: sgd 1 is plain model averaging (local SGD),
 # nesterov 0.7 (momentum 0.9) DiLoCo's (Douillard et al. 2023).
 OUTER_DEFAULT_LR = {"sgd": 1.0, "nesterov": 0.7}
+OUTER_OPTIMIZERS = tuple(OUTER_DEFAULT_LR)  # --outer-optimizer's choices (outer.py)
 # Measured (MNIST-sized 8,000 / 2,000, 4 workers, H 16, seeds 0-2): nesterov 0.950 / 0.9525 / 0.9605 test
 # accuracy, plain averaging 0.9445 / 0.9445 / 0.9425; sync with an Allreduce every step 0.953 (seed 0).
 DEFAULT_OUTER_OPTIMIZER = "nesterov"
@@ -159,7 +159,7 @@ class TrainConfig:
         DEFAULT_OUTER_OPTIMIZER, "--local-steps H: the outer optimizer: nesterov (DiLoCo's) or sgd (with "
         "--outer-lr 1: plain model averaging)", choices=OUTER_OPTIMIZERS)
     outer_lr: float | None = PARALLELISM(
-        None, "--local-steps H: the outer learning rate", shown="sgd 1, nesterov 0.7", metavar="LR")
+        None, "--local-steps H: the outer learning rate", shown=", ".join(f"{k} {lr:g}" for k, lr in OUTER_DEFAULT_LR.items()), metavar="LR")
     outer_momentum: float = PARALLELISM(0.9, "--local-steps H with nesterov: the outer momentum", metavar="M")
     max_staleness: int | None = PARALLELISM(
         None, "async: hold back a worker's reply so that no applied gradient is more than S updates stale "

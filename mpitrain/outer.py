@@ -11,6 +11,8 @@ from __future__ import annotations
 import numpy as np
 
 OUTER_STATE = "outer_v"  # the outer Nesterov momentum, as checkpoints and the start-up broadcast name it
+# Each --outer-optimizer's state arrays (checkpoint.state_arrays sends and saves them).
+OUTER_STATES = {"sgd": (), "nesterov": (OUTER_STATE,)}
 
 
 class OuterOptimizer:
@@ -19,7 +21,7 @@ class OuterOptimizer:
 
     def __init__(self, kind: str, lr: float, momentum: float, n: int, xp=np, saved=None):
         self.lr, self.mu, self.xp = lr, momentum, xp
-        self.v = xp.zeros(n, xp.float32) if kind == "nesterov" else None
+        self.v = xp.zeros(n, xp.float32) if OUTER_STATE in OUTER_STATES[kind] else None
         if self.v is not None and saved is not None:
             self.v[...] = xp.asarray(saved)
         self.tmp = xp.empty(n, xp.float32)

@@ -299,8 +299,9 @@ class AsyncWorker:
     """Pull/compute/push through the exchange (exchange.base.PushPull; MPI's by default). With
     --overlap (the default up to config.AUTO_OVERLAP_MAX_WORKERS workers) the answer to push k is
     received while the gradient of step k+1 is computed, so a worker never idles on the round trip;
-    each gradient is then computed on parameters one exchange older. --no-overlap waits for every answer. With --num-ps K the
-    servers count their own versions, and a worker stops when any server stops it."""
+    each gradient is then computed on parameters one exchange older. --no-overlap waits for every
+    answer. With --num-ps K the servers count their own versions, and a worker stops when any
+    server stops it."""
 
     def __init__(self, ctx: Context, exchange: PushPull | None = None):
         start = start_state(ctx)
