@@ -98,6 +98,10 @@ CASES = [
     Case("rank0-async", ("--mode", "async", "--hidden", "2000"), "rank0", 1200),
     Case("rank0-sync", ("--mode", "sync"), "rank0", 4000),
     Case("supervisor", ("--mode", "async"), "supervisor", 20000),
+    # --ps-transport shm: a worker killed at any moment, very often holding the store's lock or
+    # half-way through its apply (a step is mostly that); rank 0, which only follows the version.
+    Case("shm-async", ("--mode", "async", "--ps-transport", "shm"), "worker", 30000),
+    Case("rank0-shm", ("--mode", "async", "--ps-transport", "shm"), "rank0", 30000),
     Case("async-2ps", ("--mode", "async", "--num-ps", "2", "--hidden", "2000"), "worker", 1000),
     Case("shard-async", ("--mode", "async", "--num-ps", "2", "--hidden", "2000"), "shard", 1000),
     Case("shard-sync", ("--mode", "sync", "--num-ps", "2"), "shard", 4000),
@@ -120,7 +124,7 @@ CASES = [
     Case("respawn-sync", ("--mode", "sync", "--respawn", "1"), "worker", 4000),
 ]
 DEFAULT_TRIALS = {"async": 5, "async-staleness": 4, "async-big": 6, "sync": 4, "sync-quorum": 4, "chief-quorum": 3,
-                  "quorum-big": 3, "sync-big": 3, "chief-sync": 3, "sync-stop": 2, "rank0-async": 4, "rank0-sync": 3, "supervisor": 3, "async-2ps": 4,
+                  "quorum-big": 3, "sync-big": 3, "chief-sync": 3, "sync-stop": 2, "rank0-async": 4, "rank0-sync": 3, "supervisor": 3, "shm-async": 5, "rank0-shm": 3, "async-2ps": 4,
                   "shard-async": 3, "shard-sync": 2, "term-mpirun-async": 3, "term-rank-sync": 3,
                   "int-mpirun-quorum": 3, "term-rank0-2ps": 3, "disk-full": 3, "rejoin-async": 4,
                   "rejoin-sync": 3, "respawn-async": 3, "respawn-sync": 3}

@@ -20,28 +20,22 @@ PS_DEVICES = ("cpu", "gpu")
 WAITS = ("auto", "spin", "yield")
 LOST_WORKER_CHOICES = ("continue", "stop")  # --on-lost-worker
 LR_SCALINGS = ("linear", "none")
+PS_TRANSPORTS = ("mpi", "shm")  # --ps-transport (exchange/mpi.py, exchange/shm.py)
 
 
-def model_names() -> tuple[str, ...]:
-    """--model's choices: model.py's registry. Imported when called, not above: NumPy must not load
-    before cli.py pins the BLAS threads."""
-    from mpitrain.model import HIDDEN
+def _names(module: str, table: str) -> Callable[[], tuple[str, ...]]:
+    """A registry's names (--model's, --optimizer's, --compress's choices), imported when asked, not
+    above: NumPy must not load before cli.py pins the BLAS threads."""
 
-    return tuple(HIDDEN)
+    def names() -> tuple[str, ...]:
+        import importlib
 
+        return tuple(getattr(importlib.import_module(f"mpitrain.{module}"), table))
 
-def optimizer_names() -> tuple[str, ...]:
-    """--optimizer's choices: optim.py's registry (imported when called, as model_names)."""
-    from mpitrain.optim import REGISTRY
-
-    return tuple(REGISTRY)
+    return names
 
 
-def codec_names() -> tuple[str, ...]:
-    """--compress's choices: codec.py's CODECS (imported when called, as model_names)."""
-    from mpitrain.codec import CODECS
-
-    return tuple(CODECS)
+model_names, optimizer_names, codec_names = _names("model", "HIDDEN"), _names("optim", "REGISTRY"), _names("codec", "CODECS")
 
 
 def optimizer_lrs() -> str:
@@ -145,6 +139,10 @@ class TrainConfig:
     overlap: bool | None = PARALLELISM(
         None, "async: receive the next parameters while computing the next gradient (one exchange staler, "
         "no idle round trip)", shown=f"on up to {AUTO_OVERLAP_MAX_WORKERS} workers, off above")
+    ps_transport: str = PARALLELISM(
+        "mpi", "async: mpi (each gradient a message that rank 0 applies) or shm (one host: the parameters in shared "
+        "memory, each worker applies its own gradient under a lock; rank 0 only evaluates, saves and stops)",
+        choices=PS_TRANSPORTS)
     compress: str = PARALLELISM(
         "none", "send gradients and parameters as float16 or bfloat16 (half the bytes; bf16 converts faster on a "
         "CPU); update in float32", choices=codec_names)
@@ -294,7 +292,7 @@ class TrainConfig:
         """Async with this many workers: --overlap as given, else on up to AUTO_OVERLAP_MAX_WORKERS.
         --max-staleness works by holding back replies, which only binds a worker that waits for its
         reply before computing: it implies --no-overlap."""
-        if self.max_staleness is not None:
+        if self.max_staleness is not None or self.ps_transport == "shm":  # shm: no round trip to hide
             return False
         return self.overlap if self.overlap is not None else workers <= AUTO_OVERLAP_MAX_WORKERS
 
@@ -338,6 +336,16 @@ def can_take_joiners(cfg: TrainConfig) -> bool:
     """Whether a job with these flags lets workers join it (join.py) where its MPI can: it has
     --checkpoint-dir, where a joiner finds it, and heartbeats, which tell its workers to make room."""
     return bool(cfg.checkpoint_dir) and cfg.worker_timeout > 0
+
+
+def _shm_fits(cfg: TrainConfig) -> None:
+    """--ps-transport shm, as far as it goes so far (README, "One host: --ps-transport shm")."""
+    for given, what in ((cfg.mode != "async", "--mode sync (its Allreduce has no server)"), (cfg.num_ps > 1, "--num-ps"),
+                        (cfg.max_staleness is not None, "--max-staleness"), (cfg.overlap, "--overlap"),
+                        (cfg.delay_compensation is not None, "--delay-compensation"), (cfg.join, "--join"),
+                        (cfg.respawn, "--respawn"), (cfg.ps_device == "gpu", "--ps-device gpu")):
+        if given:
+            raise UsageError(f"--ps-transport shm does not go with {what} yet; drop one of the two")
 
 
 def validate(cfg: TrainConfig) -> TrainConfig:
@@ -450,6 +458,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise UsageError(f"--outer-lr must be positive (got {cfg.outer_lr})")
     if not 0 <= cfg.outer_momentum < 1:
         raise UsageError(f"--outer-momentum must be in [0, 1) (got {cfg.outer_momentum})")
+    if cfg.ps_transport == "shm":
+        _shm_fits(cfg)
     if cfg.delay_compensation is not None:
         if cfg.mode != "async":
             raise UsageError("--delay-compensation applies to --mode async (sync gradients are never stale)")

@@ -4,6 +4,9 @@ MPITRAIN_INJECT_NAN=RANK:STEP   worker RANK reports a NaN loss at its local step
 MPITRAIN_INJECT_KILL=RANK:STEP  worker RANK SIGKILLs itself at its local step STEP (as the OOM
                                 killer or `kill -9` would)
 MPITRAIN_INJECT_KILL=RANK:report  ... right after it sent rank 0 its end-of-run report
+MPITRAIN_INJECT_KILL=RANK:STEP:locked   --ps-transport shm: ... holding the store's lock, before applying
+MPITRAIN_INJECT_KILL=RANK:STEP:applying ... with its gradient applied to the store, the version not yet
+                                advanced (half-way through its step, as rank 0 and the others see it)
 MPITRAIN_INJECT_EXIT=RANK:STEP  worker RANK exits at its local step STEP without a word (exit 137,
                                 as a killed rank's supervisor does: a Python API script has none)
 MPITRAIN_INJECT_RAISE=RANK:STEP worker RANK raises an unexpected exception at its local step STEP
@@ -102,6 +105,20 @@ class Kill:
     def after_report(self) -> None:
         if self.report:
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+STORE_KILL_POINTS = ("locked", "applying")  # where in a --ps-transport shm push (exchange/shm.py)
+
+
+def store_kill(rank: int, env=os.environ) -> tuple[int, str] | None:
+    """MPITRAIN_INJECT_KILL=RANK:STEP:POINT for this rank: (local step, point), else None."""
+    spec, _, point = env.get("MPITRAIN_INJECT_KILL", "").rpartition(":")
+    step = injected_step("MPITRAIN_INJECT_KILL", rank, {"MPITRAIN_INJECT_KILL": spec})
+    return (step, point) if step is not None and point in STORE_KILL_POINTS else None
+
+
+def kill_here() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def stuck_from(rank: int, env=os.environ) -> int | None:

@@ -327,6 +327,9 @@ def setup(cfg: TrainConfig, comm, node: Node, choose_mode) -> Context:
     rank, size = comm.Get_rank(), comm.Get_size()
     check_launch(size)
     validate_for_world(cfg, size)
+    if cfg.ps_transport == "shm" and node.size != size:  # the same answer on every rank
+        raise UsageError(f"--ps-transport shm keeps the parameters in one host's memory, but this job's {size} ranks "
+                         f"run on several hosts; run every rank on one host, or drop it (mpi works across hosts)")
     if rank == PS_RANK:  # rank 0 writes them at the end: a bad folder must not cost the run
         for flag, path in (("--summary-json", cfg.summary_json), ("--timeline", cfg.timeline)):
             check_output_path(flag, path)

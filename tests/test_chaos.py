@@ -27,12 +27,14 @@ pytestmark = pytest.mark.timeout(300)
 
 # Short runs: a calibration and two random kills each. The *-big case moves 6.4 MB messages, so a
 # kill often lands mid-message; "rank0" kills the parameter server; "chief" the worker that gathers
-# every --quorum step while the others wait for its update; the SIGTERM / SIGINT cases stop the run,
+# every --quorum step while the others wait for its update; "shm" a worker of --ps-transport shm, most
+# often holding the store's lock or half-way through its apply; the SIGTERM / SIGINT cases stop the run,
 # which must save, exit 128 + the signal and resume.
 QUICK = [chaos.Case("async-big", ("--mode", "async", "--hidden", "2000"), "worker", 500),
          chaos.Case("sync", ("--mode", "sync"), "worker", 2000),
          chaos.Case("chief-quorum", ("--mode", "sync", "--quorum", "2"), "chief", 1000),
          chaos.Case("rank0-async", ("--mode", "async", "--hidden", "2000"), "rank0", 500),
+         chaos.Case("shm-async", ("--mode", "async", "--ps-transport", "shm"), "worker", 8000),
          chaos.Case("term-rank-sync", ("--mode", "sync"), "worker", 2000, signal.SIGTERM),  # stops, saves, resumes
          chaos.Case("int-mpirun-async", ("--mode", "async", "--hidden", "2000"), "launcher", 500, signal.SIGINT)]
 
@@ -55,6 +57,7 @@ def test_a_worker_killed_after_its_report_does_not_hang_the_others(tmp_path, mpi
                                               "--summary-json", str(summary), launcher_flags=keep_going()),
                                  env={**child_env(), "MPITRAIN_INJECT_KILL": "2:report"}, timeout=60)
     assert "Traceback" not in proc.stderr and not proc.leftovers
+    assert summary.exists(), f"exit {proc.returncode}, no summary:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
     s = json.loads(summary.read_text())
     assert s["global_step"] == 600 and s["worker_ranks"] == [1, 2, 3]  # it had reported: not lost
     stuck = [ln for ln in proc.stderr.splitlines() if "MPI_Finalize still waiting" in ln]

@@ -10,6 +10,8 @@ import pytest
 from conftest import MPI_TIMEOUT_S, child_env, launcher, own_lines, run_mpitrain
 
 BAD = [
+    (["--ps-transport", "shm", "--mode", "sync"], "--ps-transport shm does not go with --mode sync"),
+    (["--ps-transport", "shm", "--num-ps", "2"], "--ps-transport shm does not go with --num-ps"),
     (["--model", "cnn"], "--model"),
     (["--mode", "bulk"], "--mode"),
     (["--dataset", "imagenet"], "--dataset"),
@@ -112,6 +114,23 @@ def test_every_bad_input_is_one_line_naming_it_on_the_server_and_a_worker(args, 
             errors.append(str(e))
     assert errors, "accepted on both ranks"
     assert all(needle in e and "\n" not in e for e in errors), errors
+
+
+def test_shm_on_several_hosts_is_refused_on_every_rank():
+    """The store is one host's memory: a world of 3 whose host holds 2 of them is refused, on the
+    host with rank 0 and on the other, with the same line."""
+    from mpitrain import modes
+    from mpitrain.cli import parse_args
+    from mpitrain.config import UsageError
+    from mpitrain.runtime import Node, setup
+
+    cfg, _ = parse_args(["--ps-transport", "shm"])
+    lines = set()
+    for rank, here in ((0, 2), (2, 1)):
+        with pytest.raises(UsageError) as e:
+            setup(cfg, FakeWorld(rank, 3), Node(0, here, here, 2), modes.of)
+        lines.add(str(e.value))
+    assert len(lines) == 1 and "several hosts" in lines.pop()
 
 
 # One launch per kind of check (parsing, validate, the world size, the data, the device): every rank

@@ -24,12 +24,14 @@ from mpitrain.config import AUTO_OVERLAP_MAX_WORKERS
 from mpitrain.chief import ChiefDuties, ServerState, record_lost
 from mpitrain.exchange.base import PushPull
 from mpitrain.exchange.mpi import MPIPushPull
+from mpitrain.exchange.shm import ShmPushPull
 from mpitrain.faults import Kill, never_returns, stuck_from
 from mpitrain.gradients import GradientSource, WorkerResult
 from mpitrain.guard import NON_FINITE, Diverged, LossGuard
 from mpitrain.layout import PS_RANK
 from mpitrain.liveness import PeerLost
 from mpitrain.metrics import Progress
+from mpitrain.modes.async_shm import ShmServer
 from mpitrain.modes.base import Mode, Trained
 from mpitrain.observe import APPLY, COMPUTE, PULL, PUSH, WAIT
 from mpitrain.optim import ServerUpdate
@@ -369,7 +371,9 @@ class AsyncMode(Mode):
 
     def start_words(self, cfg, workers: int) -> str:
         """The defaults that follow the worker count (config.DEFAULT_STALENESS_TOLERANCE), as decided."""
-        if cfg.max_staleness is not None:
+        if cfg.ps_transport == "shm":
+            overlap = "no overlap (--ps-transport shm: a pull waits for nothing)"
+        elif cfg.max_staleness is not None:
             overlap = "no overlap (--max-staleness)"
         elif cfg.overlap is not None:
             overlap = "overlap (--overlap)" if cfg.overlap else "no overlap (--no-overlap)"
@@ -388,9 +392,13 @@ class AsyncMode(Mode):
         words = f"async, {workers} worker{'s' if workers != 1 else ''}: {overlap}; {damping}"
         if cfg.delay_compensation is not None:
             words += f"; delay compensation, lambda {cfg.delay_compensation:g}"
+        if cfg.ps_transport == "shm":
+            words += "; the parameters in shared memory, each worker applying its own gradients (--ps-transport shm)"
         return words
 
     def chief(self, ctx: Context, progress: Progress) -> Trained:
+        if ctx.cfg.ps_transport == "shm":
+            return Trained(state=ShmServer(ctx, progress).run())
         return Trained(state=AsyncServer(ctx, progress).run())
 
     def server(self, ctx: Context, progress=None) -> Trained:
@@ -398,7 +406,8 @@ class AsyncMode(Mode):
         return Trained(state=AsyncServer(ctx, Progress(False, None, ctx.global_batch)).run())
 
     def worker(self, ctx: Context, progress=None) -> Trained:
-        return Trained(worker=AsyncWorker(ctx).run())
+        exchange = ShmPushPull(ctx, start_state(ctx)) if ctx.cfg.ps_transport == "shm" else None
+        return Trained(worker=AsyncWorker(ctx, exchange).run())
 
 
 ASYNC = AsyncMode()

@@ -1,0 +1,93 @@
+"""--ps-transport shm against the message path, side by side in one run (issue: rank 0 off the hot path).
+
+    python benchmarks/shm.py                    # writes benchmarks/SHM.md (~8 min on 2 cores)
+    python benchmarks/shm.py --reps 1 --steps 1000 --out /tmp/SHM.md   # a smoke run
+
+Throughput: the compute limit (two independent processes, no communication), async np=3 with
+`--ps-transport mpi` (the default) and with `shm`, interleaved, each row a median of --reps; rank 0's
+busy fraction is CPU / wall over training. Learning: test accuracy and the staleness distribution
+of both transports on digits and on synthetic data (async has no digest to compare).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from run import machine, median_row, run_independent, run_mpitrain, synthetic  # noqa: E402
+
+TRANSPORTS = ("mpi", "shm")
+LEARNING = {"digits": ["--dataset", "digits", "--epochs", "50"],
+            "synthetic": ["--dataset", "synthetic", "--synthetic-samples", "20000", "--epochs", "5"]}
+
+
+def throughput(models: list[str], steps: int, reps: int) -> dict:
+    rows = {m: {"limit": [], "mpi": [], "shm": []} for m in models}
+    for _ in range(reps):  # interleaved: a noisy minute hurts every row alike
+        for m in models:
+            base = synthetic(m, steps)
+            rows[m]["limit"].append(run_independent(2, base))
+            for t in TRANSPORTS:
+                rows[m][t].append(run_mpitrain(3, [*base, "--mode", "async", "--ps-transport", t]))
+    return {m: {k: median_row(v) for k, v in r.items()} for m, r in rows.items()}
+
+
+def learning(seeds: int) -> dict:
+    out = {}
+    for name, flags in LEARNING.items():
+        for t in TRANSPORTS:
+            runs = [run_mpitrain(3, [*flags, "--mode", "async", "--ps-transport", t, "--seed", str(s)])
+                    for s in range(seeds)]
+            out[(name, t)] = {"acc": [r["test_accuracy"] for r in runs],
+                              "p50": statistics.median(r["staleness"]["p50"] for r in runs),
+                              "p99": statistics.median(r["staleness"]["p99"] for r in runs),
+                              "mean": statistics.median(r["staleness"]["mean"] for r in runs)}
+    return out
+
+
+def report(thr: dict, learn: dict, args) -> list[str]:
+    lines = ["# --ps-transport shm vs mpi", "", f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+             f"- machine: {machine()}", f"- command: `python benchmarks/shm.py --reps {args.reps} --steps {args.steps}`",
+             "- async, np=3 (rank 0 + 2 workers) on 2 cores: oversubscribed, so rank 0's CPU is taken from the workers",
+             "", "## Throughput (synthetic MNIST-shaped data, batch 100, SGD)", "",
+             "| model | run | samples/s (median) | min-max | vs compute limit | rank 0 busy |", "|---|---|---|---|---|---|"]
+    for m, r in thr.items():
+        limit = r["limit"]["rate"]
+        for key, name in (("limit", "2 independent processes"), ("mpi", "async --ps-transport mpi"),
+                          ("shm", "async --ps-transport shm")):
+            row = r[key]
+            busy = f"{row['busy']:.0%}" if "busy" in row else ""
+            lines.append(f"| {m} | {name} | {row['rate']:,.0f} | {row['min']:,.0f}-{row['max']:,.0f} | "
+                         f"{row['rate'] / limit:.2f}x | {busy} |")
+        lines.append(f"| {m} | shm / mpi | {r['shm']['rate'] / r['mpi']['rate']:.2f}x | | | |")
+    lines += ["", f"## Learning (async np=3, MLP, seeds 0-{args.seeds - 1})", "",
+              "| data | transport | test accuracy per seed | median | staleness p50 / p99 / mean |", "|---|---|---|---|---|"]
+    for (name, t), r in learn.items():
+        accs = " / ".join(f"{a:.4f}" for a in r["acc"])
+        lines.append(f"| {name} | {t} | {accs} | {statistics.median(r['acc']):.4f} | "
+                     f"{r['p50']:g} / {r['p99']:g} / {r['mean']:.2f} |")
+    return lines
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--models", default="mlp,softmax")
+    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "SHM.md"))
+    args = p.parse_args()
+    thr = throughput(args.models.split(","), args.steps, args.reps)
+    learn = learning(args.seeds)
+    text = "\n".join(report(thr, learn, args)) + "\n"
+    Path(args.out).write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,295 @@
+"""--ps-transport shm: the async parameter store in memory shared by every rank of the host.
+
+The parameters, the optimizer's state, the moving average and a version counter (the global step)
+live in one segment that every rank maps. A worker pushes by applying its own gradient under the
+store's lock, in arrival order (the same serial update, optim.ServerUpdate, that rank 0 applies on
+the message path), and pulls by copying the parameters out in the same hold of the lock: one lock
+per step, no message, no rank 0 in the loop. Rank 0 only reads: each applied step leaves its loss,
+its basis and its worker in a ring that rank 0 follows for the bar, the log, the staleness counts
+and the loss guard (modes/async_shm.py); it evaluates and checkpoints at steps where it holds the
+workers (`hold_at`) and stops them with the `stop` slot.
+
+Why the OS's shared memory (a file in /dev/shm, mmap) and not MPI's shared windows: its lock is
+`fcntl.flock`, which the kernel releases when its holder dies however it dies (MPI_Win_lock's
+owner dies holding it for good), and the file can be found and removed by the next job on the
+host. The name is unlinked as soon as every rank has mapped it, so a job that ends in any way,
+SIGKILL included, leaves nothing; one killed before that leaves a file with its creator's pid,
+which the next store made on the host removes (`sweep`).
+
+A worker killed half-way through an apply leaves a partial step (some elements updated, some
+not), never a torn version: the version is one aligned 8-byte word, written after the apply.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import math
+import mmap
+import os
+import secrets
+
+import numpy as np
+
+from mpitrain.checkpoint import TrainState
+from mpitrain.faults import kill_here, store_kill
+from mpitrain.layout import PS_RANK
+from mpitrain.optim import REGISTRY, ServerUpdate
+from mpitrain.waiting import poll
+
+SHM_DIR = "/dev/shm"
+PREFIX = "mpitrain-store"
+NAME_BYTES = 256  # the segment's path, broadcast by rank 0 (a fixed-size buffer: no pickle)
+RING = 4096  # steps rank 0 may fall behind the workers (it holds them before the ring wraps)
+HOLD_POLL_S = 1e-3  # a held worker (rank 0 evaluating or saving) looks again after this
+
+# The header's int64 slots, one place for each.
+VERSION = 0  # the global step: updates applied, written after each apply
+HOLD_AT = 1  # no worker applies a step while VERSION >= HOLD_AT (rank 0 has a duty at that step)
+STOP = 2  # nonzero: every worker stops at its next push (the budget, a signal, a divergence)
+OPT_T = 3  # the optimizer's update count (Adam's bias correction)
+EMA_T = 4  # --ema-decay's update count
+DIVERGED_STEP = 5  # a worker's loss was not finite at this step (-1: never); not applied
+DIVERGED_RANK = 6
+HEADER = 8
+
+
+def _sections(n: int, workers: int, state_names: tuple[str, ...], ema: bool) -> list[tuple[str, type, int]]:
+    """The segment's layout, in order: (name, dtype, length); the 8-byte ones first (aligned)."""
+    return ([("header", np.int64, HEADER), ("active", np.int64, workers), ("diverged_loss", np.float64, 1),
+             ("ring_loss", np.float64, RING), ("ring_basis", np.int64, RING), ("ring_worker", np.int64, RING),
+             ("params", np.float32, n)]
+            + [(f"opt_{name}", np.float32, n) for name in state_names]
+            + ([("ema", np.float32, n)] if ema else []))
+
+
+def segment_name(pid: int, token: str) -> str:
+    return f"{PREFIX}.{os.getuid()}.{pid}.{token}"
+
+
+def sweep(shm_dir: str = SHM_DIR) -> list[str]:
+    """Remove the segments of this user's jobs whose creator is gone (killed before every rank had
+    mapped the segment, the only time its name exists); returns what it removed."""
+    removed = []
+    mine = f"{PREFIX}.{os.getuid()}."
+    for name in sorted(os.listdir(shm_dir)) if os.path.isdir(shm_dir) else []:
+        if not name.startswith(mine):
+            continue
+        try:
+            pid = int(name[len(mine):].split(".")[0])
+        except ValueError:
+            continue
+        if not _alive(pid):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(shm_dir, name))
+                removed.append(name)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class Store:
+    """One rank's mapping of the segment: numpy views of each section, and the lock."""
+
+    def __init__(self, path: str, n: int, workers: int, state_names: tuple[str, ...], ema: bool, create: bool):
+        sections = _sections(n, workers, state_names, ema)
+        size = sum(np.dtype(t).itemsize * k for _, t, k in sections)
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        self.path, self.fd = path, os.open(path, flags, 0o600)  # the job's user only (DESIGN.md, Security)
+        try:
+            if create:
+                os.ftruncate(self.fd, size)
+            self.mm = mmap.mmap(self.fd, size)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        offset, self.views = 0, {}
+        for name, dtype, k in sections:
+            self.views[name] = np.frombuffer(self.mm, dtype, k, offset)
+            offset += np.dtype(dtype).itemsize * k
+        v = self.views
+        self.header, self.active, self.params, self.ema = v["header"], v["active"], v["params"], v.get("ema")
+        self.opt = {name: v[f"opt_{name}"] for name in state_names}
+
+    @contextlib.contextmanager
+    def locked(self):
+        """The store's one lock (the kernel's: released when its holder dies)."""
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        try:
+            yield self
+        finally:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+
+    def fill(self, start: TrainState, workers: int, hold_at: int) -> None:
+        """Rank 0, before any worker maps it: the start state."""
+        h = self.header
+        h[:] = 0
+        h[VERSION], h[HOLD_AT], h[OPT_T], h[EMA_T], h[DIVERGED_STEP] = (start.global_step, hold_at, start.opt_t,
+                                                                         start.global_step, -1)
+        self.params[:] = start.params
+        for name, view in self.opt.items():
+            saved = start.opt_state.get(name)
+            view[:] = 0 if saved is None else saved
+        if self.ema is not None:
+            self.ema[:] = start.params if start.ema is None else start.ema
+        self.active[:] = 1
+
+    def snapshot(self, positions: list[int]) -> TrainState:
+        """The whole training state at one version (copies, taken under the lock)."""
+        with self.locked():
+            h = self.header
+            return TrainState(self.params.copy(), int(h[VERSION]), int(h[OPT_T]),
+                              {k: a.copy() for k, a in self.opt.items()}, list(positions),
+                              None if self.ema is None else self.ema.copy())
+
+    def close(self) -> None:
+        self.views = self.header = self.active = self.params = self.ema = self.opt = None
+        with contextlib.suppress(BufferError):  # a view still held elsewhere: the mapping goes with the process
+            self.mm.close()
+        os.close(self.fd)
+
+
+def open_store(ctx, start: TrainState, hold_at: int = 0) -> Store:
+    """Collective over ctx.comm: rank 0 makes the segment and fills it; every rank maps it; once
+    all have, rank 0 unlinks its name (the memory lives until the last rank unmaps it)."""
+    from mpi4py import MPI
+
+    from mpitrain.transport import END_POLL_S, Poller
+
+    names = REGISTRY[ctx.cfg.optimizer].state
+    ema = bool(ctx.cfg.ema_decay)
+    n, W = ctx.model.n_params, ctx.workers
+    buf = bytearray(NAME_BYTES)
+    store = None
+    if ctx.rank == PS_RANK:
+        sweep()
+        path = os.path.join(SHM_DIR, segment_name(os.getpid(), secrets.token_hex(8)))
+        store = Store(path, n, W, names, ema, create=True)
+        store.fill(start, W, hold_at)
+        buf[:len(path)] = path.encode()
+    ctx.comm.Bcast([buf, MPI.BYTE], root=PS_RANK)
+    if store is None:
+        store = Store(bytes(buf).rstrip(b"\0").decode(), n, W, names, ema, create=False)
+    Poller(END_POLL_S, ctx.watch).all([ctx.comm.Ibarrier()], [PS_RANK])
+    if ctx.rank == PS_RANK:
+        with contextlib.suppress(OSError):
+            os.unlink(store.path)
+    return store
+
+
+class SharedUpdate:
+    """optim.ServerUpdate over the store's arrays: this process's scratch, the store's state (its
+    counts too, which every worker advances)."""
+
+    def __init__(self, cfg, store: Store, xp=np):
+        h = store.header
+        self.store = store
+        self.update = ServerUpdate(cfg, store.params, xp, int(h[EMA_T]), int(h[OPT_T]), {})
+        self.update.opt.state = dict(store.opt)  # the store's arrays, not copies
+        if self.update.ema is not None:
+            self.update.ema.avg = store.ema
+
+    def apply(self, grad, lr: float, staleness: int) -> None:
+        """Under the store's lock."""
+        h, up = self.store.header, self.update
+        up.opt.t = int(h[OPT_T])
+        if up.ema is not None:
+            up.ema.t = int(h[EMA_T])
+        up.apply(grad, lr, staleness)
+        h[OPT_T] = up.opt.t
+        if up.ema is not None:
+            h[EMA_T] = up.ema.t
+
+
+class ShmPushPull:
+    """An async worker's side on the store (exchange.base.PushPull): a push applies the gradient
+    and copies the new parameters out under one hold of the lock, so `pull` only says whether the
+    worker was stopped. With nothing to wait for there is no overlap: each gradient is computed on
+    the parameters of the worker's own last push."""
+
+    def __init__(self, ctx, start: TrainState):
+        self.ctx, self.be = ctx, ctx.backend
+        self.store = open_store(ctx, start)
+        self.shared = SharedUpdate(ctx.cfg, self.store, np)
+        self.worker = ctx.worker_index
+        self.host_params = np.array(start.params, np.float32)  # the pulled parameters (a copy: the store moves on)
+        self.params = self.be.asarray(self.host_params)  # NumPy: the same array
+        self.host_grad = np.empty(ctx.model.n_params, np.float32)
+        self.grads = [self.be.xp.empty(ctx.model.n_params, self.be.xp.float32) for _ in range(2)]
+        self.versions = [start.global_step]
+        self.diverged_at: int | None = None
+        self.in_flight = False
+        self.stopped = False
+        self.kill_at = store_kill(ctx.rank)  # MPITRAIN_INJECT_KILL=RANK:STEP:locked|applying (the fault tests)
+
+    def gradient(self, slot: int):
+        return self.grads[slot]
+
+    def push(self, slot: int, loss: float, versions: list[int], count: int, last: bool) -> None:
+        self.count = count
+        self.ctx.watch.check()  # rank 0 is not in the loop: its loss is noticed here (PeerLost)
+        grad = self.be.to_host(self.grads[slot])
+        while True:
+            with self.store.locked():
+                done = self._apply(grad, loss, versions[0], last)
+            if done is not None:
+                break
+            h = self.store.header  # rank 0 holds this step (evaluating, saving): wait outside the lock
+            poll(lambda: h[STOP] or h[VERSION] < h[HOLD_AT], HOLD_POLL_S, self.ctx.watch)
+        self.stopped = done
+        self.in_flight = True
+        self.be.upload(self.params, self.host_params)  # NumPy: the same array, nothing to do
+
+    def _apply(self, grad, loss: float, basis: int, last: bool) -> bool | None:
+        """Under the lock: apply and pull (False), stop (True), or held (None)."""
+        s, h = self.store, self.store.header
+        self._injected("locked")
+        if h[STOP]:
+            return self._stop()
+        v = int(h[VERSION])
+        if v >= h[HOLD_AT]:
+            return None
+        if not math.isfinite(loss):  # never applied; rank 0 stops the run (a diverged run saves nothing more)
+            s.views["diverged_loss"][0] = loss
+            h[DIVERGED_RANK], h[DIVERGED_STEP], h[STOP] = self.ctx.rank, v, 1
+            return self._stop()
+        self.shared.apply(grad, self.ctx.lr_at(v), v - basis)
+        self._injected("applying")
+        i = (v + 1) % RING
+        s.views["ring_loss"][i], s.views["ring_basis"][i], s.views["ring_worker"][i] = loss, basis, self.worker
+        h[VERSION] = v + 1  # after the apply: a reader never sees a step that is not there
+        self.host_params[:] = s.params
+        self.versions = [v + 1]
+        if last:
+            s.active[self.worker] = 0
+        return last
+
+    def _injected(self, point: str) -> None:
+        if self.kill_at == (self.count, point):
+            kill_here()
+
+    def _stop(self) -> bool:
+        h = self.store.header
+        if h[DIVERGED_STEP] >= 0:
+            self.diverged_at = int(h[DIVERGED_STEP])
+        self.store.active[self.worker] = 0
+        return True
+
+    def pull(self, count: int) -> bool:
+        self.in_flight = False
+        return self.stopped
+
+    def leave(self, count: int) -> None:
+        with self.store.locked():
+            self.store.active[self.worker] = 0
+
+    def close(self) -> None:
+        self.store.close()

@@ -1,0 +1,118 @@
+"""Async with --ps-transport shm, rank 0's side: the workers apply their own gradients in the
+node-shared store (exchange/shm.py); rank 0 follows the version counter and does only what it
+alone does. Each step the workers applied is read back from the store's ring, in order, into
+the same ChiefDuties.advance that the message loop calls (the bar, the log, the staleness counts,
+the loss guard); evaluations and checkpoints fall on steps where rank 0 holds the workers
+(`hold_at`), so they see the state of exactly that step, as on the message path; the budget, a
+stop request or a divergence sets the store's stop slot.
+"""
+
+from __future__ import annotations
+
+import time
+
+from mpitrain.checkpoint import TrainState
+from mpitrain.chief import ChiefDuties, ServerState, record_lost
+from mpitrain.exchange import shm
+from mpitrain.guard import NON_FINITE, Diverged, LossGuard
+from mpitrain.liveness import PeerLost
+from mpitrain.metrics import Progress
+from mpitrain.observe import WAIT
+from mpitrain.runtime import Context
+from mpitrain.stopping import STOP
+
+SERVE_POLL_S = 2e-3  # rank 0 looks at the version this often: off the hot path, a sleeping process
+
+
+class ShmServer:
+    """Rank 0 over the store: follows the workers' steps, holds them for its duties, stops them."""
+
+    def __init__(self, ctx: Context, progress: Progress):
+        self.ctx, self.cfg = ctx, ctx.cfg
+        self.duties = ChiefDuties(ctx, progress)
+        self.state: ServerState = self.duties.state
+        self.seen = self.state.global_step  # the last step read back from the ring
+        self.budget = ctx.global_step_budget
+        self.store = shm.open_store(ctx, self.duties.start, self._next_hold())
+        self.guard = LossGuard(self.cfg.divergence_factor)
+        self.lost: set[int] = set()  # worker indices
+
+    def run(self) -> ServerState:
+        try:
+            while self._workers_left():
+                try:
+                    self.ctx.activity.enter(WAIT)
+                    self.ctx.watch.check()
+                    self._follow()
+                    time.sleep(SERVE_POLL_S)
+                except PeerLost as e:
+                    self._lose(e.lost)
+            self._follow()
+            self.duties.finish()
+            final = self._whole()
+            self.state.params, self.state.ema = final.params, final.ema
+            self.duties.save(final, final=True)
+        finally:
+            self.store.close()
+        return self.state
+
+    def _workers_left(self) -> bool:
+        return any(self.store.active[w] for w in range(self.ctx.workers) if w not in self.lost)
+
+    def _follow(self) -> None:
+        """Read back the steps applied since the last look, then decide the next hold and the stop."""
+        h = self.store.header
+        version = int(h[shm.VERSION])
+        for step in range(self.seen + 1, version + 1):
+            self._stepped(step)
+        self.seen = version
+        if h[shm.DIVERGED_STEP] >= 0 and self.state.diverged is None:
+            self.state.diverged = Diverged(int(h[shm.DIVERGED_STEP]), [int(h[shm.DIVERGED_RANK])],
+                                           float(self.store.views["diverged_loss"][0]), NON_FINITE)
+        budget_done = self.cfg.steps is not None and version >= self.cfg.steps
+        if STOP.requested or budget_done or self.state.diverged is not None:
+            h[shm.STOP] = 1
+        else:
+            h[shm.HOLD_AT] = self._next_hold()
+
+    def _stepped(self, step: int) -> None:
+        """Global step `step`, as the worker that applied it left it in the ring."""
+        v, i, state = self.store.views, step % shm.RING, self.state
+        loss, basis, w = float(v["ring_loss"][i]), int(v["ring_basis"][i]), int(v["ring_worker"][i])
+        staleness = step - 1 - basis
+        state.global_step = step
+        state.local_steps[w] += 1
+        state.staleness[staleness] += 1
+        state.recent_losses.append(loss)
+        why = self.guard.exploded(loss)
+        if why and state.diverged is None:  # steps applied since are the explosion's: nothing more is saved
+            state.diverged = Diverged(step, [self.ctx.layout.worker_ranks[w]], loss, why)
+        self.duties.advance(step, loss, lambda evaluate, save: self._whole(), basis=basis, staleness=staleness,
+                            local_steps=list(state.local_steps))
+
+    def _next_hold(self) -> int:
+        """The next step at which rank 0 has a duty (an evaluation, a checkpoint by steps, the
+        budget), and never further than the ring reaches past what rank 0 has read."""
+        limit = min(self.seen + shm.RING - 1, self.budget)
+        every = [e for e in (self.cfg.eval_every, self.cfg.checkpoint_every_steps if self.duties.ckpt.enabled else None)
+                 if e]
+        due = [(self.seen // e + 1) * e for e in every]
+        return min([limit] + due)
+
+    def _whole(self) -> TrainState:
+        return self.store.snapshot(self.state.local_steps)
+
+    def _lose(self, lost: dict[int, str]) -> None:
+        """Carry on without these workers (their half-applied step, if any, stays: a partial step)."""
+        layout = self.ctx.layout
+        if any(layout.is_server(r) for r in lost) or self.cfg.on_lost_worker == "stop":
+            raise PeerLost(lost)
+        for rank, why in lost.items():
+            w = layout.worker_index(rank)
+            self.ctx.watch.declare(rank, why)
+            if w in self.lost:
+                continue
+            self.lost.add(w)
+            left = self.ctx.workers - len(self.lost)
+            record_lost(self.state, rank, why, f"; continuing with {left} worker(s)" if left else "")
+

@@ -1,0 +1,78 @@
+"""--ps-transport shm: async with the parameters in memory shared by the host's ranks, each worker
+applying its own gradients under the store's lock (exchange/shm.py, modes/async_shm.py)."""
+
+import json
+import math
+import os
+
+import pytest
+from conftest import NUMBERS_ONLY, child_env, keep_going, mpi_impl, mpitrain_cmd, only_on, run_detached, train
+
+from mpitrain.exchange import shm
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _segments() -> set[str]:
+    return {n for n in os.listdir(shm.SHM_DIR) if n.startswith(shm.PREFIX)}
+
+
+@only_on("mpich", NUMBERS_ONLY)
+@pytest.mark.parametrize("flags", [[], ["--optimizer", "momentum", "--ema-decay", "0.99"], ["--optimizer", "adam"]],
+                         ids=["sgd", "momentum-ema", "adam"])
+def test_it_learns_with_each_optimizer_and_rank_0_sees_every_step(tmp_path, flags):
+    """Every step the workers applied reaches rank 0's counts once, and its evaluations fall on
+    exactly the steps asked for (rank 0 holds the workers there)."""
+    before = _segments()
+    s = train(4, tmp_path, "--ps-transport", "shm", "--eval-every", "100", *flags)
+    assert s["test_accuracy"] >= 0.93, s["_stdout"]
+    assert s["global_step"] == sum(s["local_steps"]) == s["staleness"]["gradients"]
+    assert [e["global_step"] for e in s["eval_history"]] == list(range(100, s["global_step"] + 1, 100))
+    assert s["staleness"]["p50"] <= 2  # no overlap and no round trip: about a step per other worker
+    assert "shared memory" in s["_stdout"] and _segments() == before
+
+
+@only_on("mpich", NUMBERS_ONLY)
+def test_checkpoints_fall_on_their_steps_and_a_run_resumes_from_them(tmp_path):
+    ck = tmp_path / "ck"
+    first = train(3, tmp_path, "--ps-transport", "shm", "--steps", "300", "--checkpoint-every-steps", "100",
+                  "--checkpoint-dir", str(ck))
+    assert first["global_step"] == 300
+    assert sorted(p.name for p in ck.glob("ckpt-*.npz")) == [f"ckpt-{s:09d}.npz" for s in (100, 200, 300)]
+    more = train(3, tmp_path, "--ps-transport", "shm", "--steps", "500", "--checkpoint-dir", str(ck))
+    assert "resuming from" in more["_stdout"] and more["global_step"] == 500
+    assert sum(more["local_steps"]) == 500  # the positions went on from the checkpoint's
+    assert more["test_accuracy"] >= 0.9
+
+
+@pytest.mark.parametrize("point", ["locked", "applying"])
+def test_a_worker_killed_in_the_store_leaves_a_job_that_finishes_its_budget(tmp_path, point):
+    """SIGKILLed holding the lock (the kernel releases it), or half-way through its step (applied,
+    the version not advanced: a partial step): the others finish the budget, nothing is NaN, the
+    worker is reported lost (exit 8), and no segment is left."""
+    before = _segments()
+    summary = tmp_path / "s.json"
+    proc, _ = run_detached(mpitrain_cmd(4, "--no-progress", "--ps-transport", "shm", "--steps", "600",
+                                        "--worker-timeout", "2", "--summary-json", str(summary),
+                                        launcher_flags=keep_going()),
+                           env={**child_env(), "MPITRAIN_INJECT_KILL": f"2:40:{point}"}, timeout=120)
+    assert proc.returncode == mpi_impl().worker_lost_exit, proc.stdout + proc.stderr  # what mpirun makes of exit 8
+    s = json.loads(summary.read_text())
+    assert s["global_step"] == 600 and [w["rank"] for w in s["lost_workers"]] == [2]
+    assert math.isfinite(s["test_loss"]) and s["test_accuracy"] >= 0.9
+    assert "Traceback" not in proc.stderr and not proc.leftovers and _segments() == before
+
+
+def test_a_segment_is_swept_only_when_its_creator_is_gone(tmp_path):
+    """A job killed before every rank mapped its store leaves the name; the next store on the host
+    removes it, and never a live job's (nor another user's, nor a file that is not a store)."""
+    dead = os.fork()
+    if dead == 0:
+        os._exit(0)
+    os.waitpid(dead, 0)
+    names = [shm.segment_name(dead, "a1"), shm.segment_name(os.getpid(), "b2"),
+             f"{shm.PREFIX}.{os.getuid() + 1}.{dead}.c3", "mpich_shm_123"]
+    for n in names:
+        (tmp_path / n).write_bytes(b"x")
+    assert shm.sweep(str(tmp_path)) == [names[0]]
+    assert sorted(os.listdir(tmp_path)) == sorted(names[1:])
