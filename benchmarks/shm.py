@@ -2,6 +2,7 @@
 
     python benchmarks/shm.py                    # writes benchmarks/SHM.md (~8 min on 2 cores)
     python benchmarks/shm.py --reps 1 --steps 1000 --out /tmp/SHM.md   # a smoke run
+    python benchmarks/shm.py --data-dir DIR     # learning on an MNIST-sized set too (the four IDX .gz files)
 
 Throughput: the compute limit (two independent processes, no communication), async np=3 with
 `--ps-transport mpi` (the default) and with `shm`, interleaved, each row a median of --reps; rank 0's
@@ -36,9 +37,10 @@ def throughput(models: list[str], steps: int, reps: int) -> dict:
     return {m: {k: median_row(v) for k, v in r.items()} for m, r in rows.items()}
 
 
-def learning(seeds: int) -> dict:
+def learning(seeds: int, data_dir: str | None) -> dict:
     out = {}
-    for name, flags in LEARNING.items():
+    sets = {**({"mnist-sized": ["--dataset", "mnist", "--data-dir", data_dir]} if data_dir else {}), **LEARNING}
+    for name, flags in sets.items():
         for t in TRANSPORTS:
             runs = [run_mpitrain(3, [*flags, "--mode", "async", "--ps-transport", t, "--seed", str(s)])
                     for s in range(seeds)]
@@ -51,7 +53,9 @@ def learning(seeds: int) -> dict:
 
 def report(thr: dict, learn: dict, args) -> list[str]:
     lines = ["# --ps-transport shm vs mpi", "", f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
-             f"- machine: {machine()}", f"- command: `python benchmarks/shm.py --reps {args.reps} --steps {args.steps}`",
+             f"- machine: {machine()}", f"- command: `python benchmarks/shm.py --reps {args.reps} --steps {args.steps} --seeds {args.seeds}"
+             f"{' --data-dir DIR' if args.data_dir else ''}`",
+             *([f"- mnist-sized: {args.data_source}"] if args.data_source else []),
              "- async, np=3 (rank 0 + 2 workers) on 2 cores: oversubscribed, so rank 0's CPU is taken from the workers",
              "", "## Throughput (synthetic MNIST-shaped data, batch 100, SGD)", "",
              "| model | run | samples/s (median) | min-max | vs compute limit | rank 0 busy |", "|---|---|---|---|---|---|"]
@@ -79,10 +83,12 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--models", default="mlp,softmax")
+    p.add_argument("--data-dir", help="the four MNIST-sized IDX .gz files (left out: digits and synthetic only)")
+    p.add_argument("--data-source", default="", help="where those files came from, for the report")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "SHM.md"))
     args = p.parse_args()
     thr = throughput(args.models.split(","), args.steps, args.reps)
-    learn = learning(args.seeds)
+    learn = learning(args.seeds, args.data_dir)
     text = "\n".join(report(thr, learn, args)) + "\n"
     Path(args.out).write_text(text)
     print(text)
