@@ -110,6 +110,22 @@ def staleness_scaled_lr(lr: float, staleness: int, tolerance: float = 1.0) -> fl
     return lr * min(1.0, tolerance / max(1, staleness))
 
 
+@dataclass(frozen=True)
+class StalenessHold:
+    """--max-staleness S as a decision without side effects: may a gradient be applied now, at
+    global step g, given the bases (the steps their parameters came from) of the other workers'
+    pending gradients? After it the others can at best follow oldest basis first, the k-th at step
+    g+k, so it needs g + k - basis <= S for each (earliest deadline first: the oldest pending
+    gradient always qualifies, so this cannot deadlock when S >= workers-1). None: unbounded."""
+
+    bound: int | None
+
+    def allows(self, global_step: int, other_bases: list[int]) -> bool:
+        if self.bound is None:
+            return True
+        return all(global_step + k - b <= self.bound for k, b in enumerate(sorted(other_bases), start=1))
+
+
 class WeightEMA:
     """--ema-decay: a moving average of the parameters, as tf.train.ExponentialMovingAverage with
     num_updates: the decay is min(decay, (1 + t) / (10 + t)), so early averages are not dominated

@@ -5,6 +5,7 @@ import json
 import math
 import os
 
+import numpy as np
 import pytest
 from conftest import NUMBERS_ONLY, child_env, keep_going, mpi_impl, mpitrain_cmd, only_on, run_detached, train
 
@@ -76,3 +77,40 @@ def test_a_segment_is_swept_only_when_its_creator_is_gone(tmp_path):
         (tmp_path / n).write_bytes(b"x")
     assert shm.sweep(str(tmp_path)) == [names[0]]
     assert sorted(os.listdir(tmp_path)) == sorted(names[1:])
+
+
+@only_on("mpich", NUMBERS_ONLY)
+def test_max_staleness_holds_and_delay_compensation_learns_on_the_store(tmp_path):
+    held = train(4, tmp_path, "--ps-transport", "shm", "--max-staleness", "2", "--straggler", "3:x5")
+    assert held["staleness"]["max"] <= 2 and held["global_step"] == sum(held["local_steps"])
+    dc = train(4, tmp_path, "--ps-transport", "shm", "--delay-compensation", "--optimizer", "momentum")
+    assert dc["test_accuracy"] >= 0.93, dc["_stdout"]
+
+
+def test_a_shared_apply_is_the_servers_update_with_the_workers_own_copy_as_the_sent_parameters(tmp_path):
+    """Two workers' SharedUpdates taking turns over one store equal one optim.ServerUpdate on private
+    arrays: Adam's moments and count, the moving average and delay compensation's mean square are
+    the store's, and DC's 'parameters sent' are the worker's pulled copy."""
+    from mpitrain.checkpoint import TrainState
+    from mpitrain.cli import parse_args
+    from mpitrain.optim import ServerUpdate
+
+    cfg, _ = parse_args(["--optimizer", "adam", "--ema-decay", "0.9", "--delay-compensation", "2"])
+    rng = np.random.default_rng(0)
+    start = TrainState(rng.standard_normal(6).astype(np.float32), global_step=5, opt_t=5)
+    store = shm.Store(str(tmp_path / "seg"), 6, 2, ("m", "v"), ema=True, dc=True, create=True)
+    store.fill(start, 2, hold_at=100)
+    workers = [shm.SharedUpdate(cfg, store), shm.SharedUpdate(cfg, store)]
+    private = start.params.copy()
+    ref = ServerUpdate(cfg, private, np, 5, 5, {}, workers=1, version=5)
+    for k in range(4):
+        then = store.params.copy() - np.float32(0.01 * k)  # the copy a worker computed on, a little behind
+        g = rng.standard_normal(6).astype(np.float32)
+        ref.dc.sent = [{5 + k: then}]
+        ref.apply(g, 0.01, 1, 0, 5 + k)
+        workers[k % 2].apply(g, 0.01, 1, 5 + k, then)
+        np.testing.assert_allclose(store.params, private, rtol=1e-6)
+    np.testing.assert_allclose(store.ema, ref.ema.avg, rtol=1e-6)
+    np.testing.assert_allclose(store.opt["v"], ref.opt.state["v"], rtol=1e-6)
+    assert store.header[shm.OPT_T] == ref.opt.t == 9 and store.header[shm.DC_T] == ref.dc.t == 4
+    store.close()

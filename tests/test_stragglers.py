@@ -190,7 +190,7 @@ def test_staleness_scaled_lr():
 
 
 def test_staleness_rule_keeps_every_pending_gradient_within_the_bound():
-    from mpitrain.modes.async_ import StalenessHold
+    from mpitrain.optim import StalenessHold
 
     staleness_feasible = StalenessHold(2).allows
     # 3 workers, S=2, all start on step 0's parameters; A was applied at step 0 (basis 1 now).

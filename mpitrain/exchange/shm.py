@@ -34,7 +34,7 @@ import numpy as np
 from mpitrain.checkpoint import TrainState
 from mpitrain.faults import kill_here, store_kill
 from mpitrain.layout import PS_RANK
-from mpitrain.optim import REGISTRY, ServerUpdate
+from mpitrain.optim import REGISTRY, ServerUpdate, StalenessHold
 from mpitrain.waiting import poll
 
 SHM_DIR = "/dev/shm"
@@ -51,16 +51,19 @@ OPT_T = 3  # the optimizer's update count (Adam's bias correction)
 EMA_T = 4  # --ema-decay's update count
 DIVERGED_STEP = 5  # a worker's loss was not finite at this step (-1: never); not applied
 DIVERGED_RANK = 6
+DC_T = 7  # --delay-compensation: the gradients its mean square has seen
 HEADER = 8
 
 
-def _sections(n: int, workers: int, state_names: tuple[str, ...], ema: bool) -> list[tuple[str, type, int]]:
-    """The segment's layout, in order: (name, dtype, length); the 8-byte ones first (aligned)."""
-    return ([("header", np.int64, HEADER), ("active", np.int64, workers), ("diverged_loss", np.float64, 1),
-             ("ring_loss", np.float64, RING), ("ring_basis", np.int64, RING), ("ring_worker", np.int64, RING),
-             ("params", np.float32, n)]
+def _sections(n: int, workers: int, state_names: tuple[str, ...], ema: bool, dc: bool) -> list[tuple[str, type, int]]:
+    """The segment's layout, in order: (name, dtype, length); the 8-byte ones first (aligned).
+    `bases`: the version of the parameters each worker computes on (--max-staleness reads it)."""
+    return ([("header", np.int64, HEADER), ("active", np.int64, workers), ("bases", np.int64, workers),
+             ("diverged_loss", np.float64, 1), ("ring_loss", np.float64, RING), ("ring_basis", np.int64, RING),
+             ("ring_worker", np.int64, RING), ("params", np.float32, n)]
             + [(f"opt_{name}", np.float32, n) for name in state_names]
-            + ([("ema", np.float32, n)] if ema else []))
+            + ([("ema", np.float32, n)] if ema else [])
+            + ([("dc_mean_square", np.float32, n)] if dc else []))
 
 
 def segment_name(pid: int, token: str) -> str:
@@ -99,8 +102,9 @@ def _alive(pid: int) -> bool:
 class Store:
     """One rank's mapping of the segment: numpy views of each section, and the lock."""
 
-    def __init__(self, path: str, n: int, workers: int, state_names: tuple[str, ...], ema: bool, create: bool):
-        sections = _sections(n, workers, state_names, ema)
+    def __init__(self, path: str, n: int, workers: int, state_names: tuple[str, ...], ema: bool, dc: bool,
+                 create: bool):
+        sections = _sections(n, workers, state_names, ema, dc)
         size = sum(np.dtype(t).itemsize * k for _, t, k in sections)
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         self.path, self.fd = path, os.open(path, flags, 0o600)  # the job's user only (DESIGN.md, Security)
@@ -141,6 +145,7 @@ class Store:
         if self.ema is not None:
             self.ema[:] = start.params if start.ema is None else start.ema
         self.active[:] = 1
+        self.views["bases"][:] = start.global_step
 
     def snapshot(self, positions: list[int]) -> TrainState:
         """The whole training state at one version (copies, taken under the lock)."""
@@ -165,19 +170,19 @@ def open_store(ctx, start: TrainState, hold_at: int = 0) -> Store:
     from mpitrain.transport import END_POLL_S, Poller
 
     names = REGISTRY[ctx.cfg.optimizer].state
-    ema = bool(ctx.cfg.ema_decay)
+    ema, dc = bool(ctx.cfg.ema_decay), ctx.cfg.delay_compensation is not None
     n, W = ctx.model.n_params, ctx.workers
     buf = bytearray(NAME_BYTES)
     store = None
     if ctx.rank == PS_RANK:
         sweep()
         path = os.path.join(SHM_DIR, segment_name(os.getpid(), secrets.token_hex(8)))
-        store = Store(path, n, W, names, ema, create=True)
+        store = Store(path, n, W, names, ema, dc, create=True)
         store.fill(start, W, hold_at)
         buf[:len(path)] = path.encode()
     ctx.comm.Bcast([buf, MPI.BYTE], root=PS_RANK)
     if store is None:
-        store = Store(bytes(buf).rstrip(b"\0").decode(), n, W, names, ema, create=False)
+        store = Store(bytes(buf).rstrip(b"\0").decode(), n, W, names, ema, dc, create=False)
     Poller(END_POLL_S, ctx.watch).all([ctx.comm.Ibarrier()], [PS_RANK])
     if ctx.rank == PS_RANK:
         with contextlib.suppress(OSError):
@@ -187,26 +192,36 @@ def open_store(ctx, start: TrainState, hold_at: int = 0) -> Store:
 
 class SharedUpdate:
     """optim.ServerUpdate over the store's arrays: this process's scratch, the store's state (its
-    counts too, which every worker advances)."""
+    counts too, which every worker advances). With --delay-compensation the parameters a gradient
+    was computed on are the worker's own pulled copy (`then`): no backup per worker is kept at all;
+    the gradients' mean square is the store's."""
 
     def __init__(self, cfg, store: Store, xp=np):
         h = store.header
         self.store = store
-        self.update = ServerUpdate(cfg, store.params, xp, int(h[EMA_T]), int(h[OPT_T]), {})
-        self.update.opt.state = dict(store.opt)  # the store's arrays, not copies
-        if self.update.ema is not None:
-            self.update.ema.avg = store.ema
+        self.update = ServerUpdate(cfg, store.params, xp, int(h[EMA_T]), int(h[OPT_T]), {}, workers=1,
+                                   version=int(h[VERSION]))
+        up = self.update
+        up.opt.state = dict(store.opt)  # the store's arrays, not copies
+        if up.ema is not None:
+            up.ema.avg = store.ema
+        if up.dc is not None:
+            up.dc.mean_square = store.views["dc_mean_square"]
 
-    def apply(self, grad, lr: float, staleness: int) -> None:
-        """Under the store's lock."""
+    def apply(self, grad, lr: float, staleness: int, basis: int, then) -> None:
+        """Under the store's lock: `grad` computed on `then`, the parameters of version `basis`."""
         h, up = self.store.header, self.update
         up.opt.t = int(h[OPT_T])
         if up.ema is not None:
             up.ema.t = int(h[EMA_T])
-        up.apply(grad, lr, staleness)
+        if up.dc is not None:
+            up.dc.t, up.dc.sent = int(h[DC_T]), [{basis: then}]
+        up.apply(grad, lr, staleness, 0, basis)
         h[OPT_T] = up.opt.t
         if up.ema is not None:
             h[EMA_T] = up.ema.t
+        if up.dc is not None:
+            h[DC_T] = up.dc.t
 
 
 class ShmPushPull:
@@ -228,6 +243,7 @@ class ShmPushPull:
         self.diverged_at: int | None = None
         self.in_flight = False
         self.stopped = False
+        self.hold = StalenessHold(ctx.cfg.max_staleness)
         self.kill_at = store_kill(ctx.rank)  # MPITRAIN_INJECT_KILL=RANK:STEP:locked|applying (the fault tests)
 
     def gradient(self, slot: int):
@@ -243,7 +259,8 @@ class ShmPushPull:
             if done is not None:
                 break
             h = self.store.header  # rank 0 holds this step (evaluating, saving): wait outside the lock
-            poll(lambda: h[STOP] or h[VERSION] < h[HOLD_AT], HOLD_POLL_S, self.ctx.watch)
+            poll(lambda: h[STOP] or (h[VERSION] < h[HOLD_AT] and self._may_apply(int(h[VERSION]))), HOLD_POLL_S,
+                 self.ctx.watch)
         self.stopped = done
         self.in_flight = True
         self.be.upload(self.params, self.host_params)  # NumPy: the same array, nothing to do
@@ -255,22 +272,30 @@ class ShmPushPull:
         if h[STOP]:
             return self._stop()
         v = int(h[VERSION])
-        if v >= h[HOLD_AT]:
+        if v >= h[HOLD_AT] or not self._may_apply(v):
             return None
         if not math.isfinite(loss):  # never applied; rank 0 stops the run (a diverged run saves nothing more)
             s.views["diverged_loss"][0] = loss
             h[DIVERGED_RANK], h[DIVERGED_STEP], h[STOP] = self.ctx.rank, v, 1
             return self._stop()
-        self.shared.apply(grad, self.ctx.lr_at(v), v - basis)
+        self.shared.apply(grad, self.ctx.lr_at(v), v - basis, basis, self.host_params)
         self._injected("applying")
         i = (v + 1) % RING
         s.views["ring_loss"][i], s.views["ring_basis"][i], s.views["ring_worker"][i] = loss, basis, self.worker
         h[VERSION] = v + 1  # after the apply: a reader never sees a step that is not there
         self.host_params[:] = s.params
+        s.views["bases"][self.worker] = v + 1
         self.versions = [v + 1]
         if last:
             s.active[self.worker] = 0
         return last
+
+    def _may_apply(self, version: int) -> bool:
+        """--max-staleness: as the message path's server decides (StalenessHold), from the bases
+        of the other workers still training."""
+        s, w = self.store, self.worker
+        others = [int(s.views["bases"][u]) for u in range(len(s.active)) if u != w and s.active[u]]
+        return self.hold.allows(version, others)
 
     def _injected(self, point: str) -> None:
         if self.kill_at == (self.count, point):

@@ -13,7 +13,6 @@ parameters it has, pushes its gradient to every server and receives the next par
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import numpy as np
 from mpi4py import MPI
@@ -34,7 +33,7 @@ from mpitrain.metrics import Progress
 from mpitrain.modes.async_shm import ShmServer
 from mpitrain.modes.base import Mode, Trained
 from mpitrain.observe import APPLY, COMPUTE, PULL, PUSH, WAIT
-from mpitrain.optim import ServerUpdate
+from mpitrain.optim import ServerUpdate, StalenessHold
 from mpitrain.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_LAST, FLAG_LEAVING, FLAG_STOP, TAG_GRAD,
                                TAG_PARAMS, Message, ProtocolError)
 from mpitrain.runtime import Context, start_state
@@ -42,22 +41,6 @@ from mpitrain.shards import Gather, ShardService, assemble
 from mpitrain.stopping import STOP
 from mpitrain.stuck import WATCHDOG
 from mpitrain.transport import PS_POLL_NO_OVERLAP_S, PS_POLL_S, Poller, tested
-
-
-@dataclass(frozen=True)
-class StalenessHold:
-    """--max-staleness S as a decision without side effects: may a gradient be applied now, at
-    global step g, given the bases (the steps their parameters came from) of the other workers'
-    pending gradients? After it the others can at best follow oldest basis first, the k-th at step
-    g+k, so it needs g + k - basis <= S for each (earliest deadline first: the oldest pending
-    gradient always qualifies, so this cannot deadlock when S >= workers-1). None: unbounded."""
-
-    bound: int | None
-
-    def allows(self, global_step: int, other_bases: list[int]) -> bool:
-        if self.bound is None:
-            return True
-        return all(global_step + k - b <= self.bound for k, b in enumerate(sorted(other_bases), start=1))
 
 
 class AsyncServer:

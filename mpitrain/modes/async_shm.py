@@ -113,6 +113,7 @@ class ShmServer:
             if w in self.lost:
                 continue
             self.lost.add(w)
+            self.store.active[w] = 0  # its basis no longer holds the others back (--max-staleness)
             left = self.ctx.workers - len(self.lost)
             record_lost(self.state, rank, why, f"; continuing with {left} worker(s)" if left else "")
 
