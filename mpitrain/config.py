@@ -341,7 +341,7 @@ def can_take_joiners(cfg: TrainConfig) -> bool:
 def _shm_fits(cfg: TrainConfig) -> None:
     """--ps-transport shm, as far as it goes so far (README, "One host: --ps-transport shm")."""
     for given, what in ((cfg.mode != "async", "--mode sync (its Allreduce has no server)"), (cfg.num_ps > 1, "--num-ps"),
-                        (cfg.overlap, "--overlap"), (cfg.join, "--join"), (cfg.respawn, "--respawn"),
+                        (cfg.overlap, "--overlap"),
                         (cfg.ps_device == "gpu", "--ps-device gpu")):
         if given:
             raise UsageError(f"--ps-transport shm does not go with {what} yet; drop one of the two")

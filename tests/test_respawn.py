@@ -14,16 +14,18 @@ import time
 
 import pytest
 
-from conftest import MPI_TIMEOUT_S, Lines, child_env, keep_going, kill_session, mpi_impl, mpirun_path
+from conftest import MPI_TIMEOUT_S, Lines, child_env, keep_going, kill_session, mpi_impl, mpirun_path, only_on
 from mpitrain import join, mpiimpl
 from mpitrain.faults import rank_pids
 
 # As tests/test_join.py: long enough (~20 s on 2 cores) for the kill, the spawn and the join. Async
 # runs with two parameter servers (4 ranks): the new worker pulls from and pushes to both.
+# shm: --ps-transport shm, whose every phase makes its own store (the new worker maps the new one).
 JOB = {"async": ("--mode", "async", "--steps", "40000", "--num-ps", "2"),
-       "sync": ("--mode", "sync", "--steps", "8000", "--straggler", "1:0.002")}
-BUDGET = {"async": 40000, "sync": 8000}
-RANKS = {"async": 4, "sync": 3}
+       "sync": ("--mode", "sync", "--steps", "8000", "--straggler", "1:0.002"),
+       "shm": ("--mode", "async", "--ps-transport", "shm", "--steps", "60000", "--straggler", "1:0.0002")}
+BUDGET = {"async": 40000, "sync": 8000, "shm": 60000}
+RANKS = {"async": 4, "sync": 3, "shm": 3}
 
 
 def respawn_cmd(tmp_path, *args: str, np_: int = 3) -> list[str]:
@@ -34,7 +36,8 @@ def respawn_cmd(tmp_path, *args: str, np_: int = 3) -> list[str]:
             "--checkpoint-dir", str(tmp_path / "ck"), "--summary-json", str(tmp_path / "s.json")]
 
 
-@pytest.mark.parametrize("mode", ["async", "sync"])
+@pytest.mark.parametrize("mode", ["async", "sync", pytest.param("shm", marks=only_on(
+    "mpich", "the spawn is tested under both MPIs above; the store is the same under either"))])
 def test_a_worker_killed_with_sigkill_is_replaced_and_the_job_finishes_its_budget(tmp_path, mode):
     last = RANKS[mode] - 1  # the victim, and the new worker's rank
     log = tmp_path / "log"
@@ -64,6 +67,8 @@ def test_a_worker_killed_with_sigkill_is_replaced_and_the_job_finishes_its_budge
     assert s["workers"] == 2 and s["global_step"] == BUDGET[mode]  # the budget the job started with
     if mode == "sync":
         assert s["worker_param_digests"] == [s["param_digest"]] * 2
+    elif mode == "shm":
+        assert sum(s["local_steps"]) <= BUDGET[mode] and s["gradients_pushed"][1] > 0
     else:
         assert s["gradients_pushed"][1] > 0  # the new worker trained
     assert s["test_accuracy"] > 0.9
