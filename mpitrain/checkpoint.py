@@ -66,9 +66,10 @@ OPT_PREFIX, OPT_COUNT = "opt_", "opt_t"
 def state_arrays(cfg) -> list[str]:
     """Names of a training state's flat arrays, in the order they travel (the start-up broadcast,
     the sync coordinator -> rank 0): params, the optimizer's state, the moving average."""
-    names = ["params"] + [OPT_PREFIX + name for name in OPTIMIZER_REGISTRY[cfg.optimizer].state]
+    inner = OPTIMIZER_REGISTRY[cfg.optimizer].state if cfg.inner_state_saved else ()
+    names = ["params"] + [OPT_PREFIX + name for name in inner]
     if cfg.local_steps > 1:  # the outer optimizer's state (outer.py)
-        names += [OPT_PREFIX + name for name in OUTER_STATES[cfg.outer_optimizer]]
+        names += [OPT_PREFIX + name for name in OUTER_STATES[cfg.outer_rule]]
     return names + (["ema"] if cfg.ema_decay else [])
 
 

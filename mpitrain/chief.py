@@ -199,15 +199,18 @@ class ChiefDuties:
         log_train(self.ctx, self.state, self.clock, step, loss, force=force_log, **log_extra)
 
     def advance(self, step: int, loss: float, whole: Callable[[bool, bool], TrainState],
-                basis: int | None = None, **log_extra) -> None:
+                basis: int | None = None, span: int = 1, **log_extra) -> None:
         """The one call of a server after each global step, however it got there: the bar and the
         log, then the evaluation and the checkpoint due at `step`, on the whole state as
         `whole(evaluate, save)` gives it (asked only when one is due). The budget's last step is
         saved once, at the end (the server's final save: with --num-ps the other servers may not
-        have applied their last gradients yet, and a save of the same step is skipped)."""
+        have applied their last gradients yet, and a save of the same step is skipped). `span`: the
+        global steps this update made (async --local-steps: a push's inner steps); what fell due
+        at any of them is done now."""
         self.stepped(step, loss, basis=basis, **log_extra)
-        evaluate = self.ctx.eval_due(step)
-        save = self.save_due(step) and step < self.ctx.global_step_budget
+        steps = range(step - span + 1, step + 1)
+        evaluate = any(self.ctx.eval_due(s) for s in steps)
+        save = any(self.save_due(s) for s in steps) and step < self.ctx.global_step_budget
         if not (evaluate or save):
             return
         state = whole(evaluate, save)

@@ -7,8 +7,10 @@ has pinned the BLAS threads (a test holds it to that).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
+
+from mpitrain.options import CHECKPOINTS, DATA, DEVICE, MODEL, OPTIMISATION, OUTPUT, PARALLELISM
 
 MODES = ("async", "sync")
 
@@ -71,9 +73,12 @@ AUTO_OVERLAP_MAX_WORKERS = int(DEFAULT_STALENESS_TOLERANCE + 1) // 2
 # nesterov 0.7 (momentum 0.9) DiLoCo's (Douillard et al. 2023).
 OUTER_DEFAULT_LR = {"sgd": 1.0, "nesterov": 0.7}
 OUTER_OPTIMIZERS = tuple(OUTER_DEFAULT_LR)  # --outer-optimizer's choices (outer.py)
-# Measured (MNIST-sized 8,000 / 2,000, 4 workers, H 16, seeds 0-2): nesterov 0.950 / 0.9525 / 0.9605 test
-# accuracy, plain averaging 0.9445 / 0.9445 / 0.9425; sync with an Allreduce every step 0.953 (seed 0).
-DEFAULT_OUTER_OPTIMIZER = "nesterov"
+# --outer-optimizer unless given, by mode. Sync, measured (MNIST-sized 8,000 / 2,000, 4 workers, H 16, seeds
+# 0-2): nesterov 0.950 / 0.9525 / 0.9605 test accuracy, plain averaging 0.9445 / 0.9445 / 0.9425; sync with
+# an Allreduce every step 0.953 (seed 0). Async applies each worker's outer gradient on its own, so DiLoCo's
+# momentum compounds W pushes per round: nesterov 0.7 / 0.9 learned nothing (digits, 3 workers, H 8: 0.12),
+# plain averaging 0.953; MNIST-sized, 4 workers, H 8: 0.961 against async with H 1 0.9605 (docs/modes.md).
+DEFAULT_OUTER_OPTIMIZER = {"sync": "nesterov", "async": "sgd"}
 # --delay-compensation given without a value: the adaptive variant's lambda_0 in Zheng et al. 2017 (CIFAR-10, ImageNet).
 DEFAULT_DC_LAMBDA = 2.0
 # Seconds without a global step before the waiting rank says what it waits for (Horovod's stall
@@ -85,45 +90,6 @@ DEFAULT_TIMELINE_STEPS = 100
 
 class UsageError(Exception):
     """Bad input from the user: reported as one line, exit code 2, on every rank."""
-
-
-@dataclass(frozen=True)
-class Option:
-    """How a TrainConfig field is offered to users: the command line (cli.py builds its parser from
-    these), the Python API's signature and docstring (api.py), and --help. Declared once, here."""
-
-    group: str  # --help's section
-    help: str  # one line, in the user's terms
-    shown: str | Callable[[], str] | None = None  # the default in words, where its value would not say it
-    metavar: str | None = None
-    choices: tuple[str, ...] | Callable[[], tuple[str, ...]] | None = None  # a callable: a registry, asked late
-    flag: str | None = None  # the flag, where it is not --NAME-WITH-DASHES (--straggler, repeatable)
-    bare: float | None = None  # the value of the flag given alone (--delay-compensation), where it may be
-
-    def choice_list(self) -> tuple[str, ...] | None:
-        return self.choices() if callable(self.choices) else self.choices
-
-    def default_words(self, default) -> str | None:
-        """The default as --help shows it: in words where given, else the value (None: not shown)."""
-        if self.shown is not None:
-            return self.shown() if callable(self.shown) else self.shown
-        if isinstance(default, bool):  # a switch (--fresh) is off unless given; --no-X turns one off
-            return "on" if default else None
-        return None if default is None else f"{default:g}" if isinstance(default, float) else str(default)
-
-
-def _section(group: str):
-    """A field maker for one --help section: `NAME: type = PARALLELISM(default, "help", ...)`."""
-
-    def option(default, help: str, **how):
-        return field(default=default, metadata={"option": Option(group, help, **how)})
-
-    return option
-
-
-PARALLELISM, MODEL, OPTIMISATION, DATA, DEVICE, CHECKPOINTS, OUTPUT = map(_section, (
-    "parallelism", "model", "optimisation", "data", "device",
-    "checkpoints (rank 0 writes them; a run resumes from the newest)", "output"))
 
 
 @dataclass(frozen=True)
@@ -153,9 +119,9 @@ class TrainConfig:
         1, "sync: each worker takes H steps on its own, then the workers average how far they moved (one "
         "Allreduce every H steps instead of every step) and apply it with the outer optimizer (local SGD, "
         "DiLoCo); 1: average every gradient", metavar="H")
-    outer_optimizer: str = PARALLELISM(
-        DEFAULT_OUTER_OPTIMIZER, "--local-steps H: the outer optimizer: nesterov (DiLoCo's) or sgd (with "
-        "--outer-lr 1: plain model averaging)", choices=OUTER_OPTIMIZERS)
+    outer_optimizer: str | None = PARALLELISM(
+        None, "--local-steps H: the outer optimizer: nesterov (DiLoCo's) or sgd (with --outer-lr 1: plain model "
+        "averaging)", choices=OUTER_OPTIMIZERS, shown=", ".join(f"{v} in {k}" for k, v in DEFAULT_OUTER_OPTIMIZER.items()))
     outer_lr: float | None = PARALLELISM(
         None, "--local-steps H: the outer learning rate", shown=", ".join(f"{k} {lr:g}" for k, lr in OUTER_DEFAULT_LR.items()), metavar="LR")
     outer_momentum: float = PARALLELISM(0.9, "--local-steps H with nesterov: the outer momentum", metavar="M")
@@ -292,8 +258,8 @@ class TrainConfig:
         """Async with this many workers: --overlap as given, else on up to AUTO_OVERLAP_MAX_WORKERS.
         --max-staleness works by holding back replies, which only binds a worker that waits for its
         reply before computing: it implies --no-overlap."""
-        if self.max_staleness is not None or self.ps_transport == "shm":  # shm: no round trip to hide
-            return False
+        if self.max_staleness is not None or self.ps_transport == "shm" or self.local_steps > 1:
+            return False  # shm: no round trip to hide; --local-steps: a worker's next H steps start from the reply
         return self.overlap if self.overlap is not None else workers <= AUTO_OVERLAP_MAX_WORKERS
 
     @property
@@ -312,8 +278,19 @@ class TrainConfig:
         return (self.lr_scaling or ("linear" if averaged else "none")) == "linear"
 
     @property
+    def inner_state_saved(self) -> bool:
+        """Whether the --optimizer's state is part of the run's state (checkpoints, the start-up
+        broadcast): not in async with --local-steps, where each worker's inner optimizer is its own."""
+        return self.mode == "sync" or self.local_steps == 1
+
+    @property
     def outer_learning_rate(self) -> float:
-        return self.outer_lr if self.outer_lr is not None else OUTER_DEFAULT_LR[self.outer_optimizer]
+        return self.outer_lr if self.outer_lr is not None else OUTER_DEFAULT_LR[self.outer_rule]
+
+    @property
+    def outer_rule(self) -> str:
+        """--outer-optimizer, or its default in this mode (DEFAULT_OUTER_OPTIMIZER)."""
+        return self.outer_optimizer or DEFAULT_OUTER_OPTIMIZER[self.mode]
 
     @property
     def epochs_or_default(self) -> int | None:
@@ -338,13 +315,11 @@ def can_take_joiners(cfg: TrainConfig) -> bool:
     return bool(cfg.checkpoint_dir) and cfg.worker_timeout > 0
 
 
-def _shm_fits(cfg: TrainConfig) -> None:
-    """--ps-transport shm, as far as it goes so far (README, "One host: --ps-transport shm")."""
-    for given, what in ((cfg.mode != "async", "--mode sync (its Allreduce has no server)"), (cfg.num_ps > 1, "--num-ps"),
-                        (cfg.overlap, "--overlap"),
-                        (cfg.ps_device == "gpu", "--ps-device gpu")):
+def _not_with(what: str, *pairs: tuple[object, str]) -> None:
+    """One line for the first flag given (a pair's first item) that `what` does not work with yet."""
+    for given, flag in pairs:
         if given:
-            raise UsageError(f"--ps-transport shm does not go with {what} yet; drop one of the two")
+            raise UsageError(f"{what} does not go with {flag} yet; drop one of the two")
 
 
 def validate(cfg: TrainConfig) -> TrainConfig:
@@ -388,6 +363,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise UsageError("--ps-device gpu applies to --mode async (in sync mode the workers apply the updates "
                          "on their own devices); drop it")
     _choice("wait", cfg.wait, WAITS)
+    if cfg.outer_optimizer is not None:
+        _choice("outer_optimizer", cfg.outer_optimizer, OUTER_OPTIMIZERS)
     if cfg.lr_scaling is not None:
         _choice("lr_scaling", cfg.lr_scaling, LR_SCALINGS)
         if cfg.lr_scaling == "linear" and cfg.mode != "sync":
@@ -444,21 +421,21 @@ def validate(cfg: TrainConfig) -> TrainConfig:
                          f"e.g. --staleness-lr {DEFAULT_STALENESS_TOLERANCE:g}")
     if cfg.local_steps < 1:
         raise UsageError(f"--local-steps must be at least 1 (got {cfg.local_steps}); e.g. --local-steps 16")
-    if cfg.local_steps > 1 and cfg.mode != "sync":
-        raise UsageError("--local-steps is built for --mode sync so far; async takes a step per gradient "
-                         "(use --mode sync --local-steps H)")
-    if cfg.local_steps > 1 and cfg.quorum is not None:
-        raise UsageError("--local-steps and --quorum do not go together yet (an outer step averages every "
-                         "worker); drop one of the two")
-    if cfg.local_steps == 1 and (cfg.outer_optimizer != DEFAULT_OUTER_OPTIMIZER or cfg.outer_lr is not None):
+    if cfg.local_steps > 1 and cfg.mode == "async":
+        _not_with("--local-steps in async mode", (cfg.max_staleness is not None, "--max-staleness"),
+                  (cfg.overlap, "--overlap"), (cfg.delay_compensation is not None, "--delay-compensation"),
+                  (cfg.ps_transport == "shm", "--ps-transport shm"))
+    _not_with("--local-steps", (cfg.local_steps > 1 and cfg.quorum is not None, "--quorum"))
+    if cfg.local_steps == 1 and (cfg.outer_optimizer is not None or cfg.outer_lr is not None):
         raise UsageError("--outer-optimizer and --outer-lr apply with --local-steps H above 1; "
                          "e.g. --local-steps 16 --outer-optimizer sgd")
     if cfg.outer_lr is not None and not 0 < cfg.outer_lr < float("inf"):
         raise UsageError(f"--outer-lr must be positive (got {cfg.outer_lr})")
     if not 0 <= cfg.outer_momentum < 1:
         raise UsageError(f"--outer-momentum must be in [0, 1) (got {cfg.outer_momentum})")
-    if cfg.ps_transport == "shm":
-        _shm_fits(cfg)
+    if cfg.ps_transport == "shm":  # as far as it goes so far (docs/modes.md, "One host")
+        _not_with("--ps-transport shm", (cfg.mode != "async", "--mode sync (its Allreduce has no server)"),
+                  (cfg.num_ps > 1, "--num-ps"), (cfg.overlap, "--overlap"), (cfg.ps_device == "gpu", "--ps-device gpu"))
     if cfg.delay_compensation is not None:
         if cfg.mode != "async":
             raise UsageError("--delay-compensation applies to --mode async (sync gradients are never stale)")

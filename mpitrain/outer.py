@@ -1,14 +1,23 @@
-"""--local-steps H, sync: local SGD (Lin et al. 2020) and DiLoCo (Douillard et al. 2023). Each worker
+"""--local-steps H: local SGD (Lin et al. 2020) and DiLoCo (Douillard et al. 2023). Each worker
 takes H steps of --optimizer on its own batches (its optimizer state stays its own); then the
 workers average how far they moved, the outer gradient anchor - local (one Allreduce every H steps,
 instead of every step), and every worker applies the same outer step to the anchor, the global
 model they all started the H steps from. Outer sgd with lr 1 is plain model averaging; DiLoCo's
 is Nesterov momentum (lr 0.7, momentum 0.9). Replicas are identical after each outer step, so a
-checkpoint is taken there (the anchor, and the outer momentum as the optimizer state OUTER_STATE)."""
+checkpoint is taken there (the anchor, and the outer momentum as the optimizer state OUTER_STATE).
+
+In async, each worker pushes its own outer gradient after its H steps (AsyncWorker), and each
+server applies it as one outer step to the global model with OuterUpdate, its update rule, and
+answers with the new global model: no worker waits for another."""
 
 from __future__ import annotations
 
+import math
+from typing import Callable
+
 import numpy as np
+
+from mpitrain.optim import Optimizer, make_ema, staleness_scaled_lr
 
 OUTER_STATE = "outer_v"  # the outer Nesterov momentum, as checkpoints and the start-up broadcast name it
 # Each --outer-optimizer's state arrays (checkpoint.state_arrays sends and saves them).
@@ -26,20 +35,90 @@ class OuterOptimizer:
             self.v[...] = xp.asarray(saved)
         self.tmp = xp.empty(n, xp.float32)
 
-    def step(self, anchor, delta) -> None:
+    def step(self, anchor, delta, lr: float | None = None) -> None:
+        """One outer step of `anchor` along `delta`, at `lr` (default: the outer learning rate)."""
         xp, f32, tmp = self.xp, self.xp.float32, self.tmp
+        lr = self.lr if lr is None else lr
         if self.v is None:
-            xp.multiply(delta, f32(self.lr), out=tmp)
+            xp.multiply(delta, f32(lr), out=tmp)
         else:
             self.v *= f32(self.mu)
             self.v += delta
             xp.multiply(self.v, f32(self.mu), out=tmp)
             tmp += delta
-            tmp *= f32(self.lr)
+            tmp *= f32(lr)
         anchor -= tmp
 
     def state(self) -> dict:
         return {} if self.v is None else {OUTER_STATE: self.v}
+
+
+class OuterUpdate:
+    """The async server's update rule with --local-steps H (optim.ServerUpdate's interface): a pushed
+    outer gradient (the worker's anchor - local after its H steps) is one outer step of the server's
+    parameters, at the outer learning rate times min(1, K / staleness) with --staleness-lr K, the
+    staleness counted in outer steps; then the moving average. Its state is the outer momentum
+    (`state`, checkpointed as OUTER_STATE); the inner optimizers' stay on the workers."""
+
+    def __init__(self, cfg, params, xp, start_step: int, opt_t: int, opt_state: dict, saved_ema=None,
+                 workers: int = 0, version: int = 0):
+        self.params, self.tolerance, self.t = params, cfg.staleness_tolerance, opt_t
+        self.outer = OuterOptimizer(cfg.outer_rule, cfg.outer_learning_rate, cfg.outer_momentum,
+                                    params.shape[0], xp, opt_state.get(OUTER_STATE))
+        self.opt = self  # what the server saves: `t` and `state`, as an Optimizer's
+        self.ema = make_ema(cfg.ema_decay, params, xp, start_step, saved_ema)
+        self.dc = None
+
+    @property
+    def state(self) -> dict:
+        return self.outer.state()
+
+    def was_sent(self, worker: int, version: int) -> None:
+        pass
+
+    def forget(self, worker: int) -> None:
+        pass
+
+    def apply(self, delta, lr: float, staleness: int, worker: int = 0, basis: int = 0) -> None:
+        """`lr` is the inner one (unused: an outer step has its own); `staleness` in outer steps."""
+        outer_lr = self.outer.lr
+        if self.tolerance:
+            outer_lr = staleness_scaled_lr(outer_lr, staleness, self.tolerance)
+        self.t += 1
+        self.outer.step(self.params, delta, outer_lr)
+        if self.ema:
+            self.ema.update(self.params)
+
+
+class InnerSteps:
+    """An async worker's H steps between two pushes: --optimizer on its own copy of the parameters
+    (the optimizer's state is the worker's own, never sent), then the outer gradient anchor - local
+    (how far it moved from the global model it pulled) into the push's buffer."""
+
+    def __init__(self, cfg, n: int, xp=np):
+        self.h, self.xp = cfg.local_steps, xp
+        self.opt = Optimizer(cfg.optimizer, n, xp, momentum=cfg.momentum)
+        self.local, self.grad = xp.empty(n, xp.float32), xp.empty(n, xp.float32)
+        self.count = 0  # inner steps taken in this run: each push carries it (protocol.H_LOCAL_STEP)
+
+    def run(self, anchor, out, compute: Callable, exhausted: Callable[[], bool], lr_at: Callable[[int], float],
+            version: int) -> float:
+        """Up to H steps from `anchor` (of global step `version`), fewer when the worker's data runs
+        out or a loss is not finite (the push then carries it: the server stops the run); `out`
+        gets anchor - local. Returns the mean loss of the steps."""
+        self.local[...] = anchor
+        losses: list[float] = []
+        for i in range(self.h):
+            loss = compute(self.local, self.grad)
+            losses.append(loss)
+            if not math.isfinite(loss):
+                break
+            self.opt.step(self.local, self.grad, lr_at(version + i))
+            if exhausted():
+                break
+        self.xp.subtract(anchor, self.local, out=out)
+        self.count += len(losses)
+        return float(np.mean(losses))
 
 
 class LocalSteps:
@@ -49,7 +128,7 @@ class LocalSteps:
     def __init__(self, cfg, params, xp, saved_outer=None):
         self.h = cfg.local_steps
         self.anchor = params.copy()
-        self.outer = OuterOptimizer(cfg.outer_optimizer, cfg.outer_learning_rate, cfg.outer_momentum,
+        self.outer = OuterOptimizer(cfg.outer_rule, cfg.outer_learning_rate, cfg.outer_momentum,
                                     params.shape[0], xp, saved_outer)
         self.losses: list[float] = []
 

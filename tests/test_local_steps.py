@@ -62,3 +62,43 @@ def test_a_resumed_run_ends_bit_for_bit_where_an_uninterrupted_one_does(tmp_path
     again = train(3, tmp_path, *flags, "--steps", "200", "--checkpoint-dir", str(ck))
     assert "resuming from" in again["_stdout"] and first["global_step"] == 100
     assert again["param_digest"] == whole["param_digest"]
+
+
+def test_async_inner_steps_push_how_far_they_moved_and_the_server_steps_the_global_model_there():
+    """A worker's H steps of --optimizer from the pulled model, then anchor - local into the push;
+    the server's OuterUpdate (sgd at lr 1) puts its parameters where that worker got to."""
+    from mpitrain.outer import InnerSteps, OuterUpdate
+
+    cfg, _ = parse_args(["--local-steps", "3", "--lr", "0.5", "--staleness-lr", "0"])
+    anchor = np.array([1.0, -1.0], np.float32)
+    target = np.array([0.0, 1.0], np.float32)
+
+    def compute(params, grad):  # the gradient of |params - target|^2 / 2
+        np.subtract(params, target, out=grad)
+        return float(np.sum(grad ** 2) / 2)
+
+    inner, out = InnerSteps(cfg, 2), np.empty(2, np.float32)
+    loss = inner.run(anchor, out, compute, lambda: False, lambda step: 0.5, version=10)
+    local = target + (anchor - target) * 0.5 ** 3  # three halvings of the distance
+    np.testing.assert_allclose(anchor - out, local, rtol=1e-6)
+    assert inner.count == 3 and loss == pytest.approx(2.5 * np.mean([0.25 ** k for k in range(3)]))
+    server = anchor.copy()
+    OuterUpdate(cfg, server, np, 10, 0, {}).apply(out, 0.5, staleness=0)
+    np.testing.assert_allclose(server, local, rtol=1e-6)
+    # Its data runs out after two steps: the push carries two (the server counts them from H_LOCAL_STEP).
+    left = iter([False, True])
+    inner.run(anchor, out, compute, lambda: next(left), lambda step: 0.5, version=13)
+    assert inner.count == 5
+
+
+@only_on("mpich", NUMBERS_ONLY)
+@pytest.mark.parametrize("flags", [[], ["--num-ps", "2"]], ids=["one-server", "two-servers"])
+def test_async_local_steps_learn_and_count_samples_as_without(tmp_path, flags):
+    np_ = 4 + ("--num-ps" in flags)
+    s = train(np_, tmp_path, "--local-steps", "8", "--eval-every", "100", *flags)
+    assert s["global_step"] == sum(s["local_steps"]) == 600  # --epochs: the same samples as with H = 1
+    assert s["gradients_pushed"] == [25, 25, 25]  # 200 inner steps each, 8 per push
+    evals = [e["global_step"] for e in s["eval_history"]]  # at the push that crossed each multiple of 100
+    assert len(evals) == 6 and all(0 <= step - 100 * k < 8 for k, step in enumerate(evals, 1)), evals
+    assert s["test_accuracy"] >= 0.93, s["_stdout"]
+    assert "local steps: each worker takes 8 steps on its own" in s["_stdout"]

@@ -34,6 +34,7 @@ from mpitrain.modes.async_shm import ShmServer
 from mpitrain.modes.base import Mode, Trained
 from mpitrain.observe import APPLY, COMPUTE, PULL, PUSH, WAIT
 from mpitrain.optim import ServerUpdate, StalenessHold
+from mpitrain.outer import InnerSteps, OuterUpdate
 from mpitrain.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_LAST, FLAG_LEAVING, FLAG_STOP, TAG_GRAD,
                                TAG_PARAMS, Message, ProtocolError)
 from mpitrain.runtime import Context, start_state
@@ -62,7 +63,8 @@ class AsyncServer:
         self.hold = StalenessHold(cfg.max_staleness)
         be = self.be = ctx.backend
         self.params = be.asarray(self.state.params[shard])  # this server's slice (NumPy: a view, updated in place)
-        self.update = ServerUpdate(cfg, self.params, be.xp, start.global_step, start.opt_t,
+        rule = OuterUpdate if cfg.local_steps > 1 else ServerUpdate  # --local-steps: a push is an outer step
+        self.update = rule(cfg, self.params, be.xp, start.global_step, start.opt_t,
                                    {k: a[shard] for k, a in start.opt_state.items()},
                                    None if start.ema is None else start.ema[shard], W, self.state.global_step)
         self.guard = LossGuard(cfg.divergence_factor)
@@ -85,6 +87,7 @@ class AsyncServer:
         self.active = set(range(W))  # workers not yet told to stop
         self.held: list[int] = []  # gradients received, not yet applied (--max-staleness)
         self.basis = [self.state.global_step] * W  # version each worker's next gradient is computed on
+        self.counted = [0] * W  # --local-steps: each worker's inner steps in this run, as its last push said
         self.stopping = False
         self.stuck_at = stuck_from(ctx.rank)  # MPITRAIN_INJECT_STUCK
         if self.chief and not self.gather:  # the whole state is here: a stuck MPI saves it first (stuck.py)
@@ -241,13 +244,14 @@ class AsyncServer:
         if not self.zero_copy:
             self.be.upload(self.grad, grad)
             grad = self.grad
-        self.update.apply(grad, self.ctx.lr_at(state.global_step), staleness, w, msg.step)
-        state.global_step += 1
-        state.local_steps[w] += 1
+        inner, damped = self._inner_steps(w, msg.local_step, staleness)
+        self.update.apply(grad, self.ctx.lr_at(state.global_step), damped, w, msg.step)
+        state.global_step += inner
+        state.local_steps[w] += inner
         state.staleness[staleness] += 1
         state.recent_losses.append(msg.loss)
         if self.chief:  # the bar, the log, --eval-every and checkpoints at this global step
-            self.duties.advance(state.global_step, msg.loss, self._whole_state, basis=msg.step,
+            self.duties.advance(state.global_step, msg.loss, self._whole_state, basis=msg.step, span=inner,
                                 staleness=staleness, local_steps=list(state.local_steps))
         # --steps counts rank 0's updates, the run's global step. Another server's count can run ahead
         # of it (a worker that died half-way through a push delivered that server's part only:
@@ -255,6 +259,16 @@ class AsyncServer:
         # the workers it stops leave the other servers.
         self.stopping = STOP.requested or (self.chief and cfg.steps is not None and state.global_step >= cfg.steps)
         self._reply(w, stop=self.stopping or bool(msg.flags & FLAG_LAST))
+
+    def _inner_steps(self, w: int, count: int, staleness: int) -> tuple[int, int]:
+        """The global steps one push makes (the worker batches behind it) and the staleness its step
+        is damped by. --local-steps H: the inner steps since the worker's last push (its count says,
+        H or fewer at its data's end) and the staleness in outer steps, about H global steps each."""
+        h = self.cfg.local_steps
+        if h == 1:
+            return 1, staleness
+        inner, self.counted[w] = count - self.counted[w], count
+        return inner, -(-staleness // h)
 
     def _whole_state(self, evaluate: bool, save: bool) -> TrainState:
         """For rank 0's duties: the whole state, with the other servers' slices (asked for why)."""
@@ -295,6 +309,8 @@ class AsyncWorker:
         self.exchange = exchange or MPIPushPull(ctx, start)
         self.source = GradientSource(ctx, start.position(ctx.worker_index))
         self.kill = Kill(ctx.rank)
+        n, xp = ctx.model.n_params, self.be.xp
+        self.inner = InnerSteps(ctx.cfg, n, xp) if ctx.cfg.local_steps > 1 else None  # --local-steps H
         self.pushed = 0
         self.sent_last = False
         self.diverged: Diverged | None = None  # set when a server stops the run because a loss diverged
@@ -325,15 +341,23 @@ class AsyncWorker:
         ex = self.exchange
         self.act.enter(COMPUTE, ex.versions[0])
         used_versions = ex.versions
-        loss = self.source.compute(ex.params, ex.gradient(slot))
+        if self.inner is not None:  # H steps of its own, and how far they moved into the push
+            loss = self.inner.run(ex.params, ex.gradient(slot), self._step, lambda: self.source.exhausted,
+                                  self.ctx.lr_at, ex.versions[0])
+            return loss, used_versions
+        return self._step(ex.params, ex.gradient(slot)), used_versions
+
+    def _step(self, params, grad) -> float:
+        loss = self.source.compute(params, grad)
         self.act.stepped()
-        return loss, used_versions
+        return loss
 
     def _push(self, slot: int, loss: float, used_versions: list[int]) -> None:
         last = self.source.exhausted
         self.kill.at(self.pushed + 1)
         self.act.enter(PUSH)
-        self.exchange.push(slot, loss, used_versions, self.pushed + 1, last)
+        count = self.pushed + 1 if self.inner is None else self.inner.count  # its gradients: pushes, or inner steps
+        self.exchange.push(slot, loss, used_versions, count, last)
         self.pushed += 1
         self.sent_last = last
 
@@ -356,6 +380,8 @@ class AsyncMode(Mode):
         """The defaults that follow the worker count (config.DEFAULT_STALENESS_TOLERANCE), as decided."""
         if cfg.ps_transport == "shm":
             overlap = "no overlap (--ps-transport shm: a pull waits for nothing)"
+        elif cfg.local_steps > 1:
+            overlap = "no overlap (--local-steps: a worker's next steps start from the reply)"
         elif cfg.max_staleness is not None:
             overlap = "no overlap (--max-staleness)"
         elif cfg.overlap is not None:
@@ -375,6 +401,9 @@ class AsyncMode(Mode):
         words = f"async, {workers} worker{'s' if workers != 1 else ''}: {overlap}; {damping}"
         if cfg.delay_compensation is not None:
             words += f"; delay compensation, lambda {cfg.delay_compensation:g}"
+        if cfg.local_steps > 1:
+            words += (f"; local steps: each worker takes {cfg.local_steps} steps on its own, then pushes how far it "
+                      f"moved, which the server applies as an outer {cfg.outer_rule} step (lr {cfg.outer_learning_rate:g})")
         if cfg.ps_transport == "shm":
             words += "; the parameters in shared memory, each worker applying its own gradients (--ps-transport shm)"
         return words

@@ -476,12 +476,12 @@ class SyncMode(Mode):
         """--local-steps H: what an outer step is, for the start line."""
         if cfg.local_steps == 1:
             return None
-        if cfg.outer_optimizer == "nesterov":
+        if cfg.outer_rule == "nesterov":
             how = f"momentum {cfg.outer_momentum:g}"
         else:  # sgd: at lr 1 the new global model is the workers' mean
             how = "plain averaging" if cfg.outer_learning_rate == 1 else "no momentum"
         return (f"sync, local steps: every {cfg.local_steps} steps the {workers} workers average their models "
-                f"(one Allreduce instead of {cfg.local_steps}) and take an outer {cfg.outer_optimizer} step "
+                f"(one Allreduce instead of {cfg.local_steps}) and take an outer {cfg.outer_rule} step "
                 f"(lr {cfg.outer_learning_rate:g}, {how}); each inner step applies one worker's batch at --lr")
 
     def waits_for(self, cfg, workers: int) -> str:
