@@ -308,6 +308,8 @@ def human_summary(s: dict) -> list[str]:
     if s.get("trained", True):
         steps = ("" if alone else f" | local steps {s['local_steps']}") + (
             f" | {s['wall_seconds']:.2f} s training | {s['samples_per_second']:,.0f} samples/s")
+        if s.get("bytes_per_sample") is not None:
+            steps += f" | {s['bytes_per_sample']:,.0f} bytes through MPI per sample"
     else:
         steps = (f": the checkpoint it resumed from had reached the budget, so nothing was trained "
                  f"(evaluated only; {s['resumed_from']})")

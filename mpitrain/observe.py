@@ -77,6 +77,7 @@ class Activity:
         self.seconds = [0.0] * len(PHASES)
         self.helper_compute_s = 0.0  # --quorum: computed by the gradient thread, beside the main one
         self.gradients = 0  # gradients this rank computed (its local steps)
+        self.bytes_sent = self.bytes_received = 0  # what this worker handed MPI to move, and got back
         self.samples: deque = deque(maxlen=MAX_SAMPLES)  # busy seconds per gradient, one per SAMPLE_S
         self._window = (0.0, 0)  # busy seconds and gradients at the window's start
         self.timeline = Timeline(timeline_steps) if timeline_steps > 0 else None
@@ -90,6 +91,12 @@ class Activity:
         self.phase, self.since = phase, now
         if step is not None:
             self.step = step
+
+    def moved(self, sent: int = 0, received: int = 0) -> None:
+        """Message bytes of one exchange: an async push (sent) or reply (received), a sync Allreduce's
+        buffer (both: every worker contributes it and gets the sum)."""
+        self.bytes_sent += sent
+        self.bytes_received += received
 
     def helper_computed(self, t0: float, t1: float, step: int) -> None:
         """--quorum: the gradient thread computed one gradient from t0 to t1."""

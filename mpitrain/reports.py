@@ -29,6 +29,7 @@ class WorkerReport:
     max_rss_mb: list[float] | None = None  # [start, end] of training (a local run's own report: None)
     timeline: list[dict] = field(default_factory=list)  # --timeline spans
     stop_signal: int = 0  # the signal that asked this rank to stop, if it knows one (stopping.py)
+    bytes_moved: list[int] | None = None  # [sent, received] through MPI (async, sync; --quorum: not counted)
 
     role = "worker"
 
@@ -123,6 +124,8 @@ class Summary:
     stopped: dict | None  # stopped on request before the budget: signal, global step (stopping.py)
     trained: bool  # False when the checkpoint it resumed from had reached the budget: evaluated only
     write_errors: dict | None  # failed writes by kind (count, first), and the newest checkpoint written (outputs.py)
+    worker_bytes: list[list[int] | None] = field(default_factory=list)  # per worker: [sent, received] through MPI
+    bytes_per_sample: float | None = None  # every worker's sent + received bytes / samples trained
 
     def to_dict(self) -> dict:
         return asdict(self)

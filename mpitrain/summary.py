@@ -56,8 +56,11 @@ def worker_report(ctx: Context, wres: WorkerResult, evaluation: tuple[float, flo
     wall = max(t["wall_s"], 1e-9)
     breakdown = {"compute": t["compute_s"] / wall, "communication_and_wait": t["wait_s"] / wall,
                  "other": max(0.0, 1 - (t["compute_s"] + t["wait_s"]) / wall)}
+    act = ctx.activity
+    moved = None if ctx.cfg.quorum is not None else [act.bytes_sent, act.bytes_received]  # --quorum: not counted
     return WorkerReport(ctx.rank, wres.pushed, wres.dropped, as_dict(wres.diverged), wres.contributed, evaluation[0],
-                        evaluation[1], digest(wres.params), breakdown, ctx.activity.report(), stop_signal=STOP.signum)
+                        evaluation[1], digest(wres.params), breakdown, act.report(), stop_signal=STOP.signum,
+                        bytes_moved=moved)
 
 
 def build_summary(ctx: Context, mine: RoleResult, reports: list, placements: list[str],
@@ -124,7 +127,16 @@ def build_summary(ctx: Context, mine: RoleResult, reports: list, placements: lis
         stopped=stop_record(ctx, state, reports, diverged),
         write_errors=WRITES.report(),
         trained=trained,
+        worker_bytes=[w.bytes_moved for w in workers],
+        bytes_per_sample=per_sample([w.bytes_moved for w in workers], samples),
     )
+
+
+def per_sample(moved: list[list[int] | None], samples: int) -> float | None:
+    """Every worker's bytes sent and received per sample trained (None: not counted, or no sample)."""
+    if not moved or any(m is None for m in moved) or samples <= 0:
+        return None
+    return sum(sum(m) for m in moved) / samples
 
 
 def stop_record(ctx: Context, state, reports: list, diverged: Diverged | None) -> dict | None:

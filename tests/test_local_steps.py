@@ -102,3 +102,21 @@ def test_async_local_steps_learn_and_count_samples_as_without(tmp_path, flags):
     assert len(evals) == 6 and all(0 <= step - 100 * k < 8 for k, step in enumerate(evals, 1)), evals
     assert s["test_accuracy"] >= 0.93, s["_stdout"]
     assert "local steps: each worker takes 8 steps on its own" in s["_stdout"]
+
+
+@only_on("mpich", NUMBERS_ONLY)
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_the_bytes_each_worker_moved_are_counted_and_h_steps_move_h_times_fewer(tmp_path, mode):
+    """Async: every push and reply is one message of the model's size (header included); sync: every
+    Allreduce buffer. --local-steps 8 moves 8 times fewer bytes per sample (7 in sync, whose last outer
+    step comes at the budget's end)."""
+    np_ = 4 if mode == "async" else 3
+    one = train(np_, tmp_path, "--mode", mode)
+    eight = train(np_, tmp_path, "--mode", mode, "--local-steps", "8")
+    if mode == "async":
+        message = 96 + 4 * 7510  # protocol.HEADER_BYTES + the digits MLP's float32 parameters
+        assert one["worker_bytes"] == [[p * message, p * message] for p in one["gradients_pushed"]]
+    samples = one["global_step"] * 100 * (2 if mode == "sync" else 1)  # sync: a global step is both workers' batches
+    assert one["bytes_per_sample"] == pytest.approx(sum(map(sum, one["worker_bytes"])) / samples)
+    assert one["bytes_per_sample"] / eight["bytes_per_sample"] >= 7.5
+    assert f"{one['bytes_per_sample']:,.0f} bytes through MPI per sample" in one["_stdout"]

@@ -48,6 +48,8 @@ class MPIReducer:
         else:
             be.download(buf, buf)  # NumPy: nothing; CUDA-aware: finish compute before MPI reads
             self._allreduce([buf, MPI.FLOAT], MPI.SUM)
+        nbytes = (self.wire if self.wire is not None else buf).nbytes
+        self.ctx.activity.moved(nbytes, nbytes)
         return True
 
     def _allreduce(self, spec, op) -> None:
@@ -118,6 +120,7 @@ class MPIPushPull:
         for part, version in zip(self.outparts[slot], versions):
             part.refresh()
             part.stamp(TAG_GRAD, version, count, FLAG_LAST if last else 0, loss)
+        self.ctx.activity.moved(sent=self.outbox[slot].buf.nbytes)
         comm, nxt = self.comm, self.inparts[1 - self.cur]
         self.reqs = ([comm.Irecv(part.spec(), source=rank, tag=TAG_PARAMS) for part, rank in zip(nxt, self.servers)]
                      + [comm.Isend(part.spec(), dest=rank, tag=TAG_GRAD)
@@ -129,6 +132,7 @@ class MPIPushPull:
         self.poller.all(self.reqs, self.peers)
         self.reqs = []
         nxt = 1 - self.cur
+        self.ctx.activity.moved(received=self.inbox[nxt].buf.nbytes)
         for part, rank in zip(self.inparts[nxt], self.servers):
             part.check(TAG_PARAMS, rank)
         self.cur = nxt
