@@ -69,7 +69,7 @@ exec ip netns exec "$ns" bash -c "$*"
             _ip("netns", "del", ns, check=False)  # the veth pair goes with them
 
 
-RATES = {"10gbit": 10e9, "1gbit": 1e9}  # tc rate -> bits/s
+RATES = {"10gbit": 10e9, "1gbit": 1e9, "100mbit": 100e6}  # tc rate -> bits/s
 
 
 def shape(names: list[str], veths: dict[str, str], rate: str | None) -> None:

@@ -41,6 +41,7 @@ class ServerState:
     log: RunLog | None = None  # --log-dir
     lost_workers: list[dict] = field(default_factory=list)  # async: workers declared lost, in order
     train_s: float = 0.0
+    eval_s: float = 0.0  # rank 0's time in --eval-every evaluations so far
     busy_fraction: float = 0.0
     bytes_in: int = 0  # message bytes this server received and sent while training (--num-ps rows)
     bytes_out: int = 0
@@ -94,14 +95,19 @@ class Clock:
 def record_eval(ctx: Context, state: ServerState, clock: Clock, params: np.ndarray, step: int,
                 ema: np.ndarray | None = None) -> None:
     """--eval-every: test-set loss and accuracy of rank 0's parameters (and of their moving
-    average), with the wall time."""
+    average), with the wall time since training started (`seconds`) and that time less rank 0's
+    evaluations before this one (`training_seconds`: what a time-to-accuracy measure counts)."""
     ctx.activity.enter(EVAL)
+    t0 = time.perf_counter()
     be = ctx.backend  # rank 0's model computes on its backend's arrays (--ps-device)
     x, y = be.asarray(ctx.data.x_test), be.asarray(ctx.data.y_test)
     loss, acc, _ = ctx.model.evaluate(be.asarray(params), x, y)
-    entry = {"global_step": step, "seconds": clock.elapsed(), "test_accuracy": acc, "test_loss": loss}
+    seconds = clock.elapsed()
+    entry = {"global_step": step, "seconds": seconds, "training_seconds": seconds - state.eval_s,
+             "test_accuracy": acc, "test_loss": loss}
     if ema is not None:
         entry["ema_test_loss"], entry["ema_test_accuracy"], _ = ctx.model.evaluate(be.asarray(ema), x, y)
+    state.eval_s += time.perf_counter() - t0
     state.eval_history.append(entry)
     if state.log:
         state.log.eval(entry)

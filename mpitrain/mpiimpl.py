@@ -65,6 +65,11 @@ class Impl:
     # a spawned process that leaves without it for a failure ("exited improperly", exit 1: 1 of 4
     # jobs); MPICH's finalize waits for the dead rank forever (measured: the guard ended it).
     spawned_finalizes: bool = False
+    # The launcher's session folder in the temporary directory, "<prefix><its pid>", which a killed
+    # launcher leaves behind with its PMIx rendezvous socket in it. Pids come round again (pid_max is
+    # often 32768): a later prterun with the same pid finds the stale socket and cannot listen ("The
+    # PMIx server's listener thread failed to start", exit 213: it failed a CI run). None: none.
+    session_prefix: str | None = None
 
     def hostfile_line(self, host: str, slots: int) -> str:
         return self.slots_syntax.format(host=host, slots=slots)
@@ -76,7 +81,7 @@ OPENMPI = Impl("openmpi", "Open MPI", ("--with-ft", "ulfm"), "--hostfile", "{hos
                "sm_segment.", contacts_every_host=True, stop_exit=1, stop_signal="SIGUSR1",
                root_flags=("--allow-run-as-root",), oversubscribe_flags=("--oversubscribe",),
                one_host_flags=("--mca", "btl", "self,sm"), one_host_spawn_flags=("--mca", "btl", "self,sm,tcp"),
-               spawned_finalizes=True)
+               spawned_finalizes=True, session_prefix="ompi.")
 IMPLS = {impl.name: impl for impl in (MPICH, OPENMPI)}
 
 RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
@@ -186,6 +191,42 @@ def prepare_transport(losses: bool, joins: bool, env=os.environ) -> None:
         settings.update(JOIN_TRANSPORT_ENV)
     for name, value in settings.items():
         env.setdefault(name, value)
+
+
+def sweep_sessions(impl: Impl | None, tmpdir: str | None = None) -> list[str]:
+    """Remove the session folders of this user's launchers that are gone (`Impl.session_prefix`);
+    returns what it removed. A live launcher's folder, or another user's, is left alone."""
+    import shutil
+    import tempfile
+
+    if impl is None or impl.session_prefix is None:
+        return []
+    base = tmpdir or tempfile.gettempdir()
+    removed = []
+    for name in sorted(os.listdir(base)) if os.path.isdir(base) else []:
+        pid = name[len(impl.session_prefix):]
+        path = os.path.join(base, name)
+        if not (name.startswith(impl.session_prefix) and pid.isdigit()) or pid_alive(int(pid)):
+            continue
+        try:
+            if os.stat(path).st_uid != os.getuid():
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (one of another user's counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def running() -> Impl | None:

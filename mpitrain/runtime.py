@@ -91,6 +91,7 @@ def node_info(comm) -> Node:
     node.Free()
     if info.rank == 0 and impl is not None:
         unlink_init_shm(impl.shm_prefix)  # every rank on this node has mapped them: the names are not needed
+        mpiimpl.sweep_sessions(impl)  # killed launchers' folders, which a later one with the same pid trips on
     return info
 
 

@@ -24,14 +24,22 @@ def mpirun_path() -> str:
     found = str(beside) if beside.exists() else shutil.which("mpirun")
     if not found:
         pytest.skip("no mpirun on PATH (pip install 'mpitrain[mpich]')")
+    # Tests kill launchers on purpose, many times: each job's rank 0 sweeps their folders too, but a
+    # launcher started right after a kill could otherwise meet its pid's (mpiimpl.Impl.session_prefix).
+    mpiimpl.sweep_sessions(_impl_of(found))
     return found
+
+
+@functools.cache
+def _impl_of(mpirun: str) -> mpiimpl.Impl:
+    return mpiimpl.of_mpirun(mpirun)
 
 
 @functools.cache
 def mpi_impl() -> mpiimpl.Impl:
     """The MPI implementation whose mpirun the tests launch (MPICH or Open MPI: CI runs the suite
     under each)."""
-    return mpiimpl.of_mpirun(mpirun_path())
+    return _impl_of(mpirun_path())
 
 
 def launcher_flags() -> list[str]:

@@ -34,12 +34,18 @@ QUICK = [chaos.Case("async-big", ("--mode", "async", "--hidden", "2000"), "worke
          chaos.Case("sync", ("--mode", "sync"), "worker", 2000),
          chaos.Case("chief-quorum", ("--mode", "sync", "--quorum", "2"), "chief", 1000),
          chaos.Case("rank0-async", ("--mode", "async", "--hidden", "2000"), "rank0", 500),
-         chaos.Case("shm-async", ("--mode", "async", "--ps-transport", "shm"), "worker", 8000),
+         chaos.Case("shm-async", ("--mode", "async", "--ps-transport", "shm"), "worker", 5000),
          chaos.Case("term-rank-sync", ("--mode", "sync"), "worker", 2000, signal.SIGTERM),  # stops, saves, resumes
          chaos.Case("int-mpirun-async", ("--mode", "async", "--hidden", "2000"), "launcher", 500, signal.SIGINT)]
 
 
-@pytest.mark.parametrize("case", QUICK, ids=[c.name for c in QUICK])
+# The store's kills do not depend on the MPI (tests/test_shm.py kills in it under both): MPICH only.
+ONE_MPI = {"shm-async": only_on("mpich", "the shared store is the same under either MPI; test_shm.py kills in it "
+                                "under both")}
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=ONE_MPI.get(c.name, ())) for c in QUICK],
+                         ids=[c.name for c in QUICK])
 def test_random_kills_from_outside_end_as_documented(case):
     rng = random.Random()
     duration = chaos.calibrate(case)
@@ -51,9 +57,12 @@ def test_random_kills_from_outside_end_as_documented(case):
 
 def test_a_worker_killed_after_its_report_does_not_hang_the_others(tmp_path, mpi):
     """The others would wait in MPI_Finalize for it forever (on main: a hang; MPICH). Open MPI's
-    MPI_Finalize under ULFM does not wait for the dead."""
+    MPI_Finalize under ULFM does not wait for the dead. --worker-timeout 5, not less: it also bounds
+    how long an MPI call may take before the watchdog (stuck.py) ends the rank, and under ULFM a call
+    touching the dead rank may wait for Open MPI's failure detector: the likely reason why one CI
+    run under Open MPI, at 2 s, lost rank 0's summary (not reproduced in 46 runs here)."""
     summary = tmp_path / "s.json"
-    proc, seconds = run_detached(mpitrain_cmd(4, "--no-progress", "--steps", "600", "--worker-timeout", "2",
+    proc, seconds = run_detached(mpitrain_cmd(4, "--no-progress", "--steps", "600", "--worker-timeout", "5",
                                               "--summary-json", str(summary), launcher_flags=keep_going()),
                                  env={**child_env(), "MPITRAIN_INJECT_KILL": "2:report"}, timeout=60)
     assert "Traceback" not in proc.stderr and not proc.leftovers

@@ -38,3 +38,22 @@ def test_the_job_scripts_ask_which_srun_plugin(mpi):
     out = subprocess.run([sys.executable, "-m", "mpitrain.mpiimpl", "slurm-mpi"], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == mpi.slurm_mpi  # this install's MPI (mpi4py's library)
+
+
+def test_a_killed_launchers_session_folder_is_swept_and_a_live_ones_is_not(tmp_path):
+    """Open MPI's prterun leaves /tmp/ompi.<pid> (its PMIx socket inside) when killed; a later
+    prterun with the same pid cannot listen there. Only folders of launchers that are gone go."""
+    import os
+
+    from mpitrain import mpiimpl
+
+    dead = os.fork()
+    if dead == 0:
+        os._exit(0)
+    os.waitpid(dead, 0)
+    for name in (f"ompi.{dead}", f"ompi.{os.getpid()}", "ompi.x1", f"other.{dead}"):
+        (tmp_path / name / "1").mkdir(parents=True)
+    (tmp_path / f"ompi.{dead}" / "pmix.vm.tool").write_text("")
+    assert mpiimpl.sweep_sessions(mpiimpl.OPENMPI, str(tmp_path)) == [str(tmp_path / f"ompi.{dead}")]
+    assert sorted(os.listdir(tmp_path)) == sorted([f"ompi.{os.getpid()}", "ompi.x1", f"other.{dead}"])
+    assert mpiimpl.sweep_sessions(mpiimpl.MPICH, str(tmp_path)) == []  # hydra leaves no such folder

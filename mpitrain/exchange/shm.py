@@ -34,6 +34,7 @@ import numpy as np
 from mpitrain.checkpoint import TrainState
 from mpitrain.faults import kill_here, store_kill
 from mpitrain.layout import PS_RANK
+from mpitrain.mpiimpl import pid_alive
 from mpitrain.optim import REGISTRY, ServerUpdate, StalenessHold
 from mpitrain.waiting import poll
 
@@ -82,21 +83,11 @@ def sweep(shm_dir: str = SHM_DIR) -> list[str]:
             pid = int(name[len(mine):].split(".")[0])
         except ValueError:
             continue
-        if not _alive(pid):
+        if not pid_alive(pid):
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(shm_dir, name))
                 removed.append(name)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class Store:

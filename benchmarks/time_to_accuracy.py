@@ -1,0 +1,144 @@
+"""Time to accuracy with --local-steps H, on one host and across a shaped link (issue 46). Needs root
+for the shaped links (network namespaces, benchmarks/netns.py); without it, the one-host rows only.
+
+    sudo python benchmarks/time_to_accuracy.py --data-dir DIR   # writes benchmarks/TIME_TO_ACCURACY.md
+    python benchmarks/time_to_accuracy.py --links one-host --hs 1,16 --out /tmp/TTA.md   # a smoke run
+
+Every run: 4 workers (np=5), MLP, batch 100, --eval-every every quarter epoch of global data;
+the time to the target is the first evaluation at or above it, in training seconds (the wall
+time since training started less rank 0's evaluations before it: eval_history's
+training_seconds). Across the link: rank 0 and workers 1-2 on host A, workers 3-4 on host B, every
+message over TCP (UCX_TLS=tcp,self), the veth pair shaped with tc tbf in both directions. Each
+run is capped (--max-epochs); a run that never reaches the target says so. Accuracy after the
+same samples is the last evaluation of each run (all runs see the same number of samples).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import netns  # noqa: E402
+from run import PY, env, machine, mpirun, run_mpitrain  # noqa: E402
+
+LINKS = {"one-host": None, "1 Gbit/s": "1gbit", "100 Mbit/s": "100mbit"}
+WORKERS = 4
+ACROSS = "{a}:3\n{b}:2\n"  # rank 0 + 2 workers on A, 2 workers on B (hydra fills hosts in order)
+
+
+def flags(dataset: list[str], mode: str, h: int, epochs: int, eval_every: int, seed: int) -> list[str]:
+    return [*dataset, "--mode", mode, "--epochs", str(epochs), "--eval-every", str(eval_every), "--seed", str(seed),
+            *(["--local-steps", str(h)] if h > 1 else [])]
+
+
+def run_across(names, addrs, wrapper, args: list[str]) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        hostfile, summary = Path(tmp) / "hosts", Path(tmp) / "s.json"
+        hostfile.write_text(ACROSS.format(a=addrs[0], b=addrs[1]))
+        cmd = ["ip", "netns", "exec", names[0], mpirun(), "-launcher", "ssh", "-launcher-exec", str(wrapper),
+               "-f", str(hostfile), "-localhost", addrs[0], "-np", str(WORKERS + 1), PY, "-m", "mpitrain",
+               "--no-progress", "--summary-json", str(summary), *args]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env={**env(), **netns.OVER_TCP})
+        if proc.returncode != 0:
+            raise RuntimeError(f"mpitrain failed ({proc.returncode}): {proc.stderr[-1500:]}")
+        return json.loads(summary.read_text())
+
+
+def to_target(summary: dict, target: float) -> float | None:
+    hit = [e["training_seconds"] for e in summary["eval_history"] if e["test_accuracy"] >= target]
+    return hit[0] if hit else None
+
+
+def row(summary: dict, target: float) -> dict:
+    return {"tta": to_target(summary, target), "final": summary["eval_history"][-1]["test_accuracy"],
+            "bytes": summary["bytes_per_sample"], "sps": summary["samples_per_second"],
+            "wall": summary["wall_seconds"]}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--data-dir", help="the four MNIST-sized IDX .gz files (else --dataset digits)")
+    p.add_argument("--data-source", default="", help="where those files came from, for the report")
+    p.add_argument("--train-samples", type=int, default=8000, help="the training set's size (for --eval-every)")
+    p.add_argument("--target", type=float, default=0.95)
+    p.add_argument("--max-epochs", type=int, default=10)
+    p.add_argument("--hs", default="1,4,16,64")
+    p.add_argument("--links", default=",".join(LINKS))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "TIME_TO_ACCURACY.md"))
+    args = p.parse_args()
+    dataset = ["--dataset", "mnist", "--data-dir", args.data_dir] if args.data_dir else ["--dataset", "digits"]
+    n_train = args.train_samples if args.data_dir else 1437
+    hs = [int(h) for h in args.hs.split(",")]
+    links = args.links.split(",")
+    results: dict = {}
+
+    def runs(go) -> None:
+        for mode in ("sync", "async"):
+            for h in hs:
+                # an evaluation every quarter epoch of global data: global steps are one batch (async) or
+                # one batch of every worker (sync)
+                every = max(1, n_train // 4 // (100 * (WORKERS if mode == "sync" else 1)))
+                t0 = time.monotonic()
+                s = go(flags(dataset, mode, h, args.max_epochs, every, args.seed))
+                results[(link, mode, h)] = row(s, args.target)
+                print(f"[{link}] {mode} H {h}: {results[(link, mode, h)]} ({time.monotonic() - t0:.0f} s)",
+                      file=sys.stderr, flush=True)
+
+    for link in [x for x in links if LINKS[x] is None]:
+        runs(lambda a: run_mpitrain(WORKERS + 1, a))
+    shaped = [x for x in links if LINKS[x] is not None]
+    if shaped:
+        try:
+            with tempfile.TemporaryDirectory() as tmp, netns.two_hosts(Path(tmp)) as (names, addrs, wrapper, veths):
+                for link in shaped:
+                    netns.shape(names, veths, LINKS[link])
+                    runs(lambda a: run_across(names, addrs, wrapper, a))
+        except netns.Unavailable as e:
+            print(f"time_to_accuracy: shaped links skipped: {e}", file=sys.stderr)
+    Path(args.out).write_text("\n".join(report(results, args, links, hs)) + "\n")
+    print(Path(args.out).read_text())
+    return 0
+
+
+def report(results: dict, args, links: list[str], hs: list[int]) -> list[str]:
+    data = "MNIST-sized" if args.data_dir else "digits"
+    lines = ["# Time to accuracy with --local-steps H", "",
+             f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", f"- machine: {machine()}",
+             f"- command: `python benchmarks/time_to_accuracy.py{' --data-dir DIR' if args.data_dir else ''}` (root for "
+             f"the shaped links); {WORKERS} workers, MLP, batch 100, at most {args.max_epochs} epochs, seed {args.seed}",
+             f"- data: {data}{': ' + args.data_source if args.data_source else ''}",
+             f"- target: test accuracy {args.target}; time = training seconds to the first evaluation at or above it "
+             "(evaluations every quarter epoch, their time left out); `-`: not reached",
+             "- across the link: rank 0 and 2 workers on host A, 2 workers on host B (network namespaces, a veth pair "
+             "shaped with tc tbf both ways, every message over TCP); on one host all 5 ranks share the 2 cores", "",
+             "| link | mode | H | time to target (s) | vs H 1 of the mode | vs plain sync | accuracy at the end "
+             "| bytes through MPI per sample | samples/s |", "|---|---|---|---|---|---|---|---|---|"]
+    for link in links:
+        base_sync = results.get((link, "sync", 1), {}).get("tta")
+        for mode in ("sync", "async"):
+            base = results.get((link, mode, 1), {}).get("tta")
+            for h in hs:
+                r = results.get((link, mode, h))
+                if r is None:
+                    continue
+                t = r["tta"]
+                lines.append(f"| {link} | {mode} | {h} | {'-' if t is None else f'{t:.1f}'} | "
+                             f"{ratio(base, t)} | {ratio(base_sync, t)} | {r['final']:.4f} | {r['bytes']:,.0f} | "
+                             f"{r['sps']:,.0f} |")
+    return lines
+
+
+def ratio(base: float | None, t: float | None) -> str:
+    """How many times shorter than `base` (the time to the target), or '' where either is missing."""
+    return "" if base is None or t is None else f"{base / t:.2f}x"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
