@@ -66,9 +66,8 @@ class Impl:
     # jobs); MPICH's finalize waits for the dead rank forever (measured: the guard ended it).
     spawned_finalizes: bool = False
     # The launcher's session folder in the temporary directory, "<prefix><its pid>", which a killed
-    # launcher leaves behind with its PMIx rendezvous socket in it. Pids come round again (pid_max is
-    # often 32768): a later prterun with the same pid finds the stale socket and cannot listen ("The
-    # PMIx server's listener thread failed to start", exit 213: it failed a CI run). None: none.
+    # launcher leaves behind (its PMIx rendezvous socket, per-job folders): swept as the /dev/shm
+    # segments are, so that a machine whose jobs get killed does not collect them. None: none.
     session_prefix: str | None = None
 
     def hostfile_line(self, host: str, slots: int) -> str:
