@@ -228,12 +228,12 @@ class ShmPushPull:
         self.worker = ctx.worker_index
         self.host_params = np.array(start.params, np.float32)  # the pulled parameters (a copy: the store moves on)
         self.params = self.be.asarray(self.host_params)  # NumPy: the same array
-        self.host_grad = np.empty(ctx.model.n_params, np.float32)
         self.grads = [self.be.xp.empty(ctx.model.n_params, self.be.xp.float32) for _ in range(2)]
         self.versions = [start.global_step]
         self.diverged_at: int | None = None
         self.in_flight = False
         self.stopped = False
+        self.count = 0  # this worker's pushes so far, the one in hand included (the fault injection's step)
         self.hold = StalenessHold(ctx.cfg.max_staleness)
         self.kill_at = store_kill(ctx.rank)  # MPITRAIN_INJECT_KILL=RANK:STEP:locked|applying (the fault tests)
 
