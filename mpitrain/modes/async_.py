@@ -65,8 +65,8 @@ class AsyncServer:
         self.params = be.asarray(self.state.params[shard])  # this server's slice (NumPy: a view, updated in place)
         rule = OuterUpdate if cfg.local_steps > 1 else ServerUpdate  # --local-steps: a push is an outer step
         self.update = rule(cfg, self.params, be.xp, start.global_step, start.opt_t,
-                                   {k: a[shard] for k, a in start.opt_state.items()},
-                                   None if start.ema is None else start.ema[shard], W, self.state.global_step)
+                           {k: a[shard] for k, a in start.opt_state.items()},
+                           None if start.ema is None else start.ema[shard], W, self.state.global_step)
         self.guard = LossGuard(cfg.divergence_factor)
         wire = cfg.wire_dtype
         self.inbox = [Message(n, be.host_alloc, wire) for _ in range(W)]
