@@ -94,7 +94,7 @@ class Activity:
 
     def moved(self, sent: int = 0, received: int = 0) -> None:
         """Message bytes of one exchange: an async push (sent) or reply (received), a sync Allreduce's
-        buffer (both: every worker contributes it and gets the sum)."""
+        buffer (both: every worker contributes it and gets the sum), a --quorum push and update."""
         self.bytes_sent += sent
         self.bytes_received += received
 

@@ -29,7 +29,7 @@ class WorkerReport:
     max_rss_mb: list[float] | None = None  # [start, end] of training (a local run's own report: None)
     timeline: list[dict] = field(default_factory=list)  # --timeline spans
     stop_signal: int = 0  # the signal that asked this rank to stop, if it knows one (stopping.py)
-    bytes_moved: list[int] | None = None  # [sent, received] through MPI (async, sync; --quorum: not counted)
+    bytes_moved: list[int] | None = None  # [sent, received] through MPI
 
     role = "worker"
 

@@ -57,10 +57,9 @@ def worker_report(ctx: Context, wres: WorkerResult, evaluation: tuple[float, flo
     breakdown = {"compute": t["compute_s"] / wall, "communication_and_wait": t["wait_s"] / wall,
                  "other": max(0.0, 1 - (t["compute_s"] + t["wait_s"]) / wall)}
     act = ctx.activity
-    moved = None if ctx.cfg.quorum is not None else [act.bytes_sent, act.bytes_received]  # --quorum: not counted
     return WorkerReport(ctx.rank, wres.pushed, wres.dropped, as_dict(wres.diverged), wres.contributed, evaluation[0],
                         evaluation[1], digest(wres.params), breakdown, act.report(), stop_signal=STOP.signum,
-                        bytes_moved=moved)
+                        bytes_moved=[act.bytes_sent, act.bytes_received])
 
 
 def build_summary(ctx: Context, mine: RoleResult, reports: list, placements: list[str],

@@ -120,3 +120,12 @@ def test_the_bytes_each_worker_moved_are_counted_and_h_steps_move_h_times_fewer(
     assert one["bytes_per_sample"] == pytest.approx(sum(map(sum, one["worker_bytes"])) / samples)
     assert one["bytes_per_sample"] / eight["bytes_per_sample"] >= 7.5
     assert f"{one['bytes_per_sample']:,.0f} bytes through MPI per sample" in one["_stdout"]
+
+
+@only_on("mpich", NUMBERS_ONLY)
+def test_with_a_quorum_every_byte_one_worker_sent_another_received(tmp_path):
+    """--quorum: the workers exchange among themselves (pushes to the coordinator, its updates to
+    the others), so what they sent and what they received add up to the same, and it is counted."""
+    s = train(4, tmp_path, "--mode", "sync", "--quorum", "2", "--steps", "100")
+    sent, received = (sum(w[i] for w in s["worker_bytes"]) for i in (0, 1))
+    assert sent == received > 0 and s["bytes_per_sample"] == pytest.approx((sent + received) / (100 * 200))

@@ -190,6 +190,7 @@ class QuorumCoordinator:
         """Worker i's message, while step `step` is being gathered (None: after the last one)."""
         msg, rank = self.inbox[i], self.others[i]
         msg.check(TAG_QGRAD, rank)
+        self.ctx.activity.moved(received=msg.buf.nbytes)
         if msg.flags & FLAG_LEAVING:
             self.stopped += 1  # that worker sends nothing more: its receive is not posted again
             return
@@ -324,6 +325,7 @@ class QuorumFollower:
         self.ctx.backend.download(self.grads[slot], out.payload)
         out.stamp(TAG_QGRAD, step, self.computed, flags, loss, seconds)
         self.sends[slot] = self.ctx.worker_comm.Isend(out.spec(), dest=COORDINATOR_INDEX, tag=TAG_QGRAD)
+        self.ctx.activity.moved(sent=out.buf.nbytes)
 
     def _post(self) -> None:
         if self.step < self.total:
@@ -342,6 +344,7 @@ class QuorumFollower:
     def _apply(self) -> None:
         u, step_fn, n = self.update, self.step_fn, self.n
         u.msg.check(TAG_UPDATE, self.coordinator, count=n + self.ctx.workers)
+        self.ctx.activity.moved(received=u.msg.buf.nbytes)
         if u.msg.step != self.step:
             raise ProtocolError(f"the coordinator sent the update of step {u.msg.step} "
                                 f"while this worker is at step {self.step}")

@@ -172,6 +172,7 @@ class UpdateRing:
         spec = update.msg.spec()
         comm, index = self.ctx.worker_comm, self.ctx.layout.worker_index
         update.reqs = [comm.Isend(spec, dest=index(r), tag=TAG_UPDATE) for r in self.peers]
+        self.ctx.activity.moved(sent=update.msg.buf.nbytes * len(self.peers))
         self.busy.append(update)
 
     def delivered(self) -> bool:
