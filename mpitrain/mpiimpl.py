@@ -200,21 +200,28 @@ def sweep_sessions(impl: Impl | None, tmpdir: str | None = None) -> list[str]:
 
     if impl is None or impl.session_prefix is None:
         return []
-    base = tmpdir or tempfile.gettempdir()
-    removed = []
+    removed = orphans(tmpdir or tempfile.gettempdir(), impl.session_prefix)
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    return removed
+
+
+def orphans(base: str, prefix: str) -> list[str]:
+    """The entries of folder `base` named `<prefix><pid>` or `<prefix><pid>.<anything>` that this
+    user owns and whose process is gone: what a killed process left (the launcher's session
+    folders here, the shm store's segments in exchange/shm.py). Paths, sorted."""
+    found = []
     for name in sorted(os.listdir(base)) if os.path.isdir(base) else []:
-        pid = name[len(impl.session_prefix):]
-        path = os.path.join(base, name)
-        if not (name.startswith(impl.session_prefix) and pid.isdigit()) or pid_alive(int(pid)):
+        pid = name[len(prefix):].split(".")[0]
+        if not name.startswith(prefix) or not pid.isdigit() or pid_alive(int(pid)):
             continue
+        path = os.path.join(base, name)
         try:
-            if os.stat(path).st_uid != os.getuid():
-                continue
+            if os.stat(path).st_uid == os.getuid():
+                found.append(path)
         except OSError:
             continue
-        shutil.rmtree(path, ignore_errors=True)
-        removed.append(path)
-    return removed
+    return found
 
 
 def pid_alive(pid: int) -> bool:

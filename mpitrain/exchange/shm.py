@@ -34,7 +34,7 @@ import numpy as np
 from mpitrain.checkpoint import TrainState
 from mpitrain.faults import kill_here, store_kill
 from mpitrain.layout import PS_RANK
-from mpitrain.mpiimpl import pid_alive
+from mpitrain.mpiimpl import orphans
 from mpitrain.optim import REGISTRY, ServerUpdate, StalenessHold
 from mpitrain.waiting import poll
 
@@ -75,18 +75,10 @@ def sweep(shm_dir: str = SHM_DIR) -> list[str]:
     """Remove the segments of this user's jobs whose creator is gone (killed before every rank had
     mapped the segment, the only time its name exists); returns what it removed."""
     removed = []
-    mine = f"{PREFIX}.{os.getuid()}."
-    for name in sorted(os.listdir(shm_dir)) if os.path.isdir(shm_dir) else []:
-        if not name.startswith(mine):
-            continue
-        try:
-            pid = int(name[len(mine):].split(".")[0])
-        except ValueError:
-            continue
-        if not pid_alive(pid):
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join(shm_dir, name))
-                removed.append(name)
+    for path in orphans(shm_dir, f"{PREFIX}.{os.getuid()}."):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+            removed.append(os.path.basename(path))
     return removed
 
 
@@ -284,6 +276,8 @@ class ShmPushPull:
     def _may_apply(self, version: int) -> bool:
         """--max-staleness: as the message path's server decides (StalenessHold), from the bases
         of the other workers still training."""
+        if self.hold.bound is None:  # no --max-staleness: nothing to gather under the lock
+            return True
         s, w = self.store, self.worker
         others = [int(s.views["bases"][u]) for u in range(len(s.active)) if u != w and s.active[u]]
         return self.hold.allows(version, others)
