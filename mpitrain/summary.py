@@ -126,8 +126,8 @@ def build_summary(ctx: Context, mine: RoleResult, reports: list, placements: lis
         stopped=stop_record(ctx, state, reports, diverged),
         write_errors=WRITES.report(),
         trained=trained,
-        worker_bytes=[w.bytes_moved for w in workers],
-        bytes_per_sample=per_sample([w.bytes_moved for w in workers], samples),
+        worker_bytes=[None if ctx.local else w.bytes_moved for w in workers],  # one process: nothing goes through MPI
+        bytes_per_sample=None if ctx.local else per_sample([w.bytes_moved for w in workers], samples),
     )
 
 

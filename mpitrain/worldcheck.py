@@ -22,7 +22,9 @@ def validate_for_world(cfg: TrainConfig, size: int) -> None:
                             (cfg.delay_compensation is not None, "--delay-compensation corrects stale async gradients"),
                             (cfg.quorum is not None,
                              f"--quorum {cfg.quorum} averages the gradients of that many workers"),
-                            (cfg.local_steps > 1, f"--local-steps {cfg.local_steps} averages the workers' models")):
+                            (cfg.local_steps > 1, f"--local-steps {cfg.local_steps} averages the workers' models"),
+                            (cfg.ps_transport != "mpi",
+                             f"--ps-transport {cfg.ps_transport} carries the workers' gradients to the parameters")):
             if given:
                 raise UsageError(f"{what}, but {alone}; run under mpirun (e.g. mpirun -np 3 python -m mpitrain ...) "
                                  f"or drop it")

@@ -207,6 +207,7 @@ ALONE = [
     (["--staleness-lr"], "--staleness-lr damps stale async gradients, but one process"),
     (["--delay-compensation"], "--delay-compensation corrects stale async gradients, but one process"),
     (["--mode", "sync", "--local-steps", "4"], "--local-steps 4 averages the workers' models, but one process"),
+    (["--ps-transport", "shm"], "--ps-transport shm carries the workers' gradients to the parameters, but one"),
     (["--mode", "sync", "--quorum", "2"], "--quorum 2 averages the gradients of that many workers, but one"),
     (["--mode", "sync", "--quorum", "1"], "--quorum 1 averages the gradients of that many workers, but one"),
 ]

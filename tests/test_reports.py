@@ -38,11 +38,11 @@ def test_a_report_survives_the_wire_with_its_kind_and_values(report):
 
 def test_one_process_summary_has_no_per_worker_words():
     """One process has no workers to tell apart and drops nothing: its summary used to say
-    'per worker [...] | dropped gradients 0' and '(rank 0)'."""
+    'per worker [...] | dropped gradients 0', '(rank 0)' and '0 bytes through MPI per sample'."""
     from conftest import run_mpitrain
 
     proc = run_mpitrain(0, "--steps", "50", "--no-progress")
     assert proc.returncode == 0, proc.stderr
-    for words in ("per worker", "dropped gradients", "(rank 0)", "local steps"):
+    for words in ("per worker", "dropped gradients", "(rank 0)", "local steps", "through MPI"):
         assert words not in proc.stdout, proc.stdout
     assert "test accuracy" in proc.stdout and "final train loss" in proc.stdout
