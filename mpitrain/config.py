@@ -21,6 +21,7 @@ DEVICES = ("auto", "cpu", "gpu")
 PS_DEVICES = ("cpu", "gpu")
 WAITS = ("auto", "spin", "yield")
 LOST_WORKER_CHOICES = ("continue", "stop")  # --on-lost-worker
+LOST_SERVER_CHOICES = ("continue", "stop")  # --on-lost-server
 LR_SCALINGS = ("linear", "none")
 PS_TRANSPORTS = ("mpi", "shm")  # --ps-transport (exchange/mpi.py, exchange/shm.py)
 
@@ -150,6 +151,11 @@ class TrainConfig:
         "continue", "when a worker is lost (under the launcher's keep-going flag): go on with the others (sync: they "
         "regroup and re-shard; --quorum Q: while Q are left) or stop the job (exit 5; resume from a checkpoint)",
         choices=LOST_WORKER_CHOICES)
+    on_lost_server: str = PARALLELISM(
+        "stop", "when rank 0 is lost (under the launcher's keep-going flag): stop (every worker ends in one line; "
+        "its newest checkpoint resumes the job) or continue (the workers agree on a successor, the lowest rank "
+        "left, which becomes rank 0 with the freshest model they hold; failover.py)",
+        choices=LOST_SERVER_CHOICES)
     join: bool = PARALLELISM(
         False, "start this process as one more worker of the job running with the same flags and --checkpoint-dir: "
         "`mpirun -np 1 python -m mpitrain [the job's flags] --join` (MPICH; the job makes room at a step boundary)")
@@ -328,6 +334,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     Only checks that need no file system or MPI live here, so every rank reaches the same verdict.
     """
     _choice("mode", cfg.mode, MODES)
+    _choice("on_lost_server", cfg.on_lost_server, LOST_SERVER_CHOICES)
     if cfg.join and not cfg.checkpoint_dir:
         raise UsageError("--join finds the running job through its folder: give the job's --checkpoint-dir too")
     if cfg.respawn < 0:
@@ -436,6 +443,11 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if cfg.ps_transport == "shm":  # as far as it goes so far (docs/modes.md, "One host")
         _not_with("--ps-transport shm", (cfg.mode != "async", "--mode sync (its Allreduce has no server)"),
                   (cfg.num_ps > 1, "--num-ps"), (cfg.overlap, "--overlap"), (cfg.ps_device == "gpu", "--ps-device gpu"))
+    if cfg.on_lost_server == "continue":
+        if cfg.worker_timeout <= 0:
+            raise UsageError("--on-lost-server continue needs heartbeats to tell a lost rank 0: give a "
+                             "--worker-timeout above 0 (e.g. 3)")
+        _not_with("--on-lost-server continue", (cfg.num_ps > 1, "--num-ps"), (cfg.ps_transport == "shm", "--ps-transport shm"))
     if cfg.delay_compensation is not None:
         if cfg.mode != "async":
             raise UsageError("--delay-compensation applies to --mode async (sync gradients are never stale)")

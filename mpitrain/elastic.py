@@ -72,13 +72,15 @@ class Regroup(Exception):
 
 @contextlib.contextmanager
 def interrupted_at(state: Callable[[], TrainState], counts: Callable[[], tuple[int, int]] = lambda: (0, 0)):
-    """Around a worker's loop: a Regroup raised anywhere inside leaves carrying where the loop was,
-    read when it is raised: the state of the updates applied (`state()`) and, --quorum, the
-    gradients contributed and dropped (`counts()`)."""
+    """Around a worker's loop: a Regroup (or a PeerLost: a take-over starts from it, failover.py)
+    raised anywhere inside leaves carrying where the loop was, read when it is raised: the state of
+    the updates applied (`state()`) and the gradients contributed and dropped (`counts()`; --quorum,
+    and async's pushes). An inner loop's is kept."""
     try:
         yield
-    except Regroup as r:
-        r.state, r.counts = state(), counts()
+    except (Regroup, PeerLost) as r:
+        if r.state is None:
+            r.state, r.counts = state(), counts()
         raise
 
 

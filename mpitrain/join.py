@@ -108,6 +108,8 @@ class Carry:
     forming: threading.Timer | None = None  # from making room until the next phase's heartbeats run
     earlier: tuple[int, int, int] = (0, 0, 0)  # a worker: gradients pushed, dropped, contributed in earlier phases
     outputs: JobOutputs = dataclasses.field(default_factory=JobOutputs)  # rank 0: one bar and one log for all phases
+    handover: object = None  # failover.Handover: rank 0 was lost, the next phase starts from the survivors' state
+    failovers: list[dict] = dataclasses.field(default_factory=list)  # every take-over of the job (the summary's)
 
     def start_forming(self, who: str) -> None:
         """From the moment a world starts to re-form until the next phase's heartbeats run (formed),

@@ -74,11 +74,14 @@ def end_aborted() -> None:
 
 
 class PeerLost(Exception):
-    """Raised by Watch.check: `lost` maps each newly lost rank to why."""
+    """Raised by Watch.check: `lost` maps each newly lost rank to why. A worker's loop attaches where
+    it was (elastic.interrupted_at: `state`, `counts`), which a take-over starts from (failover.py)."""
 
     def __init__(self, lost: dict[int, str]):
         super().__init__(", ".join(f"rank {r} ({why})" for r, why in lost.items()))
         self.lost = lost
+        self.state = None
+        self.counts = (0, 0)
 
 
 class Heartbeat:

@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 
-from mpitrain import join, mpiimpl
+from mpitrain import failover, join, mpiimpl
 from mpitrain.agreement import identity, identity_of
 from mpitrain.config import TrainConfig, UsageError
 from mpitrain.console import say
@@ -151,3 +151,24 @@ def after_the_spawned(carry: join.Carry) -> None:
     """The job's own ranks leave join.SPAWNED_LEAVES_FIRST_S after a spawned worker (--respawn)."""
     if carry.with_spawned and not carry.spawned:
         time.sleep(join.SPAWNED_LEAVES_FIRST_S)
+
+
+def take_over(ctx: Context, e, heartbeat, carry: join.Carry, library: bool) -> Outcome | None:
+    """A worker that lost rank 0, with --on-lost-server continue: take part in the take-over
+    (failover.py) and go on with the next phase on the survivors' world; None where it does not
+    apply (the caller ends this rank as before)."""
+    if not failover.applies(ctx, e):
+        return None
+    carry.peer_lost = True  # MPI_Finalize would wait for the dead
+    for rank, why in e.lost.items():  # an MPI error (ULFM) names it before the watch does: nothing waits for it
+        ctx.watch.declare(rank, why)
+    retire_heartbeats(ctx, heartbeat)
+    got = failover.take_over(ctx, e, carry)
+    if got is None:
+        if library:
+            return Outcome(ExitCode.PEER_LOST, error="the take-over of the lost rank 0 failed", mpi_broken=True)
+        exit_without_finalize(ExitCode.PEER_LOST)
+    world, handover = got
+    carry.handover, carry.peer_lost = handover, True
+    carry.failovers.append(handover.record)
+    return Outcome(ExitCode.OK, grown=(carry.next_config(ctx.cfg), world, node_info(world)))

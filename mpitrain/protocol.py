@@ -32,6 +32,7 @@ TAG_REPORT = 18  # at the end, worker -> PS: its report (JSON bytes, once); PS -
 TAG_SHARD = 19  # --num-ps: rank 0 -> server k: send me your shard (header); server k -> rank 0: its shard's state
 TAG_JOIN = 21  # rank 0 <-> a worker joining, on their own connection (join.py): JSON hello and answer, then GO (header; flagged STOP: the job ended instead) and the joiner's header back
 TAG_REGROUP = 20  # sync, rank 0 -> the workers left: regroup without the lost (H_GENERATION; payload: lost ranks), flagged GO: now, flagged STOP: training is over; worker -> rank 0: READY for generation H_GENERATION (elastic.py)
+TAG_FAILOVER = 22  # worker <-> worker, rank 0 lost (--on-lost-server continue): HERE (global step, gradients pushed), then the successor's DECIDE (one flag per rank of the new world); int64, not a Message (failover.py)
 
 # Header slots.
 H_MAGIC = 0

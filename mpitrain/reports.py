@@ -99,6 +99,7 @@ class Summary:
     final_loss: float | None  # mean minibatch loss of the last global steps (None: no step trained)
     lost_workers: list[dict]  # rank, global step, reason and local steps of each worker declared lost
     joined_workers: list[dict]  # rank, global step and host of each worker that joined (--join; ranks are renumbered then)
+    failovers: list[dict]  # each take-over of a lost rank 0 (--on-lost-server continue; failover.py)
     max_rss_mb: list[dict]  # per rank: peak resident memory at the start and end of training
     dropped_gradients: int
     dropped_gradients_per_worker: list[int]

@@ -157,6 +157,7 @@ class Context:
     activity: Activity = field(default_factory=Activity)  # what this rank is doing (phases, step times, --timeline)
     start: checkpoint.TrainState | None = None  # what training starts from, broadcast by rank 0 (connect)
     outputs: JobOutputs = field(default_factory=JobOutputs)  # rank 0's bar and log, the job's (join.Carry's)
+    handover: object = None  # rank 0, the phase after a take-over: failover.Handover (the state it starts from)
 
     @property
     def local(self) -> bool:
@@ -363,7 +364,10 @@ def broadcast_start(ctx: Context) -> checkpoint.TrainState:
 
     W = ctx.workers
     if ctx.rank == PS_RANK:
-        state = ctx.resume[1] if ctx.resume else checkpoint.TrainState(ctx.model.init_params(ctx.cfg.seed))
+        if ctx.handover is not None:  # rank 0 was lost: the survivors' freshest state (failover.py)
+            state = ctx.handover.state
+        else:
+            state = ctx.resume[1] if ctx.resume else checkpoint.TrainState(ctx.model.init_params(ctx.cfg.seed))
         # a run resumed with another number of workers re-shards: positions beyond the saved ones start at 0
         state.positions = [state.position(w) for w in range(W)]
         if ctx.local:

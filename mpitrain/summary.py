@@ -63,7 +63,7 @@ def worker_report(ctx: Context, wres: WorkerResult, evaluation: tuple[float, flo
 
 
 def build_summary(ctx: Context, mine: RoleResult, reports: list, placements: list[str],
-                  diverged: Diverged | None, joins: list[dict] = ()) -> Summary:
+                  diverged: Diverged | None, joins: list[dict] = (), failovers: list[dict] = ()) -> Summary:
     cfg, state = ctx.cfg, mine.state
     workers = [r for r in reports if isinstance(r, WorkerReport)]
     shards = [shard_report(ctx, state)] + [r for r in reports if isinstance(r, ShardReport)]
@@ -99,6 +99,7 @@ def build_summary(ctx: Context, mine: RoleResult, reports: list, placements: lis
         final_loss=state.final_loss if trained else None,
         lost_workers=lost,
         joined_workers=list(joins),
+        failovers=list(failovers),
         max_rss_mb=[{"rank": 0, "start": mine.max_rss_mb[0], "end": mine.max_rss_mb[1]}]
         + [{"rank": w.rank, "start": w.max_rss_mb[0], "end": w.max_rss_mb[1]} for w in workers
            if w.max_rss_mb],  # a local run's own worker report has none: its rank is 0, above
@@ -150,7 +151,7 @@ def stop_record(ctx: Context, state, reports: list, diverged: Diverged | None) -
 
 
 def publish(ctx: Context, mine: RoleResult, reports: list, placements: list[str],
-            diverged: Diverged | None, joins: list[dict]) -> dict:
+            diverged: Diverged | None, joins: list[dict], failovers: list[dict] = ()) -> dict:
     """Rank 0: the summary (printed, --summary-json, the log's end) and the timeline; the
     goodbyes follow (ending.say_goodbye)."""
     cfg, state = ctx.cfg, mine.state
@@ -159,7 +160,7 @@ def publish(ctx: Context, mine: RoleResult, reports: list, placements: list[str]
             write_timeline(ctx, reports, placements)
         except OSError as e:
             WRITES.failed("timeline", "--timeline", cfg.timeline, e, "the run goes on without it")
-    summary = build_summary(ctx, mine, reports, placements, diverged, joins).to_dict()
+    summary = build_summary(ctx, mine, reports, placements, diverged, joins, failovers).to_dict()
     ctx.outputs.close_bar()
     for line in human_summary(summary):
         say(line)
@@ -253,7 +254,9 @@ def announce(ctx: Context, placements: list[str], regrown: bool = False) -> None
         say(f"mpitrain: {words}")
     for note in ctx.data.notes:  # e.g. a class that never occurs in training
         say(note, sys.stderr)
-    if ctx.resume:
+    if ctx.handover is not None:
+        say(f"mpitrain: {taken_over(ctx.handover.record)}", sys.stderr)
+    elif ctx.resume:
         path, st = ctx.resume
         WRITES.newest_checkpoint = str(path)
         say(f"mpitrain: training on from {path} (global step {st.global_step}), saved to make room" if regrown
@@ -282,3 +285,12 @@ def divergence(ctx: Context, mine: RoleResult, reports: list) -> Diverged | None
 def as_dict(d: Diverged | None) -> dict | None:
     """A Diverged as reports and the summary carry it (JSON)."""
     return None if d is None else dataclasses.asdict(d)
+
+
+def taken_over(record: dict) -> str:
+    """The line a take-over's new rank 0 starts its phase with (failover.Handover.record)."""
+    lost = record["updates_lost_at_most"]
+    what = "no update lost" if lost == 0 else f"at most {lost} update(s) lost (async: those the lost server applied after the freshest copy)"
+    return (f"rank 0 was lost ({record['lost']}); rank {record['successor']} took over as rank 0 at global step "
+            f"{record['global_step']}, {record['seconds']:.2f} s after the loss was noticed, with "
+            f"{record['ranks'] - 1} worker(s); {what}")

@@ -23,7 +23,7 @@ from mpitrain.liveness import PeerLost
 from mpitrain.metrics import Progress
 from mpitrain.modes.base import CHIEF, SERVER
 from mpitrain.phases import (after_the_spawned, grow_with_joiner, joined, leave_after_a_loss, make_room, no_room,
-                             open_lobby)
+                             open_lobby, take_over)
 from mpitrain.protocol import FLAG_PEER_LOST, FLAG_REFORM, FLAG_STOPPED, ProtocolError
 from mpitrain.reports import Outcome, RoleResult
 from mpitrain.runtime import PS_RANK, Context, Node, broadcast_start, nothing_to_train
@@ -139,6 +139,10 @@ def _run(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: bo
     ctx, line = agree_on_setup(cfg, comm, node, err, quiet=library)
     if ctx is None:
         return Outcome(ExitCode.USAGE, error=line)
+    if carry.handover is not None:  # the phase after a take-over: rank 0 starts from the survivors' state
+        if ctx.rank == PS_RANK:
+            ctx = dataclasses.replace(ctx, resume=None, handover=carry.handover)
+        carry.handover = None
     ctx, placements, heartbeat = connect(dataclasses.replace(ctx, outputs=carry.outputs), regrown=carry.start_step is not None)
     carry.formed()  # heartbeats run: a rank lost from here is seen as in any phase
     if carry.budget is None:
@@ -148,7 +152,7 @@ def _run(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: bo
         with ctx.watch.during(lobby):  # rank 0: a worker asking to join is looked at in every wait until the reports are in
             mine, reports = train_and_report(ctx, carry)
     except PeerLost as e:
-        return peer_lost(ctx, e, library)
+        return take_over(ctx, e, heartbeat, carry, library) or peer_lost(ctx, e, library)
     except ProtocolError as e:
         say(f"mpitrain: rank {ctx.rank}: wire-format error: {e}", sys.stderr)
         return abort_job(ctx, ExitCode.PROTOCOL)
@@ -164,7 +168,7 @@ def _run(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: bo
                 return make_room(ctx, mine, reports, heartbeat, carry, lobby)
             lobby.release(why or "the worker was lost as training ended")
         carry.into(mine.state)
-        summary = publish(ctx, mine, reports, placements, diverged, carry.joins)
+        summary = publish(ctx, mine, reports, placements, diverged, carry.joins, carry.failovers)
         peer_was_lost = say_goodbye(ctx, [r.rank for r in reports], bool(mine.state.lost_workers),
                                     bool(summary["stopped"]))
     else:

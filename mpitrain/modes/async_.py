@@ -20,6 +20,7 @@ from mpi4py import MPI
 from mpitrain import checkpoint
 from mpitrain.checkpoint import TrainState
 from mpitrain.config import AUTO_OVERLAP_MAX_WORKERS
+from mpitrain.elastic import interrupted_at
 from mpitrain.chief import ChiefDuties, ServerState, record_lost
 from mpitrain.exchange.base import PushPull
 from mpitrain.exchange.mpi import MPIPushPull
@@ -316,6 +317,16 @@ class AsyncWorker:
         self.diverged: Diverged | None = None  # set when a server stops the run because a loss diverged
 
     def run(self) -> WorkerResult:
+        # Rank 0 lost (--on-lost-server continue): the take-over starts from the freshest copy.
+        with interrupted_at(self._held, lambda: (self.pushed if self.inner is None else self.inner.count, 0)):
+            return self._train()
+
+    def _held(self) -> TrainState:
+        """The parameters this worker holds, at the global step the server answered them at."""
+        ex = self.exchange
+        return TrainState(np.array(self.be.to_host(ex.params), np.float32), ex.versions[0])
+
+    def _train(self) -> WorkerResult:
         ex = self.exchange
         # Resumed with its own epochs done (the others' are not): a gradient now would train past
         # the budget, so it leaves at once.

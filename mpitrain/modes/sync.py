@@ -243,6 +243,10 @@ def work(ctx: Context, loop=train) -> WorkerResult:
                 if notices is not None:
                     notices.await_done(ctx)
                 break
+            except PeerLost as e:  # rank 0 lost after the loop (--on-lost-server continue): the final state
+                if e.state is None and result is not None:
+                    e.state, e.counts = result.train_state, (result.contributed or 0, result.dropped)
+                raise
             except elastic.Regroup as r:
                 if r.state is None and regroup is not None:  # a newer NOTICE before GO: the same state, fewer workers
                     r.state = regroup.state

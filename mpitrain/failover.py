@@ -1,0 +1,176 @@
+"""--on-lost-server continue: the job goes on without rank 0 (issue 49).
+
+When the workers take rank 0 for lost (its heartbeat silent past --worker-timeout, or MPI's failure
+report under ULFM), each leaves its loop carrying where it was (elastic.interrupted_at: the state of
+the updates it holds, and the gradients it pushed) and, instead of ending, takes part in a take-over
+made by the workers alone, over the old world's point-to-point messages (TAG_FAILOVER):
+
+1. **Here.** Each tells every other worker it is alive and how far it got, and listens for theirs,
+   up to AGREE_FACTOR x --worker-timeout + 1 s (the others notice the loss within about a heartbeat
+   of each other; a worker killed with rank 0 never answers and is left out).
+2. **Decide.** The lowest rank one heard from (itself included) is the successor: it sends every
+   worker it heard from the list it heard (its DECIDE); the others take the first DECIDE that comes
+   from a lower rank. A worker left out of it, or that hears none, ends in one line, as without the
+   flag. Receives are posted from each rank by name: ULFM fails a receive from any source once a
+   process has died.
+3. **A new world** of those ranks (mpiimpl.survivors, as elastic sync's regroup: the dead are asked
+   nothing), numbered in their order, so the successor is its rank 0. The freshest state among them
+   (the highest global step; sync's replicas are at most one update apart, async's copies a few)
+   goes to it, and trainer.run goes on with the next phase on that world (join.Carry.handover): the
+   successor as rank 0 (server, evaluation, checkpoints under the folder lock, which it takes over
+   from the dead process, the summary and the exit code), the others as its workers, re-sharded.
+
+What is lost: sync (and --quorum) nothing but the step in flight; rank 0 held no optimizer state
+(the workers do) and the moving average lives on the coordinator, which keeps it unless it died
+too. Async: the updates the dead server applied after the freshest reply a survivor holds (at most
+the phase's gradients pushed, less that reply's global step: `updates_lost_at_most`), and the
+optimizer's state and moving average, which lived on rank 0 only (they start again; plain SGD,
+async's default, has none). Until the new world's heartbeats run, join.Carry.start_forming bounds
+every collective: a rank killed during the take-over ends the others in one line, never a hang.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from mpitrain import mpiimpl
+from mpitrain.checkpoint import TrainState, state_arrays
+from mpitrain.console import say
+from mpitrain.layout import PS_RANK
+from mpitrain.liveness import PeerLost
+from mpitrain.protocol import TAG_FAILOVER
+
+AGREE_FACTOR = 2.0  # the take-over's bound, in --worker-timeouts (+1 s): the survivors notice the loss apart
+POLL_S = 0.002
+HERE, DECIDE = 1, 2  # a TAG_FAILOVER message's kind: [kind, global step, gradients pushed, one flag per rank]
+NEWWORLD_TAG = 3000  # MPICH's tag of the survivors' communicator (mpiimpl.survivors)
+NEWWORLD_STRINGTAG = "mpitrain.failover"
+KEPT: list = []  # the take-over's messages and sends, alive until the process ends
+
+
+@dataclasses.dataclass
+class Handover:
+    """What the take-over hands the next phase: the state it starts from (the successor's), and the
+    record the summary and the start lines show (the same on every survivor)."""
+
+    state: TrainState | None
+    record: dict
+
+
+def applies(ctx, e: PeerLost) -> bool:
+    """Whether this rank takes part in a take-over instead of ending: a worker, rank 0 among the lost,
+    --on-lost-server continue, and the state where its loop was (a loss outside the loop, at the
+    start or after the reports, ends the job as before)."""
+    return (ctx.cfg.on_lost_server == "continue" and not ctx.is_ps and PS_RANK in e.lost
+            and getattr(e, "state", None) is not None and ctx.layout.shards == 1)
+
+
+def take_over(ctx, e: PeerLost, carry) -> tuple[object, Handover] | None:
+    """This worker's part of the take-over: the new world and what it starts from, or None (it was
+    left out, or the successor never answered: it says so and the caller ends it as before)."""
+    cfg = ctx.cfg
+    t0 = time.monotonic()
+    why = "; ".join(f"rank {r}: {w}" for r, w in e.lost.items())
+    mine = e.state
+    pushed = int(e.counts[0]) if not ctx.mode.averages else 0
+    chosen = agree(ctx, mine.global_step, pushed, t0 + AGREE_FACTOR * cfg.worker_timeout + 1.0)
+    if isinstance(chosen, str):
+        say(f"mpitrain: error: rank {ctx.rank} lost the parameter server ({why}) and could not take part in a "
+            f"take-over: {chosen}. Rank 0's newest checkpoint in --checkpoint-dir resumes the run", sys.stderr)
+        return None
+    carry.start_forming(f"rank {ctx.rank} (taking over from the lost rank 0)")
+    world = mpiimpl.survivors(ctx.comm, chosen, NEWWORLD_TAG, NEWWORLD_STRINGTAG)
+    state, lost_at_most = freshest(ctx, world, mine, pushed)
+    record = {"lost": why, "successor": chosen[0], "global_step": state.global_step,
+              "ranks": len(chosen), "updates_lost_at_most": lost_at_most,
+              "seconds": round(time.monotonic() - t0, 2)}
+    return world, Handover(state if world.Get_rank() == 0 else None, record)
+
+
+def agree(ctx, step: int, pushed: int, deadline: float) -> list[int] | str:
+    """Steps 1 and 2 of the module's doc: the old ranks of the new world, the successor first; or why
+    this rank is not in it."""
+    comm, me = ctx.comm, ctx.rank
+    others = [r for r in ctx.layout.worker_ranks if r != me]
+    box = _message(HERE, step, pushed, comm.Get_size())
+    sends = [comm.Isend([box, MPI.INT64_T], dest=r, tag=TAG_FAILOVER) for r in others]
+    inbox = {r: np.zeros_like(box) for r in others}
+    recvs = {r: comm.Irecv([inbox[r], MPI.INT64_T], source=r, tag=TAG_FAILOVER) for r in others}
+    heard = _gather(recvs, deadline, until_all=True)
+    view = sorted([me, *heard])
+    if view[0] == me:  # the successor: its view is the new world
+        decision = _message(DECIDE, step, pushed, comm.Get_size())
+        decision[3:][view] = 1
+        sends += [comm.Isend([decision, MPI.INT64_T], dest=r, tag=TAG_FAILOVER) for r in view[1:]]
+        _gather({i: s for i, s in enumerate(sends)}, time.monotonic() + ctx.cfg.worker_timeout, until_all=True)
+        KEPT.append((box, decision, sends))  # a send to a rank that died meanwhile never completes
+        return view
+    # A DECIDE comes after the same rank's HERE (MPI keeps one sender's order on a tag).
+    lower = [r for r in heard if r < me]
+    decides = {r: np.zeros_like(box) for r in lower}
+    reqs = {r: comm.Irecv([decides[r], MPI.INT64_T], source=r, tag=TAG_FAILOVER) for r in lower}
+    came = _gather(reqs, deadline, until_all=False)
+    if not came:
+        return f"no successor answered within {AGREE_FACTOR * ctx.cfg.worker_timeout + 1:g} s (rank {view[0]} was " \
+               f"the first it heard from)"
+    flags = decides[came[0]][3:]
+    chosen = [int(r) for r in np.flatnonzero(flags)]
+    if me not in chosen:
+        return f"the successor (rank {came[0]}) went on without it"
+    return chosen
+
+
+def _message(kind: int, step: int, pushed: int, size: int) -> np.ndarray:
+    box = np.zeros(3 + size, np.int64)
+    box[:3] = kind, step, pushed
+    return box
+
+
+def _gather(reqs: dict, deadline: float, until_all: bool) -> list:
+    """The keys whose request completed by `deadline` (all of them, or the first: `until_all`). A
+    request MPI fails (its peer died: ULFM) is left out, never raised."""
+    done = []
+    while True:
+        for key, req in list(reqs.items()):
+            try:
+                ok = req.Test()
+            except MPI.Exception:
+                ok = False
+                reqs.pop(key)
+            if ok:
+                done.append(key)
+                reqs.pop(key)
+        if not reqs or (done and not until_all) or time.monotonic() > deadline:
+            return done
+        time.sleep(POLL_S)
+
+
+def freshest(ctx, world, mine: TrainState, pushed: int) -> tuple[TrainState, int]:
+    """Step 3: the state of the survivor furthest ahead (the lowest such rank), on every rank of
+    `world`; and the updates an async server may have applied that it lacks (at most)."""
+    top = np.array([mine.global_step], np.int64)
+    world.Allreduce(MPI.IN_PLACE, top, op=MPI.MAX)
+    total_pushed = np.array([pushed], np.int64)
+    world.Allreduce(MPI.IN_PLACE, total_pushed, op=MPI.SUM)
+    root = np.array([world.Get_rank() if mine.global_step == top[0] else world.Get_size()], np.int64)
+    world.Allreduce(MPI.IN_PLACE, root, op=MPI.MIN)
+    names = [n for n in state_arrays(ctx.cfg) if n != "params"]
+    meta = np.array([mine.global_step, mine.opt_t, *(mine.array(n) is not None for n in names)], np.int64)
+    world.Bcast([meta, MPI.INT64_T], root=int(root[0]))
+    state = TrainState(np.ascontiguousarray(mine.params, np.float32), int(meta[0]), int(meta[1]))
+    world.Bcast([state.params, MPI.FLOAT], root=int(root[0]))
+    for name, present in zip(names, meta[2:]):
+        if present:
+            a = mine.array(name) if world.Get_rank() == root[0] else None
+            a = np.ascontiguousarray(a if a is not None else np.empty_like(state.params), np.float32)
+            world.Bcast([a, MPI.FLOAT], root=int(root[0]))
+            state.set_array(name, a)
+    workers = world.Get_size() - 1
+    state.positions = [state.global_step] * workers  # each worker's new shard, from this step
+    lost = 0 if ctx.mode.averages else max(0, ctx.start.global_step + int(total_pushed[0]) - state.global_step)
+    return state, lost
