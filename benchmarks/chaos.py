@@ -60,6 +60,7 @@ GRACE_S = 10.0  # the job must end within TIMEOUT_S + GRACE_S of the kill
 START_WAIT_S = 60.0
 EXIT_PEER_LOST = ExitCode.PEER_LOST
 IMPL = mpiimpl.of_mpirun(mpirun())  # the MPI of the mpirun used (--mpi checks it)
+UNHARMED_ACCURACY: dict[str, float] = {}  # each case's calibration run (no kill): its final test accuracy
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,7 @@ class Case:
 
 BASE = ("--dataset", "synthetic", "--model", "mlp", "--no-progress", "--worker-timeout", str(TIMEOUT_S),
         "--checkpoint-every-steps", "200")
+FAILOVER = ("--on-lost-server", "continue")
 CASES = [
     Case("async", ("--mode", "async"), "worker", 20000),
     Case("async-staleness", ("--mode", "async", "--max-staleness", "2"), "worker", 15000),
@@ -122,12 +124,18 @@ CASES = [
     # joins at the next step boundary; the budget is finished with it (or first, if the kill came late).
     Case("respawn-async", ("--mode", "async", "--respawn", "1"), "worker", 20000),
     Case("respawn-sync", ("--mode", "sync", "--respawn", "1"), "worker", 4000),
+    # --on-lost-server continue: a worker takes over from the killed rank 0 (failover.py)
+    Case("failover-sync", ("--mode", "sync", *FAILOVER), "rank0", 4000),
+    Case("failover-quorum", ("--mode", "sync", "--quorum", "2", *FAILOVER), "rank0", 2500),
+    Case("failover-async", ("--mode", "async", *FAILOVER), "rank0", 20000),
+    Case("failover-big", ("--mode", "async", "--hidden", "2000", *FAILOVER), "rank0", 1200),  # mid-message
 ]
 DEFAULT_TRIALS = {"async": 5, "async-staleness": 4, "async-big": 6, "sync": 4, "sync-quorum": 4, "chief-quorum": 3,
                   "quorum-big": 3, "sync-big": 3, "chief-sync": 3, "sync-stop": 2, "rank0-async": 4, "rank0-sync": 3, "supervisor": 3, "shm-async": 5, "rank0-shm": 3, "async-2ps": 4,
                   "shard-async": 3, "shard-sync": 2, "term-mpirun-async": 3, "term-rank-sync": 3,
                   "int-mpirun-quorum": 3, "term-rank0-2ps": 3, "disk-full": 3, "rejoin-async": 4,
-                  "rejoin-sync": 3, "respawn-async": 3, "respawn-sync": 3}
+                  "rejoin-sync": 3, "respawn-async": 3, "respawn-sync": 3, "failover-sync": 6, "failover-quorum": 4,
+                  "failover-async": 6, "failover-big": 4}
 
 
 @dataclass
@@ -141,6 +149,8 @@ class Trial:
     noticed_by: str = ""
     exit_code: int | None = None
     lines: list[str] = field(default_factory=list)
+    lost_updates: int | None = None  # --on-lost-server continue: the take-over's updates_lost_at_most
+    accuracy: float | None = None  # ... and the final test accuracy
 
 
 class Job:
@@ -228,6 +238,7 @@ def calibrate(case: Case) -> float:
         code, _ = job.finish(300)
         if code != 0 or started is None:
             raise RuntimeError(f"{case.name}: the unharmed run failed ({code}):\n{job.text()[-3000:]}")
+        UNHARMED_ACCURACY[case.name] = json.loads((Path(tmp) / "summary.json").read_text())["test_accuracy"]
         return job.lines[-1][0] - started
 
 
@@ -303,6 +314,8 @@ def _run_trial(case: Case, duration_s: float, rng: random.Random, tmp: str) -> T
     # a hang at 13 s, the job finishing as documented meanwhile).
     lost_one = goes_on(case) and case.target in ("worker", "chief") and case.sig == signal.SIGKILL
     rest = duration_s * lay.workers / (lay.workers - 1) if lost_one else duration_s if case.target == "disk" else 0.0
+    if case.target == "rank0" and failover(case):  # the rest on one worker fewer (the successor serves)
+        rest = duration_s * lay.workers / (lay.workers - 1) + FORM_LIMIT_S
     if joiner or "--respawn" in case.args:  # the rest of the run on the workers it started with (or with
         rest = duration_s + FORM_LIMIT_S  # the one started in place of the lost); or killed as the world re-formed
     code, leftovers = job.finish(rest + TIMEOUT_S + GRACE_S - (time.monotonic() - killed_at))
@@ -356,6 +369,8 @@ def expected(case: Case, trial: Trial, err: str, code: int, summary: dict | None
     stuck = stuck_ranks(err)
     if 0 in stuck:
         return rank0_stuck_as_documented(case, trial, err, code, ck, stuck)
+    if case.target == "rank0" and failover(case):
+        return failed_over_as_documented(case, trial, err, code, summary, ck)
     if case.target == "rank0":
         if summary is not None and summary["global_step"] == case.steps:
             # Killed after it wrote the summary (its goodbyes sent, or being sent): nothing was
@@ -416,6 +431,40 @@ def expected(case: Case, trial: Trial, err: str, code: int, summary: dict | None
     if len(lost_lines) != 1 or (ck and str(ck[-1]) not in lost_lines[0]):
         return [f"{len(lost_lines)} lines name rank {v} with the newest checkpoint"]
     return []
+
+
+def failover(case: Case) -> bool:
+    return "--on-lost-server" in case.args and case.args[case.args.index("--on-lost-server") + 1] == "continue"
+
+
+def failed_over_as_documented(case: Case, trial: Trial, err: str, code: int, summary: dict | None,
+                              ck: list) -> list[str]:
+    """--on-lost-server continue: rank 1 takes over, says so once, and the job reaches its budget with a
+    final checkpoint there; sync loses no update, async at most two per worker (#49's goal). Killed
+    after rank 0 wrote the summary, nothing was lost (as rank0's cases)."""
+    if summary is None:
+        return [f"no summary (exit {code})"]
+    if not summary["failovers"]:
+        return [] if summary["global_step"] == case.steps and "took over" not in err else ["no failover recorded"]
+    problems = []
+    [fo] = summary["failovers"][:1]
+    trial.lost_updates = fo["updates_lost_at_most"]
+    trial.accuracy = summary["test_accuracy"]
+    took = [ln for ln in err.splitlines() if "took over as rank 0" in ln]
+    if len(summary["failovers"]) != 1 or len(took) != 1 or fo["successor"] != 1:
+        problems.append(f"{len(summary['failovers'])} failovers, {len(took)} lines, successor {fo['successor']}")
+    if summary["global_step"] != case.steps:
+        problems.append(f"global step {summary['global_step']} of {case.steps}")
+    if not ck or checkpoint.load(ck[-1]).global_step != case.steps:
+        problems.append("no final checkpoint at the budget")
+    limit = 0 if case.mode == "sync" else 2 * (NP - 1)
+    if fo["updates_lost_at_most"] > limit:
+        problems.append(f"{fo['updates_lost_at_most']} updates lost (more than {limit})")
+    if case.mode == "sync" and summary["worker_param_digests"] != [summary["param_digest"]] * len(summary["worker_ranks"]):
+        problems.append("replicas differ")
+    if code != IMPL.worker_lost_exit:
+        problems.append(f"exit {code}")
+    return problems
 
 
 def stuck_ranks(err: str) -> list[int]:
@@ -525,6 +574,7 @@ def report(trials: list[Trial], durations: dict[str, float], seconds: float) -> 
         out.append(f"| {case.name} ({how} {case.target}) | {durations[case.name]:.1f} | {len(ts)} | {count['documented']} "
                    f"| {count['traceback']} | {count['hang']} | {count['other']} | {sum(t.victim is None for t in ts)} "
                    f"| {by} | {when} |")
+    out += failover_lines(trials)
     bad = [t for t in trials if t.outcome != "documented"]
     out += ["", f"**{len(trials) - len(bad)} of {len(trials)} trials ended as documented.**"]
     if bad:
@@ -535,6 +585,25 @@ def report(trials: list[Trial], durations: dict[str, float], seconds: float) -> 
             if t.why and len(t.why.splitlines()) > 1:
                 out += ["", "  ```text", *[f"  {line}" for line in t.why.splitlines()[-25:]], "  ```", ""]
     return "\n".join(out) + "\n"
+
+
+def failover_lines(trials: list[Trial]) -> list[str]:
+    """--on-lost-server continue: the final accuracy against the same case unharmed, the updates lost
+    and the time from the kill to the successor's line (it starts training right after)."""
+    out = []
+    for case in [c for c in CASES if failover(c)]:
+        ts = [t for t in trials if t.case == case.name and t.accuracy is not None]
+        if not ts:
+            continue
+        acc = [t.accuracy for t in ts]
+        took = [t.notice_s for t in ts if t.notice_s is not None]
+        close = sum(abs(a - UNHARMED_ACCURACY[case.name]) <= 0.002 for a in acc)
+        out.append(f"- {case.name}: {len(ts)} take-overs; final accuracy median {statistics.median(acc):.4f} "
+                   f"(min {min(acc):.4f}) against {UNHARMED_ACCURACY[case.name]:.4f} unharmed, {close} of {len(ts)} "
+                   f"within 0.2 point; updates lost at most {max(t.lost_updates for t in ts)} (median "
+                   f"{statistics.median(t.lost_updates for t in ts):g}); kill to the successor's start line: median "
+                   f"{statistics.median(took):.1f} s, max {max(took):.1f} s" if took else "")
+    return ["", "Take-overs of a killed rank 0 (`--on-lost-server continue`):", "", *out] if out else []
 
 
 def main() -> int:

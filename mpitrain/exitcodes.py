@@ -14,7 +14,8 @@ class ExitCode(IntEnum):
     DIVERGED = 4  # every rank, after the summary: a non-finite or exploding loss stopped training
     PEER_LOST = 5  # a rank this one cannot go on without was lost (--worker-timeout)
     OUTPUTS_INCOMPLETE = 6  # training finished, but the final checkpoint or the summary was not written
-    # Rank 0: the budget was finished by the workers left after one was lost (the summary lists it).
+    # Rank 0: the budget was finished by the workers left after one was lost (the summary lists it), or
+    # after rank 0 itself was lost and a worker took over (--on-lost-server continue: failovers).
     # Not 0, so that a scheduler sees it: Open MPI's mpirun under ULFM reports a run whose ranks all
     # exit 0 as a success even though a rank was killed (measured, Open MPI 5.0.11). 8 because
     # MPICH's mpirun ORs every rank's exit status (measured: 4 and 1 give 5): 8's one bit is in

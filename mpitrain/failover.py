@@ -41,6 +41,7 @@ from mpi4py import MPI
 from mpitrain import mpiimpl
 from mpitrain.checkpoint import TrainState, state_arrays
 from mpitrain.console import say
+from mpitrain.faults import Kill
 from mpitrain.layout import PS_RANK
 from mpitrain.liveness import PeerLost
 from mpitrain.protocol import TAG_FAILOVER
@@ -83,7 +84,7 @@ def take_over(ctx, e: PeerLost, carry) -> tuple[object, Handover] | None:
         say(f"mpitrain: error: rank {ctx.rank} lost the parameter server ({why}) and could not take part in a "
             f"take-over: {chosen}. Rank 0's newest checkpoint in --checkpoint-dir resumes the run", sys.stderr)
         return None
-    carry.start_forming(f"rank {ctx.rank} (taking over from the lost rank 0)")
+    carry.start_forming(f"rank {ctx.rank}", f"agreeing on a successor to the lost rank 0 (rank {chosen[0]})")
     world = mpiimpl.survivors(ctx.comm, chosen, NEWWORLD_TAG, NEWWORLD_STRINGTAG)
     state, lost_at_most = freshest(ctx, world, mine, pushed)
     record = {"lost": why, "successor": chosen[0], "global_step": state.global_step,
@@ -103,12 +104,15 @@ def agree(ctx, step: int, pushed: int, deadline: float) -> list[int] | str:
     recvs = {r: comm.Irecv([inbox[r], MPI.INT64_T], source=r, tag=TAG_FAILOVER) for r in others}
     heard = _gather(recvs, deadline, until_all=True)
     view = sorted([me, *heard])
+    if len(view) < 2:
+        return "no other worker answered, and one rank alone has no workers"
     if view[0] == me:  # the successor: its view is the new world
         decision = _message(DECIDE, step, pushed, comm.Get_size())
         decision[3:][view] = 1
         sends += [comm.Isend([decision, MPI.INT64_T], dest=r, tag=TAG_FAILOVER) for r in view[1:]]
         _gather({i: s for i, s in enumerate(sends)}, time.monotonic() + ctx.cfg.worker_timeout, until_all=True)
         KEPT.append((box, decision, sends))  # a send to a rank that died meanwhile never completes
+        Kill(me).taking_over()
         return view
     # A DECIDE comes after the same rank's HERE (MPI keeps one sender's order on a tag).
     lower = [r for r in heard if r < me]

@@ -111,13 +111,13 @@ class Carry:
     handover: object = None  # failover.Handover: rank 0 was lost, the next phase starts from the survivors' state
     failovers: list[dict] = dataclasses.field(default_factory=list)  # every take-over of the job (the summary's)
 
-    def start_forming(self, who: str) -> None:
+    def start_forming(self, who: str, why: str = "making room for a worker") -> None:
         """From the moment a world starts to re-form until the next phase's heartbeats run (formed),
         every step is a collective that blocks, and no heartbeat tells of a rank that died in it
         (a joiner killed in that second or two: measured, the job hung). Past FORM_LIMIT_S this
         process ends itself, in one line, instead of hanging."""
         self.formed()
-        self.forming = threading.Timer(FORM_LIMIT_S, _forming_stuck, (who,))
+        self.forming = threading.Timer(FORM_LIMIT_S, _forming_stuck, (who, why))
         self.forming.daemon = True
         self.forming.start()
 
@@ -439,10 +439,10 @@ def welcome(world, carry: Carry) -> str:
 
 
 
-def _forming_stuck(who: str) -> None:
+def _forming_stuck(who: str, why: str) -> None:
     from mpitrain.exitcodes import ExitCode
     from mpitrain.lock import exit_without_finalize
 
-    say(f"mpitrain: error: {who}: the job did not go on within {FORM_LIMIT_S:g} s of making room for a worker "
+    say(f"mpitrain: error: {who}: the job did not go on within {FORM_LIMIT_S:g} s of {why} "
         f"(a rank died meanwhile); ending. The newest checkpoint in --checkpoint-dir resumes the run", sys.stderr)
     exit_without_finalize(ExitCode.PEER_LOST)

@@ -9,6 +9,7 @@ import sys
 import time
 
 import numpy as np
+from mpi4py import MPI
 
 from mpitrain import failover, join, mpiimpl
 from mpitrain.agreement import identity, identity_of
@@ -163,7 +164,13 @@ def take_over(ctx: Context, e, heartbeat, carry: join.Carry, library: bool) -> O
     for rank, why in e.lost.items():  # an MPI error (ULFM) names it before the watch does: nothing waits for it
         ctx.watch.declare(rank, why)
     retire_heartbeats(ctx, heartbeat)
-    got = failover.take_over(ctx, e, carry)
+    try:
+        got = failover.take_over(ctx, e, carry)
+    except MPI.Exception as err:  # ULFM: a rank of the new world died in its collectives
+        say(f"mpitrain: error: rank {ctx.rank}: the take-over from the lost rank 0 failed: another rank was lost "
+            f"meanwhile ({err.Get_error_string()}). Rank 0's newest checkpoint in --checkpoint-dir resumes the run",
+            sys.stderr)
+        got = None
     if got is None:
         if library:
             return Outcome(ExitCode.PEER_LOST, error="the take-over of the lost rank 0 failed", mpi_broken=True)

@@ -192,6 +192,9 @@ def verdict(ctx: Context, mine: RoleResult, reports: list, summary: dict | None,
         outcome.code = ExitCode.WORKER_LOST
         lost = ", ".join(f"rank {w['rank']}" for w in mine.state.lost_workers)
         outcome.error = f"mpitrain: the budget was finished without lost worker(s) {lost} (exit 8)"
+    elif ctx.rank == PS_RANK and summary["failovers"]:  # a scheduler must see the loss as it does a worker's
+        outcome.code = ExitCode.WORKER_LOST
+        outcome.error = "mpitrain: the budget was finished after rank 0 was lost and a worker took over (exit 8)"
     stopped = summary["stopped"] if ctx.rank == PS_RANK else STOP.requested
     if stopped and not diverged:
         outcome.code = interrupted(STOP.signum or int(signal.SIGTERM))

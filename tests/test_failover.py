@@ -1,0 +1,77 @@
+"""--on-lost-server continue (failover.py): rank 0 SIGKILLed from outside mid-run, and the job goes on
+to its budget with a worker as rank 0; a successor killed during the take-over ends the others in
+one line. Under both MPIs: what each reports of a dead peer differs (MPICH: silence, the heartbeat
+names it; Open MPI's ULFM: an error on the next message)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+from conftest import (child_env, communicate_or_kill, keep_going, kill_session, mpi_impl, mpitrain_cmd,
+                      wait_for_checkpoint, wait_for_training)
+
+from mpitrain import checkpoint
+from mpitrain.faults import rank_pids
+from mpitrain.lock import NAME as LOCK
+
+BUDGET = 20000  # digits, 3 workers: a few seconds of training, so the kill lands mid-run
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_rank_0_killed_mid_run_a_worker_takes_over_and_the_job_reaches_its_budget(tmp_path, mode):
+    ck, summary = tmp_path / "ck", tmp_path / "summary.json"
+    cmd = mpitrain_cmd(4, "--mode", mode, "--no-progress", "--steps", str(BUDGET), "--worker-timeout", "1",
+                       "--on-lost-server", "continue", "--checkpoint-dir", str(ck), "--checkpoint-every-steps", "500",
+                       "--summary-json", str(summary), launcher_flags=keep_going())
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
+                            start_new_session=True)
+    try:
+        wait_for_training(proc, 4)
+        first = int(wait_for_checkpoint(proc, ck).stem.split("-")[1])  # training under way, past this step
+        os.kill(rank_pids(proc.pid)[0][0], signal.SIGKILL)
+        _, err = communicate_or_kill(proc, 120)
+    finally:
+        leftovers = kill_session(proc)
+    assert "Traceback" not in err and not leftovers, err
+    assert proc.returncode == mpi_impl().worker_lost_exit, err  # 8 (hydra: the killed rank's 137), as for a lost worker
+    s = json.loads(summary.read_text())  # written by the successor
+    assert s["global_step"] == BUDGET and s["test_accuracy"] > 0.9, err
+    [fo] = s["failovers"]
+    assert fo["successor"] == 1 and fo["ranks"] == 3 and fo["global_step"] >= first
+    if mode == "sync":  # the replicas hold the whole model: nothing is lost
+        assert fo["updates_lost_at_most"] == 0
+    else:  # at most what the 3 workers had in flight with overlap (2 each)
+        assert 0 <= fo["updates_lost_at_most"] <= 6, fo
+    took = [ln for ln in err.splitlines() if "took over as rank 0" in ln]
+    assert len(took) == 1 and f"at global step {fo['global_step']}" in took[0], err
+    newest = checkpoint.list_checkpoints(ck)[-1]  # the successor saves into the same folder, under its lock
+    assert checkpoint.load(newest).global_step == BUDGET and not (ck / LOCK).exists()
+
+
+def test_a_successor_killed_during_the_take_over_ends_the_others_in_one_line(tmp_path):
+    """Rank 1 SIGKILLs itself once it has told the others it takes over (MPITRAIN_INJECT_KILL
+    takeover): they wait for it in the new world's collectives, and each ends in one line within the
+    forming limit, never a hang."""
+    cmd = mpitrain_cmd(4, "--mode", "sync", "--no-progress", "--steps", "10000000", "--worker-timeout", "1",
+                       "--on-lost-server", "continue", launcher_flags=keep_going())
+    env = {**child_env(), "MPITRAIN_INJECT_KILL": "1:takeover", "MPITRAIN_FORM_LIMIT_S": "4"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    try:
+        wait_for_training(proc, 4)
+        time.sleep(1)
+        os.kill(rank_pids(proc.pid)[0][0], signal.SIGKILL)
+        _, err = communicate_or_kill(proc, 90)
+    finally:
+        leftovers = kill_session(proc)
+    assert "Traceback" not in err and not leftovers, err
+    assert proc.returncode != 0 and "took over" not in err, err
+    for rank in (2, 3):
+        mine = [ln for ln in err.splitlines() if ln.startswith("mpitrain:") and f"rank {rank}" in ln]
+        assert len(mine) == 1 and "agreeing on a successor to the lost rank 0" in mine[0], err
+
