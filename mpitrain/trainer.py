@@ -82,8 +82,11 @@ def already_trained(ctx: Context) -> RoleResult:
     """A run with nothing to train: each rank evaluates what it starts from, and reports as usual."""
     start = ctx.start
     if ctx.is_ps or ctx.local:
-        _, state, _ = begin(ctx)
+        _, state, ckpt = begin(ctx)
         state.ema = start.ema
+        if ctx.handover is not None:  # rank 0 was lost before its final save: the successor makes it
+            ckpt.mark(-1)  # begin marked the start step as saved
+            ckpt.save(start, final=True)
         if ctx.rank != PS_RANK:
             return RoleResult(shard=shard_report(ctx, state))
         loss, acc = _evaluate(ctx, state.params)
