@@ -597,10 +597,11 @@ def failover_lines(trials: list[Trial]) -> list[str]:
             continue
         acc = [t.accuracy for t in ts]
         took = [t.notice_s for t in ts if t.notice_s is not None]
-        close = sum(abs(a - UNHARMED_ACCURACY[case.name]) <= 0.002 for a in acc)
+        base = UNHARMED_ACCURACY[case.name]
+        close, above = sum(abs(a - base) <= 0.002 for a in acc), sum(a > base + 0.002 for a in acc)
         out.append(f"- {case.name}: {len(ts)} take-overs; final accuracy median {statistics.median(acc):.4f} "
                    f"(min {min(acc):.4f}) against {UNHARMED_ACCURACY[case.name]:.4f} unharmed, {close} of {len(ts)} "
-                   f"within 0.2 point; updates lost at most {max(t.lost_updates for t in ts)} (median "
+                   f"within 0.2 point ({above} more than 0.2 point above it); updates lost at most {max(t.lost_updates for t in ts)} (median "
                    f"{statistics.median(t.lost_updates for t in ts):g}); kill to the successor's start line: median "
                    f"{statistics.median(took):.1f} s, max {max(took):.1f} s" if took else "")
     return ["", "Take-overs of a killed rank 0 (`--on-lost-server continue`):", "", *out] if out else []

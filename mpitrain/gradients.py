@@ -34,7 +34,7 @@ class WorkerResult:
     dropped: int = 0  # gradients left out of every update (--quorum: late ones)
     contributed: int | None = None  # sync: gradients that went into updates
     recent_loss: float | None = None  # sync: mean minibatch loss of the last LOSS_WINDOW steps
-    train_state: TrainState | None = None  # sync: what a checkpoint of the final step holds
+    train_state: TrainState | None = None  # what a checkpoint of the final step holds (async: the last pull's)
     diverged: Diverged | None = None  # the non-finite or exploding loss that stopped the run, if any
 
 

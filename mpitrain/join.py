@@ -110,6 +110,7 @@ class Carry:
     outputs: JobOutputs = dataclasses.field(default_factory=JobOutputs)  # rank 0: one bar and one log for all phases
     handover: object = None  # failover.Handover: rank 0 was lost, the next phase starts from the survivors' state
     failovers: list[dict] = dataclasses.field(default_factory=list)  # every take-over of the job (the summary's)
+    server_lost: bool = False  # the successor of a lost rank 0: --respawn owes the job the rank it lost
 
     def start_forming(self, who: str, why: str = "making room for a worker") -> None:
         """From the moment a world starts to re-form until the next phase's heartbeats run (formed),
@@ -293,6 +294,11 @@ class Lobby:
         finally:
             info.Free()
         self._admit(inter, host, pid)
+
+    def owe_one(self) -> None:
+        """--respawn after a take-over (failover.py): the lost rank 0 counts as a lost worker of this
+        phase, so the job starts a rank in its place and grows back to the size it had."""
+        self.lost_seen -= 1
 
     def _loss_unseen(self) -> bool:
         """--respawn: a worker was lost in this phase since the last look, and the job may still

@@ -62,7 +62,11 @@ def open_lobby(ctx: Context, carry: join.Carry) -> join.Lobby | None:
             return None
         carry.identity = identity(ctx)  # the job's flags as given: a joiner's are compared with these
         carry.job_cfg, carry.respawns_left = ctx.cfg, ctx.cfg.respawn
-    return join.Lobby(ctx, carry)
+    lobby = join.Lobby(ctx, carry)
+    if carry.server_lost:
+        carry.server_lost = False
+        lobby.owe_one()
+    return lobby
 
 
 def no_room(ctx: Context, mine: RoleResult, reports: list, diverged: Diverged | None) -> str | None:
@@ -177,5 +181,6 @@ def take_over(ctx: Context, e, heartbeat, carry: join.Carry, library: bool) -> O
         exit_without_finalize(ExitCode.PEER_LOST)
     world, handover = got
     carry.handover, carry.peer_lost = handover, True
+    carry.server_lost = handover.state is not None  # the successor: --respawn starts a rank in place of the lost one
     carry.failovers.append(handover.record)
     return Outcome(ExitCode.OK, grown=(carry.next_config(ctx.cfg), world, node_info(world)))

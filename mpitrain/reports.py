@@ -147,6 +147,7 @@ class RoleResult:
     worker: WorkerReport | None = None  # a worker's (and the local run's) report to rank 0
     shard: ShardReport | None = None  # a server's other than rank 0
     max_rss_mb: list[float] = dataclasses.field(default_factory=list)  # start and end of training
+    held: object = None  # a worker: checkpoint.TrainState of its final step (a take-over after training starts from it)
 
     @property
     def report(self) -> WorkerReport | ShardReport | None:

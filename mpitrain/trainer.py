@@ -75,7 +75,7 @@ def train_role(ctx: Context) -> RoleResult:
     with ctx.watch.during(stall):
         wres = mode.run(ctx).worker
     ctx.activity.enter(observe.EVAL)
-    return RoleResult(worker=worker_report(ctx, wres, _evaluate(ctx, wres.params)))
+    return RoleResult(worker=worker_report(ctx, wres, _evaluate(ctx, wres.params)), held=wres.train_state)
 
 
 def already_trained(ctx: Context) -> RoleResult:
@@ -178,7 +178,8 @@ def _run(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: bo
         try:
             bye = await_goodbye(ctx)
         except PeerLost as e:
-            return peer_lost(ctx, e, library)
+            held_at_the_end(e, mine)
+            return take_over(ctx, e, heartbeat, carry, library) or peer_lost(ctx, e, library)
         if bye.flags & FLAG_REFORM:
             return grow_with_joiner(ctx, heartbeat, carry, bye)
         peer_was_lost = bool(bye.flags & FLAG_PEER_LOST)
@@ -232,11 +233,21 @@ def train_and_report(ctx: Context, carry: join.Carry) -> tuple[RoleResult, list]
         return mine, collect_reports(ctx, mine)
     if mine.shard is not None:
         send_report(ctx, dataclasses.replace(mine.shard, timeline=timeline_events(ctx)))
-    else:
+        return mine, []
+    try:
         send_report(ctx, dataclasses.replace(carry.whole_job(mine.worker), max_rss_mb=mine.max_rss_mb,
                                              timeline=timeline_events(ctx)))
-        Kill(ctx.rank).after_report()
+    except PeerLost as e:
+        held_at_the_end(e, mine)
+        raise
+    Kill(ctx.rank).after_report()
     return mine, []
+
+
+def held_at_the_end(e: PeerLost, mine: RoleResult) -> None:
+    """Rank 0 lost after this worker's training: a take-over (failover.py) starts from its final state."""
+    if e.state is None and mine.held is not None:
+        e.state, e.counts = mine.held, (mine.worker.pushed, mine.worker.dropped)
 
 
 def max_rss_mb() -> float:

@@ -9,23 +9,26 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
-from conftest import (child_env, communicate_or_kill, keep_going, kill_session, mpi_impl, mpitrain_cmd,
-                      wait_for_checkpoint, wait_for_training)
+from conftest import (child_env, communicate_or_kill, keep_going, kill_session, mpi_impl, mpirun_path, mpitrain_cmd,
+                      only_on, wait_for_checkpoint, wait_for_training)
 
-from mpitrain import checkpoint
+from mpitrain import checkpoint, mpiimpl
 from mpitrain.faults import rank_pids
 from mpitrain.lock import NAME as LOCK
 
+SAME = "the take-over is sync's (tested under both MPIs); --quorum only changes the loop it leaves"
 BUDGET = 20000  # digits, 3 workers: a few seconds of training, so the kill lands mid-run
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode", ["sync", pytest.param("quorum", marks=only_on("mpich", SAME)), "async"])
 def test_rank_0_killed_mid_run_a_worker_takes_over_and_the_job_reaches_its_budget(tmp_path, mode):
     ck, summary = tmp_path / "ck", tmp_path / "summary.json"
-    cmd = mpitrain_cmd(4, "--mode", mode, "--no-progress", "--steps", str(BUDGET), "--worker-timeout", "1",
+    how = ("--mode", "sync", "--quorum", "2") if mode == "quorum" else ("--mode", mode)
+    cmd = mpitrain_cmd(4, *how, "--no-progress", "--steps", str(BUDGET), "--worker-timeout", "1",
                        "--on-lost-server", "continue", "--checkpoint-dir", str(ck), "--checkpoint-every-steps", "500",
                        "--summary-json", str(summary), launcher_flags=keep_going())
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
@@ -43,8 +46,8 @@ def test_rank_0_killed_mid_run_a_worker_takes_over_and_the_job_reaches_its_budge
     assert s["global_step"] == BUDGET and s["test_accuracy"] > 0.9, err
     [fo] = s["failovers"]
     assert fo["successor"] == 1 and fo["ranks"] == 3 and fo["global_step"] >= first
-    if mode == "sync":  # the replicas hold the whole model: nothing is lost
-        assert fo["updates_lost_at_most"] == 0
+    if mode != "async":  # the replicas hold the whole model: nothing is lost, and they are identical
+        assert fo["updates_lost_at_most"] == 0 and set(s["worker_param_digests"]) == {s["param_digest"]}
     else:  # at most what the 3 workers had in flight with overlap (2 each)
         assert 0 <= fo["updates_lost_at_most"] <= 6, fo
     took = [ln for ln in err.splitlines() if "took over as rank 0" in ln]
@@ -75,3 +78,30 @@ def test_a_successor_killed_during_the_take_over_ends_the_others_in_one_line(tmp
         mine = [ln for ln in err.splitlines() if ln.startswith("mpitrain:") and f"rank {rank}" in ln]
         assert len(mine) == 1 and "agreeing on a successor to the lost rank 0" in mine[0], err
 
+
+
+@only_on("mpich", "the spawn itself is tested under both MPIs (test_respawn.py); what a take-over adds is not MPI's")
+def test_with_respawn_the_job_grows_back_after_a_take_over(tmp_path):
+    """--respawn 1: once rank 1 has taken over from the killed rank 0, the job starts a rank in place
+    of the lost one (MPI_Comm_spawn, as for a lost worker) and finishes with as many workers as it
+    started with."""
+    ck, summary = tmp_path / "ck", tmp_path / "summary.json"
+    cmd = [mpirun_path(), *mpiimpl.local_flags(mpi_impl(), spawns=True), *keep_going(), "-np", "4", sys.executable,
+           "-m", "mpitrain", "--mode", "async", "--no-progress", "--steps", str(BUDGET), "--worker-timeout", "1",
+           "--on-lost-server", "continue", "--respawn", "1", "--checkpoint-dir", str(ck),
+           "--checkpoint-every-steps", "500", "--summary-json", str(summary)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
+                            start_new_session=True)
+    try:
+        wait_for_training(proc, 4)
+        wait_for_checkpoint(proc, ck)
+        os.kill(rank_pids(proc.pid)[0][0], signal.SIGKILL)
+        out, err = communicate_or_kill(proc, 120)
+    finally:
+        leftovers = kill_session(proc)
+    assert "Traceback" not in err and not leftovers, err
+    s = json.loads(summary.read_text())
+    assert s["global_step"] == BUDGET and len(s["failovers"]) == 1, err
+    [spawned] = s["joined_workers"]
+    assert spawned["respawned"] and len(s["worker_ranks"]) == 3, s["worker_ranks"]  # 3 workers again
+    assert "a worker started in place of the lost one" in out + err

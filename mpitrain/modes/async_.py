@@ -19,9 +19,9 @@ from mpi4py import MPI
 
 from mpitrain import checkpoint
 from mpitrain.checkpoint import TrainState
+from mpitrain.chief import ChiefDuties, ServerState, record_lost
 from mpitrain.config import AUTO_OVERLAP_MAX_WORKERS
 from mpitrain.elastic import interrupted_at
-from mpitrain.chief import ChiefDuties, ServerState, record_lost
 from mpitrain.exchange.base import PushPull
 from mpitrain.exchange.mpi import MPIPushPull
 from mpitrain.exchange.shm import ShmPushPull
@@ -345,7 +345,8 @@ class AsyncWorker:
                 break  # the gradient just computed is not pushed: training is over
             self._push(slot, loss, used_versions)
         ex.close()
-        return WorkerResult(self.pushed, self.be.to_host(ex.params).copy(), self.act.times(), diverged=self.diverged)
+        held = self._held()  # what a take-over would start from, should rank 0 be lost after this
+        return WorkerResult(self.pushed, held.params, self.act.times(), diverged=self.diverged, train_state=held)
 
     def _compute(self, slot: int) -> tuple[float, list[int]]:
         """The next minibatch's gradient into the exchange's `slot`; its loss and the versions it used."""
