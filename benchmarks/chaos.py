@@ -129,13 +129,15 @@ CASES = [
     Case("failover-quorum", ("--mode", "sync", "--quorum", "2", *FAILOVER), "rank0", 2500),
     Case("failover-async", ("--mode", "async", *FAILOVER), "rank0", 20000),
     Case("failover-big", ("--mode", "async", "--hidden", "2000", *FAILOVER), "rank0", 1200),  # mid-message
+    Case("failover-shard-async", ("--mode", "async", "--num-ps", "2", "--hidden", "2000", *FAILOVER), "shard", 1000),
+    Case("failover-shard-sync", ("--mode", "sync", "--num-ps", "2", *FAILOVER), "shard", 4000),
 ]
 DEFAULT_TRIALS = {"async": 5, "async-staleness": 4, "async-big": 6, "sync": 4, "sync-quorum": 4, "chief-quorum": 3,
                   "quorum-big": 3, "sync-big": 3, "chief-sync": 3, "sync-stop": 2, "rank0-async": 4, "rank0-sync": 3, "supervisor": 3, "shm-async": 5, "rank0-shm": 3, "async-2ps": 4,
                   "shard-async": 3, "shard-sync": 2, "term-mpirun-async": 3, "term-rank-sync": 3,
                   "int-mpirun-quorum": 3, "term-rank0-2ps": 3, "disk-full": 3, "rejoin-async": 4,
                   "rejoin-sync": 3, "respawn-async": 3, "respawn-sync": 3, "failover-sync": 6, "failover-quorum": 4,
-                  "failover-async": 6, "failover-big": 4}
+                  "failover-async": 6, "failover-big": 4, "failover-shard-async": 5, "failover-shard-sync": 4}
 
 
 @dataclass
@@ -314,7 +316,7 @@ def _run_trial(case: Case, duration_s: float, rng: random.Random, tmp: str) -> T
     # a hang at 13 s, the job finishing as documented meanwhile).
     lost_one = goes_on(case) and case.target in ("worker", "chief") and case.sig == signal.SIGKILL
     rest = duration_s * lay.workers / (lay.workers - 1) if lost_one else duration_s if case.target == "disk" else 0.0
-    if case.target == "rank0" and failover(case):  # the rest on one worker fewer (the successor serves)
+    if case.target in ("rank0", "shard") and failover(case):  # the rest on one worker fewer (the successor serves)
         rest = duration_s * lay.workers / (lay.workers - 1) + FORM_LIMIT_S
     if joiner or "--respawn" in case.args:  # the rest of the run on the workers it started with (or with
         rest = duration_s + FORM_LIMIT_S  # the one started in place of the lost); or killed as the world re-formed
@@ -369,7 +371,7 @@ def expected(case: Case, trial: Trial, err: str, code: int, summary: dict | None
     stuck = stuck_ranks(err)
     if 0 in stuck:
         return rank0_stuck_as_documented(case, trial, err, code, ck, stuck)
-    if case.target == "rank0" and failover(case):
+    if case.target in ("rank0", "shard") and failover(case):
         return failed_over_as_documented(case, trial, err, code, summary, ck)
     if case.target == "rank0":
         if summary is not None and summary["global_step"] == case.steps:
@@ -439,20 +441,23 @@ def failover(case: Case) -> bool:
 
 def failed_over_as_documented(case: Case, trial: Trial, err: str, code: int, summary: dict | None,
                               ck: list) -> list[str]:
-    """--on-lost-server continue: rank 1 takes over, says so once, and the job reaches its budget with a
-    final checkpoint there; sync loses no update, async at most two per worker (#49's goal). Killed
-    after rank 0 wrote the summary, nothing was lost (as rank0's cases)."""
+    """--on-lost-server continue: rank 1 takes over (a lost shard: the first worker serves it, rank 0
+    stays), says so once, and the job reaches its budget with a final checkpoint there; sync loses no
+    update, async at most two per worker (#49's goal). Killed after rank 0 wrote the summary, nothing
+    was lost (as rank0's cases)."""
     if summary is None:
         return [f"no summary (exit {code})"]
     if not summary["failovers"]:
-        return [] if summary["global_step"] == case.steps and "took over" not in err else ["no failover recorded"]
+        return [] if summary["global_step"] == case.steps and "took over" not in err and "took it over" not in err else ["no failover recorded"]
     problems = []
     [fo] = summary["failovers"][:1]
     trial.lost_updates = fo["updates_lost_at_most"]
     trial.accuracy = summary["test_accuracy"]
-    took = [ln for ln in err.splitlines() if "took over as rank 0" in ln]
-    if len(summary["failovers"]) != 1 or len(took) != 1 or fo["successor"] != 1:
-        problems.append(f"{len(summary['failovers'])} failovers, {len(took)} lines, successor {fo['successor']}")
+    took = [ln for ln in err.splitlines() if "took over as rank 0" in ln or "took it over" in ln]
+    successor, lost_shards = (1, [0]) if case.target == "rank0" else (0, [1])
+    if len(summary["failovers"]) != 1 or len(took) != 1 or (fo["successor"], fo["lost_shards"]) != (successor, lost_shards):
+        problems.append(f"{len(summary['failovers'])} failovers, {len(took)} lines, successor {fo['successor']}, "
+                        f"lost shards {fo['lost_shards']}")
     if summary["global_step"] != case.steps:
         problems.append(f"global step {summary['global_step']} of {case.steps}")
     if not ck or checkpoint.load(ck[-1]).global_step != case.steps:

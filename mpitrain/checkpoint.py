@@ -41,6 +41,9 @@ class TrainState:
     opt_state: dict[str, np.ndarray] = field(default_factory=dict)  # the optimizer's arrays by name (optim.REGISTRY)
     positions: list[int] = field(default_factory=list)  # batches each worker has taken
     ema: np.ndarray | None = None  # --ema-decay: moving average of the parameters
+    # A take-over's offer (failover.py): each shard's version of the slice held here (-1: none held);
+    # None: every slice, at global_step (a sync replica)
+    versions: list[int] | None = None
 
     def position(self, worker: int) -> int:
         return self.positions[worker] if worker < len(self.positions) else 0

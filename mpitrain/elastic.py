@@ -57,6 +57,7 @@ from mpitrain.waiting import poll
 
 STRINGTAG = "mpitrain.regroup.{gen}"  # the new communicator's tag (Open MPI: a string): one per generation
 REGROUP_TAG = 1000  # MPICH's: REGROUP_TAG + generation
+LEFT_BEHIND: list = []  # every Regroup acted on, with its traceback, alive until the process ends (regroup)
 
 
 class Regroup(Exception):
@@ -144,6 +145,7 @@ class Notices:
 def regroup(ctx: Context, r: Regroup) -> tuple[Context, TrainState]:
     """This worker's part of a regroup: the new communicator over the workers left, then the state
     of the one furthest ahead. Returns the new context and the state to train on from."""
+    LEFT_BEHIND.append(r)  # the interrupted loop's frames: its buffers, which late messages may still reach
     layout = ctx.layout.without(r.lost)
     comm = mpiimpl.survivors(ctx.comm, layout.worker_ranks, REGROUP_TAG + r.gen, STRINGTAG.format(gen=r.gen))
     ctx = dataclasses.replace(ctx, layout=layout, worker_comm=comm)

@@ -42,7 +42,6 @@ from mpitrain import mpiimpl
 from mpitrain.checkpoint import TrainState, state_arrays
 from mpitrain.console import say
 from mpitrain.faults import Kill
-from mpitrain.layout import PS_RANK
 from mpitrain.liveness import PeerLost
 from mpitrain.protocol import TAG_FAILOVER
 
@@ -64,11 +63,12 @@ class Handover:
 
 
 def applies(ctx, e: PeerLost) -> bool:
-    """Whether this rank takes part in a take-over instead of ending: a worker, rank 0 among the lost,
-    --on-lost-server continue, and the state where its loop was (a loss outside the loop, at the
-    start or after the reports, ends the job as before)."""
-    return (ctx.cfg.on_lost_server == "continue" and not ctx.is_ps and PS_RANK in e.lost
-            and getattr(e, "state", None) is not None and ctx.layout.shards == 1)
+    """Whether this rank takes part in a take-over instead of ending: --on-lost-server continue, a
+    server among the lost (rank 0, or a shard's with --num-ps 2), and the state where this rank's
+    loop was (a worker's loss outside its loop, at the start, ends the job as before; a server
+    with nothing to bring, sync's, still takes part)."""
+    return (ctx.cfg.on_lost_server == "continue" and any(ctx.layout.is_server(r) for r in e.lost)
+            and (e.state is not None or ctx.is_ps))
 
 
 def take_over(ctx, e: PeerLost, carry) -> tuple[object, Handover] | None:
@@ -76,42 +76,52 @@ def take_over(ctx, e: PeerLost, carry) -> tuple[object, Handover] | None:
     left out, or the successor never answered: it says so and the caller ends it as before)."""
     cfg = ctx.cfg
     t0 = time.monotonic()
+    # The interrupted loop's frames stay alive: a reply or a collective's part from a live peer may
+    # still arrive into their buffers, which must not be freed and reused meanwhile.
+    KEPT.append(e)
     why = "; ".join(f"rank {r}: {w}" for r, w in e.lost.items())
-    mine = e.state
-    pushed = int(e.counts[0]) if not ctx.mode.averages else 0
-    chosen = agree(ctx, mine.global_step, pushed, t0 + AGREE_FACTOR * cfg.worker_timeout + 1.0)
+    mine = e.state or TrainState(np.zeros(ctx.model.n_params, np.float32), -1, versions=[-1] * ctx.layout.shards)
+    pushed = int(e.counts[0]) if not (ctx.mode.averages or ctx.is_ps) else 0
+    chosen = agree(ctx, e, mine.global_step, pushed, t0 + AGREE_FACTOR * cfg.worker_timeout + 1.0)
     if isinstance(chosen, str):
         say(f"mpitrain: error: rank {ctx.rank} lost the parameter server ({why}) and could not take part in a "
             f"take-over: {chosen}. Rank 0's newest checkpoint in --checkpoint-dir resumes the run", sys.stderr)
         return None
     carry.start_forming(f"rank {ctx.rank}", f"agreeing on a successor to the lost rank 0 (rank {chosen[0]})")
     world = mpiimpl.survivors(ctx.comm, chosen, NEWWORLD_TAG, NEWWORLD_STRINGTAG)
-    state, lost_at_most = freshest(ctx, world, mine, pushed)
-    record = {"lost": why, "successor": chosen[0], "global_step": state.global_step,
-              "ranks": len(chosen), "updates_lost_at_most": lost_at_most,
+    lost_shards = [k for k, r in enumerate(ctx.layout.server_ranks) if r not in chosen]
+    state, lost_at_most = freshest(ctx, world, mine, pushed, lost_shards)
+    K = ctx.layout.shards
+    record = {"lost": why, "successor": chosen[0], "servers": chosen[:K], "lost_shards": lost_shards,
+              "global_step": state.global_step, "ranks": len(chosen), "updates_lost_at_most": lost_at_most,
               "seconds": round(time.monotonic() - t0, 2)}
     return world, Handover(state if world.Get_rank() == 0 else None, record)
 
 
-def agree(ctx, step: int, pushed: int, deadline: float) -> list[int] | str:
+def agree(ctx, e: PeerLost, step: int, pushed: int, deadline: float) -> list[int] | str:
     """Steps 1 and 2 of the module's doc: the old ranks of the new world, the successor first; or why
     this rank is not in it."""
-    comm, me = ctx.comm, ctx.rank
-    others = [r for r in ctx.layout.worker_ranks if r != me]
+    comm, me, K = ctx.comm, ctx.rank, ctx.layout.shards
+    gone = set(e.lost) | set(ctx.watch.lost) | set(ctx.layout.lost)
+    others = [r for r in range(comm.Get_size()) if r != me and r not in gone]
     box = _message(HERE, step, pushed, comm.Get_size())
     sends = [comm.Isend([box, MPI.INT64_T], dest=r, tag=TAG_FAILOVER) for r in others]
     inbox = {r: np.zeros_like(box) for r in others}
     recvs = {r: comm.Irecv([inbox[r], MPI.INT64_T], source=r, tag=TAG_FAILOVER) for r in others}
     heard = _gather(recvs, deadline, until_all=True)
+    # Every buffer and request stays alive: a receive from a rank that died never completes, and a
+    # message that comes late must not land in freed memory.
+    KEPT.append((box, sends, inbox, recvs))
     view = sorted([me, *heard])
-    if len(view) < 2:
-        return "no other worker answered, and one rank alone has no workers"
+    if len(view) < K + 1:
+        return (f"only {len(view)} rank(s) answered, and {K} server(s) need a worker too" if K > 1 else
+                "no other worker answered, and one rank alone has no workers")
     if view[0] == me:  # the successor: its view is the new world
         decision = _message(DECIDE, step, pushed, comm.Get_size())
         decision[3:][view] = 1
         sends += [comm.Isend([decision, MPI.INT64_T], dest=r, tag=TAG_FAILOVER) for r in view[1:]]
         _gather({i: s for i, s in enumerate(sends)}, time.monotonic() + ctx.cfg.worker_timeout, until_all=True)
-        KEPT.append((box, decision, sends))  # a send to a rank that died meanwhile never completes
+        KEPT.append((decision, sends))
         Kill(me).taking_over()
         return view
     # A DECIDE comes after the same rank's HERE (MPI keeps one sender's order on a tag).
@@ -119,6 +129,7 @@ def agree(ctx, step: int, pushed: int, deadline: float) -> list[int] | str:
     decides = {r: np.zeros_like(box) for r in lower}
     reqs = {r: comm.Irecv([decides[r], MPI.INT64_T], source=r, tag=TAG_FAILOVER) for r in lower}
     came = _gather(reqs, deadline, until_all=False)
+    KEPT.append((decides, reqs))
     if not came:
         return f"no successor answered within {AGREE_FACTOR * ctx.cfg.worker_timeout + 1:g} s (rank {view[0]} was " \
                f"the first it heard from)"
@@ -154,27 +165,37 @@ def _gather(reqs: dict, deadline: float, until_all: bool) -> list:
         time.sleep(POLL_S)
 
 
-def freshest(ctx, world, mine: TrainState, pushed: int) -> tuple[TrainState, int]:
-    """Step 3: the state of the survivor furthest ahead (the lowest such rank), on every rank of
-    `world`; and the updates an async server may have applied that it lacks (at most)."""
-    top = np.array([mine.global_step], np.int64)
+def freshest(ctx, world, mine: TrainState, pushed: int, lost_shards: list[int]) -> tuple[TrainState, int]:
+    """Step 3, shard by shard (one with a single server): the slice of the survivor holding the
+    newest version of it (the lowest such rank: a surviving server before a worker's copy, since
+    servers come first), with its optimizer state where it has one (a worker's async copy has none:
+    zeros), on every rank of `world`; and the updates a lost async server may have applied that its
+    slice now lacks (at most: the survivors' pushes in this phase, less the version kept)."""
+    n, K = ctx.model.n_params, ctx.layout.shards
+    versions = np.array(mine.versions if mine.versions is not None else [mine.global_step] * K, np.int64)
+    top = versions.copy()
     world.Allreduce(MPI.IN_PLACE, top, op=MPI.MAX)
+    roots = np.where(versions == top, world.Get_rank(), world.Get_size()).astype(np.int64)
+    world.Allreduce(MPI.IN_PLACE, roots, op=MPI.MIN)
     total_pushed = np.array([pushed], np.int64)
     world.Allreduce(MPI.IN_PLACE, total_pushed, op=MPI.SUM)
-    root = np.array([world.Get_rank() if mine.global_step == top[0] else world.Get_size()], np.int64)
-    world.Allreduce(MPI.IN_PLACE, root, op=MPI.MIN)
-    names = [n for n in state_arrays(ctx.cfg) if n != "params"]
-    meta = np.array([mine.global_step, mine.opt_t, *(mine.array(n) is not None for n in names)], np.int64)
-    world.Bcast([meta, MPI.INT64_T], root=int(root[0]))
-    state = TrainState(np.ascontiguousarray(mine.params, np.float32), int(meta[0]), int(meta[1]))
-    world.Bcast([state.params, MPI.FLOAT], root=int(root[0]))
-    for name, present in zip(names, meta[2:]):
-        if present:
-            a = mine.array(name) if world.Get_rank() == root[0] else None
-            a = np.ascontiguousarray(a if a is not None else np.empty_like(state.params), np.float32)
-            world.Bcast([a, MPI.FLOAT], root=int(root[0]))
-            state.set_array(name, a)
-    workers = world.Get_size() - 1
-    state.positions = [state.global_step] * workers  # each worker's new shard, from this step
-    lost = 0 if ctx.mode.averages else max(0, ctx.start.global_step + int(total_pushed[0]) - state.global_step)
+    names = state_arrays(ctx.cfg)  # params, the optimizer's arrays, the moving average
+    state = TrainState(np.zeros(n, np.float32), int(top[0]))
+    for k, part in enumerate(ctx.layout.shard_slices(n)):
+        root = int(roots[k])
+        meta = np.array([mine.opt_t, *(mine.array(a) is not None for a in names)], np.int64)
+        world.Bcast([meta, MPI.INT64_T], root=root)
+        state.opt_t = max(state.opt_t, int(meta[0]))
+        for name, present in zip(names, meta[1:]):
+            if not present:
+                continue
+            held = mine.array(name) if world.Get_rank() == root else None
+            piece = np.ascontiguousarray(held[part] if held is not None else np.empty(part.stop - part.start), np.float32)
+            world.Bcast([piece, MPI.FLOAT], root=root)
+            if state.array(name) is None:
+                state.set_array(name, np.zeros(n, np.float32))
+            state.array(name)[part] = piece
+    state.positions = [state.global_step] * (world.Get_size() - K)  # each worker's new shard, from this step
+    lost = 0 if ctx.mode.averages else max(
+        [0, *(ctx.start.global_step + int(total_pushed[0]) - int(top[k]) for k in lost_shards)])
     return state, lost

@@ -292,8 +292,14 @@ def as_dict(d: Diverged | None) -> dict | None:
 
 def taken_over(record: dict) -> str:
     """The line a take-over's new rank 0 starts its phase with (failover.Handover.record)."""
-    lost = record["updates_lost_at_most"]
+    lost, servers = record["updates_lost_at_most"], record["servers"]
     what = "no update lost" if lost == 0 else f"at most {lost} update(s) lost (async: those the lost server applied after the freshest copy)"
-    return (f"rank 0 was lost ({record['lost']}); rank {record['successor']} took over as rank 0 at global step "
-            f"{record['global_step']}, {record['seconds']:.2f} s after the loss was noticed, with "
-            f"{record['ranks'] - 1} worker(s); {what}")
+    K = len(servers)
+    if record["successor"] != 0:
+        who = f"rank 0 was lost ({record['lost']}); rank {record['successor']} took over as rank 0"
+    else:
+        shards = ", ".join(f"{k}/{K}" for k in record["lost_shards"])
+        who = (f"parameter-server shard {shards} was lost ({record['lost']}); rank "
+               f"{', '.join(str(servers[k]) for k in record['lost_shards'])} took it over")
+    return (f"{who} at global step {record['global_step']}, {record['seconds']:.2f} s after the loss was noticed, with "
+            f"{record['ranks'] - K} worker(s); {what}")

@@ -56,6 +56,32 @@ def test_rank_0_killed_mid_run_a_worker_takes_over_and_the_job_reaches_its_budge
     assert checkpoint.load(newest).global_step == BUDGET and not (ck / LOCK).exists()
 
 
+
+@pytest.mark.parametrize("mode", ["async", pytest.param("sync", marks=only_on("mpich", SAME))])
+def test_a_server_shard_killed_mid_run_is_rebuilt_and_the_job_reaches_its_budget(tmp_path, mode):
+    """--num-ps 2: server rank 1 SIGKILLed mid-run. Rank 0 and the workers agree to go on; the first
+    worker serves shard 1 from then on, from the freshest copy of it (async: a worker's pulled
+    parameters; sync: the replicas), and rank 0 keeps its own shard's exact state."""
+    summary = tmp_path / "summary.json"
+    cmd = mpitrain_cmd(5, "--mode", mode, "--num-ps", "2", "--no-progress", "--steps", str(BUDGET), "--worker-timeout",
+                       "1", "--on-lost-server", "continue", "--summary-json", str(summary), launcher_flags=keep_going())
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
+                            start_new_session=True)
+    try:
+        wait_for_training(proc, 5)
+        time.sleep(1)
+        os.kill(rank_pids(proc.pid)[1][0], signal.SIGKILL)
+        _, err = communicate_or_kill(proc, 120)
+    finally:
+        leftovers = kill_session(proc)
+    assert "Traceback" not in err and not leftovers, err
+    s = json.loads(summary.read_text())
+    assert s["global_step"] == BUDGET and s["test_accuracy"] > 0.9 and s["num_ps"] == 2, err
+    [fo] = s["failovers"]
+    assert fo["successor"] == 0 and fo["lost_shards"] == [1] and fo["servers"] == [0, 2], fo
+    took = [ln for ln in err.splitlines() if "parameter-server shard 1/2 was lost" in ln]
+    assert len(took) == 1 and "rank 2 took it over" in took[0], err
+
 def test_a_successor_killed_during_the_take_over_ends_the_others_in_one_line(tmp_path):
     """Rank 1 SIGKILLs itself once it has told the others it takes over (MPITRAIN_INJECT_KILL
     takeover): they wait for it in the new world's collectives, and each ends in one line within the

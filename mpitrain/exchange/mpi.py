@@ -19,6 +19,9 @@ from mpitrain.transport import WORKER_POLL_S, Poller, collective_poll_s
 from mpitrain.waiting import poll
 
 
+ABANDONED: list = []  # collectives an interrupted wait left pending, and their buffers: alive until the process ends
+
+
 class MPIReducer:
     """The workers' Allreduce on their own communicator (rank 0 is not in it), in the wire type of
     --compress, staged through host memory where MPI cannot read the buffer (a GPU without
@@ -53,7 +56,15 @@ class MPIReducer:
         return True
 
     def _allreduce(self, spec, op) -> None:
-        done = self.waiter.some([self.comm.Iallreduce(MPI.IN_PLACE, spec, op=op)])
+        req = self.comm.Iallreduce(MPI.IN_PLACE, spec, op=op)
+        try:
+            done = self.waiter.some([req])
+        except BaseException:
+            # Left pending (a regroup, a lost peer): the live workers' parts still arrive, and MPI
+            # reduces them into the buffer, which must never be memory that was freed and reused
+            # (suspected in a CI run: a regroup that went on from non-finite parameters).
+            ABANDONED.append((req, spec))
+            raise
         if done.failed:
             await_verdict(self.ctx, done.failed[0])
 

@@ -95,6 +95,27 @@ class AsyncServer:
             WATCHDOG.last_words = self._last_words
 
     def run(self) -> ServerState:
+        with interrupted_at(self._offer):  # a server lost (--on-lost-server continue): what this one keeps
+            return self._run()
+
+    def _offer(self) -> TrainState:
+        """A take-over's (failover.py): this server's slice of the state, in arrays of the whole
+        model's size, and its version."""
+        own, part, n = self._own_state(), self.ctx.shard, self.ctx.model.n_params
+        versions = [-1] * self.ctx.layout.shards
+        versions[self.ctx.layout.shard_index(self.ctx.rank)] = own.global_step
+
+        def whole(a):
+            if a is None:
+                return None
+            out = np.zeros(n, np.float32)
+            out[part] = a
+            return out
+
+        return TrainState(whole(own.params), own.global_step, own.opt_t, {k: whole(a) for k, a in own.opt_state.items()},
+                          ema=whole(own.ema), versions=versions)
+
+    def _run(self) -> ServerState:
         while self.active:
             try:
                 self._serve_once()
@@ -324,7 +345,7 @@ class AsyncWorker:
     def _held(self) -> TrainState:
         """The parameters this worker holds, at the global step the server answered them at."""
         ex = self.exchange
-        return TrainState(np.array(self.be.to_host(ex.params), np.float32), ex.versions[0])
+        return TrainState(np.array(self.be.to_host(ex.params), np.float32), ex.versions[0], versions=list(ex.versions))
 
     def _train(self) -> WorkerResult:
         ex = self.exchange
