@@ -24,6 +24,25 @@ SAME = "the take-over is sync's (tested under both MPIs); --quorum only changes 
 BUDGET = 20000  # digits, 3 workers: a few seconds of training, so the kill lands mid-run
 
 
+def kill_mid_run(cmd: list[str], np_: int, victim: int, ck=None, env=None, timeout: float = 120):
+    """Start `cmd`, SIGKILL rank `victim`'s training process from outside once training is under way
+    (past the first checkpoint in `ck`, or a second in), and return (the finished job, its stdout,
+    stderr, whether any process outlived it)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env or child_env(),
+                            start_new_session=True)
+    try:
+        wait_for_training(proc, np_)
+        first = int(wait_for_checkpoint(proc, ck).stem.split("-")[1]) if ck else None
+        if ck is None:
+            time.sleep(1)
+        os.kill(rank_pids(proc.pid)[victim][0], signal.SIGKILL)
+        out, err = communicate_or_kill(proc, timeout)
+    finally:
+        leftovers = kill_session(proc)
+    proc.first_checkpoint = first
+    return proc, out, err, leftovers
+
+
 @pytest.mark.parametrize("mode", ["sync", pytest.param("quorum", marks=only_on("mpich", SAME)), "async"])
 def test_rank_0_killed_mid_run_a_worker_takes_over_and_the_job_reaches_its_budget(tmp_path, mode):
     ck, summary = tmp_path / "ck", tmp_path / "summary.json"
@@ -31,15 +50,8 @@ def test_rank_0_killed_mid_run_a_worker_takes_over_and_the_job_reaches_its_budge
     cmd = mpitrain_cmd(4, *how, "--no-progress", "--steps", str(BUDGET), "--worker-timeout", "1",
                        "--on-lost-server", "continue", "--checkpoint-dir", str(ck), "--checkpoint-every-steps", "500",
                        "--summary-json", str(summary), launcher_flags=keep_going())
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
-                            start_new_session=True)
-    try:
-        wait_for_training(proc, 4)
-        first = int(wait_for_checkpoint(proc, ck).stem.split("-")[1])  # training under way, past this step
-        os.kill(rank_pids(proc.pid)[0][0], signal.SIGKILL)
-        _, err = communicate_or_kill(proc, 120)
-    finally:
-        leftovers = kill_session(proc)
+    proc, _, err, leftovers = kill_mid_run(cmd, 4, 0, ck)
+    first = proc.first_checkpoint  # training was under way, past this step
     assert "Traceback" not in err and not leftovers, err
     assert proc.returncode == mpi_impl().worker_lost_exit, err  # 8 (hydra: the killed rank's 137), as for a lost worker
     s = json.loads(summary.read_text())  # written by the successor
@@ -65,15 +77,7 @@ def test_a_server_shard_killed_mid_run_is_rebuilt_and_the_job_reaches_its_budget
     summary = tmp_path / "summary.json"
     cmd = mpitrain_cmd(5, "--mode", mode, "--num-ps", "2", "--no-progress", "--steps", str(BUDGET), "--worker-timeout",
                        "1", "--on-lost-server", "continue", "--summary-json", str(summary), launcher_flags=keep_going())
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
-                            start_new_session=True)
-    try:
-        wait_for_training(proc, 5)
-        time.sleep(1)
-        os.kill(rank_pids(proc.pid)[1][0], signal.SIGKILL)
-        _, err = communicate_or_kill(proc, 120)
-    finally:
-        leftovers = kill_session(proc)
+    _, _, err, leftovers = kill_mid_run(cmd, 5, 1)
     assert "Traceback" not in err and not leftovers, err
     s = json.loads(summary.read_text())
     assert s["global_step"] == BUDGET and s["test_accuracy"] > 0.9 and s["num_ps"] == 2, err
@@ -82,6 +86,7 @@ def test_a_server_shard_killed_mid_run_is_rebuilt_and_the_job_reaches_its_budget
     took = [ln for ln in err.splitlines() if "parameter-server shard 1/2 was lost" in ln]
     assert len(took) == 1 and "rank 2 took it over" in took[0], err
 
+
 def test_a_successor_killed_during_the_take_over_ends_the_others_in_one_line(tmp_path):
     """Rank 1 SIGKILLs itself once it has told the others it takes over (MPITRAIN_INJECT_KILL
     takeover): they wait for it in the new world's collectives, and each ends in one line within the
@@ -89,21 +94,12 @@ def test_a_successor_killed_during_the_take_over_ends_the_others_in_one_line(tmp
     cmd = mpitrain_cmd(4, "--mode", "sync", "--no-progress", "--steps", "10000000", "--worker-timeout", "1",
                        "--on-lost-server", "continue", launcher_flags=keep_going())
     env = {**child_env(), "MPITRAIN_INJECT_KILL": "1:takeover", "MPITRAIN_FORM_LIMIT_S": "4"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
-    try:
-        wait_for_training(proc, 4)
-        time.sleep(1)
-        os.kill(rank_pids(proc.pid)[0][0], signal.SIGKILL)
-        _, err = communicate_or_kill(proc, 90)
-    finally:
-        leftovers = kill_session(proc)
+    proc, _, err, leftovers = kill_mid_run(cmd, 4, 0, env=env, timeout=90)
     assert "Traceback" not in err and not leftovers, err
     assert proc.returncode != 0 and "took over" not in err, err
     for rank in (2, 3):
         mine = [ln for ln in err.splitlines() if ln.startswith("mpitrain:") and f"rank {rank}" in ln]
         assert len(mine) == 1 and "agreeing on a successor to the lost rank 0" in mine[0], err
-
 
 
 @only_on("mpich", "the spawn itself is tested under both MPIs (test_respawn.py); what a take-over adds is not MPI's")
@@ -116,15 +112,7 @@ def test_with_respawn_the_job_grows_back_after_a_take_over(tmp_path):
            "-m", "mpitrain", "--mode", "async", "--no-progress", "--steps", str(BUDGET), "--worker-timeout", "1",
            "--on-lost-server", "continue", "--respawn", "1", "--checkpoint-dir", str(ck),
            "--checkpoint-every-steps", "500", "--summary-json", str(summary)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
-                            start_new_session=True)
-    try:
-        wait_for_training(proc, 4)
-        wait_for_checkpoint(proc, ck)
-        os.kill(rank_pids(proc.pid)[0][0], signal.SIGKILL)
-        out, err = communicate_or_kill(proc, 120)
-    finally:
-        leftovers = kill_session(proc)
+    _, out, err, leftovers = kill_mid_run(cmd, 4, 0, ck)
     assert "Traceback" not in err and not leftovers, err
     s = json.loads(summary.read_text())
     assert s["global_step"] == BUDGET and len(s["failovers"]) == 1, err
