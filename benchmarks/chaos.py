@@ -603,7 +603,8 @@ def failover_lines(trials: list[Trial]) -> list[str]:
         acc = [t.accuracy for t in ts]
         took = [t.notice_s for t in ts if t.notice_s is not None]
         base = UNHARMED_ACCURACY[case.name]
-        close, above = sum(abs(a - base) <= 0.002 for a in acc), sum(a > base + 0.002 for a in acc)
+        point = 0.002 + 1e-9  # 0.2 point; test accuracies are multiples of 1/2000, so a float's last bit decides
+        close, above = sum(abs(a - base) <= point for a in acc), sum(a > base + point for a in acc)
         out.append(f"- {case.name}: {len(ts)} take-overs; final accuracy median {statistics.median(acc):.4f} "
                    f"(min {min(acc):.4f}) against {UNHARMED_ACCURACY[case.name]:.4f} unharmed, {close} of {len(ts)} "
                    f"within 0.2 point ({above} more than 0.2 point above it); updates lost at most {max(t.lost_updates for t in ts)} (median "

@@ -281,8 +281,8 @@ def straggler_line(s: dict) -> str | None:
     """One line on what slow workers did to the run, when there were any (or drops)."""
     slow = ", ".join(f"rank {r} ({'x' + format(v, 'g') if k == 'factor' else format(v, 'g') + ' s/step'})"
                      for r, k, v in s["config"]["stragglers"])
-    if not slow and not s["dropped_gradients"]:
-        return None
+    if (not slow and not s["dropped_gradients"]) or s["steps_per_second"] is None:
+        return None  # nobody slowed it down; or nothing was trained in this run (a phase that started at the budget)
     who = slow or "no injected straggler"
     rate = f"{s['steps_per_second']:,.1f} global steps/s"
     if s["mode"] == "async":

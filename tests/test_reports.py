@@ -46,3 +46,17 @@ def test_one_process_summary_has_no_per_worker_words():
     for words in ("per worker", "dropped gradients", "(rank 0)", "local steps", "through MPI"):
         assert words not in proc.stdout, proc.stdout
     assert "test accuracy" in proc.stdout and "final train loss" in proc.stdout
+
+
+def test_a_summary_of_nothing_trained_with_dropped_gradients_prints(tmp_path):
+    """A take-over at the budget (--on-lost-server continue) leaves a phase that trained nothing, whose
+    --quorum workers still report the gradients they dropped earlier: the straggler line formatted
+    steps_per_second, None there, and the successor's summary died in a traceback (chaos, Open MPI)."""
+    from conftest import train
+    from mpitrain.metrics import human_summary
+
+    s = train(0, tmp_path, "--steps", "20")
+    s.update(trained=False, steps_per_second=None, samples_per_second=None, dropped_gradients=3, mode="sync",
+             quorum=2, workers=3, failovers=[{"successor": 1}])
+    text = "\n".join(human_summary(s))
+    assert "the successor saved and evaluated it" in text and "straggler effect" not in text
