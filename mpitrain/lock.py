@@ -164,8 +164,12 @@ def exit_without_finalize(code: int) -> None:
     """End this rank now. After a peer is lost MPI_Finalize would wait for it forever (measured
     with MPICH 5.0.2), so the survivors leave without it; os._exit would neither release this
     process's folder locks nor flush its output, so those come first. Here, beside the locks, so
-    that join.py (which trainer imports) ends a stuck re-forming the same way."""
+    that join.py (which trainer imports) ends a stuck re-forming the same way. A peer on a host that
+    cannot be reached any more would leave hydra's mpiexec waiting for good: reaper.py watches it."""
+    from mpitrain import reaper
+
     release_all()
+    reaper.start()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
