@@ -83,6 +83,9 @@ def take_over(ctx, e: PeerLost, carry) -> tuple[object, Handover] | None:
     mine = e.state or TrainState(np.zeros(ctx.model.n_params, np.float32), -1, versions=[-1] * ctx.layout.shards)
     pushed = int(e.counts[0]) if not (ctx.mode.averages or ctx.is_ps) else 0
     chosen = agree(ctx, e, mine.global_step, pushed, t0 + AGREE_FACTOR * cfg.worker_timeout + 1.0)
+    left = None if isinstance(chosen, str) else len(chosen) - ctx.layout.shards
+    if left is not None and cfg.quorum and left < cfg.quorum:  # the same list on every rank: all end alike
+        chosen = f"{left} worker(s) would be left, fewer than --quorum {cfg.quorum}"
     if isinstance(chosen, str):
         say(f"mpitrain: error: rank {ctx.rank} lost the parameter server ({why}) and could not take part in a "
             f"take-over: {chosen}. Rank 0's newest checkpoint in --checkpoint-dir resumes the run", sys.stderr)
@@ -116,6 +119,7 @@ def agree(ctx, e: PeerLost, step: int, pushed: int, deadline: float) -> list[int
     if len(view) < K + 1:
         return (f"only {len(view)} rank(s) answered, and {K} server(s) need a worker too" if K > 1 else
                 "no other worker answered, and one rank alone has no workers")
+
     if view[0] == me:  # the successor: its view is the new world
         decision = _message(DECIDE, step, pushed, comm.Get_size())
         decision[3:][view] = 1

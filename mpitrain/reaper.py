@@ -38,8 +38,12 @@ def _comm(pid: int) -> str:
     return Path(f"/proc/{pid}/comm").read_text().strip()
 
 
+def _stat(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
 def _parent(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    return int(_stat(pid)[1])
 
 
 def launcher_above(pid: int, levels: int = 6) -> int | None:
@@ -62,8 +66,9 @@ def proxies_here(launcher: int) -> bool:
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                if _parent(int(entry)) == launcher and _comm(int(entry)).startswith(PROXY):
-                    return True
+                stat = _stat(int(entry))
+                if int(stat[1]) == launcher and stat[0] not in "ZX" and _comm(int(entry)).startswith(PROXY):
+                    return True  # (an exited one not reaped yet is no proxy)
             except (OSError, ValueError, IndexError):
                 continue
     return False
@@ -89,9 +94,9 @@ def watch(launcher: int, clock=time.monotonic, sleep=time.sleep) -> bool:
     started = alone_since = clock()
     while clock() - started < GIVE_UP_S:
         try:
-            if _comm(launcher) not in LAUNCHERS:
-                return False  # it exited (the pid may be another process's by now)
-        except OSError:
+            if _comm(launcher) not in LAUNCHERS or _stat(launcher)[0] in "ZX":
+                return False  # it exited (a zombie not reaped yet, or the pid another process's by now)
+        except (OSError, IndexError):
             return False
         now = clock()
         if proxies_here(launcher):

@@ -141,6 +141,8 @@ def run(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: boo
 def _run(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: bool, carry: join.Carry) -> Outcome:
     ctx, line = agree_on_setup(cfg, comm, node, err, quiet=library)
     if ctx is None:
+        if carry.peer_lost and not library:  # a phase after a take-over refused (a lock held): MPI_Finalize would wait
+            leave_after_a_loss(carry, ExitCode.USAGE)
         return Outcome(ExitCode.USAGE, error=line)
     if carry.handover is not None:  # the phase after a take-over: rank 0 starts from the survivors' state
         if ctx.rank == PS_RANK:

@@ -1,0 +1,53 @@
+"""reaper.py against stand-ins for hydra's mpiexec (a process named so, with or without a proxy
+child): the real partition is tests/test_multihost.py's."""
+
+import subprocess
+import sys
+import time
+
+from conftest import only_on
+
+from mpitrain import reaper
+
+pytestmark = only_on("mpich", "hydra's mpiexec is the one it watches; no MPI here, so one suite is enough")
+
+NAMED = """
+import ctypes, subprocess, sys, time
+ctypes.CDLL(None).prctl(15, sys.argv[1].encode(), 0, 0, 0)  # PR_SET_NAME: what /proc/PID/comm says
+if len(sys.argv) > 2:  # a child named as hydra's proxy, alive as long as this process
+    subprocess.Popen([sys.executable, "-c", __import__("textwrap").dedent('''
+        import ctypes, time
+        ctypes.CDLL(None).prctl(15, b"hydra_pmi_proxy", 0, 0, 0)
+        time.sleep(3)''')])
+time.sleep(30)
+"""
+
+
+def stand_in(*args: str) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", NAMED, *args], stderr=subprocess.PIPE, text=True)
+    time.sleep(0.5)  # named, and its child started
+    return proc
+
+
+def test_an_mpiexec_alone_on_its_host_is_told_why_and_ended(monkeypatch):
+    monkeypatch.setattr(reaper, "GRACE_S", 0.5)
+    monkeypatch.setattr(reaper, "POLL_S", 0.1)
+    proc = stand_in("mpiexec")
+    assert reaper.watch(proc.pid)
+    assert proc.wait(timeout=5) == -15  # SIGTERM
+    assert "mpirun was still waiting 0.5 s after every rank on this host had ended" in proc.stderr.read()
+
+
+def test_an_mpiexec_with_a_proxy_here_is_waited_for_and_one_that_exits_is_left_alone(monkeypatch):
+    monkeypatch.setattr(reaper, "GRACE_S", 1.0)
+    monkeypatch.setattr(reaper, "POLL_S", 0.1)
+    proc = stand_in("mpiexec", "with-proxy")
+    t0 = time.monotonic()
+    assert reaper.watch(proc.pid)  # only once its proxy (3 s) is gone, and 1 s more
+    assert time.monotonic() - t0 >= 2.0
+    proc.wait(timeout=5)
+    other = stand_in("not-mpiexec")
+    assert not reaper.watch(other.pid) and other.poll() is None  # not hydra's: never touched
+    other.kill()
+    other.wait()
+    assert not reaper.watch(other.pid)  # gone
