@@ -69,6 +69,15 @@ class MPIReducer:
             await_verdict(self.ctx, done.failed[0])
 
 
+def check_weight(ctx: Context, weight: float) -> None:
+    """Sync: every worker adds a weight of exactly 1 to the sum (float32 sums of ones are exact). MPICH
+    completed an Allreduce on a survivor with a part a dying worker had only half sent: applied, the
+    parameters exploded and a regroup went on from them (tests/test_elastic.py, 1 in ~20 under load).
+    A sum without every weight is never applied: it is a worker lost mid-Allreduce (await_verdict)."""
+    if weight != ctx.workers:
+        await_verdict(ctx, f"the sum holds a weight of {weight:g}, not {ctx.workers}: a worker died sending its part")
+
+
 def await_verdict(ctx: Context, why: str) -> None:
     """The gradient Allreduce failed: a worker died in the middle of it. Rank 0 notices within
     --worker-timeout and either tells the workers left to regroup (elastic.Regroup is raised here)

@@ -23,7 +23,7 @@ from mpitrain.checkpoint import Checkpointer, TrainState, state_arrays, to_flat
 from mpitrain.chief import ChiefDuties, Clock, ServerState, begin, record_lost
 from mpitrain.elastic import interrupted_at
 from mpitrain.exchange.base import Reducer
-from mpitrain.exchange.mpi import MPIReducer, await_verdict
+from mpitrain.exchange.mpi import MPIReducer, check_weight
 from mpitrain.faults import Kill
 from mpitrain.gradients import LOSS_WINDOW, GradientSource, WorkerResult, mean_loss
 from mpitrain.guard import NON_FINITE, Diverged, LossGuard
@@ -109,7 +109,7 @@ class SyncStep:
             return self.local_step(step, last)
         be, buf = self.ctx.backend, self.buf
         if self.reducer.sum(buf):
-            self._check_weight()
+            check_weight(self.ctx, float(buf[self.n + 1]))
             buf *= be.xp.float32(1.0) / buf[self.n + 1]
         self.stop = bool(buf[self.n + 2] > 0)  # the same sum on every worker: all stop after this step
         if self.stop:
@@ -132,7 +132,7 @@ class SyncStep:
         self._weigh(float(np.mean(loc.losses)))
         loc.losses.clear()
         if self.reducer.sum(buf):
-            self._check_weight()
+            check_weight(self.ctx, float(buf[n + 1]))
             buf *= be.xp.float32(1.0) / buf[n + 1]
         self.stop = bool(buf[n + 2] > 0)
         if self.stop:
@@ -148,18 +148,6 @@ class SyncStep:
         if self.ema:
             self.ema.update(self.params)
         return loss
-
-    def _check_weight(self) -> None:
-        """Every worker adds a weight of exactly 1 (float32 sums of ones are exact), so the sum says how
-        many contributions it holds. MPICH completed an Allreduce on a survivor with a contribution that
-        a dying worker had only half sent (the rest of MPICH's buffer uninitialised): applied, the
-        parameters exploded, and the regroup went on from them (tests/test_elastic.py, 1 in ~20 under
-        load, before this check). Such a sum is never applied: it is a worker lost mid-Allreduce, and
-        rank 0's word decides, as when MPI reports the failure."""
-        weight = float(self.buf[self.n + 1])
-        if weight != self.ctx.workers:
-            await_verdict(self.ctx, f"the sum holds a weight of {weight:g}, not {self.ctx.workers}: a worker died "
-                                    f"while sending its part")
 
     def apply(self, step: int) -> float:
         """Apply the mean gradient in buf (mean loss behind it) as update `step`, unless that loss
