@@ -119,7 +119,6 @@ def agree(ctx, e: PeerLost, step: int, pushed: int, deadline: float) -> list[int
     if len(view) < K + 1:
         return (f"only {len(view)} rank(s) answered, and {K} server(s) need a worker too" if K > 1 else
                 "no other worker answered, and one rank alone has no workers")
-
     if view[0] == me:  # the successor: its view is the new world
         decision = _message(DECIDE, step, pushed, comm.Get_size())
         decision[3:][view] = 1

@@ -180,7 +180,7 @@ def take_over(ctx: Context, e, heartbeat, carry: join.Carry, library: bool) -> O
             return Outcome(ExitCode.PEER_LOST, error="the take-over of the lost rank 0 failed", mpi_broken=True)
         exit_without_finalize(ExitCode.PEER_LOST)
     world, handover = got
-    carry.handover, carry.peer_lost = handover, True
+    carry.handover = handover
     carry.server_lost = handover.state is not None  # the successor: --respawn starts a rank in place of the lost one
     carry.failovers.append(handover.record)
     return Outcome(ExitCode.OK, grown=(carry.next_config(ctx.cfg), world, node_info(world)))

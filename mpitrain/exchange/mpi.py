@@ -60,9 +60,10 @@ class MPIReducer:
         try:
             done = self.waiter.some([req])
         except BaseException:
-            # Left pending (a regroup, a lost peer): the live workers' parts still arrive, and MPI
-            # reduces them into the buffer, which must never be memory that was freed and reused
-            # (suspected in a CI run: a regroup that went on from non-finite parameters).
+            # Left pending (a regroup, a lost peer): the live workers' parts may still arrive, and MPI
+            # reduces them into the buffer, which must never be memory that was freed and reused.
+            # (First suspected of a CI run's regroup going on from exploded parameters; it was not
+            # that: check_weight below is what stopped it.)
             ABANDONED.append((req, spec))
             raise
         if done.failed:
