@@ -81,6 +81,9 @@ EnforcePartLimits=ALL
 SlurmdParameters=config_overrides
 ReturnToService=2
 SchedulerType=sched/builtin
+# The main scheduling pass runs every 60 s by default: a requeued job, held until its credentials
+# expire, then waited up to a minute more for it (54 s in the requeue test, not 21).
+SchedulerParameters=sched_interval=2
 NodeName={host} CPUs={cpus} State=UNKNOWN
 PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE
 """

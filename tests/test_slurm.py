@@ -143,20 +143,20 @@ def _wait_for_output(path: Path, text: str, timeout: float = 120) -> None:
 
 
 # Slurm holds a requeued job back until its credentials expire (slurm_cluster.CRED_EXPIRE_S: 20 s
-# here, 120 s by default), so this test takes ~1.5 min: run under one MPI only. The requeue is
+# here, 120 s by default), so this test takes ~35 s: run under one MPI only. The requeue is
 # Slurm's and the script's, the same under either; the stop signal through srun under Open MPI is
 # test_a_job_at_its_time_limit_stops_and_saves's (which runs under Open MPI only, for the same reason).
-@only_on("mpich", "the requeue is the same under either MPI (see above); it takes ~1.5 min")
+@only_on("mpich", "the requeue is the same under either MPI (see above); it takes ~35 s")
 def test_a_job_warned_by_usr1_saves_requeues_itself_and_finishes(slurm, tmp_path):
-    """Over 60 s because Slurm holds a requeued job until its credentials expire (20 s here, see
-    above), and the job runs twice.
+    """~35 s: Slurm holds a requeued job until its credentials expire (20 s here, see above), and
+    the job runs twice.
 
     What `#SBATCH --signal=USR1@90` does before the time limit, sent now with `scancel --signal`:
     every task stops at a step, rank 0 saves; with MPITRAIN_REQUEUE=1 the job goes back in the queue
     under its id, resumes from that checkpoint and finishes the budget."""
     import time
 
-    env = {**job_env("--dataset synthetic --steps 30000"), "MPITRAIN_REQUEUE": "1"}
+    env = {**job_env("--dataset synthetic --steps 20000"), "MPITRAIN_REQUEUE": "1"}
     job = slurm.submit(ROOT / "jobs" / "async.sbatch", tmp_path, env)
     out_file = tmp_path / f"mpitrain-{job}.out"
     _wait_for_output(out_file, "rank 2 worker")
@@ -168,9 +168,9 @@ def test_a_job_warned_by_usr1_saves_requeues_itself_and_finishes(slurm, tmp_path
     stopped = re.findall(r"mpitrain stopped \(SIGUSR1\) at global step ([\d,]+); the newest checkpoint is (\S+);", out)
     assert len(stopped) == 1, out
     step = int(stopped[0][0].replace(",", ""))
-    assert 0 < step < 30000 and f"resuming from {stopped[0][1]}" in out
+    assert 0 < step < 20000 and f"resuming from {stopped[0][1]}" in out
     summary = json.loads((tmp_path / "runs" / str(job) / "summary.json").read_text())
-    assert summary["global_step"] == 30000 and summary["resumed_from"] == stopped[0][1]
+    assert summary["global_step"] == 20000 and summary["resumed_from"] == stopped[0][1]
     assert "Traceback" not in out
 
 
