@@ -75,7 +75,8 @@ def build_summary(ctx: Context, mine: RoleResult, reports: list, placements: lis
         local_steps = [state.local_steps[index(w.rank)] for w in workers]
         lost = [x if "local_steps" in x else {**x, "local_steps": state.local_steps[index(x["rank"])]} for x in lost]
     trained = not nothing_to_train(ctx)
-    samples = (state.global_step - state.start_step) * ctx.global_batch  # this run only, when resumed
+    steps = state.global_step - state.start_step  # this run only, when resumed: train_s is this run's
+    samples = steps * ctx.global_batch
     step_times, slow = observe.attribute({w.rank: w.step_time for w in workers}, cfg.straggler_report)
     return Summary(
         mpitrain_version=__version__,
@@ -109,7 +110,7 @@ def build_summary(ctx: Context, mine: RoleResult, reports: list, placements: lis
         quorum=ctx.mode.quorum(cfg, ctx.workers),
         lr_scaling="linear" if cfg.scaled_lr else "none",
         lr_effective=cfg.learning_rate * ctx.lr_scale,  # after the warm-up, before --lr-decay
-        steps_per_second=state.global_step / max(state.train_s, 1e-9) if trained else None,
+        steps_per_second=steps / max(state.train_s, 1e-9) if trained else None,
         eval_history=state.eval_history,
         param_digest=digest(state.params),
         worker_param_digests=[w.digest for w in workers],

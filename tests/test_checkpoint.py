@@ -109,6 +109,8 @@ def test_async_resume_continues_the_global_step(tmp_path):
     s = train(3, tmp_path, "--steps", "300", "--checkpoint-dir", str(ck))
     assert s["resumed_from"].endswith("ckpt-000000100.npz") and s["global_step"] == 300
     assert sum(s["local_steps"]) == 300 and s["test_accuracy"] >= 0.9
+    # the rates are this run's: 200 steps in its wall_seconds (they once counted the resumed 100 too)
+    assert s["steps_per_second"] * s["wall_seconds"] == pytest.approx(200)
 
 
 def test_sync_quorum_resume_continues_from_the_saved_step(tmp_path):
