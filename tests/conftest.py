@@ -69,9 +69,10 @@ NUMBERS_ONLY = "numbers and files, the same under either MPI; launchers and faul
 
 def own_lines(text: str) -> list[str]:
     """What mpitrain itself wrote: Open MPI's launcher adds its own message, framed by lines of
-    dashes, when a rank exits non-zero (hydra adds nothing to a clean exit 2)."""
+    dashes, when a rank exits non-zero (hydra adds nothing to a clean exit 2), and may leave a NUL
+    byte after the box, before the next process's line (seen in CI)."""
     out, boxed = [], False
-    for line in text.splitlines():
+    for line in text.replace("\0", "").splitlines():
         if line.startswith("-" * 20):
             boxed = not boxed
         elif not boxed:
