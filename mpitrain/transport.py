@@ -39,6 +39,13 @@ WORKER_POLL_S = 20e-6
 SPIN = 0.0  # no sleep at all: a sync Allreduce on a node with a core per computing rank (collective_poll_s)
 CHIEF_POLL_S = 2e-3  # rank 0 in sync mode is off the critical path (--quorum too: the coordinator gathers)
 END_POLL_S = CLOSE_POLL_S  # end of run (reports, goodbyes): off the hot path, as liveness's close
+# Tests in a row before each sleep. MPICH polls its network module (UCX: a joined or respawned
+# process, another host) only in a progress pass where its shared memory moved nothing, and each
+# test is one pass: with one test per wake-up, a message from a respawned worker waited behind the
+# shared-memory traffic for sleep after sleep, and a sync job ran at 0.54x of its speed once a worker
+# had been respawned (np 5 on 2 cores). With 8, 0.88x (benchmarks/AFTER_RESPAWN.md), and a job with no
+# respawn gains too, each pass moving one more piece of a large message (async np=3 1.30x: AB-2026-11-27.md).
+TESTS_PER_WAKE = 8
 
 
 def collective_poll_s(wait: str, oversubscribed: bool) -> float:
@@ -116,7 +123,10 @@ class Poller:
             self._statuses = [MPI.Status() for _ in reqs]
         try:
             with WATCHDOG:  # a test that never returns (MPICH waiting on a dead sender) ends the rank
-                idx = self.testsome(reqs, self._statuses)
+                for _ in range(TESTS_PER_WAKE):
+                    idx = self.testsome(reqs, self._statuses)
+                    if idx is None or idx:
+                        break
         except MPI.Exception as e:
             return self._sort_out(e, reqs, active)
         if idx is None:
