@@ -338,7 +338,8 @@ def judge(case: Case, trial: Trial, job: Job, code: int | None, leftovers: bool,
     notice = [t for t, s, line in job.lines if s == "err" and ("lost" in line)]
     if notice and trial.victim is not None:
         trial.notice_s = round(max(0.0, notice[0] - killed_at), 2)
-        trial.noticed_by = "MPI error" if any("MPI error" in ln for ln in trial.lines) else "heartbeat"
+        trial.noticed_by = ("MPI error" if any("MPI error" in ln for ln in trial.lines) else
+                            "process ended" if any("its process (pid" in ln for ln in trial.lines) else "heartbeat")
     if stuck_ranks(err):  # the victim died half-way through a message to these: their MPI never returned
         trial.noticed_by += f" (stuck: rank {', '.join(map(str, stuck_ranks(err)))})"
     everything = job.text()
@@ -564,7 +565,7 @@ def report(trials: list[Trial], durations: dict[str, float], seconds: float) -> 
            "resume), and in disk-full the checkpoint folder (a 64 MB tmpfs) filled up. See the script's docstring "
            "for what each outcome means.", "",
            "| case | run (s) | trials | documented | traceback | hang | other | killed after run ended "
-           "| noticed by MPI error / heartbeat | a rank's MPI stuck (stuck.py) | time to notice (median, max s) |",
+           "| noticed by MPI error / process ended (same host, samehost.py) / heartbeat | a rank's MPI stuck (stuck.py) | time to notice (median, max s) |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for case in CASES:
         ts = [t for t in trials if t.case == case.name]
@@ -573,6 +574,7 @@ def report(trials: list[Trial], durations: dict[str, float], seconds: float) -> 
         count = {k: sum(t.outcome == k for t in ts) for k in ("documented", "traceback", "hang", "other")}
         notices = [t.notice_s for t in ts if t.notice_s is not None]
         by = (f"{sum(t.noticed_by.startswith('MPI error') for t in ts)} / "
+              f"{sum(t.noticed_by.startswith('process ended') for t in ts)} / "
               f"{sum(t.noticed_by.startswith('heartbeat') for t in ts)} | {sum('stuck' in t.noticed_by for t in ts)}")
         when = f"{statistics.median(notices):.1f}, {max(notices):.1f}" if notices else "-"
         how = "fill" if case.target == "disk" else "kill" if case.sig == signal.SIGKILL else signal.Signals(case.sig).name

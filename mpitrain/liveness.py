@@ -6,7 +6,8 @@ step, a checkpoint save) is never taken for a dead one. Workers beat to every pa
 a server beats to every worker, and the chief server (rank 0) to the other servers and they to it
 (layout.Layout.peers). A Watch remembers when each peer was last heard from (heartbeat or any
 training message); a peer silent for longer than the timeout is lost, and so is one whose
-message failed in MPI (a dead process's half-sent gradient). Pollers call `Watch.check` while
+message failed in MPI (a dead process's half-sent gradient), or one on this host whose process has
+ended (samehost.py: seen in /proc within CHECK_EVERY_S, not the timeout later). Pollers call `Watch.check` while
 they wait; it raises PeerLost, and the caller decides: a server in async mode carries on without
 a lost worker, everything else stops with one line (see trainer.py).
 """
@@ -20,8 +21,9 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from mpitrain import samehost
 from mpitrain.layout import Layout
-from mpitrain.protocol import BEAT_FIELDS, FLAG_LEAVING, TAG_HEARTBEAT, Message
+from mpitrain.protocol import BEAT_FIELDS, BEAT_HOST, BEAT_PID, FLAG_LEAVING, TAG_HEARTBEAT, Message
 from mpitrain.stuck import WATCHDOG
 from mpitrain.waiting import poll
 
@@ -109,6 +111,7 @@ class Heartbeat:
                 self.msgs[i].payload[:] = self.activity.snapshot()
             except Exception:  # what a beat says is a diagnostic: the beat itself must go out
                 pass
+        self.msgs[i].payload[BEAT_PID:BEAT_HOST + 1] = samehost.mine()
         self.msgs[i].stamp(TAG_HEARTBEAT, self.beats, flags=flags)
         self.reqs[i] = self.comm.Isend(self.msgs[i].spec(), dest=self.peers[i], tag=TAG_HEARTBEAT)
 
@@ -205,6 +208,7 @@ class Watch(WaitHooks):
         self.last = {r: now for r in peers}
         self.boxes = {r: beat_message() for r in peers}
         self.beats: dict[int, tuple[list[float], float]] = {}  # rank -> (its last beat's payload, when)
+        self.processes: dict[int, tuple] = {}  # rank -> who sent its beats (samehost.identity)
         self.heartbeat = None  # this rank's Heartbeat: it stops beating to a peer declared lost
         self.recv = {r: self._post(r) for r in peers}  # open until the peer's last beat
         self.checked = set(peers)  # peers whose silence counts
@@ -242,6 +246,7 @@ class Watch(WaitHooks):
             box.check(TAG_HEARTBEAT, rank)
             self.last[rank] = now
             self.beats[rank] = (box.payload.tolist(), now)
+            self.processes[rank] = tuple(box.payload[BEAT_PID:BEAT_HOST + 1])
             if box.flags & FLAG_LEAVING:
                 del self.recv[rank]
                 self.checked.discard(rank)
@@ -264,6 +269,8 @@ class Watch(WaitHooks):
             silent = now - self.last[rank]
             if rank in self.checked and silent > self.timeout_s:
                 newly[rank] = f"no heartbeat for {silent:.1f} s"
+            elif rank in self.checked and rank in self.processes and (why := samehost.ended(self.processes[rank])):
+                newly[rank] = why  # on this host: no need to wait for the silence
         for rank, why in newly.items():
             self.declare(rank, why)
         if newly:

@@ -59,7 +59,10 @@ BEAT_STEP_S = 3  # median step time (observe.Activity.busy_s per gradient)
 BEAT_COMPUTE = 4  # share of its wall time computing
 BEAT_WAIT = 5  # share of its wall time waiting on peers
 BEAT_GLOBAL_STEP = 6  # the global step it works on
-BEAT_FIELDS = 7
+BEAT_PID = 7  # who sent it (samehost.identity): its pid,
+BEAT_STARTED = 8  # its process's start time (clock ticks since boot),
+BEAT_HOST = 9  # and its kernel boot and pid namespace, as one key
+BEAT_FIELDS = 10
 
 FLAG_LAST = 1  # worker: this is my last gradient (my epochs are done)
 FLAG_STOP = 2  # training is over for the receiver: the last reply (async), state (sync) or request (TAG_SHARD), DONE (TAG_REGROUP), the job ended (TAG_JOIN)

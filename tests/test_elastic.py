@@ -16,22 +16,23 @@ import time
 import pytest
 
 from conftest import (Lines, child_env, communicate_or_kill, keep_going, kill_session, mpi_impl, mpitrain_cmd,
-                      wait_for_training)
+                      only_on, wait_for_training)
 from mpitrain.faults import rank_pids
 
-# 3-10 s on 2 cores (quorum at 2500 once took under 2 s: the kill found the victim gone): a kill lands
-# mid-run; --local-steps 8 takes an Allreduce every 8 steps, about twice sync's pace on one host
-STEPS = {"sync": 3000, "quorum": 5000, "local": 6000}
+# 3-6 s on 2 cores, so that a kill 0.2-1.5 s in lands mid-run (sync at 3000 once took 1.2 s under Open
+# MPI and the kill came after the budget; quorum at 2500 once under 2 s); --local-steps 8 takes an
+# Allreduce every 8 steps, about twice sync's pace on one host
+STEPS = {"sync": 8000, "quorum": 8000, "local": 12000}
 MODE_FLAGS = {"sync": ("--mode", "sync"), "quorum": ("--mode", "sync", "--quorum", "2"),
               "local": ("--mode", "sync", "--local-steps", "8")}
 
 
 def kill_during_training(tmp_path, np_: int, args: tuple[str, ...], victims: list[int], rng: random.Random,
-                         timeout_s: float = 120):
+                         timeout_s: float = 120, worker_timeout: str = "2"):
     """Start a job, SIGKILL each of `victims` (MPI ranks) from outside at a random moment of
     training, and wait for the job's end. Returns (result, summary or None, seconds after the kill)."""
     summary = tmp_path / "s.json"
-    cmd = mpitrain_cmd(np_, *args, "--no-progress", "--worker-timeout", "2", "--summary-json", str(summary),
+    cmd = mpitrain_cmd(np_, *args, "--no-progress", "--worker-timeout", worker_timeout, "--summary-json", str(summary),
                        launcher_flags=keep_going())
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
                             start_new_session=True)
@@ -62,6 +63,22 @@ def test_a_sync_job_goes_on_without_a_worker_killed_from_outside(tmp_path, mode,
     # Replicas bitwise identical: every worker left and rank 0 end on the same parameters.
     assert s["worker_param_digests"] == [s["param_digest"]] * 2
     assert s["test_accuracy"] > 0.9
+
+
+@only_on("mpich", "Open MPI's ULFM reports a killed rank itself; MPICH's shared memory does not, and a sync job "
+                 "waited for the heartbeat timeout")
+def test_a_worker_killed_on_this_host_is_lost_at_once_not_a_worker_timeout_later(tmp_path):
+    """--worker-timeout 60: the sync job regroups within seconds of the SIGKILL, since rank 0 sees in
+    /proc that the process its heartbeats came from has ended (samehost.py), and finishes."""
+    rng = random.Random()
+    proc, s, after = kill_during_training(tmp_path, 4, ("--mode", "sync", "--steps", str(STEPS["sync"])), [3], rng,
+                                          worker_timeout="60")
+    assert proc.returncode == mpi_impl().worker_lost_exit and s["global_step"] == STEPS["sync"], proc.stderr
+    [lost] = s["lost_workers"]
+    # not "no heartbeat for 60.0 s"; MPICH itself reports a worker killed mid-copy of a large message
+    # ("MPI error"), at once too
+    assert lost["rank"] == 3 and lost["reason"].startswith(("its process (pid ", "MPI error")), lost
+    assert after < 40, f"{after:.0f} s after the kill: the heartbeat timeout, not the process check"
 
 
 def test_quorum_ends_when_fewer_than_q_workers_are_left(tmp_path):

@@ -40,7 +40,7 @@ def test_async_finishes_the_budget_without_a_killed_worker(tmp_path):
     assert "Traceback" not in proc.stderr
     s = json.loads(summary.read_text())
     assert [x["rank"] for x in s["lost_workers"]] == [2]
-    assert "no heartbeat" in s["lost_workers"][0]["reason"] or "MPI error" in s["lost_workers"][0]["reason"]
+    assert s["lost_workers"][0]["reason"].startswith(("no heartbeat", "MPI error", "its process (pid "))
     assert s["global_step"] == 6000  # the budget, finished by the others (the loss is noticed ~1 s in, mid-run)
     assert s["worker_ranks"] == [1, 3]
     # Every per-worker list follows worker_ranks; the lost worker's count is in its own entry.
@@ -62,7 +62,10 @@ def test_without_disable_auto_cleanup_the_launcher_ends_the_job_fast(tmp_path, m
     assert seconds < 10
     out = proc.stdout + proc.stderr
     assert "signal 9" in out  # hydra: "killed by signal 9", prterun: "exited on signal 9 (Killed)"
-    assert not summary.exists() and not proc.leftovers
+    assert not proc.leftovers
+    if summary.exists():  # prterun SIGTERMs the others: a rank 0 that already saw the loss stops cleanly
+        s = json.loads(summary.read_text())
+        assert s["stopped"]["signal"] == "SIGTERM" and [x["rank"] for x in s["lost_workers"]] == [2], s
 
 
 @pytest.mark.parametrize("mode", ["async", "sync"])
