@@ -17,9 +17,12 @@ NOTICE, and the regroup starts again without it too. After GO each worker:
    MPI, which refuses the first over COMM_WORLD after a failure; measured): nothing is asked of
    the dead process, and the old communicator, with its collective pending on it, is left behind;
 2. agrees on the state: the workers are at most one update apart (a collective may have
-   completed on some and not on others when the worker died in it), so the one furthest ahead
-   (the lowest rank among them) broadcasts parameters and optimizer state to the others: the
-   replicas are bitwise identical again;
+   completed on some and not on others when the worker died in it), and the one furthest
+   *behind* (the lowest rank among them) broadcasts parameters and optimizer state to the others:
+   the replicas are bitwise identical again. Behind, not ahead: a sum that only some of the
+   survivors completed is the one the dead worker was part of, the only one that can hold a
+   contribution it had half sent (a regroup once went on from exploded parameters); the state
+   before it was every survivor's. It costs at most one update;
 3. trains on from that step, the data re-sharded over the workers left (each worker's stream
    from that step on, with the new shard), the learning rate scaled to the new count (--lr-scaling
    linear), the first of them the coordinator (it says FLAG_REGROUPED to rank 0 first; rank 0 ignores
@@ -144,14 +147,14 @@ class Notices:
 
 def regroup(ctx: Context, r: Regroup) -> tuple[Context, TrainState]:
     """This worker's part of a regroup: the new communicator over the workers left, then the state
-    of the one furthest ahead. Returns the new context and the state to train on from."""
+    of the one furthest behind (the module's doc, 2). Returns the new context and the state to train on from."""
     LEFT_BEHIND.append(r)  # the interrupted loop's frames: its buffers, which late messages may still reach
     layout = ctx.layout.without(r.lost)
     comm = mpiimpl.survivors(ctx.comm, layout.worker_ranks, REGROUP_TAG + r.gen, STRINGTAG.format(gen=r.gen))
     ctx = dataclasses.replace(ctx, layout=layout, worker_comm=comm)
     mine = r.state
     step = np.array([mine.global_step], np.int64)
-    comm.Allreduce(MPI.IN_PLACE, step, op=MPI.MAX)
+    comm.Allreduce(MPI.IN_PLACE, step, op=MPI.MIN)
     root = np.array([comm.Get_rank() if mine.global_step == step[0] else comm.Get_size()], np.int64)
     comm.Allreduce(MPI.IN_PLACE, root, op=MPI.MIN)
     state = broadcast_state(ctx, comm, mine, int(root[0]))
