@@ -144,8 +144,8 @@ class TrainConfig:
         "auto", "how workers wait in Allreduce: spin (MPICH's blocking call) or yield (test and sleep); "
         "auto yields when a node has more computing ranks than cores", choices=WAITS)
     worker_timeout: float = PARALLELISM(
-        DEFAULT_WORKER_TIMEOUT_S, "declare a rank lost after SEC seconds without a heartbeat (0: never; one on this "
-        "host whose process has ended: at once); async goes on without a lost worker under `mpirun "
+        DEFAULT_WORKER_TIMEOUT_S, "declare a rank lost after SEC seconds without a heartbeat, or at once when it is on "
+        "this host and its process has ended (0: never); async goes on without a lost worker under `mpirun "
         "-disable-auto-cleanup`", metavar="SEC")
 
     on_lost_worker: str = PARALLELISM(

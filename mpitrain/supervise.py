@@ -85,8 +85,11 @@ def _wait_for(pid: int) -> None:
             continue
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
-        rank = os.environ.get("PMI_RANK", "?")
-        os.write(2, f"mpitrain: rank {rank} (pid {pid}) was killed by signal {sig} "
+        # A process the job spawned (--respawn) is rank 0 of its own launch: its PMI_RANK would name
+        # the job's rank 0, which is alive (rank 0's own line names the rank it had in the job).
+        who = "a worker the job started" if os.environ.get("PMI_SPAWNED") == "1" else \
+            f"rank {os.environ.get('PMI_RANK', '?')}"
+        os.write(2, f"mpitrain: {who} (pid {pid}) was killed by signal {sig} "
                     f"({signal.Signals(sig).name})\n".encode())
         os._exit(128 + sig)
     os._exit(os.waitstatus_to_exitcode(status))

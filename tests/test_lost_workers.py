@@ -159,6 +159,11 @@ def test_supervisor_turns_a_killed_rank_into_an_exit_and_forwards_signals(tmp_pa
     assert "mpitrain: rank 4 (pid" in killed.stderr and "killed by signal 9 (SIGKILL)" in killed.stderr
     child = int(killed.stdout.split()[-1])
     assert not os.path.exists(f"/proc/{child}")
+    # a process the job spawned (--respawn) is PMI rank 0 of its own launch: never named "rank 0"
+    spawned = subprocess.run([sys.executable, "-c", code], env={**env, "CASE": "kill", "PMI_RANK": "0",
+                                                                "PMI_SPAWNED": "1"},
+                             pass_fds=(r,), capture_output=True, text=True, timeout=60)
+    assert "mpitrain: a worker the job started (pid" in spawned.stderr and "rank 0" not in spawned.stderr
 
     term = subprocess.Popen([sys.executable, "-c", code], env={**env, "CASE": "term"}, pass_fds=(r,),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
