@@ -7,7 +7,7 @@ a server beats to every worker, and the chief server (rank 0) to the other serve
 (layout.Layout.peers). A Watch remembers when each peer was last heard from (heartbeat or any
 training message); a peer silent for longer than the timeout is lost, and so is one whose
 message failed in MPI (a dead process's half-sent gradient), or one on this host whose process has
-ended (samehost.py: seen in /proc within CHECK_EVERY_S, not the timeout later). Pollers call `Watch.check` while
+ended (samehost.py: seen in /proc, declared ENDED_GRACE_S later, not the timeout later). Pollers call `Watch.check` while
 they wait; it raises PeerLost, and the caller decides: a server in async mode carries on without
 a lost worker, everything else stops with one line (see trainer.py).
 """
@@ -30,6 +30,10 @@ from mpitrain.waiting import poll
 BEATS_PER_TIMEOUT = 4  # a peer must miss this many heartbeats in a row to be declared lost
 MAX_BEAT_S = 2.0
 CHECK_EVERY_S = 0.1  # how often a waiting rank looks at its watch
+# A peer whose process has ended (samehost.py) is declared lost this long after it is first seen so:
+# what it sent before it ended is taken first (a worker killed right after its end-of-run report was
+# once declared lost with the report still queued, and left out of the summary).
+ENDED_GRACE_S = 0.3
 CLOSE_POLL_S = 1e-3  # end of run: off the hot path
 
 
@@ -209,6 +213,7 @@ class Watch(WaitHooks):
         self.boxes = {r: beat_message() for r in peers}
         self.beats: dict[int, tuple[list[float], float]] = {}  # rank -> (its last beat's payload, when)
         self.processes: dict[int, tuple] = {}  # rank -> who sent its beats (samehost.identity)
+        self.ended_at: dict[int, float] = {}  # rank -> when its process was first seen ended
         self.heartbeat = None  # this rank's Heartbeat: it stops beating to a peer declared lost
         self.recv = {r: self._post(r) for r in peers}  # open until the peer's last beat
         self.checked = set(peers)  # peers whose silence counts
@@ -270,7 +275,8 @@ class Watch(WaitHooks):
             if rank in self.checked and silent > self.timeout_s:
                 newly[rank] = f"no heartbeat for {silent:.1f} s"
             elif rank in self.checked and rank in self.processes and (why := samehost.ended(self.processes[rank])):
-                newly[rank] = why  # on this host: no need to wait for the silence
+                if now - self.ended_at.setdefault(rank, now) >= ENDED_GRACE_S:
+                    newly[rank] = why  # on this host: no need to wait for the silence
         for rank, why in newly.items():
             self.declare(rank, why)
         if newly:
