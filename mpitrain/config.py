@@ -117,9 +117,9 @@ class TrainConfig:
         None, "sync: each update averages the first Q fresh gradients; later ones are dropped and counted",
         shown="every worker, a plain Allreduce", metavar="Q")
     local_steps: int = PARALLELISM(
-        1, "sync: each worker takes H steps on its own, then the workers average how far they moved (one "
-        "Allreduce every H steps instead of every step) and apply it with the outer optimizer (local SGD, "
-        "DiLoCo); 1: average every gradient", metavar="H")
+        1, "each worker takes H steps on its own, then how far it moved is applied with the outer optimizer "
+        "(local SGD, DiLoCo): sync averages the workers' (one Allreduce every H steps instead of every step; "
+        "--quorum Q: the first Q to finish), async pushes each worker's on its own; 1: every gradient", metavar="H")
     outer_optimizer: str | None = PARALLELISM(
         None, "--local-steps H: the outer optimizer: nesterov (DiLoCo's) or sgd (with --outer-lr 1: plain model "
         "averaging)", choices=OUTER_OPTIMIZERS, shown=", ".join(f"{v} in {k}" for k, v in DEFAULT_OUTER_OPTIMIZER.items()))
@@ -434,7 +434,6 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         _not_with("--local-steps in async mode", (cfg.max_staleness is not None, "--max-staleness"),
                   (cfg.overlap, "--overlap"), (cfg.delay_compensation is not None, "--delay-compensation"),
                   (cfg.ps_transport == "shm", "--ps-transport shm"))
-    _not_with("--local-steps", (cfg.local_steps > 1 and cfg.quorum is not None, "--quorum"))
     if cfg.local_steps == 1 and (cfg.outer_optimizer is not None or cfg.outer_lr is not None):
         raise UsageError("--outer-optimizer and --outer-lr apply with --local-steps H above 1; "
                          "e.g. --local-steps 16 --outer-optimizer sgd")

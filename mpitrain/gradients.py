@@ -99,8 +99,9 @@ class GradientSource:
         self.straggler = Straggler(ctx)
         self.seconds = 0.0
 
-    def compute(self, params, grad) -> float:
-        """The next minibatch's gradient on `params` into `grad`; its loss (NaN: not usable)."""
+    def compute(self, params, grad, step: int = 0) -> float:
+        """The next minibatch's gradient on `params` into `grad`; its loss (NaN: not usable). `step`,
+        the global step of `params`, is for outer.RoundSource, which stands in for this class."""
         x, y = self.batches.next()
         t0 = time.perf_counter()
         loss = self.divergence.check(self.model.loss_and_grad(params, x, y, grad), grad)

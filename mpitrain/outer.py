@@ -8,11 +8,14 @@ checkpoint is taken there (the anchor, and the outer momentum as the optimizer s
 
 In async, each worker pushes its own outer gradient after its H steps (AsyncWorker), and each
 server applies it as one outer step to the global model with OuterUpdate, its update rule, and
-answers with the new global model: no worker waits for another."""
+answers with the new global model: no worker waits for another. With --quorum Q, each worker's H
+steps are one round (RoundSource), and an outer step averages the first Q rounds computed from the
+current global model."""
 
 from __future__ import annotations
 
 import math
+import time
 from typing import Callable
 
 import numpy as np
@@ -141,3 +144,28 @@ class LocalSteps:
         """Whether the H steps ending at global step `step` crossed a multiple of `every`
         (--eval-every, --checkpoint-every-steps: done at the outer step after it)."""
         return bool(every) and step // every > (step - self.h) // every
+
+
+def round_span(step: int, total: int, h: int) -> int:
+    """The global steps a round from global step `step` covers: H, fewer at the budget's end."""
+    return max(1, min(h, total - step))
+
+
+class RoundSource:
+    """--quorum with --local-steps H: a worker's contribution to an outer step is H inner steps from
+    the global model (InnerSteps: as in async, the inner optimizer's state is the worker's own and a
+    checkpoint does not hold it), not one gradient. It stands where quorum.py's loops use a GradientSource:
+    `compute(params, out, step)` writes the outer gradient anchor - local into `out` and returns the
+    rounds' mean inner loss; `seconds` is how long the H steps took (the quorum's pace)."""
+
+    def __init__(self, source, inner: InnerSteps, lr_at: Callable[[int], float], total: Callable[[], int]):
+        self.source, self.inner, self.lr_at, self.total = source, inner, lr_at, total
+        self.h = inner.h
+        self.seconds = 0.0
+
+    def compute(self, params, out, step: int) -> float:
+        t0 = time.perf_counter()
+        self.inner.h = round_span(step, self.total(), self.h)
+        loss = self.inner.run(params, out, self.source.compute, lambda: False, self.lr_at, step)
+        self.seconds = time.perf_counter() - t0
+        return loss

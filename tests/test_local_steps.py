@@ -123,9 +123,21 @@ def test_the_bytes_each_worker_moved_are_counted_and_h_steps_move_h_times_fewer(
 
 
 @only_on("mpich", NUMBERS_ONLY)
-def test_with_a_quorum_every_byte_one_worker_sent_another_received(tmp_path):
-    """--quorum: the workers exchange among themselves (pushes to the coordinator, its updates to
-    the others), so what they sent and what they received add up to the same, and it is counted."""
-    s = train(4, tmp_path, "--mode", "sync", "--quorum", "2", "--steps", "100")
-    sent, received = (sum(w[i] for w in s["worker_bytes"]) for i in (0, 1))
-    assert sent == received > 0 and s["bytes_per_sample"] == pytest.approx((sent + received) / (100 * 200))
+def test_with_a_quorum_an_outer_step_averages_the_first_q_rounds_and_every_byte_is_counted(tmp_path):
+    """--quorum 2 of 3 workers with --local-steps 8: each outer step averages the models of the first two
+    workers to finish their 8 inner steps from the global model. --epochs counts samples as with H 1
+    (a global step is Q batches), every inner step that went into an update is counted once, the
+    replicas stay identical, and it learns. The workers exchange among themselves (pushes to the
+    coordinator, its updates to the others), so what they sent and received add up to the same: 8
+    times fewer bytes per sample than H 1, less the rounds dropped."""
+    one = train(4, tmp_path, "--mode", "sync", "--quorum", "2")
+    eight = train(4, tmp_path, "--mode", "sync", "--quorum", "2", "--local-steps", "8")
+    assert eight["global_step"] == one["global_step"] == 200
+    assert sum(eight["local_steps"]) == sum(one["local_steps"]) == 2 * 200
+    assert eight["worker_param_digests"] == [eight["param_digest"]] * 3
+    assert eight["test_accuracy"] >= 0.93, eight["_stdout"]
+    assert "every 8 steps the first 2 of the 3 workers to finish their steps average their models" in eight["_stdout"]
+    for s in (one, eight):
+        sent, received = (sum(w[i] for w in s["worker_bytes"]) for i in (0, 1))
+        assert sent == received > 0 and s["bytes_per_sample"] == pytest.approx((sent + received) / (200 * 200))
+    assert one["bytes_per_sample"] / eight["bytes_per_sample"] >= 5

@@ -2,7 +2,9 @@
 computed on the current parameters, and nobody waits for the slowest. The coordinator gathers
 (QuorumCoordinator, its own gradients inline or on a GradientThread as CoordinatorPace decides) and sends
 every update through an UpdateRing; every other worker pushes its gradient and applies every
-update in order (QuorumFollower). No collective: a collective waits for every worker. Rank 0
+update in order (QuorumFollower). With --local-steps H, a worker's part is a round of H inner steps
+from the global model (outer.RoundSource) and an update is an outer step of H global steps; the counts
+of gradients contributed and dropped are of inner steps. No collective: a collective waits for every worker. Rank 0
 follows the coordinator as in plain sync (sync.follow_coordinator). Who runs what: QuorumMode, at the end.
 """
 
@@ -18,12 +20,13 @@ from mpi4py import MPI
 from mpitrain.checkpoint import TrainState
 from mpitrain.elastic import interrupted_at
 from mpitrain.faults import Kill
-from mpitrain.gradients import LOSS_WINDOW, GradientSource, WorkerResult, mean_loss
+from mpitrain.gradients import LOSS_WINDOW, WorkerResult, mean_loss
 from mpitrain.modes.base import Trained
 from mpitrain.modes.quorum_parts import (OWED_MARGIN_S, PACE_SLACK, SWITCH_INTERVAL_S, CoordinatorPace, GradientThread,
-                                         QuorumUpdate, UpdateRing, arrived, between_workers)
+                                         QuorumUpdate, UpdateRing, arrived, between_workers, contribution_source)
 from mpitrain.modes.sync import SyncMode, SyncStep, sync_result, work
 from mpitrain.observe import COMPUTE, PUSH, WAIT
+from mpitrain.outer import round_span
 from mpitrain.protocol import FLAG_LEAVING, FLAG_STOP_STEP, TAG_QGRAD, TAG_UPDATE, Message, ProtocolError
 from mpitrain.runtime import Context
 from mpitrain.stopping import STOP
@@ -51,7 +54,9 @@ class QuorumCoordinator:
         self.ctx, self.start, self.on_step, self.n, self.Q = ctx, start, on_step, n, ctx.cfg.quorum
         self.params = be.asarray(start.params)
         self.step_fn = SyncStep(ctx, self.params, start)
-        self.helper = GradientThread(ctx, start.position(ctx.worker_index))
+        self.total, self.h = ctx.global_step_budget, ctx.cfg.local_steps  # h: global steps per update (round_span)
+        source = contribution_source(ctx, start.position(ctx.worker_index), lambda: self.total)
+        self.helper = GradientThread(ctx, source)
         self.others = list(ctx.layout.worker_ranks[1:])
         wire = ctx.cfg.wire_dtype
         self.narrow = np.dtype(wire) != np.float32
@@ -75,14 +80,15 @@ class QuorumCoordinator:
         # thread keep the GIL for 5 ms before handing it back, which would make every step wait.
         switch = sys.getswitchinterval()
         sys.setswitchinterval(SWITCH_INTERVAL_S)
-        total = ctx.global_step_budget
         recent = deque([float("nan")], maxlen=LOSS_WINDOW)
         diverged, loss = None, float("nan")
-        applied = self.start.global_step  # updates applied: where a regroup takes this worker's state from
+        applied = step = self.start.global_step  # updates applied: where a regroup takes this worker's state from
+        updates = 0
         with interrupted_at(lambda: step_fn.train_state(applied), lambda: (self.contributed, self.dropped)):
             try:
-                for step in range(self.start.global_step, total):
-                    self.kill.at(step - self.start.global_step + 1)
+                while step < self.total:  # an update: one step, or with --local-steps a round (round_span)
+                    updates += 1
+                    self.kill.at(updates)
                     self.chosen = []
                     ctx.activity.enter(WAIT, step)
                     poll(lambda: self._gathered(step), WORKER_POLL_S, ctx.watch)
@@ -91,12 +97,12 @@ class QuorumCoordinator:
                     if step_fn.why:
                         diverged = step
                         break
-                    applied = step + 1
+                    applied = step = step + round_span(step, self.total, self.h)
                     recent.append(loss)
                     if self.on_step is not None:
-                        self.on_step(step + 1, loss, step_fn)
+                        self.on_step(step, loss, step_fn)
                     if last:
-                        total = step + 1
+                        self.total = step
                         break
             finally:
                 self.helper.close()
@@ -106,7 +112,7 @@ class QuorumCoordinator:
         timing = ctx.activity.times()
         if diverged is not None:
             return sync_result(step_fn, diverged, loss, timing, self.contributed, self.dropped)
-        return sync_result(step_fn, max(total, self.start.global_step), mean_loss(recent), timing,
+        return sync_result(step_fn, max(self.total, self.start.global_step), mean_loss(recent), timing,
                             self.contributed, self.dropped)
 
     def _gathered(self, step: int) -> bool:
@@ -118,7 +124,7 @@ class QuorumCoordinator:
             if helper.version == step:
                 self._offer_own(step, helper.grad, helper.loss)
             else:
-                self.dropped += 1  # computed on parameters of a step that closed without it
+                self.dropped += round_span(helper.version, self.total, self.h)  # on parameters of a closed step
             helper.discard()
         self._take_pushes(step)
         if self.held is not None and len(self.chosen) < self.Q and time.perf_counter() >= self.held[2]:
@@ -175,7 +181,7 @@ class QuorumCoordinator:
         thread is idle). The pushes that came meanwhile were first. True once Q are in."""
         helper, act = self.helper, self.ctx.activity
         act.enter(COMPUTE, step)
-        loss, _ = helper.compute(self.params)
+        loss, _ = helper.compute(self.params, step)
         act.stepped()
         act.enter(WAIT, step)
         self._take_pushes(step)
@@ -183,7 +189,7 @@ class QuorumCoordinator:
         if len(self.chosen) < self.Q:
             self._offer_own(step, helper.grad, loss)
         else:
-            self.dropped += 1  # in time, but after Q others
+            self.dropped += round_span(step, self.total, self.h)  # in time, but after Q others
         return len(self.chosen) >= self.Q
 
     def _receive(self, i: int, step: int | None) -> None:
@@ -234,11 +240,12 @@ class QuorumCoordinator:
         self.sent_at = time.perf_counter()
         for w in self.chosen:
             self.taken[w] += 1
+        span = round_span(step, self.total, self.h)  # counted in gradients: --local-steps' rounds are H each
         if self.held is not None:  # held for a worker owed a turn, which came: Q without it
-            self.dropped += 1
+            self.dropped += span
             self.held = None
         own = 0 in self.chosen
-        self.contributed += own
+        self.contributed += own * span
         self.step_fn.own_loss = self.own_loss if own else 0.0
         return self.step_fn.apply(step)
 
@@ -269,10 +276,11 @@ class QuorumFollower:
         self.grads = [be.mirror(m.payload) for m in self.outs]
         self.sends = [MPI.REQUEST_NULL] * 2
         self.update = QuorumUpdate(ctx)
-        self.source = GradientSource(ctx, start.position(ctx.worker_index))
+        self.total = ctx.global_step_budget
+        self.source = contribution_source(ctx, start.position(ctx.worker_index), lambda: self.total)
         self.kill = Kill(ctx.rank)
         self.poller = Poller(WORKER_POLL_S, ctx.watch)
-        self.total = ctx.global_step_budget
+        self.h = ctx.cfg.local_steps  # global steps per update (outer.round_span)
         self.step = start.global_step  # updates applied: the parameters are those of this step
         self.pending = MPI.REQUEST_NULL
         self.mine: int | None = None  # the step of the gradient pushed and not yet answered
@@ -294,13 +302,13 @@ class QuorumFollower:
             act.enter(COMPUTE, step)
             self.kill.at(self.computed + 1)
             self._sent(slot)  # two pushes ago: long gone
-            loss = self.source.compute(self.params, self.grads[slot])
+            loss = self.source.compute(self.params, self.grads[slot], step)
             took = self.source.seconds
             act.stepped()
             self.computed += 1
             self._take_updates()
             if self.step != step or step_fn.why:
-                self.dropped += 1  # the step closed while this gradient was computed
+                self.dropped += round_span(step, self.total, self.h)  # the step closed while it was computed
                 continue
             self._push(slot, step, 0, loss, took)
             self.mine, self.my_loss = step, loss
@@ -351,17 +359,17 @@ class QuorumFollower:
         step_fn.own_loss = 0.0
         if self.mine == self.step:
             if u.chose(self.ctx.worker_index):
-                self.contributed += 1
+                self.contributed += round_span(self.step, self.total, self.h)
                 step_fn.own_loss = self.my_loss
             else:
-                self.dropped += 1  # in time, but after Q others
+                self.dropped += round_span(self.step, self.total, self.h)  # in time, but after Q others
             self.mine = None
         self.ctx.backend.upload(step_fn.buf[:n], u.gradient)
         step_fn.buf[n] = u.msg.loss
         self.loss = step_fn.apply(self.step)
         if not step_fn.why:
             self.recent.append(self.loss)
-            self.step += 1
+            self.step += round_span(self.step, self.total, self.h)
             if u.msg.flags & FLAG_STOP_STEP:
                 self.total = self.step  # the coordinator's last update: a stop was requested
 
@@ -384,6 +392,10 @@ class QuorumMode(SyncMode):
 
     def waits_for(self, cfg, workers: int) -> str:
         return f"waiting for the workers' --quorum steps ({cfg.quorum} of {workers} gradients each)"
+
+    def averaging(self, cfg, workers: int) -> str:
+        return (f"the first {cfg.quorum} of the {workers} workers to finish their steps average their models "
+                f"(one message each way instead of {cfg.local_steps})")
 
 
 QUORUM = QuorumMode()

@@ -8,15 +8,17 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from typing import Callable
 
 import numpy as np
 
 from mpitrain.codec import encode
+from mpitrain.exchange.mpi import await_verdict
 from mpitrain.gradients import GradientSource
 from mpitrain.layout import PS_RANK
 from mpitrain.liveness import PeerLost
-from mpitrain.exchange.mpi import await_verdict
 from mpitrain.observe import WAIT
+from mpitrain.outer import InnerSteps, RoundSource
 from mpitrain.protocol import TAG_UPDATE, Message
 from mpitrain.runtime import Context
 from mpitrain.transport import Poller, tested
@@ -52,12 +54,12 @@ class GradientThread:
     is still being computed. It works on its own snapshot of the parameters; the main thread owns
     all MPI calls."""
 
-    def __init__(self, ctx: Context, taken: int = 0):
+    def __init__(self, ctx: Context, source):
         be, n = ctx.backend, ctx.model.n_params
         self.ctx = ctx
         self.snapshot = be.xp.empty(n, be.xp.float32)
         self.grad = be.xp.empty(n, be.xp.float32)
-        self.source = GradientSource(ctx, taken)
+        self.source = source  # contribution_source's
         self.version: int | None = None  # None: idle; else the step its parameters belong to
         self.loss = float("nan")
         self.seconds = 0.0  # how long the last gradient took (CoordinatorPace)
@@ -102,20 +104,30 @@ class GradientThread:
             if self._quit:
                 return
             try:
-                self.loss, t0 = self.compute(self.snapshot)
+                self.loss, t0 = self.compute(self.snapshot, self.version)
                 self.ctx.activity.helper_computed(t0, t0 + self.seconds, self.version)
             except BaseException as e:  # surfaced on the main thread by `finished`
                 self.error = e
             self._done.set()
 
-    def compute(self, params) -> tuple[float, float]:
-        """The next batch's gradient on `params` into `grad` (the straggler's pause included), on
-        this thread, or on the main thread while this one is idle (CoordinatorPace). Its loss and when it
-        started; `seconds` says how long it took."""
+    def compute(self, params, step: int) -> tuple[float, float]:
+        """The next batch's gradient on `params` (of global step `step`) into `grad` (the straggler's
+        pause included), on this thread, or on the main thread while this one is idle (CoordinatorPace).
+        Its loss and when it started; `seconds` says how long it took."""
         t0 = time.perf_counter()
-        loss = self.source.compute(params, self.grad)
+        loss = self.source.compute(params, self.grad, step)
         self.seconds = self.source.seconds
         return loss, t0
+
+
+def contribution_source(ctx: Context, taken: int, total: Callable[[], int]):
+    """What a worker computes towards one quorum update: the next batch's gradient (GradientSource),
+    or with --local-steps H a round of H inner steps from the global model (outer.RoundSource); both
+    `compute(params, out, step)` and time it in `seconds`. `total`: the loop's budget, now."""
+    source = GradientSource(ctx, taken)
+    if ctx.cfg.local_steps == 1:
+        return source
+    return RoundSource(source, InnerSteps(ctx.cfg, ctx.model.n_params, ctx.backend.xp), ctx.lr_at, total)
 
 
 class QuorumUpdate:

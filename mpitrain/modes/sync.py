@@ -12,14 +12,13 @@ slice), all on one tag.
 from __future__ import annotations
 
 import math
-import time
 from collections import deque
 
 import numpy as np
 from mpi4py import MPI
 
 from mpitrain import checkpoint, elastic
-from mpitrain.checkpoint import Checkpointer, TrainState, state_arrays, to_flat
+from mpitrain.checkpoint import TrainState
 from mpitrain.chief import ChiefDuties, Clock, ServerState, begin, record_lost
 from mpitrain.elastic import interrupted_at
 from mpitrain.exchange.base import Reducer
@@ -31,18 +30,18 @@ from mpitrain.layout import PS_RANK
 from mpitrain.liveness import PeerLost
 from mpitrain.metrics import Progress
 from mpitrain.modes.base import Mode, Trained
-from mpitrain.observe import ALLREDUCE, APPLY, COMPUTE, PUSH, WAIT
+from mpitrain.modes.report import CoordinatorReport
+from mpitrain.observe import ALLREDUCE, APPLY, COMPUTE, WAIT
 from mpitrain.optim import Optimizer, make_ema
 from mpitrain.outer import OUTER_STATE, LocalSteps
 from mpitrain.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_REGROUPED, FLAG_STOP, TAG_SHARD, TAG_STATUS,
                                Message, ProtocolError)
 from mpitrain.runtime import Context, start_state
-from mpitrain.shards import Gather, assemble, cut
+from mpitrain.shards import Gather, assemble
 from mpitrain.stopping import STOP
-from mpitrain.transport import CHIEF_POLL_S, WORKER_POLL_S, Poller, tested
+from mpitrain.transport import CHIEF_POLL_S, Poller
 
 SYNC_SLOTS = 3  # behind a sync step's gradient: loss, weight, stop vote (SyncStep)
-STATUS_EVERY_S = 0.2  # sync coordinator -> PS progress reports; off the hot path
 
 
 class SyncStep:
@@ -107,14 +106,19 @@ class SyncStep:
         outer step follows (local_step)."""
         if self.local is not None:
             return self.local_step(step, last)
-        be, buf = self.ctx.backend, self.buf
+        self._average()
+        return self.apply(step)
+
+    def _average(self) -> None:
+        """Sum [values..., loss, weight, stop vote] over the workers, divide by the weight (each worker's 1:
+        check_weight); the votes are the same sum on every worker, so all stop after this step."""
+        buf, n = self.buf, self.n
         if self.reducer.sum(buf):
-            check_weight(self.ctx, float(buf[self.n + 1]))
-            buf *= be.xp.float32(1.0) / buf[self.n + 1]
-        self.stop = bool(buf[self.n + 2] > 0)  # the same sum on every worker: all stop after this step
+            check_weight(self.ctx, float(buf[n + 1]))
+            buf *= self.ctx.backend.xp.float32(1.0) / buf[n + 1]
+        self.stop = bool(buf[n + 2] > 0)
         if self.stop:
             STOP.request()
-        return self.apply(step)
 
     def local_step(self, step: int, last: bool) -> float:
         """--local-steps H: apply this worker's own gradient (its own loss comes back); at an outer
@@ -131,34 +135,25 @@ class SyncStep:
         be.xp.subtract(loc.anchor, self.params, out=buf[:n])
         self._weigh(float(np.mean(loc.losses)))
         loc.losses.clear()
-        if self.reducer.sum(buf):
-            check_weight(self.ctx, float(buf[n + 1]))
-            buf *= be.xp.float32(1.0) / buf[n + 1]
-        self.stop = bool(buf[n + 2] > 0)
-        if self.stop:
-            STOP.request()
+        self._average()
+        return self.apply(step)
+
+    def apply(self, step: int) -> float:
+        """Apply the mean gradient in buf (mean loss behind it) as update `step`, unless that loss
+        says the run diverged (`why`); returns the mean loss. With --local-steps the mean is of
+        outer gradients, and the outer optimizer steps the global model (the anchor) by it."""
+        ctx, buf, n, loc = self.ctx, self.buf, self.n, self.local
         self.activity.enter(APPLY)
         loss = float(buf[n])
         self.why = NON_FINITE if not math.isfinite(loss) else self.guard.exploded(loss)
         if self.why:
-            return loss
-        loc.outer.step(loc.anchor, buf[:n])
-        self.params[...] = loc.anchor
-        self.synced = True
-        if self.ema:
-            self.ema.update(self.params)
-        return loss
-
-    def apply(self, step: int) -> float:
-        """Apply the mean gradient in buf (mean loss behind it) as update `step`, unless that loss
-        says the run diverged (`why`); returns the mean loss."""
-        ctx, buf = self.ctx, self.buf
-        self.activity.enter(APPLY)
-        loss = float(buf[self.n])
-        self.why = NON_FINITE if not math.isfinite(loss) else self.guard.exploded(loss)
-        if self.why:
             return loss  # diverged: every worker sees the same mean, and none applies it
-        self.opt.step(self.params, buf[: self.n], ctx.lr_at(step))
+        if loc is None:
+            self.opt.step(self.params, buf[:n], ctx.lr_at(step))
+        else:
+            loc.outer.step(loc.anchor, buf[:n])
+            self.params[...] = loc.anchor
+            self.synced = True
         if self.ema:
             self.ema.update(self.params)
         return loss
@@ -267,70 +262,6 @@ def work(ctx: Context, loop=train) -> WorkerResult:
     if loop is train:
         result.contributed = result.pushed
     return result
-
-
-class CoordinatorReport:
-    """The coordinator keeps rank 0 informed, all on one tag so the messages arrive in order: a
-    header-only status every STATUS_EVERY_S; its parameters and optimizer state at --eval-every and
-    checkpoint steps; the same, flagged STOP, at the end. With --num-ps K the state goes to the K
-    servers, each its slice (shards.py). A worker that becomes the coordinator in a regroup starts with
-    FLAG_REGROUPED."""
-
-    def __init__(self, ctx: Context):
-        self.ctx = ctx
-        n = self.n = ctx.model.n_params
-        self.names = state_arrays(ctx.cfg)
-        self.servers = list(ctx.layout.server_ranks)
-        self.slices = ctx.layout.shard_slices(n)
-        self.status = Message(0)
-        self.fulls = [Message((s.stop - s.start) * len(self.names)) for s in self.slices]  # one per server
-        self.pending = [MPI.REQUEST_NULL] * (1 + len(self.servers))  # a status, a full message per server
-        self.last_sent = 0.0
-        self.ckpt = Checkpointer(ctx.cfg, ctx.fingerprint)  # only decides when; rank 0 writes
-        self.waiter = Poller(WORKER_POLL_S, ctx.watch)  # a full message waits for its server: never a dead one
-
-    def send_full(self, state: TrainState, flags: int, loss: float) -> None:
-        ctx = self.ctx
-        ctx.activity.enter(PUSH)
-        self.waiter.all(self.pending[1:], self.servers)
-        flat = to_flat(state, self.names)
-        for k, (full, s, rank) in enumerate(zip(self.fulls, self.slices, self.servers), 1):
-            cut(flat, self.names, self.n, s, full.payload)
-            full.stamp(TAG_STATUS, state.global_step, state.global_step, flags, loss)
-            self.pending[k] = ctx.comm.Isend(full.spec(), dest=rank, tag=TAG_STATUS)
-
-    def report(self, step: int, loss: float, sync_step: SyncStep) -> None:
-        ctx, local = self.ctx, sync_step.local
-        if local is None:
-            flags = (FLAG_EVAL if ctx.eval_due(step) else 0) | (FLAG_CKPT if self.ckpt.due(step) else 0)
-        elif sync_step.synced:  # --local-steps: the global model exists after an outer step only
-            every = ctx.cfg.checkpoint_every_steps
-            save = self.ckpt.due(step) or (self.ckpt.enabled and local.crossed(step, every))
-            flags = (FLAG_EVAL if local.crossed(step, ctx.cfg.eval_every) else 0) | (FLAG_CKPT if save else 0)
-        else:
-            flags = 0
-        if flags:
-            if flags & FLAG_CKPT:
-                self.ckpt.mark(step)
-            self.send_full(sync_step.train_state(step), flags, loss)
-            return
-        now = time.perf_counter()
-        if now - self.last_sent < STATUS_EVERY_S or not tested(self.pending[0], PS_RANK, ctx.watch):
-            return  # rate-limited, and never more than one status in flight
-        self._status(step, 0, loss)
-        self.last_sent = now
-
-    def regrouped(self, step: int, gen: int) -> None:
-        self.waiter.all(self.pending[:1], [PS_RANK])
-        self._status(step, FLAG_REGROUPED, 0.0, generation=gen)
-
-    def _status(self, step: int, flags: int, loss: float, generation: int = 0) -> None:
-        self.status.stamp(TAG_STATUS, step, step, flags, loss, generation=generation)
-        self.pending[0] = self.ctx.comm.Isend(self.status.spec(), dest=PS_RANK, tag=TAG_STATUS)
-
-    def final(self, result: WorkerResult) -> None:
-        self.send_full(result.train_state, FLAG_STOP | (FLAG_DIVERGED if result.diverged else 0), result.recent_loss)
-        self.waiter.all(self.pending, [PS_RANK] + self.servers)
 
 
 def follow_coordinator(ctx: Context, progress: Progress) -> ServerState:
@@ -486,9 +417,13 @@ class SyncMode(Mode):
             how = f"momentum {cfg.outer_momentum:g}"
         else:  # sgd: at lr 1 the new global model is the workers' mean
             how = "plain averaging" if cfg.outer_learning_rate == 1 else "no momentum"
-        return (f"sync, local steps: every {cfg.local_steps} steps the {workers} workers average their models "
-                f"(one Allreduce instead of {cfg.local_steps}) and take an outer {cfg.outer_rule} step "
-                f"(lr {cfg.outer_learning_rate:g}, {how}); each inner step applies one worker's batch at --lr")
+        return (f"sync, local steps: every {cfg.local_steps} steps {self.averaging(cfg, workers)} and take an "
+                f"outer {cfg.outer_rule} step (lr {cfg.outer_learning_rate:g}, {how}); each inner step applies one "
+                f"worker's batch at --lr")
+
+    def averaging(self, cfg, workers: int) -> str:
+        """--local-steps H: whose models an outer step averages, and what it costs."""
+        return f"the {workers} workers average their models (one Allreduce instead of {cfg.local_steps})"
 
     def waits_for(self, cfg, workers: int) -> str:
         return "waiting for the workers' gradient Allreduce"

@@ -1,0 +1,85 @@
+"""What the sync coordinator (worker 0) tells rank 0 and the other servers while it trains: a status
+for the bar, its whole state at evaluation, checkpoint and end (follow_coordinator and keep_shard, in
+sync.py, receive them). Plain sync, --quorum and --local-steps alike."""
+
+from __future__ import annotations
+
+import time
+
+from mpi4py import MPI
+
+from mpitrain.checkpoint import Checkpointer, TrainState, state_arrays, to_flat
+from mpitrain.gradients import WorkerResult
+from mpitrain.layout import PS_RANK
+from mpitrain.observe import PUSH
+from mpitrain.protocol import FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_REGROUPED, FLAG_STOP, TAG_STATUS, Message
+from mpitrain.runtime import Context
+from mpitrain.shards import cut
+from mpitrain.transport import WORKER_POLL_S, Poller, tested
+
+STATUS_EVERY_S = 0.2  # sync coordinator -> PS progress reports; off the hot path
+
+
+class CoordinatorReport:
+    """The coordinator keeps rank 0 informed, all on one tag so the messages arrive in order: a
+    header-only status every STATUS_EVERY_S; its parameters and optimizer state at --eval-every and
+    checkpoint steps; the same, flagged STOP, at the end. With --num-ps K the state goes to the K
+    servers, each its slice (shards.py). A worker that becomes the coordinator in a regroup starts with
+    FLAG_REGROUPED."""
+
+    def __init__(self, ctx: Context):
+        self.ctx = ctx
+        n = self.n = ctx.model.n_params
+        self.names = state_arrays(ctx.cfg)
+        self.servers = list(ctx.layout.server_ranks)
+        self.slices = ctx.layout.shard_slices(n)
+        self.status = Message(0)
+        self.fulls = [Message((s.stop - s.start) * len(self.names)) for s in self.slices]  # one per server
+        self.pending = [MPI.REQUEST_NULL] * (1 + len(self.servers))  # a status, a full message per server
+        self.last_sent = 0.0
+        self.ckpt = Checkpointer(ctx.cfg, ctx.fingerprint)  # only decides when; rank 0 writes
+        self.waiter = Poller(WORKER_POLL_S, ctx.watch)  # a full message waits for its server: never a dead one
+
+    def send_full(self, state: TrainState, flags: int, loss: float) -> None:
+        ctx = self.ctx
+        ctx.activity.enter(PUSH)
+        self.waiter.all(self.pending[1:], self.servers)
+        flat = to_flat(state, self.names)
+        for k, (full, s, rank) in enumerate(zip(self.fulls, self.slices, self.servers), 1):
+            cut(flat, self.names, self.n, s, full.payload)
+            full.stamp(TAG_STATUS, state.global_step, state.global_step, flags, loss)
+            self.pending[k] = ctx.comm.Isend(full.spec(), dest=rank, tag=TAG_STATUS)
+
+    def report(self, step: int, loss: float, sync_step) -> None:
+        """After global step `step` (sync_step: the SyncStep that took it)."""
+        ctx, local = self.ctx, sync_step.local
+        if local is None:
+            flags = (FLAG_EVAL if ctx.eval_due(step) else 0) | (FLAG_CKPT if self.ckpt.due(step) else 0)
+        elif sync_step.synced:  # --local-steps: the global model exists after an outer step only
+            every = ctx.cfg.checkpoint_every_steps
+            save = self.ckpt.due(step) or (self.ckpt.enabled and local.crossed(step, every))
+            flags = (FLAG_EVAL if local.crossed(step, ctx.cfg.eval_every) else 0) | (FLAG_CKPT if save else 0)
+        else:
+            flags = 0
+        if flags:
+            if flags & FLAG_CKPT:
+                self.ckpt.mark(step)
+            self.send_full(sync_step.train_state(step), flags, loss)
+            return
+        now = time.perf_counter()
+        if now - self.last_sent < STATUS_EVERY_S or not tested(self.pending[0], PS_RANK, ctx.watch):
+            return  # rate-limited, and never more than one status in flight
+        self._status(step, 0, loss)
+        self.last_sent = now
+
+    def regrouped(self, step: int, gen: int) -> None:
+        self.waiter.all(self.pending[:1], [PS_RANK])
+        self._status(step, FLAG_REGROUPED, 0.0, generation=gen)
+
+    def _status(self, step: int, flags: int, loss: float, generation: int = 0) -> None:
+        self.status.stamp(TAG_STATUS, step, step, flags, loss, generation=generation)
+        self.pending[0] = self.ctx.comm.Isend(self.status.spec(), dest=PS_RANK, tag=TAG_STATUS)
+
+    def final(self, result: WorkerResult) -> None:
+        self.send_full(result.train_state, FLAG_STOP | (FLAG_DIVERGED if result.diverged else 0), result.recent_loss)
+        self.waiter.all(self.pending, [PS_RANK] + self.servers)
