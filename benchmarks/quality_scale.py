@@ -1,6 +1,7 @@
 """Does async keep its accuracy as workers grow, with no flag? (issue 48)
 
     python benchmarks/quality_scale.py --data-dir DIR      # ~30 min on 2 cores; writes benchmarks/QUALITY_SCALE.md
+    python benchmarks/quality_scale.py --data-dir DIR --seeds 5 --configs 0 5 --out benchmarks/QUALITY_SCALE-5seeds.md
 
 Held-out accuracy after the same number of epochs (mpitrain's default, 50) at 2, 4, 8 and 16
 workers (np = workers + 1), MLP, three seeds, for: async with today's defaults; async as it was
@@ -47,7 +48,7 @@ def measure(args, results: dict) -> None:
     for dataset in args.datasets:
         for workers in args.sizes:
             for seed in range(args.seeds):
-                for name, flags in CONFIGS:
+                for name, flags in args.configs:
                     key = f"{dataset}|{workers}|{seed}|{name}"
                     if key in results:
                         continue
@@ -82,7 +83,7 @@ def table(results: dict, args, dataset: str) -> tuple[list[str], list[str]]:
     sizes = args.sizes
     lines = ["| | " + " | ".join(f"{w} workers" for w in sizes) + " |", "|---" * (len(sizes) + 1) + "|"]
     med = {}
-    for name, _ in CONFIGS:
+    for name, _ in args.configs:
         row = []
         for w in sizes:
             accs = cell(results, dataset, w, name, args.seeds)
@@ -116,10 +117,16 @@ def main() -> int:
     p.add_argument("--datasets", nargs="+", default=None)
     p.add_argument("--sizes", type=int, nargs="+", default=[2, 4, 8, 16], help="worker counts")
     p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--configs", type=int, nargs="+", default=None,
+                   help="which rows, by number from 0 (" + "; ".join(f"{i}: {n}" for i, (n, _) in enumerate(CONFIGS))
+                   + "); default all")
     p.add_argument("--json", default="/tmp/quality_scale.json")
     p.add_argument("--resume", action="store_true", help="keep the runs already in --json")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "QUALITY_SCALE.md"))
     args = p.parse_args()
+    args.configs = [CONFIGS[i] for i in args.configs] if args.configs is not None else CONFIGS
+    if DEFAULT not in dict(args.configs):
+        p.error("--configs must include 0, the defaults: the verdicts compare them")
     if args.datasets is None:
         args.datasets = (["mnist"] if args.data_dir else []) + ["digits", "synthetic"]
     results = json.loads(Path(args.json).read_text()) if args.resume and Path(args.json).exists() else {}

@@ -22,9 +22,10 @@ from mpitrain.faults import rank_pids
 # 3-6 s on 2 cores, so that a kill 0.2-1.5 s in lands mid-run (sync at 3000 once took 1.2 s under Open
 # MPI and the kill came after the budget; quorum at 2500 once under 2 s); --local-steps 8 takes an
 # Allreduce every 8 steps, about twice sync's pace on one host
-STEPS = {"sync": 8000, "quorum": 8000, "local": 12000}
+STEPS = {"sync": 8000, "quorum": 8000, "local": 12000, "quorum-local": 24000}  # quorum H 8: ~3x quorum's pace
 MODE_FLAGS = {"sync": ("--mode", "sync"), "quorum": ("--mode", "sync", "--quorum", "2"),
-              "local": ("--mode", "sync", "--local-steps", "8")}
+              "local": ("--mode", "sync", "--local-steps", "8"),
+              "quorum-local": ("--mode", "sync", "--quorum", "2", "--local-steps", "8")}
 
 
 def kill_during_training(tmp_path, np_: int, args: tuple[str, ...], victims: list[int], rng: random.Random,
@@ -47,8 +48,10 @@ def kill_during_training(tmp_path, np_: int, args: tuple[str, ...], victims: lis
     return result, json.loads(summary.read_text()) if summary.exists() else None, time.monotonic() - killed_at
 
 
-@pytest.mark.parametrize("mode,victim", [("sync", 3), ("sync", 1), ("quorum", 2), ("quorum", 1), ("local", 2)],
-                         ids=["sync-worker", "sync-chief", "quorum-worker", "quorum-chief", "local-steps-worker"])
+@pytest.mark.parametrize("mode,victim", [("sync", 3), ("sync", 1), ("quorum", 2), ("quorum", 1), ("local", 2),
+                                        ("quorum-local", 1)],
+                         ids=["sync-worker", "sync-chief", "quorum-worker", "quorum-chief", "local-steps-worker",
+                              "quorum-local-steps-chief"])
 def test_a_sync_job_goes_on_without_a_worker_killed_from_outside(tmp_path, mode, victim):
     rng = random.Random(f"{mode}{victim}{time.time()}")
     proc, s, _ = kill_during_training(tmp_path, 4, MODE_FLAGS[mode] + ("--steps", str(STEPS[mode])), [victim], rng)
