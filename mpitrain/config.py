@@ -128,7 +128,7 @@ class TrainConfig:
     outer_momentum: float = PARALLELISM(0.9, "--local-steps H with nesterov: the outer momentum", metavar="M")
     max_staleness: int | None = PARALLELISM(
         None, "async: hold back a worker's reply so that no applied gradient is more than S updates stale "
-        "(implies --no-overlap)", shown="unbounded", metavar="S")
+        "(implies --no-overlap; with --local-steps, S outer steps)", shown="unbounded", metavar="S")
     staleness_lr: float | None = PARALLELISM(
         None, "async: scale each step's learning rate by min(1, K / its gradient's staleness): full for "
         "gradients at most K updates old; the flag alone: K 1, lr / staleness (Zhang et al. 2016); 0: off",
@@ -431,9 +431,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if cfg.local_steps < 1:
         raise UsageError(f"--local-steps must be at least 1 (got {cfg.local_steps}); e.g. --local-steps 16")
     if cfg.local_steps > 1 and cfg.mode == "async":
-        _not_with("--local-steps in async mode", (cfg.max_staleness is not None, "--max-staleness"),
-                  (cfg.overlap, "--overlap"), (cfg.delay_compensation is not None, "--delay-compensation"),
-                  (cfg.ps_transport == "shm", "--ps-transport shm"))
+        _not_with("--local-steps in async mode", (cfg.overlap, "--overlap"),
+                  (cfg.delay_compensation is not None, "--delay-compensation"), (cfg.ps_transport == "shm", "--ps-transport shm"))
     if cfg.local_steps == 1 and (cfg.outer_optimizer is not None or cfg.outer_lr is not None):
         raise UsageError("--outer-optimizer and --outer-lr apply with --local-steps H above 1; "
                          "e.g. --local-steps 16 --outer-optimizer sgd")

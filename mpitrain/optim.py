@@ -116,14 +116,18 @@ class StalenessHold:
     global step g, given the bases (the steps their parameters came from) of the other workers'
     pending gradients? After it the others can at best follow oldest basis first, the k-th at step
     g+k, so it needs g + k - basis <= S for each (earliest deadline first: the oldest pending
-    gradient always qualifies, so this cannot deadlock when S >= workers-1). None: unbounded."""
+    gradient always qualifies, so this cannot deadlock when S >= workers-1). None: unbounded.
+    --local-steps H: each update is H global steps and S counts updates (outer steps), so the k-th
+    follows at g + kH and needs g + kH - basis <= SH (ceil((g + kH - basis) / H) <= S)."""
 
     bound: int | None
+    span: int = 1  # global steps per update: --local-steps H
 
     def allows(self, global_step: int, other_bases: list[int]) -> bool:
         if self.bound is None:
             return True
-        return all(global_step + k - b <= self.bound for k, b in enumerate(sorted(other_bases), start=1))
+        h = self.span
+        return all(global_step + k * h - b <= self.bound * h for k, b in enumerate(sorted(other_bases), start=1))
 
 
 class WeightEMA:

@@ -44,7 +44,7 @@ BAD = [
     (["--mode", "sync", "--staleness-lr"], "--staleness-lr applies to --mode async"),
     (["--staleness-lr", "-2"], "--staleness-lr takes a K of zero (off) or more"),
     (["--mode", "sync", "--local-steps", "0"], "--local-steps must be at least 1"),
-    (["--local-steps", "4", "--max-staleness", "3"], "--local-steps in async mode does not go with --max-staleness"),
+    (["--local-steps", "4", "--overlap"], "--local-steps in async mode does not go with --overlap"),
     (["--mode", "sync", "--outer-lr", "0.5"], "apply with --local-steps H above 1"),
     (["--mode", "sync", "--local-steps", "4", "--outer-momentum", "1"], "--outer-momentum must be in [0, 1)"),
     (["--mode", "sync", "--delay-compensation"], "--delay-compensation applies to --mode async"),

@@ -105,6 +105,19 @@ def test_async_local_steps_learn_and_count_samples_as_without(tmp_path, flags):
 
 
 @only_on("mpich", NUMBERS_ONLY)
+def test_async_max_staleness_bounds_the_outer_steps_a_push_is_stale(tmp_path):
+    """--local-steps 4 --max-staleness 2 with a straggler: no push is applied more than 2 outer steps
+    (about 8 global steps) after the global model it started from; without the bound the straggler's are."""
+    flags = ("--local-steps", "4", "--straggler", "3:0.005", "--epochs", "40")
+    bounded = train(4, tmp_path, *flags, "--max-staleness", "2")
+    assert bounded["staleness"]["gradients"] == sum(bounded["gradients_pushed"])
+    assert bounded["staleness"]["max"] <= 2
+    assert bounded["test_accuracy"] >= 0.9, bounded["_stdout"]
+    free = train(4, tmp_path, *flags)
+    assert free["staleness"]["max"] > 2  # the bound binds
+
+
+@only_on("mpich", NUMBERS_ONLY)
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_the_bytes_each_worker_moved_are_counted_and_h_steps_move_h_times_fewer(tmp_path, mode):
     """Async: every push and reply is one message of the model's size (header included); sync: every

@@ -201,3 +201,7 @@ def test_staleness_rule_keeps_every_pending_gradient_within_the_bound():
     assert staleness_feasible(0, [0, 0])  # the first update of a run
     assert not staleness_feasible(0, [0, 0, 0])  # 4 workers on the same parameters need S >= 3
     assert StalenessHold(None).allows(10**6, [0, 0, 0])  # no --max-staleness: anything goes
+    # --local-steps 4: an update is 4 global steps, and S counts updates. At g=4 (A applied once), with B
+    # and C on step 0: B at 4 and C at 8 are 1 and 2 updates stale; A again first would leave C at 12.
+    outer = StalenessHold(2, span=4).allows
+    assert outer(4, [0, 4]) and not outer(4, [0, 0])

@@ -61,7 +61,7 @@ class AsyncServer:
         n = shard.stop - shard.start
         self.duties = ChiefDuties(ctx, progress)  # rank 0's; another server keeps only its state
         start, self.state, self.ckpt = self.duties.start, self.duties.state, self.duties.ckpt
-        self.hold = StalenessHold(cfg.max_staleness)
+        self.hold = StalenessHold(cfg.max_staleness, cfg.local_steps)
         be = self.be = ctx.backend
         self.params = be.asarray(self.state.params[shard])  # this server's slice (NumPy: a view, updated in place)
         rule = OuterUpdate if cfg.local_steps > 1 else ServerUpdate  # --local-steps: a push is an outer step
@@ -270,11 +270,11 @@ class AsyncServer:
         self.update.apply(grad, self.ctx.lr_at(state.global_step), damped, w, msg.step)
         state.global_step += inner
         state.local_steps[w] += inner
-        state.staleness[staleness] += 1
+        state.staleness[damped] += 1  # --local-steps: in outer steps, as --staleness-lr and --max-staleness count
         state.recent_losses.append(msg.loss)
         if self.chief:  # the bar, the log, --eval-every and checkpoints at this global step
             self.duties.advance(state.global_step, msg.loss, self._whole_state, basis=msg.step, span=inner,
-                                staleness=staleness, local_steps=list(state.local_steps))
+                                staleness=damped, local_steps=list(state.local_steps))
         # --steps counts rank 0's updates, the run's global step. Another server's count can run ahead
         # of it (a worker that died half-way through a push delivered that server's part only:
         # measured by chaos, the run then ended at 999 of 1000), so only rank 0 stops at the budget;
