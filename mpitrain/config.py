@@ -447,9 +447,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         if cfg.worker_timeout <= 0:
             raise UsageError("--on-lost-server continue needs heartbeats to tell a lost rank 0: give a "
                              "--worker-timeout above 0 (e.g. 3)")
-        # --num-ps 3 or more: a server does not watch the other servers, so it would never hear of a take-over
-        _not_with("--on-lost-server continue", (cfg.num_ps > 2, f"--num-ps {cfg.num_ps} (2 at most)"),
-                  (cfg.ps_transport == "shm", "--ps-transport shm"))
+        _not_with("--on-lost-server continue", (cfg.ps_transport == "shm", "--ps-transport shm"))
     if cfg.delay_compensation is not None:
         if cfg.mode != "async":
             raise UsageError("--delay-compensation applies to --mode async (sync gradients are never stale)")

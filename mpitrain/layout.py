@@ -98,11 +98,11 @@ class Layout:
 
     def peers(self, rank: int) -> list[int]:
         """The ranks `rank` exchanges heartbeats with: a worker with every server; a server with
-        every worker, and the chief with the other servers (it gathers their shards) and they with
-        it; nobody in a local run."""
+        every worker and every other server (rank 0 gathers their shards, and with --on-lost-server
+        continue every server takes part in a lost shard's take-over, so each must hear of it);
+        nobody in a local run."""
         if self.local:
             return []
         if not self.is_server(rank):
             return list(self.server_ranks)
-        others = [r for r in self.server_ranks if r != rank] if rank == PS_RANK else [PS_RANK]
-        return sorted(others + list(self.started_ranks))
+        return sorted([r for r in self.server_ranks if r != rank] + list(self.started_ranks))

@@ -21,6 +21,7 @@ from mpitrain.faults import rank_pids
 from mpitrain.lock import NAME as LOCK
 
 SAME = "the take-over is sync's (tested under both MPIs); --quorum only changes the loop it leaves"
+THIRD = "a third server only adds peers to watch; the take-over of a shard is tested with 2 under both MPIs"
 BUDGET = 20000  # digits, 3 workers: a few seconds of training, so the kill lands mid-run
 
 
@@ -69,22 +70,25 @@ def test_rank_0_killed_mid_run_a_worker_takes_over_and_the_job_reaches_its_budge
 
 
 
-@pytest.mark.parametrize("mode", ["async", pytest.param("sync", marks=only_on("mpich", SAME))])
-def test_a_server_shard_killed_mid_run_is_rebuilt_and_the_job_reaches_its_budget(tmp_path, mode):
-    """--num-ps 2: server rank 1 SIGKILLed mid-run. Rank 0 and the workers agree to go on; the first
-    worker serves shard 1 from then on, from the freshest copy of it (async: a worker's pulled
-    parameters; sync: the replicas), and rank 0 keeps its own shard's exact state."""
-    summary = tmp_path / "summary.json"
-    cmd = mpitrain_cmd(5, "--mode", mode, "--num-ps", "2", "--no-progress", "--steps", str(BUDGET), "--worker-timeout",
-                       "1", "--on-lost-server", "continue", "--summary-json", str(summary), launcher_flags=keep_going())
-    _, _, err, leftovers = kill_mid_run(cmd, 5, 1)
+@pytest.mark.parametrize("mode,servers", [("async", 2), pytest.param("sync", 2, marks=only_on("mpich", SAME)),
+                                          pytest.param("async", 3, marks=only_on("mpich", THIRD))])
+def test_a_server_shard_killed_mid_run_is_rebuilt_and_the_job_reaches_its_budget(tmp_path, mode, servers):
+    """--num-ps K: the last server SIGKILLed mid-run. Rank 0, the other servers and the workers agree
+    to go on; the first worker serves the lost shard from then on, from the freshest copy of it (async:
+    a worker's pulled parameters; sync: the replicas), and each server left keeps its shard's exact state."""
+    summary, victim, np_ = tmp_path / "summary.json", servers - 1, servers + 3
+    cmd = mpitrain_cmd(np_, "--mode", mode, "--num-ps", str(servers), "--no-progress", "--steps", str(BUDGET),
+                       "--worker-timeout", "1", "--on-lost-server", "continue", "--summary-json", str(summary),
+                       launcher_flags=keep_going())
+    _, _, err, leftovers = kill_mid_run(cmd, np_, victim)
     assert "Traceback" not in err and not leftovers, err
     s = json.loads(summary.read_text())
-    assert s["global_step"] == BUDGET and s["test_accuracy"] > 0.9 and s["num_ps"] == 2, err
+    assert s["global_step"] == BUDGET and s["test_accuracy"] > 0.9 and s["num_ps"] == servers, err
     [fo] = s["failovers"]
-    assert fo["successor"] == 0 and fo["lost_shards"] == [1] and fo["servers"] == [0, 2], fo
-    took = [ln for ln in err.splitlines() if "parameter-server shard 1/2 was lost" in ln]
-    assert len(took) == 1 and "rank 2 took it over" in took[0], err
+    assert fo["successor"] == 0 and fo["lost_shards"] == [victim], fo
+    assert fo["servers"] == [*range(victim), servers], fo
+    took = [ln for ln in err.splitlines() if f"parameter-server shard {victim}/{servers} was lost" in ln]
+    assert len(took) == 1 and f"rank {servers} took it over" in took[0], err
 
 
 def test_a_successor_killed_during_the_take_over_ends_the_others_in_one_line(tmp_path):

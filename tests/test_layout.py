@@ -27,3 +27,10 @@ def test_rank_0_serves_and_the_others_work(size):
 def test_a_server_has_no_worker_index():
     with pytest.raises(ValueError):
         Layout(3).worker_index(0)
+
+
+def test_every_server_watches_every_other_server_and_every_worker():
+    """--num-ps 3: a shard's loss reaches every other server (each takes part in its take-over)."""
+    lay = Layout(6, num_ps=3)
+    assert lay.peers(1) == [0, 2, 3, 4, 5] and lay.peers(2) == [0, 1, 3, 4, 5]
+    assert lay.peers(4) == [0, 1, 2]
