@@ -442,7 +442,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise UsageError(f"--outer-momentum must be in [0, 1) (got {cfg.outer_momentum})")
     if cfg.ps_transport == "shm":  # as far as it goes so far (docs/modes.md, "One host")
         _not_with("--ps-transport shm", (cfg.mode != "async", "--mode sync (its Allreduce has no server)"),
-                  (cfg.num_ps > 1, "--num-ps"), (cfg.overlap, "--overlap"), (cfg.ps_device == "gpu", "--ps-device gpu"))
+                  (cfg.overlap, "--overlap"), (cfg.ps_device == "gpu", "--ps-device gpu"))
     if cfg.on_lost_server == "continue":
         if cfg.worker_timeout <= 0:
             raise UsageError("--on-lost-server continue needs heartbeats to tell a lost rank 0: give a "

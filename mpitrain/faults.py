@@ -114,7 +114,9 @@ class Kill:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-STORE_KILL_POINTS = ("locked", "applying")  # where in a --ps-transport shm push (exchange/shm.py)
+# Where in a --ps-transport shm push (exchange/shm.py): holding shard 0's lock, half-way through its
+# apply, half-way through shard 1's (--num-ps 2: shard 0 applied, the rest not).
+STORE_KILL_POINTS = ("locked", "applying", "sharded")
 
 
 def store_kill(rank: int, env=os.environ) -> tuple[int, str] | None:

@@ -11,7 +11,6 @@ from conftest import MPI_TIMEOUT_S, child_env, launcher, own_lines, run_mpitrain
 
 BAD = [
     (["--ps-transport", "shm", "--mode", "sync"], "--ps-transport shm does not go with --mode sync"),
-    (["--ps-transport", "shm", "--num-ps", "2"], "--ps-transport shm does not go with --num-ps"),
     (["--on-lost-server", "continue", "--worker-timeout", "0"], "--on-lost-server continue needs heartbeats"),
     (["--model", "cnn"], "--model"),
     (["--mode", "bulk"], "--mode"),

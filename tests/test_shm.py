@@ -34,6 +34,19 @@ def test_it_learns_with_each_optimizer_and_rank_0_sees_every_step(tmp_path, flag
 
 
 @only_on("mpich", NUMBERS_ONLY)
+def test_with_num_ps_each_shard_is_applied_under_its_own_lock_and_it_learns(tmp_path):
+    """--num-ps 2: the workers apply both shards themselves, shard by shard; the second server only
+    maps the store. Rank 0 counts shard 0's steps, once each, and evaluates on exactly the steps asked."""
+    before = _segments()
+    s = train(5, tmp_path, "--ps-transport", "shm", "--num-ps", "2", "--optimizer", "adam", "--ema-decay", "0.99",
+              "--eval-every", "100")
+    assert s["test_accuracy"] >= 0.93 and s["num_ps"] == 2, s["_stdout"]
+    assert s["global_step"] == sum(s["local_steps"]) == s["staleness"]["gradients"]
+    assert [e["global_step"] for e in s["eval_history"]] == list(range(100, s["global_step"] + 1, 100))
+    assert _segments() == before
+
+
+@only_on("mpich", NUMBERS_ONLY)
 def test_checkpoints_fall_on_their_steps_and_a_run_resumes_from_them(tmp_path):
     ck = tmp_path / "ck"
     first = train(3, tmp_path, "--ps-transport", "shm", "--steps", "300", "--checkpoint-every-steps", "100",
@@ -46,20 +59,21 @@ def test_checkpoints_fall_on_their_steps_and_a_run_resumes_from_them(tmp_path):
     assert more["test_accuracy"] >= 0.9
 
 
-@pytest.mark.parametrize("point", ["locked", "applying"])
-def test_a_worker_killed_in_the_store_leaves_a_job_that_finishes_its_budget(tmp_path, point):
-    """SIGKILLed holding the lock (the kernel releases it), or half-way through its step (applied,
-    the version not advanced: a partial step): the others finish the budget, nothing is NaN, the
-    worker is reported lost (exit 8), and no segment is left."""
+@pytest.mark.parametrize("point,servers", [("locked", 1), ("applying", 1), ("sharded", 2)])
+def test_a_worker_killed_in_the_store_leaves_a_job_that_finishes_its_budget(tmp_path, point, servers):
+    """SIGKILLed holding the lock (the kernel releases it), half-way through its step (applied,
+    the version not advanced: a partial step), or with --num-ps 2 half-way through shard 1 (shard 0
+    applied, the rest not: the shards' counts one apart): the others finish the budget, nothing is
+    NaN, the worker is reported lost (exit 8), and no segment is left."""
     before = _segments()
     summary = tmp_path / "s.json"
-    proc, _ = run_detached(mpitrain_cmd(4, "--no-progress", "--ps-transport", "shm", "--steps", "600",
-                                        "--worker-timeout", "2", "--summary-json", str(summary),
+    proc, _ = run_detached(mpitrain_cmd(3 + servers, "--no-progress", "--ps-transport", "shm", "--steps", "600",
+                                        "--num-ps", str(servers), "--worker-timeout", "2", "--summary-json", str(summary),
                                         launcher_flags=keep_going()),
-                           env={**child_env(), "MPITRAIN_INJECT_KILL": f"2:40:{point}"}, timeout=120)
+                           env={**child_env(), "MPITRAIN_INJECT_KILL": f"{servers + 1}:40:{point}"}, timeout=120)
     assert proc.returncode == mpi_impl().worker_lost_exit, proc.stdout + proc.stderr  # what mpirun makes of exit 8
     s = json.loads(summary.read_text())
-    assert s["global_step"] == 600 and [w["rank"] for w in s["lost_workers"]] == [2]
+    assert s["global_step"] == 600 and [w["rank"] for w in s["lost_workers"]] == [servers + 1]
     assert math.isfinite(s["test_loss"]) and s["test_accuracy"] >= 0.9
     assert "Traceback" not in proc.stderr and not proc.leftovers and _segments() == before
 
@@ -98,9 +112,10 @@ def test_a_shared_apply_is_the_servers_update_with_the_workers_own_copy_as_the_s
     cfg, _ = parse_args(["--optimizer", "adam", "--ema-decay", "0.9", "--delay-compensation", "2"])
     rng = np.random.default_rng(0)
     start = TrainState(rng.standard_normal(6).astype(np.float32), global_step=5, opt_t=5)
-    store = shm.Store(str(tmp_path / "seg"), 6, 2, ("m", "v"), ema=True, dc=True, create=True)
+    parts = [slice(0, 4), slice(4, 6)]  # --num-ps 2: each worker applies both shards, each with its own counts
+    store = shm.Store(str(tmp_path / "seg"), 6, 2, ("m", "v"), ema=True, dc=True, create=True, shards=2)
     store.fill(start, 2, hold_at=100)
-    workers = [shm.SharedUpdate(cfg, store), shm.SharedUpdate(cfg, store)]
+    workers = [[shm.SharedUpdate(cfg, store, np, k, p) for k, p in enumerate(parts)] for _ in range(2)]
     private = start.params.copy()
     ref = ServerUpdate(cfg, private, np, 5, 5, {}, workers=1, version=5)
     for k in range(4):
@@ -108,9 +123,11 @@ def test_a_shared_apply_is_the_servers_update_with_the_workers_own_copy_as_the_s
         g = rng.standard_normal(6).astype(np.float32)
         ref.dc.sent = [{5 + k: then}]
         ref.apply(g, 0.01, 1, 0, 5 + k)
-        workers[k % 2].apply(g, 0.01, 1, 5 + k, then)
+        for shard, p in zip(workers[k % 2], parts):
+            shard.apply(g[p], 0.01, 1, 5 + k, then[p])
         np.testing.assert_allclose(store.params, private, rtol=1e-6)
     np.testing.assert_allclose(store.ema, ref.ema.avg, rtol=1e-6)
     np.testing.assert_allclose(store.opt["v"], ref.opt.state["v"], rtol=1e-6)
-    assert store.header[shm.OPT_T] == ref.opt.t == 9 and store.header[shm.DC_T] == ref.dc.t == 4
+    for row in store.rows:
+        assert row[shm.OPT_T] == ref.opt.t == 9 and row[shm.DC_T] == ref.dc.t == 4
     store.close()

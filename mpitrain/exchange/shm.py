@@ -9,8 +9,8 @@ its basis and its worker in a ring that rank 0 follows for the bar, the log, the
 and the loss guard (modes/async_shm.py); it evaluates and checkpoints at steps where it holds the
 workers (`hold_at`) and stops them with the `stop` slot.
 
-Why the OS's shared memory (a file in /dev/shm, mmap) and not MPI's shared windows: its lock is
-`fcntl.flock`, which the kernel releases when its holder dies however it dies (MPI_Win_lock's
+Why the OS's shared memory (a file in /dev/shm, mmap) and not MPI's shared windows: its locks are
+POSIX record locks (`fcntl.lockf`), which the kernel releases when their holder dies however it dies (MPI_Win_lock's
 owner dies holding it for good), and the file can be found and removed by the next job on the
 host. The name is unlinked as soon as every rank has mapped it, so a job that ends in any way,
 SIGKILL included, leaves nothing; one killed before that leaves a file with its creator's pid,
@@ -18,6 +18,13 @@ which the next store made on the host removes (`sweep`).
 
 A worker killed half-way through an apply leaves a partial step (some elements updated, some
 not), never a torn version: the version is one aligned 8-byte word, written after the apply.
+
+With --num-ps K the parameters are K shards (Layout.shard_slices), each with its own lock (a byte
+range of the file: `fcntl.lockf`, also released by the kernel when its holder dies) and its own
+counts (a row of the header per shard), so K workers can apply at once, one per shard. A push
+goes through the shards in order; rank 0's duties, the hold and the stop are shard 0's, as on the
+message path rank 0's count is the run's. Server ranks 1..K-1 only map the store and wait for the
+end (modes/async_shm.keep_store).
 """
 
 from __future__ import annotations
@@ -44,8 +51,9 @@ NAME_BYTES = 256  # the segment's path, broadcast by rank 0 (a fixed-size buffer
 RING = 4096  # steps rank 0 may fall behind the workers (it holds them before the ring wraps)
 HOLD_POLL_S = 1e-3  # a held worker (rank 0 evaluating or saving) looks again after this
 
-# The header's int64 slots, one place for each.
-VERSION = 0  # the global step: updates applied, written after each apply
+# The header's int64 slots, one place for each: a row per shard; the run's slots (HOLD_AT, STOP,
+# DIVERGED_*) are in shard 0's row only.
+VERSION = 0  # the shard's global step: updates applied, written after each apply (shard 0's: the run's)
 HOLD_AT = 1  # no worker applies a step while VERSION >= HOLD_AT (rank 0 has a duty at that step)
 STOP = 2  # nonzero: every worker stops at its next push (the budget, a signal, a divergence)
 OPT_T = 3  # the optimizer's update count (Adam's bias correction)
@@ -56,10 +64,11 @@ DC_T = 7  # --delay-compensation: the gradients its mean square has seen
 HEADER = 8
 
 
-def _sections(n: int, workers: int, state_names: tuple[str, ...], ema: bool, dc: bool) -> list[tuple[str, type, int]]:
+def _sections(n: int, workers: int, state_names: tuple[str, ...], ema: bool, dc: bool,
+              shards: int) -> list[tuple[str, type, int]]:
     """The segment's layout, in order: (name, dtype, length); the 8-byte ones first (aligned).
     `bases`: the version of the parameters each worker computes on (--max-staleness reads it)."""
-    return ([("header", np.int64, HEADER), ("active", np.int64, workers), ("bases", np.int64, workers),
+    return ([("header", np.int64, HEADER * shards), ("active", np.int64, workers), ("bases", np.int64, workers),
              ("diverged_loss", np.float64, 1), ("ring_loss", np.float64, RING), ("ring_basis", np.int64, RING),
              ("ring_worker", np.int64, RING), ("params", np.float32, n)]
             + [(f"opt_{name}", np.float32, n) for name in state_names]
@@ -86,8 +95,8 @@ class Store:
     """One rank's mapping of the segment: numpy views of each section, and the lock."""
 
     def __init__(self, path: str, n: int, workers: int, state_names: tuple[str, ...], ema: bool, dc: bool,
-                 create: bool):
-        sections = _sections(n, workers, state_names, ema, dc)
+                 create: bool, shards: int = 1):
+        sections = _sections(n, workers, state_names, ema, dc, shards)
         size = sum(np.dtype(t).itemsize * k for _, t, k in sections)
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         self.path, self.fd = path, os.open(path, flags, 0o600)  # the job's user only (DESIGN.md, Security)
@@ -103,24 +112,35 @@ class Store:
             self.views[name] = np.frombuffer(self.mm, dtype, k, offset)
             offset += np.dtype(dtype).itemsize * k
         v = self.views
-        self.header, self.active, self.params, self.ema = v["header"], v["active"], v["params"], v.get("ema")
+        self.rows = v["header"].reshape(shards, HEADER)  # each shard's counts
+        self.header = self.rows[0]  # shard 0's, and the run's slots
+        self.active, self.params, self.ema = v["active"], v["params"], v.get("ema")
         self.opt = {name: v[f"opt_{name}"] for name in state_names}
 
     @contextlib.contextmanager
-    def locked(self):
-        """The store's one lock (the kernel's: released when its holder dies)."""
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
+    def locked(self, shard: int = 0):
+        """Shard `shard`'s lock: byte `shard` of the file, a POSIX record lock (the kernel's,
+        released when its holder dies however it dies). Whoever takes several takes them in order."""
+        fcntl.lockf(self.fd, fcntl.LOCK_EX, 1, shard)
         try:
             yield self
         finally:
-            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            fcntl.lockf(self.fd, fcntl.LOCK_UN, 1, shard)
+
+    @contextlib.contextmanager
+    def locked_all(self):
+        """Every shard's lock, in order: no push is half-way through a shard meanwhile."""
+        with contextlib.ExitStack() as stack:
+            for k in range(len(self.rows)):
+                stack.enter_context(self.locked(k))
+            yield self
 
     def fill(self, start: TrainState, workers: int, hold_at: int) -> None:
         """Rank 0, before any worker maps it: the start state."""
+        self.rows[:] = 0
+        self.rows[:, VERSION], self.rows[:, OPT_T], self.rows[:, EMA_T] = start.global_step, start.opt_t, start.global_step
         h = self.header
-        h[:] = 0
-        h[VERSION], h[HOLD_AT], h[OPT_T], h[EMA_T], h[DIVERGED_STEP] = (start.global_step, hold_at, start.opt_t,
-                                                                         start.global_step, -1)
+        h[HOLD_AT], h[DIVERGED_STEP] = hold_at, -1
         self.params[:] = start.params
         for name, view in self.opt.items():
             saved = start.opt_state.get(name)
@@ -131,15 +151,15 @@ class Store:
         self.views["bases"][:] = start.global_step
 
     def snapshot(self, positions: list[int]) -> TrainState:
-        """The whole training state at one version (copies, taken under the lock)."""
-        with self.locked():
+        """The whole training state at one version of shard 0 (copies, taken under every lock)."""
+        with self.locked_all():
             h = self.header
             return TrainState(self.params.copy(), int(h[VERSION]), int(h[OPT_T]),
                               {k: a.copy() for k, a in self.opt.items()}, list(positions),
                               None if self.ema is None else self.ema.copy())
 
     def close(self) -> None:
-        self.views = self.header = self.active = self.params = self.ema = self.opt = None
+        self.views = self.rows = self.header = self.active = self.params = self.ema = self.opt = None
         with contextlib.suppress(BufferError):  # a view still held elsewhere: the mapping goes with the process
             self.mm.close()
         os.close(self.fd)
@@ -154,18 +174,18 @@ def open_store(ctx, start: TrainState, hold_at: int = 0) -> Store:
 
     names = REGISTRY[ctx.cfg.optimizer].state
     ema, dc = bool(ctx.cfg.ema_decay), ctx.cfg.delay_compensation is not None
-    n, W = ctx.model.n_params, ctx.workers
+    n, W, K = ctx.model.n_params, ctx.workers, ctx.layout.shards
     buf = bytearray(NAME_BYTES)
     store = None
     if ctx.rank == PS_RANK:
         sweep()
         path = os.path.join(SHM_DIR, segment_name(os.getpid(), secrets.token_hex(8)))
-        store = Store(path, n, W, names, ema, dc, create=True)
+        store = Store(path, n, W, names, ema, dc, create=True, shards=K)
         store.fill(start, W, hold_at)
         buf[:len(path)] = path.encode()
     ctx.comm.Bcast([buf, MPI.BYTE], root=PS_RANK)
     if store is None:
-        store = Store(bytes(buf).rstrip(b"\0").decode(), n, W, names, ema, dc, create=False)
+        store = Store(bytes(buf).rstrip(b"\0").decode(), n, W, names, ema, dc, create=False, shards=K)
     Poller(END_POLL_S, ctx.watch).all([ctx.comm.Ibarrier()], [PS_RANK])
     if ctx.rank == PS_RANK:
         with contextlib.suppress(OSError):
@@ -174,26 +194,26 @@ def open_store(ctx, start: TrainState, hold_at: int = 0) -> Store:
 
 
 class SharedUpdate:
-    """optim.ServerUpdate over the store's arrays: this process's scratch, the store's state (its
-    counts too, which every worker advances). With --delay-compensation the parameters a gradient
-    was computed on are the worker's own pulled copy (`then`): no backup per worker is kept at all;
-    the gradients' mean square is the store's."""
+    """optim.ServerUpdate over one shard of the store's arrays (`part`, all of them with one server):
+    this process's scratch, the store's state (its counts too, in the shard's row, which every worker
+    advances). With --delay-compensation the parameters a gradient was computed on are the worker's
+    own pulled copy (`then`): no backup per worker is kept at all; the gradients' mean square is the
+    store's."""
 
-    def __init__(self, cfg, store: Store, xp=np):
-        h = store.header
-        self.store = store
-        self.update = ServerUpdate(cfg, store.params, xp, int(h[EMA_T]), int(h[OPT_T]), {}, workers=1,
+    def __init__(self, cfg, store: Store, xp=np, shard: int = 0, part: slice = slice(None)):
+        h = self.row = store.rows[shard]
+        self.update = ServerUpdate(cfg, store.params[part], xp, int(h[EMA_T]), int(h[OPT_T]), {}, workers=1,
                                    version=int(h[VERSION]))
         up = self.update
-        up.opt.state = dict(store.opt)  # the store's arrays, not copies
+        up.opt.state = {k: a[part] for k, a in store.opt.items()}  # views of the store's arrays, not copies
         if up.ema is not None:
-            up.ema.avg = store.ema
+            up.ema.avg = store.ema[part]
         if up.dc is not None:
-            up.dc.mean_square = store.views["dc_mean_square"]
+            up.dc.mean_square = store.views["dc_mean_square"][part]
 
     def apply(self, grad, lr: float, staleness: int, basis: int, then) -> None:
-        """Under the store's lock: `grad` computed on `then`, the parameters of version `basis`."""
-        h, up = self.store.header, self.update
+        """Under the shard's lock: `grad` computed on `then`, the parameters of version `basis`."""
+        h, up = self.row, self.update
         up.opt.t = int(h[OPT_T])
         if up.ema is not None:
             up.ema.t = int(h[EMA_T])
@@ -216,18 +236,19 @@ class ShmPushPull:
     def __init__(self, ctx, start: TrainState):
         self.ctx, self.be = ctx, ctx.backend
         self.store = open_store(ctx, start)
-        self.shared = SharedUpdate(ctx.cfg, self.store, np)
+        self.parts = ctx.layout.shard_slices(ctx.model.n_params)  # one with one server
+        self.shared = [SharedUpdate(ctx.cfg, self.store, np, k, p) for k, p in enumerate(self.parts)]
         self.worker = ctx.worker_index
         self.host_params = np.array(start.params, np.float32)  # the pulled parameters (a copy: the store moves on)
         self.params = self.be.asarray(self.host_params)  # NumPy: the same array
         self.grads = [self.be.xp.empty(ctx.model.n_params, self.be.xp.float32) for _ in range(2)]
-        self.versions = [start.global_step]
+        self.versions = [start.global_step] * len(self.parts)
         self.diverged_at: int | None = None
         self.in_flight = False
         self.stopped = False
         self.count = 0  # this worker's pushes so far, the one in hand included (the fault injection's step)
         self.hold = StalenessHold(ctx.cfg.max_staleness)
-        self.kill_at = store_kill(ctx.rank)  # MPITRAIN_INJECT_KILL=RANK:STEP:locked|applying (the fault tests)
+        self.kill_at = store_kill(ctx.rank)  # MPITRAIN_INJECT_KILL=RANK:STEP:POINT (the fault tests)
 
     def gradient(self, slot: int):
         return self.grads[slot]
@@ -244,12 +265,18 @@ class ShmPushPull:
             h = self.store.header  # rank 0 holds this step (evaluating, saving): wait outside the lock
             poll(lambda: h[STOP] or (h[VERSION] < h[HOLD_AT] and self._may_apply(int(h[VERSION]))), HOLD_POLL_S,
                  self.ctx.watch)
-        self.stopped = done
+        if not done:  # shard 0 applied: the others, in order, each under its own lock
+            for k in range(1, len(self.parts)):
+                with self.store.locked(k):
+                    self._apply_shard(k, grad, versions[k])
+            if last:
+                self.store.active[self.worker] = 0  # after its last shard: rank 0's final state holds it all
+        self.stopped = done or last
         self.in_flight = True
         self.be.upload(self.params, self.host_params)  # NumPy: the same array, nothing to do
 
     def _apply(self, grad, loss: float, basis: int, last: bool) -> bool | None:
-        """Under the lock: apply and pull (False), stop (True), or held (None)."""
+        """Under shard 0's lock: apply and pull its part (False), stop without applying (True), or held (None)."""
         s, h = self.store, self.store.header
         self._injected("locked")
         if h[STOP]:
@@ -261,17 +288,26 @@ class ShmPushPull:
             s.views["diverged_loss"][0] = loss
             h[DIVERGED_RANK], h[DIVERGED_STEP], h[STOP] = self.ctx.rank, v, 1
             return self._stop()
-        self.shared.apply(grad, self.ctx.lr_at(v), v - basis, basis, self.host_params)
+        part = self.parts[0]
+        self.shared[0].apply(grad[part], self.ctx.lr_at(v), v - basis, basis, self.host_params[part])
         self._injected("applying")
         i = (v + 1) % RING
         s.views["ring_loss"][i], s.views["ring_basis"][i], s.views["ring_worker"][i] = loss, basis, self.worker
         h[VERSION] = v + 1  # after the apply: a reader never sees a step that is not there
-        self.host_params[:] = s.params
+        self.host_params[part] = s.params[part]
         s.views["bases"][self.worker] = v + 1
-        self.versions = [v + 1]
-        if last:
-            s.active[self.worker] = 0
-        return last
+        self.versions[0] = v + 1
+        return False
+
+    def _apply_shard(self, k: int, grad, basis: int) -> None:
+        """Under shard k's lock (k > 0): its part of the push, at its own count, and its part of the pull."""
+        row, part = self.store.rows[k], self.parts[k]
+        v = int(row[VERSION])
+        self.shared[k].apply(grad[part], self.ctx.lr_at(v), v - basis, basis, self.host_params[part])
+        self._injected("sharded")
+        row[VERSION] = v + 1
+        self.host_params[part] = self.store.params[part]
+        self.versions[k] = v + 1
 
     def _may_apply(self, version: int) -> bool:
         """--max-staleness: as the message path's server decides (StalenessHold), from the bases

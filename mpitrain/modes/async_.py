@@ -31,7 +31,7 @@ from mpitrain.guard import NON_FINITE, Diverged, LossGuard
 from mpitrain.layout import PS_RANK
 from mpitrain.liveness import PeerLost
 from mpitrain.metrics import Progress
-from mpitrain.modes.async_shm import ShmServer
+from mpitrain.modes.async_shm import ShmServer, keep_store
 from mpitrain.modes.base import Mode, Trained
 from mpitrain.observe import APPLY, COMPUTE, PULL, PUSH, WAIT
 from mpitrain.optim import ServerUpdate, StalenessHold
@@ -447,6 +447,8 @@ class AsyncMode(Mode):
         return Trained(state=AsyncServer(ctx, progress).run())
 
     def server(self, ctx: Context, progress=None) -> Trained:
+        if ctx.cfg.ps_transport == "shm":  # the workers apply its shard in the store themselves
+            return Trained(state=keep_store(ctx))
         # Another server of --num-ps: the same loop over its slice, with no bar.
         return Trained(state=AsyncServer(ctx, Progress(False, None, ctx.global_batch)).run())
 

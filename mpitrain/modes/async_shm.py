@@ -4,7 +4,9 @@ alone does. Each step the workers applied is read back from the store's ring, in
 the same ChiefDuties.advance that the message loop calls (the bar, the log, the staleness counts,
 the loss guard); evaluations and checkpoints fall on steps where rank 0 holds the workers
 (`hold_at`), so they see the state of exactly that step, as on the message path; the budget, a
-stop request or a divergence sets the store's stop slot.
+stop request or a divergence sets the store's stop slot. With --num-ps K the other servers have
+nothing to apply (the workers apply every shard themselves, each under its own lock): each maps the
+store and waits for the end (keep_store).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import time
 
 from mpitrain.checkpoint import TrainState
-from mpitrain.chief import ChiefDuties, ServerState, record_lost
+from mpitrain.chief import ChiefDuties, Clock, ServerState, begin, record_lost
 from mpitrain.exchange import shm
 from mpitrain.guard import NON_FINITE, Diverged, LossGuard
 from mpitrain.liveness import PeerLost
@@ -117,3 +119,30 @@ class ShmServer:
             left = self.ctx.workers - len(self.lost)
             record_lost(self.state, rank, why, f"; continuing with {left} worker(s)" if left else "")
 
+
+
+def keep_store(ctx: Context) -> ServerState:
+    """A server k > 0 of --num-ps K on the store: the workers apply its shard themselves, so it maps
+    the store (open_store is collective) and waits until no worker is left training, watching the
+    others' heartbeats as every server does; a lost worker is rank 0's to report, a lost server ends it."""
+    start, state, _ = begin(ctx)
+    clock = Clock()
+    store = shm.open_store(ctx, start)
+    lost: set[int] = set()
+    try:
+        while any(store.active[w] for w in range(ctx.workers) if w not in lost):
+            try:
+                ctx.activity.enter(WAIT)
+                ctx.watch.check()
+                time.sleep(SERVE_POLL_S)
+            except PeerLost as e:
+                if any(ctx.layout.is_server(r) for r in e.lost):
+                    raise
+                for rank, why in e.lost.items():
+                    ctx.watch.declare(rank, why)
+                    lost.add(ctx.layout.worker_index(rank))
+        state.global_step = int(store.rows[ctx.layout.shard_index(ctx.rank)][shm.VERSION])
+    finally:
+        store.close()
+    clock.stop(state)
+    return state
