@@ -104,6 +104,12 @@ CASES = [
     # half-way through its apply (a step is mostly that); rank 0, which only follows the version.
     Case("shm-async", ("--mode", "async", "--ps-transport", "shm"), "worker", 30000),
     Case("rank0-shm", ("--mode", "async", "--ps-transport", "shm"), "rank0", 30000),
+    # --num-ps 2 on the store: a worker killed between two shards' locks; server rank 1, which only maps it
+    Case("shm-2ps", ("--mode", "async", "--ps-transport", "shm", "--num-ps", "2"), "worker", 30000),
+    Case("shard-shm", ("--mode", "async", "--ps-transport", "shm", "--num-ps", "2"), "shard", 30000),
+    # --quorum with --local-steps: a round of 8 inner steps stands for a gradient
+    Case("quorum-local", ("--mode", "sync", "--quorum", "2", "--local-steps", "8"), "worker", 8000),
+    Case("chief-quorum-local", ("--mode", "sync", "--quorum", "2", "--local-steps", "8"), "chief", 8000),
     Case("async-2ps", ("--mode", "async", "--num-ps", "2", "--hidden", "2000"), "worker", 1000),
     Case("shard-async", ("--mode", "async", "--num-ps", "2", "--hidden", "2000"), "shard", 1000),
     Case("shard-sync", ("--mode", "sync", "--num-ps", "2"), "shard", 4000),
@@ -133,7 +139,8 @@ CASES = [
     Case("failover-shard-sync", ("--mode", "sync", "--num-ps", "2", *FAILOVER), "shard", 4000),
 ]
 DEFAULT_TRIALS = {"async": 5, "async-staleness": 4, "async-big": 6, "sync": 4, "sync-quorum": 4, "chief-quorum": 3,
-                  "quorum-big": 3, "sync-big": 3, "chief-sync": 3, "sync-stop": 2, "rank0-async": 4, "rank0-sync": 3, "supervisor": 3, "shm-async": 5, "rank0-shm": 3, "async-2ps": 4,
+                  "quorum-big": 3, "sync-big": 3, "chief-sync": 3, "sync-stop": 2, "rank0-async": 4, "rank0-sync": 3, "supervisor": 3, "shm-async": 5, "rank0-shm": 3, "shm-2ps": 3,
+                  "shard-shm": 2, "quorum-local": 3, "chief-quorum-local": 3, "async-2ps": 4,
                   "shard-async": 3, "shard-sync": 2, "term-mpirun-async": 3, "term-rank-sync": 3,
                   "int-mpirun-quorum": 3, "term-rank0-2ps": 3, "disk-full": 3, "rejoin-async": 4,
                   "rejoin-sync": 3, "respawn-async": 3, "respawn-sync": 3, "failover-sync": 6, "failover-quorum": 4,

@@ -383,6 +383,25 @@ def steps_per_epoch(n_train: int, workers: int, batch: int) -> int:
     return (n_train // workers) // batch
 
 
+# Whole batches only: what is left of a worker's shard each epoch waits for a later epoch's reshuffle.
+# From this share of the shard on, the start lines say so (digits with 16 workers and batch 50: 39 of 89).
+SHARD_LEFT_WARNING = 0.25
+
+
+def shard_left_note(n_train: int, workers: int, batch: int) -> str | None:
+    """A warning line when --batch-size leaves SHARD_LEFT_WARNING or more of each worker's shard
+    out of every epoch (--epochs then sees fewer samples than it says), with a batch size that
+    takes one more batch of it; None otherwise."""
+    per_worker, spe = n_train // workers, steps_per_epoch(n_train, workers, batch)
+    left = per_worker - spe * batch
+    if spe < 1 or left < SHARD_LEFT_WARNING * per_worker:
+        return None
+    better = per_worker // (spe + 1)
+    return (f"mpitrain: warning: --batch-size {batch} takes {spe} batch(es) from each worker's {per_worker} "
+            f"examples per epoch, so {left} of them ({left / per_worker:.0%}) wait for a later epoch each time; "
+            f"--batch-size {better} takes {spe + 1} ({(spe + 1) * better})")
+
+
 def check_batch_fits(n_train: int, workers: int, batch: int) -> None:
     if steps_per_epoch(n_train, workers, batch) < 1:
         raise UsageError(f"--batch-size {batch} is larger than each worker's shard ({n_train // workers} of "

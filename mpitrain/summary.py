@@ -14,6 +14,7 @@ import numpy as np
 from mpitrain import checkpoint, observe
 from mpitrain.config_io import as_record
 from mpitrain.console import say
+from mpitrain.data import shard_left_note
 from mpitrain.exitcodes import ExitCode, interrupted
 from mpitrain.gradients import WorkerResult
 from mpitrain.guard import Diverged
@@ -258,6 +259,9 @@ def announce(ctx: Context, placements: list[str], regrown: bool = False) -> None
         say(f"mpitrain: {words}")
     for note in ctx.data.notes:  # e.g. a class that never occurs in training
         say(note, sys.stderr)
+    left = shard_left_note(ctx.data.n_train, ctx.workers, cfg.batch_size)
+    if left:
+        say(left, sys.stderr)
     if ctx.handover is not None:
         say(f"mpitrain: {taken_over(ctx.handover.record)}", sys.stderr)
     elif ctx.resume:

@@ -299,3 +299,14 @@ def test_tfds_other_splits_and_unknown_names(monkeypatch):
         with pytest.raises(UsageError, match="has no dataset 'no_such_set'"):
             data.load_tfds("no_such_set", None)
 
+
+
+def test_a_batch_size_that_leaves_a_quarter_of_each_shard_out_of_every_epoch_is_named():
+    """Digits with 16 workers and --batch-size 50: one batch of each worker's 89 examples per epoch,
+    39 left for later (--epochs 50 then sees 57% of the samples 2 workers see); 44 takes two."""
+    from mpitrain.data import shard_left_note
+
+    note = shard_left_note(1438, 16, 50)
+    assert "takes 1 batch(es) from each worker's 89 examples" in note and "39 of them (44%)" in note
+    assert note.endswith("--batch-size 44 takes 2 (88)")
+    assert shard_left_note(1438, 16, 44) is None and shard_left_note(1438, 3, 100) is None  # 79 of 479: 16%

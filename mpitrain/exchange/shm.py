@@ -62,6 +62,9 @@ DIVERGED_STEP = 5  # a worker's loss was not finite at this step (-1: never); no
 DIVERGED_RANK = 6
 DC_T = 7  # --delay-compensation: the gradients its mean square has seen
 HEADER = 8
+# A worker's `active` slot: 1 training, 0 done (or stopped), LOST rank 0 declared it lost (so that
+# the other servers, which have no loop of their own, take it for lost too and not for done).
+LOST = -1
 
 
 def _sections(n: int, workers: int, state_names: tuple[str, ...], ema: bool, dc: bool,
@@ -315,7 +318,7 @@ class ShmPushPull:
         if self.hold.bound is None:  # no --max-staleness: nothing to gather under the lock
             return True
         s, w = self.store, self.worker
-        others = [int(s.views["bases"][u]) for u in range(len(s.active)) if u != w and s.active[u]]
+        others = [int(s.views["bases"][u]) for u in range(len(s.active)) if u != w and s.active[u] > 0]
         return self.hold.allows(version, others)
 
     def _injected(self, point: str) -> None:

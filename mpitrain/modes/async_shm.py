@@ -59,7 +59,7 @@ class ShmServer:
         return self.state
 
     def _workers_left(self) -> bool:
-        return any(self.store.active[w] for w in range(self.ctx.workers) if w not in self.lost)
+        return any(self.store.active[w] > 0 for w in range(self.ctx.workers) if w not in self.lost)
 
     def _follow(self) -> None:
         """Read back the steps applied since the last look, then decide the next hold and the stop."""
@@ -115,7 +115,7 @@ class ShmServer:
             if w in self.lost:
                 continue
             self.lost.add(w)
-            self.store.active[w] = 0  # its basis no longer holds the others back (--max-staleness)
+            self.store.active[w] = shm.LOST  # its basis no longer holds the others back (--max-staleness)
             left = self.ctx.workers - len(self.lost)
             record_lost(self.state, rank, why, f"; continuing with {left} worker(s)" if left else "")
 
@@ -129,8 +129,14 @@ def keep_store(ctx: Context) -> ServerState:
     clock = Clock()
     store = shm.open_store(ctx, start)
     lost: set[int] = set()
+
+    def lose(rank: int, why: str) -> None:  # as a message-path server records it: quietly, rank 0 says it
+        ctx.watch.declare(rank, why)
+        lost.add(ctx.layout.worker_index(rank))
+        record_lost(state, rank, why, "", loud=False)
+
     try:
-        while any(store.active[w] for w in range(ctx.workers) if w not in lost):
+        while any(store.active[w] > 0 for w in range(ctx.workers) if w not in lost):
             try:
                 ctx.activity.enter(WAIT)
                 ctx.watch.check()
@@ -139,8 +145,10 @@ def keep_store(ctx: Context) -> ServerState:
                 if any(ctx.layout.is_server(r) for r in e.lost):
                     raise
                 for rank, why in e.lost.items():
-                    ctx.watch.declare(rank, why)
-                    lost.add(ctx.layout.worker_index(rank))
+                    lose(rank, why)
+        for w in range(ctx.workers):  # lost to rank 0 before this server's own watch saw it
+            if store.active[w] == shm.LOST and w not in lost:
+                lose(ctx.layout.worker_rank(w), "lost (rank 0 declared it)")
         state.global_step = int(store.rows[ctx.layout.shard_index(ctx.rank)][shm.VERSION])
     finally:
         store.close()
