@@ -156,7 +156,7 @@ class RoundSource:
     the global model (InnerSteps: as in async, the inner optimizer's state is the worker's own and a
     checkpoint does not hold it), not one gradient. It stands where quorum.py's loops use a GradientSource:
     `compute(params, out, step)` writes the outer gradient anchor - local into `out` and returns the
-    rounds' mean inner loss; `seconds` is how long the H steps took (the quorum's pace)."""
+    round's mean inner loss; `seconds` is how long the H steps took (the quorum's pace)."""
 
     def __init__(self, source, inner: InnerSteps, lr_at: Callable[[int], float], total: Callable[[], int]):
         self.source, self.inner, self.lr_at, self.total = source, inner, lr_at, total

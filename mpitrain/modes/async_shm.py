@@ -120,7 +120,6 @@ class ShmServer:
             record_lost(self.state, rank, why, f"; continuing with {left} worker(s)" if left else "")
 
 
-
 def keep_store(ctx: Context) -> ServerState:
     """A server k > 0 of --num-ps K on the store: the workers apply its shard themselves, so it maps
     the store (open_store is collective) and waits until no worker is left training, watching the
