@@ -44,6 +44,7 @@ import numpy as np
 
 from mpitrain.backend import Backend
 from mpitrain.codec import decode, encode
+from mpitrain.samehost import stat_fields
 
 
 class CopyingBackend(Backend):
@@ -141,10 +142,6 @@ def never_returns(*_args) -> None:
         time.sleep(3600)
 
 
-def _stat(pid: int) -> list[str]:
-    """/proc/PID/stat's fields after the command name (which may hold spaces and parentheses):
-    state, ppid, pgrp, session, ... Raises OSError for a process that is gone."""
-    return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
 
 
 def rank_pids(root: int, supervised: bool = True) -> dict[int, tuple[int, int | None]]:
@@ -184,7 +181,7 @@ def _processes() -> tuple[dict[int, int], dict[int, tuple[list[bytes], dict[str,
             continue
         pid = int(entry)
         try:
-            parents[pid] = int(_stat(pid)[1])
+            parents[pid] = int(stat_fields(pid)[1])
             cmd = open(f"/proc/{pid}/cmdline", "rb").read()
             if b"mpitrain" in cmd:
                 raw = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
@@ -224,7 +221,7 @@ def session_pids(sid: int) -> list[int]:
         if not entry.isdigit():
             continue
         try:
-            fields = _stat(int(entry))
+            fields = stat_fields(int(entry))
             state, session = fields[0], int(fields[3])
         except (OSError, ValueError, IndexError):
             continue

@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+from mpitrain import samehost
 from mpitrain.config import UsageError
 
 NAME = ".mpitrain.lock"
@@ -31,7 +32,7 @@ def _proc_start(pid: int) -> str | None:
     """The process's start time in clock ticks since boot (/proc/PID/stat field 22), or None
     when there is no such process, or only its zombie (killed, not yet reaped)."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        stat = samehost.stat_fields(pid)
     except OSError:
         return None
     return None if stat[0] in ("Z", "X") else stat[19]

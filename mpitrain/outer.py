@@ -105,13 +105,14 @@ class InnerSteps:
         self.count = 0  # inner steps taken in this run: each push carries it (protocol.H_LOCAL_STEP)
 
     def run(self, anchor, out, compute: Callable, exhausted: Callable[[], bool], lr_at: Callable[[int], float],
-            version: int) -> float:
-        """Up to H steps from `anchor` (of global step `version`), fewer when the worker's data runs
-        out or a loss is not finite (the push then carries it: the server stops the run); `out`
-        gets anchor - local. Returns the mean loss of the steps."""
+            version: int, steps: int | None = None) -> float:
+        """Up to H steps (or `steps`: a --quorum round cut short by the budget) from `anchor` (of
+        global step `version`), fewer when the worker's data runs out or a loss is not finite (the
+        push then carries it: the server stops the run); `out` gets anchor - local. Returns the
+        mean loss of the steps."""
         self.local[...] = anchor
         losses: list[float] = []
-        for i in range(self.h):
+        for i in range(self.h if steps is None else steps):
             loss = compute(self.local, self.grad)
             losses.append(loss)
             if not math.isfinite(loss):
@@ -160,12 +161,11 @@ class RoundSource:
 
     def __init__(self, source, inner: InnerSteps, lr_at: Callable[[int], float], total: Callable[[], int]):
         self.source, self.inner, self.lr_at, self.total = source, inner, lr_at, total
-        self.h = inner.h
         self.seconds = 0.0
 
     def compute(self, params, out, step: int) -> float:
         t0 = time.perf_counter()
-        self.inner.h = round_span(step, self.total(), self.h)
-        loss = self.inner.run(params, out, self.source.compute, lambda: False, self.lr_at, step)
+        span = round_span(step, self.total(), self.inner.h)
+        loss = self.inner.run(params, out, self.source.compute, lambda: False, self.lr_at, step, span)
         self.seconds = time.perf_counter() - t0
         return loss

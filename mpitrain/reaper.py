@@ -26,6 +26,8 @@ import sys
 import time
 from pathlib import Path
 
+from mpitrain.samehost import stat_fields
+
 # mpiexec alone on this host this long: what it waits for is out of reach (the partition test sets it lower)
 GRACE_S = float(os.environ.get("MPITRAIN_REAPER_GRACE_S", "20"))
 GIVE_UP_S = 3600.0  # a watcher never outlives this
@@ -38,12 +40,10 @@ def _comm(pid: int) -> str:
     return Path(f"/proc/{pid}/comm").read_text().strip()
 
 
-def _stat(pid: int) -> list[str]:
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
 
 
 def _parent(pid: int) -> int:
-    return int(_stat(pid)[1])
+    return int(stat_fields(pid)[1])
 
 
 def launcher_above(pid: int, levels: int = 6) -> int | None:
@@ -66,7 +66,7 @@ def proxies_here(launcher: int) -> bool:
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                stat = _stat(int(entry))
+                stat = stat_fields(int(entry))
                 if int(stat[1]) == launcher and stat[0] not in "ZX" and _comm(int(entry)).startswith(PROXY):
                     return True  # (an exited one not reaped yet is no proxy)
             except (OSError, ValueError, IndexError):
@@ -94,7 +94,7 @@ def watch(launcher: int, clock=time.monotonic, sleep=time.sleep) -> bool:
     started = alone_since = clock()
     while clock() - started < GIVE_UP_S:
         try:
-            if _comm(launcher) not in LAUNCHERS or _stat(launcher)[0] in "ZX":
+            if _comm(launcher) not in LAUNCHERS or stat_fields(launcher)[0] in "ZX":
                 return False  # it exited (a zombie not reaped yet, or the pid another process's by now)
         except (OSError, IndexError):
             return False

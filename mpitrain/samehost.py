@@ -21,15 +21,21 @@ import os
 KEY_BITS = 52  # the key travels in a float64 beat field: exact below 2**53
 
 
+def stat_fields(pid: int | str) -> list[str]:
+    """/proc/PID/stat's fields after the command name (which may hold spaces and parentheses): state,
+    ppid, pgrp, session, ..., start time at [19] (stat(5) fields 3 on). The one reader of it (the
+    folder lock, the reaper and the fault tools use it too); raises OSError for a process that is gone."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        return f.read().decode(errors="replace").rsplit(")", 1)[1].split()
+
+
 def _stat(pid: int | str) -> tuple[str, int] | None:
     """(state letter, start time in clock ticks since boot) of a process, or None if there is none."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            text = f.read().decode(errors="replace")
+        fields = stat_fields(pid)
     except (FileNotFoundError, ProcessLookupError):
         return None
-    fields = text[text.rindex(")") + 2:].split()  # after the command name, which may hold spaces
-    return fields[0], int(fields[19])  # stat(5): field 3 is the state, field 22 the start time
+    return fields[0], int(fields[19])
 
 
 def _host_key() -> int:
