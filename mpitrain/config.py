@@ -78,7 +78,8 @@ OUTER_OPTIMIZERS = tuple(OUTER_DEFAULT_LR)  # --outer-optimizer's choices (outer
 # 0-2): nesterov 0.950 / 0.9525 / 0.9605 test accuracy, plain averaging 0.9445 / 0.9445 / 0.9425; sync with
 # an Allreduce every step 0.953 (seed 0). Async applies each worker's outer gradient on its own, so DiLoCo's
 # momentum compounds W pushes per round: nesterov 0.7 / 0.9 learned nothing (digits, 3 workers, H 8: 0.12),
-# plain averaging 0.953; MNIST-sized, 4 workers, H 8: 0.961 against async with H 1 0.9605 (docs/modes.md).
+# plain averaging 0.953; MNIST-sized, 4 workers, H 8: 0.946-0.948 against async with H 1 0.9545-0.9585, its
+# outer step damped by --staleness-lr in global steps, never below averaging (outer.OuterUpdate, docs/modes.md).
 DEFAULT_OUTER_OPTIMIZER = {"sync": "nesterov", "async": "sgd"}
 # --delay-compensation given without a value: the adaptive variant's lambda_0 in Zheng et al. 2017 (CIFAR-10, ImageNet).
 DEFAULT_DC_LAMBDA = 2.0

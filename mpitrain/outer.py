@@ -59,9 +59,16 @@ class OuterOptimizer:
 class OuterUpdate:
     """The async server's update rule with --local-steps H (optim.ServerUpdate's interface): a pushed
     outer gradient (the worker's anchor - local after its H steps) is one outer step of the server's
-    parameters, at the outer learning rate times min(1, K / staleness) with --staleness-lr K, the
-    staleness counted in outer steps; then the moving average. Its state is the outer momentum
-    (`state`, checkpointed as OUTER_STATE); the inner optimizers' stay on the workers."""
+    parameters, then the moving average. Its state is the outer momentum (`state`, checkpointed as
+    OUTER_STATE); the inner optimizers' stay on the workers.
+
+    With --staleness-lr K the outer learning rate is damped as a gradient's is: times K / staleness
+    once the global model has moved more than K global steps since the push's anchor (the same K
+    means the same thing at every H), but never below 1 / W of it with W workers pushing, where a
+    round of W pushes moves the model as far as model averaging does. Counted in outer steps instead
+    (as before 2026-11-27) the pushes of 3 workers at H 8 are 2 outer but 16 global steps stale and
+    went undamped: erratic (digits, 1 core: 0.905-0.961; MNIST-sized, 8 workers: 0.63-0.73), where
+    this rule gives 0.947-0.953 and 0.940-0.942 (benchmarks/LOCAL_STEPS.md)."""
 
     def __init__(self, cfg, params, xp, start_step: int, opt_t: int, opt_state: dict, saved_ema=None,
                  workers: int = 0, version: int = 0):
@@ -71,6 +78,7 @@ class OuterUpdate:
         self.opt = self  # what the server saves: `t` and `state`, as an Optimizer's
         self.ema = make_ema(cfg.ema_decay, params, xp, start_step, saved_ema)
         self.dc = None
+        self.pushing = set(range(workers))  # the workers whose pushes are still to come (the floor's W)
 
     @property
     def state(self) -> dict:
@@ -80,13 +88,15 @@ class OuterUpdate:
         pass
 
     def forget(self, worker: int) -> None:
-        pass
+        """`worker` pushes no more (stopped or lost): the floor is 1 / the workers still pushing."""
+        self.pushing.discard(worker)
 
     def apply(self, delta, lr: float, staleness: int, worker: int = 0, basis: int = 0) -> None:
-        """`lr` is the inner one (unused: an outer step has its own); `staleness` in outer steps."""
+        """`lr` is the inner one (unused: an outer step has its own); `staleness` in global steps."""
         outer_lr = self.outer.lr
         if self.tolerance:
-            outer_lr = staleness_scaled_lr(outer_lr, staleness, self.tolerance)
+            averaging = outer_lr / max(1, len(self.pushing | {worker}))
+            outer_lr = max(staleness_scaled_lr(outer_lr, staleness, self.tolerance), averaging)
         self.t += 1
         self.outer.step(self.params, delta, outer_lr)
         if self.ema:

@@ -91,6 +91,30 @@ def test_async_inner_steps_push_how_far_they_moved_and_the_server_steps_the_glob
     assert inner.count == 5
 
 
+def test_an_async_outer_step_is_damped_by_the_global_steps_it_is_stale_but_never_below_averaging():
+    """--staleness-lr K (default 8) with --local-steps: staleness in global steps, as with H 1 (3 workers
+    at H 8 are ~16 global steps stale: counted as 2 outer steps they went undamped and learned erratically),
+    and never below 1 / W of the outer lr, where W pushes move the model as far as model averaging."""
+    from mpitrain.outer import OuterUpdate
+
+    def moved(update, staleness, worker=0):
+        before = update.params.copy()
+        update.apply(np.ones(1, np.float32), 0.1, staleness, worker)
+        return float(before[0] - update.params[0])
+
+    cfg, _ = parse_args(["--local-steps", "8"])
+    update = OuterUpdate(cfg, np.zeros(1, np.float32), np, 0, 0, {}, workers=3)
+    assert moved(update, 8) == pytest.approx(1.0)  # at most K global steps stale: the whole outer step
+    assert moved(update, 16) == pytest.approx(0.5)  # K / staleness
+    assert moved(update, 64) == pytest.approx(1 / 3)  # 8 / 64 is below averaging's 1 / 3
+    update.forget(1)  # stopped or lost: 2 workers still push
+    assert moved(update, 64, worker=2) == pytest.approx(1 / 2)
+    update.forget(2)
+    assert moved(update, 64, worker=0) == pytest.approx(1.0)  # the last one pushing is not averaged with anyone
+    cfg, _ = parse_args(["--local-steps", "8", "--staleness-lr", "0"])  # no damping at all
+    assert moved(OuterUpdate(cfg, np.zeros(1, np.float32), np, 0, 0, {}, workers=3), 64) == pytest.approx(1.0)
+
+
 @only_on("mpich", NUMBERS_ONLY)
 @pytest.mark.parametrize("flags", [[], ["--num-ps", "2"]], ids=["one-server", "two-servers"])
 def test_async_local_steps_learn_and_count_samples_as_without(tmp_path, flags):

@@ -266,15 +266,15 @@ class AsyncServer:
         if not self.zero_copy:
             self.be.upload(self.grad, grad)
             grad = self.grad
-        inner, damped = self._inner_steps(w, msg.local_step, staleness)
-        self.update.apply(grad, self.ctx.lr_at(state.global_step), damped, w, msg.step)
+        inner, outer_staleness = self._inner_steps(w, msg.local_step, staleness)
+        self.update.apply(grad, self.ctx.lr_at(state.global_step), staleness, w, msg.step)
         state.global_step += inner
         state.local_steps[w] += inner
-        state.staleness[damped] += 1  # --local-steps: in outer steps, as --staleness-lr and --max-staleness count
+        state.staleness[outer_staleness] += 1  # --local-steps: in outer steps, as --max-staleness counts
         state.recent_losses.append(msg.loss)
         if self.chief:  # the bar, the log, --eval-every and checkpoints at this global step
             self.duties.advance(state.global_step, msg.loss, self._whole_state, basis=msg.step, span=inner,
-                                staleness=damped, local_steps=list(state.local_steps))
+                                staleness=outer_staleness, local_steps=list(state.local_steps))
         # --steps counts rank 0's updates, the run's global step. Another server's count can run ahead
         # of it (a worker that died half-way through a push delivered that server's part only:
         # measured by chaos, the run then ended at 999 of 1000), so only rank 0 stops at the budget;
@@ -283,9 +283,10 @@ class AsyncServer:
         self._reply(w, stop=self.stopping or bool(msg.flags & FLAG_LAST))
 
     def _inner_steps(self, w: int, count: int, staleness: int) -> tuple[int, int]:
-        """The global steps one push makes (the worker batches behind it) and the staleness its step
-        is damped by. --local-steps H: the inner steps since the worker's last push (its count says,
-        H or fewer at its data's end) and the staleness in outer steps, about H global steps each."""
+        """The global steps one push makes (the worker batches behind it) and its staleness as the
+        summary and --max-staleness count it. --local-steps H: the inner steps since the worker's last
+        push (its count says, H or fewer at its data's end) and the staleness in outer steps, about H
+        global steps each (the outer step's damping, OuterUpdate, counts global steps)."""
         h = self.cfg.local_steps
         if h == 1:
             return 1, staleness
@@ -311,6 +312,7 @@ class AsyncServer:
         self.basis[w] = state.global_step
         if stop:
             self.active.discard(w)
+            self.update.forget(w)
         else:
             self.update.was_sent(w, state.global_step)
             self.recv[w] = self.comm.Irecv(self.inbox[w].spec(), source=rank, tag=TAG_GRAD)
