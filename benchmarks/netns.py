@@ -29,9 +29,11 @@ def _ip(*args, check=True):
 
 
 @contextlib.contextmanager
-def two_hosts(workdir: Path):
+def two_hosts(workdir: Path, own_hostnames: bool = False):
     """Yields (namespace names, their addresses, the launcher wrapper, the veth names by namespace);
-    removes everything afterwards."""
+    removes everything afterwards. `own_hostnames`: the wrapper also gives each host its own UTS
+    namespace named h<namespace> (Open MPI tells hosts apart by name: with one name for both, its
+    MPI_Comm_split_type(SHARED) spanned them and hung; run the launcher itself through `on_host`)."""
     if os.geteuid() != 0 or not shutil.which("ip"):
         raise Unavailable("network namespaces need root and iproute2")
     tag = uuid.uuid4().hex[:6]
@@ -50,8 +52,10 @@ def two_hosts(workdir: Path):
             _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", veth)
             _ip("-n", ns, "link", "set", veth, "up")
             _ip("-n", ns, "link", "set", "lo", "up")
-        # hydra's ssh launcher calls WRAPPER [options] HOST command...: run the command in HOST's namespace
+        # hydra's ssh launcher (and Open MPI's plm_ssh_agent) calls WRAPPER [options] HOST command...: run the
+        # command in HOST's namespace
         wrapper = Path(workdir) / "netns-launch"
+        run = 'unshare --uts bash -c "hostname h$ns; $*"' if own_hostnames else 'bash -c "$*"'
         cases = "\n".join(f'    {a}) ns={n} ;;' for a, n in zip(addrs, names))
         wrapper.write_text(f"""#!/bin/bash
 while [[ "$1" == -* ]]; do shift; done
@@ -60,13 +64,20 @@ case "$host" in
 {cases}
     *) echo "netns-launch: unknown host $host" >&2; exit 1 ;;
 esac
-exec ip netns exec "$ns" bash -c "$*"
+exec ip netns exec "$ns" {run}
 """)
         wrapper.chmod(0o755)
         yield names, addrs, wrapper, dict(zip(names, veths))
     finally:
         for ns in made:
             _ip("netns", "del", ns, check=False)  # the veth pair goes with them
+
+
+def on_host(name: str, cmd: list[str], own_hostnames: bool = False) -> list[str]:
+    """`cmd` run in namespace `name` (a launcher: mpiexec, prterun), in its own UTS namespace too."""
+    if not own_hostnames:
+        return ["ip", "netns", "exec", name, *cmd]
+    return ["ip", "netns", "exec", name, "unshare", "--uts", "sh", "-c", f'hostname h{name}; exec "$@"', "sh", *cmd]
 
 
 RATES = {"10gbit": 10e9, "1gbit": 1e9, "100mbit": 100e6}  # tc rate -> bits/s

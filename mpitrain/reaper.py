@@ -1,20 +1,25 @@
-"""Ends MPICH's mpiexec when it is left waiting for a host it cannot reach (issue 50: a partition).
+"""Ends the launcher when it is left waiting for a host it cannot reach (issue 50: a partition).
 
 Measured with two network-namespace hosts (rank 0 and a worker on A, two workers on B, async,
 `-disable-auto-cleanup`, B's link cut 4 s in): rank 0 declared B's workers lost, trained to its
 budget with the worker beside it and wrote its summary; B's ranks lost rank 0 and ended; every rank
 and both proxies were gone, and hydra's mpiexec still waited for B's proxy, whose end it can no
 longer hear, for good (100 s and counting; under Slurm such a job keeps its allocation until its
-time limit). SIGTERM ends it (its exit code 255).
+time limit). SIGTERM ends it (its exit code 255). Open MPI's prterun (`--with-ft ulfm`) does the
+same: every rank gone, it waited for B's prted 120 s and counting (2026-11-27). So does the reverse
+(rank 0 and a worker on B, cut off from mpirun's host A): A's workers lose rank 0 and end, rank 0
+finishes the job on B, and mpirun on A waits.
 
-So a rank that leaves after a lost peer under hydra starts this watcher (a new session, stdio
-closed): when mpiexec is this rank's ancestor (it ran on this host) and for GRACE_S it has had no
-proxy left on this host (every rank here has ended) and still not exited, the only processes it
-waits for are on hosts it cannot reach. It writes one line to mpiexec's own stderr, where the
-user reads the job's output, and sends mpiexec SIGTERM. One watcher per mpiexec (a lock file), and
-none where mpiexec exits by itself, as it does after a lost peer on a reachable host.
+So a rank that leaves after a lost peer starts this watcher (a new session, stdio closed): when the
+launcher is this rank's ancestor (it ran on this host) and for GRACE_S it has had no rank left on
+this host (hydra: no proxy; prterun: no child with a PMIx rank) and still not exited, the only
+processes it waits for are on hosts it cannot reach. It writes one line to the launcher's own
+stderr, where the user reads the job's output, and sends it SIGTERM. One watcher per launcher (a
+lock file), and none where the launcher exits by itself, as it does after a lost peer on a
+reachable host or once a partition heals (measured: B's link back 10 s after the cut, hydra heard
+B's ranks end and exited by itself, 13 = rank 0's 8 | the workers' 5).
 
-    python -m mpitrain.reaper MPIEXEC_PID
+    python -m mpitrain.reaper LAUNCHER_PID
 """
 
 from __future__ import annotations
@@ -32,14 +37,18 @@ from mpitrain.samehost import stat_fields
 GRACE_S = float(os.environ.get("MPITRAIN_REAPER_GRACE_S", "20"))
 GIVE_UP_S = 3600.0  # a watcher never outlives this
 POLL_S = 1.0
-LAUNCHERS = ("mpiexec", "mpiexec.hydra", "mpirun")  # hydra's front end, as /proc/PID/comm names it
+# How the launcher is ended, each signal given so many seconds. hydra's mpiexec ends on SIGTERM. Open
+# MPI's prterun does not (it waits to take down the daemon it cannot reach: measured, a second SIGTERM
+# did nothing either); a second SIGINT within a moment ends it, as Ctrl-C twice does at a terminal.
+END_SIGNALS = ((signal.SIGTERM, 5.0), (signal.SIGINT, 0.5), (signal.SIGINT, 5.0), (signal.SIGKILL, 5.0))
+# hydra's front end and Open MPI's (its mpirun execs prterun), as /proc/PID/comm names them
+LAUNCHERS = ("mpiexec", "mpiexec.hydra", "mpirun", "prterun")
 PROXY = "hydra_pmi_prox"  # hydra_pmi_proxy, as /proc/PID/comm truncates it (15 characters)
+PMIX_RANK = b"PMIX_RANK="  # in the environment of each rank prterun starts on its own host
 
 
 def _comm(pid: int) -> str:
     return Path(f"/proc/{pid}/comm").read_text().strip()
-
-
 
 
 def _parent(pid: int) -> int:
@@ -47,8 +56,8 @@ def _parent(pid: int) -> int:
 
 
 def launcher_above(pid: int, levels: int = 6) -> int | None:
-    """The hydra mpiexec among this process's ancestors (rank -> supervisor -> proxy -> mpiexec), or
-    None: it runs on another host (or the launcher is not hydra's)."""
+    """The launcher among this process's ancestors (hydra: rank -> supervisor -> proxy -> mpiexec;
+    Open MPI: rank -> prterun), or None: it runs on another host (or under another launcher: srun)."""
     try:
         for _ in range(levels):
             pid = _parent(pid)
@@ -61,24 +70,32 @@ def launcher_above(pid: int, levels: int = 6) -> int | None:
     return None
 
 
-def proxies_here(launcher: int) -> bool:
-    """Whether mpiexec still has a proxy on this host (a rank here may still be running)."""
+def ranks_here(launcher: int) -> bool:
+    """Whether the launcher still has a rank on this host: hydra's through its local proxy, prterun's
+    as its own children (its children on other hosts are daemons started over ssh: no PMIx rank)."""
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 stat = stat_fields(int(entry))
-                if int(stat[1]) == launcher and stat[0] not in "ZX" and _comm(int(entry)).startswith(PROXY):
-                    return True  # (an exited one not reaped yet is no proxy)
+                if int(stat[1]) != launcher or stat[0] in "ZX":  # (an exited one not reaped yet is gone)
+                    continue
+                if _comm(int(entry)).startswith(PROXY) or _is_rank(int(entry)):
+                    return True
             except (OSError, ValueError, IndexError):
                 continue
     return False
 
 
+def _is_rank(pid: int) -> bool:
+    return any(var.startswith(PMIX_RANK) for var in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"))
+
+
 def start(env=os.environ) -> None:
-    """A rank leaving after a lost peer: the watcher, when hydra's mpiexec runs on this host."""
+    """A rank leaving after a lost peer: the watcher, when the job's launcher runs on this host."""
     from mpitrain.mpiimpl import hydra_env
 
-    launcher = launcher_above(os.getpid()) if hydra_env(env) else None
+    under_a_launcher = hydra_env(env) or "OMPI_COMM_WORLD_RANK" in env  # (srun's ranks have no launcher above)
+    launcher = launcher_above(os.getpid()) if under_a_launcher else None
     if launcher is None:
         return
     try:
@@ -99,17 +116,62 @@ def watch(launcher: int, clock=time.monotonic, sleep=time.sleep) -> bool:
         except (OSError, IndexError):
             return False
         now = clock()
-        if proxies_here(launcher):
+        if ranks_here(launcher):
             alone_since = now
         elif now - alone_since >= GRACE_S:
             _tell(launcher, f"mpitrain: mpirun was still waiting {GRACE_S:g} s after every rank on this host had "
                             f"ended: the ranks it waits for are on a host it cannot reach (a network partition, or a "
-                            f"host that went down), and their end never reaches it; ending it (exit 255, mpirun's). "
-                            f"The job's summary and checkpoints above are complete\n")
-            os.kill(launcher, signal.SIGTERM)
+                            f"host that went down), and their end never reaches it; ending it. "
+                            f"Rank 0 finishes the job on whichever side it is, and its summary and checkpoints are "
+                            f"complete where its host writes them\n")
+            left = _children(launcher)  # its ssh sessions to the host it cannot reach
+            for signum, wait in END_SIGNALS:
+                os.kill(launcher, signum)
+                if _ended(launcher, wait, clock, sleep):
+                    break
+            _end_left(left)
             return True
         sleep(POLL_S)
     return False
+
+
+def _children(launcher: int) -> list[tuple[int, str]]:
+    """The launcher's live children here (no rank is left: its agents to other hosts), as (pid, start time)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = stat_fields(int(entry))
+                if int(stat[1]) == launcher and stat[0] not in "ZX":
+                    out.append((int(entry), stat[19]))
+            except (OSError, ValueError, IndexError):
+                continue
+    return out
+
+
+def _ended(launcher: int, wait: float, clock, sleep) -> bool:
+    """Whether the launcher ends within `wait` s."""
+    deadline = clock() + wait
+    while clock() < deadline:
+        try:
+            if stat_fields(launcher)[0] in "ZX":
+                return True
+        except (OSError, IndexError):
+            return True
+        sleep(POLL_S / 10)
+    return False
+
+
+def _end_left(left: list[tuple[int, str]]) -> None:
+    """SIGTERM what the launcher left of its children (an ssh session to the lost host would hold
+    mpirun's output open: `mpirun ... | tee` would not end), each checked to be the same process (its
+    start time) first."""
+    for pid, started in left:
+        try:
+            if stat_fields(pid)[19] == started:
+                os.kill(pid, signal.SIGTERM)
+        except (OSError, IndexError):
+            continue
 
 
 def _tell(pid: int, line: str) -> None:

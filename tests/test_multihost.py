@@ -12,24 +12,25 @@ from pathlib import Path
 
 import pytest
 
-from conftest import child_env, communicate_or_kill, kill_session, mpirun_path, only_on, wait_for_training
+from conftest import child_env, communicate_or_kill, kill_session, mpi_impl, mpirun_path, only_on, wait_for_training
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import netns  # noqa: E402  (benchmarks/netns.py: the namespaces, shared with benchmarks/slowlink.py)
 
-pytestmark = [pytest.mark.timeout(300),
-              only_on("mpich", "the namespaces are joined through hydra's -launcher-exec (an ssh stand-in)")]
+pytestmark = pytest.mark.timeout(300)
+ON_HYDRA = only_on("mpich", "the namespaces are joined through hydra's -launcher-exec (an ssh stand-in)")
 
 
 @pytest.fixture
 def two_hosts(tmp_path):
     try:
-        with netns.two_hosts(tmp_path) as (names, addrs, wrapper, veths):
+        with netns.two_hosts(tmp_path, own_hostnames=mpi_impl().name == "openmpi") as (names, addrs, wrapper, veths):
             yield names, addrs, wrapper, veths
     except netns.Unavailable as e:
         pytest.skip(str(e))
 
 
+@ON_HYDRA
 @pytest.mark.parametrize("slots,np_,num_ps,placed", [
     (2, 3, 1, [0, 0, 1]),  # ranks 0,1 on the first host, rank 2 on the second
     # one slot per host: hydra deals the ranks round-robin, so each server (ranks 0, 1) is on its
@@ -64,30 +65,90 @@ def test_training_across_two_hosts_from_a_hostfile(two_hosts, tmp_path, slots, n
     assert all(p["bytes_in"] > 0 for p in s["ps_shards"])  # (both namespaces share one host name)
 
 
-def test_a_partition_does_not_leave_mpirun_waiting(two_hosts, tmp_path):
-    """Rank 0 and a worker on host A, two workers on B; B's link goes down once training runs. Rank 0
-    declares B's workers lost and finishes the budget with the worker beside it; B's ranks lose rank 0
-    and end. Hydra's mpiexec then waited for B's proxy for good (measured: 100 s and counting); the
-    watcher (reaper.py) ends it once no rank is left on its host, in one line."""
+def partitioned(two_hosts, tmp_path, rank0_cut_off: bool = False, heal_after: float | None = None,
+                grace: str = "3") -> tuple[subprocess.Popen, str, dict, float]:
+    """An async job of 4 ranks, 2 per host, mpirun on host A; host B's link goes down once training
+    runs (and up again `heal_after` s later). rank0_cut_off: rank 0 and worker 1 are on B, else on A.
+    Returns mpirun, its stderr, rank 0's summary, and the seconds from the cut to mpirun's end."""
     names, addrs, wrapper, veths = two_hosts
-    hostfile = tmp_path / "hosts"
-    hostfile.write_text(f"{addrs[0]}:2\n{addrs[1]}:2\n")
     summary = tmp_path / "summary.json"
-    cmd = ["ip", "netns", "exec", names[0], mpirun_path(), "-disable-auto-cleanup", "-launcher", "ssh",
-           "-launcher-exec", str(wrapper), "-f", str(hostfile), "-localhost", addrs[0], "-np", "4", sys.executable,
-           "-m", "mpitrain", "--mode", "async", "--no-progress", "--worker-timeout", "2", "--steps", "30000",
-           "--summary-json", str(summary)]
-    env = {**child_env(), **netns.OVER_TCP, "MPITRAIN_REAPER_GRACE_S": "3"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
+    first, second = (addrs[1], addrs[0]) if rank0_cut_off else (addrs[0], addrs[1])
+    job = [sys.executable, "-m", "mpitrain", "--mode", "async", "--no-progress", "--worker-timeout", "2",
+           "--steps", "30000", "--summary-json", str(summary)]
+    env = {**child_env(), **netns.OVER_TCP, "MPITRAIN_REAPER_GRACE_S": grace}
+    if mpi_impl().name == "openmpi":  # its ssh agent is the wrapper; TCP between hosts, its ULFM to go on
+        cmd = [mpirun_path(), *mpi_impl().root_flags, *mpi_impl().keep_going, "--mca", "pml", "ob1", "--mca", "btl",
+               "self,sm,tcp", "--prtemca", "plm_ssh_agent", str(wrapper), "--host", f"{first}:2,{second}:2",
+               "-np", "4", *job]
+    else:
+        hostfile = tmp_path / "hosts"
+        hostfile.write_text(f"{first}:2\n{second}:2\n")
+        cmd = [mpirun_path(), *mpi_impl().keep_going, "-launcher", "ssh", "-launcher-exec", str(wrapper),
+               "-f", str(hostfile), "-localhost", addrs[0], "-np", "4", *job]
+    proc = subprocess.Popen(netns.on_host(names[0], cmd, own_hostnames=mpi_impl().name == "openmpi"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
     try:
         wait_for_training(proc, 4)
         time.sleep(1)
-        subprocess.run(["ip", "-n", names[1], "link", "set", veths[names[1]], "down"], check=True)
+        link = ["ip", "-n", names[1], "link", "set", veths[names[1]]]
+        subprocess.run([*link, "down"], check=True)
+        cut = time.monotonic()
+        if heal_after is not None:
+            time.sleep(heal_after)
+            subprocess.run([*link, "up"], check=True)
         _, err = communicate_or_kill(proc, 150)
+        took = time.monotonic() - cut
+        deadline = time.monotonic() + 60  # rank 0 on B finishes the budget beyond the cut, by itself
+        while not summary.exists() and time.monotonic() < deadline:
+            time.sleep(0.5)
     finally:
         kill_session(proc)
-    s = json.loads(summary.read_text())
+        # prterun's daemon on B leaves mpirun's session (its ssh agent is the wrapper): by its arguments
+        subprocess.run(["pkill", "-KILL", "-f", str(tmp_path)], check=False)
+    assert summary.exists(), err
+    return proc, err, json.loads(summary.read_text()), took
+
+
+REAPED = "mpirun was still waiting 3 s after every rank on this host had ended"
+
+
+@pytest.mark.parametrize("rank0_cut_off", [False, True], ids=["workers-cut-off", "rank0-cut-off"])
+@ON_HYDRA
+def test_a_partition_does_not_leave_mpirun_waiting(two_hosts, tmp_path, rank0_cut_off):
+    """Two workers on host B, cut off: rank 0 declares them lost and finishes the budget with the
+    worker beside it; B's ranks lose rank 0 and end. Or rank 0 and a worker on B, cut off from
+    mpirun's host A: A's workers lose rank 0 and end, rank 0 finishes on B. Either way hydra's mpiexec
+    then waited for B's proxy for good (measured: 100 s and counting); the watcher (reaper.py) ends it
+    once no rank is left on its host, in one line, within --worker-timeout + its grace + a few s."""
+    proc, err, s, took = partitioned(two_hosts, tmp_path, rank0_cut_off)
     assert s["global_step"] == 30000 and sorted(w["rank"] for w in s["lost_workers"]) == [2, 3], err
-    assert "mpirun was still waiting 3 s after every rank on this host had ended" in err, err
-    assert proc.returncode == 255 and "Traceback" not in err, err
+    assert REAPED in err and proc.returncode == 255 and "Traceback" not in err, err
+    assert took < 2 + 3 + 15, (took, err)
+    if rank0_cut_off:  # A's workers' own lines reach mpirun; rank 0's cannot
+        assert all(f"rank {r} lost the parameter server" in err for r in (2, 3)), err
+
+
+@ON_HYDRA
+def test_a_partition_that_heals_ends_as_a_lost_worker_does(two_hosts, tmp_path):
+    """B's link back 10 s after the cut: mpiexec exits by itself once it hears from B's proxy again, and
+    the watcher, given 20 s, never fires. Measured, either of two ways: it hears B's ranks end (their
+    lines come through; rank 0's 8 | the workers' 5 = 13, as for workers lost on a reachable host), or
+    B's proxy, its ranks gone, has closed its end meanwhile and hydra stops on that (its own
+    "assert (!closed) failed" lines, exit 255). Rank 0 has finished the budget either way."""
+    proc, err, s, took = partitioned(two_hosts, tmp_path, heal_after=10, grace="20")
+    assert s["global_step"] == 30000 and sorted(w["rank"] for w in s["lost_workers"]) == [2, 3], err
+    assert "still waiting" not in err and "Traceback" not in err and took < 10 + 15, (took, err)
+    heard = all(f"rank {r} lost the parameter server" in err for r in (2, 3))
+    assert (proc.returncode, heard) in ((13, True), (255, False)), (proc.returncode, err)
+    assert heard or "assert (!closed) failed" in err, err
+
+
+@only_on("openmpi", "prterun's own partition; hydra's is tested above")
+def test_a_partition_does_not_leave_prterun_waiting(two_hosts, tmp_path):
+    """Open MPI (--with-ft ulfm) across the same two hosts, B's workers cut off: prterun waited for B's
+    prted 120 s and counting once every rank was gone (measured), and SIGTERM did not end it; the
+    watcher's line, then Ctrl-C twice (reaper.END_SIGNALS): exit 1, prterun's."""
+    proc, err, s, took = partitioned(two_hosts, tmp_path)
+    assert s["global_step"] == 30000 and sorted(w["rank"] for w in s["lost_workers"]) == [2, 3], err
+    assert REAPED in err and "Traceback" not in err and proc.returncode == 1, (proc.returncode, err)
+    assert took < 2 + 3 + 5 + 15, (took, err)  # SIGTERM is given 5 s before the two SIGINTs that end it

@@ -1,24 +1,29 @@
-"""reaper.py against stand-ins for hydra's mpiexec (a process named so, with or without a proxy
-child): the real partition is tests/test_multihost.py's."""
+"""reaper.py against stand-ins for hydra's mpiexec and Open MPI's prterun (a process named so, with
+or without a proxy child, or a child with a PMIx rank): the real partitions are tests/test_multihost.py's."""
 
 import subprocess
 import sys
 import time
 
+import pytest
 from conftest import only_on
 
 from mpitrain import reaper
 
-pytestmark = only_on("mpich", "hydra's mpiexec is the one it watches; no MPI here, so one suite is enough")
+pytestmark = only_on("mpich", "stand-ins for either launcher, no MPI here: one suite is enough")
 
 NAMED = """
 import ctypes, subprocess, sys, time
 ctypes.CDLL(None).prctl(15, sys.argv[1].encode(), 0, 0, 0)  # PR_SET_NAME: what /proc/PID/comm says
-if len(sys.argv) > 2:  # a child named as hydra's proxy, alive as long as this process
+if sys.argv[2:] == ["with-proxy"]:  # a child named as hydra's proxy, for 3 s
     subprocess.Popen([sys.executable, "-c", __import__("textwrap").dedent('''
         import ctypes, time
         ctypes.CDLL(None).prctl(15, b"hydra_pmi_proxy", 0, 0, 0)
         time.sleep(3)''')])
+if sys.argv[2:] == ["with-rank"]:  # prterun's: a rank (PMIX_RANK set) for 3 s, and a daemon for good
+    import os
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3)"], env={**os.environ, "PMIX_RANK": "1"})
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
 time.sleep(30)
 """
 
@@ -38,10 +43,11 @@ def test_an_mpiexec_alone_on_its_host_is_told_why_and_ended(monkeypatch):
     assert "mpirun was still waiting 0.5 s after every rank on this host had ended" in proc.stderr.read()
 
 
-def test_an_mpiexec_with_a_proxy_here_is_waited_for_and_one_that_exits_is_left_alone(monkeypatch):
+@pytest.mark.parametrize("launcher,child", [("mpiexec", "with-proxy"), ("prterun", "with-rank")])
+def test_a_launcher_with_a_rank_here_is_waited_for_and_one_that_exits_is_left_alone(monkeypatch, launcher, child):
     monkeypatch.setattr(reaper, "GRACE_S", 1.0)
     monkeypatch.setattr(reaper, "POLL_S", 0.1)
-    proc = stand_in("mpiexec", "with-proxy")
+    proc = stand_in(launcher, child)
     t0 = time.monotonic()
     assert reaper.watch(proc.pid)  # only once its proxy (3 s) is gone, and 1 s more
     assert time.monotonic() - t0 >= 2.0
