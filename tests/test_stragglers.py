@@ -110,12 +110,39 @@ def test_quorum_with_a_compressed_wire_keeps_replicas_identical(tmp_path, compre
     assert s["test_accuracy"] >= 0.85
 
 
-@pytest.mark.parametrize("np_,quorum", [(3, 1), (4, 2)], ids=["1-of-2", "2-of-3"])
-def test_without_a_straggler_the_quorum_counts_every_worker(tmp_path, np_, quorum):
+def test_a_worker_never_heard_from_is_waited_for_a_few_times_then_taken_for_a_straggler():
+    """owed_until, on the coordinator (worker 0) with one other worker that has not pushed yet and is
+    owed a turn: its push is due as if it were as fast as the coordinator (PACE_SLACK x its compute
+    time after the update went out), for UNHEARD_HOLDS holds; after that, nothing is waited for."""
+    import time
+    from types import SimpleNamespace
+
+    from mpitrain.modes.quorum import QuorumCoordinator
+    from mpitrain.modes.quorum_parts import OWED_MARGIN_S, UNHEARD_HOLDS
+
+    now = time.perf_counter()
+    coord = SimpleNamespace(taken=[3, 0], helper=SimpleNamespace(seconds=0.5), pace=CoordinatorPace(1, 1), chosen=[0],
+                            sent_at=now, unheard_holds=[0], unheard=[])
+    due = QuorumCoordinator.owed_until(coord)
+    assert due == pytest.approx(now + PACE_SLACK * 0.5 + OWED_MARGIN_S) and coord.unheard == [0]
+    coord.unheard_holds = [UNHEARD_HOLDS]  # it let that many holds expire: a straggler
+    assert QuorumCoordinator.owed_until(coord) is None and coord.unheard == []
+    coord.pace.heard(0, 0.6)  # once heard from, its own pace counts
+    assert QuorumCoordinator.owed_until(coord) == pytest.approx(now + PACE_SLACK * 0.6 + OWED_MARGIN_S)
+    coord.pace.heard(0, 5.0)
+    coord.pace.heard(0, 5.0)  # slower than PACE_SLACK x the coordinator's: not waited for
+    assert QuorumCoordinator.owed_until(coord) is None
+
+
+@pytest.mark.parametrize("np_,quorum,local", [(3, 1, "1"), (4, 2, "1"), (3, 1, "8")],
+                         ids=["1-of-2", "2-of-3", "1-of-2-local-steps"])
+def test_without_a_straggler_the_quorum_counts_every_worker(tmp_path, np_, quorum, local):
     """TF's backup workers take gradients as they come: no worker's shard may starve. The chief's
     own gradient is ready first every step (the others first receive the update); before
-    quorum.owed_until it won almost every step: --quorum 1 of 2 counted [2994, 6]."""
-    s = train(np_, tmp_path, "--mode", "sync", "--quorum", str(quorum), "--steps", "1500")
+    quorum.owed_until it won almost every step: --quorum 1 of 2 counted [2994, 6]. With --local-steps 8
+    a worker whose rounds end just after the coordinator's never pushed one, so was never heard from
+    nor waited for: [350, 0] in 2 runs of 6, until owed_until gave such a worker the benefit of the doubt."""
+    s = train(np_, tmp_path, "--mode", "sync", "--quorum", str(quorum), "--steps", "1500", "--local-steps", local)
     counted = s["local_steps"]
     assert sum(counted) == quorum * 1500  # every update averaged exactly Q gradients
     assert max(counted) <= 2 * min(counted), counted  # each worker's share within 2x of the others'

@@ -46,6 +46,7 @@ PACE_RUN, PACE_WINDOW = 3, 5
 
 
 OWED_MARGIN_S = 2e-3  # --quorum: an update's trip to a worker and its push's back, on top of its compute time
+UNHEARD_HOLDS = 3  # --quorum: holds for a worker never heard from before it is taken for a straggler (owed_until)
 
 
 class GradientThread:
