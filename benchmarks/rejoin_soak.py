@@ -116,9 +116,12 @@ def one_job(mode: str, rng: random.Random, cycles: int, respawn: bool) -> dict:
             if not respawn:
                 joiners.append(Job([mpirun(), *mpiimpl.local_flags(IMPL), "-np", "1", sys.executable, "-m", "mpitrain",
                                     *flags(mode, ck), "--join"], tmp))
-            if not wait_count(job, ("joined as rank",), before + 1, 120):
+            # Stacks at STALL_S without the join, before rank 0's own deadline (join.py: 30 s) ends the
+            # job: taken at 120 s (2026-11-27) they showed only the spawned worker, left in MPI_Init.
+            early = "" if wait_count(job, ("joined as rank",), before + 1, STALL_S) else stalled(job)
+            if not wait_count(job, ("joined as rank",), before + 1, 120 - STALL_S):
                 problems.append("a joiner did not join")
-                stacks = stalled(job)
+                stacks = f"\n(at {STALL_S:g} s without the join){early}\n(at 120 s){stalled(job)}"
                 break
             joins += 1
             joined_s.append(time.monotonic() - t)
@@ -160,6 +163,9 @@ def one_job(mode: str, rng: random.Random, cycles: int, respawn: bool) -> dict:
         return {"mode": mode, "kills": kills, "joins": joins, "exit": code, "problems": problems,
                 "going_on_s": going_on_s, "joined_s": joined_s, "status": status,
                 "steps": summary["global_step"] if summary else None, "err": err[-3000:] + stacks}
+
+
+STALL_S = 10.0  # a join that has not happened this long after the kill: every process's stack, then
 
 
 def stalled(job: Job) -> str:

@@ -132,7 +132,8 @@ class TrainConfig:
         "(implies --no-overlap; with --local-steps, S outer steps)", shown="unbounded", metavar="S")
     staleness_lr: float | None = PARALLELISM(
         None, "async: scale each step's learning rate by min(1, K / its gradient's staleness): full for "
-        "gradients at most K updates old; the flag alone: K 1, lr / staleness (Zhang et al. 2016); 0: off",
+        "gradients at most K updates old; the flag alone: K 1, lr / staleness (Zhang et al. 2016); 0: off. "
+        "--local-steps: the outer step's, staleness in global steps, never below 1 / the workers (averaging)",
         shown=f"K {DEFAULT_STALENESS_TOLERANCE:g}", metavar="K", bare=1.0)
     delay_compensation: float | None = PARALLELISM(
         None, "async: correct each gradient for the updates applied since its worker was sent its parameters, "
