@@ -67,8 +67,8 @@ class OuterUpdate:
     means the same thing at every H), but never below 1 / W of it with W workers pushing, where a
     round of W pushes moves the model as far as model averaging does. Counted in outer steps instead
     (as before 2026-11-27) the pushes of 3 workers at H 8 are 2 outer but 16 global steps stale and
-    went undamped: erratic (digits, 1 core: 0.905-0.961; MNIST-sized, 8 workers: 0.63-0.73), where
-    this rule gives 0.947-0.953 and 0.940-0.942 (benchmarks/LOCAL_STEPS.md)."""
+    went undamped: erratic (digits, 1 core: 0.889-0.961; MNIST-sized, 8 workers: 0.63-0.73), where
+    this rule gives 0.947-0.955 and 0.9385-0.942 (benchmarks/LOCAL_STEPS.md)."""
 
     def __init__(self, cfg, params, xp, start_step: int, opt_t: int, opt_state: dict, saved_ema=None,
                  workers: int = 0, version: int = 0):

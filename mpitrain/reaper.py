@@ -73,17 +73,27 @@ def launcher_above(pid: int, levels: int = 6) -> int | None:
 def ranks_here(launcher: int) -> bool:
     """Whether the launcher still has a rank on this host: hydra's through its local proxy, prterun's
     as its own children (its children on other hosts are daemons started over ssh: no PMIx rank)."""
+    for pid, _ in _children(launcher):
+        try:
+            if _comm(pid).startswith(PROXY) or _is_rank(pid):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def _children(launcher: int) -> list[tuple[int, str]]:
+    """The launcher's live children on this host, as (pid, start time); an exited one not reaped yet is gone."""
+    out = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 stat = stat_fields(int(entry))
-                if int(stat[1]) != launcher or stat[0] in "ZX":  # (an exited one not reaped yet is gone)
-                    continue
-                if _comm(int(entry)).startswith(PROXY) or _is_rank(int(entry)):
-                    return True
+                if int(stat[1]) == launcher and stat[0] not in "ZX":
+                    out.append((int(entry), stat[19]))
             except (OSError, ValueError, IndexError):
                 continue
-    return False
+    return out
 
 
 def _is_rank(pid: int) -> bool:
@@ -124,7 +134,7 @@ def watch(launcher: int, clock=time.monotonic, sleep=time.sleep) -> bool:
                             f"host that went down), and their end never reaches it; ending it. "
                             f"Rank 0 finishes the job on whichever side it is, and its summary and checkpoints are "
                             f"complete where its host writes them\n")
-            left = _children(launcher)  # its ssh sessions to the host it cannot reach
+            left = _children(launcher)  # no rank is left: its agents (ssh sessions) to the host it cannot reach
             for signum, wait in END_SIGNALS:
                 os.kill(launcher, signum)
                 if _ended(launcher, wait, clock, sleep):
@@ -133,20 +143,6 @@ def watch(launcher: int, clock=time.monotonic, sleep=time.sleep) -> bool:
             return True
         sleep(POLL_S)
     return False
-
-
-def _children(launcher: int) -> list[tuple[int, str]]:
-    """The launcher's live children here (no rank is left: its agents to other hosts), as (pid, start time)."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = stat_fields(int(entry))
-                if int(stat[1]) == launcher and stat[0] not in "ZX":
-                    out.append((int(entry), stat[19]))
-            except (OSError, ValueError, IndexError):
-                continue
-    return out
 
 
 def _ended(launcher: int, wait: float, clock, sleep) -> bool:
