@@ -142,8 +142,6 @@ def never_returns(*_args) -> None:
         time.sleep(3600)
 
 
-
-
 def rank_pids(root: int, supervised: bool = True) -> dict[int, tuple[int, int | None]]:
     """For the chaos tests: MPI rank -> (pid of the training process, pid of its supervisor or
     None), among the descendants of process `root` (mpirun), read from /proc. Under hydra the

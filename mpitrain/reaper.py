@@ -120,10 +120,7 @@ def watch(launcher: int, clock=time.monotonic, sleep=time.sleep) -> bool:
     True when it was ended here."""
     started = alone_since = clock()
     while clock() - started < GIVE_UP_S:
-        try:
-            if _comm(launcher) not in LAUNCHERS or stat_fields(launcher)[0] in "ZX":
-                return False  # it exited (a zombie not reaped yet, or the pid another process's by now)
-        except (OSError, IndexError):
+        if _gone(launcher):
             return False
         now = clock()
         if ranks_here(launcher):
@@ -145,14 +142,19 @@ def watch(launcher: int, clock=time.monotonic, sleep=time.sleep) -> bool:
     return False
 
 
+def _gone(launcher: int) -> bool:
+    """Whether the launcher has exited (a zombie not reaped yet, or the pid another process's by now)."""
+    try:
+        return _comm(launcher) not in LAUNCHERS or stat_fields(launcher)[0] in "ZX"
+    except (OSError, IndexError):
+        return True
+
+
 def _ended(launcher: int, wait: float, clock, sleep) -> bool:
     """Whether the launcher ends within `wait` s."""
     deadline = clock() + wait
     while clock() < deadline:
-        try:
-            if stat_fields(launcher)[0] in "ZX":
-                return True
-        except (OSError, IndexError):
+        if _gone(launcher):
             return True
         sleep(POLL_S / 10)
     return False
