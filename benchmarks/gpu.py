@@ -23,18 +23,22 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from run import add_saved_run_flags, machine, measured_or_saved, median_row, run_mpitrain, run_torch  # noqa: E402
 
+FED = "one GPU worker fed, mlp 784-4096-4096-10, batch 4096"
 CONFIGS = {  # name -> (hidden, batch, global steps, synthetic samples)
     "mlp 784-100-10, batch 100": ("100", 100, 3000, 12000),
     "mlp 784-4096-4096-10, batch 4096": ("4096,4096", 4096, 300, 60000),
+    FED: ("4096,4096", 4096, 120, 60000),
 }
 ONE, ASYNC, SYNC, TORCH = "one process", "async np=3 (2 workers, one GPU)", "sync np=3 (2 workers, one GPU)", \
     "PyTorch, same GPU, 1 process"
 
 
-def rows_for(hidden: str, batch: int, steps: int, samples: int) -> list[tuple[str, callable]]:
+def rows_for(name: str, hidden: str, batch: int, steps: int, samples: int) -> list[tuple[str, callable]]:
     base = ["--device", "gpu", "--dataset", "synthetic", "--synthetic-samples", str(samples), "--model", "mlp",
             "--hidden", hidden, "--batch-size", str(batch), "--steps", str(steps)]
     torch_args = ("--device", "cuda", "--hidden", hidden, "--batch-size", str(batch), "--samples", str(samples))
+    if name == FED:
+        return fed_rows(base) + [(TORCH, lambda: run_torch(1, "mlp", steps, torch_args))]
     return [
         (ONE, lambda: run_mpitrain(0, base)),
         (ASYNC, lambda: run_mpitrain(3, base)),
@@ -42,6 +46,31 @@ def rows_for(hidden: str, batch: int, steps: int, samples: int) -> list[tuple[st
         ("async np=3 --compress bf16", lambda: run_mpitrain(3, [*base, "--compress", "bf16"])),
         (TORCH, lambda: run_torch(1, "mlp", steps, torch_args)),
     ]
+
+
+def slim(summary: dict) -> dict:
+    """What the tables read from a run's summary (the raw figures kept in the JSON)."""
+    keep = ("samples_per_second", "global_step", "bytes_per_sample", "ps_busy_fraction", "time_breakdown",
+            "train_seconds")
+    out = {k: summary.get(k) for k in keep}
+    out["server_busy"] = [sh.get("busy_fraction") for sh in summary.get("ps_shards") or []]
+    return out
+
+
+def fed_rows(base: list[str]) -> list[tuple[str, callable]]:
+    """One GPU worker, and what feeds it (issue 52, item 2): the server on the GPU, K CPU servers
+    (ranks 0..K-1, the worker rank K), local steps, the shared-memory store."""
+    rows = [(ONE, lambda: run_mpitrain(0, base)),
+            ("async np=2, 1 CPU server", lambda: run_mpitrain(2, base)),
+            ("async np=2 --ps-device gpu", lambda: run_mpitrain(2, [*base, "--ps-device", "gpu"]))]
+    rows += [(f"async --num-ps {k} (np={k + 1})", lambda k=k: run_mpitrain(k + 1, [*base, "--num-ps", str(k)]))
+             for k in (2, 4, 8)]
+    rows += [(f"async np=2 --local-steps {h}", lambda h=h: run_mpitrain(2, [*base, "--local-steps", str(h)]))
+             for h in (8, 32)]
+    rows += [("async np=2 --ps-transport shm", lambda: run_mpitrain(2, [*base, "--ps-transport", "shm"])),
+             ("async np=2 --ps-device gpu --local-steps 8",
+              lambda: run_mpitrain(2, [*base, "--ps-device", "gpu", "--local-steps", "8"]))]
+    return rows
 
 
 def staging(hidden: str, batch: int, reps: int = 200) -> dict:
@@ -99,7 +128,7 @@ def measure(reps: int, save=lambda res: None, only: str = "") -> dict:
     for cname, (hidden, batch, steps, samples) in CONFIGS.items():
         if only not in cname:
             continue
-        rows = rows_for(hidden, batch, steps, samples)
+        rows = rows_for(cname, hidden, batch, steps, samples)
         raw: dict[str, list] = {name: [] for name, _ in rows}
         for rep in range(reps):
             for rname, fn in rows:
@@ -108,8 +137,10 @@ def measure(reps: int, save=lambda res: None, only: str = "") -> dict:
                     raw[rname].append(fn())
                 except Exception as exc:  # one failed row must not cost the others
                     print(f"  failed: {exc}", file=sys.stderr, flush=True)
-        result["configs"][cname] = {"steps": steps, "reps": reps, "rows": {k: median_row(v) for k, v in raw.items()},
-                                    "staging": staging(hidden, batch)}
+        result["configs"][cname] = {"steps": steps, "reps": reps, "batch": batch,
+                                    "rows": {k: median_row(v) for k, v in raw.items()},
+                                    "raw": {k: [slim(r) for r in v if r] for k, v in raw.items()},
+                                    "staging": None if cname == FED else staging(hidden, batch)}
         save(result)  # a run cut short still leaves the finished configurations
     return result
 
@@ -122,6 +153,9 @@ def report(res: dict) -> str:
              "- each row: median of the interleaved repetitions given with each table; synthetic MNIST-shaped "
              "data; SGD; np=3 puts both workers on the one GPU", ""]
     for cname, c in res["configs"].items():
+        if cname == FED:
+            lines += fed_report(cname, c)
+            continue
         rows = c["rows"]
         torch = (rows.get(TORCH) or {}).get("rate")
         lines += [f"## {cname}, {c['steps']} global steps, median of {c.get('reps', res['reps'])} run(s)", "",
@@ -146,6 +180,29 @@ def report(res: dict) -> str:
                          f"| {100 * st / (st + s['compute_ms']):.0f}% |")
         lines.append("")
     return "\n".join(lines)
+
+
+def fed_report(cname: str, c: dict) -> list[str]:
+    """The fed-worker table: each configuration against one process, with what it moves and how
+    busy its servers were."""
+    one = (c["rows"].get(ONE) or {}).get("rate")
+    lines = [f"## {cname}, {c['steps']} global steps, median of {c['reps']} run(s)", "",
+             "| run | samples/s | vs one process | MB through MPI per step (worker) | servers busy | "
+             "worker computing |", "|---|---|---|---|---|---|"]
+    for rname, r in c["rows"].items():
+        if r is None:
+            lines.append(f"| {rname} | failed or skipped | | | | |")
+            continue
+        raw = (c.get("raw") or {}).get(rname) or [{}]
+        mid = sorted(raw, key=lambda x: x.get("samples_per_second") or 0)[len(raw) // 2]
+        bps = mid.get("bytes_per_sample")
+        mb = f"{bps * c['batch'] / 1e6:.1f}" if bps else "-"
+        busy = ", ".join(f"{b:.0%}" for b in mid.get("server_busy") or [] if b is not None) or "-"
+        tb = mid.get("time_breakdown") or []
+        comp = f"{tb[0]['compute']:.0%}" if tb and tb[0] else "-"  # fractions of the worker's wall time
+        vs = f"{r['rate'] / one:.2f}x" if one else "n/a"
+        lines.append(f"| {rname} | {r['rate']:,.0f} | {vs} | {mb} | {busy} | {comp} |")
+    return lines + [""]
 
 
 def main() -> int:

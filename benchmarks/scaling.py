@@ -58,7 +58,66 @@ def measure(nps: tuple[int, ...], reps: int, torch_steps: int, save=lambda res: 
     return res
 
 
+SERVER_KINDS = {  # --servers: name -> (extra ranks beside the workers, flags)
+    "async --num-ps 1": (1, []), "async --num-ps 2": (2, ["--num-ps", "2"]), "async --num-ps 4": (4, ["--num-ps", "4"]),
+    "async --ps-transport shm": (1, ["--ps-transport", "shm"]),
+}
+
+
+def measure_servers(workers: tuple[int, ...], reps: int, save=lambda res: None, model: str = "mlp") -> dict:
+    """--servers: at each worker count, async with 1, 2 and 4 parameter servers and with the
+    shared-memory store, against the compute ceiling of as many independent processes."""
+    steps = MODELS[model][1]
+    res = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "machine": machine().replace("; no GPU on this machine", ""), "cores": os.cpu_count(), "reps": reps,
+           "model": model, "servers": {}}
+    base = ["--dataset", "synthetic", "--model", model]
+    for w in workers:
+        runs = {"compute ceiling": lambda: run_independent(w, [*base, "--steps", str(steps)])}
+        runs.update({kind: (lambda k=k, flags=flags: run_mpitrain(w + k, [*base, "--steps", str(steps * w), *flags]))
+                     for kind, (k, flags) in SERVER_KINDS.items()})
+        row = {}
+        for kind, fn in runs.items():
+            got = []
+            for rep in range(reps):
+                print(f"[{model} {w} workers rep {rep + 1}/{reps}] {kind}", file=sys.stderr, flush=True)
+                try:
+                    got.append(fn())
+                except Exception as exc:  # one failed cell must not cost the table
+                    print(f"  failed: {str(exc)[-500:]}", file=sys.stderr, flush=True)
+            row[kind] = median_row(got)
+        res["servers"][str(w)] = row
+        save(res)
+    return res
+
+
+def report_servers(res: dict) -> str:
+    kinds = [k for k in SERVER_KINDS]
+    lines = ["# mpitrain async with several parameter servers on one many-core machine (NumPy, CPU)", "",
+             f"- date: {res['date']}", f"- machine: {res['machine']} ({res['cores']} cores)",
+             "- command: `python benchmarks/scaling.py --servers 8,15 --json servers.json`",
+             f"- {res['model']} ({MODELS[res['model']][0]}), batch 100 per worker; each cell samples/s, "
+             f"median of {res['reps']} run(s), with its share of the compute ceiling and the servers' busy share; "
+             "ranks = workers + servers (15 workers and 4 servers oversubscribe 16 cores)", "",
+             "| workers | compute ceiling | " + " | ".join(kinds) + " |", "|---|---|" + "---|" * len(kinds)]
+    for w, row in res["servers"].items():
+        ceiling = (row.get("compute ceiling") or {}).get("rate")
+        cells = []
+        for k in kinds:
+            r = row.get(k)
+            if not r:
+                cells.append("failed")
+                continue
+            share = f" ({r['rate'] / ceiling:.2f}x)" if ceiling else ""
+            busy = f", busy {100 * r['busy']:.0f}%" if r.get("busy") is not None else ""
+            cells.append(f"{r['rate']:,.0f}{share}{busy}")
+        lines.append(f"| {w} | {f'{ceiling:,.0f}' if ceiling else 'failed'} | " + " | ".join(cells) + " |")
+    return "\n".join(lines + [""])
+
+
 def report(res: dict) -> str:
+    if "servers" in res:
+        return report_servers(res)
     lines = ["# mpitrain scaling on one many-core machine (NumPy, CPU)", "",
              f"- date: {res['date']}", f"- machine: {res['machine']}",
              "- command: `python benchmarks/scaling.py --json scaling.json`, tables and plot by `--report`",
@@ -123,15 +182,21 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=1)
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--torch-steps", type=int, default=500)
+    p.add_argument("--servers", metavar="W[,W]", help="instead: async with 1, 2, 4 servers and shm at W workers "
+                   "(the first of --models)")
     add_saved_run_flags(p, "benchmarks/SCALING.md")
     p.add_argument("--plot", help="draw the curve here (e.g. docs/scaling-16core.png); needs matplotlib")
     args = p.parse_args()
     nps, models = tuple(int(n) for n in args.nps.split(",")), tuple(args.models.split(","))
-    res = measured_or_saved(args, lambda save: measure(nps, args.reps, args.torch_steps, save, models))
+    if args.servers:
+        workers = tuple(int(w) for w in args.servers.split(","))
+        res = measured_or_saved(args, lambda save: measure_servers(workers, args.reps, save, models[0]))
+    else:
+        res = measured_or_saved(args, lambda save: measure(nps, args.reps, args.torch_steps, save, models))
     text = report(res)
     if args.out:
         Path(args.out).write_text(text)
-    if args.plot:
+    if args.plot and "models" in res:
         plot(res, args.plot)
     print(text)
     return 0

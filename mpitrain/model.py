@@ -135,12 +135,18 @@ class MLP:
             return self._loss_and_grad(params, x, y, grad)
 
     def _loss_and_grad(self, params, x, y, grad) -> float:
+        return -float(self.log_likelihood_and_grad(params, x, y, grad)) / x.shape[0] + self._l2_term(params)
+
+    def log_likelihood_and_grad(self, params, x, y, grad):
+        """The batch's summed log-likelihood, left where it was computed (a CuPy 0-d array on a GPU:
+        reading it is a host round trip, which benchmarks/gpu_profile.py prices); the gradient of
+        the mean loss into `grad`, as loss_and_grad."""
         xp = self.xp
         n = x.shape[0]
         acts = self._forward(params, x)
         logp = self._log_softmax_(acts[-1])
         rows = xp.arange(n)
-        loss = -float(logp[rows, y].sum()) / n
+        total = logp[rows, y].sum()
         # d loss / d logits = softmax - onehot, over n; computed in place of logp.
         d = logp
         xp.exp(d, out=d)
@@ -160,7 +166,7 @@ class MLP:
                 d_prev = xp.matmul(d, W.T)
                 d_prev *= a_prev > 0  # ReLU'
                 d = d_prev
-        return loss + self._l2_term(params)
+        return total
 
     def evaluate(self, params, x, y, chunk: int = 4096) -> tuple[float, float, np.ndarray]:
         """(mean loss, accuracy, predictions as host int array) over a whole set, in chunks."""

@@ -178,3 +178,43 @@ def test_cuda_aware_follows_what_the_mpi_library_says(tmp_path):
         for mode in ("async", "sync"):
             s = train(3, tmp_path, "--device", "gpu", "--cuda-aware", "--mode", mode)
             assert "CUDA-aware MPI" in s["_stdout"] and s["test_accuracy"] >= 0.90
+
+
+@pytest.mark.parametrize("compress", ["none", "bf16"])
+def test_a_gpu_parameter_server_trains_as_a_cpu_one_and_evaluates_on_its_gpu(tmp_path, compress):
+    """--ps-device gpu: rank 0 keeps the parameters, the optimizer's state and the EMA on its GPU,
+    decodes pushes there and evaluates there (chief.record_eval on rank 0's CuPy backend). One
+    worker and --no-overlap make the run deterministic up to float32 rounding (CuPy's kernels
+    contract multiply-adds), so it must end where the same run with a NumPy server ends."""
+    args = ("--no-overlap", "--steps", "300", "--optimizer", "adam", "--lr", "0.01", "--ema-decay", "0.9",
+            "--eval-every", "100", "--compress", compress)
+    cpu = train(2, tmp_path, "--device", "gpu", *args)
+    gpu = train(2, tmp_path, "--device", "gpu", "--ps-device", "gpu", *args)
+    assert "GPU 0" in gpu["_stdout"].splitlines()[0] and "GPU 0" not in cpu["_stdout"].splitlines()[0]
+    assert [e["global_step"] for e in gpu["eval_history"]] == [e["global_step"] for e in cpu["eval_history"]] == [100, 200, 300]
+    assert all("ema_test_accuracy" in e for e in gpu["eval_history"])
+    assert gpu["test_accuracy"] >= 0.90 and abs(gpu["test_accuracy"] - cpu["test_accuracy"]) <= 0.01
+    assert gpu["final_loss"] == pytest.approx(cpu["final_loss"], rel=0.05, abs=0.01)  # ~0.02 at the end
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_users_model_trains_on_cupy_workers(mode):
+    """examples/custom_model.py's model, written against `xp`, through the API on GPU workers (and,
+    in async, a GPU server): its with_backend(cupy) copy is what computes."""
+    from test_seams import run_python
+
+    extra = ', ps_device="gpu"' if mode == "async" else ""
+    code = f"""
+import sys
+sys.path.insert(0, "examples")
+import mpitrain
+from custom_model import SmoothedLogistic
+r = mpitrain.train(model=SmoothedLogistic(64, 10), mode={mode!r}, device="gpu", epochs=30, progress=False{extra})
+if mpitrain.rank() == 0:
+    print("ACC", r["test_accuracy"])
+"""
+    proc = run_python(code, np_=3)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    placement = [ln for ln in proc.stdout.splitlines() if ln.startswith("rank ")]
+    assert sum("GPU 0" in ln for ln in placement) == (3 if mode == "async" else 2), proc.stdout
+    assert float(proc.stdout.split("ACC ")[1].split()[0]) > 0.9, proc.stdout
