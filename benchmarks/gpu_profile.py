@@ -40,10 +40,12 @@ def cupy_steps(hidden: str, batch: int):
     import cupy
 
     from mpitrain.data import make_synthetic
-    from mpitrain.model import MLP
+    from mpitrain.model import MLP, PlainOps
 
     sizes = (784, *map(int, hidden.split(",")), 10)
     model = MLP(sizes, 0.0, cupy)
+    plain = MLP(sizes, 0.0, cupy)
+    plain.ops = PlainOps(cupy)  # the element-wise steps as array expressions, as before FusedOps
     ds = make_synthetic(max(12000, 4 * batch), 784, 10, 0)
     x_all, y_all = cupy.asarray(ds.x_train), cupy.asarray(ds.y_train)
     params = cupy.asarray(model.init_params(0))
@@ -74,8 +76,15 @@ def cupy_steps(hidden: str, batch: int):
         model.log_likelihood_and_grad(params, x, y, grad)
         params[...] -= LR * grad
 
-    return {"mpitrain's step (2 host reads)": as_is, "one host read": one_read, "no host read": no_read}, \
-        cupy.cuda.Device().synchronize
+    def plain_ops():
+        x, y = batch_xy()
+        loss = plain.loss_and_grad(params, x, y, grad)
+        finite = float(cupy.dot(grad, grad))
+        params[...] -= LR * grad
+        return loss, finite
+
+    return {"mpitrain's step (2 host reads)": as_is, "the same, unfused element-wise ops": plain_ops,
+            "one host read": one_read, "no host read": no_read}, cupy.cuda.Device().synchronize
 
 
 def torch_steps(hidden: str, batch: int):
@@ -124,12 +133,13 @@ def timed(fn, sync, steps: int) -> float:
     return sorted(blocks)[1]
 
 
-def kernels_per_step(fn, sync) -> int | None:
-    """CUDA kernels one step launches (any library's: CUPTI sees the device), or None."""
+def kernels_per_step(fn, sync) -> tuple[int | None, list]:
+    """CUDA kernels one step launches (any library's: CUPTI sees the device), and the costliest
+    kinds: [(name, microseconds per step)]; None where torch.profiler is missing."""
     try:
         from torch.profiler import ProfilerActivity, profile
     except ImportError:
-        return None
+        return None, []
     fn()
     sync()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -137,8 +147,14 @@ def kernels_per_step(fn, sync) -> int | None:
             fn()
         sync()
     kernels = [e for e in prof.events() if getattr(e, "device_type", None) is not None
-               and str(e.device_type).endswith("CUDA") and "Memcpy" not in e.name and "Memset" not in e.name]
-    return round(len(kernels) / 10)
+               and str(e.device_type).endswith("CUDA")]
+    per: dict[str, float] = {}
+    for e in kernels:
+        us = getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0) or 0.0
+        per[e.name[:70]] = per.get(e.name[:70], 0.0) + us / 10
+    top = sorted(per.items(), key=lambda kv: kv[1], reverse=True)[:10]
+    launched = [e for e in kernels if "Memcpy" not in e.name and "Memset" not in e.name]
+    return round(len(launched) / 10), top
 
 
 def gemms(batch: int = 4096, hidden: str = "4096,4096", reps: int = 20) -> list[dict]:
@@ -220,10 +236,14 @@ def main() -> int:
                 continue
             for name, fn in fns.items():
                 ms = timed(fn, sync, steps)
-                rows[name] = {"ms_per_step": ms, "samples_per_s": batch / ms * 1e3,
-                              "kernels_per_step": kernels_per_step(fn, sync)}
+                count, top = kernels_per_step(fn, sync)
+                rows[name] = {"ms_per_step": ms, "samples_per_s": batch / ms * 1e3, "kernels_per_step": count,
+                              "top_kernels_us": top}
                 print(f"mlp 784-{hidden.replace(',', '-')}-10 batch {batch}: {name}: {ms:.3f} ms/step, "
-                      f"{rows[name]['kernels_per_step']} kernels", flush=True)
+                      f"{count} kernels", flush=True)
+                if batch > 1000:
+                    for kname, us in top[:8]:
+                        print(f"      {us:9.1f} us  {kname}", flush=True)
         res["steps"][f"784-{hidden.replace(',', '-')}-10, batch {batch}"] = rows
         save()
     res["gemms"] = gemms()
@@ -235,7 +255,30 @@ def main() -> int:
     for r in res["python_profile"][:15]:
         print(f"{r['own_s']:8.3f} s own {r['cum_s']:8.3f} s cum {r['calls']:>8} calls  {r['function']}", flush=True)
     save()
+    res["real_runs"] = real_runs()
+    save()
     return 0
+
+
+def real_runs() -> dict:
+    """`python -m mpitrain` (one process) against torch_ddp.py on the same GPU, model, batch and
+    steps: samples/s as each reports it (mpitrain's clock starts before the data reaches the GPU;
+    PyTorch's after 20 warm-up steps), at a short and a longer run to show the one-off costs."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from run import run_mpitrain, run_torch
+
+    out = {}
+    for hidden, batch, steps in (("100", 100, 3000), ("4096,4096", 4096, 120), ("4096,4096", 4096, 600)):
+        samples = 12000 if batch == 100 else 60000
+        base = ["--device", "gpu", "--dataset", "synthetic", "--synthetic-samples", str(samples), "--model", "mlp",
+                "--hidden", hidden, "--batch-size", str(batch), "--steps", str(steps)]
+        key = f"784-{hidden.replace(',', '-')}-10, batch {batch}, {steps} steps"
+        mine = run_mpitrain(0, base)["samples_per_second"]
+        torch = run_torch(1, "mlp", steps, ("--device", "cuda", "--hidden", hidden, "--batch-size", str(batch),
+                                            "--samples", str(samples)))
+        out[key] = {"mpitrain": mine, "pytorch": torch and torch["samples_per_second"]}
+        print(f"real run {key}: mpitrain {mine:,.0f} samples/s, PyTorch {out[key]['pytorch'] or 0:,.0f}", flush=True)
+    return out
 
 
 if __name__ == "__main__":

@@ -78,6 +78,11 @@ class CupyBackend(Backend):
                 decode(cp, host, dev)  # device to device
             return
         landing = dev if dev.dtype == host.dtype else cp.empty(host.shape, host.dtype)
+        # The copy overwrites `dev` (or a pooled block a decode queued before may still read): after
+        # the compute already queued. Without this wait a follower of --quorum that applies two
+        # updates in a row overwrote the first while its optimizer step was still reading it, and
+        # the replicas drifted apart (seen on an H200; bf16 went through a fresh block and a decode).
+        self._copy_after_compute()
         landing.set(host, stream=self.copy_stream)
         done = cp.cuda.Event()
         done.record(self.copy_stream)
@@ -96,11 +101,15 @@ class CupyBackend(Backend):
             narrow = cp.empty(host.shape, host.dtype)
             encode(cp, dev, narrow)
             dev = narrow
-        ready = cp.cuda.Event()
-        ready.record(cp.cuda.get_current_stream())
-        self.copy_stream.wait_event(ready)  # the copy waits for the compute that wrote `dev`
+        self._copy_after_compute()  # the copy reads what the compute queued before writes into `dev`
         dev.get(stream=self.copy_stream, out=host)
         self.copy_stream.synchronize()  # MPI reads `host` next
+
+    def _copy_after_compute(self) -> None:
+        """The copy stream's next copy starts after every kernel queued so far on this thread's stream."""
+        ready = self.cp.cuda.Event()
+        ready.record(self.cp.cuda.get_current_stream())
+        self.copy_stream.wait_event(ready)
 
     def asarray(self, a: np.ndarray):
         return self.cp.asarray(a)

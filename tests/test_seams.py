@@ -21,6 +21,8 @@ def sync_worker_context(*flags):
 class AsIfAnotherWorkerSentZeros:
     """A reducer standing in for MPI's: a second worker whose gradient and loss are zero."""
 
+    alone = False
+
     def __init__(self):
         self.calls = 0
 
@@ -230,3 +232,69 @@ def test_ps_device_gpu_is_refused_in_one_line_where_it_cannot_work(flags, needle
         pytest.skip("a GPU is usable here")
     proc = run_mpitrain(3, *flags, "--steps", "5")
     assert proc.returncode == 2 and len(own_lines(proc.stderr)) == 1 and needle in proc.stderr, proc.stderr
+
+
+# -- the GPU backend's copy stream -------------------------------------------------------------------
+
+class _FakeCuda:
+    """Just enough of CuPy for CupyBackend's staging: streams, events and arrays log what is queued."""
+
+    def __init__(self):
+        self.log: list[tuple] = []
+        cuda = self
+
+        class Stream:
+            def __init__(self, non_blocking=False, name="copy"):
+                self.name = name
+
+            def wait_event(self, ev):
+                cuda.log.append(("wait", self.name, ev.on))
+
+            def synchronize(self):
+                cuda.log.append(("sync", self.name))
+
+        class Event:
+            on = None
+
+            def record(self, stream):
+                self.on = stream.name
+                cuda.log.append(("record", stream.name))
+
+        class Array:
+            dtype = np.dtype(np.float32)
+
+            def set(self, host, stream):
+                cuda.log.append(("copy into", stream.name))
+
+            def get(self, stream, out):
+                cuda.log.append(("copy out of", stream.name))
+
+        self.Stream, self.Event, self.Array = Stream, Event, Array
+        self.compute = Stream(name="compute")
+        self.Device = lambda i: type("D", (), {"use": lambda self: None})()
+        self.runtime = type("R", (), {"getDeviceProperties": staticmethod(lambda i: {"name": b"fake"})})
+
+    def get_current_stream(self):
+        return self.compute
+
+
+def test_a_gpu_copy_is_queued_behind_the_compute_that_uses_its_buffer():
+    """CupyBackend's copies run on their own stream. An upload overwrites a device buffer that kernels
+    queued before it may still read (a --quorum follower applying two updates in a row: the second
+    overwrote the first under its optimizer step, and replicas drifted apart on an H200), so the copy
+    waits for them, and what follows waits for the copy; a download waits for the kernels that
+    wrote its buffer and for its own copy (MPI reads the host buffer next)."""
+    from types import SimpleNamespace
+
+    from mpitrain.backend import CupyBackend
+
+    fake = _FakeCuda()
+    be = CupyBackend(SimpleNamespace(cuda=fake), 0)
+    host = np.zeros(4, np.float32)
+    fake.log.clear()
+    be.upload(fake.Array(), host)
+    assert fake.log == [("record", "compute"), ("wait", "copy", "compute"), ("copy into", "copy"),
+                        ("record", "copy"), ("wait", "compute", "copy")]
+    fake.log.clear()
+    be.download(fake.Array(), host)
+    assert fake.log == [("record", "compute"), ("wait", "copy", "compute"), ("copy out of", "copy"), ("sync", "copy")]

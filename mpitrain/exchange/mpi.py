@@ -39,8 +39,12 @@ class MPIReducer:
         self.mpi_type, self.op = wire_sum(cfg.compress)
         self.waiter = Poller(collective_poll_s(cfg.wait, ctx.node.oversubscribed), ctx.watch)
 
+    @property
+    def alone(self) -> bool:
+        return self.comm is None or self.comm.Get_size() == 1
+
     def sum(self, buf) -> bool:
-        if self.comm is None or self.comm.Get_size() == 1:
+        if self.alone:
             return False
         be = self.be
         self.ctx.activity.enter(ALLREDUCE)

@@ -96,6 +96,8 @@ class SyncStep:
 
     def _weigh(self, loss: float) -> None:
         self.own_loss = loss
+        if self.reducer.alone:  # nothing to sum: the loss and the vote stay here (_average)
+            return
         self.buf[self.n] = loss
         self.buf[self.n + 1] = 1.0
         self.buf[self.n + 2] = 1.0 if STOP.requested else 0.0
@@ -106,19 +108,23 @@ class SyncStep:
         outer step follows (local_step)."""
         if self.local is not None:
             return self.local_step(step, last)
-        self._average()
-        return self.apply(step)
+        return self.apply(step, self._average())
 
-    def _average(self) -> None:
+    def _average(self) -> float | None:
         """Sum [values..., loss, weight, stop vote] over the workers, divide by the weight (each worker's 1:
-        check_weight); the votes are the same sum on every worker, so all stop after this step."""
+        check_weight); the votes are the same sum on every worker, so all stop after this step. A
+        worker alone returns its loss (as float32, as the buffer would hold it); None: it is in buf."""
         buf, n = self.buf, self.n
-        if self.reducer.sum(buf):
-            check_weight(self.ctx, float(buf[n + 1]))
-            buf *= self.ctx.backend.xp.float32(1.0) / buf[n + 1]
-        self.stop = bool(buf[n + 2] > 0)
+        if self.reducer.alone:
+            self.stop, loss = STOP.requested, float(np.float32(self.own_loss))
+        else:
+            if self.reducer.sum(buf):
+                check_weight(self.ctx, float(buf[n + 1]))
+                buf *= self.ctx.backend.xp.float32(1.0) / buf[n + 1]
+            self.stop, loss = bool(buf[n + 2] > 0), None
         if self.stop:
             STOP.request()
+        return loss
 
     def local_step(self, step: int, last: bool) -> float:
         """--local-steps H: apply this worker's own gradient (its own loss comes back); at an outer
@@ -135,16 +141,15 @@ class SyncStep:
         be.xp.subtract(loc.anchor, self.params, out=buf[:n])
         self._weigh(float(np.mean(loc.losses)))
         loc.losses.clear()
-        self._average()
-        return self.apply(step)
+        return self.apply(step, self._average())
 
-    def apply(self, step: int) -> float:
-        """Apply the mean gradient in buf (mean loss behind it) as update `step`, unless that loss
+    def apply(self, step: int, loss: float | None = None) -> float:
+        """Apply the mean gradient in buf (mean loss behind it, unless given) as update `step`, unless that loss
         says the run diverged (`why`); returns the mean loss. With --local-steps the mean is of
         outer gradients, and the outer optimizer steps the global model (the anchor) by it."""
         ctx, buf, n, loc = self.ctx, self.buf, self.n, self.local
         self.activity.enter(APPLY)
-        loss = float(buf[n])
+        loss = float(buf[n]) if loss is None else loss
         self.why = NON_FINITE if not math.isfinite(loss) else self.guard.exploded(loss)
         if self.why:
             return loss  # diverged: every worker sees the same mean, and none applies it
