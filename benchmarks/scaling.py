@@ -24,6 +24,9 @@ from run import add_saved_run_flags, machine, measured_or_saved, median_row, run
 NPS = (2, 3, 5, 9, 16)
 MODELS = {"mlp": ("784-100-10", 1500), "softmax": ("784-10", 4000)}  # steps per worker: ~1 s of compute
 KINDS = ("async", "sync", "compute ceiling", "PyTorch DDP gloo")
+# NumPy, said outright: --device auto takes the GPU where CuPy sees one, and on the lent GPU machine
+# (2026-11-23) every "NumPy" cell of this table ran CuPy processes sharing one H100 (docs/gpu.md).
+CPU_BASE = ["--device", "cpu", "--dataset", "synthetic"]
 
 
 def measure(nps: tuple[int, ...], reps: int, torch_steps: int, save=lambda res: None, models=tuple(MODELS)) -> dict:
@@ -35,7 +38,7 @@ def measure(nps: tuple[int, ...], reps: int, torch_steps: int, save=lambda res: 
         table: dict[str, dict] = {}
         for np_ in nps:
             w = np_ - 1
-            base = ["--dataset", "synthetic", "--model", model]
+            base = CPU_BASE + ["--model", model]
             runs = {
                 "async": lambda: run_mpitrain(np_, [*base, "--steps", str(steps * w)]),
                 "sync": lambda: run_mpitrain(np_, [*base, "--steps", str(steps), "--mode", "sync"]),
@@ -71,7 +74,7 @@ def measure_servers(workers: tuple[int, ...], reps: int, save=lambda res: None, 
     res = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "machine": machine().replace("; no GPU on this machine", ""), "cores": os.cpu_count(), "reps": reps,
            "model": model, "servers": {}}
-    base = ["--dataset", "synthetic", "--model", model]
+    base = CPU_BASE + ["--model", model]
     for w in workers:
         runs = {"compute ceiling": lambda: run_independent(w, [*base, "--steps", str(steps)])}
         runs.update({kind: (lambda k=k, flags=flags: run_mpitrain(w + k, [*base, "--steps", str(steps * w), *flags]))
