@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections import deque
 
 import numpy as np
 from mpi4py import MPI
@@ -35,6 +36,7 @@ CHECK_EVERY_S = 0.1  # how often a waiting rank looks at its watch
 # once declared lost with the report still queued, and left out of the summary).
 ENDED_GRACE_S = 0.3
 CLOSE_POLL_S = 1e-3  # end of run: off the hot path
+HELD_ROUNDS = 64  # heartbeat rounds remembered for Heartbeat.held_s (16 timeouts' worth)
 
 
 def beat_interval(timeout_s: float) -> float:
@@ -105,6 +107,7 @@ class Heartbeat:
         self.reqs = [MPI.REQUEST_NULL] * len(self.peers)
         self.gone: set[int] = set()  # peers whose beat failed in MPI: dead, never beaten again
         self.beats = 0
+        self.rounds: deque[float] = deque(maxlen=HELD_ROUNDS)  # when the last rounds started (held_s)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mpitrain-heartbeat", daemon=True)
         self._thread.start()
@@ -122,6 +125,7 @@ class Heartbeat:
     def _run(self) -> None:
         while True:
             self.beats += 1
+            self.rounds.append(time.monotonic())
             with WATCHDOG:  # a round that never ends (MPI stuck, see stuck.py) ends the rank
                 self._round()
             if self._stop.wait(self.interval):
@@ -138,6 +142,14 @@ class Heartbeat:
             except MPI.Exception:  # that peer died: its Watch entry here says so in time
                 self.gone.add(i)
                 self.reqs[i] = MPI.REQUEST_NULL
+
+    def held_s(self, since: float, now: float) -> float:
+        """The longest this thread went without starting a round, beyond its interval, between
+        `since` and `now`: MPI (or the GIL) holding this very process. A peer's silence that long
+        is this rank's doing as much as the peer's: the watch says so when it declares one lost."""
+        starts = [t for t in self.rounds if t >= since] + [now]
+        gaps = [b - a for a, b in zip([since, *starts[:-1]], starts)]
+        return max(0.0, max(gaps) - self.interval)
 
     def forget(self, rank: int) -> None:
         """A peer declared lost: never beaten (nor its last beat tested) again. MPICH's progress on
@@ -273,7 +285,7 @@ class Watch(WaitHooks):
                 continue
             silent = now - self.last[rank]
             if rank in self.checked and silent > self.timeout_s:
-                newly[rank] = f"no heartbeat for {silent:.1f} s"
+                newly[rank] = f"no heartbeat for {silent:.1f} s" + self._held_here(self.last[rank], now)
             elif rank in self.checked and rank in self.processes and (why := samehost.ended(self.processes[rank])):
                 if now - self.ended_at.setdefault(rank, now) >= ENDED_GRACE_S:
                     newly[rank] = why  # on this host: no need to wait for the silence
@@ -282,6 +294,13 @@ class Watch(WaitHooks):
         if newly:
             raise PeerLost(newly)
         self._run_hooks()
+
+    def _held_here(self, since: float, now: float) -> str:
+        """", and none went out from here for S s": this rank's own heartbeats held through much of a
+        peer's silence (MPICH's progress after a peer died froze both sides of a pair for 2 s at
+        once in the --respawn soak; benchmarks/REJOIN-respawn-2026-11-27.md)."""
+        held = self.heartbeat.held_s(since, now) if self.heartbeat is not None else 0.0
+        return f", and none went out from here for {held:.1f} s" if held >= self.timeout_s / 2 else ""
 
     def seen(self, now: float | None = None) -> dict[int, tuple[list[float] | None, float, float]]:
         """Each peer not lost: (its last beat's payload or None, seconds since anything was heard

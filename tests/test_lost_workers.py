@@ -145,6 +145,34 @@ def test_watch_declares_silence_past_the_timeout_only():
     watch.check(force=True)
 
 
+def test_a_silence_this_rank_was_frozen_through_too_is_said_so():
+    """MPICH's progress after a peer died can hold a whole process for seconds: then a peer's
+    silence is this rank's as much, and the line that declares the peer lost says how long this
+    rank's own heartbeats were held (its heartbeat thread started no round)."""
+    from collections import deque
+    from types import SimpleNamespace
+
+    from mpitrain.liveness import Heartbeat
+
+    beat = SimpleNamespace(interval=0.5, rounds=deque([0.0, 0.5, 1.0, 3.5, 4.0]), forget=lambda rank: None)
+    assert Heartbeat.held_s(beat, 0.2, 4.2) == pytest.approx(2.0)  # 1.0 -> 3.5: 2.5 s, one interval of it due
+    assert Heartbeat.held_s(beat, 3.6, 4.2) == pytest.approx(0.0)
+    beat.held_s = lambda since, now: Heartbeat.held_s(beat, since, now)
+    now = [0.0]
+    watch = Watch(_Comm(), [1, 2], timeout_s=2.0, clock=lambda: now[0])
+    watch.heartbeat = beat
+    now[0] = 4.2
+    watch.heard(2)
+    with pytest.raises(PeerLost) as lost:
+        watch.check(force=True)
+    assert lost.value.lost == {1: "no heartbeat for 4.2 s, and none went out from here for 2.0 s"}
+    beat.rounds.extend([4.5, 5.0, 5.5, 6.0, 6.5])  # beating all along: the silence is the peer's alone
+    now[0] = 6.6
+    with pytest.raises(PeerLost) as lost:
+        watch.check(force=True)
+    assert lost.value.lost == {2: "no heartbeat for 2.4 s"}
+
+
 def test_supervisor_turns_a_killed_rank_into_an_exit_and_forwards_signals(tmp_path):
     """The supervisor (hydra only) exits 128+signal with one line when its rank is killed. No
     mpirun: the hydra environment is made by hand, so this runs on either MPI."""
