@@ -297,8 +297,9 @@ class Watch(WaitHooks):
 
     def _held_here(self, since: float, now: float) -> str:
         """", and none went out from here for S s": this rank's own heartbeats held through much of a
-        peer's silence (MPICH's progress after a peer died froze both sides of a pair for 2 s at
-        once in the --respawn soak; benchmarks/REJOIN-respawn-2026-11-27.md)."""
+        peer's silence, so the silence may be this process's (frozen in MPI) as much as the peer's.
+        Absent from both lines of the --respawn soak's stall, which is how that stall was told to be
+        the transport's, not a frozen process (benchmarks/REJOIN-respawn-2026-11-27b.md)."""
         held = self.heartbeat.held_s(since, now) if self.heartbeat is not None else 0.0
         return f", and none went out from here for {held:.1f} s" if held >= self.timeout_s / 2 else ""
 
