@@ -147,7 +147,8 @@ class Heartbeat:
         """The longest this thread went without starting a round, beyond its interval, between
         `since` and `now`: MPI (or the GIL) holding this very process. A peer's silence that long
         is this rank's doing as much as the peer's: the watch says so when it declares one lost."""
-        starts = [t for t in self.rounds if t >= since] + [now]
+        rounds = tuple(self.rounds)  # one C-level copy: the heartbeat thread appends meanwhile
+        starts = [t for t in rounds if t >= since] + [now]
         gaps = [b - a for a, b in zip([since, *starts[:-1]], starts)]
         return max(0.0, max(gaps) - self.interval)
 

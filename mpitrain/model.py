@@ -63,7 +63,7 @@ class MLP:
             self.slices.append((w, (fan_in, fan_out), b))
         self.n_params = off
         self._scratch: dict[int, list] = {}
-        self.ops = FusedOps(xp) if xp is not np else PlainOps(xp)
+        self.ops = FusedOps(xp) if hasattr(xp, "ElementwiseKernel") else PlainOps(xp)  # CuPy, or NumPy's way
 
     @property
     def spec(self) -> dict:
