@@ -84,7 +84,7 @@ def one_job(mode: str, rng: random.Random, cycles: int, respawn: bool) -> dict:
         job = Job(cmd, tmp)
         job.wait_for("rank 0 parameter-server", 120)
         time.sleep(2)
-        rank0 = rank_pids(job.proc.pid)[0][0]
+        rank0 = job.rank0 = rank_pids(job.proc.pid)[0][0]
         joiners: list[Job] = []  # each joiner's own mpirun
         live = [("job", r) for r in range(1, NP)]  # who to kill: a rank of the job's mpirun, or a joiner's index
         problems, going_on_s, joined_s, status = [], [], [], []
@@ -170,7 +170,12 @@ STALL_S = 10.0  # a join that has not happened this long after the kill: every p
 
 def stalled(job: Job) -> str:
     """The job made no progress: where each of its processes is, spawned ones too."""
-    return "\n" + dump_stacks(job.proc.pid, {f"spawned {i}": pid for i, pid in enumerate(spawned_pids(job.proc.pid))})
+    # The job's own rank 0 by the pid it started with: a spawned worker is rank 0 of its own spawn's
+    # world too, and took that name in the 2026-11-27 soaks' stacks.
+    more = {f"spawned {i}": pid for i, pid in enumerate(spawned_pids(job.proc.pid))}
+    if getattr(job, "rank0", None):
+        more["the job's rank 0"] = job.rank0
+    return "\n" + dump_stacks(job.proc.pid, more)
 
 
 def wait_count(job: Job, texts: tuple[str, ...], count: int, timeout: float) -> bool:
