@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import run  # noqa: E402  (benchmarks/run.py: the environment and command every benchmark uses)
 # The GEMMs of one MLP 784-100-10 step at batch 100 (forward and both gradients), and softmax's.
 GEMM_CODE = """
 import json, time, numpy as np
@@ -43,7 +45,8 @@ CORETYPES = ("", "Haswell", "SkylakeX", "Zen")
 
 
 def env(coretype: str = "") -> dict:
-    e = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    """The benchmarks' environment (one BLAS thread), with OpenBLAS's core type forced or not."""
+    e = run.env()
     e.pop("OPENBLAS_CORETYPE", None)
     if coretype:
         e["OPENBLAS_CORETYPE"] = coretype
@@ -85,8 +88,8 @@ def machine() -> dict:
 
 def mpitrain_rate(model: str, steps: int, coretype: str = "", pin: str | None = None) -> float:
     summary = f"/tmp/cpu-diag-{os.getpid()}.json"
-    cmd = [sys.executable, "-m", "mpitrain", "--no-progress", "--device", "cpu", "--dataset", "synthetic",
-           "--model", model, "--steps", str(steps), "--summary-json", summary]
+    cmd = run.mpitrain_cmd(0, ["--device", "cpu", "--dataset", "synthetic", "--model", model, "--steps", str(steps)],
+                           summary)
     if pin is not None:
         cmd = ["taskset", "-c", pin, *cmd]
     subprocess.run(cmd, capture_output=True, env=env(coretype), check=True, timeout=300, cwd=ROOT)

@@ -33,10 +33,15 @@ ONE, ASYNC, SYNC, TORCH = "one process", "async np=3 (2 workers, one GPU)", "syn
     "PyTorch, same GPU, 1 process"
 
 
+def same_run(hidden: str, batch: int, steps: int, samples: int) -> tuple[list[str], tuple[str, ...]]:
+    """mpitrain's flags on the GPU, and torch_ddp.py's for the same model, batch and data."""
+    return (["--device", "gpu", "--dataset", "synthetic", "--synthetic-samples", str(samples), "--model", "mlp",
+             "--hidden", hidden, "--batch-size", str(batch), "--steps", str(steps)],
+            ("--device", "cuda", "--hidden", hidden, "--batch-size", str(batch), "--samples", str(samples)))
+
+
 def rows_for(name: str, hidden: str, batch: int, steps: int, samples: int) -> list[tuple[str, callable]]:
-    base = ["--device", "gpu", "--dataset", "synthetic", "--synthetic-samples", str(samples), "--model", "mlp",
-            "--hidden", hidden, "--batch-size", str(batch), "--steps", str(steps)]
-    torch_args = ("--device", "cuda", "--hidden", hidden, "--batch-size", str(batch), "--samples", str(samples))
+    base, torch_args = same_run(hidden, batch, steps, samples)
     if name == FED:
         return fed_rows(base) + [(TORCH, lambda: run_torch(1, "mlp", steps, torch_args))]
     return [

@@ -265,17 +265,15 @@ def real_runs() -> dict:
     steps: samples/s as each reports it (mpitrain's clock starts before the data reaches the GPU;
     PyTorch's after 20 warm-up steps), at a short and a longer run to show the one-off costs."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gpu import same_run
     from run import run_mpitrain, run_torch
 
     out = {}
     for hidden, batch, steps in (("100", 100, 3000), ("4096,4096", 4096, 120), ("4096,4096", 4096, 600)):
-        samples = 12000 if batch == 100 else 60000
-        base = ["--device", "gpu", "--dataset", "synthetic", "--synthetic-samples", str(samples), "--model", "mlp",
-                "--hidden", hidden, "--batch-size", str(batch), "--steps", str(steps)]
+        base, torch_args = same_run(hidden, batch, steps, 12000 if batch == 100 else 60000)
         key = f"784-{hidden.replace(',', '-')}-10, batch {batch}, {steps} steps"
         mine = run_mpitrain(0, base)["samples_per_second"]
-        torch = run_torch(1, "mlp", steps, ("--device", "cuda", "--hidden", hidden, "--batch-size", str(batch),
-                                            "--samples", str(samples)))
+        torch = run_torch(1, "mlp", steps, torch_args)
         out[key] = {"mpitrain": mine, "pytorch": torch and torch["samples_per_second"]}
         print(f"real run {key}: mpitrain {mine:,.0f} samples/s, PyTorch {out[key]['pytorch'] or 0:,.0f}", flush=True)
     return out

@@ -29,10 +29,29 @@ KINDS = ("async", "sync", "compute ceiling", "PyTorch DDP gloo")
 CPU_BASE = ["--device", "cpu", "--dataset", "synthetic"]
 
 
+def measured_on(reps: int, **more) -> dict:
+    """The head of a results file: when, where, how many repetitions, and what else the table needs."""
+    return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "machine": machine().replace("; no GPU on this machine", ""), "cores": os.cpu_count(), "reps": reps, **more}
+
+
+def measure_row(runs: dict, reps: int, label: str) -> dict:
+    """Each of `runs` (name -> one run), `reps` times: its median row (None where every try failed)."""
+    row = {}
+    for kind, fn in runs.items():
+        got = []
+        for rep in range(reps):
+            print(f"[{label} rep {rep + 1}/{reps}] {kind}", file=sys.stderr, flush=True)
+            try:
+                got.append(fn())
+            except Exception as exc:  # one failed cell must not cost the table
+                print(f"  failed: {str(exc)[-500:]}", file=sys.stderr, flush=True)
+        row[kind] = median_row(got)
+    return row
+
+
 def measure(nps: tuple[int, ...], reps: int, torch_steps: int, save=lambda res: None, models=tuple(MODELS)) -> dict:
-    res = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-           "machine": machine().replace("; no GPU on this machine", ""), "cores": os.cpu_count(), "reps": reps,
-           "torch_steps": torch_steps, "models": {}}
+    res = measured_on(reps, torch_steps=torch_steps, models={})
     for model in models:
         steps = MODELS[model][1]
         table: dict[str, dict] = {}
@@ -45,17 +64,7 @@ def measure(nps: tuple[int, ...], reps: int, torch_steps: int, save=lambda res: 
                 "compute ceiling": lambda: run_independent(w, [*base, "--steps", str(steps)]),
                 "PyTorch DDP gloo": lambda: run_torch(w, model, torch_steps),
             }
-            row = {}
-            for kind, fn in runs.items():
-                got = []
-                for rep in range(reps):
-                    print(f"[{model} np={np_} rep {rep + 1}/{reps}] {kind}", file=sys.stderr, flush=True)
-                    try:
-                        got.append(fn())
-                    except Exception as exc:  # one failed cell must not cost the table
-                        print(f"  failed: {str(exc)[-500:]}", file=sys.stderr, flush=True)
-                row[kind] = median_row(got)
-            table[str(np_)] = row
+            table[str(np_)] = measure_row(runs, reps, f"{model} np={np_}")
             res["models"][model] = table
             save(res)  # a run cut short still leaves every finished cell
     return res
@@ -71,25 +80,13 @@ def measure_servers(workers: tuple[int, ...], reps: int, save=lambda res: None, 
     """--servers: at each worker count, async with 1, 2 and 4 parameter servers and with the
     shared-memory store, against the compute ceiling of as many independent processes."""
     steps = MODELS[model][1]
-    res = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-           "machine": machine().replace("; no GPU on this machine", ""), "cores": os.cpu_count(), "reps": reps,
-           "model": model, "servers": {}}
+    res = measured_on(reps, model=model, servers={})
     base = CPU_BASE + ["--model", model]
     for w in workers:
         runs = {"compute ceiling": lambda: run_independent(w, [*base, "--steps", str(steps)])}
         runs.update({kind: (lambda k=k, flags=flags: run_mpitrain(w + k, [*base, "--steps", str(steps * w), *flags]))
                      for kind, (k, flags) in SERVER_KINDS.items()})
-        row = {}
-        for kind, fn in runs.items():
-            got = []
-            for rep in range(reps):
-                print(f"[{model} {w} workers rep {rep + 1}/{reps}] {kind}", file=sys.stderr, flush=True)
-                try:
-                    got.append(fn())
-                except Exception as exc:  # one failed cell must not cost the table
-                    print(f"  failed: {str(exc)[-500:]}", file=sys.stderr, flush=True)
-            row[kind] = median_row(got)
-        res["servers"][str(w)] = row
+        res["servers"][str(w)] = measure_row(runs, reps, f"{model} {w} workers")
         save(res)
     return res
 
