@@ -23,6 +23,8 @@ MPITRAIN_INJECT_JOIN=vanish     a --join worker SIGKILLs itself once the job has
                                 the job's GO (it died while the job made room: tests/test_join.py)
 MPITRAIN_INJECT_JOIN=formed     ... once the new world has formed, before its phase starts (it
                                 died in the job's collectives: join.Carry.start_forming)
+MPITRAIN_INJECT_JOIN=deaf       ... writes its request but never waits in accept (slow, or its port
+                                broken): rank 0's connects time out (join.CONNECT_TRIES)
 MPITRAIN_FORM_LIMIT_S=SEC       how long every rank waits for such a world before it ends itself
                                 (join.FORM_LIMIT_S, 30 s; the test that kills there waits less)
 
@@ -250,6 +252,11 @@ def kill_session(sid: int, linger_s: float = 0.0) -> bool:
         except ProcessLookupError:
             pass
     return found
+
+
+def joiner_deaf() -> bool:
+    """MPITRAIN_INJECT_JOIN=deaf: the joiner never waits in accept (the job cannot connect to it)."""
+    return os.environ.get("MPITRAIN_INJECT_JOIN") == "deaf"
 
 
 def joiner_vanishes(when: str) -> None:

@@ -15,7 +15,8 @@ both sides hang):
    listens and the job that connects: MPICH's MPI_Comm_accept cannot be left or interrupted (a
    thread in it stalls every other MPI call of the process: measured), so rank 0 must never wait
    in one. Rank 0 connects only to a request touched within FRESH_S (a dead joiner's port crashes
-   MPICH's UCX on connect: measured), with a bounded timeout.
+   MPICH's UCX on connect: measured), with a timeout of half --worker-timeout at most (its
+   heartbeats wait meanwhile), CONNECT_TRIES times; then it removes the request, and the joiner ends.
 3. Over that connection the joiner proves it belongs to the job: it sends the token and its
    identity (version, protocol, model and every agreed flag: agreement.identity). A wrong token or
    another set of flags is refused in one line on both sides, and nothing in the job changes.
@@ -71,7 +72,11 @@ REQUESTS = ".mpitrain.joins"  # in --checkpoint-dir: one file per joiner waiting
 TOUCH_S = 0.25  # a waiting joiner touches its request this often
 FRESH_S = 2.0  # rank 0 connects only to a request touched this recently (a dead joiner's is stale)
 SCAN_EVERY_S = 0.5  # rank 0 looks for requests this often (one listdir)
-CONNECT_TIMEOUT_S = 5  # MPI_Comm_connect's own bound ("timeout" info key, MPICH)
+CONNECT_TIMEOUT_S = 5  # MPI_Comm_connect's own bound at most ("timeout" info key, MPICH: whole seconds)
+CONNECT_TRIES = 3  # a request rank 0 could not connect to is tried again at the next scans, then dropped
+# A waiting joiner whose request rank 0 removed, and which is still not let in this long after, was
+# given up on (its connects failed): it ends in one line instead of waiting in accept for the job's end.
+GIVEN_UP_S = CONNECT_TIMEOUT_S + 5.0
 HELLO_BYTES = 1 << 16  # the joiner's hello and rank 0's answer: JSON, never pickle
 ANSWER_S = 10.0  # how long either side waits for the other's word on the connection
 GROW_TAG = 77  # MPI_Intercomm_create's tag between rank 0 and the joiner
@@ -247,6 +252,8 @@ class Lobby:
         self.spawn = False  # --respawn: start a worker where this phase ends (grow)
         self.dir = job_folder(ctx.cfg) / REQUESTS
         self.joiner: Joiner | None = None
+        self.connect_s = connect_timeout_s(ctx.cfg.worker_timeout)
+        self.tries: dict[Path, int] = {}  # requests rank 0 could not connect to yet
         self._next = 0.0
 
     def check(self) -> None:
@@ -281,18 +288,24 @@ class Lobby:
         if touched > FRESH_S or dead_here(host, pid):  # its joiner died: never connect to a dead port
             remove(path)
             return
-        remove(path)  # one try per request: a refused joiner does not come back
         info = MPI.Info.Create()
-        info.Set("timeout", str(CONNECT_TIMEOUT_S))
+        info.Set("timeout", str(self.connect_s))
         try:
             with WATCHDOG.paused():  # bounded by its own timeout; the heartbeat thread may wait on it
                 inter = MPI.COMM_SELF.Connect(port, info)
         except MPI.Exception as e:
-            say(f"mpitrain: could not connect to the worker waiting to join on {host} (pid {pid}): "
-                f"{_last_line(e)}; the job goes on without it")
+            self.tries[path] = tries = self.tries.get(path, 0) + 1
+            if tries < CONNECT_TRIES:  # the joiner still waits in accept on that port: the next scan tries again
+                return
+            self.tries.pop(path)
+            remove(path)  # its joiner sees the request gone and ends (GIVEN_UP_S)
+            say(f"mpitrain: could not connect to the worker waiting to join on {host} (pid {pid}) in "
+                f"{CONNECT_TRIES} tries: {_last_line(e)}; the job goes on without it")
             return
         finally:
             info.Free()
+        self.tries.pop(path, None)
+        remove(path)  # one connection per request: a refused joiner does not come back
         self._admit(inter, host, pid)
 
     def owe_one(self) -> None:
@@ -359,6 +372,14 @@ class Lobby:
             pass
         say(f"mpitrain: the worker on {self.joiner.host} (pid {self.joiner.pid}) did not join: {why}")
         self.joiner = None
+
+
+def connect_timeout_s(worker_timeout: float) -> int:
+    """MPI_Comm_connect's bound for rank 0: while it waits, so does its heartbeat thread (MPICH's
+    lock), so it stays at half the workers' --worker-timeout or less, or a slow connect makes
+    them declare rank 0 lost (CI, 2026-11-27: a connect that timed out after 5 s under
+    --worker-timeout 2 cost the job a worker, then the joiner). At least MPICH's 1 s grain."""
+    return max(1, min(CONNECT_TIMEOUT_S, int(worker_timeout // 2)))
 
 
 def _last_line(e: Exception) -> str:

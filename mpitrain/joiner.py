@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
@@ -17,8 +18,8 @@ from mpitrain import faults, mpiimpl
 from mpitrain.config import TrainConfig, UsageError
 from mpitrain.config_io import disagreement
 from mpitrain.console import say
-from mpitrain.join import (ANSWER_S, GROW_TAG, REQUESTS, TOKEN, TOUCH_S, Carry, dead_here, job_folder, recv_json,
-                           remove, remove_folder, send_json, write_private)
+from mpitrain.join import (ANSWER_S, CONNECT_TRIES, GIVEN_UP_S, GROW_TAG, REQUESTS, TOKEN, TOUCH_S, Carry, dead_here,
+                           job_folder, recv_json, remove, remove_folder, send_json, write_private)
 from mpitrain.protocol import FLAG_STOP, TAG_JOIN, Message
 from mpitrain.waiting import poll
 
@@ -104,6 +105,8 @@ def _wait_to_be_let_in(folder: Path):
     toucher = threading.Thread(target=_touch, args=(request, folder / TOKEN, waiting), daemon=True)
     toucher.start()
     say(f"mpitrain: waiting for the job in {folder} to let this worker in")
+    if faults.joiner_deaf():
+        faults.never_returns()  # as if stuck before accept: the toucher ends this process
     inter = MPI.COMM_SELF.Accept(port)
     waiting.set()
     remove(request)
@@ -114,17 +117,27 @@ def _wait_to_be_let_in(folder: Path):
 
 def _touch(request: Path, token: Path, waiting: threading.Event) -> None:
     """While the joiner waits in MPI_Comm_accept (which nothing interrupts): keep its request
-    fresh; when the job is gone (its token removed), end the process with one line."""
+    fresh; when the job is gone (its token removed), or gave up connecting to this worker (its
+    request removed, and no connection within GIVEN_UP_S), end the process with one line."""
+    gone_since = None
     while not waiting.wait(TOUCH_S):
         try:
             os.utime(request)
-        except OSError:
-            pass
-        if not waiting.is_set() and (not token.exists() or _owner_gone(token.parent)):
-            say("mpitrain: error: --join: the job ended before it let this worker in")
-            remove(request)
-            remove_folder(request.parent)
-            os._exit(1)
+        except OSError:  # rank 0 took it: it connects now, or gave up on it
+            gone_since = gone_since or time.monotonic()
+        if waiting.is_set():
+            return
+        if not token.exists() or _owner_gone(token.parent):
+            _give_up(request, "the job ended before it let this worker in")
+        if gone_since is not None and time.monotonic() - gone_since > GIVEN_UP_S:
+            _give_up(request, f"the job could not connect to this worker ({CONNECT_TRIES} tries); start it again")
+
+
+def _give_up(request: Path, why: str) -> None:
+    say(f"mpitrain: error: --join: {why}", sys.stderr)
+    remove(request)
+    remove_folder(request.parent)
+    os._exit(1)
 
 
 def _owner_gone(folder: Path) -> bool:

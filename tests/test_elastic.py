@@ -14,10 +14,12 @@ import subprocess
 import time
 
 import pytest
+from conftest import (Lines, child_env, communicate_or_kill, keep_going, kill_session, mpi_impl, mpitrain_cmd, only_on,
+                      wait_for_training)
 
-from conftest import (Lines, child_env, communicate_or_kill, keep_going, kill_session, mpi_impl, mpitrain_cmd,
-                      only_on, wait_for_training)
+from mpitrain.exitcodes import ExitCode
 from mpitrain.faults import rank_pids
+from mpitrain.stuck import STUCK_LINE
 
 # 3-6 s on 2 cores, so that a kill 0.2-1.5 s in lands mid-run (sync at 3000 once took 1.2 s under Open
 # MPI and the kill came after the budget; quorum at 2500 once under 2 s); --local-steps 8 takes an
@@ -84,25 +86,43 @@ def test_a_worker_killed_on_this_host_is_lost_at_once_not_a_worker_timeout_later
     assert after < 40, f"{after:.0f} s after the kill: the heartbeat timeout, not the process check"
 
 
+def rank0_stuck(proc) -> bool:
+    """MPICH: the victim died half-way through handing rank 0 a message, and rank 0's MPI never
+    returned again (stuck.py; STUCK.md: 2 kills in 200). Its watchdog ended it in one line (no
+    --checkpoint-dir here: nothing to save), and the job ended with PEER_LOST (hydra ORs in the
+    killed rank's 137): the documented ending of that kill, checked whole, since no test chooses
+    where a kill lands."""
+    line = [ln for ln in proc.stderr.splitlines() if ln.startswith(f"mpitrain: rank 0: {STUCK_LINE}")]
+    if not line:
+        return False
+    assert mpi_impl().name == "mpich" and len(line) == 1, proc.stderr
+    assert proc.returncode in (ExitCode.PEER_LOST, (128 + signal.SIGKILL) | ExitCode.PEER_LOST), proc.stderr
+    return True
+
+
 def test_quorum_ends_when_fewer_than_q_workers_are_left(tmp_path):
     proc, s, after = kill_during_training(tmp_path, 4, MODE_FLAGS["quorum"] + ("--steps", "100000"), [3, 2],
                                           random.Random(7))
+    assert after < 30 and not proc.leftovers
+    if rank0_stuck(proc):
+        return
     assert proc.returncode == 5, proc.stdout + proc.stderr
     assert "Fewer than --quorum 2 workers are left" in proc.stderr
     assert "regrouping: continuing with 2 worker(s)" in proc.stderr  # the first loss was survived
-    assert s is None and not proc.leftovers
-    assert after < 30
+    assert s is None
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_on_lost_worker_stop_ends_the_job_as_before(tmp_path, mode):
     proc, s, after = kill_during_training(tmp_path, 4, ("--mode", mode, "--steps", "100000", "--on-lost-worker",
                                                         "stop"), [2], random.Random(3))
+    assert after < 30 and not proc.leftovers
+    if rank0_stuck(proc):
+        return
     assert proc.returncode == 5, proc.stdout + proc.stderr
     line = [ln for ln in proc.stderr.splitlines() if "lost worker" in ln]
     assert len(line) == 1 and "rank 2" in line[0] and "--on-lost-worker stop ends the job" in line[0]
-    assert s is None and not proc.leftovers
-    assert after < 30
+    assert s is None
 
 
 def test_a_regroup_receive_that_fails_in_mpi_means_rank_0_is_lost():

@@ -188,6 +188,31 @@ def test_a_joiner_that_dies_while_the_job_makes_room_is_not_waited_for(tmp_path)
 
 
 @mpich_only
+def test_a_joiner_the_job_cannot_connect_to_is_given_up_and_the_job_goes_on(tmp_path):
+    """A connect to a joiner that is not in accept (MPITRAIN_INJECT_JOIN=deaf) times out, and rank
+    0's heartbeats wait meanwhile: each try is bounded by half --worker-timeout (2 s here; a 5 s
+    connect lost the job a worker in CI, 2026-11-27). After join.CONNECT_TRIES rank 0 says so in
+    one line and drops the request, the joiner ends in one line, and the job trains on whole."""
+    args = ("--mode", "async", "--steps", "10000000", "--no-progress", "--worker-timeout", "2")
+    proc, head = start_job(tmp_path, 3, args, common=())
+    cmd = mpitrain_cmd(1, *args, "--checkpoint-dir", str(tmp_path / "ck"), "--join")
+    joiner = subprocess.run(cmd, capture_output=True, text=True, timeout=MPI_TIMEOUT_S,
+                            env={**child_env(), "MPITRAIN_INJECT_JOIN": "deaf"})
+    proc.send_signal(signal.SIGTERM)  # as scancel does
+    job, s = finish(proc, head, tmp_path)
+    out = job.stdout + job.stderr
+    # It exits 1 from inside MPI_Comm_accept, without MPI_Finalize: hydra reports that as its own "BAD
+    # TERMINATION" (exit 9), nothing mpitrain can change from there.
+    assert joiner.returncode != 0, joiner.stdout + joiner.stderr
+    assert f"could not connect to this worker ({join.CONNECT_TRIES} tries); start it again" in joiner.stderr
+    assert job.returncode == 143 and not job.leftovers, out
+    gave_up = [ln for ln in out.splitlines() if "could not connect to the worker waiting to join" in ln]
+    assert len(gave_up) == 1 and f"in {join.CONNECT_TRIES} tries" in gave_up[0], out
+    assert "lost at global step" not in out and "lost the parameter server" not in out, out
+    assert s["lost_workers"] == [] and s["workers"] == 2 and s["joined_workers"] == []
+
+
+@mpich_only
 def test_a_joiner_that_dies_as_the_new_world_starts_ends_the_job_in_one_line_not_a_hang(tmp_path):
     """From the new world's forming to its phase's heartbeats every rank is in a collective that a
     dead rank never completes, and no heartbeat runs yet: each rank ends itself in one line (exit
