@@ -92,7 +92,7 @@ def test_each_lost_worker_gets_one_respawn_until_the_budget_is_spent(tmp_path):
     carry = join.Carry(identity={}, token="t", budget=10, respawns_left=2)
 
     class Ctx:
-        cfg = type("Cfg", (), {"checkpoint_dir": str(tmp_path)})()
+        cfg = type("Cfg", (), {"checkpoint_dir": str(tmp_path), "worker_timeout": 2.0})()
         watch = _Watch()
 
     lobby = join.Lobby(Ctx, carry)
