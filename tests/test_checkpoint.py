@@ -8,8 +8,8 @@ import zipfile
 
 import numpy as np
 import pytest
+from conftest import NUMBERS_ONLY, child_env, kill_session, launcher, only_on, own_lines, run_mpitrain, train
 
-from conftest import child_env, kill_session, launcher, own_lines, run_mpitrain, train
 from mpitrain import checkpoint
 from mpitrain.checkpoint import TrainState
 from mpitrain.config import UsageError
@@ -84,6 +84,7 @@ def test_checkpointer_schedule():
     assert not c.due(12)
 
 
+@only_on("mpich", NUMBERS_ONLY)
 @pytest.mark.parametrize("optimizer,compress", [("adam", "none"), ("momentum", "none"), ("adam", "bf16")])
 def test_sync_resume_is_exact(tmp_path, optimizer, compress):
     args = ["--mode", "sync", "--optimizer", optimizer, "--lr", "0.01" if optimizer == "adam" else "0.05",
@@ -101,6 +102,7 @@ def test_sync_resume_is_exact(tmp_path, optimizer, compress):
     np.testing.assert_array_equal(a, b)
 
 
+@only_on("mpich", NUMBERS_ONLY)
 def test_async_resume_continues_the_global_step(tmp_path):
     ck = tmp_path / "ck"
     train(3, tmp_path, "--steps", "100", "--checkpoint-dir", str(ck), "--checkpoint-every-steps", "40")
@@ -113,6 +115,7 @@ def test_async_resume_continues_the_global_step(tmp_path):
     assert s["steps_per_second"] * s["wall_seconds"] == pytest.approx(200)
 
 
+@only_on("mpich", NUMBERS_ONLY)
 def test_sync_quorum_resume_continues_from_the_saved_step(tmp_path):
     """The quorum decisions (the chief worker's, rank 0's before) start at the resumed step, where
     the workers start (rank 0 once started at 0, ignored every READY and the job hung)."""
@@ -125,6 +128,7 @@ def test_sync_quorum_resume_continues_from_the_saved_step(tmp_path):
     assert set(s["worker_param_digests"]) == {s["param_digest"]}
 
 
+@only_on("mpich", NUMBERS_ONLY)
 def test_local_run_checkpoints_and_fresh_keeps_the_old_ones(tmp_path):
     ck = tmp_path / "ck"
     train(0, tmp_path, "--steps", "30", "--checkpoint-dir", str(ck), "--checkpoint-every-steps", "10")
@@ -199,6 +203,7 @@ def test_sigkill_at_any_moment_leaves_the_newest_checkpoint_loadable(tmp_path):
     assert resumed["resumed_from"] is not None and resumed["global_step"] == st.global_step + 6
 
 
+@only_on("mpich", NUMBERS_ONLY)
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_ema_is_evaluated_saved_and_restored(tmp_path, mode):
     ck = tmp_path / "ck"
@@ -229,6 +234,7 @@ def test_weight_ema_follows_tf_semantics():
     np.testing.assert_allclose(ema.avg, 1, atol=1e-4)
 
 
+@only_on("mpich", NUMBERS_ONLY)
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_time_based_checkpoints(tmp_path, mode):
     ck = tmp_path / "ck"

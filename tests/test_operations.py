@@ -15,8 +15,9 @@ import sys
 import time
 
 import pytest
+from conftest import (MPI_TIMEOUT_S, NUMBERS_ONLY, child_env, communicate_or_kill, mpitrain_cmd, only_on, run_mpitrain,
+                      wait_for_training)
 
-from conftest import MPI_TIMEOUT_S, child_env, communicate_or_kill, mpitrain_cmd, run_mpitrain, wait_for_training
 from mpitrain import lock, plot
 from mpitrain.config import UsageError
 from mpitrain.faults import rank_pids
@@ -132,6 +133,7 @@ RERUNS = {
 }
 
 
+@only_on("mpich", NUMBERS_ONLY)
 @pytest.mark.parametrize("case", list(RERUNS))
 def test_running_a_finished_job_again_changes_nothing(tmp_path, case):
     np_, flags = RERUNS[case]
@@ -155,6 +157,7 @@ def test_running_a_finished_job_again_changes_nothing(tmp_path, case):
         assert {p.name: p.stat().st_mtime_ns for p in ck.iterdir()} == files  # no new checkpoint, none pruned
 
 
+@only_on("mpich", NUMBERS_ONLY)
 def test_a_resumed_async_run_stops_exactly_at_the_budget(tmp_path):
     ck = tmp_path / "ck"
     for steps in (200, 300):
@@ -214,6 +217,7 @@ def test_a_live_owner_keeps_its_lock_and_a_requeued_job_takes_its_own(tmp_path):
     assert "requeued" in lock.owner_gone(other_host, {**mine, "slurm_job_id": "77"})
 
 
+@only_on("mpich", NUMBERS_ONLY)
 def test_a_new_run_in_an_old_log_dir_is_kept_apart(tmp_path):
     logs = tmp_path / "logs"
     for _ in range(2):
@@ -226,6 +230,7 @@ def test_a_new_run_in_an_old_log_dir_is_kept_apart(tmp_path):
     assert (old / "events.jsonl").is_file()
 
 
+@only_on("mpich", NUMBERS_ONLY)
 def test_the_plot_drops_what_a_resumed_run_redid(tmp_path):
     """A run killed at step 80 after its checkpoint at 50, resumed from 50: one line, never back."""
     events = [{"event": "start", "start_step": 0, "mode": "sync"}]
@@ -241,6 +246,7 @@ def test_the_plot_drops_what_a_resumed_run_redid(tmp_path):
     assert seconds == sorted(seconds)
 
 
+@only_on("mpich", NUMBERS_ONLY)
 def test_what_mpitrain_writes_is_readable_as_the_umask_allows(tmp_path):
     old = os.umask(0o022)
     try:

@@ -13,16 +13,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from conftest import run_mpitrain
+from conftest import NUMBERS_ONLY, only_on, run_mpitrain
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from chaos import fill  # noqa: E402  (the chaos suite's disk-full case fills a disk the same way)
+
 from mpitrain import checkpoint, outputs
 from mpitrain.checkpoint import Checkpointer, TrainState
 from mpitrain.config import defaults
-from mpitrain.metrics import RunLog
 from mpitrain.exitcodes import ExitCode
+from mpitrain.metrics import RunLog
 from mpitrain.outputs import WRITES
 
 MODES = {"async": (3, ()), "sync": (3, ("--mode", "sync")), "one process": (0, ())}
@@ -46,6 +46,7 @@ def mpitrain_lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith("mpitrain:")]
 
 
+@only_on("mpich", NUMBERS_ONLY)
 @pytest.mark.parametrize("mode", list(MODES))
 def test_a_full_checkpoint_folder_never_ends_training(tmp_path, small_fs, mode):
     np_, flags = MODES[mode]
@@ -66,6 +67,7 @@ def test_a_full_checkpoint_folder_never_ends_training(tmp_path, small_fs, mode):
     assert checkpoint.load(ck / "ckpt-000000100.npz").global_step == 100
 
 
+@only_on("mpich", NUMBERS_ONLY)
 @pytest.mark.parametrize("mode", list(MODES))
 def test_a_full_log_folder_never_ends_training(tmp_path, small_fs, mode):
     np_, flags = MODES[mode]
@@ -85,6 +87,7 @@ def test_a_full_log_folder_never_ends_training(tmp_path, small_fs, mode):
         json.loads(line)  # every line whole: a failed write was cut back off
 
 
+@only_on("mpich", NUMBERS_ONLY)
 @pytest.mark.parametrize("mode", list(MODES))
 def test_a_summary_that_cannot_be_written_goes_to_stdout(small_fs, mode):
     np_, flags = MODES[mode]
@@ -100,6 +103,7 @@ def test_a_summary_that_cannot_be_written_goes_to_stdout(small_fs, mode):
     assert not (small_fs / "s.json").exists() and not list(small_fs.glob(".s.json.*"))
 
 
+@only_on("mpich", NUMBERS_ONLY)
 def test_an_unwritable_output_folder_is_refused_before_training(tmp_path, small_fs):
     subprocess.run(["mount", "-o", "remount,ro", str(small_fs)], check=True)
     a_file = tmp_path / "a-file"
@@ -154,6 +158,7 @@ def test_a_failed_log_line_is_cut_back_off(tmp_path, capsys):
     assert "--log-dir event not written: No space left on device" in capsys.readouterr().err
 
 
+@only_on("mpich", NUMBERS_ONLY)
 def test_a_plot_that_cannot_be_written_is_one_line(tmp_path, small_fs):
     from mpitrain import plot
 
@@ -187,6 +192,7 @@ def test_out_of_space_prunes_the_older_checkpoints_first_never_the_newest(tmp_pa
     assert WRITES.report()["checkpoint space"]["count"] == 1 and "checkpoint" not in WRITES.report()
 
 
+@only_on("mpich", NUMBERS_ONLY)
 def test_a_folder_already_full_at_start_is_refused_in_one_line(small_fs):
     fill(small_fs)
     proc = run_mpitrain(3, "--no-progress", "--checkpoint-dir", str(small_fs / "ck"), timeout=60)

@@ -9,8 +9,8 @@ import time
 
 import numpy as np
 import pytest
-from conftest import (child_env, communicate_or_kill, keep_going, kill_session, mpitrain_cmd, run_mpitrain, train, wait_for_checkpoint,
-                      wait_for_training)
+from conftest import (NUMBERS_ONLY, child_env, communicate_or_kill, keep_going, kill_session, mpitrain_cmd, only_on,
+                      run_mpitrain, train, wait_for_checkpoint, wait_for_training)
 
 from mpitrain import checkpoint
 from mpitrain.faults import rank_pids
@@ -62,6 +62,7 @@ def test_a_message_split_into_shard_parts_receives_each_slice_in_place():
     assert out[1].payload.tolist() == [7] * 6 and out[1].buf.nbytes == HEADER_BYTES + 6 * 4
 
 
+@only_on("mpich", NUMBERS_ONLY)
 @pytest.mark.parametrize("k", [2, 3])
 def test_async_with_several_servers_learns(tmp_path, k):
     s = train(k + 2, tmp_path, "--num-ps", str(k), "--epochs", "30")
@@ -79,6 +80,7 @@ def test_async_with_several_servers_learns(tmp_path, k):
     assert f"{k + 2} ranks: {k} PS + 2 workers" in s["_stdout"]
 
 
+@only_on("mpich", NUMBERS_ONLY)
 @pytest.mark.parametrize("k", [2, 3])
 def test_sync_with_several_servers_equals_one_server_to_the_bit(tmp_path, k):
     args = ("--mode", "sync", "--epochs", "12", "--optimizer", "momentum", "--lr", "0.1", "--ema-decay", "0.9", "--eval-every", "10")
@@ -91,11 +93,13 @@ def test_sync_with_several_servers_equals_one_server_to_the_bit(tmp_path, k):
     assert many["test_accuracy"] >= 0.93
 
 
+@only_on("mpich", NUMBERS_ONLY)
 def test_a_sync_quorum_with_two_servers_learns(tmp_path):
     s = train(6, tmp_path, "--num-ps", "2", "--mode", "sync", "--quorum", "3", "--epochs", "40")
     assert s["quorum"] == 3 and s["workers"] == 4 and s["test_accuracy"] >= 0.93
 
 
+@only_on("mpich", NUMBERS_ONLY)
 def test_checkpoints_do_not_depend_on_the_number_of_servers(tmp_path):
     """Saved with K=2, resumed with K=1 and K=3: the same file, and the same end, as K=1 throughout."""
     args = ("--mode", "sync", "--optimizer", "adam", "--lr", "0.01", "--ema-decay", "0.9", "--checkpoint-every-steps", "10")
@@ -110,6 +114,7 @@ def test_checkpoints_do_not_depend_on_the_number_of_servers(tmp_path):
     assert resumed3["param_digest"] == resumed1["param_digest"]
 
 
+@only_on("mpich", NUMBERS_ONLY)
 def test_async_checkpoints_and_eval_gather_every_slice(tmp_path):
     """Async with 3 servers, Adam and a moving average: rank 0's checkpoints hold the whole state
     (every slice moved by training), and a resume with one server carries on from it."""
@@ -134,6 +139,7 @@ def test_async_checkpoints_and_eval_gather_every_slice(tmp_path):
     assert resumed["test_accuracy"] >= 0.9
 
 
+@only_on("mpich", NUMBERS_ONLY)
 def test_a_staleness_bound_holds_on_every_server(tmp_path):
     s = train(5, tmp_path, "--num-ps", "2", "--max-staleness", "2", "--epochs", "10")
     assert [p["staleness"]["max"] for p in s["ps_shards"]] == [2, 2]  # reached, never passed, on each server
@@ -215,6 +221,7 @@ def test_a_non_finite_loss_stops_every_server_with_exit_4(tmp_path, mode):
     assert len(lines) == 1 and "worker rank 3's loss is not finite" in lines[0], proc.stderr
 
 
+@only_on("mpich", NUMBERS_ONLY)
 def test_the_timeline_has_a_track_for_every_server(tmp_path):
     import json
 

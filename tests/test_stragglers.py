@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from conftest import train
+from conftest import NUMBERS_ONLY, only_on, train
 
 from mpitrain import observe
 from mpitrain.config import UsageError
@@ -157,6 +157,7 @@ def test_quorum_equal_to_workers_drops_nothing(tmp_path):
     assert "waits for the slowest every step" in s["_stdout"]
 
 
+@only_on("mpich", NUMBERS_ONLY)
 def test_max_staleness_is_never_exceeded(tmp_path):
     bounded = train(4, tmp_path, "--max-staleness", "2", "--straggler", "3:0.005", *DIGITS_NP4)
     assert bounded["staleness"]["gradients"] == bounded["global_step"]
@@ -167,6 +168,7 @@ def test_max_staleness_is_never_exceeded(tmp_path):
     assert free["staleness"]["p50"] <= free["staleness"]["p99"] <= free["staleness"]["max"]
 
 
+@only_on("mpich", NUMBERS_ONLY)
 def test_staleness_lr_trains(tmp_path):
     plain = train(3, tmp_path, "--steps", "200")
     scaled = train(3, tmp_path, "--steps", "200", "--staleness-lr")
@@ -174,6 +176,7 @@ def test_staleness_lr_trains(tmp_path):
     assert scaled["test_accuracy"] >= 0.85
 
 
+@only_on("mpich", NUMBERS_ONLY)
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_eval_every_records_history(tmp_path, mode):
     s = train(3, tmp_path, "--mode", mode, "--steps", "120", "--eval-every", "40")
@@ -186,6 +189,7 @@ def test_eval_every_records_history(tmp_path, mode):
         assert s["eval_history"][-1]["test_accuracy"] == pytest.approx(s["test_accuracy"])
 
 
+@only_on("mpich", NUMBERS_ONLY)
 def test_eval_every_with_quorum(tmp_path):
     s = train(4, tmp_path, "--mode", "sync", "--quorum", "2", "--steps", "60", "--eval-every", "30")
     assert [e["global_step"] for e in s["eval_history"]] == [30, 60]
