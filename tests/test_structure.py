@@ -139,3 +139,12 @@ def test_every_job_script_starts_its_tasks_as_jobs_readme_says():
         assert runs, f"{script.name} starts no task with srun"
         for line in runs:
             assert "--kill-on-bad-exit=0" in line and "--no-kill" in line, f"{script.name}: {line}"
+
+
+def test_the_one_rerun_is_for_the_stuck_line_only():
+    """pyproject.toml reruns a failed test once only when its text carries stuck.py's line (a kill
+    inside an MPICH enqueue, the documented stuck ending): renaming the line must move the rule."""
+    from mpitrain.stuck import STUCK_LINE
+
+    addopts = [ln for ln in (PACKAGE.parent / "pyproject.toml").read_text().splitlines() if ln.startswith("addopts")]
+    assert len(addopts) == 1 and f"--reruns 1 --only-rerun '{STUCK_LINE}'" in addopts[0], addopts
