@@ -137,6 +137,12 @@ CASES = [
     Case("failover-big", ("--mode", "async", "--hidden", "2000", *FAILOVER), "rank0", 1200),  # mid-message
     Case("failover-shard-async", ("--mode", "async", "--num-ps", "2", "--hidden", "2000", *FAILOVER), "shard", 1000),
     Case("failover-shard-sync", ("--mode", "sync", "--num-ps", "2", *FAILOVER), "shard", 4000),
+    # Rank 0 busy with its own duties most of the time (a checkpoint and an evaluation every few
+    # steps): a kill at a random moment lands mid-checkpoint or mid-evaluation about as often as not.
+    Case("failover-duties-sync", ("--mode", "sync", "--checkpoint-every-steps", "10", "--eval-every", "10",
+                                  *FAILOVER), "rank0", 1500),
+    Case("failover-duties-async", ("--mode", "async", "--checkpoint-every-steps", "40", "--eval-every", "40",
+                                   *FAILOVER), "rank0", 8000),
 ]
 DEFAULT_TRIALS = {"async": 5, "async-staleness": 4, "async-big": 6, "sync": 4, "sync-quorum": 4, "chief-quorum": 3,
                   "quorum-big": 3, "sync-big": 3, "chief-sync": 3, "sync-stop": 2, "rank0-async": 4, "rank0-sync": 3, "supervisor": 3, "shm-async": 5, "rank0-shm": 3, "shm-2ps": 3,
@@ -144,7 +150,8 @@ DEFAULT_TRIALS = {"async": 5, "async-staleness": 4, "async-big": 6, "sync": 4, "
                   "shard-async": 3, "shard-sync": 2, "term-mpirun-async": 3, "term-rank-sync": 3,
                   "int-mpirun-quorum": 3, "term-rank0-2ps": 3, "disk-full": 3, "rejoin-async": 4,
                   "rejoin-sync": 3, "respawn-async": 3, "respawn-sync": 3, "failover-sync": 6, "failover-quorum": 4,
-                  "failover-async": 6, "failover-big": 4, "failover-shard-async": 5, "failover-shard-sync": 4}
+                  "failover-async": 6, "failover-big": 4, "failover-shard-async": 5, "failover-shard-sync": 4,
+                  "failover-duties-sync": 5, "failover-duties-async": 5}
 
 
 @dataclass
@@ -443,6 +450,14 @@ def expected(case: Case, trial: Trial, err: str, code: int, summary: dict | None
     return []
 
 
+def _loads(path) -> bool:
+    try:
+        checkpoint.load(path)
+        return True
+    except Exception:  # noqa: BLE001 - any failure to load is the finding
+        return False
+
+
 def failover(case: Case) -> bool:
     return "--on-lost-server" in case.args and case.args[case.args.index("--on-lost-server") + 1] == "continue"
 
@@ -470,6 +485,9 @@ def failed_over_as_documented(case: Case, trial: Trial, err: str, code: int, sum
         problems.append(f"global step {summary['global_step']} of {case.steps}")
     if not ck or checkpoint.load(ck[-1]).global_step != case.steps:
         problems.append("no final checkpoint at the budget")
+    unreadable = [c.name for c in ck[:-1] if not _loads(c)]  # rank 0 killed mid-write: its file is whole or absent
+    if unreadable:
+        problems.append(f"checkpoints that do not load: {unreadable}")
     limit = 0 if case.mode == "sync" else 2 * (NP - 1)
     if fo["updates_lost_at_most"] > limit:
         problems.append(f"{fo['updates_lost_at_most']} updates lost (more than {limit})")
