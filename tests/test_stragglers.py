@@ -145,7 +145,9 @@ def test_without_a_straggler_the_quorum_counts_every_worker(tmp_path, np_, quoru
     s = train(np_, tmp_path, "--mode", "sync", "--quorum", str(quorum), "--steps", "1500", "--local-steps", local)
     counted = s["local_steps"]
     assert sum(counted) == quorum * 1500  # every update averaged exactly Q gradients
-    assert max(counted) <= 2 * min(counted), counted  # each worker's share within 2x of the others'
+    # No worker starves (the failures this guards against were [2994, 6] and [350, 0]); who wins each
+    # round is a race, so shares differ: [480, 1020] once under Open MPI on a busy 2-core VM (CI, 2026-11-27).
+    assert max(counted) <= 3 * min(counted), counted
     assert set(s["worker_param_digests"]) == {s["param_digest"]}
 
 
