@@ -137,8 +137,8 @@ CASES = [
     Case("failover-big", ("--mode", "async", "--hidden", "2000", *FAILOVER), "rank0", 1200),  # mid-message
     Case("failover-shard-async", ("--mode", "async", "--num-ps", "2", "--hidden", "2000", *FAILOVER), "shard", 1000),
     Case("failover-shard-sync", ("--mode", "sync", "--num-ps", "2", *FAILOVER), "shard", 4000),
-    # Rank 0 busy with its own duties most of the time (a checkpoint and an evaluation every few
-    # steps): a kill at a random moment lands mid-checkpoint or mid-evaluation about as often as not.
+    # Rank 0 busy with its own duties (a checkpoint and an evaluation every few steps), so that kills at
+    # random moments land mid-checkpoint or mid-evaluation often (which share does is not measured).
     Case("failover-duties-sync", ("--mode", "sync", "--checkpoint-every-steps", "10", "--eval-every", "10",
                                   *FAILOVER), "rank0", 1500),
     Case("failover-duties-async", ("--mode", "async", "--checkpoint-every-steps", "40", "--eval-every", "40",
