@@ -59,6 +59,8 @@ TIMEOUT_S = 3.0  # --worker-timeout
 GRACE_S = 10.0  # the job must end within TIMEOUT_S + GRACE_S of the kill
 START_WAIT_S = 60.0
 EXIT_PEER_LOST = ExitCode.PEER_LOST
+# A rank 0 whose MPI got stuck (stuck.py) ends with PEER_LOST; MPICH's mpirun ORs in the killed rank's 137
+STUCK_EXITS = (EXIT_PEER_LOST, (128 + signal.SIGKILL) | EXIT_PEER_LOST)
 IMPL = mpiimpl.of_mpirun(mpirun())  # the MPI of the mpirun used (--mpi checks it)
 UNHARMED_ACCURACY: dict[str, float] = {}  # each case's calibration run (no kill): its final test accuracy
 
@@ -519,7 +521,7 @@ def rank0_stuck_as_documented(case: Case, trial: Trial, err: str, code: int, ck:
     quiet = [r for r in left if f"rank {r} lost the parameter server" not in err and r not in stuck]
     if quiet:
         problems.append(f"ranks {quiet} did not say they lost rank 0")
-    if code not in (EXIT_PEER_LOST, (128 + signal.SIGKILL) | EXIT_PEER_LOST):
+    if code not in STUCK_EXITS:
         problems.append(f"exit {code}")
     return problems
 

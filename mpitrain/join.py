@@ -286,6 +286,7 @@ class Lobby:
         except (OSError, ValueError, KeyError, TypeError):
             return  # being written, or gone: the next scan sees it whole
         if touched > FRESH_S or dead_here(host, pid):  # its joiner died: never connect to a dead port
+            self.tries.pop(path, None)
             remove(path)
             return
         info = MPI.Info.Create()
