@@ -108,8 +108,9 @@ class TrainConfig:
         None, "async: receive the next parameters while computing the next gradient (one exchange staler, "
         "no idle round trip)", shown=f"on up to {AUTO_OVERLAP_MAX_WORKERS} workers, off above")
     ps_transport: str = PARALLELISM(
-        "mpi", "async: mpi (each gradient a message that rank 0 applies) or shm (one host: the parameters in shared "
-        "memory, each worker applies its own gradient under a lock; rank 0 only evaluates, saves and stops)",
+        "mpi", "async: mpi (each gradient a message that rank 0 applies) or shm (the parameters in rank 0's host's "
+        "shared memory, each worker there applies its own gradient under a lock; workers on other hosts send theirs "
+        "to rank 0, which applies them into the same store)",
         choices=PS_TRANSPORTS)
     compress: str = PARALLELISM(
         "none", "send gradients and parameters as float16 or bfloat16 (half the bytes; bf16 converts faster on a "

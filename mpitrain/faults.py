@@ -25,6 +25,8 @@ MPITRAIN_INJECT_JOIN=formed     ... once the new world has formed, before its ph
                                 died in the job's collectives: join.Carry.start_forming)
 MPITRAIN_INJECT_JOIN=deaf       ... writes its request but never waits in accept (slow, or its port
                                 broken): rank 0's connects time out (join.CONNECT_TRIES)
+MPITRAIN_INJECT_OFFHOST=RANK,...  --ps-transport shm: these workers take the message path as a worker on
+                                another host than rank 0's does (modes/shm_remote.py, tested on one host)
 MPITRAIN_FORM_LIMIT_S=SEC       how long every rank waits for such a world before it ends itself
                                 (join.FORM_LIMIT_S, 30 s; the test that kills there waits less)
 
@@ -252,6 +254,11 @@ def kill_session(sid: int, linger_s: float = 0.0) -> bool:
         except ProcessLookupError:
             pass
     return found
+
+
+def offhost_ranks(env=os.environ) -> set[int]:
+    """MPITRAIN_INJECT_OFFHOST: the worker ranks to treat as on another host than the store's."""
+    return {int(r) for r in env.get("MPITRAIN_INJECT_OFFHOST", "").split(",") if r.strip()}
 
 
 def joiner_deaf() -> bool:

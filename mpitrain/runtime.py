@@ -329,9 +329,10 @@ def setup(cfg: TrainConfig, comm, node: Node, choose_mode) -> Context:
     rank, size = comm.Get_rank(), comm.Get_size()
     check_launch(size)
     validate_for_world(cfg, size)
-    if cfg.ps_transport == "shm" and node.size != size:  # the same answer on every rank
-        raise UsageError(f"--ps-transport shm keeps the parameters in one host's memory, but this job's {size} ranks "
-                         f"run on several hosts; run every rank on one host, or drop it (mpi works across hosts)")
+    if cfg.ps_transport == "shm" and cfg.num_ps > 1 and node.size != size:  # the same answer on every rank
+        raise UsageError(f"--ps-transport shm with --num-ps {cfg.num_ps} keeps every shard in one host's memory, but "
+                         f"this job's {size} ranks run on several hosts; use --num-ps 1 (the workers on other hosts "
+                         f"then send their gradients to rank 0) or --ps-transport mpi")
     if rank == PS_RANK:  # rank 0 writes them at the end: a bad folder must not cost the run
         for flag, path in (("--summary-json", cfg.summary_json), ("--timeline", cfg.timeline)):
             check_output_path(flag, path)

@@ -104,6 +104,10 @@ class Poller:
         finally:
             self.waited_s += time.perf_counter() - t0
 
+    def test(self, reqs: list) -> Completed | None:
+        """One look, no wait: what completed (an empty Completed when none is active), or None."""
+        return self._test(reqs, [i for i, r in enumerate(reqs) if r])
+
     def all(self, reqs: list, peers: list[int]) -> None:
         """Wait for every request; `peers[i]` is the rank request i talks to. A request that
         fails raises PeerLost naming its peer (declared in the watch), as a silent peer does."""

@@ -115,21 +115,24 @@ def test_every_bad_input_is_one_line_naming_it_on_the_server_and_a_worker(args, 
     assert all(needle in e and "\n" not in e for e in errors), errors
 
 
-def test_shm_on_several_hosts_is_refused_on_every_rank():
-    """The store is one host's memory: a world of 3 whose host holds 2 of them is refused, on the
-    host with rank 0 and on the other, with the same line."""
+def test_shm_shards_on_several_hosts_are_refused_on_every_rank():
+    """The store is one host's memory: with --num-ps 2 (every shard in the store) a world of 4 on two
+    hosts is refused, on the host with rank 0 and on the other, with the same line; with one server
+    the workers of the other host take the message path (tests/test_multihost.py), so it is not."""
     from mpitrain import modes
     from mpitrain.cli import parse_args
     from mpitrain.config import UsageError
     from mpitrain.runtime import Node, setup
 
-    cfg, _ = parse_args(["--ps-transport", "shm"])
     lines = set()
-    for rank, here in ((0, 2), (2, 1)):
+    for rank in (0, 3):
         with pytest.raises(UsageError) as e:
-            setup(cfg, FakeWorld(rank, 3), Node(0, here, here, 2), modes.of)
+            setup(parse_args(["--ps-transport", "shm", "--num-ps", "2"])[0], FakeWorld(rank, 4), Node(0, 2, 2, 2),
+                  modes.of)
         lines.add(str(e.value))
     assert len(lines) == 1 and "several hosts" in lines.pop()
+    ctx = setup(parse_args(["--ps-transport", "shm"])[0], FakeWorld(2, 3), Node(0, 1, 1, 2, (2,)), modes.of)
+    assert ctx.layout.workers == 2
 
 
 # One launch per kind of check (parsing, validate, the world size, the data, the device): every rank

@@ -31,20 +31,22 @@ def two_hosts(tmp_path):
 
 
 @ON_HYDRA
-@pytest.mark.parametrize("slots,np_,num_ps,placed", [
-    (2, 3, 1, [0, 0, 1]),  # ranks 0,1 on the first host, rank 2 on the second
+@pytest.mark.parametrize("slots,np_,num_ps,placed,flags", [
+    (2, 3, 1, [0, 0, 1], ""),  # ranks 0,1 on the first host, rank 2 on the second
     # one slot per host: hydra deals the ranks round-robin, so each server (ranks 0, 1) is on its
     # own host, with a worker beside it
-    (1, 4, 2, [0, 1, 0, 1]),
-])
-def test_training_across_two_hosts_from_a_hostfile(two_hosts, tmp_path, slots, np_, num_ps, placed):
+    (1, 4, 2, [0, 1, 0, 1], ""),
+    # the store in the first host's memory: rank 1 applies there, rank 2 sends its gradients to rank 0
+    (2, 3, 1, [0, 0, 1], "--ps-transport shm"),
+], ids=["one-server", "two-servers", "shm"])
+def test_training_across_two_hosts_from_a_hostfile(two_hosts, tmp_path, slots, np_, num_ps, placed, flags):
     names, addrs, wrapper, _ = two_hosts
     hostfile = tmp_path / "hosts"
     hostfile.write_text(f"{addrs[0]}:{slots}\n{addrs[1]}:{slots}\n")
     summary = tmp_path / "summary.json"
     # each rank reports the network namespace it runs in, then becomes the trainer
     rank_cmd = (f'echo "rank $PMI_RANK netns $(readlink /proc/self/ns/net)"; '
-                f'exec "{sys.executable}" -m mpitrain --no-progress --epochs 10 --num-ps {num_ps} '
+                f'exec "{sys.executable}" -m mpitrain --no-progress --epochs 10 --num-ps {num_ps} {flags} '
                 f'--summary-json "{summary}"')
     cmd = ["ip", "netns", "exec", names[0], mpirun_path(), "-launcher", "ssh", "-launcher-exec", str(wrapper),
            "-f", str(hostfile), "-localhost", addrs[0], "-np", str(np_), "sh", "-c", rank_cmd]
@@ -63,6 +65,9 @@ def test_training_across_two_hosts_from_a_hostfile(two_hosts, tmp_path, slots, n
     s = json.loads(summary.read_text())
     assert s["world_size"] == np_ and s["num_ps"] == num_ps and s["test_accuracy"] >= 0.85
     assert all(p["bytes_in"] > 0 for p in s["ps_shards"])  # (both namespaces share one host name)
+    if "shm" in flags:  # only the remote worker's gradients travel
+        assert [b[0] > 0 for b in s["worker_bytes"]] == [False, True], s["worker_bytes"]
+        assert "worker rank(s) 2 run on another host" in proc.stdout + proc.stderr
 
 
 def partitioned(two_hosts, tmp_path, rank0_cut_off: bool = False, heal_after: float | None = None,

@@ -78,6 +78,42 @@ def test_a_worker_killed_in_the_store_leaves_a_job_that_finishes_its_budget(tmp_
     assert "Traceback" not in proc.stderr and not proc.leftovers and _segments() == before
 
 
+OFF_HOST = {**child_env(), "MPITRAIN_INJECT_OFFHOST": "2"}  # rank 2 takes another host's path (faults.py)
+
+
+@only_on("mpich", NUMBERS_ONLY)
+@pytest.mark.parametrize("flags", [[], ["--delay-compensation", "--max-staleness", "3", "--compress", "fp16"]],
+                         ids=["plain", "dc-staleness-fp16"])
+def test_a_worker_on_another_host_sends_its_gradients_into_the_store(tmp_path, flags):
+    """A worker that cannot map the store (on another host: tests/test_multihost.py runs a real one)
+    keeps the message path, and rank 0 applies its gradients into the store under the same lock:
+    every step once in rank 0's counts, evaluations on their steps, only its bytes through MPI; with
+    delay compensation (against the reply rank 0 sent it), --max-staleness and fp16 messages too."""
+    s = train(4, tmp_path, "--ps-transport", "shm", "--eval-every", "100", *flags, env=OFF_HOST)
+    assert s["test_accuracy"] >= 0.93, s["_stdout"]
+    assert s["global_step"] == sum(s["local_steps"]) == s["staleness"]["gradients"]
+    assert [e["global_step"] for e in s["eval_history"]] == list(range(100, s["global_step"] + 1, 100))
+    sent = [b[0] for b in s["worker_bytes"]]
+    assert sent[1] > 0 and sent[0] == sent[2] == 0, sent
+    assert "worker rank(s) 2 run on another host" in s["_stdout"] + s["_stderr"]
+    if flags:
+        assert s["staleness"]["max"] <= 3
+
+
+def test_a_worker_on_another_host_killed_leaves_a_job_that_finishes_its_budget(tmp_path):
+    """The remote worker SIGKILLed mid-run: rank 0 drops its requests and goes on with the store's workers."""
+    summary = tmp_path / "s.json"
+    proc, _ = run_detached(mpitrain_cmd(4, "--no-progress", "--ps-transport", "shm", "--steps", "600",
+                                        "--worker-timeout", "2", "--summary-json", str(summary),
+                                        launcher_flags=keep_going()),
+                           env={**OFF_HOST, "MPITRAIN_INJECT_KILL": "2:40"}, timeout=120)
+    assert proc.returncode == mpi_impl().worker_lost_exit, proc.stdout + proc.stderr
+    s = json.loads(summary.read_text())
+    assert s["global_step"] == 600 and [w["rank"] for w in s["lost_workers"]] == [2]
+    assert math.isfinite(s["test_loss"]) and s["test_accuracy"] >= 0.9
+    assert "Traceback" not in proc.stderr and not proc.leftovers
+
+
 def test_a_segment_is_swept_only_when_its_creator_is_gone(tmp_path):
     """A job killed before every rank mapped its store leaves the name; the next store on the host
     removes it, and never a live job's (nor another user's, nor a file that is not a store)."""

@@ -168,9 +168,10 @@ class Store:
         os.close(self.fd)
 
 
-def open_store(ctx, start: TrainState, hold_at: int = 0) -> Store:
-    """Collective over ctx.comm: rank 0 makes the segment and fills it; every rank maps it; once
-    all have, rank 0 unlinks its name (the memory lives until the last rank unmaps it)."""
+def open_store(ctx, start: TrainState, hold_at: int = 0, here: bool = True) -> Store | None:
+    """Collective over ctx.comm: rank 0 makes the segment and fills it; every rank of its host maps
+    it (`here`; a worker on another host takes part without mapping it, and gets None); once all
+    have, rank 0 unlinks its name (the memory lives until the last rank unmaps it)."""
     from mpi4py import MPI
 
     from mpitrain.transport import END_POLL_S, Poller
@@ -187,7 +188,7 @@ def open_store(ctx, start: TrainState, hold_at: int = 0) -> Store:
         store.fill(start, W, hold_at)
         buf[:len(path)] = path.encode()
     ctx.comm.Bcast([buf, MPI.BYTE], root=PS_RANK)
-    if store is None:
+    if store is None and here:
         store = Store(bytes(buf).rstrip(b"\0").decode(), n, W, names, ema, dc, create=False, shards=K)
     Poller(END_POLL_S, ctx.watch).all([ctx.comm.Ibarrier()], [PS_RANK])
     if ctx.rank == PS_RANK:

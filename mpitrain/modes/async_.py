@@ -22,6 +22,7 @@ from mpitrain.checkpoint import TrainState
 from mpitrain.chief import ChiefDuties, ServerState, record_lost
 from mpitrain.config import AUTO_OVERLAP_MAX_WORKERS
 from mpitrain.elastic import interrupted_at
+from mpitrain.exchange import shm
 from mpitrain.exchange.base import PushPull
 from mpitrain.exchange.mpi import MPIPushPull
 from mpitrain.exchange.shm import ShmPushPull
@@ -33,6 +34,7 @@ from mpitrain.liveness import PeerLost
 from mpitrain.metrics import Progress
 from mpitrain.modes.async_shm import ShmServer, keep_store
 from mpitrain.modes.base import Mode, Trained
+from mpitrain.modes.shm_remote import on_store_host
 from mpitrain.observe import APPLY, COMPUTE, PULL, PUSH, WAIT
 from mpitrain.optim import ServerUpdate, StalenessHold
 from mpitrain.outer import InnerSteps, OuterUpdate
@@ -455,7 +457,12 @@ class AsyncMode(Mode):
         return Trained(state=AsyncServer(ctx, Progress(False, None, ctx.global_batch)).run())
 
     def worker(self, ctx: Context, progress=None) -> Trained:
-        exchange = ShmPushPull(ctx, start_state(ctx)) if ctx.cfg.ps_transport == "shm" else None
+        exchange = None
+        if ctx.cfg.ps_transport == "shm":
+            if on_store_host(ctx):
+                exchange = ShmPushPull(ctx, start_state(ctx))
+            else:  # another host than the store's: the message path, rank 0 applying into the store
+                shm.open_store(ctx, start_state(ctx), here=False)
         return Trained(worker=AsyncWorker(ctx, exchange).run())
 
 

@@ -6,7 +6,8 @@ the loss guard); evaluations and checkpoints fall on steps where rank 0 holds th
 (`hold_at`), so they see the state of exactly that step, as on the message path; the budget, a
 stop request or a divergence sets the store's stop slot. With --num-ps K the other servers have
 nothing to apply (the workers apply every shard themselves, each under its own lock): each maps the
-store and waits for the end (keep_store).
+store and waits for the end (keep_store). Workers on other hosts than rank 0's keep the message path,
+and rank 0 applies their gradients into the same store (modes/shm_remote.py).
 """
 
 from __future__ import annotations
@@ -15,10 +16,13 @@ import time
 
 from mpitrain.checkpoint import TrainState
 from mpitrain.chief import ChiefDuties, Clock, ServerState, begin, record_lost
+from mpitrain.console import say
 from mpitrain.exchange import shm
 from mpitrain.guard import NON_FINITE, Diverged, LossGuard
 from mpitrain.liveness import PeerLost
 from mpitrain.metrics import Progress
+from mpitrain.modes.shm_remote import POLL_S as REMOTE_POLL_S
+from mpitrain.modes.shm_remote import RemoteWorkers, off_host
 from mpitrain.observe import WAIT
 from mpitrain.runtime import Context
 from mpitrain.stopping import STOP
@@ -38,6 +42,13 @@ class ShmServer:
         self.store = shm.open_store(ctx, self.duties.start, self._next_hold())
         self.guard = LossGuard(self.cfg.divergence_factor)
         self.lost: set[int] = set()  # worker indices
+        remote = off_host(ctx)  # workers on other hosts: their gradients come as messages, applied here
+        self.remote = RemoteWorkers(ctx, self.store, remote, self.duties.start.params) if remote else None
+        self.poll_s = REMOTE_POLL_S if remote else SERVE_POLL_S
+        if remote:
+            ranks = ", ".join(str(ctx.layout.worker_ranks[w]) for w in remote)
+            say(f"mpitrain: --ps-transport shm: worker rank(s) {ranks} run on another host than rank 0: their "
+                f"gradients come to rank 0 as messages, and it applies them into the store")
 
     def run(self) -> ServerState:
         try:
@@ -46,9 +57,11 @@ class ShmServer:
                     self.ctx.activity.enter(WAIT)
                     self.ctx.watch.check()
                     self._follow()
-                    time.sleep(SERVE_POLL_S)
+                    if not (self.remote and self.remote.serve()):
+                        time.sleep(self.poll_s)
                 except PeerLost as e:
                     self._lose(e.lost)
+            self._drain()
             self._follow()
             self.duties.finish()
             final = self._whole()
@@ -57,6 +70,16 @@ class ShmServer:
         finally:
             self.store.close()
         return self.state
+
+    def _drain(self) -> None:
+        """The remote workers' last replies."""
+        while self.remote:
+            try:
+                self.remote.drain()
+                self.state.bytes_in, self.state.bytes_out = self.remote.bytes_in, self.remote.bytes_out
+                return
+            except PeerLost as e:
+                self._lose(e.lost)
 
     def _workers_left(self) -> bool:
         return any(self.store.active[w] > 0 for w in range(self.ctx.workers) if w not in self.lost)
@@ -115,6 +138,8 @@ class ShmServer:
             if w in self.lost:
                 continue
             self.lost.add(w)
+            if self.remote:
+                self.remote.forget(w)
             self.store.active[w] = shm.LOST  # its basis no longer holds the others back (--max-staleness)
             left = self.ctx.workers - len(self.lost)
             record_lost(self.state, rank, why, f"; continuing with {left} worker(s)" if left else "")

@@ -1,0 +1,162 @@
+"""--ps-transport shm on several hosts, rank 0's side of the workers on the other hosts.
+
+The store lives in the memory of rank 0's host (exchange/shm.py); a worker on another host cannot
+map it, so it keeps the message path unchanged (exchange/mpi.py's MPIPushPull: a gradient to rank 0,
+the parameters back), and rank 0 applies its gradient into the same store, under the same lock, as
+one more step in arrival order with the local workers' own applies: the same SharedUpdate, the same
+hold at rank 0's duty steps, the same stop slot, the same ring entry (so the bar, the log, the
+staleness counts and the guard see its steps as any other). The reply is the parameters the apply
+left, copied out in the same hold of the lock, as a local worker's pull is.
+
+A remote worker does not overlap (config.overlaps is off with shm): its next gradient is computed on
+exactly the reply, so --delay-compensation's backup of it is that reply (one copy per remote worker,
+kept here); --max-staleness reads its basis in the store's `bases`, which rank 0 writes for it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from mpi4py import MPI
+
+from mpitrain.exchange import shm
+from mpitrain.faults import offhost_ranks
+from mpitrain.layout import PS_RANK
+from mpitrain.liveness import PeerLost
+from mpitrain.optim import StalenessHold
+from mpitrain.protocol import FLAG_DIVERGED, FLAG_LAST, FLAG_LEAVING, FLAG_STOP, TAG_GRAD, TAG_PARAMS, Message
+from mpitrain.transport import END_POLL_S, PS_POLL_NO_OVERLAP_S, Poller, tested
+
+POLL_S = PS_POLL_NO_OVERLAP_S  # with remote workers rank 0's loop answers them: their reply is on their critical path
+
+
+def off_host(ctx) -> list[int]:
+    """The worker indices whose rank runs on another host than rank 0 (known on rank 0 only: its
+    node's ranks); none on one host."""
+    here, away = ctx.node.world_ranks, offhost_ranks()
+    return [w for w, r in enumerate(ctx.layout.worker_ranks) if (here and r not in here) or r in away]
+
+
+def on_store_host(ctx) -> bool:
+    """Whether this rank runs on rank 0's host, where the store is (every rank knows its node's ranks)."""
+    here = ctx.node.world_ranks
+    return (not here or PS_RANK in here) and ctx.rank not in offhost_ranks()
+
+
+class RemoteWorkers:
+    """Rank 0: a receive posted per remote worker; what arrives is applied into the store when the
+    store's rules allow it (not past rank 0's hold, --max-staleness), and answered."""
+
+    def __init__(self, ctx, store: shm.Store, workers: list[int], start_params: np.ndarray):
+        self.ctx, self.store, self.comm = ctx, store, ctx.comm
+        n, wire, alloc = ctx.model.n_params, ctx.cfg.wire_dtype, ctx.backend.host_alloc
+        self.workers = workers
+        self.ranks = [ctx.layout.worker_ranks[w] for w in workers]
+        self.inbox = [Message(n, alloc, wire) for _ in workers]
+        self.outbox = [Message(n, alloc, wire) for _ in workers]
+        self.message_bytes = self.inbox[0].buf.nbytes if workers else 0
+        self.widened = np.empty(n, np.float32) if np.dtype(wire) != np.float32 else None  # --compress
+        self.shared = shm.SharedUpdate(ctx.cfg, store, np)
+        dc = ctx.cfg.delay_compensation is not None
+        self.then = [np.array(start_params, np.float32) for _ in workers] if dc else None
+        self.hold = StalenessHold(ctx.cfg.max_staleness)
+        self.poller = Poller(POLL_S, ctx.watch)
+        self.recv = [self._receive(i) for i in range(len(workers))]
+        self.sends = [MPI.REQUEST_NULL] * len(workers)
+        self.held: list[int] = []  # arrived, not yet applied (rank 0's hold, --max-staleness)
+        self.bytes_in = self.bytes_out = 0
+
+    def _receive(self, i: int):
+        return self.comm.Irecv(self.inbox[i].spec(), source=self.ranks[i], tag=TAG_GRAD)
+
+    def serve(self) -> bool:
+        """One look, without waiting: take what arrived, apply and answer what may be. True when
+        anything moved. A gradient from a worker that died sending it raises PeerLost (never applied)."""
+        done = self.poller.test(self.recv)
+        moved = bool(done)
+        if done and done.failed:
+            raise PeerLost({self.ranks[i]: why for i, why in done.failed.items()})
+        for i in done.arrived if done else ():
+            rank = self.ranks[i]
+            self.ctx.watch.heard(rank)
+            if self.inbox[i].flags & FLAG_LEAVING:  # nothing (left) to train: a header-only goodbye
+                self.inbox[i].check(TAG_GRAD, rank, count=0)
+                self.store.active[self.workers[i]] = 0
+                continue
+            self.inbox[i].check(TAG_GRAD, rank)
+            self.bytes_in += self.message_bytes
+            self.held.append(i)
+        for i in sorted(self.held, key=lambda i: self.inbox[i].step):  # the oldest first, as the message path
+            answered = self._apply(i)
+            if answered is not None:
+                self.held.remove(i)
+                self._reply(i, *answered)
+                moved = True
+        return moved
+
+    def _apply(self, i: int) -> tuple[int, int] | None:
+        """Under the store's lock, as a local worker's push (ShmPushPull._apply): apply, stop, or hold
+        (None). Returns the reply's version and flags; its parameters are copied out in the same hold."""
+        s = self.store
+        with s.locked():
+            answer = self._decide(i)
+            if answer is not None:
+                self._wait_sent(i)
+                self.outbox[i].payload[:] = s.params  # the pull (narrowed with --compress)
+            return answer
+
+    def _decide(self, i: int) -> tuple[int, int] | None:
+        s, msg, w = self.store, self.inbox[i], self.workers[i]
+        h = s.header
+        if h[shm.STOP]:
+            return int(h[shm.VERSION]), FLAG_STOP | (FLAG_DIVERGED if h[shm.DIVERGED_STEP] >= 0 else 0)
+        v = int(h[shm.VERSION])
+        others = [int(s.views["bases"][u]) for u in range(len(s.active)) if u != w and s.active[u] > 0]
+        if v >= h[shm.HOLD_AT] or (self.hold.bound is not None and not self.hold.allows(v, others)):
+            return None
+        if not math.isfinite(msg.loss):  # never applied; rank 0 stops the run
+            s.views["diverged_loss"][0] = msg.loss
+            h[shm.DIVERGED_RANK], h[shm.DIVERGED_STEP], h[shm.STOP] = self.ranks[i], v, 1
+            return v, FLAG_STOP | FLAG_DIVERGED
+        grad = msg.payload
+        if self.widened is not None:
+            self.widened[:] = grad
+            grad = self.widened
+        basis = msg.step
+        self.shared.apply(grad, self.ctx.lr_at(v), v - basis, basis, None if self.then is None else self.then[i])
+        ring = (v + 1) % shm.RING
+        s.views["ring_loss"][ring], s.views["ring_basis"][ring], s.views["ring_worker"][ring] = msg.loss, basis, w
+        h[shm.VERSION] = v + 1  # after the apply, as a local worker writes it
+        s.views["bases"][w] = v + 1
+        return v + 1, FLAG_STOP if msg.flags & FLAG_LAST else 0
+
+    def _wait_sent(self, i: int) -> None:
+        """The previous reply's buffer is reused: that send must be done (it is, in all but name:
+        the worker answered it with this gradient)."""
+        if not tested(self.sends[i], self.ranks[i], self.ctx.watch):
+            self.poller.all([self.sends[i]], [self.ranks[i]])
+
+    def _reply(self, i: int, version: int, flags: int) -> None:
+        reply, msg = self.outbox[i], self.inbox[i]
+        if self.then is not None and not flags & FLAG_STOP:
+            self.then[i][:] = reply.payload  # what the worker computes its next gradient on
+        reply.stamp(TAG_PARAMS, version, msg.local_step, flags)
+        self.sends[i] = self.comm.Isend(reply.spec(), dest=self.ranks[i], tag=TAG_PARAMS)
+        self.bytes_out += self.message_bytes
+        if flags & FLAG_STOP:
+            self.store.active[self.workers[i]] = 0  # after its last step: rank 0's final state holds it
+        else:
+            self.recv[i] = self._receive(i)
+
+    def forget(self, w: int) -> None:
+        """A lost worker: its requests never complete (dropped, never waited on)."""
+        if w in self.workers:
+            i = self.workers.index(w)
+            self.recv[i] = self.sends[i] = MPI.REQUEST_NULL
+            if i in self.held:
+                self.held.remove(i)
+
+    def drain(self) -> None:
+        """The last replies, before the job's end (a lost worker's raise PeerLost: the caller forgets it)."""
+        Poller(END_POLL_S, self.ctx.watch).all(self.sends, self.ranks)
