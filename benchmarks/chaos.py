@@ -74,6 +74,7 @@ class Case:
     #              worker started with --join, killed once it has joined: MPICH)
     steps: int  # --steps: a run of several seconds on 2 cores
     sig: int = signal.SIGKILL  # SIGTERM / SIGINT: a user's or the scheduler's stop, not a crash
+    env: tuple[str, ...] = ()  # VAR=value for every rank (`env` in front of python)
 
     @property
     def mode(self) -> str:
@@ -106,6 +107,13 @@ CASES = [
     # half-way through its apply (a step is mostly that); rank 0, which only follows the version.
     Case("shm-async", ("--mode", "async", "--ps-transport", "shm"), "worker", 30000),
     Case("rank0-shm", ("--mode", "async", "--ps-transport", "shm"), "rank0", 30000),
+    # A worker on another host than the store's (rank 2, MPITRAIN_INJECT_OFFHOST): its gradients come as
+    # messages that rank 0 applies into the store; a worker killed (the remote one mid-message, or a local
+    # one in the store), or rank 0 killed while it applies
+    Case("shm-remote", ("--mode", "async", "--ps-transport", "shm"), "worker", 20000,
+         env=("MPITRAIN_INJECT_OFFHOST=2",)),
+    Case("rank0-shm-remote", ("--mode", "async", "--ps-transport", "shm"), "rank0", 20000,
+         env=("MPITRAIN_INJECT_OFFHOST=2",)),
     # --num-ps 2 on the store: a worker killed between two shards' locks; server rank 1, which only maps it
     Case("shm-2ps", ("--mode", "async", "--ps-transport", "shm", "--num-ps", "2"), "worker", 30000),
     Case("shard-shm", ("--mode", "async", "--ps-transport", "shm", "--num-ps", "2"), "shard", 30000),
@@ -148,6 +156,7 @@ CASES = [
 ]
 DEFAULT_TRIALS = {"async": 5, "async-staleness": 4, "async-big": 6, "sync": 4, "sync-quorum": 4, "chief-quorum": 3,
                   "quorum-big": 3, "sync-big": 3, "chief-sync": 3, "sync-stop": 2, "rank0-async": 4, "rank0-sync": 3, "supervisor": 3, "shm-async": 5, "rank0-shm": 3, "shm-2ps": 3,
+                  "shm-remote": 4, "rank0-shm-remote": 3,
                   "shard-shm": 2, "quorum-local": 3, "chief-quorum-local": 3, "async-2ps": 4,
                   "shard-async": 3, "shard-sync": 2, "term-mpirun-async": 3, "term-rank-sync": 3,
                   "int-mpirun-quorum": 3, "term-rank0-2ps": 3, "disk-full": 3, "rejoin-async": 4,
@@ -236,7 +245,8 @@ def dump_stacks(root: int, more: dict[str, int] | None = None) -> str:
 
 def command(case: Case, tmp: str) -> list[str]:
     spawns = "--respawn" in case.args  # Open MPI: its shared memory alone does not reach a spawned process
-    return [mpirun(), *IMPL.keep_going, *mpiimpl.local_flags(IMPL, spawns), "-np", str(NP), sys.executable, "-m", "mpitrain",
+    return [mpirun(), *IMPL.keep_going, *mpiimpl.local_flags(IMPL, spawns), "-np", str(NP),
+            *(("env", *case.env) if case.env else ()), sys.executable, "-m", "mpitrain",
             *BASE, *case.args,
             "--steps", str(case.steps), "--checkpoint-dir", os.path.join(tmp, "ck"),
             "--summary-json", os.path.join(tmp, "summary.json")]

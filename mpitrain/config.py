@@ -450,7 +450,6 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         if cfg.worker_timeout <= 0:
             raise UsageError("--on-lost-server continue needs heartbeats to tell a lost rank 0: give a "
                              "--worker-timeout above 0 (e.g. 3)")
-        _not_with("--on-lost-server continue", (cfg.ps_transport == "shm", "--ps-transport shm"))
     if cfg.delay_compensation is not None:
         if cfg.mode != "async":
             raise UsageError("--delay-compensation applies to --mode async (sync gradients are never stale)")

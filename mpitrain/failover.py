@@ -95,8 +95,11 @@ def take_over(ctx, e: PeerLost, carry) -> tuple[object, Handover] | None:
     lost_shards = [k for k, r in enumerate(ctx.layout.server_ranks) if r not in chosen]
     state, lost_at_most = freshest(ctx, world, mine, pushed, lost_shards)
     K = ctx.layout.shards
+    extra = state_arrays(cfg)[1:]  # the optimizer's state and the moving average: the same on every rank of world
     record = {"lost": why, "successor": chosen[0], "servers": chosen[:K], "lost_shards": lost_shards,
               "global_step": state.global_step, "ranks": len(chosen), "updates_lost_at_most": lost_at_most,
+              "state_kept": [a for a in extra if state.array(a) is not None],
+              "state_restarted": [a for a in extra if state.array(a) is None],
               "seconds": round(time.monotonic() - t0, 2)}
     return world, Handover(state if world.Get_rank() == 0 else None, record)
 

@@ -22,6 +22,7 @@ from mpitrain.lock import NAME as LOCK
 
 SAME = "the take-over is sync's (tested under both MPIs); --quorum only changes the loop it leaves"
 THIRD = "a third server only adds peers to watch; the take-over of a shard is tested with 2 under both MPIs"
+STORE = "the store's take-over is tested under both MPIs with rank 0 killed; a shard's adds nothing MPI does"
 BUDGET = 20000  # digits, 3 workers: a few seconds of training, so the kill lands mid-run
 
 
@@ -44,10 +45,11 @@ def kill_mid_run(cmd: list[str], np_: int, victim: int, ck=None, env=None, timeo
     return proc, out, err, leftovers
 
 
-@pytest.mark.parametrize("mode", ["sync", pytest.param("quorum", marks=only_on("mpich", SAME)), "async"])
+@pytest.mark.parametrize("mode", ["sync", pytest.param("quorum", marks=only_on("mpich", SAME)), "async", "shm"])
 def test_rank_0_killed_mid_run_a_worker_takes_over_and_the_job_reaches_its_budget(tmp_path, mode):
     ck, summary = tmp_path / "ck", tmp_path / "summary.json"
-    how = ("--mode", "sync", "--quorum", "2") if mode == "quorum" else ("--mode", mode)
+    how = {"quorum": ("--mode", "sync", "--quorum", "2"), "shm": ("--mode", "async", "--ps-transport", "shm",
+                                                                 "--optimizer", "adam")}.get(mode, ("--mode", mode))
     cmd = mpitrain_cmd(4, *how, "--no-progress", "--steps", str(BUDGET), "--worker-timeout", "1",
                        "--on-lost-server", "continue", "--checkpoint-dir", str(ck), "--checkpoint-every-steps", "500",
                        "--summary-json", str(summary), launcher_flags=keep_going())
@@ -59,8 +61,11 @@ def test_rank_0_killed_mid_run_a_worker_takes_over_and_the_job_reaches_its_budge
     assert s["global_step"] == BUDGET and s["test_accuracy"] > 0.9, err
     [fo] = s["failovers"]
     assert fo["successor"] == 1 and fo["ranks"] == 3 and fo["global_step"] >= first
-    if mode != "async":  # the replicas hold the whole model: nothing is lost, and they are identical
+    if mode in ("sync", "quorum"):  # the replicas hold the whole model: nothing is lost, and they are identical
         assert fo["updates_lost_at_most"] == 0 and set(s["worker_param_digests"]) == {s["param_digest"]}
+    elif mode == "shm":  # the store outlives rank 0: every update applied, and Adam's state, go on
+        assert fo["updates_lost_at_most"] == 0, fo
+        assert fo["state_kept"] == ["opt_m", "opt_v"] and "m, v kept" in err, err
     else:  # at most what the 3 workers had in flight with overlap (2 each)
         assert 0 <= fo["updates_lost_at_most"] <= 6, fo
     took = [ln for ln in err.splitlines() if "took over as rank 0" in ln]
@@ -71,13 +76,15 @@ def test_rank_0_killed_mid_run_a_worker_takes_over_and_the_job_reaches_its_budge
 
 
 @pytest.mark.parametrize("mode,servers", [("async", 2), pytest.param("sync", 2, marks=only_on("mpich", SAME)),
-                                          pytest.param("async", 3, marks=only_on("mpich", THIRD))])
+                                          pytest.param("async", 3, marks=only_on("mpich", THIRD)),
+                                          pytest.param("shm", 2, marks=only_on("mpich", STORE))])
 def test_a_server_shard_killed_mid_run_is_rebuilt_and_the_job_reaches_its_budget(tmp_path, mode, servers):
     """--num-ps K: the last server SIGKILLed mid-run. Rank 0, the other servers and the workers agree
     to go on; the first worker serves the lost shard from then on, from the freshest copy of it (async:
     a worker's pulled parameters; sync: the replicas), and each server left keeps its shard's exact state."""
     summary, victim, np_ = tmp_path / "summary.json", servers - 1, servers + 3
-    cmd = mpitrain_cmd(np_, "--mode", mode, "--num-ps", str(servers), "--no-progress", "--steps", str(BUDGET),
+    how = ("--mode", "async", "--ps-transport", "shm") if mode == "shm" else ("--mode", mode)
+    cmd = mpitrain_cmd(np_, *how, "--num-ps", str(servers), "--no-progress", "--steps", str(BUDGET),
                        "--worker-timeout", "1", "--on-lost-server", "continue", "--summary-json", str(summary),
                        launcher_flags=keep_going())
     _, _, err, leftovers = kill_mid_run(cmd, np_, victim)

@@ -347,8 +347,11 @@ class AsyncWorker:
             return self._train()
 
     def _held(self) -> TrainState:
-        """The parameters this worker holds, at the global step the server answered them at."""
+        """The parameters this worker holds, at the global step the server answered them at (with
+        --ps-transport shm, the store's whole state: ShmPushPull.held)."""
         ex = self.exchange
+        if hasattr(ex, "held"):
+            return ex.held()
         return TrainState(np.array(self.be.to_host(ex.params), np.float32), ex.versions[0], versions=list(ex.versions))
 
     def _train(self) -> WorkerResult:
@@ -369,8 +372,8 @@ class AsyncWorker:
             if ex.in_flight and self._pull():
                 break  # the gradient just computed is not pushed: training is over
             self._push(slot, loss, used_versions)
-        ex.close()
         held = self._held()  # what a take-over would start from, should rank 0 be lost after this
+        ex.close()
         return WorkerResult(self.pushed, held.params, self.act.times(), diverged=self.diverged, train_state=held)
 
     def _compute(self, slot: int) -> tuple[float, list[int]]:
