@@ -58,6 +58,7 @@ NP = 4
 TIMEOUT_S = 3.0  # --worker-timeout
 GRACE_S = 10.0  # the job must end within TIMEOUT_S + GRACE_S of the kill
 START_WAIT_S = 60.0
+JOIN_WINDOW_S = 3.0  # rank0-join: the kill comes this long after the joiner starts, at most (it joins in ~1.2 s)
 EXIT_PEER_LOST = ExitCode.PEER_LOST
 # A rank 0 whose MPI got stuck (stuck.py) ends with PEER_LOST; MPICH's mpirun ORs in the killed rank's 137
 STUCK_EXITS = (EXIT_PEER_LOST, (128 + signal.SIGKILL) | EXIT_PEER_LOST)
@@ -70,8 +71,9 @@ class Case:
     name: str
     args: tuple[str, ...]
     target: str  # "worker", "chief" (the first worker), "rank0", "shard" (rank 1 with --num-ps 2), "supervisor"
-    #              "launcher" (mpirun itself), "disk" (the checkpoint folder fills up) or "joiner" (a
-    #              worker started with --join, killed once it has joined: MPICH)
+    #              "launcher" (mpirun itself), "disk" (the checkpoint folder fills up), "joiner" (a
+    #              worker started with --join, killed once it has joined: MPICH) or "rank0-join" (rank 0,
+    #              killed at a random moment of a worker's join: MPICH)
     steps: int  # --steps: a run of several seconds on 2 cores
     sig: int = signal.SIGKILL  # SIGTERM / SIGINT: a user's or the scheduler's stop, not a crash
     env: tuple[str, ...] = ()  # VAR=value for every rank (`env` in front of python)
@@ -153,6 +155,11 @@ CASES = [
                                   *FAILOVER), "rank0", 1500),
     Case("failover-duties-async", ("--mode", "async", "--checkpoint-every-steps", "40", "--eval-every", "40",
                                    *FAILOVER), "rank0", 8000),
+    # --ps-transport shm: the store outlives rank 0, so the take-over loses no update and keeps Adam's state
+    Case("failover-shm", ("--mode", "async", "--ps-transport", "shm", "--optimizer", "adam", *FAILOVER), "rank0", 20000),
+    # Rank 0 killed while a worker joins (--join, MPICH): before it is let in, while the job makes room
+    # or forms the new world with it, or just after
+    Case("failover-join", ("--mode", "async", "--hidden", "2000", *FAILOVER), "rank0-join", 2400),
 ]
 DEFAULT_TRIALS = {"async": 5, "async-staleness": 4, "async-big": 6, "sync": 4, "sync-quorum": 4, "chief-quorum": 3,
                   "quorum-big": 3, "sync-big": 3, "chief-sync": 3, "sync-stop": 2, "rank0-async": 4, "rank0-sync": 3, "supervisor": 3, "shm-async": 5, "rank0-shm": 3, "shm-2ps": 3,
@@ -162,7 +169,7 @@ DEFAULT_TRIALS = {"async": 5, "async-staleness": 4, "async-big": 6, "sync": 4, "
                   "int-mpirun-quorum": 3, "term-rank0-2ps": 3, "disk-full": 3, "rejoin-async": 4,
                   "rejoin-sync": 3, "respawn-async": 3, "respawn-sync": 3, "failover-sync": 6, "failover-quorum": 4,
                   "failover-async": 6, "failover-big": 4, "failover-shard-async": 5, "failover-shard-sync": 4,
-                  "failover-duties-sync": 5, "failover-duties-async": 5}
+                  "failover-duties-sync": 5, "failover-duties-async": 5, "failover-shm": 5, "failover-join": 6}
 
 
 @dataclass
@@ -177,6 +184,7 @@ class Trial:
     exit_code: int | None = None
     lines: list[str] = field(default_factory=list)
     lost_updates: int | None = None  # --on-lost-server continue: the take-over's updates_lost_at_most
+    joiner_code: int | None = None  # rank0-join: how the joiner's own mpirun ended
     accuracy: float | None = None  # ... and the final test accuracy
 
 
@@ -315,13 +323,18 @@ def _run_trial(case: Case, duration_s: float, rng: random.Random, tmp: str) -> T
             joiner.finish(5)
             trial.why = "the joiner never joined: " + (job.text() + joiner.text())[-800:]
             return trial
+    elif case.target == "rank0-join":  # from the joiner's start: its request, the connect, making room, forming
+        joiner = Job(join_command(case, tmp), tmp)
+        started = time.monotonic()
     trial.kill_after_s = rng.uniform(0.0 if joiner else 0.2, duration_s * (0.8 if joiner else 1.05))
+    if case.target == "rank0-join":
+        trial.kill_after_s = rng.uniform(0.0, JOIN_WINDOW_S)
     time.sleep(max(0.0, started + trial.kill_after_s - time.monotonic()))
     pids = rank_pids(job.proc.pid)
     lay = case.layout
-    fixed = {"rank0": 0, "shard": 1, "chief": lay.worker_rank(0), "joiner": NP}  # a joiner is the last rank
+    fixed = {"rank0": 0, "rank0-join": 0, "shard": 1, "chief": lay.worker_rank(0), "joiner": NP}  # a joiner: the last rank
     trial.victim = fixed[case.target] if case.target in fixed else rng.choice(lay.worker_ranks)
-    if joiner:  # the only rank of its own mpirun
+    if case.target == "joiner":  # the only rank of its own mpirun
         pids = {trial.victim: rank_pids(joiner.proc.pid).get(0, (None, None))}
     pid, supervisor = pids.get(trial.victim, (None, None))
     pid = supervisor if case.target == "supervisor" else pid
@@ -346,10 +359,13 @@ def _run_trial(case: Case, duration_s: float, rng: random.Random, tmp: str) -> T
         rest = duration_s * lay.workers / (lay.workers - 1) + FORM_LIMIT_S
     if joiner or "--respawn" in case.args:  # the rest of the run on the workers it started with (or with
         rest = duration_s + FORM_LIMIT_S  # the one started in place of the lost); or killed as the world re-formed
+    if case.target == "rank0-join":  # a take-over, then perhaps the join again with the successor
+        rest = 2 * duration_s + 2 * FORM_LIMIT_S
     code, leftovers = job.finish(rest + TIMEOUT_S + GRACE_S - (time.monotonic() - killed_at))
-    if joiner:
-        joiner_code, joiner_left = joiner.finish(GRACE_S)
+    if joiner:  # (given up on by a job that could not connect to it: join.GIVEN_UP_S after)
+        joiner_code, joiner_left = joiner.finish(GRACE_S + (FORM_LIMIT_S if case.target == "rank0-join" else 0))
         leftovers |= joiner_left or joiner_code is None
+        trial.joiner_code = joiner_code
         job.lines += [(t, "joiner", line) for t, _, line in joiner.lines]
     trial.exit_code = code
     judge(case, trial, job, code, leftovers, killed_at, Path(tmp))
@@ -378,12 +394,13 @@ def judge(case: Case, trial: Trial, job: Job, code: int | None, leftovers: bool,
     if leftovers:
         trial.why = "a process outlived mpirun"
         return
-    problems = expected(case, trial, err, code, summary, tmp)
+    problems = expected(case, trial, err, code, summary, tmp, job.text("joiner"))
     trial.outcome = "documented" if not problems else "other"
     trial.why = "; ".join(problems) + (f"\n{err[-1500:]}" if problems else "")
 
 
-def expected(case: Case, trial: Trial, err: str, code: int, summary: dict | None, tmp: Path) -> list[str]:
+def expected(case: Case, trial: Trial, err: str, code: int, summary: dict | None, tmp: Path,
+             joiner: str = "") -> list[str]:
     """What README "When things go wrong" promises for this case; [] when it held."""
     v = trial.victim
     if v is None:  # the kill came after the victim had exited: an ordinary finished run
@@ -398,6 +415,8 @@ def expected(case: Case, trial: Trial, err: str, code: int, summary: dict | None
     stuck = stuck_ranks(err)
     if 0 in stuck:
         return rank0_stuck_as_documented(case, trial, err, code, ck, stuck)
+    if case.target == "rank0-join":
+        return join_failed_over_as_documented(case, trial, err, joiner, code, summary, ck)
     if case.target in ("rank0", "shard") and failover(case):
         return failed_over_as_documented(case, trial, err, code, summary, ck)
     if case.target == "rank0":
@@ -489,7 +508,7 @@ def failed_over_as_documented(case: Case, trial: Trial, err: str, code: int, sum
     trial.lost_updates = fo["updates_lost_at_most"]
     trial.accuracy = summary["test_accuracy"]
     took = [ln for ln in err.splitlines() if "took over as rank 0" in ln or "took it over" in ln]
-    successor, lost_shards = (1, [0]) if case.target == "rank0" else (0, [1])
+    successor, lost_shards = (0, [1]) if case.target == "shard" else (1, [0])
     if len(summary["failovers"]) != 1 or len(took) != 1 or (fo["successor"], fo["lost_shards"]) != (successor, lost_shards):
         problems.append(f"{len(summary['failovers'])} failovers, {len(took)} lines, successor {fo['successor']}, "
                         f"lost shards {fo['lost_shards']}")
@@ -500,13 +519,36 @@ def failed_over_as_documented(case: Case, trial: Trial, err: str, code: int, sum
     unreadable = [c.name for c in ck[:-1] if not _loads(c)]  # rank 0 killed mid-write: its file is whole or absent
     if unreadable:
         problems.append(f"checkpoints that do not load: {unreadable}")
-    limit = 0 if case.mode == "sync" else 2 * (NP - 1)
+    limit = 0 if case.mode == "sync" or "shm" in case.args else 2 * (NP if case.target == "rank0-join" else NP - 1)
     if fo["updates_lost_at_most"] > limit:
         problems.append(f"{fo['updates_lost_at_most']} updates lost (more than {limit})")
     if case.mode == "sync" and summary["worker_param_digests"] != [summary["param_digest"]] * len(summary["worker_ranks"]):
         problems.append("replicas differ")
     if code != IMPL.worker_lost_exit:
         problems.append(f"exit {code}")
+    return problems
+
+
+def join_failed_over_as_documented(case: Case, trial: Trial, err: str, joiner: str, code: int, summary: dict | None,
+                                   ck: list) -> list[str]:
+    """Rank 0 killed while a worker joins, with --on-lost-server continue. The job: a take-over as in
+    failed_over_as_documented (the joiner, if it was in, among the workers; the successor may let it
+    in later), or, killed once the new world was being formed with the joiner, every rank of it ending
+    in one line when join.FORM_LIMIT_S has passed (exit 5; the checkpoint saved for the join resumes
+    the run). The joiner: in the job to its end, or ended on its own with one mpitrain line."""
+    problems = []
+    if summary is not None:
+        problems += failed_over_as_documented(case, trial, err, code, summary, ck)
+    elif any("did not go on within" in ln for ln in err.splitlines()):  # every rank left in the forming world
+        if code != EXIT_PEER_LOST or not ck:
+            problems.append(f"exit {code} after the forming world timed out (checkpoint: {bool(ck)})")
+    else:
+        problems.append(f"no summary and no forming time-out (exit {code})")
+    joined = summary is not None and any(j.get("rank") is not None for j in summary.get("joined_workers", []))
+    said = [ln for ln in joiner.splitlines() if ln.startswith("mpitrain: ") and ("error" in ln or "could not" in ln
+                                                                               or "did not" in ln or "lost" in ln)]
+    if trial.joiner_code != 0 and not joined and not said:
+        problems.append(f"the joiner ended with exit {trial.joiner_code} and no line saying why")
     return problems
 
 
@@ -671,7 +713,7 @@ def main() -> int:
     # No supervisor outside hydra (mpiimpl.needs_supervisor): nothing to kill in that case.
     # Nor a join under Open MPI (join.py).
     chosen = [c for c in CASES if c.name in a.cases.split(",")
-              and (c.target not in ("supervisor", "joiner") or IMPL is mpiimpl.MPICH)]
+              and (c.target not in ("supervisor", "joiner", "rank0-join") or IMPL is mpiimpl.MPICH)]
     t0 = time.perf_counter()
     durations = {c.name: calibrate(c) for c in chosen}
     print("calibrated (s):", {k: round(v, 1) for k, v in durations.items()}, f"seed {seed}", flush=True)

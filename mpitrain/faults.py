@@ -4,6 +4,8 @@ MPITRAIN_INJECT_NAN=RANK:STEP   worker RANK reports a NaN loss at its local step
 MPITRAIN_INJECT_KILL=RANK:STEP  worker RANK SIGKILLs itself at its local step STEP (as the OOM
                                 killer or `kill -9` would)
 MPITRAIN_INJECT_KILL=RANK:report  ... right after it sent rank 0 its end-of-run report
+MPITRAIN_INJECT_KILL=0:letin      rank 0, once it has let a --join worker in, before it makes room (the
+                                joiner waits for its GO: tests/test_join.py)
 MPITRAIN_INJECT_KILL=RANK:takeover ... a successor, once it has told the others it takes over from a lost
                                 rank 0 (failover.py), before the new world forms
 MPITRAIN_INJECT_KILL=RANK:STEP:locked   --ps-transport shm: ... holding the store's lock, before applying
@@ -96,6 +98,7 @@ class Kill:
         self.exit_step = injected_step("MPITRAIN_INJECT_EXIT", rank, env)
         self.report = env.get("MPITRAIN_INJECT_KILL") == f"{rank}:report"
         self.takeover = env.get("MPITRAIN_INJECT_KILL") == f"{rank}:takeover"
+        self.letin = env.get("MPITRAIN_INJECT_KILL") == f"{rank}:letin"
         spec, _, seconds = env.get("MPITRAIN_INJECT_HANG", "").rpartition(":")
         self.hang_step = injected_step("MPITRAIN_INJECT_HANG", rank, {"MPITRAIN_INJECT_HANG": spec})
         self.hang_s = float(seconds) if self.hang_step is not None else 0.0
@@ -116,6 +119,10 @@ class Kill:
 
     def taking_over(self) -> None:
         if self.takeover:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def let_in(self) -> None:
+        if self.letin:
             os.kill(os.getpid(), signal.SIGKILL)
 
 

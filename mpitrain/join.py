@@ -61,6 +61,8 @@ from mpitrain import atomic, mpiimpl
 from mpitrain.config import TrainConfig, can_take_joiners
 from mpitrain.config_io import as_argv, disagreement
 from mpitrain.console import say
+from mpitrain.faults import Kill
+from mpitrain.layout import PS_RANK
 from mpitrain.metrics import JobOutputs
 from mpitrain.protocol import FLAG_STOP, TAG_JOIN, Message
 from mpitrain.stopping import STOP
@@ -341,6 +343,7 @@ class Lobby:
             return
         self.joiner = Joiner(inter, host, pid)
         say(f"mpitrain: a worker on {host} (pid {pid}) joins: making room at the next step boundary")
+        Kill(PS_RANK).let_in()
         STOP.request()  # every mode ends this step as for Ctrl-C; trainer.run goes on with the joiner
 
     def _refusal(self, hello: dict) -> str | None:

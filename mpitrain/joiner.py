@@ -39,6 +39,7 @@ def join_job(cfg: TrainConfig, identity: dict, carry: Carry):
         raise UsageError(f"--join: no running job takes workers in --checkpoint-dir {folder}; start the job first "
                          f"(with --checkpoint-dir {folder} and --worker-timeout > 0, under MPICH)") from None
     inter = _wait_to_be_let_in(folder)
+    letting_in = _owner(folder)  # the rank 0 that connected (the lock's owner: a successor's pid would differ)
     send_json(inter, {"token": token, "identity": identity}, 0)
     answer = recv_json(inter, 0, ANSWER_S)
     if answer is None:
@@ -48,10 +49,16 @@ def join_job(cfg: TrainConfig, identity: dict, carry: Carry):
     faults.joiner_vanishes("vanish")
     go = Message(0)
     req = inter.Irecv(go.spec(), source=0, tag=TAG_JOIN)
-    # Rank 0 makes room within a step or two (or tells this worker the job ended instead); should
-    # it die meanwhile, its token outlives it, so a generous bound ends the wait.
-    if not poll(lambda: req.Test(), 1e-3, deadline=time.monotonic() + max(60.0, 4 * cfg.worker_timeout)):
+    # Rank 0 makes room within a step or two (or tells this worker the job ended instead). Should it
+    # die meanwhile (on this host: its process is gone; a successor of --on-lost-server continue holds
+    # the lock under another pid), this worker ends at once; elsewhere its token outlives it, so a
+    # generous bound ends the wait.
+    lost = lambda: letting_in not in (None, GONE) and dead_here(*letting_in)  # noqa: E731
+    if not poll(lambda: req.Test() or lost(), 1e-3, deadline=time.monotonic() + max(60.0, 4 * cfg.worker_timeout)):
         raise UsageError("--join: the job let this worker in but never made room for it; it may have died")
+    if lost() and not req.Test():
+        _give_up(None, "the job's rank 0 was lost while it made room for this worker; start it again (with "
+                       "--on-lost-server continue the job goes on, and takes workers in again)")
     go.check(TAG_JOIN, 0)
     if go.flags & FLAG_STOP:
         return None, None
@@ -133,21 +140,32 @@ def _touch(request: Path, token: Path, waiting: threading.Event) -> None:
             _give_up(request, f"the job could not connect to this worker ({CONNECT_TRIES} tries); start it again")
 
 
-def _give_up(request: Path, why: str) -> None:
+def _give_up(request: Path | None, why: str) -> None:
     say(f"mpitrain: error: --join: {why}", sys.stderr)
-    remove(request)
-    remove_folder(request.parent)
+    if request is not None:
+        remove(request)
+        remove_folder(request.parent)
     os._exit(1)
 
 
-def _owner_gone(folder: Path) -> bool:
-    """The job that holds the folder's lock has died (killed: its token is still there)."""
+GONE = ("", -1)  # _owner: no lock (or none readable): nobody holds the folder
+
+
+def _owner(folder: Path) -> tuple[str, int] | None:
+    """(host, pid) of the process that holds the folder's lock (the job's rank 0): GONE when there is
+    no readable lock, None when it names no pid."""
     from mpitrain import lock
 
     try:
         owner = json.loads((folder / lock.NAME).read_text())
     except (OSError, ValueError):
-        return True
+        return GONE
     if not isinstance(owner, dict) or not isinstance(owner.get("pid"), int):
-        return False
-    return dead_here(str(owner.get("host")), owner["pid"])  # on another host: the token's removal tells
+        return None
+    return str(owner.get("host")), owner["pid"]
+
+
+def _owner_gone(folder: Path) -> bool:
+    """The job that holds the folder's lock has died (killed: its token is still there)."""
+    owner = _owner(folder)
+    return owner == GONE or (owner is not None and dead_here(*owner))  # on another host: the token's removal tells

@@ -213,6 +213,29 @@ def test_a_joiner_the_job_cannot_connect_to_is_given_up_and_the_job_goes_on(tmp_
 
 
 @mpich_only
+def test_rank_0_lost_while_it_lets_a_worker_in_the_joiner_ends_at_once_and_the_job_fails_over(tmp_path):
+    """Rank 0 SIGKILLed right after it let a joiner in (MPITRAIN_INJECT_KILL=0:letin), before its GO:
+    the joiner sees that process gone (the folder lock's pid, this host) and ends in one line at once,
+    not after its 60 s bound; with --on-lost-server continue the job goes on under a successor."""
+    args = ("--mode", "async", "--steps", "10000000", "--no-progress", "--worker-timeout", "1",
+            "--on-lost-server", "continue")
+    proc, head = start_job(tmp_path, 4, args, common=(), launcher_flags=keep_going(),
+                           env={**child_env(), "MPITRAIN_INJECT_KILL": "0:letin"})
+    t = time.monotonic()
+    joiner = subprocess.run(mpitrain_cmd(1, *args, "--checkpoint-dir", str(tmp_path / "ck"), "--join"),
+                            capture_output=True, text=True, timeout=MPI_TIMEOUT_S, env=child_env())
+    took = time.monotonic() - t
+    time.sleep(3)  # the take-over (--worker-timeout 1), then a stop as scancel's
+    proc.send_signal(signal.SIGTERM)
+    job, s = finish(proc, head, tmp_path)
+    out = job.stdout + job.stderr
+    assert joiner.returncode != 0 and took < 30, (took, joiner.stdout + joiner.stderr)
+    assert "rank 0 was lost while it made room for this worker" in joiner.stderr, joiner.stderr
+    assert "Traceback" not in out + joiner.stderr and not job.leftovers, out
+    assert len(s["failovers"]) == 1 and s["joined_workers"] == [] and s["stopped"], out
+
+
+@mpich_only
 def test_a_joiner_that_dies_as_the_new_world_starts_ends_the_job_in_one_line_not_a_hang(tmp_path):
     """From the new world's forming to its phase's heartbeats every rank is in a collective that a
     dead rank never completes, and no heartbeat runs yet: each rank ends itself in one line (exit
