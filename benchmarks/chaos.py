@@ -60,7 +60,8 @@ GRACE_S = 10.0  # the job must end within TIMEOUT_S + GRACE_S of the kill
 START_WAIT_S = 60.0
 JOIN_WINDOW_S = 3.0  # rank0-join: the kill comes this long after the joiner starts, at most (it joins in ~1.2 s)
 EXIT_PEER_LOST = ExitCode.PEER_LOST
-# A rank 0 whose MPI got stuck (stuck.py) ends with PEER_LOST; MPICH's mpirun ORs in the killed rank's 137
+# Ranks ending with PEER_LOST beside a SIGKILLed rank of their own mpirun (a rank 0 whose MPI got stuck,
+# stuck.py; a world forming for a join that lost rank 0): MPICH's mpirun ORs in the killed rank's 137
 STUCK_EXITS = (EXIT_PEER_LOST, (128 + signal.SIGKILL) | EXIT_PEER_LOST)
 IMPL = mpiimpl.of_mpirun(mpirun())  # the MPI of the mpirun used (--mpi checks it)
 UNHARMED_ACCURACY: dict[str, float] = {}  # each case's calibration run (no kill): its final test accuracy
@@ -540,8 +541,10 @@ def join_failed_over_as_documented(case: Case, trial: Trial, err: str, joiner: s
     if summary is not None:
         problems += failed_over_as_documented(case, trial, err, code, summary, ck)
     elif any("did not go on within" in ln for ln in err.splitlines()):  # every rank left in the forming world
-        if code != EXIT_PEER_LOST or not ck:
-            problems.append(f"exit {code} after the forming world timed out (checkpoint: {bool(ck)})")
+        said = sum("did not go on within" in ln for ln in err.splitlines())
+        if code not in STUCK_EXITS or not ck or said != NP - 1:
+            problems.append(f"exit {code} after the forming world timed out ({said} of {NP - 1} ranks said so; "
+                            f"checkpoint: {bool(ck)})")
     else:
         problems.append(f"no summary and no forming time-out (exit {code})")
     joined = summary is not None and any(j.get("rank") is not None for j in summary.get("joined_workers", []))

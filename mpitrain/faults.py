@@ -4,8 +4,9 @@ MPITRAIN_INJECT_NAN=RANK:STEP   worker RANK reports a NaN loss at its local step
 MPITRAIN_INJECT_KILL=RANK:STEP  worker RANK SIGKILLs itself at its local step STEP (as the OOM
                                 killer or `kill -9` would)
 MPITRAIN_INJECT_KILL=RANK:report  ... right after it sent rank 0 its end-of-run report
-MPITRAIN_INJECT_KILL=0:letin      rank 0, once it has let a --join worker in, before it makes room (the
-                                joiner waits for its GO: tests/test_join.py)
+MPITRAIN_INJECT_KILL=0:letin      rank 0, 1 s after it let a --join worker in and asked for room (its
+                                heartbeats carry that stop request to the workers meanwhile), before
+                                it makes room (the joiner waits for its GO: tests/test_join.py)
 MPITRAIN_INJECT_KILL=RANK:takeover ... a successor, once it has told the others it takes over from a lost
                                 rank 0 (failover.py), before the new world forms
 MPITRAIN_INJECT_KILL=RANK:STEP:locked   --ps-transport shm: ... holding the store's lock, before applying
@@ -123,6 +124,7 @@ class Kill:
 
     def let_in(self) -> None:
         if self.letin:
+            time.sleep(1.0)
             os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -343,8 +343,8 @@ class Lobby:
             return
         self.joiner = Joiner(inter, host, pid)
         say(f"mpitrain: a worker on {host} (pid {pid}) joins: making room at the next step boundary")
-        Kill(PS_RANK).let_in()
         STOP.request()  # every mode ends this step as for Ctrl-C; trainer.run goes on with the joiner
+        Kill(PS_RANK).let_in()
 
     def _refusal(self, hello: dict) -> str | None:
         if not secrets.compare_digest(str(hello.get("token", "")), self.carry.token):

@@ -214,9 +214,11 @@ def test_a_joiner_the_job_cannot_connect_to_is_given_up_and_the_job_goes_on(tmp_
 
 @mpich_only
 def test_rank_0_lost_while_it_lets_a_worker_in_the_joiner_ends_at_once_and_the_job_fails_over(tmp_path):
-    """Rank 0 SIGKILLed right after it let a joiner in (MPITRAIN_INJECT_KILL=0:letin), before its GO:
-    the joiner sees that process gone (the folder lock's pid, this host) and ends in one line at once,
-    not after its 60 s bound; with --on-lost-server continue the job goes on under a successor."""
+    """Rank 0 SIGKILLed after it let a joiner in and asked for room (MPITRAIN_INJECT_KILL=0:letin),
+    before its GO: the joiner sees that process gone (the folder lock's pid, this host) and ends in
+    one line at once, not after its 60 s bound; with --on-lost-server continue the job goes on under a
+    successor, which does not take the dead rank 0's request for room for a user's stop (chaos found
+    the successor stopping at once, exit 143)."""
     args = ("--mode", "async", "--steps", "10000000", "--no-progress", "--worker-timeout", "1",
             "--on-lost-server", "continue")
     proc, head = start_job(tmp_path, 4, args, common=(), launcher_flags=keep_going(),
@@ -232,7 +234,9 @@ def test_rank_0_lost_while_it_lets_a_worker_in_the_joiner_ends_at_once_and_the_j
     assert joiner.returncode != 0 and took < 30, (took, joiner.stdout + joiner.stderr)
     assert "rank 0 was lost while it made room for this worker" in joiner.stderr, joiner.stderr
     assert "Traceback" not in out + joiner.stderr and not job.leftovers, out
-    assert len(s["failovers"]) == 1 and s["joined_workers"] == [] and s["stopped"], out
+    [fo] = s["failovers"]
+    assert s["joined_workers"] == [] and s["stopped"]["signal"] == "SIGTERM", out  # our scancel's, only
+    assert s["global_step"] > fo["global_step"] + 1000, (fo, s["global_step"])  # the successor trained on
 
 
 @mpich_only
