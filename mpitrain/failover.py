@@ -137,11 +137,15 @@ def agree(ctx, e: PeerLost, step: int, pushed: int, deadline: float) -> list[int
     lower = [r for r in heard if r < me]
     decides = {r: np.zeros_like(box) for r in lower}
     reqs = {r: comm.Irecv([decides[r], MPI.INT64_T], source=r, tag=TAG_FAILOVER) for r in lower}
-    came = _gather(reqs, deadline, until_all=False)
+    # The successor decides only at its own deadline when a rank never says HERE (one killed with rank
+    # 0), and it noticed the loss up to --worker-timeout after this rank: wait that much past ours
+    # (chaos: a worker and rank 0 killed together, the follower gave up just as the DECIDE came).
+    grace = ctx.cfg.worker_timeout + 1.0
+    came = _gather(reqs, deadline + grace, until_all=False)
     KEPT.append((decides, reqs))
     if not came:
-        return f"no successor answered within {AGREE_FACTOR * ctx.cfg.worker_timeout + 1:g} s (rank {view[0]} was " \
-               f"the first it heard from)"
+        return f"no successor answered within {AGREE_FACTOR * ctx.cfg.worker_timeout + 1 + grace:g} s (rank " \
+               f"{view[0]} was the first it heard from)"
     flags = decides[came[0]][3:]
     chosen = [int(r) for r in np.flatnonzero(flags)]
     if me not in chosen:

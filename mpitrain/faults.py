@@ -161,7 +161,9 @@ def rank_pids(root: int, supervised: bool = True) -> dict[int, tuple[int, int | 
     supervisor, a fork of the same `python -m mpitrain`, carries the rank's variables too: the
     training process is the one whose parent is a rank. With `supervised`, a rank whose launcher
     gives it a supervisor (mpiimpl.needs_supervisor) but whose training process is not forked yet
-    is left out (so a caller never kills a supervisor by mistake)."""
+    is left out (so a caller never kills a supervisor by mistake). A process the job spawned itself
+    (--respawn: rank 0 of a world of its own, its command carrying --join) never takes the place of
+    the job's own rank 0 (spawned_pids names those)."""
     from mpitrain.mpiimpl import launcher_rank, needs_supervisor
 
     parents, procs = _processes()
@@ -173,8 +175,9 @@ def rank_pids(root: int, supervised: bool = True) -> dict[int, tuple[int, int | 
             expect_supervisor[pid] = supervised and needs_supervisor(env)
 
     out = {}
-    for pid, rank in ranks.items():
-        if not _descends(pid, root, parents):
+    joined = {pid for pid, (args, _) in procs.items() if b"--join" in args}
+    for pid, rank in sorted(ranks.items(), key=lambda item: item[0] in joined):  # the job's own ranks first
+        if not _descends(pid, root, parents) or (pid in joined and rank in out):
             continue
         parent = parents.get(pid)
         if parent in ranks:  # pid is the rank, its parent the supervisor
