@@ -129,6 +129,15 @@ class Carry:
         self.forming.daemon = True
         self.forming.start()
 
+    def failed_forming(self, error: Exception) -> None:
+        """An MPI error in one of those collectives (Open MPI's ULFM reports a rank of the forming world
+        that died, where MPICH's never returns): the same one line at once, instead of a traceback.
+        Returns when no world is forming (the caller raises the error on)."""
+        if self.forming is not None:
+            who, why = self.forming.args
+            self.formed()
+            _forming_stuck(who, why, f"a rank died meanwhile: {error}")
+
     def formed(self) -> None:
         if self.forming is not None:
             self.forming.cancel()
@@ -470,10 +479,10 @@ def welcome(world, carry: Carry) -> str:
 
 
 
-def _forming_stuck(who: str, why: str) -> None:
+def _forming_stuck(who: str, why: str, detail: str = "a rank died meanwhile") -> None:
     from mpitrain.exitcodes import ExitCode
     from mpitrain.lock import exit_without_finalize
 
     say(f"mpitrain: error: {who}: the job did not go on within {FORM_LIMIT_S:g} s of {why} "
-        f"(a rank died meanwhile); ending. The newest checkpoint in --checkpoint-dir resumes the run", sys.stderr)
+        f"({detail}); ending. The newest checkpoint in --checkpoint-dir resumes the run", sys.stderr)
     exit_without_finalize(ExitCode.PEER_LOST)

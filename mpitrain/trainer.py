@@ -119,6 +119,9 @@ def run(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: boo
                 line = f"mpitrain: error: {e}"
                 say(line, sys.stderr)
                 return Outcome(ExitCode.USAGE, error=line)
+            except MPI.Exception as e:  # a rank of the world it joins died as it formed (ULFM)
+                carry.failed_forming(e)
+                raise
             if comm is None:
                 line = "mpitrain: the job ended before it could make room for this worker"
                 say(line, sys.stderr)
@@ -139,6 +142,14 @@ def run(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: boo
 
 
 def _run(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: bool, carry: join.Carry) -> Outcome:
+    try:
+        return _phase(cfg, comm, node, err, library, carry)
+    except MPI.Exception as e:  # a rank died in the collectives that start a phase after a join or a take-over
+        carry.failed_forming(e)
+        raise
+
+
+def _phase(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: bool, carry: join.Carry) -> Outcome:
     ctx, line = agree_on_setup(cfg, comm, node, err, quiet=library)
     if ctx is None:
         if carry.peer_lost and not library:  # a phase after a take-over refused (a lock held): MPI_Finalize would wait
