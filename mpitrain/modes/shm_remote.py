@@ -75,9 +75,7 @@ class RemoteWorkers:
         anything moved. A gradient from a worker that died sending it raises PeerLost (never applied)."""
         done = self.poller.test(self.recv)
         moved = bool(done)
-        if done and done.failed:
-            raise PeerLost({self.ranks[i]: why for i, why in done.failed.items()})
-        for i in done.arrived if done else ():
+        for i in done.arrived if done else ():  # first: Testsome freed their requests with the failed one's
             rank = self.ranks[i]
             self.ctx.watch.heard(rank)
             if self.inbox[i].flags & FLAG_LEAVING:  # nothing (left) to train: a header-only goodbye
@@ -93,6 +91,8 @@ class RemoteWorkers:
                 self.held.remove(i)
                 self._reply(i, *answered)
                 moved = True
+        if done and done.failed:
+            raise PeerLost({self.ranks[i]: why for i, why in done.failed.items()})
         return moved
 
     def _apply(self, i: int) -> tuple[int, int] | None:
