@@ -306,8 +306,9 @@ def taken_over(record: dict) -> str:
         shards = ", ".join(f"{k}/{K}" for k in record["lost_shards"])
         who = (f"parameter-server shard {shards} was lost ({record['lost']}); rank "
                f"{', '.join(str(servers[k]) for k in record['lost_shards'])} took it over")
-    for key, how in (("state_kept", "kept"), ("state_restarted", "starts again")):
-        if record.get(key):  # the optimizer's state and moving average, where the run has any
-            what += f"; {', '.join(a.removeprefix(checkpoint.OPT_PREFIX) for a in record[key])} {how}"
+    for key, how in (("state_kept", "kept"), ("state_restarted", "started again")):
+        names = [a.removeprefix(checkpoint.OPT_PREFIX) for a in record.get(key, [])]
+        if names:  # the optimizer's state and moving average, where the run has any
+            what += f"; {how}: {', '.join(names)}"
     return (f"{who} at global step {record['global_step']}, {record['seconds']:.2f} s after the loss was noticed, with "
             f"{record['ranks'] - K} worker(s); {what}")
