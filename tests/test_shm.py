@@ -101,12 +101,14 @@ def test_a_worker_on_another_host_sends_its_gradients_into_the_store(tmp_path, f
 
 
 def test_a_worker_on_another_host_killed_leaves_a_job_that_finishes_its_budget(tmp_path):
-    """The remote worker SIGKILLed mid-run: rank 0 drops its requests and goes on with the store's workers."""
+    """The remote worker SIGKILLed mid-run: rank 0 drops its requests and goes on with the store's workers.
+    It dies at its 5th step, not later: on a busy machine under Open MPI it made 28 of 600 steps (CI),
+    the store's workers applying their own while it waits for rank 0's reply."""
     summary = tmp_path / "s.json"
     proc, _ = run_detached(mpitrain_cmd(4, "--no-progress", "--ps-transport", "shm", "--steps", "600",
                                         "--worker-timeout", "2", "--summary-json", str(summary),
                                         launcher_flags=keep_going()),
-                           env={**OFF_HOST, "MPITRAIN_INJECT_KILL": "2:40"}, timeout=120)
+                           env={**OFF_HOST, "MPITRAIN_INJECT_KILL": "2:5"}, timeout=120)
     assert proc.returncode == mpi_impl().worker_lost_exit, proc.stdout + proc.stderr
     s = json.loads(summary.read_text())
     assert s["global_step"] == 600 and [w["rank"] for w in s["lost_workers"]] == [2]
