@@ -236,7 +236,7 @@ def test_rank_0_lost_while_it_lets_a_worker_in_the_joiner_ends_at_once_and_the_j
     assert "Traceback" not in out + joiner.stderr and not job.leftovers, out
     [fo] = s["failovers"]
     assert s["joined_workers"] == [] and s["stopped"]["signal"] == "SIGTERM", out  # our scancel's, only
-    assert s["global_step"] > fo["global_step"] + 1000, (fo, s["global_step"])  # the successor trained on
+    assert s["global_step"] > fo["global_step"] + 100, (fo, s["global_step"])  # the successor trained on (the bug: 0)
 
 
 @mpich_only
