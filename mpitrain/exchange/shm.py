@@ -153,6 +153,24 @@ class Store:
         self.active[:] = 1
         self.views["bases"][:] = start.global_step
 
+    def other_bases(self, worker: int) -> list[int]:
+        """The bases of the workers still training but `worker` (--max-staleness: StalenessHold.allows)."""
+        return [int(self.views["bases"][u]) for u in range(len(self.active)) if u != worker and self.active[u] > 0]
+
+    def diverged(self, rank: int, version: int, loss: float) -> None:
+        """Under shard 0's lock: a non-finite loss at `version`, never applied; every worker stops."""
+        self.views["diverged_loss"][0] = loss
+        h = self.header
+        h[DIVERGED_RANK], h[DIVERGED_STEP], h[STOP] = rank, version, 1
+
+    def stepped(self, version: int, loss: float, basis: int, worker: int) -> None:
+        """Under shard 0's lock, after `worker`'s apply made step `version` + 1: its ring entry, then
+        the version (a reader never sees a step that is not there), then the worker's next basis."""
+        v, i = self.views, (version + 1) % RING
+        v["ring_loss"][i], v["ring_basis"][i], v["ring_worker"][i] = loss, basis, worker
+        self.header[VERSION] = version + 1
+        v["bases"][worker] = version + 1
+
     def snapshot(self, positions: list[int]) -> TrainState:
         """The whole training state at one version of shard 0 (copies, taken under every lock)."""
         with self.locked_all():
@@ -289,17 +307,13 @@ class ShmPushPull:
         if v >= h[HOLD_AT] or not self._may_apply(v):
             return None
         if not math.isfinite(loss):  # never applied; rank 0 stops the run (a diverged run saves nothing more)
-            s.views["diverged_loss"][0] = loss
-            h[DIVERGED_RANK], h[DIVERGED_STEP], h[STOP] = self.ctx.rank, v, 1
+            s.diverged(self.ctx.rank, v, loss)
             return self._stop()
         part = self.parts[0]
         self.shared[0].apply(grad[part], self.ctx.lr_at(v), v - basis, basis, self.host_params[part])
         self._injected("applying")
-        i = (v + 1) % RING
-        s.views["ring_loss"][i], s.views["ring_basis"][i], s.views["ring_worker"][i] = loss, basis, self.worker
-        h[VERSION] = v + 1  # after the apply: a reader never sees a step that is not there
+        s.stepped(v, loss, basis, self.worker)
         self.host_params[part] = s.params[part]
-        s.views["bases"][self.worker] = v + 1
         self.versions[0] = v + 1
         return False
 
@@ -318,9 +332,7 @@ class ShmPushPull:
         of the other workers still training."""
         if self.hold.bound is None:  # no --max-staleness: nothing to gather under the lock
             return True
-        s, w = self.store, self.worker
-        others = [int(s.views["bases"][u]) for u in range(len(s.active)) if u != w and s.active[u] > 0]
-        return self.hold.allows(version, others)
+        return self.hold.allows(version, self.store.other_bases(self.worker))
 
     def _injected(self, point: str) -> None:
         if self.kill_at == (self.count, point):

@@ -112,12 +112,10 @@ class RemoteWorkers:
         if h[shm.STOP]:
             return int(h[shm.VERSION]), FLAG_STOP | (FLAG_DIVERGED if h[shm.DIVERGED_STEP] >= 0 else 0)
         v = int(h[shm.VERSION])
-        others = [int(s.views["bases"][u]) for u in range(len(s.active)) if u != w and s.active[u] > 0]
-        if v >= h[shm.HOLD_AT] or (self.hold.bound is not None and not self.hold.allows(v, others)):
+        if v >= h[shm.HOLD_AT] or (self.hold.bound is not None and not self.hold.allows(v, s.other_bases(w))):
             return None
         if not math.isfinite(msg.loss):  # never applied; rank 0 stops the run
-            s.views["diverged_loss"][0] = msg.loss
-            h[shm.DIVERGED_RANK], h[shm.DIVERGED_STEP], h[shm.STOP] = self.ranks[i], v, 1
+            s.diverged(self.ranks[i], v, msg.loss)
             return v, FLAG_STOP | FLAG_DIVERGED
         grad = msg.payload
         if self.widened is not None:
@@ -125,10 +123,7 @@ class RemoteWorkers:
             grad = self.widened
         basis = msg.step
         self.shared.apply(grad, self.ctx.lr_at(v), v - basis, basis, None if self.then is None else self.then[i])
-        ring = (v + 1) % shm.RING
-        s.views["ring_loss"][ring], s.views["ring_basis"][ring], s.views["ring_worker"][ring] = msg.loss, basis, w
-        h[shm.VERSION] = v + 1  # after the apply, as a local worker writes it
-        s.views["bases"][w] = v + 1
+        s.stepped(v, msg.loss, basis, w)
         return v + 1, FLAG_STOP if msg.flags & FLAG_LAST else 0
 
     def _wait_sent(self, i: int) -> None:
