@@ -133,15 +133,17 @@ def test_loss_guard_follows_a_smoothed_loss_against_the_first():
 @only_on("mpich", NUMBERS_ONLY)
 @pytest.mark.parametrize("np_", [0, 3], ids=["one-process", "async"])
 def test_a_diverged_resume_names_a_checkpoint_from_before_the_explosion_and_resumes_from_it(tmp_path, np_):
-    """A good run, then the same folder at --lr 5 saving every step: the guard stops it a few steps
+    """A good run, then the same folder at --lr 20 saving every step: the guard stops it a few steps
     after the loss exploded (smoothed). The diverged step is never written, nor a step whose
     parameters made the next loss jump, so the checkpoint the line names still predicts digits, and
-    the same command at a sane --lr resumes from it (it used to name, and resume, the explosion)."""
+    the same command at a sane --lr resumes from it (it used to name, and resume, the explosion).
+    --lr 20 and factor 5, not --lr 5 and the default 10: at --lr 5 one async run in CI killed every
+    ReLU at once, so the loss sat at chance (2.3, ~10x its start of ~0.25) and never crossed 10x."""
     ck = tmp_path / "ck"
     good = run_mpitrain(np_, "--steps", "300", "--checkpoint-dir", str(ck), "--no-progress")
     assert good.returncode == 0, good.stderr
-    bad = run_mpitrain(np_, "--steps", "600", "--checkpoint-dir", str(ck), "--no-progress", "--lr", "5",
-                       "--checkpoint-every-steps", "1")
+    bad = run_mpitrain(np_, "--steps", "600", "--checkpoint-dir", str(ck), "--no-progress", "--lr", "20",
+                       "--divergence-factor", "5", "--checkpoint-every-steps", "1")
     assert bad.returncode == 4, bad.stdout + bad.stderr
     line = [ln for ln in own_lines(bad.stderr) if "training diverged at global step" in ln]
     named = checkpoint.list_checkpoints(ck)[-1]
