@@ -65,6 +65,10 @@ def only_on(name: str, why: str):
 # other test makes too: one MPI is enough. What differs between MPIs, the launchers, faults, stops
 # and progress, runs under both. It keeps CI (both suites, one after the other) within its time.
 NUMBERS_ONLY = "numbers and files, the same under either MPI; launchers and faults run under both"
+# A variant of a case that runs under both MPIs: the same MPI calls, launcher and kind of fault (a
+# worker killed, a signal to mpirun); what differs is mpitrain's own logic (a mode, a quorum, which
+# worker, what it measures), which does not depend on the MPI. One MPI is enough for the variant.
+OWN_LOGIC = "mpitrain's own logic over the MPI calls and faults that the cases run under both MPIs make"
 
 
 def own_lines(text: str) -> list[str]:

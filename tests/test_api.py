@@ -6,7 +6,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import MPI_TIMEOUT_S, child_env, keep_going, launcher, run_detached
+
+from conftest import MPI_TIMEOUT_S, OWN_LOGIC, child_env, keep_going, launcher, only_on, run_detached
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -37,6 +38,7 @@ print("EVAL", json.dumps([e["test_accuracy"], e["global_step"]]))
     assert eval_acc == pytest.approx(acc) and eval_step == steps  # the final checkpoint is the run's end
 
 
+@only_on("mpich", OWN_LOGIC)
 def test_the_sweep_example_under_mpirun():
     proc = subprocess.run([*launcher(), "-np", "3", sys.executable, "examples/sweep_lr.py"], capture_output=True,
                           text=True, timeout=MPI_TIMEOUT_S, env=child_env(), cwd=ROOT)
@@ -46,6 +48,7 @@ def test_the_sweep_example_under_mpirun():
     assert proc.stdout.count("3 ranks: 1 PS + 2 workers") == 2  # two runs in one MPI job
 
 
+@only_on("mpich", OWN_LOGIC)
 def test_workers_get_their_report_and_divergence_raises():
     code = """
 import sys, mpitrain
@@ -179,6 +182,7 @@ sys.stdout.write(f"R {mpitrain.rank()} {mpitrain.size()} {mpitrain.local_rank()}
     assert "R 1 0" in alone.stdout, alone.stdout + alone.stderr
 
 
+@only_on("mpich", OWN_LOGIC)
 def test_train_returns_the_model_on_rank_0_and_predict_matches_the_summary():
     """No checkpoint needed: rank 0's result holds the final parameters; predicting the test set
     with them gives the summary's test accuracy, and their digest is the summary's."""
@@ -199,6 +203,7 @@ else:
     assert lines == ["WORKER True True", "WORKER True True", "ZERO True True (7510,)"], proc.stdout
 
 
+@only_on("mpich", OWN_LOGIC)
 def test_bad_data_raises_usage_error_on_every_rank(tmp_path):
     code = f"""
 import sys, mpitrain

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from mpi4py import MPI
 
-from conftest import child_env, keep_going, mpitrain_cmd, only_on, run_detached
+from conftest import OWN_LOGIC, child_env, keep_going, mpitrain_cmd, only_on, run_detached
 from mpitrain import checkpoint
 from mpitrain.exitcodes import ExitCode
 from mpitrain.liveness import PeerLost
@@ -40,8 +40,10 @@ QUICK = [chaos.Case("async-big", ("--mode", "async", "--hidden", "2000"), "worke
 
 
 # The store's kills do not depend on the MPI (tests/test_shm.py kills in it under both): MPICH only.
+# The chief is a worker killed in a sync job, as in "sync": what differs is mpitrain's quorum.
 ONE_MPI = {"shm-async": only_on("mpich", "the shared store is the same under either MPI; test_shm.py kills in it "
-                                "under both")}
+                                "under both"),
+           "chief-quorum": only_on("mpich", OWN_LOGIC)}
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=ONE_MPI.get(c.name, ())) for c in QUICK],

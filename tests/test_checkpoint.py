@@ -8,8 +8,8 @@ import zipfile
 
 import numpy as np
 import pytest
-from conftest import NUMBERS_ONLY, child_env, kill_session, launcher, only_on, own_lines, run_mpitrain, train
 
+from conftest import NUMBERS_ONLY, child_env, kill_session, launcher, only_on, own_lines, run_mpitrain, train
 from mpitrain import checkpoint
 from mpitrain.checkpoint import TrainState
 from mpitrain.config import UsageError
@@ -139,6 +139,7 @@ def test_local_run_checkpoints_and_fresh_keeps_the_old_ones(tmp_path):
     assert len(aside) == 1 and len(checkpoint.list_checkpoints(aside[0])) == 3
 
 
+@only_on("mpich", NUMBERS_ONLY)
 def test_corrupt_or_mismatched_checkpoint_exits_2_and_deletes_nothing(tmp_path):
     ck = tmp_path / "ck"
     train(3, tmp_path, "--steps", "20", "--checkpoint-dir", str(ck))
@@ -164,6 +165,7 @@ def _kill_when(proc: subprocess.Popen, ready, timeout: float = 60) -> None:
     proc.wait(timeout=30)
 
 
+@only_on("mpich", NUMBERS_ONLY)
 def test_sigkill_at_any_moment_leaves_the_newest_checkpoint_loadable(tmp_path):
     """Kill the whole job (rank 0 included) while it saves a ~6 MB checkpoint every few steps: the
     moment a save's temporary file appears (twice, so mid-write), and once between saves."""

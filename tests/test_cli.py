@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from conftest import MPI_TIMEOUT_S, child_env, launcher, own_lines, run_mpitrain
+from conftest import MPI_TIMEOUT_S, NUMBERS_ONLY, child_env, launcher, only_on, own_lines, run_mpitrain
 
 BAD = [
     (["--ps-transport", "shm", "--mode", "sync"], "--ps-transport shm does not go with --mode sync"),
@@ -98,9 +98,9 @@ class FakeWorld:
 def test_every_bad_input_is_one_line_naming_it_on_the_server_and_a_worker(args, needle):
     """Every case, in-process: parsing, validation and the per-rank set-up of a world of 3, as
     rank 0 and as rank 1, refuse it with one line (the launches below show the exit codes)."""
+    from mpitrain import modes
     from mpitrain.cli import parse_args
     from mpitrain.config import UsageError
-    from mpitrain import modes
     from mpitrain.runtime import Node, setup
 
     skip_where_it_is_not_bad(args)
@@ -157,8 +157,8 @@ def test_bad_input_exits_2_on_every_rank_with_one_line(args, needle):
 
 
 def test_malformed_idx_exits_2(tmp_path):
-    from test_data import write_idx, write_mnist_dir
     from mpitrain.data import IDX_FILES
+    from test_data import write_idx, write_mnist_dir
 
     write_mnist_dir(tmp_path)
     write_idx(tmp_path / IDX_FILES["test_images"], [[[1, 2], [3, 4]]], magic=1234)
@@ -217,9 +217,9 @@ ALONE = [
 
 @pytest.mark.parametrize("args,needle", ALONE, ids=[" ".join(a) for a, _ in ALONE])
 def test_options_that_need_workers_are_refused_in_one_process(args, needle):
+    from mpitrain import modes
     from mpitrain.cli import parse_args
     from mpitrain.config import UsageError
-    from mpitrain import modes
     from mpitrain.runtime import Node, setup
 
     with pytest.raises(UsageError) as e:
@@ -233,6 +233,7 @@ def test_one_process_with_a_straggler_exits_2_with_one_line():
     assert "one process trains locally" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@only_on("mpich", NUMBERS_ONLY)
 @pytest.mark.parametrize("optimizer,lr", [("momentum", "0.01"), ("adam", "0.001")])
 def test_each_optimizer_has_its_own_default_learning_rate(optimizer, lr):
     """Adam kept sgd's --lr 0.1 and reached 29.8% on digits in async mode; with its own 1e-3 (and
@@ -299,8 +300,8 @@ def test_setup_makes_a_complete_frozen_context_that_needs_no_mpi():
     trainer connects it (dataclasses.replace) its watch and activity are inert stand-ins."""
     import dataclasses
 
-    from mpitrain.cli import parse_args
     from mpitrain import modes
+    from mpitrain.cli import parse_args
     from mpitrain.runtime import Node, setup
 
     cfg, _ = parse_args(["--dataset", "digits", "--mode", "sync"])
@@ -339,8 +340,8 @@ def test_the_flags_a_respawned_worker_gets_give_the_same_config(args):
 def test_a_model_object_has_no_flags_to_respawn_with():
     import dataclasses
 
-    from mpitrain.config_io import as_argv
     from mpitrain.config import TrainConfig
+    from mpitrain.config_io import as_argv
 
     with pytest.raises(ValueError, match="--model"):
         as_argv(dataclasses.replace(TrainConfig(), model=object()))

@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import (Lines, child_env, communicate_or_kill, keep_going, kill_session, mpi_impl, mpitrain_cmd, only_on,
-                      wait_for_training)
 
+from conftest import (OWN_LOGIC, Lines, child_env, communicate_or_kill, keep_going, kill_session, mpi_impl,
+                      mpitrain_cmd, only_on, wait_for_training)
 from mpitrain.faults import rank_pids
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -53,8 +53,9 @@ def kill_during_training(tmp_path, np_: int, args: tuple[str, ...], victims: lis
     return result, json.loads(summary.read_text()) if summary.exists() else None, time.monotonic() - killed_at
 
 
-@pytest.mark.parametrize("mode,victim", [("sync", 3), ("sync", 1), ("quorum", 2), ("quorum", 1), ("local", 2),
-                                        ("quorum-local", 1)],
+@pytest.mark.parametrize("mode,victim", [("sync", 3), ("sync", 1), *(pytest.param(m, v, marks=only_on("mpich", OWN_LOGIC))
+                                                                    for m, v in [("quorum", 2), ("quorum", 1), ("local", 2),
+                                                                                 ("quorum-local", 1)])],
                          ids=["sync-worker", "sync-chief", "quorum-worker", "quorum-chief", "local-steps-worker",
                               "quorum-local-steps-chief"])
 def test_a_sync_job_goes_on_without_a_worker_killed_from_outside(tmp_path, mode, victim):
@@ -102,6 +103,7 @@ def rank0_stuck(proc) -> bool:
     return True
 
 
+@only_on("mpich", OWN_LOGIC)
 def test_quorum_ends_when_fewer_than_q_workers_are_left(tmp_path):
     proc, s, after = kill_during_training(tmp_path, 4, MODE_FLAGS["quorum"] + ("--steps", "100000"), [3, 2],
                                           random.Random(7))
@@ -151,6 +153,7 @@ def test_a_regroup_receive_that_fails_in_mpi_means_rank_0_is_lost():
     assert list(lost.value.lost) == [0]
 
 
+@only_on("mpich", "MPICH's shared-memory cells are what it guards (below); Open MPI's ULFM is the one-loss cases'")
 def test_the_quorum_chief_goes_on_after_worker_after_worker_is_lost(tmp_path):
     """Every message the chief worker sends to a worker that has died takes one of MPICH's
     shared-memory cells with it, for good; with MPICH's 64 the chief ran out after the second or

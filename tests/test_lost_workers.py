@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import (child_env, keep_going, kill_session, mpi_impl, mpitrain_cmd, run_detached,
+from conftest import (OWN_LOGIC, child_env, keep_going, kill_session, mpi_impl, mpitrain_cmd, only_on, run_detached,
                       wait_for_checkpoint, wait_for_training)
 from mpitrain import checkpoint
 from mpitrain.faults import rank_pids
@@ -80,6 +80,7 @@ def test_an_exception_on_a_worker_ends_every_rank_even_when_the_job_keeps_going(
     assert not proc.leftovers  # --worker-timeout 0: no heartbeat would ever have ended an orphan
 
 
+@only_on("mpich", OWN_LOGIC)
 def test_a_straggler_slower_than_the_timeout_is_not_declared_lost(tmp_path):
     """Heartbeats come from a thread: a worker sleeping 0.6 s per step stays alive at 0.3 s."""
     summary = tmp_path / "s.json"

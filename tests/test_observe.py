@@ -13,7 +13,8 @@ import time
 
 import pytest
 
-from conftest import child_env, communicate_or_kill, mpitrain_cmd, own_lines, run_mpitrain, wait_for_training
+from conftest import (OWN_LOGIC, child_env, communicate_or_kill, mpitrain_cmd, only_on, own_lines, run_mpitrain,
+                      wait_for_training)
 from mpitrain import observe
 from mpitrain.config import TrainConfig, UsageError, validate
 from mpitrain.faults import Kill, rank_pids
@@ -211,6 +212,7 @@ def finish(proc: subprocess.Popen) -> tuple[str, str]:
     return out, err
 
 
+@only_on("mpich", OWN_LOGIC)
 def test_a_worker_slowed_from_outside_is_named_without_any_flag(tmp_path):
     """Rank 2 is stopped 3/4 of the time in short bursts (as a busy node would slow it); nothing
     tells mpitrain which rank it is."""
@@ -239,6 +241,7 @@ def test_a_worker_slowed_from_outside_is_named_without_any_flag(tmp_path):
     assert max(last, key=lambda w: w["ratio"])["rank"] == 2  # the log names it too, from the heartbeats
 
 
+@only_on("mpich", OWN_LOGIC)
 @pytest.mark.parametrize("how", ["sigstop", "hang"])
 def test_a_stall_is_reported_once_naming_who_the_others_wait_for(how):
     """Sync: worker 2 stops past --stall-warning, then goes on. SIGSTOP freezes it whole (silent:
@@ -267,6 +270,7 @@ def test_a_stall_is_reported_once_naming_who_the_others_wait_for(how):
     assert "global step 2,500" in out  # and training finished
 
 
+@only_on("mpich", OWN_LOGIC)
 @pytest.mark.parametrize("mode", ["async", "sync-quorum"])
 def test_the_timeline_is_a_trace_with_every_ranks_phases(tmp_path, mode):
     trace = tmp_path / "trace.json"

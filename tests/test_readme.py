@@ -106,6 +106,11 @@ def test_the_commands_of_each_section_run_as_written(section, tmp_path):
     blocks_here = [b for b in SECTIONS[section] if b["only"] in (None, mpi_impl().title)]
     if not blocks_here:
         pytest.skip(f"{mpi_impl().title} runs no block of this section (they are for another MPI)")
+    if mpi_impl().name != "mpich" and not section.startswith("README.md") and \
+            not any(b["only"] == mpi_impl().title for b in blocks_here):
+        # A newcomer's first commands (the README's) run under both MPIs, and every block written
+        # for one MPI under it; docs/ pages show mpitrain's flags, whose MPI calls those make too.
+        pytest.skip(f"the docs' commands run under MPICH; under {mpi_impl().title}: the README's and its own blocks")
     for block in blocks_here:
         proc = run_block(block, tmp_path)
         where = f"{block['doc']}:{block['line']} ({block['lang']})"
@@ -133,8 +138,8 @@ def test_the_flag_table_names_only_flags_that_exist_with_their_defaults():
     import dataclasses
 
     from mpitrain.cli import build_parser
-    from mpitrain.config_io import flag_name
     from mpitrain.config import TrainConfig
+    from mpitrain.config_io import flag_name
 
     text = (ROOT / "docs" / "flags.md").read_text()
     table = text.split("## Main flags", 1)[1].split("\n## ", 1)[0]

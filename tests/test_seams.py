@@ -4,7 +4,7 @@ another), and (below) a user's own model through the API."""
 import numpy as np
 import pytest
 
-from conftest import own_lines
+from conftest import NUMBERS_ONLY, only_on, own_lines
 from test_cli import FakeWorld
 
 
@@ -49,8 +49,8 @@ def test_the_sync_step_sums_through_the_reducer_it_is_given():
 
 
 def test_without_a_reducer_a_lone_sync_worker_uses_mpi_s_and_applies_its_own_gradient():
-    from mpitrain.gradients import GradientSource
     from mpitrain.exchange.mpi import MPIReducer
+    from mpitrain.gradients import GradientSource
     from mpitrain.modes.sync import SyncStep
 
     ctx = sync_worker_context()
@@ -99,6 +99,7 @@ print(json.dumps({"param_digest": digest(params), "eval_history": duties.state.e
 """
 
 
+@only_on("mpich", NUMBERS_ONLY)
 def test_a_server_with_no_message_loop_has_rank_0s_duties(tmp_path):
     """The server's side of the exchange seam needs no messages (what a shared-memory store or a
     GPU server would be): a plain loop that applies each gradient with the server's update rule
@@ -149,6 +150,7 @@ def run_python(code: str, np_: int = 0, cwd=None):
     return run_python_args(cmd, cwd)
 
 
+@only_on("mpich", NUMBERS_ONLY)
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_the_custom_model_example_trains_in_each_mode(mode):
     proc = run_python(f"examples/custom_model.py {mode}", np_=3)
@@ -159,6 +161,7 @@ def test_the_custom_model_example_trains_in_each_mode(mode):
     assert "smoothed-logistic 64-10 (650 params)" in proc.stdout  # its description in the summary
 
 
+@only_on("mpich", NUMBERS_ONLY)
 def test_a_custom_model_checkpoints_resumes_and_evaluates_by_its_spec(tmp_path):
     """The checkpoint stores the model's spec: the same model resumes; another one (other
     smoothing) is refused; `mpitrain evaluate` says to use the API; the API evaluates it."""
@@ -197,6 +200,7 @@ except mpitrain.UsageError as e:
 
 # -- the servers' backend (--ps-device) --------------------------------------------------------------
 
+@only_on("mpich", NUMBERS_ONLY)
 @pytest.mark.parametrize("compress", ["none", "bf16"])
 def test_an_async_server_computes_through_its_backend(tmp_path, compress):
     """The server's arrays come from its backend: with MPITRAIN_TEST_BACKEND=server a NumPy backend

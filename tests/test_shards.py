@@ -9,9 +9,9 @@ import time
 
 import numpy as np
 import pytest
-from conftest import (NUMBERS_ONLY, child_env, communicate_or_kill, keep_going, kill_session, mpitrain_cmd, only_on,
-                      run_mpitrain, train, wait_for_checkpoint, wait_for_training)
 
+from conftest import (NUMBERS_ONLY, OWN_LOGIC, child_env, communicate_or_kill, keep_going, kill_session, mpitrain_cmd,
+                      only_on, run_mpitrain, train, wait_for_checkpoint, wait_for_training)
 from mpitrain import checkpoint
 from mpitrain.faults import rank_pids
 from mpitrain.layout import Layout, shard_bounds
@@ -185,6 +185,7 @@ def test_a_lost_server_ends_the_job_naming_its_shard(tmp_path, mode):
     assert "Traceback" not in err
 
 
+@only_on("mpich", OWN_LOGIC)
 def test_async_with_two_servers_finishes_without_a_worker_killed_from_outside(tmp_path):
     """A worker SIGKILLed at a random moment (mid-message to one server or both, often): every
     server drops it, the others finish the budget, rank 0 names it once and saves the end."""
@@ -212,6 +213,7 @@ def test_async_with_two_servers_finishes_without_a_worker_killed_from_outside(tm
     assert "Traceback" not in err
 
 
+@only_on("mpich", OWN_LOGIC)
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_a_non_finite_loss_stops_every_server_with_exit_4(tmp_path, mode):
     env = {**child_env(), "MPITRAIN_INJECT_NAN": "3:20"}

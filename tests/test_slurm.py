@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import only_on
+from conftest import NUMBERS_ONLY, OWN_LOGIC, only_on
 from slurm_cluster import SlurmCluster, Unavailable
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,7 +31,9 @@ def job_env(args: str) -> dict:
     return {"MPITRAIN_VENV": sys.prefix, "MPITRAIN_ARGS": args, "PYTHONUNBUFFERED": "1"}
 
 
-@pytest.mark.parametrize("name", CPU_JOBS)
+# srun's launch and PMI are the MPI's: one job script under both; the others' modes are mpitrain's.
+@pytest.mark.parametrize("name", [n if n == "async" else pytest.param(n, marks=only_on("mpich", OWN_LOGIC))
+                                  for n in CPU_JOBS])
 def test_job_script_completes_and_learns(slurm, tmp_path, name):
     job = slurm.submit(ROOT / "jobs" / f"{name}.sbatch", tmp_path, job_env("--epochs 20"))
     info = slurm.wait(job)
@@ -46,6 +48,7 @@ def test_job_script_completes_and_learns(slurm, tmp_path, name):
     assert (tmp_path / "runs" / str(job) / "train.log").read_text().count("mpitrain done") == 1
 
 
+@only_on("mpich", "mpitrain's own check of the flags, before any MPI call a worker makes")
 def test_bad_submission_fails_with_the_trainers_message(slurm, tmp_path):
     job = slurm.submit(ROOT / "jobs" / "sync-quorum.sbatch", tmp_path, job_env("--quorum 9"))
     info = slurm.wait(job)
@@ -65,6 +68,7 @@ def test_plain_srun_without_pmi_is_refused(slurm, tmp_path, mpi):
     assert f"--mpi={mpi.slurm_mpi} " in (tmp_path / f"bad-{job}.out").read_text()  # pmi2, pmix: this MPI's
 
 
+@only_on("mpich", NUMBERS_ONLY)
 def test_chained_job_resumes_from_the_shared_checkpoint_dir(slurm, tmp_path):
     env = {**job_env("--mode sync --optimizer adam --lr 0.01"), "MPITRAIN_CKPT_DIR": str(tmp_path / "ck")}
     first = slurm.submit(ROOT / "jobs" / "sync.sbatch", tmp_path, env, "--steps", "20")
@@ -92,7 +96,8 @@ def _task_pid(job: int, task: int) -> int | None:
     return None
 
 
-@pytest.mark.parametrize("script,how", [("async", "injected"), ("async", "from outside"), ("sync", "from outside")])
+@pytest.mark.parametrize("script,how", [pytest.param("async", "injected", marks=only_on("mpich", OWN_LOGIC)),
+                                        ("async", "from outside"), ("sync", "from outside")])
 def test_a_job_finishes_without_a_task_killed_mid_training(slurm, tmp_path, script, how, mpi):
     """srun --kill-on-bad-exit=0 --no-kill (jobs/*.sbatch): the job finishes the budget with the
     worker left when the other one is SIGKILLed (no supervisor under srun); in sync it regroups."""

@@ -3,8 +3,8 @@
 import json
 
 import pytest
-from conftest import NUMBERS_ONLY, only_on, train
 
+from conftest import NUMBERS_ONLY, OWN_LOGIC, only_on, train
 from mpitrain import observe
 from mpitrain.config import UsageError
 from mpitrain.config_io import parse_straggler
@@ -15,6 +15,7 @@ from mpitrain.optim import staleness_scaled_lr
 DIGITS_NP4 = ["--epochs", "40"]
 
 
+@only_on("mpich", OWN_LOGIC)
 @pytest.mark.parametrize("slow", [3, 1], ids=["a-worker", "the-chief"])
 def test_quorum_with_a_straggler_drops_late_gradients_and_keeps_replicas_identical(tmp_path, slow):
     """Rank 1 is the chief worker, which decides every step: slow, it must still decide on time
@@ -65,6 +66,7 @@ def test_chief_pace_moves_its_gradients_to_the_thread_only_while_it_is_the_slow_
     assert pace.inline
 
 
+@only_on("mpich", OWN_LOGIC)
 @pytest.mark.parametrize("slow", [None, 1], ids=["no-straggler", "slow-chief"])
 def test_the_chief_computes_on_its_main_thread_unless_it_is_the_slow_one(tmp_path, slow):
     """As fast as the others, the chief computes its gradients on its main thread (no hand-over to
@@ -89,6 +91,7 @@ def test_the_chief_computes_on_its_main_thread_unless_it_is_the_slow_one(tmp_pat
     assert set(s["worker_param_digests"]) == {s["param_digest"]}
 
 
+@only_on("mpich", OWN_LOGIC)
 def test_quorum_with_a_straggler_more_updates_behind_than_the_chief_keeps(tmp_path):
     """At 0.1 s a gradient, rank 3 falls more than UPDATES_IN_FLIGHT updates behind: the chief
     then waits for it to take the oldest, and every update still reaches it, in order."""
@@ -99,6 +102,7 @@ def test_quorum_with_a_straggler_more_updates_behind_than_the_chief_keeps(tmp_pa
     assert set(s["worker_param_digests"]) == {s["param_digest"]}
 
 
+@only_on("mpich", OWN_LOGIC)
 @pytest.mark.parametrize("compress", ["fp16", "bf16"])
 def test_quorum_with_a_compressed_wire_keeps_replicas_identical(tmp_path, compress):
     """The chief applies its update as the others receive it: rounded to the wire's 16 bits (it
@@ -134,6 +138,7 @@ def test_a_worker_never_heard_from_is_waited_for_a_few_times_then_taken_for_a_st
     assert QuorumCoordinator.owed_until(coord) is None
 
 
+@only_on("mpich", OWN_LOGIC)
 @pytest.mark.parametrize("np_,quorum,local", [(3, 1, "1"), (4, 2, "1"), (3, 1, "8")],
                          ids=["1-of-2", "2-of-3", "1-of-2-local-steps"])
 def test_without_a_straggler_the_quorum_counts_every_worker(tmp_path, np_, quorum, local):
@@ -151,6 +156,7 @@ def test_without_a_straggler_the_quorum_counts_every_worker(tmp_path, np_, quoru
     assert set(s["worker_param_digests"]) == {s["param_digest"]}
 
 
+@only_on("mpich", OWN_LOGIC)
 def test_quorum_equal_to_workers_drops_nothing(tmp_path):
     s = train(4, tmp_path, "--mode", "sync", "--quorum", "3", "--straggler", "3:x3", "--steps", "40")
     assert s["quorum"] == 3 and s["dropped_gradients"] == 0
