@@ -21,11 +21,12 @@ from conftest import (MPI_TIMEOUT_S, Lines, child_env, communicate_or_kill, keep
 from mpitrain import join, mpiimpl
 from mpitrain.faults import rank_pids
 
-# Long enough (~20-30 s on 2 cores) that the joiner, which starts in ~3 s, finds the job training.
-# Sync is slowed down on rank 1 (2 ms a step): alone, after a kill, a worker would finish first.
-JOB = {"async": ("--mode", "async", "--steps", "40000"),
-       "sync": ("--mode", "sync", "--steps", "8000", "--straggler", "1:0.002")}
-BUDGET = {"async": 40000, "sync": 8000}
+# Long enough that the joiner, which starts in ~1-3 s, finds the job training: measured on 2 cores,
+# it joined at global step 2,713 of async's 12,000 (~5 s of training) and 364 of sync's 2,500 (~9 s:
+# rank 1 is slowed to 2 ms a step, as alone, after a kill, a worker would finish first).
+BUDGET = {"async": 12000, "sync": 2500}
+JOB = {"async": ("--mode", "async", "--steps", str(BUDGET["async"])),
+       "sync": ("--mode", "sync", "--steps", str(BUDGET["sync"]), "--straggler", "1:0.002")}
 COMMON = ("--no-progress", "--worker-timeout", "5")  # the joiner's flags must match: the same everywhere
 
 mpich_only = only_on("mpich", "Open MPI 5 cannot connect two separately started mpiruns (join.py)")
@@ -154,13 +155,15 @@ def test_joined_workers_killed_mid_message_are_lost_and_the_job_goes_on(tmp_path
 def test_a_joiner_with_other_flags_or_without_the_token_is_refused_and_changes_nothing(tmp_path):
     """Anyone can connect to a port: only a process that read the job's token, with the job's
     flags, gets in. Each refusal is one line on both sides; the job goes on as it was."""
-    proc, head = start_job(tmp_path, 3, JOB["async"])
-    other = run_joiner(tmp_path, JOB["async"] + ("--hidden", "50"))
+    steps = 30000  # two joiners refused one after the other (~2 s each), the job still training
+    args = ("--mode", "async", "--steps", str(steps))
+    proc, head = start_job(tmp_path, 3, args)
+    other = run_joiner(tmp_path, args + ("--hidden", "50"))
     token = tmp_path / "ck" / join.TOKEN
     real = token.read_text()
     token.write_text("0" * 32)  # what the next joiner reads: not the job's
     try:
-        stranger = run_joiner(tmp_path, JOB["async"])
+        stranger = run_joiner(tmp_path, args)
     finally:
         token.write_text(real)
     job, s = finish(proc, head, tmp_path)
@@ -171,7 +174,7 @@ def test_a_joiner_with_other_flags_or_without_the_token_is_refused_and_changes_n
     assert "Traceback" not in other.stderr + stranger.stderr + job.stderr
     assert job.returncode == 0, job.stdout + job.stderr
     assert job.stdout.count("refused a worker on") == 2
-    assert s["workers"] == 2 and s["joined_workers"] == [] and s["global_step"] == BUDGET["async"]
+    assert s["workers"] == 2 and s["joined_workers"] == [] and s["global_step"] == steps
 
 
 @mpich_only

@@ -18,13 +18,16 @@ from conftest import MPI_TIMEOUT_S, Lines, child_env, keep_going, kill_session, 
 from mpitrain import join, mpiimpl
 from mpitrain.faults import rank_pids
 
-# As tests/test_join.py: long enough (~20 s on 2 cores) for the kill, the spawn and the join. Async
-# runs with two parameter servers (4 ranks): the new worker pulls from and pushes to both.
-# shm: --ps-transport shm, whose every phase makes its own store (the new worker maps the new one).
-JOB = {"async": ("--mode", "async", "--steps", "40000", "--num-ps", "2"),
-       "sync": ("--mode", "sync", "--steps", "8000", "--straggler", "1:0.002"),
-       "shm": ("--mode", "async", "--ps-transport", "shm", "--steps", "60000", "--straggler", "1:0.0002")}
-BUDGET = {"async": 40000, "sync": 8000, "shm": 60000}
+# Long enough for the kill (1 s in), the spawn and the join, with room to spare: measured on 2 cores
+# (MPICH), the new worker joined at global step 1,438 of async's 12,000 (~8 s of training), 767 of
+# sync's 3,000 (~9 s: rank 1 slowed to 2 ms a step, so the one worker left does not finish first) and
+# 3,615 of shm's 20,000 (~7 s), each ~1.5-2 s after the kill. Async runs with two parameter servers
+# (4 ranks): the new worker pulls from and pushes to both. shm: --ps-transport shm, whose every phase
+# makes its own store (the new worker maps the new one).
+BUDGET = {"async": 12000, "sync": 3000, "shm": 20000}
+JOB = {"async": ("--mode", "async", "--steps", str(BUDGET["async"]), "--num-ps", "2"),
+       "sync": ("--mode", "sync", "--steps", str(BUDGET["sync"]), "--straggler", "1:0.002"),
+       "shm": ("--mode", "async", "--ps-transport", "shm", "--steps", str(BUDGET["shm"]), "--straggler", "1:0.0002")}
 RANKS = {"async": 4, "sync": 3, "shm": 3}
 
 
