@@ -23,7 +23,10 @@ from mpitrain.lock import NAME as LOCK
 SAME = "the take-over is sync's (tested under both MPIs); --quorum only changes the loop it leaves"
 THIRD = "a third server only adds peers to watch; the take-over of a shard is tested with 2 under both MPIs"
 STORE = "the store's take-over is tested under both MPIs with rank 0 killed; a shard's adds nothing MPI does"
-BUDGET = 20000  # digits, 3 workers: a few seconds of training, so the kill lands mid-run
+# Digits, 3 workers: a few seconds of training; the kill comes past the first checkpoint (step 500),
+# so it lands mid-run with most of the budget left for the successor.
+BUDGET = 10000
+GROW_BUDGET = 20000  # room for a take-over and then a spawn and a join (~1.5 s each) before the end
 
 
 def kill_mid_run(cmd: list[str], np_: int, victim: int | tuple[int, ...], ck=None, env=None, timeout: float = 120):
@@ -141,13 +144,13 @@ def test_with_respawn_the_job_grows_back_after_a_take_over(tmp_path):
     started with."""
     ck, summary = tmp_path / "ck", tmp_path / "summary.json"
     cmd = [mpirun_path(), *mpiimpl.local_flags(mpi_impl(), spawns=True), *keep_going(), "-np", "4", sys.executable,
-           "-m", "mpitrain", "--mode", "async", "--no-progress", "--steps", str(BUDGET), "--worker-timeout", "1",
+           "-m", "mpitrain", "--mode", "async", "--no-progress", "--steps", str(GROW_BUDGET), "--worker-timeout", "1",
            "--on-lost-server", "continue", "--respawn", "1", "--checkpoint-dir", str(ck),
            "--checkpoint-every-steps", "500", "--summary-json", str(summary)]
     _, out, err, leftovers = kill_mid_run(cmd, 4, 0, ck)
     assert "Traceback" not in err and not leftovers, err
     s = json.loads(summary.read_text())
-    assert s["global_step"] == BUDGET and len(s["failovers"]) == 1, err
+    assert s["global_step"] == GROW_BUDGET and len(s["failovers"]) == 1, err
     [spawned] = s["joined_workers"]
     assert spawned["respawned"] and len(s["worker_ranks"]) == 3, s["worker_ranks"]  # 3 workers again
     assert "a worker started in place of the lost one" in out + err
