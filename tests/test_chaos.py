@@ -25,7 +25,8 @@ import chaos  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
-# Short runs: a calibration and two random kills each. The *-big case moves 6.4 MB messages, so a
+# Short runs: a calibration and one random kill each (benchmarks/chaos.py runs 100 a case, both MPIs,
+# results in benchmarks/CHAOS*.md; here each CI run draws a new moment). The *-big case moves 6.4 MB messages, so a
 # kill often lands mid-message; "rank0" kills the parameter server; "chief" the worker that gathers
 # every --quorum step while the others wait for its update; "shm" a worker of --ps-transport shm, most
 # often holding the store's lock or half-way through its apply; the SIGTERM / SIGINT cases stop the run,
@@ -51,10 +52,9 @@ ONE_MPI = {"shm-async": only_on("mpich", "the shared store is the same under eit
 def test_random_kills_from_outside_end_as_documented(case):
     rng = random.Random()
     duration = chaos.calibrate(case)
-    for _ in range(2):
-        trial = chaos.run_trial(case, duration, rng)
-        assert trial.outcome == "documented", (f"rank {trial.victim} killed {trial.kill_after_s:.2f} s in: "
-                                               f"{trial.outcome}: {trial.why}")
+    trial = chaos.run_trial(case, duration, rng)
+    assert trial.outcome == "documented", (f"rank {trial.victim} killed {trial.kill_after_s:.2f} s in: "
+                                           f"{trial.outcome}: {trial.why}")
 
 
 def test_a_worker_killed_after_its_report_does_not_hang_the_others(tmp_path, mpi):
