@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from mpitrain.checkpoint import TrainState
 
 
 class Reducer(Protocol):
@@ -35,5 +38,7 @@ class PushPull(Protocol):
     def pull(self, count: int) -> bool: ...  # True: a server stopped this worker (after `count` pushes)
 
     def leave(self, count: int) -> None: ...  # it stops with nothing pushed: tell every server
+
+    def held(self) -> TrainState: ...  # what a take-over starts from, should rank 0 be lost (failover.py)
 
     def close(self) -> None: ...

@@ -182,6 +182,12 @@ class MPIPushPull:
         bye.stamp(TAG_GRAD, self.versions[0], count, FLAG_LEAVING)
         self.poller.all([self.comm.Isend(bye.spec(), dest=rank, tag=TAG_GRAD) for rank in ranks], ranks)
 
+    def held(self) -> TrainState:
+        """What a take-over starts from (rank 0 lost, failover.py): the parameters this worker holds,
+        at the global step each server answered them at."""
+        return TrainState(np.array(self.be.to_host(self.params), np.float32), self.versions[0],
+                          versions=list(self.versions))
+
     def close(self) -> None:
         for part in self.inparts[0] + self.inparts[1] + self.outparts[0] + self.outparts[1]:
             part.free()

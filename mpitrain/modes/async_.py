@@ -343,16 +343,8 @@ class AsyncWorker:
 
     def run(self) -> WorkerResult:
         # Rank 0 lost (--on-lost-server continue): the take-over starts from the freshest copy.
-        with interrupted_at(self._held, lambda: (self.pushed if self.inner is None else self.inner.count, 0)):
+        with interrupted_at(self.exchange.held, lambda: (self.pushed if self.inner is None else self.inner.count, 0)):
             return self._train()
-
-    def _held(self) -> TrainState:
-        """The parameters this worker holds, at the global step the server answered them at (with
-        --ps-transport shm, the store's whole state: ShmPushPull.held)."""
-        ex = self.exchange
-        if hasattr(ex, "held"):
-            return ex.held()
-        return TrainState(np.array(self.be.to_host(ex.params), np.float32), ex.versions[0], versions=list(ex.versions))
 
     def _train(self) -> WorkerResult:
         ex = self.exchange
@@ -372,7 +364,7 @@ class AsyncWorker:
             if ex.in_flight and self._pull():
                 break  # the gradient just computed is not pushed: training is over
             self._push(slot, loss, used_versions)
-        held = self._held()  # what a take-over would start from, should rank 0 be lost after this
+        held = self.exchange.held()  # what a take-over would start from, should rank 0 be lost after this
         ex.close()
         return WorkerResult(self.pushed, held.params, self.act.times(), diverged=self.diverged, train_state=held)
 
