@@ -153,7 +153,8 @@ def test_a_regroup_receive_that_fails_in_mpi_means_rank_0_is_lost():
     assert list(lost.value.lost) == [0]
 
 
-@only_on("mpich", "MPICH's shared-memory cells are what it guards (below); Open MPI's ULFM is the one-loss cases'")
+@only_on("mpich", "it guards against running out of MPICH's shared-memory cells (its docstring); Open MPI's "
+                  "regroup is the one-loss cases'")
 def test_the_quorum_chief_goes_on_after_worker_after_worker_is_lost(tmp_path):
     """Every message the chief worker sends to a worker that has died takes one of MPICH's
     shared-memory cells with it, for good; with MPICH's 64 the chief ran out after the second or

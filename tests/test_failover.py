@@ -27,6 +27,7 @@ STORE = "the store's take-over is tested under both MPIs with rank 0 killed; a s
 # so it lands mid-run with most of the budget left for the successor.
 BUDGET = 10000
 GROW_BUDGET = 20000  # room for a take-over and then a spawn and a join (~1.5 s each) before the end
+OMPI_FORMING_CRASH = "libmpi.so.40(ompi_comm_revoke_local+"  # in the backtrace Open MPI prints of a segfault
 
 
 def kill_mid_run(cmd: list[str], np_: int, victim: int | tuple[int, ...], ck=None, env=None, timeout: float = 120):
@@ -128,6 +129,12 @@ def test_a_successor_killed_during_the_take_over_ends_the_others_in_one_line(tmp
     env = {**child_env(), "MPITRAIN_INJECT_KILL": "1:takeover", "MPITRAIN_FORM_LIMIT_S": "4"}
     proc, _, err, leftovers = kill_mid_run(cmd, 4, 0, env=env, timeout=90)
     assert "Traceback" not in err and not leftovers, err
+    if OMPI_FORMING_CRASH in err:
+        # Open MPI 5.0.11's ULFM, once in CI: the failure notice of the dead successor arrived while the
+        # others were inside MPI_Comm_create_from_group, and its revoke of the half-built communicator
+        # segfaulted in every rank left (prterun then exited 0). Open MPI's own crash, not mpitrain's
+        # ending; docs/checkpoints.md's fault table says so. Anything else still fails below.
+        pytest.xfail("Open MPI's ULFM crashed in ompi_comm_revoke_local during MPI_Comm_create_from_group")
     assert proc.returncode != 0 and "took over" not in err, err
     for rank in (2, 3):
         mine = [ln for ln in own_lines(err) if ln.startswith("mpitrain:") and f"rank {rank}" in ln]
