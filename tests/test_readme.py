@@ -6,7 +6,7 @@ earlier one wrote, as a reader's would), with the repository's hostfiles/, examp
 benchmarks/ beside it. A block that cannot run on one machine without a GPU, root or other hosts
 says so on the line before it: `<!-- not run by tests/test_readme.py: REASON -->`; one for one MPI
 implementation says `<!-- run by tests/test_readme.py under Open MPI only -->` (CI runs the suite
-under each). Under Open MPI every command runs with what its README section says to set as root
+under each; under Open MPI only the README's sections and the blocks written for it). Under Open MPI every command runs with what its README section says to set as root
 and on 2 cores (mpiimpl.local_env). Output samples are `text` blocks. Figures the README quotes come from results files in benchmarks/ with a date.
 """
 
