@@ -153,9 +153,16 @@ class Store:
         self.active[:] = 1
         self.views["bases"][:] = start.global_step
 
-    def other_bases(self, worker: int) -> list[int]:
-        """The bases of the workers still training but `worker` (--max-staleness: StalenessHold.allows)."""
-        return [int(self.views["bases"][u]) for u in range(len(self.active)) if u != worker and self.active[u] > 0]
+    def may_step(self, version: int, worker: int, hold) -> bool:
+        """Whether `worker` may apply at `version` now: not a step rank 0 holds (HOLD_AT), and within
+        --max-staleness (`hold`, a StalenessHold: as the message path's server decides) of the other
+        workers still training. Read under shard 0's lock to apply, outside it to wait."""
+        if version >= self.header[HOLD_AT]:
+            return False
+        if hold.bound is None:  # no --max-staleness: nothing to gather
+            return True
+        others = [int(self.views["bases"][u]) for u in range(len(self.active)) if u != worker and self.active[u] > 0]
+        return hold.allows(version, others)
 
     def diverged(self, rank: int, version: int, loss: float) -> None:
         """Under shard 0's lock: a non-finite loss at `version`, never applied; every worker stops."""
@@ -285,7 +292,7 @@ class ShmPushPull:
             if done is not None:
                 break
             h = self.store.header  # rank 0 holds this step (evaluating, saving): wait outside the lock
-            poll(lambda: h[STOP] or (h[VERSION] < h[HOLD_AT] and self._may_apply(int(h[VERSION]))), HOLD_POLL_S,
+            poll(lambda: h[STOP] or self.store.may_step(int(h[VERSION]), self.worker, self.hold), HOLD_POLL_S,
                  self.ctx.watch)
         if not done:  # shard 0 applied: the others, in order, each under its own lock
             for k in range(1, len(self.parts)):
@@ -304,7 +311,7 @@ class ShmPushPull:
         if h[STOP]:
             return self._stop()
         v = int(h[VERSION])
-        if v >= h[HOLD_AT] or not self._may_apply(v):
+        if not s.may_step(v, self.worker, self.hold):
             return None
         if not math.isfinite(loss):  # never applied; rank 0 stops the run (a diverged run saves nothing more)
             s.diverged(self.ctx.rank, v, loss)
@@ -326,13 +333,6 @@ class ShmPushPull:
         row[VERSION] = v + 1
         self.host_params[part] = self.store.params[part]
         self.versions[k] = v + 1
-
-    def _may_apply(self, version: int) -> bool:
-        """--max-staleness: as the message path's server decides (StalenessHold), from the bases
-        of the other workers still training."""
-        if self.hold.bound is None:  # no --max-staleness: nothing to gather under the lock
-            return True
-        return self.hold.allows(version, self.store.other_bases(self.worker))
 
     def _injected(self, point: str) -> None:
         if self.kill_at == (self.count, point):

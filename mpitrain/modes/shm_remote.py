@@ -112,7 +112,7 @@ class RemoteWorkers:
         if h[shm.STOP]:
             return int(h[shm.VERSION]), FLAG_STOP | (FLAG_DIVERGED if h[shm.DIVERGED_STEP] >= 0 else 0)
         v = int(h[shm.VERSION])
-        if v >= h[shm.HOLD_AT] or (self.hold.bound is not None and not self.hold.allows(v, s.other_bases(w))):
+        if not s.may_step(v, w, self.hold):
             return None
         if not math.isfinite(msg.loss):  # never applied; rank 0 stops the run
             s.diverged(self.ranks[i], v, msg.loss)
