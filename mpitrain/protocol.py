@@ -76,6 +76,7 @@ FLAG_REGROUPED = 256  # sync, the coordinator (worker 0) -> PS: the first status
 FLAG_REFORM = 1024  # PS -> worker, goodbye: not the end, a worker joins: every rank left forms a new world with it (payload: the ranks lost)
 FLAG_GO = 512  # sync, PS -> the workers left: every one of them is READY (TAG_REGROUP, header only, back): regroup now
 FLAG_LEAVING = 2048  # the sender sends no more of this kind: a worker leaves a server (header only), its last --quorum push, a last heartbeat
+FLAG_LATE = 4096  # --quorum push, header only: a contribution finished after its step closed; only its time (H_SECONDS) counts
 
 
 def _int_slot(index: int) -> property:

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from conftest import NUMBERS_ONLY, OWN_LOGIC, only_on, train
+from conftest import NUMBERS_ONLY, OWN_LOGIC, child_env, only_on, train
 from mpitrain import observe
 from mpitrain.config import UsageError
 from mpitrain.config_io import parse_straggler
@@ -138,16 +138,50 @@ def test_a_worker_never_heard_from_is_waited_for_a_few_times_then_taken_for_a_st
     assert QuorumCoordinator.owed_until(coord) is None
 
 
+def test_a_late_contribution_tells_the_coordinator_its_pace_and_is_not_counted():
+    """A follower's contribution finished after its step closed comes as a header only (FLAG_LATE):
+    the coordinator hears its time, counts nothing, and posts its receive again."""
+    import time
+    from collections import deque
+    from types import SimpleNamespace
+
+    from mpitrain.modes.quorum import QuorumCoordinator
+    from mpitrain.modes.quorum_parts import OWED_MARGIN_S
+    from mpitrain.protocol import FLAG_LATE, TAG_QGRAD, Message
+
+    msg = Message(4)
+    msg.stamp(TAG_QGRAD, 6, 3, FLAG_LATE, 0.5, 0.25)  # a round of step 6's parameters, 0.25 s
+    added, posted = [], []
+    act = SimpleNamespace(moved=lambda **k: None)
+    coord = SimpleNamespace(inbox=[msg], others=[2], ctx=SimpleNamespace(activity=act), stopped=0, pace=CoordinatorPace(1, 1), chosen=[], Q=1, recv=[None],
+                            _add=lambda *a: added.append(a), _post=lambda m, r: posted.append(r) or "posted")
+    QuorumCoordinator._receive(coord, 0, 6)  # even at its own step: it carries no gradient
+    assert list(coord.pace.others[0]) == [0.25] and added == [] and coord.recv == ["posted"]
+    # a worker whose only pace was a slow first round is owed a turn again once its late rounds say so
+    coord.taken, coord.helper, coord.sent_at = [3, 0], SimpleNamespace(seconds=0.2), time.perf_counter()
+    coord.unheard_holds, coord.pace.others[0] = [0], deque([5.0])
+    assert QuorumCoordinator.owed_until(coord) is None  # 25x the coordinator's: a straggler
+    for _ in range(2):
+        QuorumCoordinator._receive(coord, 0, 7)
+    assert QuorumCoordinator.owed_until(coord) == pytest.approx(coord.sent_at + PACE_SLACK * 0.25 + OWED_MARGIN_S)
+
+
 @only_on("mpich", OWN_LOGIC)
-@pytest.mark.parametrize("np_,quorum,local", [(3, 1, "1"), (4, 2, "1"), (3, 1, "8")],
-                         ids=["1-of-2", "2-of-3", "1-of-2-local-steps"])
-def test_without_a_straggler_the_quorum_counts_every_worker(tmp_path, np_, quorum, local):
+@pytest.mark.parametrize("np_,quorum,local,pause", [(3, 1, "1", ""), (4, 2, "1", ""), (3, 1, "8", ""),
+                                                    (3, 1, "8", "2:2:1.0")],
+                         ids=["1-of-2", "2-of-3", "1-of-2-local-steps", "1-of-2-local-steps-a-pause"])
+def test_without_a_straggler_the_quorum_counts_every_worker(tmp_path, np_, quorum, local, pause):
     """TF's backup workers take gradients as they come: no worker's shard may starve. The chief's
     own gradient is ready first every step (the others first receive the update); before
     quorum.owed_until it won almost every step: --quorum 1 of 2 counted [2994, 6]. With --local-steps 8
     a worker whose rounds end just after the coordinator's never pushed one, so was never heard from
-    nor waited for: [350, 0] in 2 runs of 6, until owed_until gave such a worker the benefit of the doubt."""
-    s = train(np_, tmp_path, "--mode", "sync", "--quorum", str(quorum), "--steps", "1500", "--local-steps", local)
+    nor waited for: [350, 0] in 2 runs of 6, until owed_until gave such a worker the benefit of the doubt.
+    A worker slow for a while (`pause`: rank 2 stops for 1 s before its second round) is no straggler
+    for good: while its late rounds went unreported (FLAG_LATE) it counted [1492, 8] in 2 runs of 9,
+    its first pace the coordinator's last word on it; [1500, 0] once in CI without a pause."""
+    env = {**child_env(), "MPITRAIN_INJECT_HANG": pause} if pause else None
+    s = train(np_, tmp_path, "--mode", "sync", "--quorum", str(quorum), "--steps", "1500", "--local-steps", local,
+              env=env)
     counted = s["local_steps"]
     assert sum(counted) == quorum * 1500  # every update averaged exactly Q gradients
     # No worker starves (the failures this guards against were [2994, 6] and [350, 0]); who wins each

@@ -28,7 +28,8 @@ from mpitrain.modes.quorum_parts import (OWED_MARGIN_S, PACE_SLACK, SWITCH_INTER
 from mpitrain.modes.sync import SyncMode, SyncStep, sync_result, work
 from mpitrain.observe import COMPUTE, PUSH, WAIT
 from mpitrain.outer import round_span
-from mpitrain.protocol import FLAG_LEAVING, FLAG_STOP_STEP, TAG_QGRAD, TAG_UPDATE, Message, ProtocolError
+from mpitrain.protocol import (FLAG_LATE, FLAG_LEAVING, FLAG_STOP_STEP, HEADER_BYTES, TAG_QGRAD, TAG_UPDATE, Message,
+                               ProtocolError)
 from mpitrain.runtime import Context
 from mpitrain.stopping import STOP
 from mpitrain.transport import WORKER_POLL_S, Poller
@@ -38,6 +39,14 @@ from mpitrain.waiting import poll
 # COMM_WORLD: after a regroup (elastic.py) the receives left posted on the old one can never take
 # a message meant for the new one.
 COORDINATOR_INDEX = 0
+
+# Pushes that carry no gradient: a late round's time (FLAG_LATE), a worker's last word (FLAG_LEAVING).
+HEADER_ONLY = FLAG_LATE | FLAG_LEAVING
+
+
+def push_bytes(msg: Message) -> int:
+    """What a push of the follower's, stamped, puts on the wire: its header alone, or all of it."""
+    return HEADER_BYTES if msg.flags & HEADER_ONLY else msg.buf.nbytes
 
 
 class QuorumCoordinator:
@@ -172,8 +181,11 @@ class QuorumCoordinator:
 
         A worker never heard from is taken to be as fast as the coordinator, for UNHEARD_HOLDS holds:
         a worker whose contribution is always finished just after the coordinator's own (--local-steps
-        8, 15% slower) drops it unsent, is never heard, and was never waited for: --quorum 1 of 2
-        counted [350, 0] in 2 runs of 6. A straggler that lets them expire costs UNHEARD_HOLDS waits."""
+        8, 15% slower) was never waited for: --quorum 1 of 2 counted [350, 0] in 2 runs of 6. A
+        straggler that lets them expire costs UNHEARD_HOLDS waits. Every contribution finished too
+        late is reported all the same (FLAG_LATE, its time only): while late ones were dropped unsent,
+        a worker whose first rounds were slow (start-up, a busy core) stayed a straggler for good, its
+        pace never heard again: [1500, 0] in CI, [1492, 8] after a 1 s pause in its second round."""
         own, mine = self.taken[0], max(self.helper.seconds, 1e-9)
         due, self.unheard = [], []
         for i, times in enumerate(self.pace.others):
@@ -212,15 +224,15 @@ class QuorumCoordinator:
         """Worker i's message, while step `step` is being gathered (None: after the last one)."""
         msg, rank = self.inbox[i], self.others[i]
         msg.check(TAG_QGRAD, rank)
-        self.ctx.activity.moved(received=msg.buf.nbytes)
+        self.ctx.activity.moved(received=push_bytes(msg))
         if msg.flags & FLAG_LEAVING:
             self.stopped += 1  # that worker sends nothing more: its receive is not posted again
             return
         if step is not None and msg.step > step:
             raise ProtocolError(f"worker rank {rank} sent a gradient for step {msg.step} "
                                 f"while the coordinator is at step {step}")
-        self.pace.heard(i, msg.seconds)
-        if msg.step == step and len(self.chosen) < self.Q:
+        self.pace.heard(i, msg.seconds)  # a late one's too: a worker that is always late is never waited for else
+        if msg.step == step and not msg.flags & FLAG_LATE and len(self.chosen) < self.Q:
             self.ctx.backend.upload(self.landing[i], msg.payload)
             self._add(i + 1, self.landing[i], msg.loss)
         # else late: its worker learns from the update that it was left out, and counts it
@@ -276,9 +288,9 @@ class QuorumCoordinator:
 
 class QuorumFollower:
     """Sync with --quorum, on every worker but the coordinator: compute a gradient on the current
-    parameters, push it to the coordinator unless the step already closed, and apply every update the
-    coordinator sends, in order. One thread is enough: no collective waits for this worker, and the
-    updates that come while it computes queue up until it takes them."""
+    parameters, push it to the coordinator (its time only, if the step already closed), and apply
+    every update the coordinator sends, in order. One thread is enough: no collective waits for this
+    worker, and the updates that come while it computes queue up until it takes them."""
 
     def __init__(self, ctx: Context, start: TrainState):
         be, n = ctx.backend, ctx.model.n_params
@@ -325,6 +337,8 @@ class QuorumFollower:
             self._take_updates()
             if self.step != step or step_fn.why:
                 self.dropped += round_span(step, self.total, self.h)  # the step closed while it was computed
+                if not step_fn.why:
+                    self._push(slot, step, FLAG_LATE, loss, took)  # its time still tells the coordinator its pace
                 continue
             self._push(slot, step, 0, loss, took)
             self.mine, self.my_loss = step, loss
@@ -344,12 +358,17 @@ class QuorumFollower:
         between_workers(self.ctx, lambda: self.poller.all([self.sends[slot]], [self.coordinator]))
 
     def _push(self, slot: int, step: int, flags: int, loss: float, seconds: float = 0.0) -> None:
+        """A contribution for `step`; flagged FLAG_LATE or FLAG_LEAVING, its header only (the
+        coordinator's receive, posted for a whole one, takes a shorter message)."""
         self.ctx.activity.enter(PUSH)
         out = self.outs[slot]
-        self.ctx.backend.download(self.grads[slot], out.payload)
         out.stamp(TAG_QGRAD, step, self.computed, flags, loss, seconds)
-        self.sends[slot] = self.ctx.worker_comm.Isend(out.spec(), dest=COORDINATOR_INDEX, tag=TAG_QGRAD)
-        self.ctx.activity.moved(sent=out.buf.nbytes)
+        nbytes = push_bytes(out)
+        if nbytes == out.buf.nbytes:
+            self.ctx.backend.download(self.grads[slot], out.payload)
+        self.sends[slot] = self.ctx.worker_comm.Isend([out.buf[:nbytes], MPI.BYTE], dest=COORDINATOR_INDEX,
+                                                      tag=TAG_QGRAD)
+        self.ctx.activity.moved(sent=nbytes)
 
     def _post(self) -> None:
         if self.step < self.total:
