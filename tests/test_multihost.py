@@ -71,7 +71,7 @@ def test_training_across_two_hosts_from_a_hostfile(two_hosts, tmp_path, slots, n
 
 
 def partitioned(two_hosts, tmp_path, rank0_cut_off: bool = False, heal_after: float | None = None,
-                grace: str = "3", steps: int = 30000) -> tuple[subprocess.Popen, str, dict, float]:
+                grace: str = "3") -> tuple[subprocess.Popen, str, dict, float]:
     """An async job of 4 ranks, 2 per host, mpirun on host A; host B's link goes down once training
     runs (and up again `heal_after` s later). rank0_cut_off: rank 0 and worker 1 are on B, else on A.
     Returns mpirun, its stderr, rank 0's summary, and the seconds from the cut to mpirun's end."""
@@ -79,7 +79,7 @@ def partitioned(two_hosts, tmp_path, rank0_cut_off: bool = False, heal_after: fl
     summary = tmp_path / "summary.json"
     first, second = (addrs[1], addrs[0]) if rank0_cut_off else (addrs[0], addrs[1])
     job = [sys.executable, "-m", "mpitrain", "--mode", "async", "--no-progress", "--worker-timeout", "2",
-           "--steps", str(steps), "--summary-json", str(summary)]
+           "--steps", str(PARTITION_STEPS), "--summary-json", str(summary)]
     env = {**child_env(), **netns.OVER_TCP, "MPITRAIN_REAPER_GRACE_S": grace}
     if mpi_impl().name == "openmpi":  # its ssh agent is the wrapper; TCP between hosts, its ULFM to go on
         cmd = [mpirun_path(), *mpi_impl().root_flags, *mpi_impl().keep_going, "--mca", "pml", "ob1", "--mca", "btl",
@@ -120,7 +120,9 @@ def partitioned(two_hosts, tmp_path, rank0_cut_off: bool = False, heal_after: fl
     return proc, err, json.loads(summary.read_text()), took
 
 
-HEALED_STEPS = 12000  # the loss is declared ~4,300 steps in (1 s of training, then --worker-timeout 2)
+# The loss is declared ~4,300 steps in (1 s of training, then --worker-timeout 2): rank 0 is still
+# training then, and finishes without the cut-off workers a few seconds later.
+PARTITION_STEPS = 12000
 HEAL_BY_S = 30  # the heal test's link is back this long after the cut at the latest (its watcher: 40 s)
 REAPED = "mpirun was still waiting 3 s after every rank on this host had ended"
 
@@ -134,7 +136,7 @@ def test_a_partition_does_not_leave_mpirun_waiting(two_hosts, tmp_path, rank0_cu
     then waited for B's proxy for good (measured: 100 s and counting); the watcher (reaper.py) ends it
     once no rank is left on its host, in one line, within --worker-timeout + its grace + a few s."""
     proc, err, s, took = partitioned(two_hosts, tmp_path, rank0_cut_off)
-    assert s["global_step"] == 30000 and sorted(w["rank"] for w in s["lost_workers"]) == [2, 3], err
+    assert s["global_step"] == PARTITION_STEPS and sorted(w["rank"] for w in s["lost_workers"]) == [2, 3], err
     assert REAPED in err and proc.returncode == 255 and "Traceback" not in err, err
     assert took < 2 + 3 + 15, (took, err)
     if rank0_cut_off:  # A's workers' own lines reach mpirun; rank 0's cannot
@@ -151,8 +153,8 @@ def test_a_partition_that_heals_ends_as_a_lost_worker_does(two_hosts, tmp_path):
     comes back once rank 0 has finished too: on the second path hydra's exit ends the ranks on A as
     well, so a heal while rank 0 still trains costs its summary (a CI run: healed 10 s after the cut,
     rank 0 ~26,000 steps short of its 30,000, ended with none; resumable from a checkpoint)."""
-    proc, err, s, took = partitioned(two_hosts, tmp_path, heal_after=10, grace="40", steps=HEALED_STEPS)
-    assert s["global_step"] == HEALED_STEPS and sorted(w["rank"] for w in s["lost_workers"]) == [2, 3], err
+    proc, err, s, took = partitioned(two_hosts, tmp_path, heal_after=10, grace="40")
+    assert s["global_step"] == PARTITION_STEPS and sorted(w["rank"] for w in s["lost_workers"]) == [2, 3], err
     assert "still waiting" not in err and "Traceback" not in err and took < 15, (took, err)
     heard = all(f"rank {r} lost the parameter server" in err for r in (2, 3))
     assert (proc.returncode, heard) in ((13, True), (255, False)), (proc.returncode, err)
@@ -165,6 +167,6 @@ def test_a_partition_does_not_leave_prterun_waiting(two_hosts, tmp_path):
     prted 120 s and counting once every rank was gone (measured), and SIGTERM did not end it; the
     watcher's line, then Ctrl-C twice (reaper.END_SIGNALS): exit 1, prterun's."""
     proc, err, s, took = partitioned(two_hosts, tmp_path)
-    assert s["global_step"] == 30000 and sorted(w["rank"] for w in s["lost_workers"]) == [2, 3], err
+    assert s["global_step"] == PARTITION_STEPS and sorted(w["rank"] for w in s["lost_workers"]) == [2, 3], err
     assert REAPED in err and "Traceback" not in err and proc.returncode == 1, (proc.returncode, err)
     assert took < 2 + 3 + 5 + 15, (took, err)  # SIGTERM is given 5 s before the two SIGINTs that end it
