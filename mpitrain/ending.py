@@ -128,18 +128,22 @@ def peer_lost(ctx: Context, e: PeerLost, library: bool = False) -> Outcome:
     lay = ctx.layout
     shards = [r for r in e.lost if lay.is_server(r) and r != PS_RANK]
     if ctx.rank == PS_RANK:
+        gone = set(e.lost) | set(ctx.watch.lost)  # with the ones lost earlier, when the others regrouped
         if shards:
             which = "; ".join(f"{lay.shard_index(r)}/{lay.shards} (rank {r}: {e.lost[r]})" for r in shards)
             say(f"mpitrain: error: lost parameter-server shard {which}. Training cannot go on without "
                 f"that part of the parameters; {resume_hint(ctx, 0)}", sys.stderr)
         else:
-            gone = set(e.lost) | set(ctx.watch.lost)  # with the ones lost earlier, when the others regrouped
             left = len([r for r in ctx.layout.worker_ranks if r not in gone])
             say(f"mpitrain: error: lost worker {who}. {why_it_ends(ctx, left)}; "
                 f"{resume_hint(ctx, len(gone))}", sys.stderr)
         if mpiimpl.ends_job_on_error_exit():
             # Open MPI under ULFM: MPI_Abort ended mpirun but left the workers running (measured), and
-            # they all end here too (ULFM fails their collective): meet them, so each line gets out.
+            # they all end here too: meet them, so each line gets out. A sync worker's collective fails;
+            # an async worker waits on replies and would never know, so rank 0's last beat tells it
+            # (without it rank 0 waited out farewell's 5 s, then the others said they had lost it).
+            if ctx.watch.heartbeat is not None:
+                ctx.watch.heartbeat.close(gone, FLAG_PEER_LOST)
             mpiimpl.farewell(ctx.comm, ctx.cfg.worker_timeout)
             exit_without_finalize(ExitCode.PEER_LOST)
         return abort_job(ctx, ExitCode.PEER_LOST)  # the workers are stuck in the collective

@@ -24,7 +24,7 @@ from mpi4py import MPI
 
 from mpitrain import samehost
 from mpitrain.layout import Layout
-from mpitrain.protocol import BEAT_FIELDS, BEAT_HOST, BEAT_PID, FLAG_LEAVING, TAG_HEARTBEAT, Message
+from mpitrain.protocol import BEAT_FIELDS, BEAT_HOST, BEAT_PID, FLAG_LEAVING, FLAG_PEER_LOST, TAG_HEARTBEAT, Message
 from mpitrain.stuck import WATCHDOG
 from mpitrain.waiting import poll
 
@@ -37,6 +37,10 @@ CHECK_EVERY_S = 0.1  # how often a waiting rank looks at its watch
 ENDED_GRACE_S = 0.3
 CLOSE_POLL_S = 1e-3  # end of run: off the hot path
 HELD_ROUNDS = 64  # heartbeat rounds remembered for Heartbeat.held_s (16 timeouts' worth)
+
+
+# Why a peer that ends the job on a lost rank (its last beat flagged FLAG_PEER_LOST) is lost to the others.
+ENDS_THE_JOB = "it ends the job on a lost rank"
 
 
 def beat_interval(timeout_s: float) -> float:
@@ -161,9 +165,10 @@ class Heartbeat:
         if rank in self.peers:
             self.gone.add(self.peers.index(rank))
 
-    def close(self, lost: set[int]) -> bool:
-        """Stop; send the last beat to every peer not in `lost`. False if that did not go out
-        within the timeout (a peer died meanwhile: then MPI_Finalize is unsafe)."""
+    def close(self, lost: set[int], flags: int = 0) -> bool:
+        """Stop; send the last beat to every peer not in `lost` (with `flags` too: FLAG_PEER_LOST,
+        this rank ends the job on a lost rank). False if that did not go out within the timeout
+        (a peer died meanwhile: then MPI_Finalize is unsafe)."""
         self._stop.set()
         self._thread.join()
         WATCHDOG.disarm()  # the end of the run has its own limits (ending.finalize)
@@ -172,7 +177,7 @@ class Heartbeat:
         if len(live) < len(expected) or not wait_all([self.reqs[i] for i in live], self.timeout_s):
             return False  # a peer died that nobody declared
         for i in live:
-            self._beat(i, FLAG_LEAVING)
+            self._beat(i, FLAG_LEAVING | flags)
         return wait_all([self.reqs[i] for i in live], self.timeout_s)
 
 
@@ -231,6 +236,7 @@ class Watch(WaitHooks):
         self.recv = {r: self._post(r) for r in peers}  # open until the peer's last beat
         self.checked = set(peers)  # peers whose silence counts
         self.lost: dict[int, dict] = {}  # rank -> {"rank", "silent_s", "reason"}
+        self.ending: set[int] = set()  # peers whose last beat said they end the job on a lost rank
         self._next_check = now
 
     def _post(self, rank: int):
@@ -268,6 +274,8 @@ class Watch(WaitHooks):
             if box.flags & FLAG_LEAVING:
                 del self.recv[rank]
                 self.checked.discard(rank)
+                if box.flags & FLAG_PEER_LOST:
+                    self.ending.add(rank)
                 return
             req = self.recv[rank] = self._post(rank)
 
@@ -283,6 +291,9 @@ class Watch(WaitHooks):
                     self._drain(rank, now)
             except MPI.Exception as e:
                 newly[rank] = mpi_error_reason(str(e))
+                continue
+            if rank in self.ending:
+                newly[rank] = ENDS_THE_JOB
                 continue
             silent = now - self.last[rank]
             if rank in self.checked and silent > self.timeout_s:

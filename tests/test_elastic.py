@@ -20,6 +20,8 @@ import pytest
 from conftest import (OWN_LOGIC, Lines, child_env, communicate_or_kill, keep_going, kill_session, mpi_impl,
                       mpitrain_cmd, only_on, wait_for_training)
 from mpitrain.faults import rank_pids
+from mpitrain.liveness import ENDS_THE_JOB
+from mpitrain.mpiimpl import FAREWELL_MIN_S
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import chaos  # noqa: E402  (its reading of a stuck rank's line and exit, as the chaos suite judges them)
@@ -127,6 +129,11 @@ def test_on_lost_worker_stop_ends_the_job_as_before(tmp_path, mode):
     line = [ln for ln in proc.stderr.splitlines() if "lost worker" in ln]
     assert len(line) == 1 and "rank 2" in line[0] and "--on-lost-worker stop ends the job" in line[0]
     assert s is None
+    if mode == "async" and mpi_impl().name == "openmpi":
+        # Under ULFM the others outlive rank 0's exit; async workers wait on replies and learn the end from
+        # rank 0's last beat (before it, rank 0 waited farewell's 5 s and they said they had lost it).
+        ended = [f"rank {r} lost the parameter server (rank 0: {ENDS_THE_JOB})" in proc.stderr for r in (1, 3)]
+        assert all(ended) and after < FAREWELL_MIN_S, (after, proc.stderr)
 
 
 def test_a_regroup_receive_that_fails_in_mpi_means_rank_0_is_lost():
