@@ -42,7 +42,7 @@ from mpitrain import mpiimpl
 from mpitrain.checkpoint import TrainState, state_arrays
 from mpitrain.console import say
 from mpitrain.faults import Kill
-from mpitrain.liveness import PeerLost
+from mpitrain.liveness import ENDS_THE_JOB, PeerLost
 from mpitrain.protocol import TAG_FAILOVER
 from mpitrain.stopping import STOP
 
@@ -69,7 +69,8 @@ def applies(ctx, e: PeerLost) -> bool:
     loop was (a worker's loss outside its loop, at the start, ends the job as before; a server
     with nothing to bring, sync's, still takes part)."""
     return (ctx.cfg.on_lost_server == "continue" and any(ctx.layout.is_server(r) for r in e.lost)
-            and (e.state is not None or ctx.is_ps))
+            and (e.state is not None or ctx.is_ps)
+            and ENDS_THE_JOB not in e.lost.values())  # rank 0 ended the job on purpose (--on-lost-worker stop)
 
 
 def take_over(ctx, e: PeerLost, carry) -> tuple[object, Handover] | None:

@@ -174,3 +174,22 @@ def test_a_take_over_that_would_leave_fewer_workers_than_the_quorum_ends_in_one_
     lines = [ln for ln in err.splitlines() if "fewer than --quorum 3" in ln]
     assert sorted(ln.split()[3] for ln in lines) == ["1", "2", "3"], err  # "mpitrain: error: rank N lost ..."
 
+
+
+def test_a_rank_0_that_ends_the_job_on_purpose_is_not_taken_over():
+    """--on-lost-worker stop with --on-lost-server continue: rank 0 ends the job on a lost worker and
+    says so in its last heartbeat (under ULFM, where the others outlive it). The workers end with it;
+    they take over from a rank 0 that was lost, never from one that ended the job."""
+    from types import SimpleNamespace
+
+    from mpitrain import failover
+    from mpitrain.layout import Layout
+    from mpitrain.liveness import ENDS_THE_JOB, PeerLost
+
+    ctx = SimpleNamespace(cfg=SimpleNamespace(on_lost_server="continue"), layout=Layout(4, 1), is_ps=False)
+    lost = PeerLost({0: "no heartbeat for 3.1 s"})
+    lost.state = object()  # where the worker's loop was
+    assert failover.applies(ctx, lost)
+    ended = PeerLost({0: ENDS_THE_JOB})
+    ended.state = lost.state
+    assert not failover.applies(ctx, ended)
