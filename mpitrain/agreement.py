@@ -15,13 +15,13 @@ from mpitrain.version import __version__
 
 
 def agree_on_setup(cfg: TrainConfig | None, comm, node: Node, err: str | None,
-                   quiet: bool = False) -> tuple[Context | None, str | None]:
+                   quiet: bool = False, data=None) -> tuple[Context | None, str | None]:
     """Every rank sets up, then all compare notes. (None, the line rank 0 printed) if any failed;
-    `quiet` (the Python API, which raises it): the line is not printed."""
+    `quiet` (the Python API, which raises it): the line is not printed. `data`: runtime.setup's."""
     ctx = None
     if err is None:
         try:
-            ctx = setup(cfg, comm, node, modes.of)
+            ctx = setup(cfg, comm, node, modes.of, data)
         except UsageError as e:
             err = str(e)
     notes = comm.allgather((err, identity(ctx)))  # setup-time only; every rank reaches it on every path

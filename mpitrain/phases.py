@@ -35,7 +35,8 @@ def joined(cfg: TrainConfig, comm, carry: join.Carry) -> tuple[TrainConfig, obje
     from mpitrain.runtime import make_model
 
     def mine() -> dict:
-        return identity_of(cfg, make_model(cfg, load_dataset(cfg), np))
+        carry.data = load_dataset(cfg)  # its first phase uses it (trainer._phase)
+        return identity_of(cfg, make_model(cfg, carry.data, np))
 
     if spawned():  # started by the job itself (--respawn): it waits in the new world already
         world, budget = join_spawned(carry, mine)

@@ -323,9 +323,10 @@ def check_output_path(flag: str, path: str | None) -> None:
                          f"to") from None
 
 
-def setup(cfg: TrainConfig, comm, node: Node, choose_mode) -> Context:
+def setup(cfg: TrainConfig, comm, node: Node, choose_mode, data: Dataset | None = None) -> Context:
     """Raises UsageError for anything the user must fix. Performs no communication. `choose_mode`
-    (modes.of, passed in: the modes build on this module) picks the mode from the flags and layout."""
+    (modes.of, passed in: the modes build on this module) picks the mode from the flags and layout.
+    `data`: the dataset this process loaded for the job's earlier phase (join.Carry), not loaded again."""
     rank, size = comm.Get_rank(), comm.Get_size()
     check_launch(size)
     validate_for_world(cfg, size)
@@ -342,7 +343,7 @@ def setup(cfg: TrainConfig, comm, node: Node, choose_mode) -> Context:
     layout = Layout(size, cfg.num_ps)
     node = node.for_layout(layout)
     backend = rank_backend(cfg, layout, rank, node)
-    data = load_dataset(cfg)
+    data = data if data is not None else load_dataset(cfg)
     check_batch_fits(data.n_train, layout.workers, cfg.batch_size)
     model = make_model(cfg, data, backend.xp)
     resume = None

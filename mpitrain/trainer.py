@@ -150,11 +150,12 @@ def _run(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: bo
 
 
 def _phase(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: bool, carry: join.Carry) -> Outcome:
-    ctx, line = agree_on_setup(cfg, comm, node, err, quiet=library)
+    ctx, line = agree_on_setup(cfg, comm, node, err, quiet=library, data=carry.data)
     if ctx is None:
         if carry.peer_lost and not library:  # a phase after a take-over refused (a lock held): MPI_Finalize would wait
             leave_after_a_loss(carry, ExitCode.USAGE)
         return Outcome(ExitCode.USAGE, error=line)
+    carry.data = ctx.data
     if carry.handover is not None:  # the phase after a take-over: rank 0 starts from the survivors' state
         if ctx.rank == PS_RANK:
             ctx = dataclasses.replace(ctx, resume=None, handover=carry.handover)
