@@ -32,11 +32,12 @@ both sides hang):
    completes: Carry.start_forming ends each in one line past FORM_LIMIT_S instead (exit 5).
 
 --respawn N (MPICH and Open MPI): instead of a joiner started by hand, rank 0's lobby sees a worker
-lost in this phase (the watch's) and requests the same stop; at the phase's end every rank left
-starts the replacement together (grow, SPAWNED: MPI_Comm_spawn of this job's command with --join,
-its flags written back out by config_io.as_argv), which merges into the new world at once and then says
-hello (join_spawned, welcome). Spawned by rank 0 alone and merged in, Open MPI 5.0.11 hung in the
-first collective; spawned by all, it trains (measured).
+lost in this phase (the watch's) and requests the same stop; at the phase's end the ranks left
+start the replacement (grow, SPAWNED: MPI_Comm_spawn of this job's command with --join, its flags
+written back out by config_io.as_argv), which loads its data, says hello to rank 0, and forms the
+new world with them (respawn.py). MPICH: rank 0 spawns it alone while the others
+wait asleep; Open MPI: every rank spawns it (spawned by rank 0 alone and merged in, Open MPI 5.0.11
+hung in the first collective: measured); mpiimpl.Impl.spawns_alone.
 
 The summary lists the joins (`joined_workers`) with the lost workers of every phase. The ranks are
 numbered anew at each join: the live ranks in their order, then the joiner.
@@ -320,7 +321,7 @@ class Lobby:
             self.tries.pop(path)
             remove(path)  # its joiner sees the request gone and ends (GIVEN_UP_S)
             say(f"mpitrain: could not connect to the worker waiting to join on {host} (pid {pid}) in "
-                f"{CONNECT_TRIES} tries: {_last_line(e)}; the job goes on without it")
+                f"{CONNECT_TRIES} tries: {last_line(e)}; the job goes on without it")
             return
         finally:
             info.Free()
@@ -403,7 +404,7 @@ def connect_timeout_s(worker_timeout: float) -> int:
     return max(1, min(CONNECT_TIMEOUT_S, int(worker_timeout // 2)))
 
 
-def _last_line(e: Exception) -> str:
+def last_line(e: Exception) -> str:
     return str(e).strip().splitlines()[-1]
 
 
@@ -443,48 +444,30 @@ def still_there(joiner: Joiner) -> bool:
 NOBODY, CONNECTED, SPAWNED = 0, 1, 2  # who joins as the world re-forms (rank 0's goodbye says which)
 
 
-def grow(comm, live: list[int], gen: int, how: int, joiner: Joiner | None = None, argv: list[str] = ()):
-    """Every live rank of `comm`: the new world, the live ranks in order, then the joiner: the one
-    that CONNECTED (rank 0 holds its connection, `joiner`), or one they start together (SPAWNED:
-    this job's command with `argv`, significant at rank 0). NOBODY (the joiner did not answer
-    GO): the same ranks go on in a world of their own. Its collectives block (Carry.start_forming
-    guards them)."""
+def grow(comm, live: list[int], gen: int, how: int, joiner: Joiner | None = None, start=None):
+    """Every live rank of `comm`: (the new world, the live ranks in order, then the joiner: the one
+    that CONNECTED (rank 0 holds its connection, `joiner`), or one they start (SPAWNED:
+    `start(local)`, respawn.start_worker); the started worker's hello at rank 0, else {};
+    whether a started worker was left behind, silent). NOBODY (the joiner did not answer GO), or a
+    worker that could not be started: the same ranks go on in a world of their own. Its
+    collectives block (Carry.start_forming guards them)."""
     if len(live) == comm.Get_size():
         local = comm if how != NOBODY else comm.Dup()
     else:  # without the dead: made by the live ranks alone
         local = mpiimpl.survivors(comm, live, JOIN_TAG + gen, f"mpitrain.join.{gen}")
     if how == NOBODY:
-        return local
+        return local, {}, False
+    hello = {}
     if how == SPAWNED:
-        # Spawned by every live rank together, not by rank 0 alone: Open MPI 5.0 then connects the
-        # new process to each of them (spawned by rank 0 and merged in, it hung in the first
-        # collective with the others: measured). MPICH does either.
-        info = MPI.Info.Create()
-        info.Set("wdir", os.getcwd())  # --checkpoint-dir and --data-dir may be relative to it
-        try:
-            inter = local.Spawn(sys.executable, ["-m", "mpitrain", *argv], 1, info, root=0)
-        except MPI.Exception as e:  # every rank hears of it (no slot left for it, say): go on without it
-            if local.Get_rank() == 0:
-                say(f"mpitrain: could not start a worker in place of the lost one: {_last_line(e)}")
-            return local
-        finally:
-            info.Free()
+        inter, hello, left_behind = start(local)
+        if inter is None:
+            return local, {}, left_behind
     else:
         pair = joiner.inter.Merge(high=False) if joiner is not None else MPI.COMM_SELF
         inter = local.Create_intercomm(0, pair, 1, GROW_TAG)
     world = inter.Merge(high=False)
     inter.Free()
-    return world
-
-
-def welcome(world, carry: Carry) -> str:
-    """Rank 0, in the world a SPAWNED worker formed with the others: its hello (where it runs),
-    and the job's flags and step budget for it. Returns its host ("?" if it said nothing)."""
-    hello = recv_json(world, world.Get_size() - 1, ANSWER_S) or {}
-    send_json(world, {"budget": carry.budget, "identity": carry.identity}, world.Get_size() - 1)
-    return str(hello.get("host", "?"))
-
-
+    return world, hello, False
 
 
 def _forming_stuck(who: str, why: str, detail: str = "a rank died meanwhile") -> None:

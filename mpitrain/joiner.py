@@ -1,6 +1,5 @@
 """The joiner's side of `--join` (join.py has the protocol and the job's side): ask the job
-through its folder and wait to be let in, or, started by the job itself (--respawn), merge into
-the world it forms at once and say hello."""
+through its folder and wait to be let in (a worker the job started itself, --respawn: respawn.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +15,6 @@ from mpi4py import MPI
 
 from mpitrain import faults, mpiimpl
 from mpitrain.config import TrainConfig, UsageError
-from mpitrain.config_io import disagreement
 from mpitrain.console import say
 from mpitrain.join import (ANSWER_S, CONNECT_TRIES, GIVEN_UP_S, GROW_TAG, REQUESTS, TOKEN, TOUCH_S, Carry, dead_here,
                            job_folder, recv_json, remove, remove_folder, send_json, write_private)
@@ -70,31 +68,6 @@ def join_job(cfg: TrainConfig, identity: dict, carry: Carry):
     world = MPI.COMM_SELF.Create_intercomm(0, pair, 0, GROW_TAG).Merge(high=True)
     faults.joiner_vanishes("formed")
     return world, answer.get("budget")
-
-
-def spawned() -> bool:
-    """Whether this process was started by a job's ranks (--respawn): MPI_Comm_get_parent."""
-    return MPI.Comm.Get_parent() != MPI.COMM_NULL
-
-
-def join_spawned(carry: Carry, identity_of) -> tuple[object, int | None]:
-    """The worker a job started (--respawn): into the world it forms with the job's ranks at once
-    (they wait in it), then its hello and rank 0's word: the job's step budget, and its flags,
-    which `identity_of()` (this process's, computed meanwhile) must match."""
-    carry.start_forming("the worker started in place of a lost one")
-    carry.spawned = carry.with_spawned = True
-    parent = MPI.Comm.Get_parent()
-    world = parent.Merge(high=True)
-    parent.Free()  # as the job's ranks free theirs (grow): MPI_Finalize waits on every dynamic communicator left
-    send_json(world, {"host": socket.gethostname(), "pid": os.getpid()}, 0)
-    mine = identity_of()
-    word = recv_json(world, 0, ANSWER_S)
-    if word is None:
-        raise UsageError("--respawn: the job that started this worker did not answer; it may have ended")
-    detail = disagreement(word.get("identity") or {}, mine)
-    if detail:
-        raise UsageError(f"--respawn: this worker's flags differ from the job's ({detail})")
-    return world, word.get("budget")
 
 
 def _wait_to_be_let_in(folder: Path):

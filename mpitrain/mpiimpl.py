@@ -65,6 +65,12 @@ class Impl:
     # a spawned process that leaves without it for a failure ("exited improperly", exit 1: 1 of 4
     # jobs); MPICH's finalize waits for the dead rank forever (measured: the guard ended it).
     spawned_finalizes: bool = False
+    # --respawn: rank 0 starts the worker alone (MPI_Comm_spawn on COMM_SELF) while the other ranks wait
+    # asleep, then all form the new world with it, as with a worker that connects (join.grow). Spawned by
+    # every rank (each in MPI_Comm_spawn, busy-polling), a respawn took 1.5-1.8 s against 0.5-0.6 s on
+    # 2 cores: the spinning ranks starved the new process's start-up (measured, 4 ranks, MPICH). Open MPI
+    # 5.0.11 hung in the first collective with a worker spawned by rank 0 alone: it spawns with all.
+    spawns_alone: bool = False
     # The launcher's session folder in the temporary directory, "<prefix><its pid>", which a killed
     # launcher leaves behind (its PMIx rendezvous socket, per-job folders): swept as the /dev/shm
     # segments are, so that a machine whose jobs get killed does not collect them. None: none.
@@ -75,7 +81,7 @@ class Impl:
 
 
 MPICH = Impl("mpich", "MPICH", ("-disable-auto-cleanup",), "-f", "{host}:{slots}", "pmi2", "mpich_shm_",
-             worker_lost_exit=128 + 9)
+             worker_lost_exit=128 + 9, spawns_alone=True)
 OPENMPI = Impl("openmpi", "Open MPI", ("--with-ft", "ulfm"), "--hostfile", "{host} slots={slots}", "pmix",
                "sm_segment.", contacts_every_host=True, stop_exit=1, stop_signal="SIGUSR1",
                root_flags=("--allow-run-as-root",), oversubscribe_flags=("--oversubscribe",),

@@ -18,10 +18,11 @@ from mpitrain.console import say
 from mpitrain.ending import free_worker_comm, retire_heartbeats, say_goodbye
 from mpitrain.exitcodes import ExitCode
 from mpitrain.guard import Diverged
-from mpitrain.joiner import join_job, join_spawned, spawned
+from mpitrain.joiner import join_job
 from mpitrain.lock import exit_without_finalize
 from mpitrain.protocol import FLAG_PEER_LOST, Message
 from mpitrain.reports import Outcome, RoleResult
+from mpitrain.respawn import join_spawned, spawned, start_worker, welcome
 from mpitrain.runtime import PS_RANK, Context, Node, node_info
 from mpitrain.stopping import STOP
 
@@ -97,14 +98,16 @@ def make_room(ctx: Context, mine: RoleResult, reports: list, heartbeat, carry: j
     peer_was_lost = say_goodbye(ctx, [r.rank for r in reports], bool(lost), False, reform=(gen, lost, how))
     carry.peer_lost |= peer_was_lost or bool(lost)
     argv = carry.spawn_argv() if lobby.spawn else []
-    world = _regrow(ctx, heartbeat, carry, lost, gen, how, joiner, argv)
+    world, hello = _regrow(ctx, heartbeat, carry, lost, gen, how, joiner, argv)
     workers = world.Get_size() - ctx.layout.shards
     if world.Get_size() == ctx.size - len(lost):  # nobody joined: it did not answer, or could not start
         why = "" if how == join.SPAWNED else f"the worker on {joiner.host} (pid {joiner.pid}) did not answer when " \
                                               f"the job had made room; "
         say(f"mpitrain: {why}going on with {workers} worker(s) from global step {state.global_step}")
         return Outcome(ExitCode.OK, grown=(carry.next_config(ctx.cfg), world, node_info(world)))
-    host = join.welcome(world, carry) if how == join.SPAWNED else joiner.host
+    if how == join.SPAWNED:
+        welcome(world, carry)
+    host = str(hello.get("host", "?")) if how == join.SPAWNED else joiner.host
     who = "a worker started in place of the lost one" if how == join.SPAWNED else "the worker"
     carry.joins.append({"rank": world.Get_size() - 1, "global_step": state.global_step, "host": host,
                         "respawned": how == join.SPAWNED})
@@ -117,14 +120,15 @@ def grow_with_joiner(ctx: Context, heartbeat, carry: join.Carry, bye: Message) -
     """A worker (or another server), rank 0's goodbye flagged FLAG_REFORM: into the new world."""
     lost = [int(r) for r in np.flatnonzero(bye.payload)]
     carry.peer_lost |= bool(bye.flags & FLAG_PEER_LOST)
-    world = _regrow(ctx, heartbeat, carry, lost, bye.generation, bye.joiner, None)
+    world, _ = _regrow(ctx, heartbeat, carry, lost, bye.generation, bye.joiner, None)
     return Outcome(ExitCode.OK, grown=(carry.next_config(ctx.cfg), world, node_info(world)))
 
 
 def _regrow(ctx: Context, heartbeat, carry: join.Carry, lost: list[int], gen: int, how: int,
             joiner: join.Joiner | None, argv: list[str] = ()):
     """Every rank left: end this phase's heartbeats and communicators, then the new world (with
-    the joiner, unless `how` is join.NOBODY; rank 0 holds its connection, or the spawn's argv)."""
+    the joiner, unless `how` is join.NOBODY; rank 0 holds its connection, or the spawn's argv), and
+    a started worker's hello (rank 0)."""
     carry.start_forming(f"rank {ctx.rank}")
     if not retire_heartbeats(ctx, heartbeat):
         carry.peer_lost = True
@@ -133,7 +137,9 @@ def _regrow(ctx: Context, heartbeat, carry: join.Carry, lost: list[int], gen: in
         STOP.reset()
     live = [r for r in range(ctx.size) if r not in lost]
     carry.with_spawned |= how == join.SPAWNED
-    return join.grow(ctx.comm, live, gen, how, joiner, argv)
+    world, hello, left_behind = join.grow(ctx.comm, live, gen, how, joiner, lambda local: start_worker(local, argv))
+    carry.peer_lost |= left_behind  # a spawned worker that never spoke: MPI_Finalize would wait for it
+    return world, hello
 
 
 def leave_after_a_loss(carry: join.Carry, code: int) -> None:

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from conftest import MPI_TIMEOUT_S, Lines, child_env, keep_going, kill_session, mpi_impl, mpirun_path, only_on
@@ -134,10 +135,9 @@ def test_a_later_phase_sets_up_on_the_data_its_process_loaded_before(monkeypatch
     """Every rank of a job that re-forms (a respawn, a join, a take-over) sets up again; the flags of
     the next phase are the same (join.Carry.next_config), so the data are too, and loading them again
     held every respawn up (~0.5 s of ~2.2 s, synthetic, 2 cores): the phase takes the carried dataset."""
-    from test_cli import FakeWorld
-
     from mpitrain import modes, runtime
     from mpitrain.cli import parse_args
+    from test_cli import FakeWorld
 
     cfg = parse_args(["--dataset", "synthetic", "--synthetic-samples", "2000"])[0]
     first = runtime.setup(cfg, FakeWorld(1, 3), runtime.Node(1, 3, 2, 2), modes.of)
@@ -149,3 +149,38 @@ def test_a_later_phase_sets_up_on_the_data_its_process_loaded_before(monkeypatch
     again = runtime.setup(join.Carry(budget=100).next_config(cfg), FakeWorld(1, 3), runtime.Node(1, 3, 2, 2),
                           modes.of, first.data)
     assert again.data is first.data and again.model.sizes == first.model.sizes
+
+
+def test_a_replacement_that_cannot_set_up_says_why_and_the_job_goes_on_without_it(tmp_path):
+    """The started worker loads its data before it forms the world with the job: when it cannot (here
+    the job's npz file was deleted since it started, as a purged scratch folder does), rank 0 says
+    why at once, from the worker's own hello, and the job trains its budget on with the workers left
+    (before, the job's ranks waited for it in the new world's first collective until FORM_LIMIT_S)."""
+    data = tmp_path / "d.npz"
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((600, 20)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int64)
+    np.savez(data, x_train=x[:500], y_train=y[:500], x_test=x[500:], y_test=y[500:])
+    budget = 20000
+    proc = subprocess.Popen(respawn_cmd(tmp_path, "--dataset", f"npz:{data}", "--steps", str(budget), "--respawn", "1"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(),
+                            start_new_session=True)
+    lines = Lines(proc.stdout)
+    try:
+        assert lines.wait("rank 2 worker"), lines.text()
+        time.sleep(1)
+        data.unlink()
+        os.kill(rank_pids(proc.pid)[2][0], signal.SIGKILL)
+        assert lines.wait("could not start a worker in place of the lost one", 1, 90), lines.text()
+        proc.wait(MPI_TIMEOUT_S)
+    finally:
+        leftovers = kill_session(proc)
+    text = lines.text()
+    assert f"could not start a worker in place of the lost one: its set-up failed: --dataset npz:{data}: no such file" \
+        in text, text
+    assert "said nothing" not in text and "Traceback" not in text and not leftovers, text
+    s = json.loads((tmp_path / "s.json").read_text())
+    assert s["global_step"] == budget and s["workers"] == 1 and s["joined_workers"] == [], s
+    # prterun reports the started worker's own exit (2, its set-up's), as it reports a killed one's (benchmarks/
+    # rejoin_soak.py); hydra the killed rank's signal
+    assert proc.returncode == (2 if mpi_impl() is mpiimpl.OPENMPI else mpi_impl().worker_lost_exit), text
