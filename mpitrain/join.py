@@ -261,8 +261,9 @@ class Lobby:
     (trainer: watch.during). It connects to a fresh request, lets the joiner in or refuses it,
     and on the first it lets in requests the stop that makes room (`joiner`)."""
 
-    def __init__(self, ctx, carry: Carry):
+    def __init__(self, ctx, carry: Carry, heartbeat=None):
         self.carry = carry  # the job's token, flags as given and step budget; what --respawn may still do
+        self.heartbeat = heartbeat  # liveness.Heartbeat: beats out the stop that makes room at once
         self.watch = ctx.watch  # its lost workers: --respawn replaces them
         self.lost_seen = 0
         self.spawn = False  # --respawn: start a worker where this phase ends (grow)
@@ -281,7 +282,7 @@ class Lobby:
             self.spawn = True
             say(f"mpitrain: starting a worker in place of the one lost at the next step boundary (--respawn: "
                 f"{self.carry.respawns_left} more after this one)")
-            STOP.request()  # every mode ends this step as for Ctrl-C; the phase's end starts the worker
+            self._make_room()  # the phase's end starts the worker
             return
         now = time.monotonic()
         if now < self._next:
@@ -361,8 +362,15 @@ class Lobby:
             return
         self.joiner = Joiner(inter, host, pid)
         say(f"mpitrain: a worker on {host} (pid {pid}) joins: making room at the next step boundary")
-        STOP.request()  # every mode ends this step as for Ctrl-C; trainer.run goes on with the joiner
+        self._make_room()  # trainer.run goes on with the joiner
         Kill(PS_RANK).let_in()
+
+    def _make_room(self) -> None:
+        """Every mode ends this step as for Ctrl-C; the stop spreads with every message, and the
+        heartbeats go out now (a sync worker hears rank 0 in nothing else)."""
+        STOP.request()
+        if self.heartbeat is not None:
+            self.heartbeat.poke()
 
     def _refusal(self, hello: dict) -> str | None:
         if not secrets.compare_digest(str(hello.get("token", "")), self.carry.token):

@@ -112,7 +112,8 @@ class Heartbeat:
         self.gone: set[int] = set()  # peers whose beat failed in MPI: dead, never beaten again
         self.beats = 0
         self.rounds: deque[float] = deque(maxlen=HELD_ROUNDS)  # when the last rounds started (held_s)
-        self._stop = threading.Event()
+        self._wake = threading.Event()  # the next round now: a stop (close) or a word to spread (poke)
+        self._stopping = False
         self._thread = threading.Thread(target=self._run, name="mpitrain-heartbeat", daemon=True)
         self._thread.start()
 
@@ -128,12 +129,20 @@ class Heartbeat:
 
     def _run(self) -> None:
         while True:
+            self._wake.clear()  # before the round: a poke during it gets the next one at once
             self.beats += 1
             self.rounds.append(time.monotonic())
             with WATCHDOG:  # a round that never ends (MPI stuck, see stuck.py) ends the rank
                 self._round()
-            if self._stop.wait(self.interval):
+            self._wake.wait(self.interval)
+            if self._stopping:
                 return
+
+    def poke(self) -> None:
+        """A beat round now, not at the next interval: rank 0's stop to make room for a worker
+        (join.Lobby) reaches the sync workers, who hear rank 0 only in its beats, up to an interval
+        sooner (2 s with the default --worker-timeout: half of that a respawn, on average)."""
+        self._wake.set()
 
     def _round(self) -> None:
         """One beat to each live peer whose last beat has gone out."""
@@ -169,7 +178,8 @@ class Heartbeat:
         """Stop; send the last beat to every peer not in `lost` (with `flags` too: FLAG_PEER_LOST,
         this rank ends the job on a lost rank). False if that did not go out within the timeout
         (a peer died meanwhile: then MPI_Finalize is unsafe)."""
-        self._stop.set()
+        self._stopping = True
+        self._wake.set()
         self._thread.join()
         WATCHDOG.disarm()  # the end of the run has its own limits (ending.finalize)
         expected = [i for i, peer in enumerate(self.peers) if peer not in lost]

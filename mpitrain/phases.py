@@ -51,7 +51,7 @@ def joined(cfg: TrainConfig, comm, carry: join.Carry) -> tuple[TrainConfig, obje
     return carry.next_config(cfg), world, node_info(world)
 
 
-def open_lobby(ctx: Context, carry: join.Carry) -> join.Lobby | None:
+def open_lobby(ctx: Context, carry: join.Carry, heartbeat=None) -> join.Lobby | None:
     """Rank 0 of a job that can grow: the lobby a worker joins through (the phase's waits look at it)."""
     if ctx.rank != PS_RANK or not join.can_grow(ctx):
         return None
@@ -64,7 +64,7 @@ def open_lobby(ctx: Context, carry: join.Carry) -> join.Lobby | None:
             return None
         carry.identity = identity(ctx)  # the job's flags as given: a joiner's are compared with these
         carry.job_cfg, carry.respawns_left = ctx.cfg, ctx.cfg.respawn
-    lobby = join.Lobby(ctx, carry)
+    lobby = join.Lobby(ctx, carry, heartbeat)
     if carry.server_lost:
         carry.server_lost = False
         lobby.owe_one()

@@ -16,17 +16,21 @@ from mpitrain import mpiimpl
 from mpitrain.config import UsageError
 from mpitrain.config_io import disagreement
 from mpitrain.console import say
-from mpitrain.join import ANSWER_S, GROW_TAG, Carry, last_line, recv_json, send_json
+from mpitrain.join import ANSWER_S, FORM_LIMIT_S, GROW_TAG, Carry, last_line, recv_json, send_json
 from mpitrain.waiting import poll
 
 NOT_STARTED, STARTED, FAILED = 0, 1, 2  # rank 0's word on a worker it spawned (start_worker)
+# How long rank 0 waits for the started worker's hello, which follows its start-up and its data's load
+# (a large dataset takes seconds), before the job goes on without it: well inside the forming limit
+# that would end every rank meanwhile (join.Carry.start_forming).
+HELLO_WITHIN_S = FORM_LIMIT_S / 2
 
 
 def start_worker(local, argv: list[str]):
     """SPAWNED, every live rank: (the intercommunicator to the worker they start with `argv`, its hello
     at rank 0, False), or (None, {}, whether one was started and left behind: FAILED, its set-up failed
     (its hello says why: a data file gone since the job started, say) or it said nothing within
-    ANSWER_S; not when it could not be started at all).
+    HELLO_WITHIN_S; not when it could not be started at all).
     The worker loads its data and says hello before any collective with the job; the ranks not in
     MPI_Comm_spawn meanwhile wait asleep on rank 0's word (a nonblocking broadcast), not in a busy
     MPI wait that takes its cores (mpiimpl.Impl.spawns_alone)."""
@@ -45,9 +49,10 @@ def start_worker(local, argv: list[str]):
             info.Free()
     word = np.array([NOT_STARTED], np.int8)
     if root and child is not None:
-        hello = recv_json(child, 0, ANSWER_S)
+        hello = recv_json(child, 0, HELLO_WITHIN_S)
         word[0] = FAILED if hello is None or "error" in hello else STARTED
-        failure = (f"it said nothing within {ANSWER_S:g} s of its start" if hello is None
+        failure = (f"it said nothing within {HELLO_WITHIN_S:g} s of its start (it died, or its set-up and "
+                   f"data took longer)" if hello is None
                    else f"its set-up failed: {hello.get('error')}")
     req = local.Ibcast([word, MPI.BYTE], root=0)
     poll(req.Test, 1e-3)

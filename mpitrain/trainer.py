@@ -164,7 +164,7 @@ def _phase(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: 
     carry.formed()  # heartbeats run: a rank lost from here is seen as in any phase
     if carry.budget is None:
         carry.budget = ctx.global_step_budget  # the job's, whoever joins later
-    lobby = open_lobby(ctx, carry)
+    lobby = open_lobby(ctx, carry, heartbeat)
     try:
         with ctx.watch.during(lobby):  # rank 0: a worker asking to join is looked at in every wait until the reports are in
             mine, reports = train_and_report(ctx, carry)

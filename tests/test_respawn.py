@@ -184,3 +184,35 @@ def test_a_replacement_that_cannot_set_up_says_why_and_the_job_goes_on_without_i
     # prterun reports the started worker's own exit (2, its set-up's), as it reports a killed one's (benchmarks/
     # rejoin_soak.py); hydra the killed rank's signal
     assert proc.returncode == (2 if mpi_impl() is mpiimpl.OPENMPI else mpi_impl().worker_lost_exit), text
+
+
+def test_the_stop_that_makes_room_goes_out_in_a_heartbeat_at_once_not_at_the_next_interval(tmp_path, monkeypatch):
+    """A sync worker hears rank 0 only in its heartbeats (every 2 s with the default --worker-timeout):
+    the lobby's stop for a respawn or a join pokes the heartbeat thread into a round now."""
+    from mpi4py import MPI
+
+    from mpitrain import liveness
+    from mpitrain.stopping import STOP
+
+    monkeypatch.setattr(STOP, "request", lambda signum=0: None)
+    heartbeat = liveness.Heartbeat(MPI.COMM_SELF, [0], 30.0)  # a beat every 2 s, to itself
+    try:
+        assert heartbeat.interval == 2.0
+        time.sleep(0.3)
+        first = heartbeat.beats
+        time.sleep(0.3)
+        assert heartbeat.beats == first  # it waits its interval
+
+        class Ctx:
+            cfg = type("Cfg", (), {"checkpoint_dir": str(tmp_path), "worker_timeout": 30.0})()
+            watch = _Watch()
+
+        lobby = join.Lobby(Ctx, join.Carry(identity={}, token="t", budget=10, respawns_left=1), heartbeat)
+        Ctx.watch.lost[2] = {"rank": 2}
+        lobby.check()
+        deadline = time.monotonic() + 0.5
+        while heartbeat.beats == first and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert lobby.spawn and heartbeat.beats == first + 1
+    finally:
+        heartbeat.close(set())
