@@ -130,6 +130,8 @@ class Heartbeat:
     def _run(self) -> None:
         while True:
             self._wake.clear()  # before the round: a poke during it gets the next one at once
+            if self._stopping:  # close() came before the clear: its wake-up is gone, its flag is not
+                return
             self.beats += 1
             self.rounds.append(time.monotonic())
             with WATCHDOG:  # a round that never ends (MPI stuck, see stuck.py) ends the rank
