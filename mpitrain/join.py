@@ -471,11 +471,18 @@ def grow(comm, live: list[int], gen: int, how: int, joiner: Joiner | None = None
         if inter is None:
             return local, {}, left_behind
     else:
-        pair = joiner.inter.Merge(high=False) if joiner is not None else MPI.COMM_SELF
-        inter = local.Create_intercomm(0, pair, 1, GROW_TAG)
+        inter, _ = with_joiner(local, joiner.inter if joiner is not None else None)
     world = inter.Merge(high=False)
     inter.Free()
     return world, hello, False
+
+
+def with_joiner(local, connection):
+    """Every rank of `local`: the intercommunicator to a joiner that rank 0 alone is connected to
+    (`connection`, significant at rank 0: a worker that connected, or one rank 0 spawned alone), and
+    rank 0's two-process communicator with it (COMM_SELF elsewhere)."""
+    pair = connection.Merge(high=False) if connection is not None else MPI.COMM_SELF
+    return local.Create_intercomm(0, pair, 1, GROW_TAG), pair
 
 
 def _forming_stuck(who: str, why: str, detail: str = "a rank died meanwhile") -> None:

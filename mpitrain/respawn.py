@@ -16,7 +16,7 @@ from mpitrain import mpiimpl
 from mpitrain.config import UsageError
 from mpitrain.config_io import disagreement
 from mpitrain.console import say
-from mpitrain.join import ANSWER_S, FORM_LIMIT_S, GROW_TAG, Carry, last_line, recv_json, send_json
+from mpitrain.join import ANSWER_S, FORM_LIMIT_S, GROW_TAG, Carry, last_line, recv_json, send_json, with_joiner
 from mpitrain.waiting import poll
 
 NOT_STARTED, STARTED, FAILED = 0, 1, 2  # rank 0's word on a worker it spawned (start_worker)
@@ -62,8 +62,7 @@ def start_worker(local, argv: list[str]):
         return None, {}, word[0] == FAILED
     if not alone:
         return child, hello, False
-    pair = child.Merge(high=False) if root else MPI.COMM_SELF
-    inter = local.Create_intercomm(0, pair, 1, GROW_TAG)
+    inter, pair = with_joiner(local, child if root else None)
     if root:  # MPI_Finalize waits on every dynamic communicator left (the world keeps the connection)
         pair.Free()
         child.Free()
