@@ -16,7 +16,8 @@ both sides hang):
    thread in it stalls every other MPI call of the process: measured), so rank 0 must never wait
    in one. Rank 0 connects only to a request touched within FRESH_S (a dead joiner's port crashes
    MPICH's UCX on connect: measured), with a timeout of half --worker-timeout at most (its
-   heartbeats wait meanwhile), CONNECT_TRIES times; then it removes the request, and the joiner ends.
+   heartbeats wait meanwhile), CONNECT_TRIES times; then it marks the request GAVE_UP, and the joiner
+   ends. Rank 0's side while it trains is lobby.py.
 3. Over that connection the joiner proves it belongs to the job: it sends the token and its
    identity (version, protocol, model and every agreed flag: agreement.identity). A wrong token or
    another set of flags is refused in one line on both sides, and nothing in the job changes.
@@ -60,14 +61,10 @@ from mpi4py import MPI
 
 from mpitrain import atomic, mpiimpl
 from mpitrain.config import TrainConfig, can_take_joiners
-from mpitrain.config_io import as_argv, disagreement
+from mpitrain.config_io import as_argv
 from mpitrain.console import say
-from mpitrain.faults import Kill
-from mpitrain.layout import PS_RANK
 from mpitrain.metrics import JobOutputs
-from mpitrain.protocol import FLAG_STOP, TAG_JOIN, Message
-from mpitrain.stopping import STOP
-from mpitrain.stuck import WATCHDOG
+from mpitrain.protocol import TAG_JOIN
 from mpitrain.waiting import poll
 
 TOKEN = ".mpitrain.join-token"  # in --checkpoint-dir: who may join (the user's permissions only)
@@ -80,6 +77,9 @@ CONNECT_TRIES = 3  # a request rank 0 could not connect to is tried again at the
 # A waiting joiner whose request rank 0 removed, and which is still not let in this long after, was
 # given up on (its connects failed): it ends in one line instead of waiting in accept for the job's end.
 GIVEN_UP_S = CONNECT_TIMEOUT_S + 5.0
+# Rank 0 renames the request of a joiner it gave up on to this suffix: the joiner, touching it every
+# TOUCH_S, ends at once with rank 0's reason instead of GIVEN_UP_S later (10 s more of a user's wait).
+GAVE_UP = ".gave-up"
 HELLO_BYTES = 1 << 16  # the joiner's hello and rank 0's answer: JSON, never pickle
 ANSWER_S = 10.0  # how long either side waits for the other's word on the connection
 GROW_TAG = 77  # MPI_Intercomm_create's tag between rank 0 and the joiner
@@ -213,9 +213,21 @@ def write_private(path: Path, text: str) -> None:
 
 
 def withdraw_token(cfg: TrainConfig) -> None:
-    """Rank 0, at the end of the job: a joiner started from now on is told no job is running."""
+    """Rank 0, at the end of the job: a joiner started from now on is told no job is running (one
+    still waiting sees the token gone and ends; so the marks for joiners that died unread go too)."""
     remove(job_folder(cfg) / TOKEN)
+    for mark in (job_folder(cfg) / REQUESTS).glob("*" + GAVE_UP):
+        remove(mark)
     remove_folder(job_folder(cfg) / REQUESTS)
+
+
+def gave_up(request: Path) -> None:
+    """Rank 0 could not connect to this request's joiner: the joiner reads that in the folder (GAVE_UP),
+    and the scans no longer see a request."""
+    try:
+        os.replace(request, request.with_suffix(GAVE_UP))
+    except OSError:
+        remove(request)  # the joiner then ends GIVEN_UP_S after it finds its request gone
 
 
 def remove_folder(path: Path) -> None:
@@ -256,162 +268,6 @@ class Joiner:
     pid: int
 
 
-class Lobby:
-    """Rank 0's side while a job that can grow trains: looked at in every wait of the phase
-    (trainer: watch.during). It connects to a fresh request, lets the joiner in or refuses it,
-    and on the first it lets in requests the stop that makes room (`joiner`)."""
-
-    def __init__(self, ctx, carry: Carry, heartbeat=None):
-        self.carry = carry  # the job's token, flags as given and step budget; what --respawn may still do
-        self.heartbeat = heartbeat  # liveness.Heartbeat: beats out the stop that makes room at once
-        self.watch = ctx.watch  # its lost workers: --respawn replaces them
-        self.lost_seen = 0
-        self.spawn = False  # --respawn: start a worker where this phase ends (grow)
-        self.dir = job_folder(ctx.cfg) / REQUESTS
-        self.joiner: Joiner | None = None
-        self.connect_s = connect_timeout_s(ctx.cfg.worker_timeout)
-        self.tries: dict[Path, int] = {}  # requests rank 0 could not connect to yet
-        self._next = 0.0
-
-    def check(self) -> None:
-        if self.joiner is not None or self.spawn or STOP.requested:  # one at a time; never into a stop
-            return
-        # A loss is looked for at every look (a list's length), the folder only every SCAN_EVERY_S: the
-        # replacement's start waited up to that long after the loss was declared (0.25 s a respawn, median).
-        if self._respawn_due():
-            self.spawn = True
-            say(f"mpitrain: starting a worker in place of the one lost at the next step boundary (--respawn: "
-                f"{self.carry.respawns_left} more after this one)")
-            self._make_room()  # the phase's end starts the worker
-            return
-        now = time.monotonic()
-        if now < self._next:
-            return
-        self._next = now + SCAN_EVERY_S
-        for path in self._requests():
-            self._consider(path)
-            if self.joiner is not None:
-                return
-
-    def _requests(self) -> list[Path]:
-        try:
-            return sorted(self.dir.glob("*.json"), key=lambda p: p.stat().st_mtime)
-        except OSError:
-            return []
-
-    def _consider(self, path: Path) -> None:
-        try:
-            touched = time.time() - path.stat().st_mtime
-            request = json.loads(path.read_text())
-            port, host, pid = str(request["port"]), str(request["host"]), int(request["pid"])
-        except (OSError, ValueError, KeyError, TypeError):
-            return  # being written, or gone: the next scan sees it whole
-        if touched > FRESH_S or dead_here(host, pid):  # its joiner died: never connect to a dead port
-            self.tries.pop(path, None)
-            remove(path)
-            return
-        info = MPI.Info.Create()
-        info.Set("timeout", str(self.connect_s))
-        try:
-            with WATCHDOG.paused():  # bounded by its own timeout; the heartbeat thread may wait on it
-                inter = MPI.COMM_SELF.Connect(port, info)
-        except MPI.Exception as e:
-            self.tries[path] = tries = self.tries.get(path, 0) + 1
-            if tries < CONNECT_TRIES:  # the joiner still waits in accept on that port: the next scan tries again
-                return
-            self.tries.pop(path)
-            remove(path)  # its joiner sees the request gone and ends (GIVEN_UP_S)
-            say(f"mpitrain: could not connect to the worker waiting to join on {host} (pid {pid}) in "
-                f"{CONNECT_TRIES} tries: {last_line(e)}; the job goes on without it")
-            return
-        finally:
-            info.Free()
-        self.tries.pop(path, None)
-        remove(path)  # one connection per request: a refused joiner does not come back
-        self._admit(inter, host, pid)
-
-    def owe_one(self) -> None:
-        """--respawn after a take-over (failover.py): the lost rank 0 counts as a lost worker of this
-        phase, so the job starts a rank in its place and grows back to the size it had."""
-        self.lost_seen -= 1
-
-    def _loss_unseen(self) -> bool:
-        """--respawn: a worker was lost in this phase since the last look, and the job may still
-        start a replacement."""
-        return len(self.watch.lost) > self.lost_seen and self.carry.respawns_left > 0
-
-    def _respawn_due(self) -> bool:
-        """A replacement is to be started (each loss gets one try, whatever becomes of it)."""
-        if not self._loss_unseen():
-            return False
-        self.lost_seen = len(self.watch.lost)
-        self.carry.respawns_left -= 1
-        return True
-
-    def _admit(self, inter, host: str, pid: int) -> None:
-        """A connection to a would-be joiner: its hello, then let it in or refuse it, both in one line."""
-        hello = recv_json(inter, 0, ANSWER_S) or {}
-        why = self._refusal(hello)
-        try:
-            send_json(inter, {"ok": why is None, "why": why or "", "budget": self.carry.budget}, 0)
-        except MPI.Exception:
-            why = why or "it died while joining"
-        if why:
-            say(f"mpitrain: refused a worker on {host} (pid {pid}): {why}")
-            inter.Disconnect()
-            return
-        self.joiner = Joiner(inter, host, pid)
-        say(f"mpitrain: a worker on {host} (pid {pid}) joins: making room at the next step boundary")
-        self._make_room()  # trainer.run goes on with the joiner
-        Kill(PS_RANK).let_in()
-
-    def _make_room(self) -> None:
-        """Every mode ends this step as for Ctrl-C; the stop spreads with every message, and the
-        heartbeats go out now (a sync worker hears rank 0 in nothing else)."""
-        STOP.request()
-        if self.heartbeat is not None:
-            self.heartbeat.poke()
-
-    def _refusal(self, hello: dict) -> str | None:
-        if not secrets.compare_digest(str(hello.get("token", "")), self.carry.token):
-            return "it did not show this job's token (another job's folder, or not mpitrain)"
-        detail = disagreement(self.carry.identity, hello.get("identity") or {})
-        return f"its flags differ from the job's ({detail}); join with the job's flags" if detail else None
-
-    def pending(self) -> bool:
-        """At the phase's end: a joiner let in, a replacement to start, or a worker lost since the
-        last look that --respawn would have replaced (lost as training ended: in the reports' wait,
-        where the loss is declared by the look that raises, so no later look saw it; measured once
-        in 84 chaos trials, the job ending with no word of the replacement)."""
-        return self.joiner is not None or self.spawn or self._loss_unseen()
-
-    def release(self, why: str) -> None:
-        """The job ends instead of growing: tell the joiner it let in, and let it go; say why no
-        worker is started in place of a lost one."""
-        if self.spawn or self._loss_unseen():
-            say(f"mpitrain: no worker was started in place of the lost one: {why}")
-            self.spawn = False
-        if self.joiner is None:
-            return
-        end = Message(0)
-        end.stamp(TAG_JOIN, 0, flags=FLAG_STOP)
-        try:
-            req = self.joiner.inter.Isend(end.spec(), dest=0, tag=TAG_JOIN)
-            poll(lambda: req.Test(), 1e-3, deadline=time.monotonic() + ANSWER_S)
-        except MPI.Exception:
-            pass
-        say(f"mpitrain: the worker on {self.joiner.host} (pid {self.joiner.pid}) did not join: {why}")
-        self.joiner = None
-
-
-def connect_timeout_s(worker_timeout: float) -> int:
-    """MPI_Comm_connect's bound for rank 0: while it waits, so does its heartbeat thread (MPICH's
-    lock), so it stays at half the workers' --worker-timeout or less, or a slow connect makes
-    them declare rank 0 lost (CI, 2026-11-27: a connect that timed out after 5 s under
-    --worker-timeout 2 cost the job a worker, then the joiner). At least MPICH's 1 s grain."""
-    return max(1, min(CONNECT_TIMEOUT_S, int(worker_timeout // 2)))
-
-
 def last_line(e: Exception) -> str:
     return str(e).strip().splitlines()[-1]
 
@@ -434,19 +290,6 @@ def remove(path: Path) -> None:
         os.unlink(path)
     except OSError:
         pass
-
-
-def still_there(joiner: Joiner) -> bool:
-    """Rank 0, once the job has made room, before it tells the others: GO to the joiner, and its
-    answer within ANSWER_S. A joiner that died while the job made room must not be waited for in
-    the grow's collectives (they would hang): the job then goes on without it."""
-    go, ack = Message(0), Message(0)
-    go.stamp(TAG_JOIN, 0)
-    try:
-        reqs = [joiner.inter.Irecv(ack.spec(), source=0, tag=TAG_JOIN), joiner.inter.Isend(go.spec(), dest=0, tag=TAG_JOIN)]
-        return poll(lambda: MPI.Request.Testall(reqs), 1e-3, deadline=time.monotonic() + ANSWER_S)
-    except MPI.Exception:
-        return False
 
 
 NOBODY, CONNECTED, SPAWNED = 0, 1, 2  # who joins as the world re-forms (rank 0's goodbye says which)

@@ -16,8 +16,8 @@ from mpi4py import MPI
 from mpitrain import faults, mpiimpl
 from mpitrain.config import TrainConfig, UsageError
 from mpitrain.console import say
-from mpitrain.join import (ANSWER_S, CONNECT_TRIES, GIVEN_UP_S, GROW_TAG, REQUESTS, TOKEN, TOUCH_S, Carry, dead_here,
-                           job_folder, recv_json, remove, remove_folder, send_json, write_private)
+from mpitrain.join import (ANSWER_S, CONNECT_TRIES, GAVE_UP, GIVEN_UP_S, GROW_TAG, REQUESTS, TOKEN, TOUCH_S, Carry,
+                           dead_here, job_folder, recv_json, remove, remove_folder, send_json, write_private)
 from mpitrain.protocol import FLAG_STOP, TAG_JOIN, Message
 from mpitrain.waiting import poll
 
@@ -98,8 +98,10 @@ def _wait_to_be_let_in(folder: Path):
 def _touch(request: Path, token: Path, waiting: threading.Event) -> None:
     """While the joiner waits in MPI_Comm_accept (which nothing interrupts): keep its request
     fresh; when the job is gone (its token removed), or gave up connecting to this worker (its
-    request removed, and no connection within GIVEN_UP_S), end the process with one line."""
+    request renamed GAVE_UP; or removed, and no connection within GIVEN_UP_S), end the process
+    with one line."""
     gone_since = None
+    mark = request.with_suffix(GAVE_UP)
     while not waiting.wait(TOUCH_S):
         try:
             os.utime(request)
@@ -109,8 +111,12 @@ def _touch(request: Path, token: Path, waiting: threading.Event) -> None:
             return
         if not token.exists() or _owner_gone(token.parent):
             _give_up(request, "the job ended before it let this worker in")
-        if gone_since is not None and time.monotonic() - gone_since > GIVEN_UP_S:
+        if gone_since is not None and os.path.exists(mark):
+            remove(mark)
             _give_up(request, f"the job could not connect to this worker ({CONNECT_TRIES} tries); start it again")
+        if gone_since is not None and time.monotonic() - gone_since > GIVEN_UP_S:
+            _give_up(request, f"the job took this worker's request and did not connect within {GIVEN_UP_S:g} s; "
+                              f"start it again")
 
 
 def _give_up(request: Path | None, why: str) -> None:

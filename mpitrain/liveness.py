@@ -142,7 +142,7 @@ class Heartbeat:
 
     def poke(self) -> None:
         """A beat round now, not at the next interval: rank 0's stop to make room for a worker
-        (join.Lobby) reaches the sync workers, who hear rank 0 only in its beats, up to an interval
+        (lobby.Lobby) reaches the sync workers, who hear rank 0 only in its beats, up to an interval
         sooner (2 s with the default --worker-timeout: half of that a respawn, on average)."""
         self._wake.set()
 
@@ -206,7 +206,7 @@ class WaitHooks:
     """What every wait looks at besides liveness, named where the loop that waits starts: `with
     watch.during(hook, ...)` around it, gone when the loop ends. A hook is an object with
     check(): rank 0's word to regroup (elastic.Notices: raises Regroup where a sync worker waits,
-    in the middle of a collective that would never finish), a worker asking to join (join.Lobby,
+    in the middle of a collective that would never finish), a worker asking to join (lobby.Lobby,
     rank 0), the stall report (observe.Stall). Each wait of the loop (waiting.poll, through
     check) runs them in the order given; nothing else attaches anything."""
 

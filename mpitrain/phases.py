@@ -19,6 +19,7 @@ from mpitrain.ending import free_worker_comm, retire_heartbeats, say_goodbye
 from mpitrain.exitcodes import ExitCode
 from mpitrain.guard import Diverged
 from mpitrain.joiner import join_job
+from mpitrain.lobby import Lobby, why_not_there
 from mpitrain.lock import exit_without_finalize
 from mpitrain.protocol import FLAG_PEER_LOST, Message
 from mpitrain.reports import Outcome, RoleResult
@@ -51,7 +52,7 @@ def joined(cfg: TrainConfig, comm, carry: join.Carry) -> tuple[TrainConfig, obje
     return carry.next_config(cfg), world, node_info(world)
 
 
-def open_lobby(ctx: Context, carry: join.Carry, heartbeat=None) -> join.Lobby | None:
+def open_lobby(ctx: Context, carry: join.Carry, heartbeat=None) -> Lobby | None:
     """Rank 0 of a job that can grow: the lobby a worker joins through (the phase's waits look at it)."""
     if ctx.rank != PS_RANK or not join.can_grow(ctx):
         return None
@@ -64,7 +65,7 @@ def open_lobby(ctx: Context, carry: join.Carry, heartbeat=None) -> join.Lobby | 
             return None
         carry.identity = identity(ctx)  # the job's flags as given: a joiner's are compared with these
         carry.job_cfg, carry.respawns_left = ctx.cfg, ctx.cfg.respawn
-    lobby = join.Lobby(ctx, carry, heartbeat)
+    lobby = Lobby(ctx, carry, heartbeat)
     if carry.server_lost:
         carry.server_lost = False
         lobby.owe_one()
@@ -83,7 +84,7 @@ def no_room(ctx: Context, mine: RoleResult, reports: list, diverged: Diverged | 
 
 
 def make_room(ctx: Context, mine: RoleResult, reports: list, heartbeat, carry: join.Carry,
-              lobby: join.Lobby) -> Outcome:
+              lobby: Lobby) -> Outcome:
     """Rank 0, the phase over (the checkpoint saved): tell every rank left to form a new world with
     the joiner (the one it let in, or one they start: --respawn) instead of ending, and form it."""
     state = mine.state
@@ -94,15 +95,16 @@ def make_room(ctx: Context, mine: RoleResult, reports: list, heartbeat, carry: j
     carry.add_phase(state)
     gen = len(carry.joins) + 1
     joiner = lobby.joiner
-    how = join.SPAWNED if lobby.spawn else join.CONNECTED if join.still_there(joiner) else join.NOBODY
+    gone = None if lobby.spawn else why_not_there(joiner)
+    how = join.SPAWNED if lobby.spawn else join.NOBODY if gone else join.CONNECTED
     peer_was_lost = say_goodbye(ctx, [r.rank for r in reports], bool(lost), False, reform=(gen, lost, how))
     carry.peer_lost |= peer_was_lost or bool(lost)
     argv = carry.spawn_argv() if lobby.spawn else []
     world, hello = _regrow(ctx, heartbeat, carry, lost, gen, how, joiner, argv)
     workers = world.Get_size() - ctx.layout.shards
     if world.Get_size() == ctx.size - len(lost):  # nobody joined: it did not answer, or could not start
-        why = "" if how == join.SPAWNED else f"the worker on {joiner.host} (pid {joiner.pid}) did not answer when " \
-                                              f"the job had made room; "
+        gone = gone or "did not join as the world re-formed"
+        why = "" if how == join.SPAWNED else f"the worker on {joiner.host} (pid {joiner.pid}) {gone}; "
         say(f"mpitrain: {why}going on with {workers} worker(s) from global step {state.global_step}")
         return Outcome(ExitCode.OK, grown=(carry.next_config(ctx.cfg), world, node_info(world)))
     if how == join.SPAWNED:

@@ -228,8 +228,11 @@ def test_ctrl_c_in_the_api_saves_and_the_caller_lives_on(tmp_path):
 
     from conftest import communicate_or_kill
 
+    # Python's own Ctrl-C handler, as a terminal or a notebook has it: a child of a suite started in
+    # the background (`nohup pytest &`) inherits SIGINT ignored, and Python then installs none.
     code = f"""
 import signal, mpitrain
+signal.signal(signal.SIGINT, signal.default_int_handler)
 try:
     mpitrain.train(dataset="synthetic", steps=10**7, progress=False, checkpoint_dir={str(tmp_path / 'ck')!r})
 except mpitrain.TrainingFailed as e:

@@ -18,6 +18,7 @@ import pytest
 from conftest import MPI_TIMEOUT_S, Lines, child_env, keep_going, kill_session, mpi_impl, mpirun_path, only_on
 from mpitrain import join, mpiimpl
 from mpitrain.faults import rank_pids
+from mpitrain.lobby import Lobby
 
 # Long enough for the kill (1 s in), the spawn and the join, with room to spare: measured on 2 cores
 # (MPICH), the new worker joined at global step 1,438 of async's 12,000 (~8 s of training), 767 of
@@ -99,13 +100,13 @@ def test_each_lost_worker_gets_one_respawn_until_the_budget_is_spent(tmp_path):
         cfg = type("Cfg", (), {"checkpoint_dir": str(tmp_path), "worker_timeout": 2.0})()
         watch = _Watch()
 
-    lobby = join.Lobby(Ctx, carry)
+    lobby = Lobby(Ctx, carry)
     assert not lobby._respawn_due()  # nobody lost
     Ctx.watch.lost[2] = {"rank": 2}
     assert lobby._respawn_due() and not lobby._respawn_due()  # one try for that loss
     Ctx.watch.lost[3] = {"rank": 3}
     assert lobby._respawn_due() and carry.respawns_left == 0
-    lobby = join.Lobby(Ctx, carry)  # the next phase: a new watch, the same budget
+    lobby = Lobby(Ctx, carry)  # the next phase: a new watch, the same budget
     Ctx.watch.lost = {1: {"rank": 1}}
     assert not lobby._respawn_due()
 
@@ -122,7 +123,7 @@ def test_a_loss_starts_the_replacement_at_the_next_look_not_the_next_folder_scan
         cfg = type("Cfg", (), {"checkpoint_dir": str(tmp_path), "worker_timeout": 2.0})()
         watch = _Watch()
 
-    lobby = join.Lobby(Ctx, carry)
+    lobby = Lobby(Ctx, carry)
     lobby.check()  # a scan: the next is SCAN_EVERY_S away
     assert not lobby.spawn and lobby._next > time.monotonic()
     Ctx.watch.lost[2] = {"rank": 2}
@@ -207,7 +208,7 @@ def test_the_stop_that_makes_room_goes_out_in_a_heartbeat_at_once_not_at_the_nex
             cfg = type("Cfg", (), {"checkpoint_dir": str(tmp_path), "worker_timeout": 30.0})()
             watch = _Watch()
 
-        lobby = join.Lobby(Ctx, join.Carry(identity={}, token="t", budget=10, respawns_left=1), heartbeat)
+        lobby = Lobby(Ctx, join.Carry(identity={}, token="t", budget=10, respawns_left=1), heartbeat)
         Ctx.watch.lost[2] = {"rank": 2}
         lobby.check()
         deadline = time.monotonic() + 0.5

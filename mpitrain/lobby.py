@@ -1,0 +1,198 @@
+"""Rank 0's side of a job that can grow while it trains (join.py has the protocol): the Lobby
+connects to a joiner's request, lets it in or refuses it, and requests the stop that makes room;
+at the phase's end, why_not_there asks the joiner it let in whether it is still there."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from pathlib import Path
+
+from mpi4py import MPI
+
+from mpitrain.config_io import disagreement
+from mpitrain.console import say
+from mpitrain.faults import Kill
+from mpitrain.join import (ANSWER_S, CONNECT_TIMEOUT_S, CONNECT_TRIES, FRESH_S, REQUESTS, SCAN_EVERY_S, Carry, Joiner,
+                           dead_here, gave_up, job_folder, last_line, recv_json, remove, send_json)
+from mpitrain.layout import PS_RANK
+from mpitrain.protocol import FLAG_STOP, TAG_JOIN, Message
+from mpitrain.stopping import STOP
+from mpitrain.stuck import WATCHDOG
+from mpitrain.waiting import poll
+
+
+class Lobby:
+    """Rank 0's side while a job that can grow trains: looked at in every wait of the phase
+    (trainer: watch.during). It connects to a fresh request, lets the joiner in or refuses it,
+    and on the first it lets in requests the stop that makes room (`joiner`)."""
+
+    def __init__(self, ctx, carry: Carry, heartbeat=None):
+        self.carry = carry  # the job's token, flags as given and step budget; what --respawn may still do
+        self.heartbeat = heartbeat  # liveness.Heartbeat: beats out the stop that makes room at once
+        self.watch = ctx.watch  # its lost workers: --respawn replaces them
+        self.lost_seen = 0
+        self.spawn = False  # --respawn: start a worker where this phase ends (grow)
+        self.dir = job_folder(ctx.cfg) / REQUESTS
+        self.joiner: Joiner | None = None
+        self.connect_s = connect_timeout_s(ctx.cfg.worker_timeout)
+        self.tries: dict[Path, int] = {}  # requests rank 0 could not connect to yet
+        self._next = 0.0
+
+    def check(self) -> None:
+        if self.joiner is not None or self.spawn or STOP.requested:  # one at a time; never into a stop
+            return
+        # A loss is looked for at every look (a list's length), the folder only every SCAN_EVERY_S: the
+        # replacement's start waited up to that long after the loss was declared (0.25 s a respawn, median).
+        if self._respawn_due():
+            self.spawn = True
+            say(f"mpitrain: starting a worker in place of the one lost at the next step boundary (--respawn: "
+                f"{self.carry.respawns_left} more after this one)")
+            self._make_room()  # the phase's end starts the worker
+            return
+        now = time.monotonic()
+        if now < self._next:
+            return
+        self._next = now + SCAN_EVERY_S
+        for path in self._requests():
+            self._consider(path)
+            if self.joiner is not None:
+                return
+
+    def _requests(self) -> list[Path]:
+        try:
+            return sorted(self.dir.glob("*.json"), key=lambda p: p.stat().st_mtime)
+        except OSError:
+            return []
+
+    def _consider(self, path: Path) -> None:
+        try:
+            touched = time.time() - path.stat().st_mtime
+            request = json.loads(path.read_text())
+            port, host, pid = str(request["port"]), str(request["host"]), int(request["pid"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return  # being written, or gone: the next scan sees it whole
+        if touched > FRESH_S or dead_here(host, pid):  # its joiner died: never connect to a dead port
+            self.tries.pop(path, None)
+            remove(path)
+            return
+        info = MPI.Info.Create()
+        info.Set("timeout", str(self.connect_s))
+        try:
+            with WATCHDOG.paused():  # bounded by its own timeout; the heartbeat thread may wait on it
+                inter = MPI.COMM_SELF.Connect(port, info)
+        except MPI.Exception as e:
+            self.tries[path] = tries = self.tries.get(path, 0) + 1
+            if tries < CONNECT_TRIES:  # the joiner still waits in accept on that port: the next scan tries again
+                return
+            self.tries.pop(path)
+            gave_up(path)
+            say(f"mpitrain: could not connect to the worker waiting to join on {host} (pid {pid}) in "
+                f"{CONNECT_TRIES} tries: {last_line(e)}; the job goes on without it")
+            return
+        finally:
+            info.Free()
+        self.tries.pop(path, None)
+        remove(path)  # one connection per request: a refused joiner does not come back
+        self._admit(inter, host, pid)
+
+    def owe_one(self) -> None:
+        """--respawn after a take-over (failover.py): the lost rank 0 counts as a lost worker of this
+        phase, so the job starts a rank in its place and grows back to the size it had."""
+        self.lost_seen -= 1
+
+    def _loss_unseen(self) -> bool:
+        """--respawn: a worker was lost in this phase since the last look, and the job may still
+        start a replacement."""
+        return len(self.watch.lost) > self.lost_seen and self.carry.respawns_left > 0
+
+    def _respawn_due(self) -> bool:
+        """A replacement is to be started (each loss gets one try, whatever becomes of it)."""
+        if not self._loss_unseen():
+            return False
+        self.lost_seen = len(self.watch.lost)
+        self.carry.respawns_left -= 1
+        return True
+
+    def _admit(self, inter, host: str, pid: int) -> None:
+        """A connection to a would-be joiner: its hello, then let it in or refuse it, both in one line."""
+        hello = recv_json(inter, 0, ANSWER_S) or {}
+        why = self._refusal(hello)
+        try:
+            send_json(inter, {"ok": why is None, "why": why or "", "budget": self.carry.budget}, 0)
+        except MPI.Exception:
+            why = why or "it died while joining"
+        if why:
+            say(f"mpitrain: refused a worker on {host} (pid {pid}): {why}")
+            inter.Disconnect()
+            return
+        self.joiner = Joiner(inter, host, pid)
+        say(f"mpitrain: a worker on {host} (pid {pid}) joins: making room at the next step boundary")
+        self._make_room()  # trainer.run goes on with the joiner
+        Kill(PS_RANK).let_in()
+
+    def _make_room(self) -> None:
+        """Every mode ends this step as for Ctrl-C; the stop spreads with every message, and the
+        heartbeats go out now (a sync worker hears rank 0 in nothing else)."""
+        STOP.request()
+        if self.heartbeat is not None:
+            self.heartbeat.poke()
+
+    def _refusal(self, hello: dict) -> str | None:
+        if not secrets.compare_digest(str(hello.get("token", "")), self.carry.token):
+            return "it did not show this job's token (another job's folder, or not mpitrain)"
+        detail = disagreement(self.carry.identity, hello.get("identity") or {})
+        return f"its flags differ from the job's ({detail}); join with the job's flags" if detail else None
+
+    def pending(self) -> bool:
+        """At the phase's end: a joiner let in, a replacement to start, or a worker lost since the
+        last look that --respawn would have replaced (lost as training ended: in the reports' wait,
+        where the loss is declared by the look that raises, so no later look saw it; measured once
+        in 84 chaos trials, the job ending with no word of the replacement)."""
+        return self.joiner is not None or self.spawn or self._loss_unseen()
+
+    def release(self, why: str) -> None:
+        """The job ends instead of growing: tell the joiner it let in, and let it go; say why no
+        worker is started in place of a lost one."""
+        if self.spawn or self._loss_unseen():
+            say(f"mpitrain: no worker was started in place of the lost one: {why}")
+            self.spawn = False
+        if self.joiner is None:
+            return
+        end = Message(0)
+        end.stamp(TAG_JOIN, 0, flags=FLAG_STOP)
+        try:
+            req = self.joiner.inter.Isend(end.spec(), dest=0, tag=TAG_JOIN)
+            poll(lambda: req.Test(), 1e-3, deadline=time.monotonic() + ANSWER_S)
+        except MPI.Exception:
+            pass
+        say(f"mpitrain: the worker on {self.joiner.host} (pid {self.joiner.pid}) did not join: {why}")
+        self.joiner = None
+
+
+def connect_timeout_s(worker_timeout: float) -> int:
+    """MPI_Comm_connect's bound for rank 0: while it waits, so does its heartbeat thread (MPICH's
+    lock), so it stays at half the workers' --worker-timeout or less, or a slow connect makes
+    them declare rank 0 lost (CI, 2026-11-27: a connect that timed out after 5 s under
+    --worker-timeout 2 cost the job a worker, then the joiner). At least MPICH's 1 s grain."""
+    return max(1, min(CONNECT_TIMEOUT_S, int(worker_timeout // 2)))
+
+
+def why_not_there(joiner: Joiner) -> str | None:
+    """Rank 0, once the job has made room, before it tells the others: GO to the joiner, and its
+    answer within ANSWER_S (None), else why not. A joiner that died while the job made room must
+    not be waited for in the grow's collectives (they would hang): the job then goes on without it,
+    at once when the joiner ran on this host (its process is gone: every rank of the job used to wait
+    out ANSWER_S for it)."""
+    go, ack = Message(0), Message(0)
+    go.stamp(TAG_JOIN, 0)
+    silent = "did not answer when the job had made room"
+    try:
+        reqs = [joiner.inter.Irecv(ack.spec(), source=0, tag=TAG_JOIN), joiner.inter.Isend(go.spec(), dest=0, tag=TAG_JOIN)]
+        answered = lambda: MPI.Request.Testall(reqs)  # noqa: E731
+        dead = lambda: dead_here(joiner.host, joiner.pid)  # noqa: E731
+        poll(lambda: answered() or dead(), 1e-3, deadline=time.monotonic() + ANSWER_S)
+        return None if answered() else "died when the job had made room" if dead() else silent
+    except MPI.Exception:
+        return silent
