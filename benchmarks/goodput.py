@@ -9,7 +9,8 @@ Each run: `mpirun KEEP-GOING -np 5 python -m mpitrain --mode MODE --dataset synt
 training runs, every K seconds a random live worker (one the job started with, or one it spawned)
 is SIGKILLed from outside; after --minutes the job is stopped with its MPI's stop signal, as
 `scancel` does, and its summary read. The same job without kills, for the same time, is the
-baseline (run first, interleaved per mode). Reported per mode and K:
+baseline (run first, interleaved per mode; with --baseline-minutes B, B/2 before the runs with kills
+and B/2 after, their mean: a 2-core VM's speed drifts over half an hour). Reported per mode and K:
 
   goodput            global steps per second under failures / without (same flags, same machine)
   workers training   the time-weighted mean number of workers, from each kill to rank 0's line that
@@ -29,7 +30,6 @@ import os
 import random
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -131,6 +131,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--minutes", type=float, default=10.0)
     p.add_argument("--every", type=float, action="append", help="seconds between kills (repeatable; default 15 and 60)")
+    p.add_argument("--baseline-minutes", type=float, default=None,
+                   help="the baseline's time, half before the runs with kills and half after (the mean of the two "
+                        "rates: a machine whose speed drifts over a long run); default: one of --minutes, before")
     p.add_argument("--modes", default="async,sync")
     p.add_argument("--mpi", choices=sorted(mpiimpl.IMPLS), default=None)
     p.add_argument("--out", default=None, help="default: benchmarks/GOODPUT.md (MPICH), GOODPUT-openmpi.md")
@@ -141,14 +144,25 @@ def main() -> int:
     out = a.out or str(ROOT / "benchmarks" / ("GOODPUT.md" if IMPL is mpiimpl.MPICH else f"GOODPUT-{IMPL.name}.md"))
     seconds, rng, rows, t_start = a.minutes * 60, random.Random(), [], time.perf_counter()
     for mode in a.modes.split(","):
-        base = one_run(mode, seconds, None, rng)
+        halves = a.baseline_minutes is not None
+        base = one_run(mode, a.baseline_minutes * 30 if halves else seconds, None, rng)
         print(mode, "baseline", base, flush=True)
+        mine = []
         for every in a.every or [15.0, 60.0]:
             r = one_run(mode, seconds, every, rng)
             print(mode, every, r, flush=True)
-            rows.append((mode, every, base, r))
+            mine.append((mode, every, base, r))
+        if halves:
+            after = one_run(mode, a.baseline_minutes * 30, None, rng)
+            print(mode, "baseline after", after, flush=True)
+            if "error" not in after and "error" not in base:
+                base.update(steps_per_s=(base["steps_per_s"] + after["steps_per_s"]) / 2,
+                            halves=(base["steps_per_s"], after["steps_per_s"]))
+        rows += mine
     lines = ["# Goodput under repeated failures (`--respawn`)", "",
              f"`python benchmarks/goodput.py --minutes {a.minutes:g}{''.join(f' --every {e:g}' for e in a.every or [])}"
+             f"{'' if a.baseline_minutes is None else f' --baseline-minutes {a.baseline_minutes:g}'}"
+             f"{'' if a.modes == 'async,sync' else ' --modes ' + a.modes}"
              f"{'' if IMPL is mpiimpl.MPICH else ' --mpi ' + IMPL.name}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
              f"on {machine()}, under {IMPL.title}; {(time.perf_counter() - t_start) / 60:.0f} min. Each run "
              f"{a.minutes:g} min, np {NP} (1 server + 4 workers), synthetic data, MLP 784-200-10, `--worker-timeout 3`; "
@@ -162,7 +176,8 @@ def main() -> int:
             continue
         good = r["steps_per_s"] / base["steps_per_s"] if base["steps_per_s"] else float("nan")
         med = statistics.median(r["downs"]) if r["downs"] else float("nan")
-        lines.append(f"| {mode} | {every:g} s | **{good:.2f}** | {r['steps_per_s']:.0f} / {base['steps_per_s']:.0f} "
+        halves = " ({:.0f} before, {:.0f} after)".format(*base["halves"]) if "halves" in base else ""
+        lines.append(f"| {mode} | {every:g} s | **{good:.2f}** | {r['steps_per_s']:.0f} / {base['steps_per_s']:.0f}{halves} "
                      f"| {r['kills']} ({r['replaced']}) | {r['mean_workers']:.2f} | {med:.1f} s; {histogram(r['downs'])} "
                      f"| {r['rss'][0]:.0f} -> {r['rss'][1]:.0f} | {r['shm'][0]:.1f} -> {r['shm'][1]:.1f} | {r['code']} |")
     text = "\n".join(lines) + "\n"

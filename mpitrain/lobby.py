@@ -102,10 +102,12 @@ class Lobby:
         phase, so the job starts a rank in its place and grows back to the size it had."""
         self.lost_seen -= 1
 
-    def _loss_unseen(self) -> bool:
+    def _loss_unseen(self, recorded=()) -> bool:
         """--respawn: a worker was lost in this phase since the last look, and the job may still
-        start a replacement."""
-        return len(self.watch.lost) > self.lost_seen and self.carry.respawns_left > 0
+        start a replacement. `recorded`: the phase's lost workers as the summary will list them (a
+        report's wait records a worker whose send failed without the watch declaring it)."""
+        lost = set(self.watch.lost) | {w["rank"] for w in recorded}
+        return len(lost) > self.lost_seen and self.carry.respawns_left > 0
 
     def _respawn_due(self) -> bool:
         """A replacement is to be started (each loss gets one try, whatever becomes of it)."""
@@ -145,17 +147,18 @@ class Lobby:
         detail = disagreement(self.carry.identity, hello.get("identity") or {})
         return f"its flags differ from the job's ({detail}); join with the job's flags" if detail else None
 
-    def pending(self) -> bool:
+    def pending(self, recorded=()) -> bool:
         """At the phase's end: a joiner let in, a replacement to start, or a worker lost since the
         last look that --respawn would have replaced (lost as training ended: in the reports' wait,
         where the loss is declared by the look that raises, so no later look saw it; measured once
-        in 84 chaos trials, the job ending with no word of the replacement)."""
-        return self.joiner is not None or self.spawn or self._loss_unseen()
+        in 84 chaos trials, the job ending with no word of the replacement; and once in 12 more, a
+        loss only the reports' wait had recorded: `recorded`, the phase's lost_workers)."""
+        return self.joiner is not None or self.spawn or self._loss_unseen(recorded)
 
-    def release(self, why: str) -> None:
+    def release(self, why: str, recorded=()) -> None:
         """The job ends instead of growing: tell the joiner it let in, and let it go; say why no
         worker is started in place of a lost one."""
-        if self.spawn or self._loss_unseen():
+        if self.spawn or self._loss_unseen(recorded):
             say(f"mpitrain: no worker was started in place of the lost one: {why}")
             self.spawn = False
         if self.joiner is None:

@@ -179,11 +179,11 @@ def _phase(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: 
     diverged = divergence(ctx, mine, reports)
     summary = None
     if ctx.rank == PS_RANK:
-        if lobby is not None and lobby.pending():
+        if lobby is not None and lobby.pending(mine.state.lost_workers):
             why = no_room(ctx, mine, reports, diverged)
             if why is None and (lobby.joiner is not None or lobby.spawn):
                 return make_room(ctx, mine, reports, heartbeat, carry, lobby)
-            lobby.release(why or "the worker was lost as training ended")
+            lobby.release(why or "the worker was lost as training ended", mine.state.lost_workers)
         carry.into(mine.state)
         summary = publish(ctx, mine, reports, placements, diverged, carry.joins, carry.failovers)
         peer_was_lost = say_goodbye(ctx, [r.rank for r in reports], bool(mine.state.lost_workers),
