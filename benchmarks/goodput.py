@@ -102,6 +102,8 @@ def one_run(mode: str, seconds: float, every: float | None, rng: random.Random) 
         job.proc.send_signal(getattr(signal, IMPL.stop_signal))  # as scancel does
         code, _ = job.finish(120)
         joined = [t for t, _, line in job.lines if "joined as rank" in line]
+        # A job that ended before its time (no summary): why, in its own last lines.
+        ended_early = job.text("err").splitlines()[-6:] if not Path(tmp, "s.json").exists() else []
         s = json.loads(Path(tmp, "s.json").read_text()) if Path(tmp, "s.json").exists() else None
     shm1 = shm_mib()
     downs = []  # kill -> the next "joined" line after it (one replacement per kill, in order)
@@ -117,7 +119,7 @@ def one_run(mode: str, seconds: float, every: float | None, rng: random.Random) 
     steps = s["global_step"] - (s.get("start_step") or 0) if s else 0
     return {"code": code, "steps_per_s": steps / seconds, "kills": len(kills), "replaced": len(joined),
             "downs": downs, "mean_workers": mean_workers, "rss": (rss0, rss1), "shm": (shm0, shm1),
-            "lost": len(s["lost_workers"]) if s else None}
+            "lost": len(s["lost_workers"]) if s else None, "ended_early": ended_early}
 
 
 def histogram(downs: list[float]) -> str:
@@ -180,6 +182,10 @@ def main() -> int:
         lines.append(f"| {mode} | {every:g} s | **{good:.2f}** | {r['steps_per_s']:.0f} / {base['steps_per_s']:.0f}{halves} "
                      f"| {r['kills']} ({r['replaced']}) | {r['mean_workers']:.2f} | {med:.1f} s; {histogram(r['downs'])} "
                      f"| {r['rss'][0]:.0f} -> {r['rss'][1]:.0f} | {r['shm'][0]:.1f} -> {r['shm'][1]:.1f} | {r['code']} |")
+    for mode, every, _, r in rows:
+        if r.get("ended_early"):
+            lines += ["", f"The {mode} run with a kill every {every:g} s ended early; the end of its stderr:", "",
+                      "```text", *r["ended_early"], "```"]
     text = "\n".join(lines) + "\n"
     Path(out).write_text(text)
     print(text)
