@@ -149,18 +149,16 @@ def main() -> int:
         halves = a.baseline_minutes is not None
         base = one_run(mode, a.baseline_minutes * 30 if halves else seconds, None, rng)
         print(mode, "baseline", base, flush=True)
-        mine = []
         for every in a.every or [15.0, 60.0]:
             r = one_run(mode, seconds, every, rng)
             print(mode, every, r, flush=True)
-            mine.append((mode, every, base, r))
+            rows.append((mode, every, base, r))  # base: the same dict the second half below completes
         if halves:
             after = one_run(mode, a.baseline_minutes * 30, None, rng)
             print(mode, "baseline after", after, flush=True)
             if "error" not in after and "error" not in base:
                 base.update(steps_per_s=(base["steps_per_s"] + after["steps_per_s"]) / 2,
                             halves=(base["steps_per_s"], after["steps_per_s"]))
-        rows += mine
     lines = ["# Goodput under repeated failures (`--respawn`)", "",
              f"`python benchmarks/goodput.py --minutes {a.minutes:g}{''.join(f' --every {e:g}' for e in a.every or [])}"
              f"{'' if a.baseline_minutes is None else f' --baseline-minutes {a.baseline_minutes:g}'}"

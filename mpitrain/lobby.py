@@ -102,18 +102,22 @@ class Lobby:
         phase, so the job starts a rank in its place and grows back to the size it had."""
         self.lost_seen -= 1
 
+    def lost(self, recorded=()) -> set[int]:
+        """The ranks lost in this phase: the watch's, and `recorded`, the phase's lost workers as the
+        summary will list them (a report's wait records a worker whose send failed without the watch
+        declaring it)."""
+        return set(self.watch.lost) | {w["rank"] for w in recorded}
+
     def _loss_unseen(self, recorded=()) -> bool:
         """--respawn: a worker was lost in this phase since the last look, and the job may still
-        start a replacement. `recorded`: the phase's lost workers as the summary will list them (a
-        report's wait records a worker whose send failed without the watch declaring it)."""
-        lost = set(self.watch.lost) | {w["rank"] for w in recorded}
-        return len(lost) > self.lost_seen and self.carry.respawns_left > 0
+        start a replacement."""
+        return len(self.lost(recorded)) > self.lost_seen and self.carry.respawns_left > 0
 
     def _respawn_due(self) -> bool:
         """A replacement is to be started (each loss gets one try, whatever becomes of it)."""
         if not self._loss_unseen():
             return False
-        self.lost_seen = len(self.watch.lost)
+        self.lost_seen = len(self.lost())
         self.carry.respawns_left -= 1
         return True
 

@@ -88,7 +88,7 @@ def make_room(ctx: Context, mine: RoleResult, reports: list, heartbeat, carry: j
     """Rank 0, the phase over (the checkpoint saved): tell every rank left to form a new world with
     the joiner (the one it let in, or one they start: --respawn) instead of ending, and form it."""
     state = mine.state
-    lost = sorted(set(ctx.watch.lost) | {w["rank"] for w in state.lost_workers})
+    lost = sorted(lobby.lost(state.lost_workers))
     if not ctx.mode.averages:  # the summary's count of each lost worker's gradients, by this phase's index
         state.lost_workers = [{**x, "local_steps": state.local_steps[ctx.layout.worker_index(x["rank"])]}
                               for x in state.lost_workers]
