@@ -16,6 +16,8 @@ and B/2 after, their mean: a 2-core VM's speed drifts over half an hour). Report
   workers training   the time-weighted mean number of workers, from each kill to rank 0's line that
                      the replacement joined (the replacement's first step follows within one step)
   kill -> joined     a histogram of those times
+  steps/s between joins   from one replacement's join to the next, first quarter vs last (does the
+                     job slow down as replacements pile up?)
   rank 0 RSS, /dev/shm   at the end, against the start: a leak per failure would show
 
 --worker-timeout 3 (not the default 30): a SIGKILL is usually seen at once as an MPI error, but
@@ -28,6 +30,7 @@ import argparse
 import json
 import os
 import random
+import re
 import signal
 import statistics
 import sys
@@ -63,6 +66,10 @@ def shm_mib() -> float:
         except OSError:
             pass
     return total / 2**20
+
+
+JOINED = re.compile(r"joined as rank \d+ at global step ([\d,]+)")
+LOGS = Path(tempfile.gettempdir()) / "goodput-logs"  # an early-ended job's whole stderr (kept out of the repository)
 
 
 def rss_mib(pid: int) -> float:
@@ -102,8 +109,17 @@ def one_run(mode: str, seconds: float, every: float | None, rng: random.Random) 
         job.proc.send_signal(getattr(signal, IMPL.stop_signal))  # as scancel does
         code, _ = job.finish(120)
         joined = [t for t, _, line in job.lines if "joined as rank" in line]
-        # A job that ended before its time (no summary): why, in its own last lines.
-        ended_early = job.text("err").splitlines()[-6:] if not Path(tmp, "s.json").exists() else []
+        marks = [(t, int(m.group(1).replace(",", ""))) for t, _, line in job.lines if (m := JOINED.search(line))]
+        # A job that ended before its time (no summary): why, in its own last lines and in the
+        # first line that any rank wrote as an error; its whole stderr is kept in LOGS.
+        ended_early = []
+        if not Path(tmp, "s.json").exists():
+            err = job.text("err").splitlines()
+            LOGS.mkdir(parents=True, exist_ok=True)
+            kept = LOGS / f"{mode}-{every:g}s-{time.strftime('%Y%m%dT%H%M%S')}.err"
+            kept.write_text("\n".join(err) + "\n")
+            first = [line for line in err if "mpitrain: error" in line or "aborting" in line][:1]
+            ended_early = [*first, *(["..."] if first else []), *err[-6:], f"(the whole stderr: {kept})"]
         s = json.loads(Path(tmp, "s.json").read_text()) if Path(tmp, "s.json").exists() else None
     shm1 = shm_mib()
     downs = []  # kill -> the next "joined" line after it (one replacement per kill, in order)
@@ -119,7 +135,18 @@ def one_run(mode: str, seconds: float, every: float | None, rng: random.Random) 
     steps = s["global_step"] - (s.get("start_step") or 0) if s else 0
     return {"code": code, "steps_per_s": steps / seconds, "kills": len(kills), "replaced": len(joined),
             "downs": downs, "mean_workers": mean_workers, "rss": (rss0, rss1), "shm": (shm0, shm1),
-            "lost": len(s["lost_workers"]) if s else None, "ended_early": ended_early}
+            "lost": len(s["lost_workers"]) if s else None, "ended_early": ended_early, "pace": pace_drift(marks)}
+
+
+def pace_drift(marks: list[tuple[float, int]]) -> tuple[float, float] | None:
+    """Global steps/s from one replacement's join to the next (rank 0's "joined ... at global step N"
+    lines), the median of the first quarter of those intervals and of the last: a job that slows
+    down as replacements pile up shows it here, where the run's mean would not."""
+    rates = [(s1 - s0) / (t1 - t0) for (t0, s0), (t1, s1) in zip(marks, marks[1:]) if t1 > t0]
+    if len(rates) < 4:
+        return None
+    q = len(rates) // 4
+    return statistics.median(rates[:q]), statistics.median(rates[-q:])
 
 
 def histogram(downs: list[float]) -> str:
@@ -168,8 +195,9 @@ def main() -> int:
              f"{a.minutes:g} min, np {NP} (1 server + 4 workers), synthetic data, MLP 784-200-10, `--worker-timeout 3`; "
              "see the script's docstring.", "",
              "| mode | kill every | goodput | steps/s with / without | kills (replaced) | workers training (mean of 4) "
-             "| kill -> joined (median; histogram) | rank 0 RSS MiB start -> end | /dev/shm MiB before -> after | exit |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| kill -> joined (median; histogram) | steps/s between joins, first -> last quarter "
+             "| rank 0 RSS MiB start -> end | /dev/shm MiB before -> after | exit |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for mode, every, base, r in rows:
         if "error" in r or "error" in base:
             lines.append(f"| {mode} | {every:g} s | failed: {r.get('error') or base.get('error')} |")
@@ -179,6 +207,7 @@ def main() -> int:
         halves = " ({:.0f} before, {:.0f} after)".format(*base["halves"]) if "halves" in base else ""
         lines.append(f"| {mode} | {every:g} s | **{good:.2f}** | {r['steps_per_s']:.0f} / {base['steps_per_s']:.0f}{halves} "
                      f"| {r['kills']} ({r['replaced']}) | {r['mean_workers']:.2f} | {med:.1f} s; {histogram(r['downs'])} "
+                     f"| {'{:.0f} -> {:.0f}'.format(*r['pace']) if r.get('pace') else ''} "
                      f"| {r['rss'][0]:.0f} -> {r['rss'][1]:.0f} | {r['shm'][0]:.1f} -> {r['shm'][1]:.1f} | {r['code']} |")
     for mode, every, _, r in rows:
         if r.get("ended_early"):

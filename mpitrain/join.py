@@ -328,6 +328,18 @@ def with_joiner(local, connection):
     return local.Create_intercomm(0, pair, 1, GROW_TAG), pair
 
 
+def into_job(connection):
+    """The joiner's side of with_joiner (a worker that connected, or one rank 0 spawned alone): the
+    new world, from its connection to rank 0. The two communicators on the way are freed (MPI_Finalize
+    waits on every dynamic communicator left); the connection is the caller's."""
+    pair = connection.Merge(high=True)
+    inter = MPI.COMM_SELF.Create_intercomm(0, pair, 0, GROW_TAG)
+    world = inter.Merge(high=True)
+    inter.Free()
+    pair.Free()
+    return world
+
+
 def _forming_stuck(who: str, why: str, detail: str = "a rank died meanwhile") -> None:
     from mpitrain.exitcodes import ExitCode
     from mpitrain.lock import exit_without_finalize

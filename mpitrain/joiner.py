@@ -16,8 +16,8 @@ from mpi4py import MPI
 from mpitrain import faults, mpiimpl
 from mpitrain.config import TrainConfig, UsageError
 from mpitrain.console import say
-from mpitrain.join import (ANSWER_S, CONNECT_TRIES, GAVE_UP, GIVEN_UP_S, GROW_TAG, REQUESTS, TOKEN, TOUCH_S, Carry,
-                           dead_here, job_folder, recv_json, remove, remove_folder, send_json, write_private)
+from mpitrain.join import (ANSWER_S, CONNECT_TRIES, GAVE_UP, GIVEN_UP_S, REQUESTS, TOKEN, TOUCH_S, Carry, dead_here,
+                           into_job, job_folder, recv_json, remove, remove_folder, send_json, write_private)
 from mpitrain.protocol import FLAG_STOP, TAG_JOIN, Message
 from mpitrain.waiting import poll
 
@@ -64,8 +64,7 @@ def join_job(cfg: TrainConfig, identity: dict, carry: Carry):
     ack = Message(0)
     ack.stamp(TAG_JOIN, 0)
     inter.Send(ack.spec(), dest=0, tag=TAG_JOIN)
-    pair = inter.Merge(high=True)
-    world = MPI.COMM_SELF.Create_intercomm(0, pair, 0, GROW_TAG).Merge(high=True)
+    world = into_job(inter)
     faults.joiner_vanishes("formed")
     return world, answer.get("budget")
 

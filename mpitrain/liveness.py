@@ -69,6 +69,9 @@ def mpi_error_reason(message: str) -> str:
 
 
 REVOKED = "MPI_ERR_REVOKED"
+# This process's rank in the phase's world (set by `start`), which end_aborted names: COMM_WORLD's is
+# 0 in every worker that --respawn started or --join let in (each is a world of its own).
+PHASE_RANK: list[int | None] = [None]
 
 
 def end_aborted() -> None:
@@ -79,7 +82,8 @@ def end_aborted() -> None:
     from mpitrain import lock
     from mpitrain.exitcodes import ExitCode
 
-    os.write(2, f"mpitrain: rank {MPI.COMM_WORLD.Get_rank()}: another rank aborted the job; ending\n".encode())
+    rank = MPI.COMM_WORLD.Get_rank() if PHASE_RANK[0] is None else PHASE_RANK[0]
+    os.write(2, f"mpitrain: rank {rank}: another rank aborted the job; ending\n".encode())
     lock.release_all()
     sys.stdout.flush()
     os._exit(ExitCode.FAILED)
@@ -354,6 +358,7 @@ class Watch(WaitHooks):
 
 def start(comm, rank: int, layout: Layout, timeout_s: float, activity=None):
     """(heartbeat thread or None, watch): each rank beats to and watches its layout peers."""
+    PHASE_RANK[0] = rank
     if layout.local or timeout_s <= 0:
         return None, NoWatch()
     peers = layout.peers(rank)

@@ -16,7 +16,7 @@ from mpitrain import mpiimpl
 from mpitrain.config import UsageError
 from mpitrain.config_io import disagreement
 from mpitrain.console import say
-from mpitrain.join import ANSWER_S, FORM_LIMIT_S, GROW_TAG, Carry, last_line, recv_json, send_json, with_joiner
+from mpitrain.join import ANSWER_S, FORM_LIMIT_S, Carry, into_job, last_line, recv_json, send_json, with_joiner
 from mpitrain.waiting import poll
 
 NOT_STARTED, STARTED, FAILED = 0, 1, 2  # rank 0's word on a worker it spawned (start_worker)
@@ -99,11 +99,7 @@ def join_spawned(carry: Carry, identity_of) -> tuple[object, int | None]:
         raise
     send_json(parent, {"host": socket.gethostname(), "pid": os.getpid()}, 0)
     if _alone():  # spawned by rank 0 alone: into the world as a worker that connected (joiner.join_job)
-        pair = parent.Merge(high=True)
-        inter = MPI.COMM_SELF.Create_intercomm(0, pair, 0, GROW_TAG)
-        world = inter.Merge(high=True)
-        inter.Free()
-        pair.Free()
+        world = into_job(parent)
     else:
         world = parent.Merge(high=True)
     parent.Free()  # as the job's ranks free theirs (grow): MPI_Finalize waits on every dynamic communicator left

@@ -148,7 +148,7 @@ class Poller:
                 if code == MPI.SUCCESS:
                     done.arrived.append(i)
                 else:
-                    done.failed[i] = mpi_error_reason(MPI.Get_error_string(code))
+                    done.failed[i] = mpi_error_reason(error_text(code))
             return done
         # Not seen with MPICH: an error with no per-request statuses. A request that completed
         # in that call cannot be trusted; one still open that fails on its own names its peer.
@@ -167,6 +167,16 @@ class Poller:
             self.unattributed.append(mpi_error_reason(str(error)))
             return None
         return done
+
+
+def error_text(code: int) -> str:
+    """MPI's text for a request's error code. Open MPI's non-blocking collectives (libnbc) complete a
+    request with a code of their own that MPI_Error_string rejects (MPI_ERR_ARG: measured, 5.0.11,
+    an Iallreduce whose peer was SIGKILLed): that must not turn a lost peer into a traceback."""
+    try:
+        return MPI.Get_error_string(code)
+    except MPI.Exception:
+        return f"error code {code} (MPI has no text for it)"
 
 
 def tested(req, peer: int, watch=None) -> bool:
