@@ -126,6 +126,18 @@ def test_a_failed_request_whose_code_mpi_cannot_name_is_still_a_failed_request(m
     assert done.arrived == [] and done.failed == {0: f"MPI error: error code {unknown} (MPI has no text for it)"}
 
 
+def test_a_rank_ended_by_another_ranks_abort_names_its_rank_in_the_job():
+    """A respawned or joined worker is rank 0 of its own COMM_WORLD: the line names its rank in the
+    phase's world (set when its heartbeats start), not 0, and the rank exits FAILED at once."""
+    import subprocess
+
+    code = ("from mpitrain import liveness; liveness.PHASE_RANK[0] = 3; "
+            "liveness.mpi_error_reason('MPI_ERR_REVOKED: communicator revoked'); print('went on')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=child_env())
+    assert proc.returncode == ExitCode.FAILED and "went on" not in proc.stdout, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == "mpitrain: rank 3: another rank aborted the job; ending"
+
+
 def test_poller_all_names_the_peer_of_a_failed_request_and_survives_an_unowned_error():
     calls = []
 
