@@ -182,7 +182,8 @@ def take_over(ctx: Context, e, heartbeat, carry: join.Carry, library: bool) -> O
         got = failover.take_over(ctx, e, carry)
     except MPI.Exception as err:  # ULFM: a rank of the new world died in its collectives
         say(f"mpitrain: error: rank {ctx.rank}: the take-over from the lost rank 0 failed: another rank was lost "
-            f"meanwhile ({error_text(err.Get_error_code())}). Rank 0's newest checkpoint in --checkpoint-dir resumes the run",
+            f"meanwhile ({error_text(err.Get_error_code())}). Rank 0's newest checkpoint in --checkpoint-dir "
+            "resumes the run",
             sys.stderr)
         got = None
     if got is None:
