@@ -108,8 +108,9 @@ def one_run(mode: str, seconds: float, every: float | None, rng: random.Random) 
         rss1 = rss_mib(rank0) if rank0 else float("nan")
         job.proc.send_signal(getattr(signal, IMPL.stop_signal))  # as scancel does
         code, _ = job.finish(120)
-        joined = [t for t, _, line in job.lines if "joined as rank" in line]
+        # rank 0's "joined as rank N at global step S" lines: (when, S)
         marks = [(t, int(m.group(1).replace(",", ""))) for t, _, line in job.lines if (m := JOINED.search(line))]
+        joined = [t for t, _ in marks]
         # A job that ended before its time (no summary): why, in its own last lines and in the
         # first line that any rank wrote as an error; its whole stderr is kept in LOGS.
         ended_early = []
