@@ -27,7 +27,7 @@ MPITRAIN_INJECT_JOIN=vanish     a --join worker SIGKILLs itself once the job has
 MPITRAIN_INJECT_JOIN=formed     ... once the new world has formed, before its phase starts (it
                                 died in the job's collectives: join.Carry.start_forming)
 MPITRAIN_INJECT_JOIN=deaf       ... writes its request but never waits in accept (slow, or its port
-                                broken): rank 0's connects time out (join.CONNECT_TRIES)
+                                broken): rank 0's connect times out (once: lobby)
 MPITRAIN_INJECT_OFFHOST=RANK,...  --ps-transport shm: these workers take the message path as a worker on
                                 another host than rank 0's does (modes/shm_remote.py, tested on one host)
 MPITRAIN_FORM_LIMIT_S=SEC       how long every rank waits for such a world before it ends itself

@@ -16,8 +16,9 @@ both sides hang):
    thread in it stalls every other MPI call of the process: measured), so rank 0 must never wait
    in one. Rank 0 connects only to a request touched within FRESH_S (a dead joiner's port crashes
    MPICH's UCX on connect: measured), with a timeout of half --worker-timeout at most (its
-   heartbeats wait meanwhile), CONNECT_TRIES times; then it marks the request GAVE_UP, and the joiner
-   ends. Rank 0's side while it trains is lobby.py.
+   heartbeats wait meanwhile), once: a connect that failed marks the request GAVE_UP, and the joiner
+   ends (a second connect to the port of a connect that timed out crashed both processes in MPICH:
+   measured). Rank 0's side while it trains is lobby.py.
 3. Over that connection the joiner proves it belongs to the job: it sends the token and its
    identity (version, protocol, model and every agreed flag: agreement.identity). A wrong token or
    another set of flags is refused in one line on both sides, and nothing in the job changes.
@@ -73,7 +74,6 @@ TOUCH_S = 0.25  # a waiting joiner touches its request this often
 FRESH_S = 2.0  # rank 0 connects only to a request touched this recently (a dead joiner's is stale)
 SCAN_EVERY_S = 0.5  # rank 0 looks for requests this often (one listdir)
 CONNECT_TIMEOUT_S = 5  # MPI_Comm_connect's own bound at most ("timeout" info key, MPICH: whole seconds)
-CONNECT_TRIES = 3  # a request rank 0 could not connect to is tried again at the next scans, then dropped
 # A waiting joiner whose request rank 0 removed, and which is still not let in this long after, was
 # given up on (its connects failed): it ends in one line instead of waiting in accept for the job's end.
 GIVEN_UP_S = CONNECT_TIMEOUT_S + 5.0
@@ -223,7 +223,8 @@ def withdraw_token(cfg: TrainConfig) -> None:
 
 def gave_up(request: Path) -> None:
     """Rank 0 could not connect to this request's joiner: the joiner reads that in the folder (GAVE_UP),
-    and the scans no longer see a request."""
+    and the scans no longer see a request. Never a second try: MPICH 5.0.2 segfaulted in both processes
+    when a connect to a port whose first connect had timed out met the joiner's accept (measured)."""
     try:
         os.replace(request, request.with_suffix(GAVE_UP))
     except OSError:

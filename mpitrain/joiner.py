@@ -16,8 +16,8 @@ from mpi4py import MPI
 from mpitrain import faults, mpiimpl
 from mpitrain.config import TrainConfig, UsageError
 from mpitrain.console import say
-from mpitrain.join import (ANSWER_S, CONNECT_TRIES, GAVE_UP, GIVEN_UP_S, REQUESTS, TOKEN, TOUCH_S, Carry, dead_here,
-                           into_job, job_folder, recv_json, remove, remove_folder, send_json, write_private)
+from mpitrain.join import (ANSWER_S, GAVE_UP, GIVEN_UP_S, REQUESTS, TOKEN, TOUCH_S, Carry, dead_here, into_job,
+                           job_folder, recv_json, remove, remove_folder, send_json, write_private)
 from mpitrain.protocol import FLAG_STOP, TAG_JOIN, Message
 from mpitrain.waiting import poll
 
@@ -112,7 +112,7 @@ def _touch(request: Path, token: Path, waiting: threading.Event) -> None:
             _give_up(request, "the job ended before it let this worker in")
         if gone_since is not None and os.path.exists(mark):
             remove(mark)
-            _give_up(request, f"the job could not connect to this worker ({CONNECT_TRIES} tries); start it again")
+            _give_up(request, "the job could not connect to this worker; start it again")
         if gone_since is not None and time.monotonic() - gone_since > GIVEN_UP_S:
             _give_up(request, f"the job took this worker's request and did not connect within {GIVEN_UP_S:g} s; "
                               f"start it again")

@@ -14,8 +14,8 @@ from mpi4py import MPI
 from mpitrain.config_io import disagreement
 from mpitrain.console import say
 from mpitrain.faults import Kill
-from mpitrain.join import (ANSWER_S, CONNECT_TIMEOUT_S, CONNECT_TRIES, FRESH_S, REQUESTS, SCAN_EVERY_S, Carry, Joiner,
-                           dead_here, gave_up, job_folder, last_line, recv_json, remove, send_json)
+from mpitrain.join import (ANSWER_S, CONNECT_TIMEOUT_S, FRESH_S, REQUESTS, SCAN_EVERY_S, Carry, Joiner, dead_here,
+                           gave_up, job_folder, last_line, recv_json, remove, send_json)
 from mpitrain.layout import PS_RANK
 from mpitrain.protocol import FLAG_STOP, TAG_JOIN, Message
 from mpitrain.stopping import STOP
@@ -37,7 +37,6 @@ class Lobby:
         self.dir = job_folder(ctx.cfg) / REQUESTS
         self.joiner: Joiner | None = None
         self.connect_s = connect_timeout_s(ctx.cfg.worker_timeout)
-        self.tries: dict[Path, int] = {}  # requests rank 0 could not connect to yet
         self._next = 0.0
 
     def check(self) -> None:
@@ -74,7 +73,6 @@ class Lobby:
         except (OSError, ValueError, KeyError, TypeError):
             return  # being written, or gone: the next scan sees it whole
         if touched > FRESH_S or dead_here(host, pid):  # its joiner died: never connect to a dead port
-            self.tries.pop(path, None)
             remove(path)
             return
         info = MPI.Info.Create()
@@ -83,17 +81,16 @@ class Lobby:
             with WATCHDOG.paused():  # bounded by its own timeout; the heartbeat thread may wait on it
                 inter = MPI.COMM_SELF.Connect(port, info)
         except MPI.Exception as e:
-            self.tries[path] = tries = self.tries.get(path, 0) + 1
-            if tries < CONNECT_TRIES:  # the joiner still waits in accept on that port: the next scan tries again
-                return
-            self.tries.pop(path)
+            # A connect takes 3-25 ms here (measured); one past connect_s will not come. Rank 0's own
+            # receive path may be what is blocked (docs/elastic.md: a joined worker SIGKILLed mid-message
+            # can block MPICH's UCX receive queue for good), so the line says what to try.
             gave_up(path)
-            say(f"mpitrain: could not connect to the worker waiting to join on {host} (pid {pid}) in "
-                f"{CONNECT_TRIES} tries: {last_line(e)}; the job goes on without it")
+            say(f"mpitrain: could not connect to the worker waiting to join on {host} (pid {pid}) within "
+                f"{self.connect_s} s: {last_line(e)}; the job goes on without it (start that worker again; "
+                f"should joins keep failing, restart the job: it resumes from its newest checkpoint)")
             return
         finally:
             info.Free()
-        self.tries.pop(path, None)
         remove(path)  # one connection per request: a refused joiner does not come back
         self._admit(inter, host, pid)
 

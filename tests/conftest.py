@@ -177,6 +177,16 @@ def kill_session(proc: subprocess.Popen) -> bool:
     return faults.kill_session(proc.pid, faults.LINGER_S if proc.poll() is not None else 0.0)
 
 
+def read_summary(path, output: str) -> dict:
+    """A run's --summary-json; when there is none, the test fails with the run's output. A kill can
+    meet MPICH's documented stuck ending (stuck.py), which writes no summary: its line must be in the
+    failure's text for the one rerun (pyproject.toml) to apply (CI, 2026-11-28: FileNotFoundError
+    instead, and no rerun)."""
+    assert os.path.exists(path), f"no summary at {path}:\n{output}"
+    with open(path) as f:
+        return json.load(f)
+
+
 def communicate_or_kill(proc: subprocess.Popen, timeout: float = MPI_TIMEOUT_S) -> tuple[str, str]:
     """(stdout, stderr) of a command started in its own session; past the timeout the whole
     session is killed and the test fails."""

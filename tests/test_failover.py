@@ -13,9 +13,9 @@ import sys
 import time
 
 import pytest
-from conftest import (child_env, communicate_or_kill, keep_going, kill_session, mpi_impl, mpirun_path, mpitrain_cmd,
-                      only_on, own_lines, wait_for_checkpoint, wait_for_training)
 
+from conftest import (child_env, communicate_or_kill, keep_going, kill_session, mpi_impl, mpirun_path, mpitrain_cmd,
+                      only_on, own_lines, read_summary, wait_for_checkpoint, wait_for_training)
 from mpitrain import checkpoint, mpiimpl
 from mpitrain.faults import rank_pids
 from mpitrain.lock import NAME as LOCK
@@ -95,7 +95,7 @@ def test_a_server_shard_killed_mid_run_is_rebuilt_and_the_job_reaches_its_budget
                        launcher_flags=keep_going())
     _, _, err, leftovers = kill_mid_run(cmd, np_, victim)
     assert "Traceback" not in err and not leftovers, err
-    s = json.loads(summary.read_text())
+    s = read_summary(summary, err)
     assert s["global_step"] == BUDGET and s["test_accuracy"] > 0.9 and s["num_ps"] == servers, err
     [fo] = s["failovers"]
     assert fo["successor"] == 0 and fo["lost_shards"] == [victim], fo
@@ -115,7 +115,7 @@ def test_a_worker_killed_with_rank_0_is_left_out_and_the_others_take_over(tmp_pa
                        "--on-lost-server", "continue", "--summary-json", str(summary), launcher_flags=keep_going())
     _, _, err, leftovers = kill_mid_run(cmd, 4, (1, 0))
     assert "Traceback" not in err and not leftovers, err
-    s = json.loads(summary.read_text())
+    s = read_summary(summary, err)
     [fo] = s["failovers"]
     assert fo["successor"] == 2 and fo["ranks"] == 2 and s["global_step"] == BUDGET, (fo, err)
 
@@ -156,7 +156,7 @@ def test_with_respawn_the_job_grows_back_after_a_take_over(tmp_path):
            "--checkpoint-every-steps", "500", "--summary-json", str(summary)]
     _, out, err, leftovers = kill_mid_run(cmd, 4, 0, ck)
     assert "Traceback" not in err and not leftovers, err
-    s = json.loads(summary.read_text())
+    s = read_summary(summary, err)
     assert s["global_step"] == GROW_BUDGET and len(s["failovers"]) == 1, err
     [spawned] = s["joined_workers"]
     assert spawned["respawned"] and len(s["worker_ranks"]) == 3, s["worker_ranks"]  # 3 workers again

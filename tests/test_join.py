@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -119,7 +119,10 @@ def test_joined_workers_killed_mid_message_are_lost_and_the_job_goes_on(tmp_path
     mid-rendezvous (7 of 13 soak jobs, benchmarks/REJOIN.md) until joins sent eagerly
     (mpiimpl.JOIN_TRANSPORT_ENV): an async joiner pushes and pulls all the time, so a SIGKILL at a
     random moment lands mid-message. Three joins, three kills: rank 0 goes on each time, and the job
-    stops on SIGTERM as documented."""
+    stops on SIGTERM as documented. One outcome besides is documented (docs/elastic.md, UCX's receive
+    FIFO; 3 of 75 kills in one soak, 0 of 150 in the next, and once in CI): a joiner killed half-way
+    through copying a message into rank 0's UCX queue blocks it, and no later joiner can connect. Then
+    that joiner ends in its one line (not a crash: join.gave_up) and the job trains on without it."""
     args = ("--mode", "async", "--dataset", "synthetic", "--steps", "10000000", "--no-progress",
             "--worker-timeout", "2", "--checkpoint-dir", str(tmp_path / "ck"))
     proc = subprocess.Popen(mpitrain_cmd(3, *args, "--summary-json", str(tmp_path / "s.json"),
@@ -127,14 +130,25 @@ def test_joined_workers_killed_mid_message_are_lost_and_the_job_goes_on(tmp_path
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(),
                             start_new_session=True)
     lines, joiners, rng = Lines(proc.stdout), [], random.Random()
+    refused = "could not connect to the worker waiting to join"
     try:
         assert lines.wait("rank 2 worker"), lines.text()
         for n in range(1, 4):
-            joiners.append(subprocess.Popen(mpitrain_cmd(1, *args, "--join"), stdout=subprocess.DEVNULL,
-                                            stderr=subprocess.DEVNULL, env=child_env(), start_new_session=True))
+            with open(tmp_path / f"joiner-{n}.txt", "w") as out:
+                joiners.append(subprocess.Popen(mpitrain_cmd(1, *args, "--join"), stdout=out, stderr=out,
+                                                env=child_env(), start_new_session=True))
             # Its phase started (rank 0 announces the ranks again): from here heartbeats see a loss
             # (until then the job's collectives guard it: Carry.start_forming).
-            assert lines.wait("rank 3 worker", n, 120), lines.text()
+            deadline = time.monotonic() + 120
+            while lines.count("rank 3 worker") < n and not lines.count(refused) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if lines.count(refused):
+                assert n > 1, lines.text()  # the first joiner meets a queue no kill has touched
+                joiners[-1].wait(MPI_TIMEOUT_S)
+                said = (tmp_path / f"joiner-{n}.txt").read_text()
+                assert "the job could not connect to this worker; start it again" in said, said
+                break
+            assert lines.count("rank 3 worker") >= n, lines.text() + (tmp_path / f"joiner-{n}.txt").read_text()
             time.sleep(rng.uniform(0.2, 1.5))
             os.kill(rank_pids(joiners[-1].pid)[0][0], signal.SIGKILL)
             assert lines.wait("; continuing with", n, 60), lines.text()
@@ -148,7 +162,9 @@ def test_joined_workers_killed_mid_message_are_lost_and_the_job_goes_on(tmp_path
     assert proc.returncode == 143 and not leftovers, text
     assert "Traceback" not in text and "cma_ep" not in text and "signal 6" not in text, text
     s = json.loads((tmp_path / "s.json").read_text())
-    assert len(s["joined_workers"]) == 3 and len(s["lost_workers"]) == 3, s
+    kills = lines.count("; continuing with")
+    assert len(s["joined_workers"]) == kills and len(s["lost_workers"]) == kills, s
+    assert kills == 3 or lines.count(refused) == 1, text
 
 
 @mpich_only
@@ -197,8 +213,9 @@ def test_a_joiner_that_dies_while_the_job_makes_room_is_not_waited_for(tmp_path)
 def test_a_joiner_the_job_cannot_connect_to_is_given_up_and_the_job_goes_on(tmp_path):
     """A connect to a joiner that is not in accept (MPITRAIN_INJECT_JOIN=deaf) times out, and rank
     0's heartbeats wait meanwhile: each try is bounded by half --worker-timeout (2 s here; a 5 s
-    connect lost the job a worker in CI, 2026-11-27). After join.CONNECT_TRIES rank 0 says so in
-    one line and drops the request, the joiner ends in one line, and the job trains on whole."""
+    connect lost the job a worker in CI, 2026-11-27). Rank 0 says so in one line and drops the
+    request at once (a second connect to that port crashed both processes: join.gave_up), the joiner
+    ends in one line, and the job trains on whole."""
     args = ("--mode", "async", "--steps", "10000000", "--no-progress", "--worker-timeout", "2")
     proc, head = start_job(tmp_path, 3, args, common=())
     cmd = mpitrain_cmd(1, *args, "--checkpoint-dir", str(tmp_path / "ck"), "--join")
@@ -210,10 +227,10 @@ def test_a_joiner_the_job_cannot_connect_to_is_given_up_and_the_job_goes_on(tmp_
     # It exits 1 from inside MPI_Comm_accept, without MPI_Finalize: hydra reports that as its own "BAD
     # TERMINATION" (exit 9), nothing mpitrain can change from there.
     assert joiner.returncode != 0, joiner.stdout + joiner.stderr
-    assert f"could not connect to this worker ({join.CONNECT_TRIES} tries); start it again" in joiner.stderr
+    assert "the job could not connect to this worker; start it again" in joiner.stderr
     assert job.returncode == 143 and not job.leftovers, out
     gave_up = [ln for ln in out.splitlines() if "could not connect to the worker waiting to join" in ln]
-    assert len(gave_up) == 1 and f"in {join.CONNECT_TRIES} tries" in gave_up[0], out
+    assert len(gave_up) == 1 and "within 1 s" in gave_up[0] and "start that worker again" in gave_up[0], out
     assert "lost at global step" not in out and "lost the parameter server" not in out, out
     assert s["lost_workers"] == [] and s["workers"] == 2 and s["joined_workers"] == []
     # It read rank 0's mark (join.GAVE_UP) and took it away: nothing of it is left in the folder.

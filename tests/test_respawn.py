@@ -15,7 +15,8 @@ import time
 import numpy as np
 import pytest
 
-from conftest import MPI_TIMEOUT_S, Lines, child_env, keep_going, kill_session, mpi_impl, mpirun_path, only_on
+from conftest import (MPI_TIMEOUT_S, Lines, child_env, keep_going, kill_session, mpi_impl, mpirun_path, only_on,
+                      read_summary)
 from mpitrain import join, mpiimpl
 from mpitrain.faults import rank_pids
 from mpitrain.lobby import Lobby
@@ -200,7 +201,7 @@ def test_a_replacement_that_cannot_set_up_says_why_and_the_job_goes_on_without_i
     assert f"could not start a worker in place of the lost one: its set-up failed: --dataset npz:{data}: no such file" \
         in text, text
     assert "said nothing" not in text and "Traceback" not in text and not leftovers, text
-    s = json.loads((tmp_path / "s.json").read_text())
+    s = read_summary(tmp_path / "s.json", text)
     assert s["global_step"] == budget and s["workers"] == 1 and s["joined_workers"] == [], s
     # prterun reports the started worker's own exit (2, its set-up's), as it reports a killed one's (benchmarks/
     # rejoin_soak.py); hydra the killed rank's signal

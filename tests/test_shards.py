@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import (NUMBERS_ONLY, OWN_LOGIC, child_env, communicate_or_kill, keep_going, kill_session, mpitrain_cmd,
-                      only_on, run_mpitrain, train, wait_for_checkpoint, wait_for_training)
+                      only_on, read_summary, run_mpitrain, train, wait_for_checkpoint, wait_for_training)
 from mpitrain import checkpoint
 from mpitrain.faults import rank_pids
 from mpitrain.layout import Layout, shard_bounds
@@ -189,8 +189,10 @@ def test_a_lost_server_ends_the_job_naming_its_shard(tmp_path, mode):
 @only_on("mpich", OWN_LOGIC)
 def test_async_with_two_servers_finishes_without_a_worker_killed_from_outside(tmp_path):
     """A worker SIGKILLed at a random moment (mid-message to one server or both, often): every
-    server drops it, the others finish the budget, rank 0 names it once and saves the end."""
-    import json
+    server drops it, the others finish the budget, rank 0 names it once and saves the end. About 1
+    kill in 50 meets MPICH's documented stuck ending instead (a server stuck on the worker's half-
+    enqueued message: stuck.py; soak, 2026-11-28); read_summary's text then carries its line, and
+    the one rerun applies."""
     import random
 
     summary, ck = tmp_path / "s.json", tmp_path / "ck"
@@ -206,7 +208,7 @@ def test_async_with_two_servers_finishes_without_a_worker_killed_from_outside(tm
         _, err = communicate_or_kill(proc, 90)
     finally:
         kill_session(proc)
-    s = json.loads(summary.read_text())
+    s = read_summary(summary, err)
     assert [w["rank"] for w in s["lost_workers"]] == [3], err
     assert s["global_step"] == 1500 and s["worker_ranks"] == [2, 4]
     assert err.count("worker rank 3 lost at global step") == 1, err  # rank 0's line only
