@@ -232,6 +232,9 @@ class TrainConfig:
     eval_every: int | None = OUTPUT(
         None, "evaluate rank 0's parameters on the test set every N global steps (summary: eval_history)",
         shown="at the end only", metavar="N")
+    eval_at_end: bool = OUTPUT(
+        False, "with --eval-every: copy rank 0's parameters at each such step and evaluate the copies after training, "
+        "so that evaluating takes nothing from training (time to accuracy; one copy per evaluation in rank 0's memory)")
     log_dir: str | None = OUTPUT(None, "write events.jsonl and TensorBoard event files here (rank 0)",
                                  shown="no log", metavar="DIR")
     log_every: int = OUTPUT(10, "log the training scalars every N global steps", metavar="N")
@@ -469,6 +472,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
                          f"e.g. --timeline-steps 100")
     if cfg.eval_every is not None and cfg.eval_every <= 0:
         raise UsageError(f"--eval-every must be a positive number of global steps (got {cfg.eval_every})")
+    if cfg.eval_at_end and cfg.eval_every is None:
+        raise UsageError("--eval-at-end evaluates what --eval-every copies: give --eval-every N too")
     if cfg.checkpoint_every_secs <= 0:
         raise UsageError(f"--checkpoint-every-secs must be positive (got {cfg.checkpoint_every_secs}); e.g. 60")
     if cfg.checkpoint_every_steps is not None and cfg.checkpoint_every_steps <= 0:

@@ -18,6 +18,7 @@ BAD = [
     (["--dataset", "npz:/nonexistent/mine.npz"], "no such file; write it with np.savez("),
     (["--batch-size", "0"], "--batch-size must be a positive integer"),
     (["--lr", "-1"], "--lr must be positive"),
+    (["--eval-at-end"], "--eval-at-end evaluates what --eval-every copies: give --eval-every N too"),
     (["--epochs", "-2"], "--epochs must be a positive integer"),
     (["--hidden", "10,x"], "--hidden"),
     (["--frobnicate"], "unrecognized arguments"),

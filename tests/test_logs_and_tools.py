@@ -177,3 +177,23 @@ def test_training_into_a_closed_pipe_ends_quietly_and_as_it_would(tmp_path):
         os.close(write)
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
     assert [checkpoint.load(p).global_step for p in checkpoint.list_checkpoints(tmp_path / "ck")][-1:] == [20]
+
+
+def test_eval_at_end_evaluates_the_same_parameters_without_taking_training_time(tmp_path):
+    """--eval-at-end: rank 0 copies the parameters at each --eval-every step and evaluates the copies
+    after training. Sync is deterministic, so the copies score exactly what evaluating at once scored
+    at the same steps (the model's and the moving average's), the log gets every eval event, and the
+    training seconds are the wall seconds less only the copies (evaluated at once, every evaluation's
+    time is taken out)."""
+    flags = ("--mode", "sync", "--eval-every", "10", "--ema-decay", "0.9", "--steps", "600")
+    now = train(3, tmp_path, *flags)
+    later = train(3, tmp_path, *flags, "--eval-at-end", "--log-dir", str(tmp_path / "log"))
+    assert now["param_digest"] == later["param_digest"]
+    scores = [[(e["global_step"], e["test_accuracy"], e["ema_test_accuracy"]) for e in s["eval_history"]]
+              for s in (now, later)]
+    assert scores[0] == scores[1] and len(scores[0]) == now["global_step"] // 10
+    taken_out = [e["seconds"] - e["training_seconds"] for e in later["eval_history"]]
+    assert taken_out == sorted(taken_out) and taken_out[-1] < 0.05, taken_out
+    assert now["eval_history"][-1]["seconds"] - now["eval_history"][-1]["training_seconds"] > taken_out[-1]
+    events = [json.loads(line) for line in (tmp_path / "log" / "events.jsonl").read_text().splitlines()]
+    assert [e["global_step"] for e in events if e["event"] == "eval"] == [s for s, _, _ in scores[1]]
