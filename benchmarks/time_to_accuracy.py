@@ -76,15 +76,15 @@ def row(summaries: list[dict], target: float) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--data-dir", help="the four MNIST-sized IDX .gz files (else --dataset digits)")
+    p.add_argument("--data-dir", help="the four MNIST-sized IDX .gz files, e.g. Fashion-MNIST's: apt-get download dataset-fashion-mnist, dpkg -x it, usr/share/datasets/fashion-mnist (else --dataset digits)")
     p.add_argument("--data-source", default="", help="where those files came from, for the report")
-    p.add_argument("--train-samples", type=int, default=8000, help="the training set's size (for --eval-every)")
-    p.add_argument("--target", type=float, default=0.95)
-    p.add_argument("--max-epochs", type=int, default=10)
+    p.add_argument("--train-samples", type=int, default=60000, help="the training set's size (for --eval-every)")
+    p.add_argument("--target", type=float, default=0.84)
+    p.add_argument("--max-epochs", type=int, default=6)
     p.add_argument("--hs", default="1,4,16,64")
     p.add_argument("--links", default=",".join(LINKS))
     p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--evals-per-epoch", type=int, default=8)
+    p.add_argument("--evals-per-epoch", type=int, default=16)
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "TIME_TO_ACCURACY.md"))
     args = p.parse_args()
     dataset = ["--dataset", "mnist", "--data-dir", args.data_dir] if args.data_dir else ["--dataset", "digits"]
