@@ -3,11 +3,11 @@
     python benchmarks/defaults_speed.py [--reps 5] [--steps 3000] [--sizes 2 4 8]
 
 Async's defaults decide two things from the worker count (config.AUTO_OVERLAP_MAX_WORKERS,
-DEFAULT_STALENESS_TOLERANCE): overlap up to 4 workers, and a gradient more than 8 updates stale
+DEFAULT_STALENESS_TOLERANCE): overlap up to 2 workers (4 before 2026-11-29), and a gradient more than 8 updates stale
 steps at lr x 8 / staleness. Before them async always overlapped and never damped
 (`--overlap --staleness-lr 0`). At each size this runs both, alternating, on synthetic MNIST-shaped
 data (MLP, the same steps), and reports the medians of samples/s and their ratio: this VM is noisy,
-read the ratio. Above 4 workers the defaults stop overlapping on purpose (the accuracy they buy is in
+read the ratio. Above 2 workers the defaults stop overlapping on purpose (the accuracy they buy is in
 QUALITY_SCALE*.md), so there the ratio is the price of that accuracy, not overhead.
 """
 

@@ -25,7 +25,10 @@ from pathlib import Path
 
 from run import machine, run_mpitrain  # same folder
 
+from mpitrain.config import AUTO_OVERLAP_MAX_WORKERS, DEFAULT_STALENESS_TOLERANCE
+
 ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_EPOCHS_TEXT = "mpitrain's default 50"
 CONFIGS = [
     ("async, defaults", ["--mode", "async"]),
     ("async, the old defaults (--overlap --staleness-lr 0)", ["--mode", "async", "--overlap", "--staleness-lr", "0"]),
@@ -33,6 +36,7 @@ CONFIGS = [
     ("async --staleness-lr (K 1: lr / staleness)", ["--mode", "async", "--staleness-lr"]),
     ("async --delay-compensation (with the defaults)", ["--mode", "async", "--delay-compensation"]),
     ("sync, defaults", ["--mode", "sync"]),
+    ("async --overlap (the defaults' damping)", ["--mode", "async", "--overlap"]),
 ]
 DEFAULT = CONFIGS[0][0]
 # Whole batches per epoch (data.steps_per_epoch): 44 uses 704 of 719, 352/359, 176/179, 88/89 examples of
@@ -57,7 +61,8 @@ def measure(args, results: dict) -> None:
                     key = f"{dataset}|{workers}|{seed}|{name}"
                     if key in results:
                         continue
-                    cmd = [*dataset_flags(dataset, args.data_dir), "--model", "mlp", *flags, "--seed", str(seed)]
+                    cmd = [*dataset_flags(dataset, args.data_dir), "--model", "mlp", *flags, "--seed", str(seed),
+                           *(["--epochs", str(args.epochs)] if args.epochs else [])]
                     try:
                         s = run_mpitrain(workers + 1, cmd)
                     except RuntimeError as e:  # mpitrain's own divergence stop (exit 4) is a result too
@@ -104,6 +109,10 @@ def table(results: dict, args, dataset: str) -> tuple[list[str], list[str]]:
         p99 = cell(results, dataset, w, DEFAULT, args.seeds, "staleness_p99")
         stale.append(f"{statistics.median(means):.1f} / {statistics.median(p99):g}" if means else "-")
     lines.append("| staleness of the defaults (mean / p99) | " + " | ".join(stale) + " |")
+    for name, _ in args.configs:  # accuracy is what this measures, but what each row costs in speed goes with it
+        rates = [cell(results, dataset, w, name, args.seeds, "samples_per_second") for w in sizes]
+        lines.append(f"| samples/s, {name} (median) | " + " | ".join(f"{statistics.median(r):,.0f}" if r else "-"
+                                                                       for r in rates) + " |")
     verdicts = []
     base = med.get((DEFAULT, sizes[0]))
     for w in sizes[1:]:
@@ -113,6 +122,22 @@ def table(results: dict, args, dataset: str) -> tuple[list[str], list[str]]:
             verdicts.append(f"{w} workers {got:.2%} vs {sizes[0]} workers {base:.2%}: "
                             f"{'within' if ok else '**not** within'} 0.5 point")
     return lines, verdicts
+
+
+def command_args(argv: list[str]) -> list[str]:
+    """This run's flags for the results file: the data folder as DIR; its source (named below) and where
+    this machine kept the runs left out."""
+    out, skip = [], False
+    for prev, a in zip([None, *argv], argv):
+        if skip:
+            skip = False
+        elif a == "--resume":
+            continue
+        elif a.split("=")[0] in ("--data-source", "--json", "--out"):
+            skip = "=" not in a
+        else:
+            out.append("DIR" if prev == "--data-dir" else a)
+    return out
 
 
 def main() -> int:
@@ -125,6 +150,7 @@ def main() -> int:
     p.add_argument("--configs", type=int, nargs="+", default=None,
                    help="which rows, by number from 0 (" + "; ".join(f"{i}: {n}" for i, (n, _) in enumerate(CONFIGS))
                    + "); default all")
+    p.add_argument("--epochs", type=int, default=None, help="default: mpitrain's (50)")
     p.add_argument("--json", default="/tmp/quality_scale.json")
     p.add_argument("--resume", action="store_true", help="keep the runs already in --json")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "QUALITY_SCALE.md"))
@@ -138,11 +164,12 @@ def main() -> int:
     t0 = time.monotonic()
     measure(args, results)
     out = ["# Async accuracy as workers grow, with the defaults", "",
-           f"`python benchmarks/quality_scale.py{' --data-dir DIR' if args.data_dir else ''}` -- MLP, mpitrain's default "
-           f"50 epochs at every size (the same samples seen), np = workers + 1, {args.seeds} seeds; each cell is the "
-           "median test accuracy of rank 0's final parameters (lowest-highest). The defaults: async overlaps "
-           "up to 4 workers and applies a gradient more than 8 updates stale at learning rate x 8 / staleness "
-           "(config.DEFAULT_STALENESS_TOLERANCE).", "",
+           f"`python {' '.join(['benchmarks/quality_scale.py', *command_args(sys.argv[1:])])}` -- MLP, "
+           f"{args.epochs or DEFAULT_EPOCHS_TEXT} epochs at every size (the same samples seen), np = workers + 1, "
+           f"{args.seeds} seeds; each cell is the median test accuracy of rank 0's final parameters (lowest-highest). "
+           f"The defaults: async overlaps up to {AUTO_OVERLAP_MAX_WORKERS} workers and applies a gradient more than "
+           f"{DEFAULT_STALENESS_TOLERANCE:g} updates stale at learning rate x {DEFAULT_STALENESS_TOLERANCE:g} / staleness "
+           "(config.AUTO_OVERLAP_MAX_WORKERS, DEFAULT_STALENESS_TOLERANCE).", "",
            f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. Machine: {machine()}. "
            f"{len(results)} runs ({(time.monotonic() - t0) / 60:.0f} min in this invocation; --resume keeps earlier ones). "
            "Staleness: of the applied gradients, in updates.", ""]

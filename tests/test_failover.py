@@ -72,7 +72,7 @@ def test_rank_0_killed_mid_run_a_worker_takes_over_and_the_job_reaches_its_budge
     elif mode == "shm":  # the store outlives rank 0: every update applied, and Adam's state, go on
         assert fo["updates_lost_at_most"] == 0, fo
         assert fo["state_kept"] == ["opt_m", "opt_v"] and "no update lost; kept: m, v" in err, err
-    else:  # at most what the 3 workers had in flight with overlap (2 each)
+    else:  # at most what the 3 workers had in flight (one each; two with --overlap)
         assert 0 <= fo["updates_lost_at_most"] <= 6, fo
     took = [ln for ln in err.splitlines() if "took over as rank 0" in ln]
     assert len(took) == 1 and f"at global step {fo['global_step']}" in took[0], err

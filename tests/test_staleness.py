@@ -109,7 +109,7 @@ def test_the_async_server_damps_by_the_configured_tolerance(flags, staleness, st
 @only_on("mpich", NUMBERS_ONLY)
 @pytest.mark.parametrize("np_,flags,overlaps", [
     (3, [], True), (AUTO_OVERLAP_MAX_WORKERS + 2, [], False), (AUTO_OVERLAP_MAX_WORKERS + 2, ["--overlap"], True)],
-    ids=["2-workers", "5-workers", "5-workers-overlap"])
+    ids=["2-workers", f"{AUTO_OVERLAP_MAX_WORKERS + 1}-workers", f"{AUTO_OVERLAP_MAX_WORKERS + 1}-workers-overlap"])
 def test_overlap_follows_the_worker_count_as_the_start_line_says(tmp_path, np_, flags, overlaps):
     """Up to AUTO_OVERLAP_MAX_WORKERS workers overlap (each gradient about 2W - 1 updates stale),
     above it they wait for each reply (about W - 1); --overlap keeps it on. The start line says which,
