@@ -69,8 +69,9 @@ DEFAULT_STALENESS_TOLERANCE = 8.0
 # --overlap makes each gradient one exchange staler: about 2W - 1 updates old with W workers instead
 # of W - 1. After 50 epochs of the 8,000-image set it cost nothing up to 4 workers, but after 6 epochs of
 # Fashion-MNIST's 60,000 (a budget that has not converged; benchmarks/QUALITY_SCALE-overlap.md) it cost
-# 0.8-0.9 point at 3 workers and 1.2-2.6 at 4 in every seed, for 5-25% more samples/s; at 2 workers
-# 0.0-0.8 point for 1.2-1.4x the samples/s. So it stays on for 2 workers only (the main job's np 3).
+# 0.95 point at 3 workers and 3.0 at 4 (medians of 3 seeds, every seed lower) for 4-6% more samples/s,
+# and nothing measurable at 2 workers, where it made 1.22-1.43x the samples/s of --no-overlap (three
+# 6-epoch runs). So it stays on for 2 workers only (the main job's np 3).
 AUTO_OVERLAP_MAX_WORKERS = 2
 # --local-steps' outer learning rate unless --outer-lr: sgd 1 is plain model averaging (local SGD),
 # nesterov 0.7 (momentum 0.9) DiLoCo's (Douillard et al. 2023).
