@@ -25,10 +25,9 @@ from pathlib import Path
 
 from run import machine, run_mpitrain  # same folder
 
-from mpitrain.config import AUTO_OVERLAP_MAX_WORKERS, DEFAULT_STALENESS_TOLERANCE
+from mpitrain.config import AUTO_OVERLAP_MAX_WORKERS, DEFAULT_EPOCHS, DEFAULT_STALENESS_TOLERANCE
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_EPOCHS_TEXT = "mpitrain's default 50"
 CONFIGS = [
     ("async, defaults", ["--mode", "async"]),
     ("async, the old defaults (--overlap --staleness-lr 0)", ["--mode", "async", "--overlap", "--staleness-lr", "0"]),
@@ -150,7 +149,7 @@ def main() -> int:
     p.add_argument("--configs", type=int, nargs="+", default=None,
                    help="which rows, by number from 0 (" + "; ".join(f"{i}: {n}" for i, (n, _) in enumerate(CONFIGS))
                    + "); default all")
-    p.add_argument("--epochs", type=int, default=None, help="default: mpitrain's (50)")
+    p.add_argument("--epochs", type=int, default=None, help=f"default: mpitrain's ({DEFAULT_EPOCHS})")
     p.add_argument("--json", default="/tmp/quality_scale.json")
     p.add_argument("--resume", action="store_true", help="keep the runs already in --json")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "QUALITY_SCALE.md"))
@@ -165,7 +164,7 @@ def main() -> int:
     measure(args, results)
     out = ["# Async accuracy as workers grow, with the defaults", "",
            f"`python {' '.join(['benchmarks/quality_scale.py', *command_args(sys.argv[1:])])}` -- MLP, "
-           f"{args.epochs or DEFAULT_EPOCHS_TEXT} epochs at every size (the same samples seen), np = workers + 1, "
+           f"{args.epochs or DEFAULT_EPOCHS} epochs at every size (the same samples seen), np = workers + 1, "
            f"{args.seeds} seeds; each cell is the median test accuracy of rank 0's final parameters (lowest-highest). "
            f"The defaults: async overlaps up to {AUTO_OVERLAP_MAX_WORKERS} workers and applies a gradient more than "
            f"{DEFAULT_STALENESS_TOLERANCE:g} updates stale at learning rate x {DEFAULT_STALENESS_TOLERANCE:g} / staleness "

@@ -93,25 +93,25 @@ def main() -> int:
     links = args.links.split(",")
     results: dict = {}
 
+    def measure(link: str, mode: str, h: int, go) -> None:
+        """One row: --seeds runs of `mode` at H `h` through `go` (ONE: a single process, async's flags).
+        Evaluations every 1/evals-per-epoch of an epoch of global data: a global step is one batch
+        (async, one process) or one batch of every worker (sync)."""
+        every = max(1, n_train // args.evals_per_epoch // (100 * (WORKERS if mode == "sync" else 1)))
+        t0 = time.monotonic()
+        runs_ = [go(flags(dataset, "async" if mode == ONE else mode, h, args.max_epochs, every, seed))
+                 for seed in range(args.seeds)]
+        results[(link, mode, h)] = row(runs_, args.target)
+        print(f"[{link}] {mode} H {h}: {results[(link, mode, h)]} ({time.monotonic() - t0:.0f} s)",
+              file=sys.stderr, flush=True)
+
     def runs(go) -> None:
         for mode in ("sync", "async"):
             for h in hs:
-                # evaluations every 1/evals-per-epoch of an epoch of global data: global steps are one batch
-                # (async) or one batch of every worker (sync)
-                every = max(1, n_train // args.evals_per_epoch // (100 * (WORKERS if mode == "sync" else 1)))
-                t0 = time.monotonic()
-                runs_ = [go(flags(dataset, mode, h, args.max_epochs, every, seed)) for seed in range(args.seeds)]
-                results[(link, mode, h)] = row(runs_, args.target)
-                print(f"[{link}] {mode} H {h}: {results[(link, mode, h)]} ({time.monotonic() - t0:.0f} s)",
-                      file=sys.stderr, flush=True)
+                measure(link, mode, h, go)
 
     for link in [x for x in links if LINKS[x] is None]:
-        # one process (no mpirun, no link): the baseline distributing has to beat
-        every = max(1, n_train // args.evals_per_epoch // 100)
-        t0 = time.monotonic()
-        results[(link, ONE, 1)] = row([run_mpitrain(0, flags(dataset, "async", 1, args.max_epochs, every, seed))
-                                       for seed in range(args.seeds)], args.target)
-        print(f"[{link}] {ONE}: {results[(link, ONE, 1)]} ({time.monotonic() - t0:.0f} s)", file=sys.stderr, flush=True)
+        measure(link, ONE, 1, lambda a: run_mpitrain(0, a))  # no mpirun, no link: the baseline distributing has to beat
         runs(lambda a: run_mpitrain(WORKERS + 1, a))
     shaped = [x for x in links if LINKS[x] is not None]
     if shaped:

@@ -69,7 +69,7 @@ DEFAULT_STALENESS_TOLERANCE = 8.0
 # --overlap makes each gradient one exchange staler: about 2W - 1 updates old with W workers instead
 # of W - 1. After 50 epochs of the 8,000-image set it cost nothing up to 4 workers, but after 6 epochs of
 # Fashion-MNIST's 60,000 (a budget that has not converged; benchmarks/QUALITY_SCALE-overlap.md) it cost
-# 0.95 point at 3 workers and 3.0 at 4 (medians of 3 seeds, every seed lower) for 4-6% more samples/s,
+# 0.95 point at 3 workers and 3.0 at 4 (medians of 3 seeds, every seed lower) for 5-6% more samples/s,
 # and nothing measurable at 2 workers, where it made 1.22-1.43x the samples/s of --no-overlap (three
 # 6-epoch runs). So it stays on for 2 workers only (the main job's np 3).
 AUTO_OVERLAP_MAX_WORKERS = 2
