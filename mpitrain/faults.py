@@ -28,6 +28,8 @@ MPITRAIN_INJECT_JOIN=formed     ... once the new world has formed, before its ph
                                 died in the job's collectives: join.Carry.start_forming)
 MPITRAIN_INJECT_JOIN=deaf       ... writes its request but never waits in accept (slow, or its port
                                 broken): rank 0's connect times out (once: lobby)
+MPITRAIN_INJECT_SLOW_SETUP=SEC  a worker the job started (--respawn) takes SEC seconds longer to load its
+                                data, as a large dataset on a slow file system does (tests/test_respawn.py)
 MPITRAIN_INJECT_OFFHOST=RANK,...  --ps-transport shm: these workers take the message path as a worker on
                                 another host than rank 0's does (modes/shm_remote.py, tested on one host)
 MPITRAIN_FORM_LIMIT_S=SEC       how long every rank waits for such a world before it ends itself
@@ -276,6 +278,11 @@ def offhost_ranks(env=os.environ) -> set[int]:
 def joiner_deaf() -> bool:
     """MPITRAIN_INJECT_JOIN=deaf: the joiner never waits in accept (the job cannot connect to it)."""
     return os.environ.get("MPITRAIN_INJECT_JOIN") == "deaf"
+
+
+def slow_setup() -> None:
+    """MPITRAIN_INJECT_SLOW_SETUP=SEC: this worker's set-up takes SEC seconds longer."""
+    time.sleep(float(os.environ.get("MPITRAIN_INJECT_SLOW_SETUP", "0")))
 
 
 def joiner_vanishes(when: str) -> None:

@@ -34,12 +34,13 @@ both sides hang):
    completes: Carry.start_forming ends each in one line past FORM_LIMIT_S instead (exit 5).
 
 --respawn N (MPICH and Open MPI): instead of a joiner started by hand, rank 0's lobby sees a worker
-lost in this phase (the watch's) and requests the same stop; at the phase's end the ranks left
-start the replacement (grow, SPAWNED: MPI_Comm_spawn of this job's command with --join, its flags
-written back out by config_io.as_argv), which loads its data, says hello to rank 0, and forms the
-new world with them (respawn.py). MPICH: rank 0 spawns it alone while the others
-wait asleep; Open MPI: every rank spawns it (spawned by rank 0 alone and merged in, Open MPI 5.0.11
-hung in the first collective: measured); mpiimpl.Impl.spawns_alone.
+lost in this phase (the watch's) and a replacement is started (MPI_Comm_spawn of this job's command
+with --join, its flags written back out by config_io.as_argv), which loads its data, says hello to
+rank 0, and forms the new world with the ranks left (grow, SPAWNED; respawn.py). MPICH: rank 0
+spawns it alone at once, the job training on, and requests the stop once its hello is in; the
+started worker then waits for GO as a joiner let in does (await_go). Open MPI: the lobby requests
+the stop at once and every rank spawns it at the phase's end, the others asleep (spawned by rank 0
+alone and merged in, Open MPI 5.0.11 hung in the first collective: measured); mpiimpl.Impl.spawns_alone.
 
 The summary lists the joins (`joined_workers`) with the lost workers of every phase. The ranks are
 numbered anew at each join: the live ranks in their order, then the joiner.
@@ -55,6 +56,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -65,7 +67,7 @@ from mpitrain.config import TrainConfig, can_take_joiners
 from mpitrain.config_io import as_argv
 from mpitrain.console import say
 from mpitrain.metrics import JobOutputs
-from mpitrain.protocol import TAG_JOIN
+from mpitrain.protocol import FLAG_STOP, TAG_JOIN, Message
 from mpitrain.waiting import poll
 
 TOKEN = ".mpitrain.join-token"  # in --checkpoint-dir: who may join (the user's permissions only)
@@ -246,18 +248,73 @@ def send_json(comm, obj: dict, dest: int) -> None:
     comm.Send([data, MPI.BYTE], dest=dest, tag=TAG_JOIN)
 
 
+class JsonReceive:
+    """A peer's JSON message (send_json) on its way: `arrived` tests it (MPI.Exception if the
+    connection failed), `value` is it, parsed (None if it was not JSON)."""
+
+    def __init__(self, comm, source: int):
+        self.buf, self.status, self.done = bytearray(HELLO_BYTES), MPI.Status(), False
+        self.req = comm.Irecv([self.buf, MPI.BYTE], source=source, tag=TAG_JOIN)
+
+    def arrived(self) -> bool:
+        self.done = self.done or self.req.Test(self.status)  # a completed request is not tested again
+        return self.done
+
+    def value(self) -> dict | None:
+        try:
+            return json.loads(bytes(self.buf[: self.status.Get_count(MPI.BYTE)]).decode())
+        except ValueError:
+            return None
+
+    def cancel(self) -> None:
+        if not self.done:
+            self.req.Cancel()
+
+
 def recv_json(comm, source: int, timeout_s: float) -> dict | None:
     """The peer's JSON message, or None if it did not come in time or was not JSON."""
-    buf = bytearray(HELLO_BYTES)
-    status = MPI.Status()
-    req = comm.Irecv([buf, MPI.BYTE], source=source, tag=TAG_JOIN)
     try:
-        if not poll(lambda: req.Test(status), 1e-3, deadline=time.monotonic() + timeout_s):
-            req.Cancel()
+        message = JsonReceive(comm, source)
+        if not poll(message.arrived, 1e-3, deadline=time.monotonic() + timeout_s):
+            message.cancel()
             return None
-        return json.loads(bytes(buf[: status.Get_count(MPI.BYTE)]).decode())
-    except (MPI.Exception, ValueError):
+        return message.value()
+    except MPI.Exception:
         return None
+
+
+def await_go(inter, deadline: float, lost: Callable[[], bool] = lambda: False) -> Message | None:
+    """A worker that rank 0 let in (a joiner, or a worker the job started while it trained): rank 0's
+    GO once the job has made room, or its word that the job ended instead (FLAG_STOP); None if none
+    came by `deadline`, or `lost()` first (rank 0 died)."""
+    go = Message(0)
+    req = inter.Irecv(go.spec(), source=0, tag=TAG_JOIN)
+    if not poll(lambda: req.Test() or lost(), 1e-3, deadline=deadline) or (lost() and not req.Test()):
+        return None
+    go.check(TAG_JOIN, 0)
+    return go
+
+
+def tell_to_leave(inter, answer_within_s: float = 0.0) -> bool:
+    """Rank 0, the job ending instead of letting in a worker it let in: FLAG_STOP (await_go's other
+    word), and its answer within `answer_within_s` if asked for (a worker the job started: it leaves
+    then). Whether it was sent, and answered if asked."""
+    end, ack = Message(0), Message(0)
+    end.stamp(TAG_JOIN, 0, flags=FLAG_STOP)
+    try:
+        reqs = [inter.Isend(end.spec(), dest=0, tag=TAG_JOIN)]
+        if answer_within_s:
+            reqs.append(inter.Irecv(ack.spec(), source=0, tag=TAG_JOIN))
+        return poll(lambda: MPI.Request.Testall(reqs), 1e-3, deadline=time.monotonic() + (answer_within_s or ANSWER_S))
+    except MPI.Exception:
+        return False
+
+
+def answer_go(inter) -> None:
+    """The worker's answer to GO: it forms the new world now (why_not_there waits for it)."""
+    ack = Message(0)
+    ack.stamp(TAG_JOIN, 0)
+    inter.Send(ack.spec(), dest=0, tag=TAG_JOIN)
 
 
 @dataclasses.dataclass

@@ -16,10 +16,9 @@ from mpi4py import MPI
 from mpitrain import faults, mpiimpl
 from mpitrain.config import TrainConfig, UsageError
 from mpitrain.console import say
-from mpitrain.join import (ANSWER_S, GAVE_UP, GIVEN_UP_S, REQUESTS, TOKEN, TOUCH_S, Carry, dead_here, into_job,
-                           job_folder, recv_json, remove, remove_folder, send_json, write_private)
-from mpitrain.protocol import FLAG_STOP, TAG_JOIN, Message
-from mpitrain.waiting import poll
+from mpitrain.join import (ANSWER_S, GAVE_UP, GIVEN_UP_S, REQUESTS, TOKEN, TOUCH_S, Carry, answer_go, await_go,
+                           dead_here, into_job, job_folder, recv_json, remove, remove_folder, send_json, write_private)
+from mpitrain.protocol import FLAG_STOP
 
 
 def join_job(cfg: TrainConfig, identity: dict, carry: Carry):
@@ -45,25 +44,21 @@ def join_job(cfg: TrainConfig, identity: dict, carry: Carry):
     if not answer.get("ok"):
         raise UsageError(f"--join: the job refused this worker: {answer.get('why')}")
     faults.joiner_vanishes("vanish")
-    go = Message(0)
-    req = inter.Irecv(go.spec(), source=0, tag=TAG_JOIN)
     # Rank 0 makes room within a step or two (or tells this worker the job ended instead). Should it
     # die meanwhile (on this host: its process is gone; a successor of --on-lost-server continue holds
     # the lock under another pid), this worker ends at once; elsewhere its token outlives it, so a
     # generous bound ends the wait.
     lost = lambda: letting_in not in (None, GONE) and dead_here(*letting_in)  # noqa: E731
-    if not poll(lambda: req.Test() or lost(), 1e-3, deadline=time.monotonic() + max(60.0, 4 * cfg.worker_timeout)):
-        raise UsageError("--join: the job let this worker in but never made room for it; it may have died")
-    if lost() and not req.Test():
+    go = await_go(inter, time.monotonic() + max(60.0, 4 * cfg.worker_timeout), lost)
+    if go is None and lost():
         _give_up(None, "the job's rank 0 was lost while it made room for this worker; start it again (with "
                        "--on-lost-server continue the job goes on, and takes workers in again)")
-    go.check(TAG_JOIN, 0)
+    if go is None:
+        raise UsageError("--join: the job let this worker in but never made room for it; it may have died")
     if go.flags & FLAG_STOP:
         return None, None
     carry.start_forming("the joining worker")
-    ack = Message(0)
-    ack.stamp(TAG_JOIN, 0)
-    inter.Send(ack.spec(), dest=0, tag=TAG_JOIN)
+    answer_go(inter)
     world = into_job(inter)
     faults.joiner_vanishes("formed")
     return world, answer.get("budget")

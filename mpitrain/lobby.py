@@ -11,13 +11,14 @@ from pathlib import Path
 
 from mpi4py import MPI
 
+from mpitrain import respawn
 from mpitrain.config_io import disagreement
 from mpitrain.console import say
 from mpitrain.faults import Kill
 from mpitrain.join import (ANSWER_S, CONNECT_TIMEOUT_S, FRESH_S, REQUESTS, SCAN_EVERY_S, Carry, Joiner, dead_here,
-                           gave_up, job_folder, last_line, recv_json, remove, send_json)
+                           gave_up, job_folder, last_line, recv_json, remove, send_json, tell_to_leave)
 from mpitrain.layout import PS_RANK
-from mpitrain.protocol import FLAG_STOP, TAG_JOIN, Message
+from mpitrain.protocol import TAG_JOIN, Message
 from mpitrain.stopping import STOP
 from mpitrain.stuck import WATCHDOG
 from mpitrain.waiting import poll
@@ -33,22 +34,36 @@ class Lobby:
         self.heartbeat = heartbeat  # liveness.Heartbeat: beats out the stop that makes room at once
         self.watch = ctx.watch  # its lost workers: --respawn replaces them
         self.lost_seen = 0
-        self.spawn = False  # --respawn: start a worker where this phase ends (grow)
+        self.spawn = False  # --respawn: start a worker where this phase ends (grow), or let in the one started
+        self.launch_at: float | None = None  # --respawn, rank 0 spawning alone: when to start the worker
+        self.starting: respawn.Starting | None = None  # ... started, training on
+        self.started: Joiner | None = None  # ... that said hello: the phase's end lets it in (why_not_there first)
         self.dir = job_folder(ctx.cfg) / REQUESTS
         self.joiner: Joiner | None = None
         self.connect_s = connect_timeout_s(ctx.cfg.worker_timeout)
         self._next = 0.0
 
     def check(self) -> None:
+        if self.launch_at is not None:
+            if time.monotonic() >= self.launch_at:
+                self._launch()
+            return
+        if self.starting is not None and self.started is None:
+            self._look_at_start()
+            return
         if self.joiner is not None or self.spawn or STOP.requested:  # one at a time; never into a stop
             return
         # A loss is looked for at every look (a list's length), the folder only every SCAN_EVERY_S: the
         # replacement's start waited up to that long after the loss was declared (0.25 s a respawn, median).
         if self._respawn_due():
-            self.spawn = True
-            say(f"mpitrain: starting a worker in place of the one lost at the next step boundary (--respawn: "
-                f"{self.carry.respawns_left} more after this one)")
-            self._make_room()  # the phase's end starts the worker
+            more = f"--respawn: {self.carry.respawns_left} more after this one"
+            if not respawn.spawns_alone():  # every rank spawns: at the phase's end
+                self.spawn = True
+                say(f"mpitrain: starting a worker in place of the one lost at the next step boundary ({more})")
+                self._make_room()
+                return
+            say(f"mpitrain: starting a worker in place of the one lost; training goes on until it is ready ({more})")
+            self.launch_at = time.monotonic() + respawn.AFTER_LOSS_S
             return
         now = time.monotonic()
         if now < self._next:
@@ -135,6 +150,33 @@ class Lobby:
         self._make_room()  # trainer.run goes on with the joiner
         Kill(PS_RANK).let_in()
 
+    def _launch(self) -> None:
+        self.launch_at = None
+        self.starting, failure = respawn.launch(self.carry.spawn_argv())
+        if self.starting is None:
+            respawn.not_started(failure)
+
+    def _look_at_start(self) -> None:
+        """The worker started in place of a lost one: once its hello is in, make room for it; if its
+        set-up failed, or it stayed silent, the job trains on without it (a silent one is told to
+        leave, for when it speaks)."""
+        hello, why = self.starting.hello_or_why()
+        if hello is not None:
+            self.started, self.spawn = self.starting.joiner(hello), True
+            self._make_room()
+        elif why:
+            respawn.not_started(why)
+            if why == respawn.SILENT:
+                tell_to_leave(self.starting.child)
+            self.starting = None
+
+    def settle(self) -> None:
+        """The phase over, the job not: wait for the hello of a worker still starting (what is left
+        of its HELLO_WITHIN_S), so that a job whose every worker was lost goes on with it."""
+        while self.launch_at is not None or (self.starting is not None and self.started is None):
+            self.check()
+            time.sleep(1e-3)
+
     def _make_room(self) -> None:
         """Every mode ends this step as for Ctrl-C; the stop spreads with every message, and the
         heartbeats go out now (a sync worker hears rank 0 in nothing else)."""
@@ -154,23 +196,23 @@ class Lobby:
         where the loss is declared by the look that raises, so no later look saw it; measured once
         in 84 chaos trials, the job ending with no word of the replacement; and once in 12 more, a
         loss only the reports' wait had recorded: `recorded`, the phase's lost_workers)."""
-        return self.joiner is not None or self.spawn or self._loss_unseen(recorded)
+        return (self.joiner is not None or self.spawn or self.starting is not None or self.launch_at is not None
+                or self._loss_unseen(recorded))
 
     def release(self, why: str, recorded=()) -> None:
         """The job ends instead of growing: tell the joiner it let in, and let it go; say why no
         worker is started in place of a lost one."""
-        if self.spawn or self._loss_unseen(recorded):
-            say(f"mpitrain: no worker was started in place of the lost one: {why}")
+        if self.starting is not None:
+            respawn.dismiss(self.starting, why)
+            say(f"mpitrain: the worker started in place of the lost one did not join: {why}")
+            self.starting = self.started = None
             self.spawn = False
+        if self.spawn or self.launch_at is not None or self._loss_unseen(recorded):
+            say(f"mpitrain: no worker was started in place of the lost one: {why}")
+            self.spawn, self.launch_at = False, None
         if self.joiner is None:
             return
-        end = Message(0)
-        end.stamp(TAG_JOIN, 0, flags=FLAG_STOP)
-        try:
-            req = self.joiner.inter.Isend(end.spec(), dest=0, tag=TAG_JOIN)
-            poll(lambda: req.Test(), 1e-3, deadline=time.monotonic() + ANSWER_S)
-        except MPI.Exception:
-            pass
+        tell_to_leave(self.joiner.inter)
         say(f"mpitrain: the worker on {self.joiner.host} (pid {self.joiner.pid}) did not join: {why}")
         self.joiner = None
 

@@ -11,7 +11,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from mpitrain import failover, join, mpiimpl
+from mpitrain import failover, faults, join, mpiimpl
 from mpitrain.agreement import identity, identity_of
 from mpitrain.config import TrainConfig, UsageError
 from mpitrain.console import say
@@ -38,6 +38,8 @@ def joined(cfg: TrainConfig, comm, carry: join.Carry) -> tuple[TrainConfig, obje
     from mpitrain.runtime import make_model
 
     def mine() -> dict:
+        if spawned():
+            faults.slow_setup()
         carry.data = load_dataset(cfg)  # its first phase uses it (trainer._phase)
         return identity_of(cfg, make_model(cfg, carry.data, np))
 
@@ -95,13 +97,13 @@ def make_room(ctx: Context, mine: RoleResult, reports: list, heartbeat, carry: j
                               for x in state.lost_workers]
     carry.add_phase(state)
     gen = len(carry.joins) + 1
-    joiner = lobby.joiner
-    gone = None if lobby.spawn else why_not_there(joiner)
-    how = join.SPAWNED if lobby.spawn else join.NOBODY if gone else join.CONNECTED
+    joiner = lobby.joiner or lobby.started  # rank 0 holds its connection (a worker started while the phase trained too)
+    gone = None if joiner is None else why_not_there(joiner)
+    how = join.NOBODY if gone else join.SPAWNED if lobby.spawn else join.CONNECTED
     peer_was_lost = say_goodbye(ctx, [r.rank for r in reports], bool(lost), False, reform=(gen, lost, how))
     carry.peer_lost |= peer_was_lost or bool(lost)
     argv = carry.spawn_argv() if lobby.spawn else []
-    world, hello = _regrow(ctx, heartbeat, carry, lost, gen, how, joiner, argv)
+    world, hello = _regrow(ctx, heartbeat, carry, lost, gen, how, joiner, argv, lobby.starting)
     workers = world.Get_size() - ctx.layout.shards
     if world.Get_size() == ctx.size - len(lost):  # nobody joined: it did not answer, or could not start
         gone = gone or "did not join as the world re-formed"
@@ -128,10 +130,10 @@ def grow_with_joiner(ctx: Context, heartbeat, carry: join.Carry, bye: Message) -
 
 
 def _regrow(ctx: Context, heartbeat, carry: join.Carry, lost: list[int], gen: int, how: int,
-            joiner: join.Joiner | None, argv: list[str] = ()):
+            joiner: join.Joiner | None, argv: list[str] = (), ready=None):
     """Every rank left: end this phase's heartbeats and communicators, then the new world (with
-    the joiner, unless `how` is join.NOBODY; rank 0 holds its connection, or the spawn's argv), and
-    a started worker's hello (rank 0)."""
+    the joiner, unless `how` is join.NOBODY; rank 0 holds its connection, or the spawn's argv, or the
+    worker it started while the phase trained: `ready`), and a started worker's hello (rank 0)."""
     carry.start_forming(f"rank {ctx.rank}")
     if not retire_heartbeats(ctx, heartbeat):
         carry.peer_lost = True
@@ -140,7 +142,7 @@ def _regrow(ctx: Context, heartbeat, carry: join.Carry, lost: list[int], gen: in
         STOP.reset()
     live = [r for r in range(ctx.size) if r not in lost]
     carry.with_spawned |= how == join.SPAWNED
-    world, hello, left_behind = join.grow(ctx.comm, live, gen, how, joiner, lambda local: start_worker(local, argv))
+    world, hello, left_behind = join.grow(ctx.comm, live, gen, how, joiner, lambda local: start_worker(local, argv, ready))
     carry.peer_lost |= left_behind  # a spawned worker that never spoke: MPI_Finalize would wait for it
     return world, hello
 

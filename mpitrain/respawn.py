@@ -1,13 +1,21 @@
-"""--respawn: the start of a worker in place of a lost one, both sides. The job's ranks start it
-(start_worker, from join.grow) and rank 0 sends it the job's word (welcome); the started process
-loads its data, says hello to rank 0, and forms the new world with them (join_spawned). See join.py
-for the whole protocol."""
+"""--respawn: the start of a worker in place of a lost one, both sides. The started process loads
+its data, says hello to rank 0, and forms the new world with the job's ranks (join_spawned); rank 0
+sends it the job's word there (welcome). See join.py for the whole protocol.
+
+Where rank 0 spawns alone (MPICH) it starts the worker as soon as the loss is seen (`launch`, from
+the Lobby), and the job trains on while the worker starts up and loads its data: only once its hello
+is in does the job make room, and the worker, like a joiner let in, waits for rank 0's GO
+(join.await_go) before the world re-forms (start_worker). Loading the data was most of the pause
+(synthetic: 0.48 s of 0.93 s from the stop to training on; an MNIST-sized IDX set takes 1.8 s to load
+on 2 cores). Open MPI spawns with every rank (mpiimpl.Impl.spawns_alone): at the phase's end."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import sys
+import time
 
 import numpy as np
 from mpi4py import MPI
@@ -16,7 +24,12 @@ from mpitrain import mpiimpl
 from mpitrain.config import UsageError
 from mpitrain.config_io import disagreement
 from mpitrain.console import say
-from mpitrain.join import ANSWER_S, FORM_LIMIT_S, Carry, into_job, last_line, recv_json, send_json, with_joiner
+from mpitrain.exitcodes import ExitCode
+from mpitrain.join import (ANSWER_S, FORM_LIMIT_S, SPAWNED_LEAVES_FIRST_S, Carry, Joiner, JsonReceive, answer_go,
+                           await_go, into_job, last_line, recv_json, send_json, tell_to_leave, with_joiner)
+from mpitrain.lock import exit_without_finalize
+from mpitrain.protocol import FLAG_STOP
+from mpitrain.stuck import WATCHDOG
 from mpitrain.waiting import poll
 
 NOT_STARTED, STARTED, FAILED = 0, 1, 2  # rank 0's word on a worker it spawned (start_worker)
@@ -26,39 +39,103 @@ NOT_STARTED, STARTED, FAILED = 0, 1, 2  # rank 0's word on a worker it spawned (
 HELLO_WITHIN_S = FORM_LIMIT_S / 2
 
 
-def start_worker(local, argv: list[str]):
+# Rank 0 spawns this long after a loss is declared, not at once: a worker killed mid-message is declared
+# lost within milliseconds (MPI's error), and a spawn that reached hydra's mpiexec before the killed
+# rank's exit did ended the whole job (exit 9, "Killed (signal 9)": 1 in 12 tries, async np 3, MPICH
+# 5.0.2). Making room at the phase's end used to put 50-130 ms there.
+AFTER_LOSS_S = 0.3
+
+
+@dataclasses.dataclass
+class Starting:
+    """Rank 0, where it spawns alone: a worker started in place of a lost one while the phase trains
+    on, and its hello on the way (the Lobby looks at it: `hello_or_why`)."""
+
+    child: object  # the intercommunicator to it
+    hello: JsonReceive
+    deadline: float  # HELLO_WITHIN_S after its start
+
+    def hello_or_why(self) -> tuple[dict | None, str]:
+        """(its hello, "") once it said it is ready; (None, why not) once it failed or stayed silent
+        past the deadline; (None, "") while it starts up."""
+        try:
+            if not self.hello.arrived():
+                return (None, SILENT) if time.monotonic() > self.deadline else (None, "")
+        except MPI.Exception as e:
+            return None, last_line(e)
+        said = self.hello.value() or {"error": "its hello was not JSON"}
+        return (None, f"its set-up failed: {said['error']}") if "error" in said else (said, "")
+
+    def joiner(self, hello: dict) -> Joiner:
+        """What the phase's end lets in, as a joiner that connected (join.why_not_there asks it first)."""
+        return Joiner(self.child, str(hello.get("host", "?")), int(hello.get("pid", -1)))
+
+
+SILENT = f"it said nothing within {HELLO_WITHIN_S:g} s of its start (it died, or its set-up and data took longer)"
+
+
+def launch(argv: list[str]) -> tuple[Starting | None, str]:
+    """Rank 0, where it spawns alone, while the phase trains: start the worker (MPI_Comm_spawn returns
+    once its MPI is up, ~0.3 s on 2 cores, while the heartbeats wait: stuck.WATCHDOG is paused) and
+    listen for its hello. (Starting, "") or (None, why it could not be started)."""
+    with WATCHDOG.paused():
+        child, failure = _spawn(MPI.COMM_SELF, argv)
+    if child is None:
+        return None, failure
+    return Starting(child, JsonReceive(child, 0), time.monotonic() + HELLO_WITHIN_S), ""
+
+
+def dismiss(starting: Starting, why: str) -> bool:
+    """Rank 0: the job ends with a worker it started not let in: once its hello is in (what is left of
+    its HELLO_WITHIN_S), tell it to leave, and wait for it to go, so that the job's own ranks leave
+    after it (join.SPAWNED_LEAVES_FIRST_S). Whether it was told."""
+    poll(starting.hello.arrived, 1e-3, deadline=starting.deadline)
+    if not starting.hello.arrived() or "error" in (starting.hello.value() or {}):
+        return False  # silent (the forming limit ends it), or it ended by itself
+    if tell_to_leave(starting.child, ANSWER_S):
+        time.sleep(SPAWNED_LEAVES_FIRST_S)
+    return True
+
+
+def _spawn(comm, argv: list[str]):
+    """(the intercommunicator to one new process of this job's command with `argv`, ""), or (None,
+    why not: no slot left for it, say)."""
+    info = MPI.Info.Create()
+    info.Set("wdir", os.getcwd())  # --checkpoint-dir and --data-dir may be relative to it
+    try:
+        return comm.Spawn(sys.executable, ["-m", "mpitrain", *argv], 1, info, root=0), ""
+    except MPI.Exception as e:
+        return None, last_line(e)
+    finally:
+        info.Free()
+
+
+def start_worker(local, argv: list[str], ready: Starting | None = None):
     """SPAWNED, every live rank: (the intercommunicator to the worker they start with `argv`, its hello
     at rank 0, False), or (None, {}, whether one was started and left behind: FAILED, its set-up failed
     (its hello says why: a data file gone since the job started, say) or it said nothing within
-    HELLO_WITHIN_S; not when it could not be started at all).
+    HELLO_WITHIN_S; not when it could not be started at all). Where rank 0 spawns alone, it started
+    the worker while the phase trained (`ready`, significant at rank 0: its hello in, its GO answered).
     The worker loads its data and says hello before any collective with the job; the ranks not in
     MPI_Comm_spawn meanwhile wait asleep on rank 0's word (a nonblocking broadcast), not in a busy
     MPI wait that takes its cores (mpiimpl.Impl.spawns_alone)."""
-    alone = _alone()
+    alone = spawns_alone()
     root = local.Get_rank() == 0
     child, hello, failure = None, {}, ""
-    if root or not alone:
-        info = MPI.Info.Create()
-        info.Set("wdir", os.getcwd())  # --checkpoint-dir and --data-dir may be relative to it
-        try:
-            child = (MPI.COMM_SELF if alone else local).Spawn(sys.executable, ["-m", "mpitrain", *argv], 1, info,
-                                                              root=0)
-        except MPI.Exception as e:  # no slot left for it, say: the job goes on without it
-            failure = last_line(e)
-        finally:
-            info.Free()
     word = np.array([NOT_STARTED], np.int8)
-    if root and child is not None:
-        hello = recv_json(child, 0, HELLO_WITHIN_S)
-        word[0] = FAILED if hello is None or "error" in hello else STARTED
-        failure = (f"it said nothing within {HELLO_WITHIN_S:g} s of its start (it died, or its set-up and "
-                   f"data took longer)" if hello is None
-                   else f"its set-up failed: {hello.get('error')}")
+    if alone and root:  # started while the phase trained; it answered GO (phases.make_room)
+        child, hello, word[0] = ready.child, ready.hello.value(), STARTED
+    elif not alone:
+        child, failure = _spawn(local, argv)
+        if root and child is not None:
+            hello = recv_json(child, 0, HELLO_WITHIN_S)
+            word[0] = FAILED if hello is None or "error" in hello else STARTED
+            failure = SILENT if hello is None else f"its set-up failed: {hello.get('error')}"
     req = local.Ibcast([word, MPI.BYTE], root=0)
     poll(req.Test, 1e-3)
     if word[0] != STARTED:
         if root:
-            say(f"mpitrain: could not start a worker in place of the lost one: {failure}")
+            not_started(failure)
         return None, {}, word[0] == FAILED
     if not alone:
         return child, hello, False
@@ -69,7 +146,11 @@ def start_worker(local, argv: list[str]):
     return inter, hello, False
 
 
-def _alone() -> bool:
+def not_started(why: str) -> None:
+    say(f"mpitrain: could not start a worker in place of the lost one: {why}")
+
+
+def spawns_alone() -> bool:
     """Whether rank 0 starts the worker alone (MPICH) or every rank left does (Open MPI); both sides ask."""
     return (mpiimpl.running() or mpiimpl.MPICH).spawns_alone
 
@@ -98,7 +179,15 @@ def join_spawned(carry: Carry, identity_of) -> tuple[object, int | None]:
         send_json(parent, {"error": str(e)}, 0)
         raise
     send_json(parent, {"host": socket.gethostname(), "pid": os.getpid()}, 0)
-    if _alone():  # spawned by rank 0 alone: into the world as a worker that connected (joiner.join_job)
+    if spawns_alone():  # spawned by rank 0 alone, the job training on: let in as a joiner is (joiner.join_job)
+        go = await_go(parent, time.monotonic() + FORM_LIMIT_S)  # the forming limit ends a wait for a dead job
+        if go is None:
+            raise UsageError("--respawn: the job that started this worker never let it in; it may have ended")
+        if go.flags & FLAG_STOP:
+            answer_go(parent)  # it leaves now: rank 0 waits for this before the job's ranks leave
+            say("mpitrain: the worker started in place of a lost one leaves: the job ended before it could join")
+            exit_without_finalize(ExitCode.OK)  # MPI_Finalize would wait on the job it never joined
+        answer_go(parent)
         world = into_job(parent)
     else:
         world = parent.Merge(high=True)

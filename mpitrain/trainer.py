@@ -181,6 +181,8 @@ def _phase(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: 
     if ctx.rank == PS_RANK:
         if lobby is not None and lobby.pending(mine.state.lost_workers):
             why = no_room(ctx, mine, reports, diverged)
+            if why is None:
+                lobby.settle()
             if why is None and (lobby.joiner is not None or lobby.spawn):
                 return make_room(ctx, mine, reports, heartbeat, carry, lobby)
             lobby.release(why or "the worker was lost as training ended", mine.state.lost_workers)

@@ -17,7 +17,9 @@ import pytest
 
 from conftest import (MPI_TIMEOUT_S, Lines, child_env, keep_going, kill_session, mpi_impl, mpirun_path, only_on,
                       read_summary)
-from mpitrain import join, mpiimpl
+from mpitrain import join
+from mpitrain import lobby as lobby_module
+from mpitrain import mpiimpl, respawn
 from mpitrain.faults import rank_pids
 from mpitrain.lobby import Lobby
 
@@ -32,6 +34,9 @@ JOB = {"async": ("--mode", "async", "--steps", str(BUDGET["async"]), "--num-ps",
        "sync": ("--mode", "sync", "--steps", str(BUDGET["sync"]), "--straggler", "1:0.002"),
        "shm": ("--mode", "async", "--ps-transport", "shm", "--steps", str(BUDGET["shm"]), "--straggler", "1:0.0002")}
 RANKS = {"async": 4, "sync": 3, "shm": 3}
+# Async's replacement takes this much longer to load its data (faults.slow_setup): under MPICH the job
+# trains on meanwhile (respawn.launch), where it used to stand still from the loss until the worker joined.
+SLOW_SETUP_S = 2.0
 
 
 def respawn_cmd(tmp_path, *args: str, np_: int = 3) -> list[str]:
@@ -47,8 +52,9 @@ def respawn_cmd(tmp_path, *args: str, np_: int = 3) -> list[str]:
 def test_a_worker_killed_with_sigkill_is_replaced_and_the_job_finishes_its_budget(tmp_path, mode):
     last = RANKS[mode] - 1  # the victim, and the new worker's rank
     log = tmp_path / "log"
+    env = {**child_env(), **({"MPITRAIN_INJECT_SLOW_SETUP": str(SLOW_SETUP_S)} if mode == "async" else {})}
     proc = subprocess.Popen(respawn_cmd(tmp_path, *JOB[mode], "--respawn", "1", "--log-dir", str(log), np_=RANKS[mode]),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
     lines = Lines(proc.stdout)
     try:
@@ -65,10 +71,18 @@ def test_a_worker_killed_with_sigkill_is_replaced_and_the_job_finishes_its_budge
     # The end is mpitrain's own: no launcher telling of a rank that ended badly (join.SPAWNED_LEAVES_FIRST_S).
     for noise in ("MPI_Finalize still waiting", *mpiimpl.BAD_END_LINES):
         assert noise not in text, text
-    assert "starting a worker in place of the one lost at the next step boundary (--respawn: 0 more" in text
     s = json.loads((tmp_path / "s.json").read_text())
     assert [x["rank"] for x in s["lost_workers"]] == [last], s["lost_workers"]
     [joined] = s["joined_workers"]
+    if mpi_impl().spawns_alone:
+        assert "starting a worker in place of the one lost; training goes on until it is ready (--respawn: 0 more" \
+            in text, text
+        if mode == "async":  # it trained on while the replacement loaded its data: thousands of steps, not a few
+            [lost] = s["lost_workers"]
+            trained = joined["global_step"] - lost["global_step"]
+            assert trained > 200 * SLOW_SETUP_S, (trained, text)
+    else:
+        assert "starting a worker in place of the one lost at the next step boundary (--respawn: 0 more" in text
     assert joined["respawned"] and joined["rank"] == last and 0 < joined["global_step"] < BUDGET[mode]
     assert s["workers"] == 2 and s["global_step"] == BUDGET[mode]  # the budget the job started with
     if mode == "sync":
@@ -132,25 +146,93 @@ def test_a_loss_only_the_reports_wait_recorded_still_gets_its_line(tmp_path, cap
     assert not lobby.pending(recorded)
 
 
-def test_a_loss_starts_the_replacement_at_the_next_look_not_the_next_folder_scan(tmp_path, monkeypatch):
-    """The lobby scans --checkpoint-dir for joiners every SCAN_EVERY_S, but a lost worker is looked for
-    at every look: the replacement's stop is requested at once (it waited for the scan: 0.25 s a
-    respawn, median)."""
+class _Starting:
+    """respawn.Starting's face to the lobby, its hello scripted: None while it starts up."""
+
+    def __init__(self):
+        self.child, self.said = "child", (None, "")
+
+    def hello_or_why(self):
+        return self.said
+
+    def joiner(self, hello):
+        return join.Joiner(self.child, hello["host"], hello["pid"])
+
+
+def _lobby_starting(tmp_path, monkeypatch, alone: bool):
+    """A lobby whose rank 0 spawns alone (MPICH) or not (Open MPI), its launches and stops recorded."""
     from mpitrain.stopping import STOP
 
     carry = join.Carry(identity={}, token="t", budget=10, respawns_left=1)
+    carry.spawn_argv = lambda: ["--join"]
 
     class Ctx:
         cfg = type("Cfg", (), {"checkpoint_dir": str(tmp_path), "worker_timeout": 2.0})()
         watch = _Watch()
 
     lobby = Lobby(Ctx, carry)
+    lobby.launched, lobby.stops, lobby.told = [], [], []
+    monkeypatch.setattr(respawn, "spawns_alone", lambda: alone)
+    monkeypatch.setattr(respawn, "AFTER_LOSS_S", 0.2)
+    monkeypatch.setattr(respawn, "launch", lambda argv: (lobby.launched.append(argv) or _Starting(), ""))
+    monkeypatch.setattr(STOP, "request", lambda: lobby.stops.append(time.monotonic()))
+    monkeypatch.setattr(lobby_module, "tell_to_leave", lambda inter: lobby.told.append(inter))
+    return lobby, Ctx, carry
+
+
+@pytest.mark.parametrize("alone", [True, False], ids=["spawns-alone", "spawns-with-every-rank"])
+def test_a_loss_starts_the_replacement_at_the_next_look_not_the_next_folder_scan(tmp_path, monkeypatch, alone):
+    """The lobby scans --checkpoint-dir for joiners every SCAN_EVERY_S, but a lost worker is looked for
+    at every look (it waited for the scan: 0.25 s a respawn, median): rank 0 spawning alone (MPICH)
+    starts the replacement respawn.AFTER_LOSS_S later (not before: the launcher ended a job whose spawn
+    came in with the killed rank's exit) and the job trains on; else the stop for the phase's end that
+    starts it is requested at once."""
+    lobby, Ctx, carry = _lobby_starting(tmp_path, monkeypatch, alone)
     lobby.check()  # a scan: the next is SCAN_EVERY_S away
     assert not lobby.spawn and lobby._next > time.monotonic()
     Ctx.watch.lost[2] = {"rank": 2}
-    monkeypatch.setattr(STOP, "request", lambda: setattr(lobby, "stop_requested", True))
     lobby.check()
-    assert lobby.spawn and lobby.stop_requested and carry.respawns_left == 0
+    assert carry.respawns_left == 0
+    if alone:
+        lobby.check()
+        assert not lobby.launched and lobby.pending()
+        time.sleep(respawn.AFTER_LOSS_S)
+        lobby.check()
+        assert lobby.launched == [["--join"]] and not lobby.spawn and not lobby.stops and lobby.pending()
+    else:
+        assert not lobby.launched and lobby.spawn and len(lobby.stops) == 1
+
+
+def test_a_started_worker_is_made_room_for_once_its_hello_is_in_and_not_before(tmp_path, monkeypatch, capsys):
+    """Rank 0 spawning alone: the job trains on (no stop) while the worker it started loads its data;
+    its hello makes room for it, as for a joiner let in. A failed set-up is one line and the job goes
+    on; one silent past HELLO_WITHIN_S is also told to leave (for when it speaks)."""
+    lobby, Ctx, carry = _lobby_starting(tmp_path, monkeypatch, alone=True)
+    monkeypatch.setattr(respawn, "AFTER_LOSS_S", 0.0)
+    Ctx.watch.lost[2] = {"rank": 2}
+    lobby.check()
+    lobby.check()
+    starting = lobby.starting
+    for _ in range(3):
+        lobby.check()
+    assert not lobby.stops and not lobby.spawn and lobby.started is None
+    starting.said = ({"host": "h", "pid": 7}, "")
+    lobby.check()
+    assert len(lobby.stops) == 1 and lobby.spawn and lobby.started == join.Joiner("child", "h", 7)
+    lobby.check()  # once made room for: nothing more
+    assert len(lobby.stops) == 1 and lobby.starting is starting
+
+    for why in ("its set-up failed: --dataset npz:x: no such file", respawn.SILENT):
+        lobby, Ctx, carry = _lobby_starting(tmp_path, monkeypatch, alone=True)
+        monkeypatch.setattr(respawn, "AFTER_LOSS_S", 0.0)
+        Ctx.watch.lost[2] = {"rank": 2}
+        lobby.check()
+        lobby.check()
+        lobby.starting.said = (None, why)
+        lobby.check()
+        assert lobby.starting is None and not lobby.spawn and not lobby.stops and not lobby.pending()
+        assert lobby.told == (["child"] if why == respawn.SILENT else [])
+        assert f"could not start a worker in place of the lost one: {why}" in capsys.readouterr().out
 
 
 def test_a_later_phase_sets_up_on_the_data_its_process_loaded_before(monkeypatch):
@@ -202,7 +284,11 @@ def test_a_replacement_that_cannot_set_up_says_why_and_the_job_goes_on_without_i
         in text, text
     assert "said nothing" not in text and "Traceback" not in text and not leftovers, text
     s = read_summary(tmp_path / "s.json", text)
-    assert s["global_step"] == budget and s["workers"] == 1 and s["joined_workers"] == [], s
+    assert s["global_step"] == budget and s["joined_workers"] == [], s
+    # MPICH: the job trained on while the worker started, so the phase never ended: its two workers,
+    # one lost; Open MPI made room at the loss and went on in a world of one
+    assert s["workers"] == (2 if mpi_impl().spawns_alone else 1), s
+    assert [x["rank"] for x in s["lost_workers"]] == [2], s
     # prterun reports the started worker's own exit (2, its set-up's), as it reports a killed one's (benchmarks/
     # rejoin_soak.py); hydra the killed rank's signal
     assert proc.returncode == (2 if mpi_impl() is mpiimpl.OPENMPI else mpi_impl().worker_lost_exit), text
@@ -217,6 +303,7 @@ def test_the_stop_that_makes_room_goes_out_in_a_heartbeat_at_once_not_at_the_nex
     from mpitrain.stopping import STOP
 
     monkeypatch.setattr(STOP, "request", lambda signum=0: None)
+    monkeypatch.setattr(respawn, "spawns_alone", lambda: False)  # the stop at the loss (with MPICH: at the hello)
     heartbeat = liveness.Heartbeat(MPI.COMM_SELF, [], 30.0)  # a round every 2 s (no peer: what counts is when)
     try:
         assert heartbeat.interval == 2.0
@@ -238,3 +325,32 @@ def test_the_stop_that_makes_room_goes_out_in_a_heartbeat_at_once_not_at_the_nex
         assert lobby.spawn and heartbeat.beats == first + 1
     finally:
         heartbeat.close(set())
+
+
+@only_on("mpich", "only where rank 0 spawns alone does the job train on while its replacement starts")
+def test_a_job_that_ends_while_its_replacement_loads_tells_it_to_leave_and_ends_cleanly(tmp_path):
+    """The budget runs out while the worker started in place of a lost one still loads its data
+    (slowed here): rank 0 waits for its hello, tells it to leave, and the job's ranks leave after
+    it; the worker says so in one line, and nothing waits for it (it would hold mpirun open)."""
+    env = {**child_env(), "MPITRAIN_INJECT_SLOW_SETUP": "6"}
+    budget = 6000  # ~1-3 s of training after the kill on 2 cores: done long before the replacement's 6 s
+    proc = subprocess.Popen(respawn_cmd(tmp_path, "--mode", "async", "--steps", str(budget), "--respawn", "1"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    lines = Lines(proc.stdout)
+    try:
+        assert lines.wait("rank 2 worker"), lines.text()
+        time.sleep(1)
+        os.kill(rank_pids(proc.pid)[2][0], signal.SIGKILL)
+        proc.wait(MPI_TIMEOUT_S)
+    finally:
+        leftovers = kill_session(proc)
+    text = lines.text()
+    assert "training goes on until it is ready" in text, text
+    assert "the worker started in place of a lost one leaves: the job ended before it could join" in text, text
+    assert "the worker started in place of the lost one did not join: the job finished its budget" in text, text
+    assert proc.returncode == mpi_impl().worker_lost_exit and not leftovers, text
+    for noise in ("Traceback", "MPI_Finalize still waiting", *mpiimpl.BAD_END_LINES):
+        assert noise not in text, text
+    s = read_summary(tmp_path / "s.json", text)
+    assert s["global_step"] == budget and s["joined_workers"] == [] and [x["rank"] for x in s["lost_workers"]] == [2]
