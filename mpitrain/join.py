@@ -295,17 +295,19 @@ def await_go(inter, deadline: float, lost: Callable[[], bool] = lambda: False) -
     return go
 
 
-def tell_to_leave(inter, answer_within_s: float = 0.0) -> bool:
+def tell_to_leave(inter, answer_within_s: float = 0.0, gone: Callable[[], bool] = lambda: False) -> bool:
     """Rank 0, the job ending instead of letting in a worker it let in: FLAG_STOP (await_go's other
     word), and its answer within `answer_within_s` if asked for (a worker the job started: it leaves
-    then). Whether it was sent, and answered if asked."""
+    then), not waited for once `gone()`. Whether it was sent, and answered if asked."""
     end, ack = Message(0), Message(0)
     end.stamp(TAG_JOIN, 0, flags=FLAG_STOP)
     try:
         reqs = [inter.Isend(end.spec(), dest=0, tag=TAG_JOIN)]
         if answer_within_s:
             reqs.append(inter.Irecv(ack.spec(), source=0, tag=TAG_JOIN))
-        return poll(lambda: MPI.Request.Testall(reqs), 1e-3, deadline=time.monotonic() + (answer_within_s or ANSWER_S))
+        done = lambda: MPI.Request.Testall(reqs)  # noqa: E731
+        poll(lambda: done() or gone(), 1e-3, deadline=time.monotonic() + (answer_within_s or ANSWER_S))
+        return done()
     except MPI.Exception:
         return False
 

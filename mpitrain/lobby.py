@@ -203,7 +203,7 @@ class Lobby:
         """The job ends instead of growing: tell the joiner it let in, and let it go; say why no
         worker is started in place of a lost one."""
         if self.starting is not None:
-            respawn.dismiss(self.starting, why)
+            respawn.dismiss(self.starting)
             say(f"mpitrain: the worker started in place of the lost one did not join: {why}")
             self.starting = self.started = None
             self.spawn = False

@@ -26,7 +26,7 @@ from mpitrain.config_io import disagreement
 from mpitrain.console import say
 from mpitrain.exitcodes import ExitCode
 from mpitrain.join import (ANSWER_S, FORM_LIMIT_S, SPAWNED_LEAVES_FIRST_S, Carry, Joiner, JsonReceive, answer_go,
-                           await_go, into_job, last_line, recv_json, send_json, tell_to_leave, with_joiner)
+                           await_go, dead_here, into_job, last_line, recv_json, send_json, tell_to_leave, with_joiner)
 from mpitrain.lock import exit_without_finalize
 from mpitrain.protocol import FLAG_STOP
 from mpitrain.stuck import WATCHDOG
@@ -85,16 +85,20 @@ def launch(argv: list[str]) -> tuple[Starting | None, str]:
     return Starting(child, JsonReceive(child, 0), time.monotonic() + HELLO_WITHIN_S), ""
 
 
-def dismiss(starting: Starting, why: str) -> bool:
+def dismiss(starting: Starting) -> None:
     """Rank 0: the job ends with a worker it started not let in: once its hello is in (what is left of
-    its HELLO_WITHIN_S), tell it to leave, and wait for it to go, so that the job's own ranks leave
-    after it (join.SPAWNED_LEAVES_FIRST_S). Whether it was told."""
-    poll(starting.hello.arrived, 1e-3, deadline=starting.deadline)
-    if not starting.hello.arrived() or "error" in (starting.hello.value() or {}):
-        return False  # silent (the forming limit ends it), or it ended by itself
-    if tell_to_leave(starting.child, ANSWER_S):
+    its HELLO_WITHIN_S), tell it to leave, and wait for it to go (not for one whose process is gone),
+    so that the job's own ranks leave after it (join.SPAWNED_LEAVES_FIRST_S)."""
+    try:
+        poll(starting.hello.arrived, 1e-3, deadline=starting.deadline)
+        hello = starting.hello.value() if starting.hello.arrived() else None
+    except MPI.Exception:
+        return
+    if hello is None or "error" in hello:
+        return  # silent (its forming limit ends it), or it ended by itself
+    gone = lambda: dead_here(str(hello.get("host")), int(hello.get("pid", -1)))  # noqa: E731
+    if tell_to_leave(starting.child, ANSWER_S, gone):
         time.sleep(SPAWNED_LEAVES_FIRST_S)
-    return True
 
 
 def _spawn(comm, argv: list[str]):
