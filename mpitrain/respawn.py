@@ -127,8 +127,13 @@ def start_worker(local, argv: list[str], ready: Starting | None = None):
     root = local.Get_rank() == 0
     child, hello, failure = None, {}, ""
     word = np.array([NOT_STARTED], np.int8)
-    if alone and root:  # started while the phase trained; it answered GO (phases.make_room)
-        child, hello, word[0] = ready.child, ready.hello.value(), STARTED
+    if alone and root:  # started while the phase trained, it answered GO (phases.make_room); else now
+        if ready is None:  # at the phase's end (sync: Lobby.early), the others asleep meanwhile
+            ready, failure = launch(argv)
+            failure = failure or _hello_and_go(ready)
+            word[0] = FAILED if failure and ready is not None else NOT_STARTED
+        if not failure:
+            child, hello, word[0] = ready.child, ready.hello.value(), STARTED
     elif not alone:
         child, failure = _spawn(local, argv)
         if root and child is not None:
@@ -148,6 +153,21 @@ def start_worker(local, argv: list[str], ready: Starting | None = None):
         pair.Free()
         child.Free()
     return inter, hello, False
+
+
+def _hello_and_go(starting: Starting) -> str:
+    """Rank 0, a worker started at the phase's end: "" once it said hello and answered GO, else why not
+    (one silent is told to leave, for when it speaks)."""
+    from mpitrain.lobby import why_not_there  # the lobby starts workers through this module
+
+    poll(lambda: starting.hello_or_why() != (None, ""), 1e-3)  # until its hello, or HELLO_WITHIN_S
+    hello, why = starting.hello_or_why()
+    if hello is None:
+        if why == SILENT:
+            tell_to_leave(starting.child)
+        return why
+    gone = why_not_there(starting.joiner(hello))
+    return f"it {gone}" if gone else ""
 
 
 def not_started(why: str) -> None:
