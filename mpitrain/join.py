@@ -407,3 +407,22 @@ def _forming_stuck(who: str, why: str, detail: str = "a rank died meanwhile") ->
     say(f"mpitrain: error: {who}: the job did not go on within {FORM_LIMIT_S:g} s of {why} "
         f"({detail}); ending. The newest checkpoint in --checkpoint-dir resumes the run", sys.stderr)
     exit_without_finalize(ExitCode.PEER_LOST)
+
+
+def why_not_there(joiner: Joiner) -> str | None:
+    """Rank 0, once the job has made room, before it tells the others: GO to the joiner, and its
+    answer within ANSWER_S (None), else why not. A joiner that died while the job made room must
+    not be waited for in the grow's collectives (they would hang): the job then goes on without it,
+    at once when the joiner ran on this host (its process is gone: every rank of the job used to wait
+    out ANSWER_S for it)."""
+    go, ack = Message(0), Message(0)
+    go.stamp(TAG_JOIN, 0)
+    silent = "did not answer when the job had made room"
+    try:
+        reqs = [joiner.inter.Irecv(ack.spec(), source=0, tag=TAG_JOIN), joiner.inter.Isend(go.spec(), dest=0, tag=TAG_JOIN)]
+        answered = lambda: MPI.Request.Testall(reqs)  # noqa: E731
+        dead = lambda: dead_here(joiner.host, joiner.pid)  # noqa: E731
+        poll(lambda: answered() or dead(), 1e-3, deadline=time.monotonic() + ANSWER_S)
+        return None if answered() else "died when the job had made room" if dead() else silent
+    except MPI.Exception:
+        return silent

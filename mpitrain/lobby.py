@@ -18,10 +18,8 @@ from mpitrain.faults import Kill
 from mpitrain.join import (ANSWER_S, CONNECT_TIMEOUT_S, FRESH_S, REQUESTS, SCAN_EVERY_S, Carry, Joiner, dead_here,
                            gave_up, job_folder, last_line, recv_json, remove, send_json, tell_to_leave)
 from mpitrain.layout import PS_RANK
-from mpitrain.protocol import TAG_JOIN, Message
 from mpitrain.stopping import STOP
 from mpitrain.stuck import WATCHDOG
-from mpitrain.waiting import poll
 
 
 class Lobby:
@@ -227,22 +225,3 @@ def connect_timeout_s(worker_timeout: float) -> int:
     them declare rank 0 lost (CI, 2026-11-27: a connect that timed out after 5 s under
     --worker-timeout 2 cost the job a worker, then the joiner). At least MPICH's 1 s grain."""
     return max(1, min(CONNECT_TIMEOUT_S, int(worker_timeout // 2)))
-
-
-def why_not_there(joiner: Joiner) -> str | None:
-    """Rank 0, once the job has made room, before it tells the others: GO to the joiner, and its
-    answer within ANSWER_S (None), else why not. A joiner that died while the job made room must
-    not be waited for in the grow's collectives (they would hang): the job then goes on without it,
-    at once when the joiner ran on this host (its process is gone: every rank of the job used to wait
-    out ANSWER_S for it)."""
-    go, ack = Message(0), Message(0)
-    go.stamp(TAG_JOIN, 0)
-    silent = "did not answer when the job had made room"
-    try:
-        reqs = [joiner.inter.Irecv(ack.spec(), source=0, tag=TAG_JOIN), joiner.inter.Isend(go.spec(), dest=0, tag=TAG_JOIN)]
-        answered = lambda: MPI.Request.Testall(reqs)  # noqa: E731
-        dead = lambda: dead_here(joiner.host, joiner.pid)  # noqa: E731
-        poll(lambda: answered() or dead(), 1e-3, deadline=time.monotonic() + ANSWER_S)
-        return None if answered() else "died when the job had made room" if dead() else silent
-    except MPI.Exception:
-        return silent

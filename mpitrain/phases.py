@@ -18,8 +18,9 @@ from mpitrain.console import say
 from mpitrain.ending import free_worker_comm, retire_heartbeats, say_goodbye
 from mpitrain.exitcodes import ExitCode
 from mpitrain.guard import Diverged
+from mpitrain.join import why_not_there
 from mpitrain.joiner import join_job
-from mpitrain.lobby import Lobby, why_not_there
+from mpitrain.lobby import Lobby
 from mpitrain.lock import exit_without_finalize
 from mpitrain.protocol import FLAG_PEER_LOST, Message
 from mpitrain.reports import Outcome, RoleResult

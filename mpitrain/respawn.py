@@ -26,7 +26,8 @@ from mpitrain.config_io import disagreement
 from mpitrain.console import say
 from mpitrain.exitcodes import ExitCode
 from mpitrain.join import (ANSWER_S, FORM_LIMIT_S, SPAWNED_LEAVES_FIRST_S, Carry, Joiner, JsonReceive, answer_go,
-                           await_go, dead_here, into_job, last_line, recv_json, send_json, tell_to_leave, with_joiner)
+                           await_go, dead_here, into_job, last_line, recv_json, send_json, tell_to_leave, why_not_there,
+                           with_joiner)
 from mpitrain.lock import exit_without_finalize
 from mpitrain.protocol import FLAG_STOP
 from mpitrain.stuck import WATCHDOG
@@ -158,8 +159,6 @@ def start_worker(local, argv: list[str], ready: Starting | None = None):
 def _hello_and_go(starting: Starting) -> str:
     """Rank 0, a worker started at the phase's end: "" once it said hello and answered GO, else why not
     (one silent is told to leave, for when it speaks)."""
-    from mpitrain.lobby import why_not_there  # the lobby starts workers through this module
-
     poll(lambda: starting.hello_or_why() != (None, ""), 1e-3)  # until its hello, or HELLO_WITHIN_S
     hello, why = starting.hello_or_why()
     if hello is None:
