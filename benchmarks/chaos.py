@@ -50,8 +50,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from mpitrain import checkpoint, mpiimpl  # noqa: E402
 from mpitrain.exitcodes import ExitCode  # noqa: E402
-from mpitrain.join import FORM_LIMIT_S  # noqa: E402
 from mpitrain.faults import LINGER_S, kill_session, rank_pids  # noqa: E402
+from mpitrain.join import FORM_LIMIT_S  # noqa: E402
 from mpitrain.layout import Layout  # noqa: E402
 from mpitrain.stuck import STUCK_LINE  # noqa: E402
 
@@ -406,14 +406,15 @@ def judge(case: Case, trial: Trial, job: Job, code: int | None, leftovers: bool,
     if leftovers:
         trial.why = "a process outlived mpirun"
         return
-    problems = expected(case, trial, err, code, summary, tmp, job.text("joiner"))
+    problems = expected(case, trial, err, code, summary, tmp, job.text("joiner"), job.text("out"))
     trial.outcome = "documented" if not problems else "other"
     trial.why = "; ".join(problems) + (f"\n{err[-1500:]}" if problems else "")
 
 
 def expected(case: Case, trial: Trial, err: str, code: int, summary: dict | None, tmp: Path,
-             joiner: str = "") -> list[str]:
-    """What README "When things go wrong" promises for this case; [] when it held."""
+             joiner: str = "", out: str = "") -> list[str]:
+    """What README "When things go wrong" promises for this case; [] when it held. `err` is the job's
+    standard error, `out` its standard output (rank 0's lines about joins and replacements)."""
     v = trial.victim
     if v is None:  # the kill came after the victim had exited: an ordinary finished run
         return [] if code == 0 and summary and summary["global_step"] == case.steps else [f"exit {code} with no kill"]
@@ -474,7 +475,7 @@ def expected(case: Case, trial: Trial, err: str, code: int, summary: dict | None
             problems.append("replicas differ")
         respawned = [j for j in summary["joined_workers"] if j.get("respawned")]
         unreplaced = ("no worker was started in place", "the worker started in place of the lost one did not join")
-        if "--respawn" in case.args and lost and not respawned and not any(line in err for line in unreplaced):
+        if "--respawn" in case.args and lost and not respawned and not any(line in out for line in unreplaced):
             problems.append("the lost worker was not replaced, and no line said why")
         # Not 0 when a worker was lost: a scheduler must see it. Killed after its report, nothing was
         # lost: hydra still reports the killed rank's 137 (its supervisor's), Open MPI rank 0's 0.

@@ -160,16 +160,16 @@ class Lobby:
 
     def _look_at_start(self) -> None:
         """The worker started in place of a lost one: once its hello is in, make room for it; if its
-        set-up failed, or it stayed silent, the job trains on without it (a silent one is told to
-        leave, for when it speaks)."""
-        hello, why = self.starting.hello_or_why()
-        if hello is not None:
-            self.started, self.spawn = self.starting.joiner(hello), True
+        set-up failed, or it stayed silent, the job trains on without it (respawn.Starting.settled)."""
+        settled = self.starting.settled()
+        if settled is None:
+            return
+        self.started, why = settled
+        if self.started is not None:
+            self.spawn = True
             self._make_room()
-        elif why:
+        else:
             respawn.not_started(why)
-            if why == respawn.SILENT:
-                tell_to_leave(self.starting.child)
             self.starting = None
 
     def settle(self) -> None:

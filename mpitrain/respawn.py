@@ -71,6 +71,20 @@ class Starting:
         """What the phase's end lets in, as a joiner that connected (join.why_not_there asks it first)."""
         return Joiner(self.child, str(hello.get("host", "?")), int(hello.get("pid", -1)))
 
+    def settled(self) -> tuple[Joiner | None, str] | None:
+        """None while it starts up; then (the joiner to let in, "") once its hello is in, or (None, why
+        not) once its set-up failed or it stayed silent past the deadline: a silent one is told to
+        leave, for when it speaks. The Lobby (started while the phase trains) and start_worker (at the
+        phase's end) both decide by it."""
+        hello, why = self.hello_or_why()
+        if hello is not None:
+            return self.joiner(hello), ""
+        if not why:
+            return None
+        if why == SILENT:
+            tell_to_leave(self.child)
+        return None, why
+
 
 SILENT = f"it said nothing within {HELLO_WITHIN_S:g} s of its start (it died, or its set-up and data took longer)"
 
@@ -157,15 +171,13 @@ def start_worker(local, argv: list[str], ready: Starting | None = None):
 
 
 def _hello_and_go(starting: Starting) -> str:
-    """Rank 0, a worker started at the phase's end: "" once it said hello and answered GO, else why not
-    (one silent is told to leave, for when it speaks)."""
-    poll(lambda: starting.hello_or_why() != (None, ""), 1e-3)  # until its hello, or HELLO_WITHIN_S
-    hello, why = starting.hello_or_why()
-    if hello is None:
-        if why == SILENT:
-            tell_to_leave(starting.child)
+    """Rank 0, a worker started at the phase's end: "" once it said hello and answered GO, else why not."""
+    settled: list = []
+    poll(lambda: settled.append(starting.settled()) or settled[-1] is not None, 1e-3)  # bounded: HELLO_WITHIN_S
+    joiner, why = settled[-1]
+    if joiner is None:
         return why
-    gone = why_not_there(starting.joiner(hello))
+    gone = why_not_there(joiner)
     return f"it {gone}" if gone else ""
 
 

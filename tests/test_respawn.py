@@ -17,9 +17,7 @@ import pytest
 
 from conftest import (MPI_TIMEOUT_S, Lines, child_env, keep_going, kill_session, mpi_impl, mpirun_path, only_on,
                       read_summary)
-from mpitrain import join
-from mpitrain import lobby as lobby_module
-from mpitrain import mpiimpl, respawn
+from mpitrain import join, mpiimpl, respawn
 from mpitrain.faults import rank_pids
 from mpitrain.lobby import Lobby
 
@@ -146,17 +144,15 @@ def test_a_loss_only_the_reports_wait_recorded_still_gets_its_line(tmp_path, cap
     assert not lobby.pending(recorded)
 
 
-class _Starting:
-    """respawn.Starting's face to the lobby, its hello scripted: None while it starts up."""
+class _Starting(respawn.Starting):
+    """respawn.Starting, its hello scripted (None while it starts up); what the lobby does with it is the real one's."""
 
     def __init__(self):
-        self.child, self.said = "child", (None, "")
+        super().__init__("child", None, float("inf"))
+        self.said = (None, "")
 
     def hello_or_why(self):
         return self.said
-
-    def joiner(self, hello):
-        return join.Joiner(self.child, hello["host"], hello["pid"])
 
 
 def _lobby_starting(tmp_path, monkeypatch, alone: bool):
@@ -176,7 +172,7 @@ def _lobby_starting(tmp_path, monkeypatch, alone: bool):
     monkeypatch.setattr(respawn, "AFTER_LOSS_S", 0.2)
     monkeypatch.setattr(respawn, "launch", lambda argv: (lobby.launched.append(argv) or _Starting(), ""))
     monkeypatch.setattr(STOP, "request", lambda: lobby.stops.append(time.monotonic()))
-    monkeypatch.setattr(lobby_module, "tell_to_leave", lambda inter: lobby.told.append(inter))
+    monkeypatch.setattr(respawn, "tell_to_leave", lambda inter: lobby.told.append(inter))
     return lobby, Ctx, carry
 
 
