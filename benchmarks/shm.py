@@ -3,6 +3,7 @@
     python benchmarks/shm.py                    # writes benchmarks/SHM.md (~8 min on 2 cores)
     python benchmarks/shm.py --reps 1 --steps 1000 --out /tmp/SHM.md   # a smoke run
     python benchmarks/shm.py --data-dir DIR     # learning on an MNIST-sized set too (the four IDX .gz files)
+    python benchmarks/shm.py --models mlp --seeds 0 --reps 7   # throughput only
 
 Throughput: the compute limit (two independent processes, no communication), async np=3 with
 `--ps-transport mpi` (the default) and with `shm`, interleaved, each row a median of --reps; rank 0's
@@ -38,7 +39,10 @@ def throughput(models: list[str], steps: int, reps: int) -> dict:
 
 
 def learning(seeds: int, data_dir: str | None) -> dict:
+    """--seeds 0: none (a throughput-only run)."""
     out = {}
+    if seeds < 1:
+        return out
     sets = {**({"mnist-sized": ["--dataset", "mnist", "--data-dir", data_dir]} if data_dir else {}), **LEARNING}
     for name, flags in sets.items():
         for t in TRANSPORTS:
@@ -68,6 +72,8 @@ def report(thr: dict, learn: dict, args) -> list[str]:
             lines.append(f"| {m} | {name} | {row['rate']:,.0f} | {row['min']:,.0f}-{row['max']:,.0f} | "
                          f"{row['rate'] / limit:.2f}x | {busy} |")
         lines.append(f"| {m} | shm / mpi | {r['shm']['rate'] / r['mpi']['rate']:.2f}x | | | |")
+    if not learn:
+        return lines
     lines += ["", f"## Learning (async np=3, MLP, seeds 0-{args.seeds - 1})", "",
               "| data | transport | test accuracy per seed | median | staleness p50 / p99 / mean |", "|---|---|---|---|---|"]
     for (name, t), r in learn.items():
