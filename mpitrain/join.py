@@ -120,7 +120,7 @@ class Carry:
     outputs: JobOutputs = dataclasses.field(default_factory=JobOutputs)  # rank 0: one bar and one log for all phases
     handover: object = None  # failover.Handover: rank 0 was lost, the next phase starts from the survivors' state
     failovers: list[dict] = dataclasses.field(default_factory=list)  # every take-over of the job (the summary's)
-    server_lost: bool = False  # the successor of a lost rank 0: --respawn owes the job the rank it lost
+    owed: int = 0  # rank 0: lost ranks --respawn has yet to start a worker in place of (Lobby.owe)
     # The dataset this process loaded, for the next phase: the job's flags do not change between phases
     # (next_config), so neither do its data, and loading them again held up every respawn and join
     # (each rank's and the joiner's load is on the path: ~0.5 s of ~2.2 s per respawn, synthetic, 2 cores).

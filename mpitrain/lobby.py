@@ -111,10 +111,17 @@ class Lobby:
         remove(path)  # one connection per request: a refused joiner does not come back
         self._admit(inter, host, pid)
 
-    def owe_one(self) -> None:
-        """--respawn after a take-over (failover.py): the lost rank 0 counts as a lost worker of this
-        phase, so the job starts a rank in its place and grows back to the size it had."""
-        self.lost_seen -= 1
+    def owe(self, losses: int) -> None:
+        """--respawn: `losses` of an earlier phase not replaced yet count as lost workers of this one
+        (join.Carry.owed), so the job starts a rank in place of each and grows back to the size it had:
+        the workers lost with the one replaced as the last phase ended (a host's failure takes all of
+        its workers at once), or the lost rank 0 after a take-over (failover.py)."""
+        self.lost_seen -= losses
+
+    def unreplaced(self, recorded=()) -> int:
+        """At a phase's end that lets a worker in: the losses of this phase (and those it was owed)
+        that no replacement was started for; the next phase owes them (`owe`)."""
+        return max(0, len(self.lost(recorded)) - self.lost_seen)
 
     def lost(self, recorded=()) -> set[int]:
         """The ranks lost in this phase: the watch's, and `recorded`, the phase's lost workers as the
@@ -128,10 +135,11 @@ class Lobby:
         return len(self.lost(recorded)) > self.lost_seen and self.carry.respawns_left > 0
 
     def _respawn_due(self) -> bool:
-        """A replacement is to be started (each loss gets one try, whatever becomes of it)."""
+        """A replacement is to be started (each loss gets one try, whatever becomes of it; losses seen
+        at one look, two workers of a host that failed, get one each, in turn)."""
         if not self._loss_unseen():
             return False
-        self.lost_seen = len(self.lost())
+        self.lost_seen += 1
         self.carry.respawns_left -= 1
         return True
 

@@ -70,9 +70,8 @@ def open_lobby(ctx: Context, carry: join.Carry, heartbeat=None) -> Lobby | None:
         carry.identity = identity(ctx)  # the job's flags as given: a joiner's are compared with these
         carry.job_cfg, carry.respawns_left = ctx.cfg, ctx.cfg.respawn
     lobby = Lobby(ctx, carry, heartbeat)
-    if carry.server_lost:
-        carry.server_lost = False
-        lobby.owe_one()
+    lobby.owe(carry.owed)
+    carry.owed = 0
     return lobby
 
 
@@ -93,6 +92,7 @@ def make_room(ctx: Context, mine: RoleResult, reports: list, heartbeat, carry: j
     the joiner (the one it let in, or one they start: --respawn) instead of ending, and form it."""
     state = mine.state
     lost = sorted(lobby.lost(state.lost_workers))
+    carry.owed = lobby.unreplaced(state.lost_workers)  # the next phase starts a worker in place of each (Lobby.owe)
     if not ctx.mode.averages:  # the summary's count of each lost worker's gradients, by this phase's index
         state.lost_workers = [{**x, "local_steps": state.local_steps[ctx.layout.worker_index(x["rank"])]}
                               for x in state.lost_workers]
@@ -195,6 +195,6 @@ def take_over(ctx: Context, e, heartbeat, carry: join.Carry, library: bool) -> O
         exit_without_finalize(ExitCode.PEER_LOST)
     world, handover = got
     carry.handover = handover
-    carry.server_lost = handover.state is not None  # the successor: --respawn starts a rank in place of the lost one
+    carry.owed = int(handover.state is not None)  # the successor: --respawn starts a rank in place of the lost one
     carry.failovers.append(handover.record)
     return Outcome(ExitCode.OK, grown=(carry.next_config(ctx.cfg), world, node_info(world)))

@@ -45,19 +45,26 @@ def respawn_cmd(tmp_path, *args: str, np_: int = 3) -> list[str]:
             "--checkpoint-dir", str(tmp_path / "ck"), "--summary-json", str(tmp_path / "s.json")]
 
 
+def start_job(tmp_path, *args: str, np_: int = 3, env=None) -> tuple[subprocess.Popen, Lines]:
+    """The job started (respawn_cmd), its last rank's start line out and a second of training done."""
+    proc = subprocess.Popen(respawn_cmd(tmp_path, *args, np_=np_), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env or child_env(), start_new_session=True)
+    lines = Lines(proc.stdout)
+    if not lines.wait(f"rank {np_ - 1} worker"):
+        kill_session(proc)
+        raise AssertionError(lines.text())
+    time.sleep(1)
+    return proc, lines
+
+
 @pytest.mark.parametrize("mode", ["async", "sync", pytest.param("shm", marks=only_on(
     "mpich", "the spawn is tested under both MPIs above; the store is the same under either"))])
 def test_a_worker_killed_with_sigkill_is_replaced_and_the_job_finishes_its_budget(tmp_path, mode):
     last = RANKS[mode] - 1  # the victim, and the new worker's rank
     log = tmp_path / "log"
     env = {**child_env(), **({"MPITRAIN_INJECT_SLOW_SETUP": str(SLOW_SETUP_S)} if mode == "async" else {})}
-    proc = subprocess.Popen(respawn_cmd(tmp_path, *JOB[mode], "--respawn", "1", "--log-dir", str(log), np_=RANKS[mode]),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
-    lines = Lines(proc.stdout)
+    proc, lines = start_job(tmp_path, *JOB[mode], "--respawn", "1", "--log-dir", str(log), np_=RANKS[mode], env=env)
     try:
-        assert lines.wait(f"rank {last} worker"), lines.text()
-        time.sleep(1)
         os.kill(rank_pids(proc.pid)[last][0], signal.SIGKILL)
         assert lines.wait(f"joined as rank {last}", 1, 90), lines.text()
         proc.wait(MPI_TIMEOUT_S)
@@ -122,6 +129,55 @@ def test_each_lost_worker_gets_one_respawn_until_the_budget_is_spent(tmp_path):
     lobby = Lobby(Ctx, carry)  # the next phase: a new watch, the same budget
     Ctx.watch.lost = {1: {"rank": 1}}
     assert not lobby._respawn_due()
+
+
+def test_workers_lost_together_each_get_a_replacement_in_turn(tmp_path):
+    """Two workers lost at one look (a host's failure takes all of its workers at once) get one
+    replacement each, one at a time: what the phase that let the first in did not replace, the next
+    phase owes (join.Carry.owed, Lobby.owe). Before, the second loss went unreplaced, without a line."""
+    carry = join.Carry(identity={}, token="t", budget=10, respawns_left=2)
+
+    class Ctx:
+        cfg = type("Cfg", (), {"checkpoint_dir": str(tmp_path), "worker_timeout": 2.0})()
+        watch = _Watch()
+
+    lobby = Lobby(Ctx, carry)
+    Ctx.watch.lost = {1: {"rank": 1}, 2: {"rank": 2}}
+    assert lobby._respawn_due() and lobby.unreplaced() == 1
+    recorded = [{"rank": 3, "global_step": 9, "reason": "lost while sending its report"}]
+    assert lobby.unreplaced(recorded) == 2
+    carry.owed = lobby.unreplaced()  # phases.make_room: the phase ends letting the first replacement in
+    Ctx.watch.lost = {}  # the next phase: a new watch
+    lobby = Lobby(Ctx, carry)
+    lobby.owe(carry.owed)
+    assert lobby._respawn_due() and carry.respawns_left == 0 and lobby.unreplaced() == 0
+    assert not lobby._respawn_due()
+    lobby = Lobby(Ctx, carry)  # owed, but --respawn is spent: nothing more
+    lobby.owe(1)
+    assert not lobby._respawn_due()
+
+
+@only_on("mpich", "the lobby's count is the same under either MPI; the spawn is tested under both above")
+def test_two_workers_killed_at_once_are_both_replaced(tmp_path):
+    """A host's failure as a user meets it: two workers SIGKILLed together from outside, --respawn 2;
+    both are replaced (one after the other) and the job ends its budget with the workers it started with."""
+    budget = 20000
+    proc, lines = start_job(tmp_path, "--mode", "async", "--steps", str(budget), "--respawn", "2", np_=5)
+    try:
+        pids = rank_pids(proc.pid)
+        for rank in (1, 2):
+            os.kill(pids[rank][0], signal.SIGKILL)
+        assert lines.wait("joined as rank", 2, 90), lines.text()
+        proc.wait(MPI_TIMEOUT_S)
+    finally:
+        leftovers = kill_session(proc)
+    text = lines.text()
+    assert proc.returncode == mpi_impl().worker_lost_exit and not leftovers and "Traceback" not in text, text
+    assert "(--respawn: 1 more after this one)" in text and "(--respawn: 0 more after this one)" in text, text
+    s = json.loads((tmp_path / "s.json").read_text())
+    assert sorted(x["rank"] for x in s["lost_workers"]) == [1, 2], s["lost_workers"]
+    assert [j["respawned"] for j in s["joined_workers"]] == [True, True], s["joined_workers"]
+    assert s["workers"] == 4 and s["global_step"] == budget
 
 
 def test_a_loss_only_the_reports_wait_recorded_still_gets_its_line(tmp_path, capsys):
@@ -262,13 +318,8 @@ def test_a_replacement_that_cannot_set_up_says_why_and_the_job_goes_on_without_i
     y = (x[:, 0] > 0).astype(np.int64)
     np.savez(data, x_train=x[:500], y_train=y[:500], x_test=x[500:], y_test=y[500:])
     budget = 20000
-    proc = subprocess.Popen(respawn_cmd(tmp_path, "--dataset", f"npz:{data}", "--steps", str(budget), "--respawn", "1"),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(),
-                            start_new_session=True)
-    lines = Lines(proc.stdout)
+    proc, lines = start_job(tmp_path, "--dataset", f"npz:{data}", "--steps", str(budget), "--respawn", "1")
     try:
-        assert lines.wait("rank 2 worker"), lines.text()
-        time.sleep(1)
         data.unlink()
         os.kill(rank_pids(proc.pid)[2][0], signal.SIGKILL)
         assert lines.wait("could not start a worker in place of the lost one", 1, 90), lines.text()
@@ -330,13 +381,8 @@ def test_a_job_that_ends_while_its_replacement_loads_tells_it_to_leave_and_ends_
     it; the worker says so in one line, and nothing waits for it (it would hold mpirun open)."""
     env = {**child_env(), "MPITRAIN_INJECT_SLOW_SETUP": "6"}
     budget = 6000  # ~1-3 s of training after the kill on 2 cores: done long before the replacement's 6 s
-    proc = subprocess.Popen(respawn_cmd(tmp_path, "--mode", "async", "--steps", str(budget), "--respawn", "1"),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
-    lines = Lines(proc.stdout)
+    proc, lines = start_job(tmp_path, "--mode", "async", "--steps", str(budget), "--respawn", "1", env=env)
     try:
-        assert lines.wait("rank 2 worker"), lines.text()
-        time.sleep(1)
         os.kill(rank_pids(proc.pid)[2][0], signal.SIGKILL)
         proc.wait(MPI_TIMEOUT_S)
     finally:
