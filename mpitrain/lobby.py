@@ -217,8 +217,11 @@ class Lobby:
             say(f"mpitrain: the worker started in place of the lost one did not join: {why}")
             self.starting = self.started = None
             self.spawn = False
-        if self.spawn or self.launch_at is not None or self._loss_unseen(recorded):
-            say(f"mpitrain: no worker was started in place of the lost one: {why}")
+        # the replacement about to start (its loss is counted as seen), and the losses none was started for yet
+        owed = int(self.spawn or self.launch_at is not None) + min(self.unreplaced(recorded), self.carry.respawns_left)
+        if owed:
+            whom = "the lost one" if owed == 1 else f"any of the {owed} lost"
+            say(f"mpitrain: no worker was started in place of {whom}: {why}")
             self.spawn, self.launch_at = False, None
         if self.joiner is None:
             return

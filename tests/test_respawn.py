@@ -131,7 +131,7 @@ def test_each_lost_worker_gets_one_respawn_until_the_budget_is_spent(tmp_path):
     assert not lobby._respawn_due()
 
 
-def test_workers_lost_together_each_get_a_replacement_in_turn(tmp_path):
+def test_workers_lost_together_each_get_a_replacement_in_turn(tmp_path, capsys):
     """Two workers lost at one look (a host's failure takes all of its workers at once) get one
     replacement each, one at a time: what the phase that let the first in did not replace, the next
     phase owes (join.Carry.owed, Lobby.owe). Before, the second loss went unreplaced, without a line."""
@@ -155,6 +155,13 @@ def test_workers_lost_together_each_get_a_replacement_in_turn(tmp_path):
     lobby = Lobby(Ctx, carry)  # owed, but --respawn is spent: nothing more
     lobby.owe(1)
     assert not lobby._respawn_due()
+
+    carry.respawns_left = 2  # both lost as the budget ended: one line for the two
+    lobby = Lobby(Ctx, carry)
+    Ctx.watch.lost = {1: {"rank": 1}, 2: {"rank": 2}}
+    assert lobby.pending()
+    lobby.release("the job finished its budget")
+    assert "no worker was started in place of any of the 2 lost: the job finished its budget" in capsys.readouterr().out
 
 
 @only_on("mpich", "the lobby's count is the same under either MPI; the spawn is tested under both above")
