@@ -194,6 +194,18 @@ class Trial:
     accuracy: float | None = None  # ... and the final test accuracy
 
 
+def end_problems(code: int | None, leftovers: bool, text: str, summary: dict | None) -> list[str]:
+    """What any soak's job must not end with (a hang, a traceback, a process left, no summary)."""
+    problems = ["hang"] if code is None else []
+    if "Traceback" in text:
+        problems.append("traceback")
+    if leftovers:
+        problems.append("a process outlived mpirun")
+    if summary is None:
+        problems.append(f"no summary (exit {code})")
+    return problems
+
+
 class Job:
     """One mpirun in its own session, its output read line by line with arrival times."""
 

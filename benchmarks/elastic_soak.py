@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from chaos import IMPL, Job  # same folder
+from chaos import IMPL, Job, end_problems  # same folder
 from run import machine, mpirun
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -70,16 +70,8 @@ def one_job(flags: tuple[str, ...], left: int, rng: random.Random, impl: mpiimpl
         err = job.text("err")
         summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
         declared = [t for t, s, line in job.lines if s == "err" and " lost at global step " in line]
-        problems = []
-        if code is None:
-            problems.append("hang")
-        if "Traceback" in err:
-            problems.append("traceback")
-        if leftovers:
-            problems.append("a process outlived mpirun")
-        if summary is None:
-            problems.append(f"no summary (exit {code})")
-        else:
+        problems = end_problems(code, leftovers, err, summary)
+        if summary is not None:
             if summary["global_step"] != STEPS:
                 problems.append(f"global step {summary['global_step']} of {STEPS}")
             if sorted(w["rank"] for w in summary["lost_workers"]) != sorted(killed):
