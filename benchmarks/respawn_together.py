@@ -52,7 +52,8 @@ def trial(mode: str, seed: int) -> dict:
         job = Job(cmd, tmp)
         if job.wait_for(f"rank {NP - 1} worker", 60) is None:
             job.finish(10)
-            return {"mode": mode, "problems": ["the job never started"], "text": job.text()[-800:]}
+            return {"mode": mode, "lost": 0, "replaced": 0, "said": 0, "problems": ["the job never started"],
+                    "text": job.text()[-800:]}
         wait = rng.uniform(0.2, SPAN_S[mode])
         job.wait_for("never printed", wait)  # sleeps `wait` while reading the output
         victims = rng.sample(range(1, NP), 2)
