@@ -218,9 +218,10 @@ class Lobby:
             self.starting = self.started = None
             self.spawn = False
         # the replacement about to start (its loss is counted as seen), and the losses none was started for yet
-        owed = int(self.spawn or self.launch_at is not None) + min(self.unreplaced(recorded), self.carry.respawns_left)
-        if owed:
-            whom = "the lost one" if owed == 1 else f"any of the {owed} lost"
+        about_to_start = int(self.spawn or self.launch_at is not None)
+        unstarted = about_to_start + min(self.unreplaced(recorded), self.carry.respawns_left)
+        if unstarted:
+            whom = "the lost one" if unstarted == 1 else f"any of the {unstarted} lost"
             say(f"mpitrain: no worker was started in place of {whom}: {why}")
             self.spawn, self.launch_at = False, None
         if self.joiner is None:

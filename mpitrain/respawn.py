@@ -172,9 +172,9 @@ def start_worker(local, argv: list[str], ready: Starting | None = None):
 
 def _hello_and_go(starting: Starting) -> str:
     """Rank 0, a worker started at the phase's end: "" once it said hello and answered GO, else why not."""
-    settled: list = []
-    poll(lambda: settled.append(starting.settled()) or settled[-1] is not None, 1e-3)  # bounded: HELLO_WITHIN_S
-    joiner, why = settled[-1]
+    while (settled := starting.settled()) is None:  # bounded: HELLO_WITHIN_S after its start
+        time.sleep(1e-3)
+    joiner, why = settled
     if joiner is None:
         return why
     gone = why_not_there(joiner)
