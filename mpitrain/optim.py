@@ -6,6 +6,7 @@ Each optimizer updates `params` in place from a flat gradient of the same layout
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -22,6 +23,9 @@ class OptimizerKind:
     state: tuple[str, ...]
     step: Callable
     default_lr: float  # used when --lr is not given
+    # The same update with the parameters' last pass as one BLAS axpy (Optimizer(blas=True), NumPy
+    # only); None: the kind has none, `step` is used.
+    blas_step: Callable | None = None
 
 
 def _sgd(opt: "Optimizer", params, grad, lr: float) -> None:
@@ -30,12 +34,42 @@ def _sgd(opt: "Optimizer", params, grad, lr: float) -> None:
     params -= tmp
 
 
+@functools.cache
+def blas_saxpy():
+    """SciPy's BLAS saxpy, loaded once. SciPy takes ~0.4 s to load: a job loads it before its ranks
+    meet (exchange/shm.py), or the worker that loads it last starts that much after the others."""
+    from scipy.linalg.blas import saxpy
+
+    return saxpy
+
+
+def axpy(opt: "Optimizer", x, y, a: float) -> None:
+    """y += a * x in place, in one pass over float32 NumPy arrays: BLAS's saxpy (SciPy's, loaded
+    by Optimizer(blas=True)), where NumPy's `y -= lr * x` is two passes and a temporary. A fused
+    multiply-add rounds once, so the result may differ from NumPy's in the last bit: only paths with
+    no digest to keep use it."""
+    out = opt.saxpy(x, y, a=a)
+    if out is not y:  # f2py copied y (not contiguous float32): the result went to the copy
+        y[...] = out
+
+
+def _sgd_blas(opt: "Optimizer", params, grad, lr: float) -> None:
+    axpy(opt, grad, params, -lr)
+
+
 def _momentum(opt: "Optimizer", params, grad, lr: float) -> None:
     xp, tmp, m = opt.xp, opt.tmp, opt.state["m"]
     m *= xp.float32(opt.momentum)
     m += grad
     xp.multiply(m, xp.float32(lr), out=tmp)
     params -= tmp
+
+
+def _momentum_blas(opt: "Optimizer", params, grad, lr: float) -> None:
+    m = opt.state["m"]
+    m *= np.float32(opt.momentum)
+    m += grad
+    axpy(opt, m, params, -lr)
 
 
 def _adam(opt: "Optimizer", params, grad, lr: float) -> None:
@@ -64,8 +98,8 @@ def _adam(opt: "Optimizer", params, grad, lr: float) -> None:
 # seeds'; momentum 0.1 (an effective 1.0 at 0.9) diverges in async mode (7% accuracy), 0.01 as
 # Keras's SGD trains everywhere; adam 1e-3 is Kingma & Ba's, Keras's and PyTorch's.
 REGISTRY: dict[str, OptimizerKind] = {
-    "sgd": OptimizerKind((), _sgd, 0.1),
-    "momentum": OptimizerKind(("m",), _momentum, 0.01),  # heavy ball, as tf.train.MomentumOptimizer
+    "sgd": OptimizerKind((), _sgd, 0.1, _sgd_blas),
+    "momentum": OptimizerKind(("m",), _momentum, 0.01, _momentum_blas),  # heavy ball, as tf.train.MomentumOptimizer
     "adam": OptimizerKind(("m", "v"), _adam, 1e-3),  # Kingma & Ba
 }
 
@@ -74,10 +108,15 @@ class Optimizer:
     """One of the REGISTRY's optimizers with its state, on NumPy or CuPy (`xp`)."""
 
     def __init__(self, kind: str, n: int, xp=np, momentum: float = 0.9,
-                 beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8):
+                 beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8, blas: bool = False):
         if kind not in REGISTRY:
             raise ValueError(f"unknown optimizer {kind!r}")
         self.kind = kind
+        # blas: the kind's one-pass update where it has one, on NumPy (the shm store: its apply is
+        # under the lock that every worker waits on)
+        self._step = (REGISTRY[kind].blas_step if blas and xp is np else None) or REGISTRY[kind].step
+        if self._step is REGISTRY[kind].blas_step:
+            self.saxpy = blas_saxpy()
         self.xp = xp
         self.momentum = momentum
         self.beta1, self.beta2, self.eps = beta1, beta2, eps
@@ -94,7 +133,7 @@ class Optimizer:
 
     def step(self, params, grad, lr: float) -> None:
         self.t += 1
-        REGISTRY[self.kind].step(self, params, grad, lr)
+        self._step(self, params, grad, lr)
 
 
 def decayed_lr(lr: float, decay: float, samples_seen: int, n_train: int) -> float:
@@ -233,9 +272,9 @@ class ServerUpdate:
     outer optimizer) is another class with the same method and state."""
 
     def __init__(self, cfg, params, xp, start_step: int, opt_t: int, opt_state: dict, saved_ema=None,
-                 workers: int = 0, version: int = 0):
+                 workers: int = 0, version: int = 0, blas: bool = False):
         self.params, self.tolerance = params, cfg.staleness_tolerance
-        self.opt = Optimizer(cfg.optimizer, params.shape[0], xp, momentum=cfg.momentum)
+        self.opt = Optimizer(cfg.optimizer, params.shape[0], xp, momentum=cfg.momentum, blas=blas)
         self.opt.restore(opt_t, opt_state)
         self.ema = make_ema(cfg.ema_decay, params, xp, start_step, saved_ema)
         self.dc = None if cfg.delay_compensation is None else DelayCompensation(

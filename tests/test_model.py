@@ -76,18 +76,36 @@ def _run(kind, steps, lr=0.1, **kw):
     return p, grads
 
 
-def test_sgd_update():
-    p, grads = _run("sgd", 3)
+@pytest.mark.parametrize("blas", [False, True])
+def test_sgd_update(blas):
+    p, grads = _run("sgd", 3, blas=blas)
     np.testing.assert_allclose(p, 1 - 0.1 * sum(grads), rtol=1e-6)
 
 
-def test_momentum_update():
-    p, grads = _run("momentum", 3, momentum=0.5)
+@pytest.mark.parametrize("blas", [False, True])
+def test_momentum_update(blas):
+    p, grads = _run("momentum", 3, momentum=0.5, blas=blas)
     v, ref = np.zeros(5), np.ones(5)
     for g in grads:
         v = 0.5 * v + g
         ref -= 0.1 * v
     np.testing.assert_allclose(p, ref, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["sgd", "momentum"])
+def test_a_blas_step_updates_a_view_of_a_larger_array_in_place(kind):
+    """The shm store hands its optimizer views of one shared segment: the one-pass BLAS update must
+    land in them, contiguous (a shard) or not (f2py then works on a copy, which is written back)."""
+    rng = np.random.default_rng(1)
+    g = rng.normal(size=4).astype(np.float32)
+    for view in (slice(2, 6), slice(0, 8, 2)):
+        segment, ref = np.ones(10, np.float32), np.ones(4, np.float32)
+        Optimizer(kind, 4, blas=True).step(segment[view], g, 0.5)
+        Optimizer(kind, 4).step(ref, g, 0.5)
+        np.testing.assert_allclose(segment[view], ref, rtol=1e-6)
+        untouched = np.ones(10, bool)
+        untouched[view] = False
+        assert (segment[untouched] == 1).all()
 
 
 def test_adam_update():

@@ -139,21 +139,25 @@ def test_max_staleness_holds_and_delay_compensation_learns_on_the_store(tmp_path
     assert dc["test_accuracy"] >= 0.93, dc["_stdout"]
 
 
-def test_a_shared_apply_is_the_servers_update_with_the_workers_own_copy_as_the_sent_parameters(tmp_path):
+@pytest.mark.parametrize("optimizer", ["adam", "momentum"])
+def test_a_shared_apply_is_the_servers_update_with_the_workers_own_copy_as_the_sent_parameters(tmp_path, optimizer):
     """Two workers' SharedUpdates taking turns over one store equal one optim.ServerUpdate on private
-    arrays: Adam's moments and count, the moving average and delay compensation's mean square are
-    the store's, and DC's 'parameters sent' are the worker's pulled copy."""
+    arrays: the optimizer's state and count, the moving average and delay compensation's mean square are
+    the store's, and DC's 'parameters sent' are the worker's pulled copy. Momentum: the store's apply
+    is the one-pass BLAS step (optim.axpy) into the segment's shard views, the reference NumPy's."""
     from mpitrain.checkpoint import TrainState
     from mpitrain.cli import parse_args
-    from mpitrain.optim import ServerUpdate
+    from mpitrain.optim import REGISTRY, ServerUpdate
 
-    cfg, _ = parse_args(["--optimizer", "adam", "--ema-decay", "0.9", "--delay-compensation", "2"])
+    cfg, _ = parse_args(["--optimizer", optimizer, "--ema-decay", "0.9", "--delay-compensation", "2"])
     rng = np.random.default_rng(0)
     start = TrainState(rng.standard_normal(6).astype(np.float32), global_step=5, opt_t=5)
     parts = [slice(0, 4), slice(4, 6)]  # --num-ps 2: each worker applies both shards, each with its own counts
-    store = shm.Store(str(tmp_path / "seg"), 6, 2, ("m", "v"), ema=True, dc=True, create=True, shards=2)
+    names = REGISTRY[optimizer].state
+    store = shm.Store(str(tmp_path / "seg"), 6, 2, names, ema=True, dc=True, create=True, shards=2)
     store.fill(start, 2, hold_at=100)
     workers = [[shm.SharedUpdate(cfg, store, np, k, p) for k, p in enumerate(parts)] for _ in range(2)]
+    assert workers[0][0].update.opt._step is (REGISTRY[optimizer].blas_step or REGISTRY[optimizer].step)
     private = start.params.copy()
     ref = ServerUpdate(cfg, private, np, 5, 5, {}, workers=1, version=5)
     for k in range(4):
@@ -165,7 +169,8 @@ def test_a_shared_apply_is_the_servers_update_with_the_workers_own_copy_as_the_s
             shard.apply(g[p], 0.01, 1, 5 + k, then[p])
         np.testing.assert_allclose(store.params, private, rtol=1e-6)
     np.testing.assert_allclose(store.ema, ref.ema.avg, rtol=1e-6)
-    np.testing.assert_allclose(store.opt["v"], ref.opt.state["v"], rtol=1e-6)
+    for name in names:
+        np.testing.assert_allclose(store.opt[name], ref.opt.state[name], rtol=1e-6)
     for row in store.rows:
         assert row[shm.OPT_T] == ref.opt.t == 9 and row[shm.DC_T] == ref.dc.t == 4
     store.close()

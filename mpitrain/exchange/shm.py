@@ -3,7 +3,8 @@
 The parameters, the optimizer's state, the moving average and a version counter (the global step)
 live in one segment that every rank maps. A worker pushes by applying its own gradient under the
 store's lock, in arrival order (the same serial update, optim.ServerUpdate, that rank 0 applies on
-the message path), and pulls by copying the parameters out in the same hold of the lock: one lock
+the message path; SGD's and momentum's last pass is one BLAS axpy here, optim.axpy, which rounds
+once where NumPy rounds twice), and pulls by copying the parameters out in the same hold of the lock: one lock
 per step, no message, no rank 0 in the loop. Rank 0 only reads: each applied step leaves its loss,
 its basis and its worker in a ring that rank 0 follows for the bar, the log, the staleness counts
 and the loss guard (modes/async_shm.py); it evaluates and checkpoints at steps where it holds the
@@ -42,7 +43,7 @@ from mpitrain.checkpoint import TrainState
 from mpitrain.faults import kill_here, store_kill
 from mpitrain.layout import PS_RANK
 from mpitrain.mpiimpl import orphans
-from mpitrain.optim import REGISTRY, ServerUpdate, StalenessHold
+from mpitrain.optim import REGISTRY, ServerUpdate, StalenessHold, blas_saxpy
 from mpitrain.waiting import poll
 
 SHM_DIR = "/dev/shm"
@@ -201,6 +202,7 @@ def open_store(ctx, start: TrainState, hold_at: int = 0, here: bool = True) -> S
 
     from mpitrain.transport import END_POLL_S, Poller
 
+    blas_saxpy()  # SharedUpdate's, loaded before the ranks meet here: SciPy's ~0.4 s, on each rank alike
     names = REGISTRY[ctx.cfg.optimizer].state
     ema, dc = bool(ctx.cfg.ema_decay), ctx.cfg.delay_compensation is not None
     n, W, K = ctx.model.n_params, ctx.workers, ctx.layout.shards
@@ -231,8 +233,10 @@ class SharedUpdate:
 
     def __init__(self, cfg, store: Store, xp=np, shard: int = 0, part: slice = slice(None)):
         h = self.row = store.rows[shard]
+        # blas: SGD's and momentum's apply in one pass, under the lock every pusher waits on
+        # (benchmarks/SHM_HOLD.md: a push's hold of the lock 1.5x shorter with SGD)
         self.update = ServerUpdate(cfg, store.params[part], xp, int(h[EMA_T]), int(h[OPT_T]), {}, workers=1,
-                                   version=int(h[VERSION]))
+                                   version=int(h[VERSION]), blas=True)
         up = self.update
         up.opt.state = {k: a[part] for k, a in store.opt.items()}  # views of the store's arrays, not copies
         if up.ema is not None:
