@@ -173,6 +173,10 @@ class TrainConfig:
         "--worker-timeout > 0",
         metavar="N")
 
+    spares: int = PARALLELISM(
+        0, "the last N ranks mpirun starts wait as hot spares; a lost worker's place goes to one at the next step "
+        "boundary, before --respawn starts a process (needs --checkpoint-dir, --worker-timeout > 0)", metavar="N")
+
     model: str = MODEL("mlp", "softmax regression, or a ReLU multi-layer perceptron", choices=model_names)
     hidden: tuple[int, ...] = MODEL((100,), "MLP hidden layer widths", shown="100", metavar="W[,W...]")
     l2: float = MODEL(0.0, "L2 weight decay on the weights (not the biases)", metavar="L")
@@ -348,18 +352,19 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _choice("on_lost_server", cfg.on_lost_server, LOST_SERVER_CHOICES)
     if cfg.join and not cfg.checkpoint_dir:
         raise UsageError("--join finds the running job through its folder: give the job's --checkpoint-dir too")
-    if cfg.respawn < 0:
-        raise UsageError(f"--respawn must be zero (never) or the most lost workers to replace (got {cfg.respawn}); "
-                         f"e.g. --respawn 3")
-    if cfg.respawn and not can_take_joiners(cfg):
-        raise UsageError("--respawn replaces lost workers through the job's folder and heartbeats: give "
-                         "--checkpoint-dir DIR and a --worker-timeout above 0 too")
+    for flag, what in (("respawn", "the most lost workers to replace, e.g. 3"), ("spares", "how many ranks wait, e.g. 1")):
+        if getattr(cfg, flag) < 0:
+            raise UsageError(f"--{flag} must be zero (none) or {what} (got {getattr(cfg, flag)})")
     if cfg.respawn and not isinstance(cfg.model, str):
         raise UsageError("respawn starts a worker as `python -m mpitrain` with the job's flags, which cannot carry a "
                          "Python model object; use a built-in --model, or respawn=0")
-    if cfg.respawn and cfg.on_lost_worker == "stop":
-        raise UsageError("--respawn replaces a lost worker, but --on-lost-worker stop ends the job when one is lost; "
-                         "drop one of the two")
+    for flag in ("respawn", "spares"):  # both let a worker in in place of a lost one (join.py)
+        if getattr(cfg, flag) and not can_take_joiners(cfg):
+            raise UsageError(f"--{flag} lets a worker in through the job's folder and heartbeats: give "
+                             "--checkpoint-dir DIR and a --worker-timeout above 0 too")
+        if getattr(cfg, flag) and cfg.on_lost_worker == "stop":
+            raise UsageError(f"--{flag} replaces a lost worker, but --on-lost-worker stop ends the job when one is "
+                             "lost; drop one of the two")
     if isinstance(cfg.model, str):  # else a Model object of the user's (the API checked its members)
         _choice("model", cfg.model, model_names())
     _choice("optimizer", cfg.optimizer, optimizer_names())

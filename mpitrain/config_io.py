@@ -20,6 +20,7 @@ PER_RANK_FIELDS = frozenset({
     "fresh", "keep_checkpoints",  # rank 0 writes the checkpoints
     "join",  # the joiner's own way in (join.py); the job's flags are compared when it joins
     "respawn",  # rank 0 alone starts replacements (join.py)
+    "spares",  # rank 0 alone holds the spares (spares.py): a worker respawned beside them has none
 })
 
 

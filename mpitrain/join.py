@@ -118,6 +118,7 @@ class Carry:
     forming: threading.Timer | None = None  # from making room until the next phase's heartbeats run
     earlier: tuple[int, int, int] = (0, 0, 0)  # a worker: gradients pushed, dropped, contributed in earlier phases
     outputs: JobOutputs = dataclasses.field(default_factory=JobOutputs)  # rank 0: one bar and one log for all phases
+    spares: object = None  # rank 0: spares.Pool, the spares still waiting (--spares)
     handover: object = None  # failover.Handover: rank 0 was lost, the next phase starts from the survivors' state
     failovers: list[dict] = dataclasses.field(default_factory=list)  # every take-over of the job (the summary's)
     owed: int = 0  # rank 0: lost ranks --respawn has yet to start a worker in place of (Lobby.owe)
@@ -182,16 +183,16 @@ class Carry:
 
     def spawn_argv(self) -> list[str]:
         """Rank 0, --respawn: the flags of the worker the job starts, the job's as given, with --join."""
-        return as_argv(dataclasses.replace(self.job_cfg, join=True, fresh=False, respawn=0))
+        return as_argv(dataclasses.replace(self.job_cfg, join=True, fresh=False, respawn=0, spares=0))
 
 
 def can_grow(ctx) -> bool:
     """Whether workers can join this job: it has a parameter server and --checkpoint-dir (where a
     joiner finds it), heartbeats (they tell the workers to make room), and either runs on MPICH or
     starts its joiners itself (--respawn: Open MPI 5 cannot connect two separately started mpiruns,
-    but spawns within one)."""
+    but spawns within one) or holds them (--spares: ranks of its own launch)."""
     return (not ctx.local and can_take_joiners(ctx.cfg)
-            and (ctx.cfg.respawn > 0 or mpiimpl.running() is not mpiimpl.OPENMPI))
+            and (ctx.cfg.respawn > 0 or ctx.cfg.spares > 0 or mpiimpl.running() is not mpiimpl.OPENMPI))
 
 
 def job_folder(cfg: TrainConfig) -> Path:
@@ -295,12 +296,13 @@ def await_go(inter, deadline: float, lost: Callable[[], bool] = lambda: False) -
     return go
 
 
-def tell_to_leave(inter, answer_within_s: float = 0.0, gone: Callable[[], bool] = lambda: False) -> bool:
+def tell_to_leave(inter, answer_within_s: float = 0.0, gone: Callable[[], bool] = lambda: False, flags: int = 0) -> bool:
     """Rank 0, the job ending instead of letting in a worker it let in: FLAG_STOP (await_go's other
     word), and its answer within `answer_within_s` if asked for (a worker the job started: it leaves
-    then), not waited for once `gone()`. Whether it was sent, and answered if asked."""
+    then), not waited for once `gone()`; `flags` besides (a spare: PEER_LOST). Whether it was sent, and
+    answered if asked."""
     end, ack = Message(0), Message(0)
-    end.stamp(TAG_JOIN, 0, flags=FLAG_STOP)
+    end.stamp(TAG_JOIN, 0, flags=FLAG_STOP | flags)
     try:
         reqs = [inter.Isend(end.spec(), dest=0, tag=TAG_JOIN)]
         if answer_within_s:

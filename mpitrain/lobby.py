@@ -18,6 +18,7 @@ from mpitrain.faults import Kill
 from mpitrain.join import (ANSWER_S, CONNECT_TIMEOUT_S, FRESH_S, REQUESTS, SCAN_EVERY_S, Carry, Joiner, dead_here,
                            gave_up, job_folder, last_line, recv_json, remove, send_json, tell_to_leave)
 from mpitrain.layout import PS_RANK
+from mpitrain.protocol import FLAG_PEER_LOST
 from mpitrain.stopping import STOP
 from mpitrain.stuck import WATCHDOG
 
@@ -42,10 +43,15 @@ class Lobby:
         self.started: Joiner | None = None  # ... that said hello: the phase's end lets it in (why_not_there first)
         self.dir = job_folder(ctx.cfg) / REQUESTS
         self.joiner: Joiner | None = None
+        self.spare = None  # spares.Spare: the joiner let in is a spare of the job's (--spares)
         self.connect_s = connect_timeout_s(ctx.cfg.worker_timeout)
         self._next = 0.0
+        if carry.spares is not None:
+            carry.spares.budget = carry.budget  # the beats carry it: a spare let in trains to it
 
     def check(self) -> None:
+        if self.carry.spares is not None:
+            self.carry.spares.tend()
         if self.launch_at is not None:
             if time.monotonic() >= self.launch_at:
                 self._launch()
@@ -57,6 +63,8 @@ class Lobby:
             return
         # A loss is looked for at every look (a list's length), the folder only every SCAN_EVERY_S: the
         # replacement's start waited up to that long after the loss was declared (0.25 s a respawn, median).
+        if self._spare_due():
+            return
         if self._respawn_due():
             more = f"--respawn: {self.carry.respawns_left} more after this one"
             if not (respawn.spawns_alone() and self.early):  # at the phase's end
@@ -130,14 +138,30 @@ class Lobby:
         return set(self.watch.lost) | {w["rank"] for w in recorded}
 
     def _loss_unseen(self, recorded=()) -> bool:
-        """--respawn: a worker was lost in this phase since the last look, and the job may still
-        start a replacement."""
-        return len(self.lost(recorded)) > self.lost_seen and self.carry.respawns_left > 0
+        """--respawn or --spares: a worker was lost in this phase since the last look, and the job may
+        still replace it."""
+        return len(self.lost(recorded)) > self.lost_seen and (self.carry.respawns_left > 0 or bool(self.carry.spares))
+
+    def _spare_due(self) -> bool:
+        """--spares: a lost worker's place goes to a waiting spare (before --respawn starts a process):
+        it is let in as a joiner that connected, at the next step boundary."""
+        pool = self.carry.spares
+        if not pool or len(self.lost()) <= self.lost_seen:
+            return False
+        spare = pool.take()
+        if spare is None:  # the last one was gone
+            return False
+        self.lost_seen += 1
+        self.spare, self.joiner = spare, spare.joiner()
+        say(f"mpitrain: spare rank {spare.world_rank} on {spare.host} takes the lost worker's place at the next "
+            f"step boundary ({len(pool)} spare(s) left)")
+        self._make_room()
+        return True
 
     def _respawn_due(self) -> bool:
         """A replacement is to be started (each loss gets one try, whatever becomes of it; losses seen
         at one look, two workers of a host that failed, get one each, in turn)."""
-        if not self._loss_unseen():
+        if not self._loss_unseen() or self.carry.respawns_left <= 0:
             return False
         self.lost_seen += 1
         self.carry.respawns_left -= 1
@@ -219,16 +243,17 @@ class Lobby:
             self.spawn = False
         # the replacement about to start (its loss is counted as seen), and the losses none was started for yet
         about_to_start = int(self.spawn or self.launch_at is not None)
-        unstarted = about_to_start + min(self.unreplaced(recorded), self.carry.respawns_left)
+        unstarted = about_to_start + min(self.unreplaced(recorded), self.carry.respawns_left + len(self.carry.spares or ()))
         if unstarted:
             whom = "the lost one" if unstarted == 1 else f"any of the {unstarted} lost"
             say(f"mpitrain: no worker was started in place of {whom}: {why}")
             self.spawn, self.launch_at = False, None
         if self.joiner is None:
             return
-        tell_to_leave(self.joiner.inter)
-        say(f"mpitrain: the worker on {self.joiner.host} (pid {self.joiner.pid}) did not join: {why}")
-        self.joiner = None
+        tell_to_leave(self.joiner.inter, flags=FLAG_PEER_LOST if self.spare is not None else 0)  # a spare: after a loss
+        say(f"mpitrain: the {'spare' if self.spare is not None else 'worker'} on {self.joiner.host} "
+            f"(pid {self.joiner.pid}) did not join: {why}")
+        self.joiner = self.spare = None
 
 
 def connect_timeout_s(worker_timeout: float) -> int:

@@ -169,6 +169,9 @@ def exit_without_finalize(code: int) -> None:
     cannot be reached any more would leave hydra's mpiexec waiting for good: reaper.py watches it."""
     from mpitrain import reaper
 
+    spares = sys.modules.get("mpitrain.spares")  # loaded: a job with --spares, whose MPI is up
+    if spares is not None:
+        spares.dismiss_all(peer_lost=True)  # rank 0's: they would wait for its beats until spares.quiet_s
     release_all()
     reaper.start()
     sys.stdout.flush()

@@ -11,7 +11,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from mpitrain import failover, faults, join, mpiimpl
+from mpitrain import failover, faults, join, mpiimpl, spares
 from mpitrain.agreement import identity, identity_of
 from mpitrain.config import TrainConfig, UsageError
 from mpitrain.console import say
@@ -53,6 +53,26 @@ def joined(cfg: TrainConfig, comm, carry: join.Carry) -> tuple[TrainConfig, obje
     carry.budget, carry.joiner = budget, True
     if not STOP.signum:
         STOP.reset()
+    return carry.next_config(cfg), world, node_info(world)
+
+
+def with_spares(cfg: TrainConfig, comm, node: Node, carry: join.Carry):
+    """--spares N (spares.py), first thing: the job's world without the spares, (cfg, comm, node) for
+    the rest of the run. Rank 0 keeps the pool (carry.spares). A spare waits: (the next phase's flags,
+    the world it is let into, its node), or (cfg, None, the exit code) when the job ended without it."""
+    job, side = spares.split(cfg, comm)
+    if job is not None:
+        carry.spares = side
+        return cfg, job, node_info(job)
+    from mpitrain.data import load_dataset
+
+    def mine() -> None:
+        carry.data = load_dataset(cfg)  # its first phase uses it (trainer._phase), as a joiner's
+
+    got = spares.stand_by(cfg, side, carry, mine)
+    if isinstance(got, int):
+        return cfg, None, got
+    carry.budget, world = got
     return carry.next_config(cfg), world, node_info(world)
 
 
@@ -114,9 +134,10 @@ def make_room(ctx: Context, mine: RoleResult, reports: list, heartbeat, carry: j
     if how == join.SPAWNED:
         welcome(world, carry)
     host = str(hello.get("host", "?")) if how == join.SPAWNED else joiner.host
-    who = "a worker started in place of the lost one" if how == join.SPAWNED else "the worker"
+    who = ("a worker started in place of the lost one" if how == join.SPAWNED
+           else "the spare" if lobby.spare is not None else "the worker")
     carry.joins.append({"rank": world.Get_size() - 1, "global_step": state.global_step, "host": host,
-                        "respawned": how == join.SPAWNED})
+                        "respawned": how == join.SPAWNED, "spare": lobby.spare is not None})
     say(f"mpitrain: {who} on {host} joined as rank {world.Get_size() - 1} at global step "
         f"{state.global_step}: {workers} worker(s) from here")
     return Outcome(ExitCode.OK, grown=(carry.next_config(ctx.cfg), world, node_info(world)))

@@ -9,7 +9,7 @@ import traceback
 import numpy as np
 from mpi4py import MPI
 
-from mpitrain import join, liveness, lock, observe, outputs, stopping
+from mpitrain import join, liveness, lock, observe, outputs, spares, stopping
 from mpitrain.agreement import agree_on_setup
 from mpitrain.chief import begin
 from mpitrain.config import TrainConfig, UsageError
@@ -23,7 +23,7 @@ from mpitrain.liveness import PeerLost
 from mpitrain.metrics import Progress
 from mpitrain.modes.base import CHIEF, SERVER
 from mpitrain.phases import (after_the_spawned, grow_with_joiner, joined, leave_after_a_loss, make_room, no_room,
-                             open_lobby, take_over)
+                             open_lobby, take_over, with_spares)
 from mpitrain.protocol import FLAG_PEER_LOST, FLAG_REFORM, FLAG_STOPPED, ProtocolError
 from mpitrain.reports import Outcome, RoleResult
 from mpitrain.runtime import PS_RANK, Context, Node, broadcast_start, nothing_to_train
@@ -112,6 +112,15 @@ def run(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: boo
     outputs.reset()
     carry = join.Carry()
     try:
+        if err is None and cfg is not None and cfg.spares:  # collective over COMM_WORLD, before anything can fail
+            try:
+                cfg, comm, node = with_spares(cfg, comm, node, carry)
+            except UsageError as e:
+                line = f"mpitrain: error: {e}"
+                say(line, sys.stderr)
+                return Outcome(ExitCode.USAGE, error=line)
+            if comm is None:  # a spare the job ended without (the code it leaves with)
+                return Outcome(node)
         if err is None and cfg is not None and cfg.join:
             try:
                 cfg, comm, node = joined(cfg, comm, carry)
@@ -132,6 +141,7 @@ def run(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: boo
                 return outcome
             cfg, comm, node = outcome.grown
     finally:
+        spares.dismiss_all(carry.peer_lost)  # rank 0: any spare still waiting (ended before its goodbye: usage, API)
         carry.outputs.close_bar()  # a run that ended early (a lost peer, a failure): the bar's line stays
         carry.formed()
         if carry.token is not None:
@@ -187,9 +197,11 @@ def _phase(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: 
                 return make_room(ctx, mine, reports, heartbeat, carry, lobby)
             lobby.release(why or "the worker was lost as training ended", mine.state.lost_workers)
         carry.into(mine.state)
+        carry.peer_lost |= carry.spares is not None and carry.spares.lost_one  # MPI_Finalize would wait for it
         summary = publish(ctx, mine, reports, placements, diverged, carry.joins, carry.failovers)
-        peer_was_lost = say_goodbye(ctx, [r.rank for r in reports], bool(mine.state.lost_workers),
+        peer_was_lost = say_goodbye(ctx, [r.rank for r in reports], bool(mine.state.lost_workers) or carry.peer_lost,
                                     bool(summary["stopped"]))
+        spares.dismiss_all(peer_was_lost or carry.peer_lost)  # --spares: the job ends; they leave as its ranks do
     else:
         try:
             bye = await_goodbye(ctx)

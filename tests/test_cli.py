@@ -48,10 +48,13 @@ BAD = [
     (["--mode", "sync", "--local-steps", "4", "--outer-momentum", "1"], "--outer-momentum must be in [0, 1)"),
     (["--mode", "sync", "--delay-compensation"], "--delay-compensation applies to --mode async"),
     (["--delay-compensation", "-1"], "--delay-compensation takes a lambda of zero or more"),
-    (["--respawn", "-1"], "--respawn must be zero (never)"),
+    (["--respawn", "-1"], "--respawn must be zero (none) or the most lost workers to replace"),
     (["--respawn", "2"], "give --checkpoint-dir DIR and a --worker-timeout above 0"),
     (["--respawn", "2", "--checkpoint-dir", "ck", "--worker-timeout", "0"], "--worker-timeout above 0"),
     (["--respawn", "1", "--checkpoint-dir", "ck", "--on-lost-worker", "stop"], "drop one of the two"),
+    (["--spares", "-1"], "--spares must be zero (none)"),
+    (["--spares", "1"], "--spares lets a worker in through the job's folder and heartbeats: give --checkpoint-dir"),
+    (["--spares", "1", "--checkpoint-dir", "ck", "--on-lost-worker", "stop"], "drop one of the two"),
 ]
 
 
