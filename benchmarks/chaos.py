@@ -85,6 +85,11 @@ class Case:
         return "sync" if "sync" in self.args else "async"
 
     @property
+    def spares(self) -> int:
+        """--spares N: the job's world is NP ranks, mpirun starts N more (world ranks NP..NP+N-1)."""
+        return int(self.args[self.args.index("--spares") + 1]) if "--spares" in self.args else 0
+
+    @property
     def layout(self) -> Layout:
         k = int(self.args[self.args.index("--num-ps") + 1]) if "--num-ps" in self.args else 1
         return Layout(NP, k)
@@ -145,6 +150,13 @@ CASES = [
     Case("respawn-async", ("--mode", "async", "--respawn", "1"), "worker", 20000),
     Case("respawn-sync", ("--mode", "sync", "--respawn", "1"), "worker", 4000),
     # --on-lost-server continue: a worker takes over from the killed rank 0 (failover.py)
+    # --spares 1 (both MPIs): a worker killed at any moment is replaced by the waiting spare (world rank NP);
+    # the spare itself killed at any moment while it waits, or while it takes a lost worker's place
+    # ("spare-joining": a worker killed first, the spare within JOIN_WINDOW_S)
+    Case("spare-async", ("--mode", "async", "--spares", "1"), "worker", 20000),
+    Case("spare-sync", ("--mode", "sync", "--spares", "1"), "worker", 4000),
+    Case("spare-killed", ("--mode", "async", "--spares", "1"), "spare", 20000),
+    Case("spare-joining", ("--mode", "async", "--spares", "1"), "spare-joining", 20000),
     Case("failover-sync", ("--mode", "sync", *FAILOVER), "rank0", 4000),
     Case("failover-quorum", ("--mode", "sync", "--quorum", "2", *FAILOVER), "rank0", 2500),
     Case("failover-async", ("--mode", "async", *FAILOVER), "rank0", 20000),
@@ -175,7 +187,7 @@ DEFAULT_TRIALS = {"async": 5, "async-staleness": 4, "async-big": 6, "sync": 4, "
                   "rejoin-sync": 3, "respawn-async": 3, "respawn-sync": 3, "failover-sync": 6, "failover-quorum": 4,
                   "failover-async": 6, "failover-big": 4, "failover-shard-async": 5, "failover-shard-sync": 4,
                   "failover-duties-sync": 5, "failover-duties-async": 5, "failover-shm": 5, "failover-join": 6,
-                  "failover-respawn": 6}
+                  "failover-respawn": 6, "spare-async": 4, "spare-sync": 4, "spare-killed": 4, "spare-joining": 6}
 
 
 @dataclass
@@ -271,7 +283,7 @@ def dump_stacks(root: int, more: dict[str, int] | None = None) -> str:
 
 def command(case: Case, tmp: str) -> list[str]:
     spawns = "--respawn" in case.args  # Open MPI: its shared memory alone does not reach a spawned process
-    return [mpirun(), *IMPL.keep_going, *mpiimpl.local_flags(IMPL, spawns), "-np", str(NP),
+    return [mpirun(), *IMPL.keep_going, *mpiimpl.local_flags(IMPL, spawns), "-np", str(NP + case.spares),
             *(("env", *case.env) if case.env else ()), sys.executable, "-m", "mpitrain",
             *BASE, *case.args,
             "--steps", str(case.steps), "--checkpoint-dir", os.path.join(tmp, "ck"),
@@ -344,19 +356,20 @@ def _run_trial(case: Case, duration_s: float, rng: random.Random, tmp: str) -> T
     elif case.target == "rank0-join":  # from the joiner's start: its request, the connect, making room, forming
         joiner = Job(join_command(case, tmp), tmp)
         started = time.monotonic()
-    elif case.target == "rank0-respawn":  # a worker killed first; from then on: the loss, the spawn, forming
+    elif case.target in ("rank0-respawn", "spare-joining"):  # a worker killed first; then: the loss, the spawn or the spare, forming
         time.sleep(rng.uniform(0.2, duration_s * 0.5))
         first = rng.choice(case.layout.worker_ranks)
         with contextlib.suppress(ProcessLookupError, TypeError):
             os.kill(rank_pids(job.proc.pid).get(first, (None, None))[0], signal.SIGKILL)
         started = time.monotonic()
     trial.kill_after_s = rng.uniform(0.0 if joiner else 0.2, duration_s * (0.8 if joiner else 1.05))
-    if case.target in ("rank0-join", "rank0-respawn"):
+    if case.target in ("rank0-join", "rank0-respawn", "spare-joining"):
         trial.kill_after_s = rng.uniform(0.0, JOIN_WINDOW_S)
     time.sleep(max(0.0, started + trial.kill_after_s - time.monotonic()))
     pids = rank_pids(job.proc.pid)
     lay = case.layout
-    fixed = {"rank0": 0, "rank0-join": 0, "rank0-respawn": 0, "shard": 1, "chief": lay.worker_rank(0), "joiner": NP}  # a joiner: the last rank
+    fixed = {"rank0": 0, "rank0-join": 0, "rank0-respawn": 0, "shard": 1, "chief": lay.worker_rank(0), "joiner": NP,
+             "spare": NP, "spare-joining": NP}  # a joiner: the last rank; a spare: world rank NP
     trial.victim = fixed[case.target] if case.target in fixed else rng.choice(lay.worker_ranks)
     if case.target == "joiner":  # the only rank of its own mpirun
         pids = {trial.victim: rank_pids(joiner.proc.pid).get(0, (None, None))}
@@ -381,7 +394,7 @@ def _run_trial(case: Case, duration_s: float, rng: random.Random, tmp: str) -> T
     rest = duration_s * lay.workers / (lay.workers - 1) if lost_one else duration_s if case.target == "disk" else 0.0
     if case.target in ("rank0", "shard") and failover(case):  # the rest on one worker fewer (the successor serves)
         rest = duration_s * lay.workers / (lay.workers - 1) + FORM_LIMIT_S
-    if joiner or "--respawn" in case.args:  # the rest of the run on the workers it started with (or with
+    if joiner or "--respawn" in case.args or case.spares:  # the rest of the run on the workers it started with (or with
         rest = duration_s + FORM_LIMIT_S  # the one started in place of the lost); or killed as the world re-formed
     if case.target in ("rank0-join", "rank0-respawn"):  # a take-over, then perhaps the join again with the successor
         rest = 2 * duration_s + 2 * FORM_LIMIT_S
@@ -440,6 +453,8 @@ def expected(case: Case, trial: Trial, err: str, code: int, summary: dict | None
     stuck = stuck_ranks(err)
     if 0 in stuck:
         return rank0_stuck_as_documented(case, trial, err, code, ck, stuck)
+    if case.target in ("spare", "spare-joining"):
+        return spare_killed_as_documented(case, trial, err, code, summary, ck, out)
     if case.target in ("rank0-join", "rank0-respawn"):
         return join_failed_over_as_documented(case, trial, err, joiner, code, summary, ck)
     if case.target in ("rank0", "shard") and failover(case):
@@ -489,6 +504,10 @@ def expected(case: Case, trial: Trial, err: str, code: int, summary: dict | None
         unreplaced = ("no worker was started in place", "the worker started in place of the lost one did not join")
         if "--respawn" in case.args and lost and not respawned and not any(line in out for line in unreplaced):
             problems.append("the lost worker was not replaced, and no line said why")
+        spared = [j for j in summary["joined_workers"] if j.get("spare")]
+        if case.spares and lost and not spared and not any(line in out for line in ("no worker was started in place",
+                                                                                      "did not join")):
+            problems.append("the lost worker's place did not go to the spare, and no line said why")
         # Not 0 when a worker was lost: a scheduler must see it. Killed after its report, nothing was
         # lost: hydra still reports the killed rank's 137 (its supervisor's), Open MPI rank 0's 0.
         want = IMPL.worker_lost_exit if lost or IMPL is mpiimpl.MPICH else 0
@@ -505,6 +524,35 @@ def expected(case: Case, trial: Trial, err: str, code: int, summary: dict | None
     if len(lost_lines) != 1 or (ck and str(ck[-1]) not in lost_lines[0]):
         return [f"{len(lost_lines)} lines name rank {v} with the newest checkpoint"]
     return []
+
+
+def spare_killed_as_documented(case: Case, trial: Trial, err: str, code: int, summary: dict | None, ck: list,
+                               out: str) -> list[str]:
+    """--spares 1, the spare SIGKILLed (docs/elastic.md, Hot spares). While it waits: rank 0 drops it in one
+    line and the job reaches its budget, nobody waiting in MPI_Finalize for it. While it takes a lost worker's
+    place (spare-joining): as a joiner killed then, the job goes on without it (`did not join`) or, killed
+    once the new world formed, loses it as any worker; killed inside the forming's collectives, every rank
+    ends in one line FORM_LIMIT_S later (exit 5, hydra's OR with 137) with the checkpoint saved to make room.
+    Hydra's exit code ORs in the spare's 137."""
+    if "MPI_Finalize still waiting" in err:
+        return ["a rank waited in MPI_Finalize for the dead spare"]
+    if summary is None:
+        stuck = [ln for ln in err.splitlines() if "did not go on within" in ln]
+        ok = case.target == "spare-joining" and stuck and ck and code in STUCK_EXITS
+        return [] if ok else [f"no summary (exit {code}); {len(stuck)} ranks said the world did not form"]
+    problems = []
+    if summary["global_step"] != case.steps:
+        problems.append(f"global step {summary['global_step']} of {case.steps}")
+    lost = [w["rank"] for w in summary["lost_workers"]]
+    spared = [j for j in summary["joined_workers"] if j.get("spare")]
+    if case.target == "spare" and (lost or spared or "is gone (its process has ended)" not in err):
+        problems.append(f"lost {lost}, spares joined {len(spared)}; the spare's loss said: "
+                        f"{'is gone' in err}")
+    if case.target == "spare-joining" and not spared and "did not join" not in out and "is gone" not in err:
+        problems.append("the spare neither joined nor was said to be gone")
+    if IMPL is mpiimpl.MPICH and code != 128 + signal.SIGKILL:
+        problems.append(f"exit {code}")
+    return problems
 
 
 def _loads(path) -> bool:

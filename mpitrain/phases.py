@@ -63,6 +63,8 @@ def with_spares(cfg: TrainConfig, comm, node: Node, carry: join.Carry):
     job, side = spares.split(cfg, comm)
     if job is not None:
         carry.spares = side
+        if side is not None:
+            say(f"mpitrain: {side.describe()}; a lost worker's place goes to one of them (--spares)")
         return cfg, job, node_info(job)
     from mpitrain.data import load_dataset
 

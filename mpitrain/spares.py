@@ -38,7 +38,7 @@ from mpitrain.protocol import FLAG_PEER_LOST, FLAG_STOP, H_FLAGS, H_STEP, TAG_HE
 SPARE_TAG = GROW_TAG + 1  # MPI_Intercomm_create's tag between rank 0 and the spare of world rank r: SPARE_TAG + r
 # (one tag for all: MPICH 5.0.2 segfaulted in rank 0's second MPI_Intercomm_create, measured)
 BEAT_S = 1.0  # rank 0 -> each waiting spare: the job is alive (and its step budget)
-POLL_S = 0.01  # a waiting spare looks at its connection this often
+POLL_S = 0.01  # a waiting spare looks at its connection this often, and rank 0 at its spares
 
 
 def quiet_s(cfg: TrainConfig) -> float:
@@ -72,13 +72,21 @@ class Pool:
         self.waiting, self.cfg = spares, cfg
         self.budget = 0  # the job's step budget, once the first phase knows it
         self.lost_one = False  # a spare died: it is in every rank's COMM_WORLD, so none may call MPI_Finalize
+        self._next = 0.0  # rank 0's waits look at the lobby thousands of times a second: the spares every POLL_S
 
     def __len__(self) -> int:
         return len(self.waiting)
 
-    def tend(self) -> None:
+    def describe(self) -> str:
+        ranks = ", ".join(f"{s.world_rank} on {s.host}" for s in self.waiting)
+        return f"{len(self.waiting)} spare(s) waiting: rank {ranks}"
+
+    def tend(self, now: float | None = None) -> None:
         """Beat every waiting spare (one beat in flight each); forget one that is gone."""
-        now = time.monotonic()
+        now = time.monotonic() if now is None else now
+        if now < self._next:
+            return
+        self._next = now + POLL_S
         for spare in list(self.waiting):
             if dead_here(spare.host, spare.pid):
                 self._gone(spare, "its process has ended")
@@ -101,6 +109,7 @@ class Pool:
 
     def take(self) -> Spare | None:
         """A spare for a lost worker (it leaves the pool), or None."""
+        self._next = 0.0
         self.tend()
         return self.waiting.pop(0) if self.waiting else None
 

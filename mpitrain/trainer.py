@@ -112,7 +112,7 @@ def run(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: boo
     outputs.reset()
     carry = join.Carry()
     try:
-        if err is None and cfg is not None and cfg.spares:  # collective over COMM_WORLD, before anything can fail
+        if err is None and cfg is not None and cfg.spares and not cfg.join:  # collective over COMM_WORLD, first thing
             try:
                 cfg, comm, node = with_spares(cfg, comm, node, carry)
             except UsageError as e:

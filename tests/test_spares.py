@@ -100,6 +100,7 @@ def test_a_job_that_loses_nothing_ends_as_without_spares_and_the_spare_leaves(tm
     proc = subprocess.run(spares_cmd(tmp_path, "--steps", "300", "--spares", "1", np_=4), capture_output=True,
                           text=True, env=child_env(), timeout=MPI_TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "mpitrain: 1 spare(s) waiting: rank 3 on " in proc.stdout, proc.stdout
     s = read_summary(tmp_path / "s.json", proc.stdout + proc.stderr)
     assert len(s["local_steps"]) == 2 and s["global_step"] == 300 and not s["joined_workers"]
 
