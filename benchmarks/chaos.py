@@ -533,7 +533,7 @@ def spare_killed_as_documented(case: Case, trial: Trial, err: str, code: int, su
     place (spare-joining): as a joiner killed then, the job goes on without it (`did not join`) or, killed
     once the new world formed, loses it as any worker; killed inside the forming's collectives, every rank
     ends in one line FORM_LIMIT_S later (exit 5, hydra's OR with 137) with the checkpoint saved to make room.
-    Hydra's exit code ORs in the spare's 137."""
+    Hydra's exit code ORs in the spare's 137; Open MPI's is rank 0's (8 once a worker was lost, else 0)."""
     if "MPI_Finalize still waiting" in err:
         return ["a rank waited in MPI_Finalize for the dead spare"]
     if summary is None:
@@ -550,7 +550,8 @@ def spare_killed_as_documented(case: Case, trial: Trial, err: str, code: int, su
                         f"{'is gone' in err}")
     if case.target == "spare-joining" and not spared and "did not join" not in out and "is gone" not in err:
         problems.append("the spare neither joined nor was said to be gone")
-    if IMPL is mpiimpl.MPICH and code != 128 + signal.SIGKILL:
+    want = 128 + signal.SIGKILL if IMPL is mpiimpl.MPICH else IMPL.worker_lost_exit if lost else 0  # Open MPI: rank 0's
+    if code != want:
         problems.append(f"exit {code}")
     return problems
 
