@@ -197,9 +197,10 @@ def _phase(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: 
                 return make_room(ctx, mine, reports, heartbeat, carry, lobby)
             lobby.release(why or "the worker was lost as training ended", mine.state.lost_workers)
         carry.into(mine.state)
-        carry.peer_lost |= carry.spares is not None and carry.spares.lost_one  # MPI_Finalize would wait for it
+        lost_a_spare = carry.spares is not None and carry.spares.lost_one  # in every COMM_WORLD: MPI_Finalize waits
+        carry.peer_lost |= lost_a_spare
         summary = publish(ctx, mine, reports, placements, diverged, carry.joins, carry.failovers)
-        peer_was_lost = say_goodbye(ctx, [r.rank for r in reports], bool(mine.state.lost_workers) or carry.peer_lost,
+        peer_was_lost = say_goodbye(ctx, [r.rank for r in reports], bool(mine.state.lost_workers) or lost_a_spare,
                                     bool(summary["stopped"]))
         spares.dismiss_all(peer_was_lost or carry.peer_lost)  # --spares: the job ends; they leave as its ranks do
     else:

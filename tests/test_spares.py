@@ -18,6 +18,7 @@ from mpitrain import join, mpiimpl
 from mpitrain.faults import rank_pids
 from mpitrain.lobby import Lobby
 from mpitrain.spares import Pool, Spare
+from mpitrain.stopping import STOP
 
 
 def spares_cmd(tmp_path, *args: str, np_: int) -> list[str]:
@@ -140,6 +141,7 @@ def test_a_loss_goes_to_a_waiting_spare_before_respawn_and_a_gone_spare_is_not_t
     alive = Spare(_Inter(), 4, "here", 41)
     carry.spares = Pool([Spare(_Inter(), 3, "here", 40), alive], cfg=type("Cfg", (), {"worker_timeout": 2.0})())
     monkeypatch.setattr("mpitrain.spares.dead_here", lambda host, pid: pid == 40)
+    monkeypatch.setattr(STOP, "request", lambda *a: None)  # the stop that makes room: not this process's
 
     class Ctx:
         cfg = type("Cfg", (), {"checkpoint_dir": str(tmp_path), "worker_timeout": 2.0})()
