@@ -28,6 +28,8 @@ MPITRAIN_INJECT_JOIN=formed     ... once the new world has formed, before its ph
                                 died in the job's collectives: join.Carry.start_forming)
 MPITRAIN_INJECT_JOIN=deaf       ... writes its request but never waits in accept (slow, or its port
                                 broken): rank 0's connect times out (once: lobby)
+MPITRAIN_INJECT_SPARE=taken     rank 0 SIGKILLs the first spare it takes for a lost worker (--spares), as if it
+                                died as the job made room for it (tests/test_spares.py)
 MPITRAIN_INJECT_SLOW_SETUP=SEC  a worker the job started (--respawn) takes SEC seconds longer to load its
                                 data, as a large dataset on a slow file system does (tests/test_respawn.py)
 MPITRAIN_INJECT_OFFHOST=RANK,...  --ps-transport shm: these workers take the message path as a worker on
@@ -283,6 +285,26 @@ def joiner_deaf() -> bool:
 def slow_setup() -> None:
     """MPITRAIN_INJECT_SLOW_SETUP=SEC: this worker's set-up takes SEC seconds longer."""
     time.sleep(float(os.environ.get("MPITRAIN_INJECT_SLOW_SETUP", "0")))
+
+
+def spare_taken(pid: int) -> None:
+    """MPITRAIN_INJECT_SPARE=taken: rank 0 kills the first spare it takes (and waits until it is gone)."""
+    if os.environ.get("MPITRAIN_INJECT_SPARE") == "taken" and not _SPARES_KILLED:
+        _SPARES_KILLED.append(pid)
+        os.kill(pid, signal.SIGKILL)
+        while os.path.exists(f"/proc/{pid}") and "Z" not in _proc_state(pid):
+            time.sleep(1e-3)
+
+
+_SPARES_KILLED: list[int] = []
+
+
+def _proc_state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "X"
 
 
 def joiner_vanishes(when: str) -> None:

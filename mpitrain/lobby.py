@@ -11,7 +11,7 @@ from pathlib import Path
 
 from mpi4py import MPI
 
-from mpitrain import respawn
+from mpitrain import faults, respawn
 from mpitrain.config_io import disagreement
 from mpitrain.console import say
 from mpitrain.faults import Kill
@@ -151,6 +151,7 @@ class Lobby:
         spare = pool.take()
         if spare is None:  # the last one was gone
             return False
+        faults.spare_taken(spare.pid)
         self.lost_seen += 1
         self.spare, self.joiner = spare, spare.joiner()
         say(f"mpitrain: spare rank {spare.world_rank} on {spare.host} takes the lost worker's place at the next "
@@ -250,6 +251,8 @@ class Lobby:
             self.spawn, self.launch_at = False, None
         if self.joiner is None:
             return
+        if self.spare is not None and dead_here(self.joiner.host, self.joiner.pid):
+            self.carry.spares.lost_one = True  # it died as the job made room: in every COMM_WORLD (trainer._phase)
         tell_to_leave(self.joiner.inter, flags=FLAG_PEER_LOST if self.spare is not None else 0)  # a spare: after a loss
         say(f"mpitrain: the {'spare' if self.spare is not None else 'worker'} on {self.joiner.host} "
             f"(pid {self.joiner.pid}) did not join: {why}")

@@ -122,6 +122,9 @@ def make_room(ctx: Context, mine: RoleResult, reports: list, heartbeat, carry: j
     gen = len(carry.joins) + 1
     joiner = lobby.joiner or lobby.started  # rank 0 holds its connection (a worker started while the phase trained too)
     gone = None if joiner is None else why_not_there(joiner)
+    if gone and lobby.spare is not None:  # a spare that died as the job made room: the next phase replaces its loss
+        carry.spares.lost_one = True  # (the next spare, or --respawn); it is in every COMM_WORLD (trainer._phase)
+        carry.owed += 1
     how = join.NOBODY if gone else join.SPAWNED if lobby.spawn else join.CONNECTED
     peer_was_lost = say_goodbye(ctx, [r.rank for r in reports], bool(lost), False, reform=(gen, lost, how))
     carry.peer_lost |= peer_was_lost or bool(lost)
@@ -130,7 +133,8 @@ def make_room(ctx: Context, mine: RoleResult, reports: list, heartbeat, carry: j
     workers = world.Get_size() - ctx.layout.shards
     if world.Get_size() == ctx.size - len(lost):  # nobody joined: it did not answer, or could not start
         gone = gone or "did not join as the world re-formed"
-        why = "" if how == join.SPAWNED else f"the worker on {joiner.host} (pid {joiner.pid}) {gone}; "
+        whom = "spare" if lobby.spare is not None else "worker"
+        why = "" if how == join.SPAWNED else f"the {whom} on {joiner.host} (pid {joiner.pid}) {gone}; "
         say(f"mpitrain: {why}going on with {workers} worker(s) from global step {state.global_step}")
         return Outcome(ExitCode.OK, grown=(carry.next_config(ctx.cfg), world, node_info(world)))
     if how == join.SPAWNED:

@@ -28,14 +28,16 @@ def spares_cmd(tmp_path, *args: str, np_: int) -> list[str]:
             "--summary-json", str(tmp_path / "s.json")]
 
 
-def run_and_kill(tmp_path, *args: str, np_: int, victim: int, wait_for: str = "joined as rank") -> tuple[subprocess.Popen, str, float]:
+def run_and_kill(tmp_path, *args: str, np_: int, victim: int, wait_for: str = "joined as rank",
+                 env=None) -> tuple[subprocess.Popen, str, float]:
     """Start the job, SIGKILL rank `victim`'s process once it trains, wait for the end. Returns the
     process, its output and the seconds from the kill to rank 0's `wait_for` line."""
     proc = subprocess.Popen(spares_cmd(tmp_path, *args, np_=np_), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=child_env(), start_new_session=True)
+                            text=True, env={**child_env(), **(env or {})}, start_new_session=True)
     lines = Lines(proc.stdout)
     try:
-        assert lines.wait(f"rank {np_ - 2} worker"), lines.text()  # the last worker's start line (the spare has none)
+        last = np_ - 1 - int(args[args.index("--spares") + 1])
+        assert lines.wait(f"rank {last} worker"), lines.text()  # the last worker's start line (a spare has none)
         time.sleep(1)
         os.kill(rank_pids(proc.pid)[victim][0], signal.SIGKILL)
         killed = time.monotonic()
@@ -93,6 +95,23 @@ def test_a_spare_killed_while_it_waits_is_dropped_and_nobody_waits_for_it_at_the
     assert "MPI_Finalize still waiting" not in text and "Traceback" not in text, text
     s = read_summary(tmp_path / "s.json", text)
     assert s["global_step"] == budget and not s["lost_workers"] and not s["joined_workers"], s
+
+
+@only_on("mpich", "the lobby's choice is the same under either MPI; hydra's MPI_Finalize is what would wait")
+def test_a_spare_that_dies_as_the_job_makes_room_passes_the_loss_to_the_next_spare(tmp_path):
+    """np 6 = rank 0 + 3 workers + 2 spares; a worker SIGKILLed from outside; the first spare taken dies
+    as the job makes room for it (MPITRAIN_INJECT_SPARE=taken): the job goes on without it, the next phase
+    gives the loss to the second spare, and nobody waits in MPI_Finalize for the dead one."""
+    budget = 12000
+    proc, text, _ = run_and_kill(tmp_path, "--steps", str(budget), "--spares", "2", np_=6, victim=2,
+                                 env={"MPITRAIN_INJECT_SPARE": "taken"})
+    assert proc.returncode == 137, text
+    assert "spare rank 4 on" in text and "died when the job had made room; going on with 2 worker(s)" in text, text
+    assert "spare rank 5 on" in text and "the spare on" in text and "joined as rank 3" in text, text
+    assert "MPI_Finalize still waiting" not in text and "Traceback" not in text, text
+    s = read_summary(tmp_path / "s.json", text)
+    assert s["global_step"] == budget and len(s["local_steps"]) == 3, s
+    assert [j["spare"] for j in s["joined_workers"]] == [True]
 
 
 def test_a_job_that_loses_nothing_ends_as_without_spares_and_the_spare_leaves(tmp_path):
