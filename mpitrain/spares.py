@@ -32,6 +32,7 @@ from mpi4py import MPI
 
 from mpitrain.config import TrainConfig, UsageError
 from mpitrain.console import say
+from mpitrain.exitcodes import ExitCode, interrupted
 from mpitrain.join import GROW_TAG, Joiner, answer_go, dead_here, into_job, tell_to_leave
 from mpitrain.protocol import FLAG_PEER_LOST, FLAG_STOP, H_FLAGS, H_STEP, TAG_HEARTBEAT, TAG_JOIN, Message
 
@@ -179,10 +180,10 @@ def stand_by(cfg: TrainConfig, link, carry, mine) -> tuple[int, object] | int:
         if dead_here(host, pid) or time.monotonic() - heard > quiet_s(cfg):
             why = "its process has ended" if dead_here(host, pid) else f"no word from it for {quiet_s(cfg):g} s"
             say(f"mpitrain: spare rank {MPI.COMM_WORLD.Get_rank()}: the job's rank 0 was lost ({why}); leaving", sys.stderr)
-            return leave(True, 5)
+            return leave(True, ExitCode.PEER_LOST)
         time.sleep(POLL_S)
     if go.header[H_FLAGS] & FLAG_STOP:
-        return leave(bool(go.header[H_FLAGS] & FLAG_PEER_LOST), 128 + STOP.signum if STOP.signum else 0)
+        return leave(bool(go.header[H_FLAGS] & FLAG_PEER_LOST), interrupted(STOP.signum) if STOP.signum else ExitCode.OK)
     while not budget:  # a beat with it came before GO, on another tag: it may be received after it
         beat_req.Wait()
         budget = int(beat.header[H_STEP])
