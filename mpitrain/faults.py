@@ -292,19 +292,19 @@ def spare_taken(pid: int) -> None:
     if os.environ.get("MPITRAIN_INJECT_SPARE") == "taken" and not _SPARES_KILLED:
         _SPARES_KILLED.append(pid)
         os.kill(pid, signal.SIGKILL)
-        while os.path.exists(f"/proc/{pid}") and "Z" not in _proc_state(pid):
+        while _state(pid) not in ("Z", None):
             time.sleep(1e-3)
 
 
 _SPARES_KILLED: list[int] = []
 
 
-def _proc_state(pid: int) -> str:
+def _state(pid: int) -> str | None:
+    """The process's state letter (samehost.stat_fields), None once it is gone."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
+        return stat_fields(pid)[0]
     except OSError:
-        return "X"
+        return None
 
 
 def joiner_vanishes(when: str) -> None:

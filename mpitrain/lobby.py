@@ -146,7 +146,7 @@ class Lobby:
         """--spares: a lost worker's place goes to a waiting spare (before --respawn starts a process):
         it is let in as a joiner that connected, at the next step boundary."""
         pool = self.carry.spares
-        if not pool or len(self.lost()) <= self.lost_seen:
+        if not pool or not self._loss_unseen():
             return False
         spare = pool.take()
         if spare is None:  # the last one was gone

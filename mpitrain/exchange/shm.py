@@ -202,8 +202,10 @@ def open_store(ctx, start: TrainState, hold_at: int = 0, here: bool = True) -> S
 
     from mpitrain.transport import END_POLL_S, Poller
 
-    blas_saxpy()  # SharedUpdate's, loaded before the ranks meet here: SciPy's ~0.4 s, on each rank alike
-    names = REGISTRY[ctx.cfg.optimizer].state
+    kind = REGISTRY[ctx.cfg.optimizer]
+    if kind.blas_step is not None:  # SharedUpdate's, loaded before the ranks meet here: SciPy's ~0.4 s, each rank alike
+        blas_saxpy()
+    names = kind.state
     ema, dc = bool(ctx.cfg.ema_decay), ctx.cfg.delay_compensation is not None
     n, W, K = ctx.model.n_params, ctx.workers, ctx.layout.shards
     buf = bytearray(NAME_BYTES)
