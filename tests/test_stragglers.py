@@ -67,15 +67,16 @@ def test_chief_pace_moves_its_gradients_to_the_thread_only_while_it_is_the_slow_
 
 
 @only_on("mpich", OWN_LOGIC)
-@pytest.mark.parametrize("slow", [None, 1], ids=["no-straggler", "slow-chief"])
+@pytest.mark.parametrize("slow", [2, 1], ids=["the-other-worker", "slow-chief"])
 def test_the_chief_computes_on_its_main_thread_unless_it_is_the_slow_one(tmp_path, slow):
-    """As fast as the others, the chief computes its gradients on its main thread (no hand-over to
+    """Faster than the others, the chief computes its gradients on its main thread (no hand-over to
     a thread: --quorum 1 then keeps up with plain sync); slow, on its gradient thread, so that its
-    main thread closes every step on the others' gradients (the timeline tells the two apart)."""
+    main thread closes every step on the others' gradients (the timeline tells the two apart).
+    The other worker is the slow one in the first case, not nobody: with 3 ranks on 2 cores, which of two
+    equal workers is the slower is the scheduler's draw (CI: 81 inline, 93 on the thread)."""
     trace = tmp_path / "trace.json"
-    extra = ["--straggler", f"{slow}:0.01"] if slow else []
     s = train(3, tmp_path, "--mode", "sync", "--quorum", "1", "--steps", "200", "--timeline", str(trace),
-              "--timeline-steps", "1000", *extra)
+              "--timeline-steps", "1000", "--straggler", f"{slow}:0.01")
     spans = [e for e in json.loads(trace.read_text())["traceEvents"]
              if e["ph"] == "X" and e["pid"] == 1 and e["name"] == "compute"]
     inline = sum(e["tid"] == observe.THREAD_MAIN for e in spans)
@@ -83,11 +84,11 @@ def test_the_chief_computes_on_its_main_thread_unless_it_is_the_slow_one(tmp_pat
     # every gradient it computed went into a step or was dropped (one still on the thread at the end: neither)
     extra = inline + threaded - s["local_steps"][0] - s["dropped_gradients_per_worker"][0]
     assert 0 <= extra <= 1, (inline, threaded, s["local_steps"], s["dropped_gradients_per_worker"])
-    if slow:
+    if slow == 1:
         # on its thread after PACE_RUN slow gradients (one more if the others were not heard from yet)
         assert threaded > 0 and inline <= PACE_RUN + 1 and s["local_steps"][0] < 20
     else:
-        assert inline > 2 * threaded, (inline, threaded)
+        assert inline > 4 * threaded, (inline, threaded)
     assert set(s["worker_param_digests"]) == {s["param_digest"]}
 
 
