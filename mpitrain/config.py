@@ -60,30 +60,26 @@ DEFAULT_DIVERGENCE_FACTOR = 100.0
 DEFAULT_WARMUP_EPOCHS = 1.0
 # A worker whose median step time is this many times the other workers' median is named slow.
 DEFAULT_STRAGGLER_REPORT = 1.5
-# Async's defaults as workers grow (benchmarks/QUALITY_SCALE.md: MNIST-sized, 2 to 16 workers): a
-# gradient at most this many updates old is applied at the full learning rate, an older one at
-# lr x K / staleness (--staleness-lr K). With 16 workers and no damping async did not learn (0.12-0.34
-# test accuracy); K 8 kept 2 workers' accuracy where K 1 (Zhang et al.'s lr / staleness) and K 4 lost
-# 1-1.5 points by slowing every step.
+# Async's defaults as workers grow (benchmarks/QUALITY_SCALE.md: MNIST-sized, 2 to 16 workers): a gradient at
+# most this many updates old is applied at the full learning rate, an older one at lr x K / staleness
+# (--staleness-lr K). With 16 workers and no damping async did not learn (0.12-0.34 test accuracy); K 8 kept
+# 2 workers' accuracy where K 1 (Zhang et al.'s lr / staleness) and K 4 lost 1-1.5 points by slowing every step.
 DEFAULT_STALENESS_TOLERANCE = 8.0
-# --overlap makes each gradient one exchange staler: about 2W - 1 updates old with W workers instead
-# of W - 1. After 50 epochs of the 8,000-image set it cost nothing up to 4 workers, but after 6 epochs of
-# Fashion-MNIST's 60,000 (a budget that has not converged; benchmarks/QUALITY_SCALE-overlap.md) it cost
-# 0.95 point at 3 workers and 3.0 at 4 (medians of 3 seeds, every seed lower) for 5-6% more samples/s,
-# and nothing measurable at 2 workers, where it made 1.22-1.43x the samples/s of --no-overlap (three
-# 6-epoch runs). So it stays on for 2 workers only (the main job's np 3).
+# --overlap makes each gradient one exchange staler: about 2W - 1 updates old with W workers instead of W - 1.
+# After 6 epochs of Fashion-MNIST (benchmarks/QUALITY_SCALE-overlap.md) it cost 0.95 point at 3 workers and 3.0
+# at 4 (medians of 3 seeds) for 5-6% more samples/s, and nothing measurable at 2 workers, where it made
+# 1.22-1.43x the samples/s of --no-overlap. So it stays on for 2 workers only (the main job's np 3).
 AUTO_OVERLAP_MAX_WORKERS = 2
 # --local-steps' outer learning rate unless --outer-lr: sgd 1 is plain model averaging (local SGD),
 # nesterov 0.7 (momentum 0.9) DiLoCo's (Douillard et al. 2023).
-OUTER_DEFAULT_LR = {"sgd": 1.0, "nesterov": 0.7}
+OUTER_DEFAULT_LR = {"sgd": 1.0, "nesterov": 0.7, "delayed-nesterov": 0.7}
 OUTER_OPTIMIZERS = tuple(OUTER_DEFAULT_LR)  # --outer-optimizer's choices (outer.py)
-# --outer-optimizer unless given, by mode. Sync, measured (MNIST-sized 8,000 / 2,000, 4 workers, H 16, seeds
-# 0-2): nesterov 0.950 / 0.9525 / 0.9605 test accuracy, plain averaging 0.9445 / 0.9445 / 0.9425; sync with
-# an Allreduce every step 0.953 (seed 0). Async applies each worker's outer gradient on its own, so DiLoCo's
-# momentum compounds W pushes per round: nesterov 0.7 / 0.9 learned nothing (digits, 3 workers, H 8: 0.12),
-# plain averaging 0.953; MNIST-sized, 4 workers, H 8: 0.946-0.948 against async with H 1 0.9545-0.9585, its
-# outer step damped by --staleness-lr in global steps, never below averaging (outer.OuterUpdate, docs/modes.md).
-DEFAULT_OUTER_OPTIMIZER = {"sync": "nesterov", "async": "sgd"}
+# --outer-optimizer unless given, by mode (benchmarks/LOCAL_STEPS.md). Sync: nesterov (MNIST-sized, 4 workers,
+# H 16: 0.950-0.9605 against plain averaging's 0.9425-0.9445). Async applies each push alone, so nesterov's
+# momentum at every push compounds W pushes a round (digits: 0.12); delayed-nesterov moves it once a round.
+# Fashion-MNIST, 6 epochs, medians of 3 seeds: 4 workers H 4 0.8675, H 16 0.8589 against sgd's 0.8522, 0.8326
+# (plain sync 0.8584); 8 workers H 8 0.8404 against 0.8108. Undamped: --staleness-lr 8 cost it 0.4-1.1 points.
+DEFAULT_OUTER_OPTIMIZER = {"sync": "nesterov", "async": "delayed-nesterov"}
 # --delay-compensation given without a value: the adaptive variant's lambda_0 in Zheng et al. 2017 (CIFAR-10, ImageNet).
 DEFAULT_DC_LAMBDA = 2.0
 # Seconds without a global step before the waiting rank says what it waits for (Horovod's stall
@@ -126,19 +122,19 @@ class TrainConfig:
         "(local SGD, DiLoCo): sync averages the workers' (one Allreduce every H steps instead of every step; "
         "--quorum Q: the first Q to finish), async pushes each worker's on its own; 1: every gradient", metavar="H")
     outer_optimizer: str | None = PARALLELISM(
-        None, "--local-steps H: the outer optimizer: nesterov (DiLoCo's) or sgd (with --outer-lr 1: plain model "
-        "averaging)", choices=OUTER_OPTIMIZERS, shown=", ".join(f"{v} in {k}" for k, v in DEFAULT_OUTER_OPTIMIZER.items()))
+        None, "--local-steps H: the outer optimizer: nesterov (DiLoCo's), delayed-nesterov (async: its momentum "
+        "once every W pushes, Liu et al. 2024) or sgd (with --outer-lr 1: plain model averaging)", choices=OUTER_OPTIMIZERS, shown=", ".join(f"{v} in {k}" for k, v in DEFAULT_OUTER_OPTIMIZER.items()))
     outer_lr: float | None = PARALLELISM(
         None, "--local-steps H: the outer learning rate", shown=", ".join(f"{k} {lr:g}" for k, lr in OUTER_DEFAULT_LR.items()), metavar="LR")
-    outer_momentum: float = PARALLELISM(0.9, "--local-steps H with nesterov: the outer momentum", metavar="M")
+    outer_momentum: float = PARALLELISM(0.9, "--local-steps H with (delayed-)nesterov: the outer momentum", metavar="M")
     max_staleness: int | None = PARALLELISM(
         None, "async: hold back a worker's reply so that no applied gradient is more than S updates stale "
         "(implies --no-overlap; with --local-steps, S outer steps)", shown="unbounded", metavar="S")
     staleness_lr: float | None = PARALLELISM(
         None, "async: scale each step's learning rate by min(1, K / its gradient's staleness): full for "
         "gradients at most K updates old; the flag alone: K 1, lr / staleness (Zhang et al. 2016); 0: off. "
-        "--local-steps: the outer step's, staleness in global steps, never below 1 / the workers (averaging)",
-        shown=f"K {DEFAULT_STALENESS_TOLERANCE:g}", metavar="K", bare=1.0)
+        "--local-steps: the outer step's, staleness in global steps, never below 1 / the workers; off by "
+        "default with delayed-nesterov", shown=f"K {DEFAULT_STALENESS_TOLERANCE:g}", metavar="K", bare=1.0)
     delay_compensation: float | None = PARALLELISM(
         None, "async: correct each gradient for the updates applied since its worker was sent its parameters, "
         "g + LAMBDA * g*g*(w_now - w_sent) / sqrt(mean g*g) (DC-ASGD, Zheng et al. 2017); the flag alone: "
@@ -286,7 +282,8 @@ class TrainConfig:
     @property
     def staleness_tolerance(self) -> float | None:
         """--staleness-lr's K in async (None: no damping)."""
-        if self.mode != "async":
+        delayed = self.local_steps > 1 and self.outer_rule == "delayed-nesterov"  # a push moves lr / workers alone
+        if self.mode != "async" or (delayed and self.staleness_lr is None):  # (DEFAULT_OUTER_OPTIMIZER)
             return None
         k = DEFAULT_STALENESS_TOLERANCE if self.staleness_lr is None else float(self.staleness_lr)
         return k or None
@@ -452,6 +449,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
                          "e.g. --local-steps 16 --outer-optimizer sgd")
     if cfg.outer_lr is not None and not 0 < cfg.outer_lr < float("inf"):
         raise UsageError(f"--outer-lr must be positive (got {cfg.outer_lr})")
+    if cfg.outer_optimizer == "delayed-nesterov" and cfg.mode != "async":
+        raise UsageError("--outer-optimizer delayed-nesterov is async's (pushes one by one); sync's outer step "
+                         "averages every worker: use nesterov")
     if not 0 <= cfg.outer_momentum < 1:
         raise UsageError(f"--outer-momentum must be in [0, 1) (got {cfg.outer_momentum})")
     if cfg.ps_transport == "shm":  # as far as it goes so far (docs/modes.md, "One host")

@@ -8,7 +8,8 @@ checkpoint is taken there (the anchor, and the outer momentum as the optimizer s
 
 In async, each worker pushes its own outer gradient after its H steps (AsyncWorker), and each
 server applies it as one outer step to the global model with OuterUpdate, its update rule, and
-answers with the new global model: no worker waits for another. With --quorum Q, each worker's H
+answers with the new global model: no worker waits for another. Its default outer optimizer is
+delayed-nesterov, whose momentum moves once every W pushes (OuterOptimizer). With --quorum Q, each worker's H
 steps are one round (RoundSource), and an outer step averages the first Q rounds computed from the
 current global model."""
 
@@ -23,25 +24,42 @@ import numpy as np
 from mpitrain.optim import Optimizer, make_ema, staleness_scaled_lr
 
 OUTER_STATE = "outer_v"  # the outer Nesterov momentum, as checkpoints and the start-up broadcast name it
+OUTER_BUFFER = "outer_buf"  # delayed-nesterov: the sum of the pushes since its last momentum step
 # Each --outer-optimizer's state arrays (checkpoint.state_arrays sends and saves them).
-OUTER_STATES = {"sgd": (), "nesterov": (OUTER_STATE,)}
+OUTER_STATES = {"sgd": (), "nesterov": (OUTER_STATE,), "delayed-nesterov": (OUTER_STATE, OUTER_BUFFER)}
 
 
 class OuterOptimizer:
     """sgd: anchor -= lr * delta; nesterov (Sutskever et al. 2013, as torch.optim.SGD(nesterov=True)):
-    v = mu * v + delta, anchor -= lr * (delta + mu * v)."""
+    v = mu * v + delta, anchor -= lr * (delta + mu * v).
 
-    def __init__(self, kind: str, lr: float, momentum: float, n: int, xp=np, saved=None):
+    delayed-nesterov (async only; Liu et al. 2024, "Asynchronous Local-SGD Training for Language
+    Modeling", arXiv 2401.09135, with its c = 0): Nesterov whose momentum moves once every N pushes (N:
+    the workers), on their mean. Each push moves the anchor by lr / N * delta on its own; every N-th
+    push also sets v = mu * v + (sum of the last N) / N and moves it by lr * mu * v. A round of N pushes
+    then moves it as nesterov moves it for their mean, where momentum taken at every push compounds N
+    pushes a round (async nesterov learned nothing: config.DEFAULT_OUTER_OPTIMIZER)."""
+
+    def __init__(self, kind: str, lr: float, momentum: float, n: int, xp=np, saved: dict | None = None,
+                 period: int = 1):
         self.lr, self.mu, self.xp = lr, momentum, xp
-        self.v = xp.zeros(n, xp.float32) if OUTER_STATE in OUTER_STATES[kind] else None
-        if self.v is not None and saved is not None:
-            self.v[...] = xp.asarray(saved)
+        names = OUTER_STATES[kind]
+        self.v = xp.zeros(n, xp.float32) if OUTER_STATE in names else None
+        self.buf = xp.zeros(n, xp.float32) if OUTER_BUFFER in names else None
+        for name, array in self.state().items():
+            if saved is not None and name in saved:
+                array[...] = xp.asarray(saved[name])
+        self.period = max(1, period)
         self.tmp = xp.empty(n, xp.float32)
 
-    def step(self, anchor, delta, lr: float | None = None) -> None:
-        """One outer step of `anchor` along `delta`, at `lr` (default: the outer learning rate)."""
+    def step(self, anchor, delta, lr: float | None = None, t: int = 0) -> None:
+        """One outer step of `anchor` along `delta`, at `lr` (default: the outer learning rate); `t`:
+        the outer steps before it (delayed-nesterov's count of pushes)."""
         xp, f32, tmp = self.xp, self.xp.float32, self.tmp
         lr = self.lr if lr is None else lr
+        if self.buf is not None:
+            self._delayed(anchor, delta, lr, t)
+            return
         if self.v is None:
             xp.multiply(delta, f32(lr), out=tmp)
         else:
@@ -52,15 +70,29 @@ class OuterOptimizer:
             tmp *= f32(lr)
         anchor -= tmp
 
+    def _delayed(self, anchor, delta, lr: float, t: int) -> None:
+        xp, f32, tmp, n = self.xp, self.xp.float32, self.tmp, self.period
+        self.buf += delta
+        xp.multiply(delta, f32(lr / n), out=tmp)
+        anchor -= tmp
+        if (t + 1) % n == 0:
+            self.v *= f32(self.mu)
+            self.buf *= f32(1.0 / n)
+            self.v += self.buf
+            self.buf[...] = 0
+            xp.multiply(self.v, f32(lr * self.mu), out=tmp)
+            anchor -= tmp
+
     def state(self) -> dict:
-        return {} if self.v is None else {OUTER_STATE: self.v}
+        return {name: a for name, a in ((OUTER_STATE, self.v), (OUTER_BUFFER, self.buf)) if a is not None}
 
 
 class OuterUpdate:
     """The async server's update rule with --local-steps H (optim.ServerUpdate's interface): a pushed
     outer gradient (the worker's anchor - local after its H steps) is one outer step of the server's
-    parameters, then the moving average. Its state is the outer momentum (`state`, checkpointed as
-    OUTER_STATE); the inner optimizers' stay on the workers.
+    parameters, then the moving average. Its state is the outer optimizer's (`state`: the momentum
+    OUTER_STATE, and delayed-nesterov's OUTER_BUFFER, whose count is `t`, the outer steps applied);
+    the inner optimizers' stay on the workers. delayed-nesterov's W is the workers of the phase's start.
 
     With --staleness-lr K the outer learning rate is damped as a gradient's is: times K / staleness
     once the global model has moved more than K global steps since the push's anchor (the same K
@@ -74,7 +106,7 @@ class OuterUpdate:
                  workers: int = 0, version: int = 0):
         self.params, self.tolerance, self.t = params, cfg.staleness_tolerance, opt_t
         self.outer = OuterOptimizer(cfg.outer_rule, cfg.outer_learning_rate, cfg.outer_momentum,
-                                    params.shape[0], xp, opt_state.get(OUTER_STATE))
+                                    params.shape[0], xp, opt_state, period=workers)
         self.opt = self  # what the server saves: `t` and `state`, as an Optimizer's
         self.ema = make_ema(cfg.ema_decay, params, xp, start_step, saved_ema)
         self.dc = None
@@ -97,8 +129,8 @@ class OuterUpdate:
         if self.tolerance:
             averaging = outer_lr / max(1, len(self.pushing | {worker}))
             outer_lr = max(staleness_scaled_lr(outer_lr, staleness, self.tolerance), averaging)
+        self.outer.step(self.params, delta, outer_lr, self.t)
         self.t += 1
-        self.outer.step(self.params, delta, outer_lr)
         if self.ema:
             self.ema.update(self.params)
 
@@ -139,7 +171,7 @@ class LocalSteps:
     """A sync worker's schedule with --local-steps H: which steps end with an outer step, the anchor,
     the outer optimizer, and the inner losses behind the next outer step's mean loss."""
 
-    def __init__(self, cfg, params, xp, saved_outer=None):
+    def __init__(self, cfg, params, xp, saved_outer: dict | None = None):
         self.h = cfg.local_steps
         self.anchor = params.copy()
         self.outer = OuterOptimizer(cfg.outer_rule, cfg.outer_learning_rate, cfg.outer_momentum,

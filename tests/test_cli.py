@@ -46,6 +46,7 @@ BAD = [
     (["--local-steps", "4", "--overlap"], "--local-steps in async mode does not go with --overlap"),
     (["--mode", "sync", "--outer-lr", "0.5"], "apply with --local-steps H above 1"),
     (["--mode", "sync", "--local-steps", "4", "--outer-momentum", "1"], "--outer-momentum must be in [0, 1)"),
+    (["--mode", "sync", "--local-steps", "4", "--outer-optimizer", "delayed-nesterov"], "delayed-nesterov is async's"),
     (["--mode", "sync", "--delay-compensation"], "--delay-compensation applies to --mode async"),
     (["--delay-compensation", "-1"], "--delay-compensation takes a lambda of zero or more"),
     (["--respawn", "-1"], "--respawn must be zero (none) or the most lost workers to replace"),

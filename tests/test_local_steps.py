@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import NUMBERS_ONLY, only_on, train
 
+from conftest import NUMBERS_ONLY, only_on, train
 from mpitrain.cli import parse_args
 from mpitrain.outer import LocalSteps, OuterOptimizer
 
@@ -24,6 +24,40 @@ def test_outer_sgd_at_lr_1_is_model_averaging_and_nesterov_is_sutskevers():
         nesterov.step(w, g)
         np.testing.assert_allclose(w, expected, rtol=1e-6)
         assert np.allclose(nesterov.state()["outer_v"], v)
+
+
+def test_delayed_nesterov_moves_its_momentum_once_a_round_on_the_rounds_mean():
+    """Async's delayed-nesterov with N workers: each push moves lr / N of itself at once, and every N-th
+    push also steps the momentum on the mean of the last N; a round of N pushes thus ends where nesterov's
+    one step on their mean does. Its buffer is state (a checkpoint mid-round resumes it)."""
+    rng = np.random.default_rng(0)
+    pushes = rng.standard_normal((6, 3)).astype(np.float32)
+    delayed, w = OuterOptimizer("delayed-nesterov", 0.7, 0.9, 3, period=3), np.zeros(3, np.float32)
+    nesterov, ref = OuterOptimizer("nesterov", 0.7, 0.9, 3), np.zeros(3, np.float32)
+    for t, g in enumerate(pushes[:4]):
+        delayed.step(w, g, t=t)
+    nesterov.step(ref, pushes[:3].mean(0))
+    np.testing.assert_allclose(w, ref - 0.7 / 3 * pushes[3], rtol=1e-5, atol=1e-6)  # mid-round: lr / N of it
+    resumed = OuterOptimizer("delayed-nesterov", 0.7, 0.9, 3, saved=delayed.state(), period=3)
+    assert set(delayed.state()) == {"outer_v", "outer_buf"}
+    for t, g in enumerate(pushes[4:], 4):
+        resumed.step(w, g, t=t)
+    nesterov.step(ref, pushes[3:].mean(0))
+    np.testing.assert_allclose(w, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_async_local_steps_default_to_delayed_nesterov_undamped():
+    """Measured (config.DEFAULT_OUTER_OPTIMIZER): async's pushes go to delayed-nesterov, whose own lr / W per
+    push replaces --staleness-lr's damping unless it is given; plain async (H 1) keeps its K (sync refuses
+    it: test_cli)."""
+    from mpitrain.outer import OuterUpdate
+
+    cfg, _ = parse_args(["--local-steps", "4"])
+    assert (cfg.outer_rule, cfg.staleness_tolerance, cfg.outer_learning_rate) == ("delayed-nesterov", None, 0.7)
+    update = OuterUpdate(cfg, np.zeros(1, np.float32), np, 0, 0, {}, workers=4)
+    assert update.outer.period == 4 and set(update.state) == {"outer_v", "outer_buf"}
+    assert parse_args(["--local-steps", "4", "--staleness-lr", "8"])[0].staleness_tolerance == 8
+    assert parse_args([])[0].staleness_tolerance == 8
 
 
 def test_an_outer_step_comes_every_h_steps_and_at_the_end_and_saves_wait_for_it():
@@ -69,7 +103,7 @@ def test_async_inner_steps_push_how_far_they_moved_and_the_server_steps_the_glob
     the server's OuterUpdate (sgd at lr 1) puts its parameters where that worker got to."""
     from mpitrain.outer import InnerSteps, OuterUpdate
 
-    cfg, _ = parse_args(["--local-steps", "3", "--lr", "0.5", "--staleness-lr", "0"])
+    cfg, _ = parse_args(["--local-steps", "3", "--lr", "0.5", "--staleness-lr", "0", "--outer-optimizer", "sgd"])
     anchor = np.array([1.0, -1.0], np.float32)
     target = np.array([0.0, 1.0], np.float32)
 
@@ -102,7 +136,7 @@ def test_an_async_outer_step_is_damped_by_the_global_steps_it_is_stale_but_never
         update.apply(np.ones(1, np.float32), 0.1, staleness, worker)
         return float(before[0] - update.params[0])
 
-    cfg, _ = parse_args(["--local-steps", "8"])
+    cfg, _ = parse_args(["--local-steps", "8", "--outer-optimizer", "sgd"])
     update = OuterUpdate(cfg, np.zeros(1, np.float32), np, 0, 0, {}, workers=3)
     assert moved(update, 8) == pytest.approx(1.0)  # at most K global steps stale: the whole outer step
     assert moved(update, 16) == pytest.approx(0.5)  # K / staleness
@@ -111,21 +145,29 @@ def test_an_async_outer_step_is_damped_by_the_global_steps_it_is_stale_but_never
     assert moved(update, 64, worker=2) == pytest.approx(1 / 2)
     update.forget(2)
     assert moved(update, 64, worker=0) == pytest.approx(1.0)  # the last one pushing is not averaged with anyone
-    cfg, _ = parse_args(["--local-steps", "8", "--staleness-lr", "0"])  # no damping at all
+    cfg, _ = parse_args(["--local-steps", "8", "--outer-optimizer", "sgd", "--staleness-lr", "0"])  # no damping
     assert moved(OuterUpdate(cfg, np.zeros(1, np.float32), np, 0, 0, {}, workers=3), 64) == pytest.approx(1.0)
 
 
 @only_on("mpich", NUMBERS_ONLY)
 @pytest.mark.parametrize("flags", [[], ["--num-ps", "2"]], ids=["one-server", "two-servers"])
 def test_async_local_steps_learn_and_count_samples_as_without(tmp_path, flags):
+    """With the default outer step (delayed-nesterov), whose state, the momentum and the pushes since it
+    last moved, each server's slice of, is in the checkpoint."""
     np_ = 4 + ("--num-ps" in flags)
-    s = train(np_, tmp_path, "--local-steps", "8", "--eval-every", "100", *flags)
+    ck = tmp_path / "ck"
+    s = train(np_, tmp_path, "--local-steps", "8", "--eval-every", "100", "--checkpoint-dir", str(ck), *flags)
+    with np.load(sorted(ck.glob("ckpt-*.npz"))[-1]) as saved:
+        assert {"opt_outer_v", "opt_outer_buf"} <= set(saved.files) and saved["opt_outer_v"].shape == saved["params"].shape
+        assert np.any(saved["opt_outer_v"] != 0)  # the momentum moved (every 3rd push of 75)
     assert s["global_step"] == sum(s["local_steps"]) == 600  # --epochs: the same samples as with H = 1
     assert s["gradients_pushed"] == [25, 25, 25]  # 200 inner steps each, 8 per push
     evals = [e["global_step"] for e in s["eval_history"]]  # at the push that crossed each multiple of 100
     assert len(evals) == 6 and all(0 <= step - 100 * k < 8 for k, step in enumerate(evals, 1)), evals
     assert s["test_accuracy"] >= 0.93, s["_stdout"]
     assert "local steps: each worker takes 8 steps on its own" in s["_stdout"]
+    assert "outer delayed-nesterov step (lr 0.7, momentum 0.9 once every 3 pushes)" in s["_stdout"]
+    assert "every push undamped (--staleness-lr K damps the stale ones)" in s["_stdout"]
 
 
 @only_on("mpich", NUMBERS_ONLY)

@@ -424,7 +424,9 @@ class AsyncMode(Mode):
             overlap = f"no overlap (above {AUTO_OVERLAP_MAX_WORKERS} workers; --overlap turns it on)"
         k = cfg.staleness_tolerance
         given = "--staleness-lr" if cfg.staleness_lr is not None else "--staleness-lr K sets another, 0 none"
-        if k is None:
+        if k is None and cfg.staleness_lr is None:  # delayed-nesterov's default (config.DEFAULT_OUTER_OPTIMIZER)
+            damping = "every push undamped (--staleness-lr K damps the stale ones)"
+        elif k is None:
             damping = "every gradient at the full learning rate (--staleness-lr 0)"
         elif k == 1:
             damping = f"each gradient at learning rate / staleness ({given})"
@@ -435,7 +437,9 @@ class AsyncMode(Mode):
             words += f"; delay compensation, lambda {cfg.delay_compensation:g}"
         if cfg.local_steps > 1:
             words += (f"; local steps: each worker takes {cfg.local_steps} steps on its own, then pushes how far it "
-                      f"moved, which the server applies as an outer {cfg.outer_rule} step (lr {cfg.outer_learning_rate:g})")
+                      f"moved, which the server applies as an outer {cfg.outer_rule} step (lr {cfg.outer_learning_rate:g}")
+            words += (f", momentum {cfg.outer_momentum:g} once every {workers} pushes)" if cfg.outer_rule == "delayed-nesterov"
+                      else ")")
         if cfg.ps_transport == "shm":
             words += "; the parameters in shared memory, each worker applying its own gradients (--ps-transport shm)"
         return words

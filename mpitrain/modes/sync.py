@@ -33,7 +33,7 @@ from mpitrain.modes.base import Mode, Trained
 from mpitrain.modes.report import CoordinatorReport
 from mpitrain.observe import ALLREDUCE, APPLY, COMPUTE, WAIT
 from mpitrain.optim import Optimizer, make_ema
-from mpitrain.outer import OUTER_STATE, LocalSteps
+from mpitrain.outer import LocalSteps
 from mpitrain.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_REGROUPED, FLAG_STOP, TAG_SHARD, TAG_STATUS,
                                Message, ProtocolError)
 from mpitrain.runtime import Context, start_state
@@ -72,7 +72,7 @@ class SyncStep:
                 self.ema = make_ema(cfg.ema_decay, params, be.xp, start.global_step, start.ema)
         self.local = None  # --local-steps H > 1: an Allreduce every H steps (outer.py)
         if cfg.local_steps > 1:
-            self.local = LocalSteps(cfg, params, be.xp, start.opt_state.get(OUTER_STATE) if start else None)
+            self.local = LocalSteps(cfg, params, be.xp, start.opt_state if start else None)
         self.synced = True  # the step just taken ended with the workers' models identical
         self.activity = ctx.activity
 
