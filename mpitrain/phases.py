@@ -56,7 +56,7 @@ def joined(cfg: TrainConfig, comm, carry: join.Carry) -> tuple[TrainConfig, obje
     return carry.next_config(cfg), world, node_info(world)
 
 
-def with_spares(cfg: TrainConfig, comm, node: Node, carry: join.Carry):
+def with_spares(cfg: TrainConfig, comm, node: Node, carry: join.Carry, library: bool = False):
     """--spares N (spares.py), first thing: the job's world without the spares, (cfg, comm, node) for
     the rest of the run. Rank 0 keeps the pool (carry.spares). A spare waits: (the next phase's flags,
     the world it is let into, its node), or (cfg, None, the exit code) when the job ended without it."""
@@ -71,7 +71,7 @@ def with_spares(cfg: TrainConfig, comm, node: Node, carry: join.Carry):
     def mine() -> None:
         carry.data = load_dataset(cfg)  # its first phase uses it (trainer._phase), as a joiner's
 
-    got = spares.stand_by(cfg, side, carry, mine)
+    got = spares.stand_by(cfg, side, carry, mine, library)
     if isinstance(got, int):
         return cfg, None, got
     carry.budget, world = got

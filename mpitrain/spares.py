@@ -159,10 +159,12 @@ def dismiss_all(peer_lost: bool) -> None:
         POOL.pop().dismiss_all(peer_lost)
 
 
-def stand_by(cfg: TrainConfig, link, carry, mine) -> tuple[int, object] | int:
+def stand_by(cfg: TrainConfig, link, carry, mine, library: bool = False) -> tuple[int, object] | int:
     """A spare: load what a worker needs (`mine`), then wait on rank 0's connection. Returns (the job's
     step budget, the new world) when rank 0 lets it in, else the exit code it leaves with (0: the job
-    ended without needing it; interrupted: a stop signal came first and the job ended)."""
+    ended without needing it; interrupted: a stop signal came first and the job ended). After a lost
+    rank the command line leaves without MPI_Finalize at once; the Python API (`library`) returns, with
+    carry.peer_lost set (api.LostPeer)."""
     from mpitrain.stopping import STOP
 
     inter, (host, pid) = link
@@ -180,10 +182,11 @@ def stand_by(cfg: TrainConfig, link, carry, mine) -> tuple[int, object] | int:
         if dead_here(host, pid) or time.monotonic() - heard > quiet_s(cfg):
             why = "its process has ended" if dead_here(host, pid) else f"no word from it for {quiet_s(cfg):g} s"
             say(f"mpitrain: spare rank {MPI.COMM_WORLD.Get_rank()}: the job's rank 0 was lost ({why}); leaving", sys.stderr)
-            return leave(True, ExitCode.PEER_LOST)
+            return leave(True, ExitCode.PEER_LOST, carry, library)
         time.sleep(POLL_S)
     if go.header[H_FLAGS] & FLAG_STOP:
-        return leave(bool(go.header[H_FLAGS] & FLAG_PEER_LOST), interrupted(STOP.signum) if STOP.signum else ExitCode.OK)
+        code = interrupted(STOP.signum) if STOP.signum else ExitCode.OK
+        return leave(bool(go.header[H_FLAGS] & FLAG_PEER_LOST), code, carry, library)
     while not budget:  # a beat with it came before GO, on another tag: it may be received after it
         beat_req.Wait()
         budget = int(beat.header[H_STEP])
@@ -199,8 +202,9 @@ def stand_by(cfg: TrainConfig, link, carry, mine) -> tuple[int, object] | int:
     return budget, world
 
 
-def leave(peer_lost: bool, code: int) -> int:
-    if peer_lost:
+def leave(peer_lost: bool, code: int, carry, library: bool) -> int:
+    carry.peer_lost |= peer_lost
+    if peer_lost and not library:
         from mpitrain.lock import exit_without_finalize
 
         exit_without_finalize(code)

@@ -114,13 +114,14 @@ def run(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: boo
     try:
         if err is None and cfg is not None and cfg.spares and not cfg.join:  # collective over COMM_WORLD, first thing
             try:
-                cfg, comm, node = with_spares(cfg, comm, node, carry)
+                cfg, comm, node = with_spares(cfg, comm, node, carry, library)
             except UsageError as e:
                 line = f"mpitrain: error: {e}"
                 say(line, sys.stderr)
                 return Outcome(ExitCode.USAGE, error=line)
-            if comm is None:  # a spare the job ended without (the code it leaves with)
-                return Outcome(node)
+            if comm is None:  # a spare the job ended without (the code it leaves with); the API's result says so
+                return Outcome(node, report={"rank": MPI.COMM_WORLD.Get_rank(), "spare": True, "joined": False},
+                               mpi_broken=library and carry.peer_lost)
         if err is None and cfg is not None and cfg.join:
             try:
                 cfg, comm, node = joined(cfg, comm, carry)

@@ -186,6 +186,24 @@ sys.stdout.write(f"R {mpitrain.rank()} {mpitrain.size()} {mpitrain.local_rank()}
 
 
 @only_on("mpich", OWN_LOGIC)
+def test_a_spare_the_job_did_not_need_gets_a_result_saying_so_and_trains_again(tmp_path):
+    """spares=1 under mpirun -np 4: the spare's train() returned nothing to build a result from (a
+    TypeError, then hydra ended the job); now it says it was a spare that did not join, and the
+    script's second train() splits off a spare again."""
+    code = f"""
+import mpitrain
+for k in range(2):
+    r = mpitrain.train(dataset="digits", steps=40, progress=False, spares=1, checkpoint_dir={str(tmp_path)!r} + f"/ck{{k}}")
+    print(f"RUN {{k}} RANK {{mpitrain.rank()}}: {{r.get('spare')}} {{r.get('joined')}} {{r.get('global_step')}}", flush=True)
+"""
+    proc = python(code, np_=4)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for k in range(2):
+        assert f"RUN {k} RANK 3: True False None" in proc.stdout, proc.stdout + proc.stderr
+        assert f"RUN {k} RANK 0: None None 40" in proc.stdout and f"RUN {k} RANK 1: None None None" in proc.stdout
+
+
+@only_on("mpich", OWN_LOGIC)
 def test_train_returns_the_model_on_rank_0_and_predict_matches_the_summary():
     """No checkpoint needed: rank 0's result holds the final parameters; predicting the test set
     with them gives the summary's test accuracy, and their digest is the summary's."""
