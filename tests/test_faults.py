@@ -11,7 +11,6 @@ import pytest
 from conftest import NUMBERS_ONLY, OWN_LOGIC, child_env, only_on, own_lines, run_mpitrain
 from mpitrain import checkpoint
 
-
 # The guard is mpitrain's own logic; how every rank ends with exit 4 is the MPI's: the two np 3
 # cases run under both MPIs, the variants (one process, 4 ranks) and the other guards under MPICH.
 MPICH_VARIANT = only_on("mpich", OWN_LOGIC)

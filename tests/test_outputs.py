@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from conftest import NUMBERS_ONLY, only_on, run_mpitrain
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))

@@ -5,8 +5,8 @@ import pytest
 
 from mpitrain.codec import WIRE_DTYPES, decode, encode
 from mpitrain.config import codec_names
-from mpitrain.protocol import (FLAG_STOP, HEADER_BYTES, MAGIC, TAG_GRAD, TAG_PARAMS, VERSION, Message,
-                               ProtocolError, H_MAGIC, H_VERSION)
+from mpitrain.protocol import (FLAG_STOP, H_MAGIC, H_VERSION, HEADER_BYTES, MAGIC, TAG_GRAD, TAG_PARAMS, VERSION,
+                               Message, ProtocolError)
 
 
 def test_header_and_payload_share_one_buffer():

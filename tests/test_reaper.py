@@ -6,8 +6,8 @@ import sys
 import time
 
 import pytest
-from conftest import only_on
 
+from conftest import only_on
 from mpitrain import reaper
 
 pytestmark = only_on("mpich", "stand-ins for either launcher, no MPI here: one suite is enough")

@@ -7,8 +7,8 @@ import os
 
 import numpy as np
 import pytest
-from conftest import NUMBERS_ONLY, child_env, keep_going, mpi_impl, mpitrain_cmd, only_on, run_detached, train
 
+from conftest import NUMBERS_ONLY, child_env, keep_going, mpi_impl, mpitrain_cmd, only_on, run_detached, train
 from mpitrain.exchange import shm
 
 pytestmark = pytest.mark.timeout(300)

@@ -71,9 +71,9 @@ def test_a_mode_is_one_object_in_its_own_file_and_the_flag_is_read_in_one_place(
     """modes/: each file holds one Mode object that the registry can pick; outside the registry
     only config.py (the flag's own checks and defaults) reads --mode."""
     from mpitrain import modes
-    from mpitrain.modes.base import Mode
     from mpitrain.config import TrainConfig
     from mpitrain.layout import Layout
+    from mpitrain.modes.base import Mode
 
     objects = {}  # a file of modes/ holds one mode, or none (its pieces: quorum_parts.py)
     for stem in sorted(p.stem for p in (PACKAGE / "modes").glob("*.py") if p.stem not in ("__init__", "base")):
