@@ -26,7 +26,7 @@ from mpitrain.layout import PS_RANK, Layout
 from mpitrain.metrics import JobOutputs
 from mpitrain.model import Model, build
 from mpitrain.observe import Activity
-from mpitrain.optim import decayed_lr
+from mpitrain.optim import decayed_lr, preload_blas
 from mpitrain.worldcheck import validate_for_world
 
 __all__ = ["PS_RANK", "Context", "Layout", "Node", "setup", "start_state", "world"]
@@ -346,6 +346,7 @@ def setup(cfg: TrainConfig, comm, node: Node, choose_mode, data: Dataset | None 
     data = data if data is not None else load_dataset(cfg)
     check_batch_fits(data.n_train, layout.workers, cfg.batch_size)
     model = make_model(cfg, data, backend.xp)
+    preload_blas(cfg)
     resume = None
     if rank == PS_RANK and cfg.checkpoint_dir and not cfg.fresh:
         resume = checkpoint.load_latest(Path(cfg.checkpoint_dir), fingerprint(cfg, data, model))

@@ -43,7 +43,7 @@ from mpitrain.checkpoint import TrainState
 from mpitrain.faults import kill_here, store_kill
 from mpitrain.layout import PS_RANK
 from mpitrain.mpiimpl import orphans
-from mpitrain.optim import REGISTRY, ServerUpdate, StalenessHold, blas_saxpy
+from mpitrain.optim import REGISTRY, ServerUpdate, StalenessHold
 from mpitrain.waiting import poll
 
 SHM_DIR = "/dev/shm"
@@ -202,10 +202,7 @@ def open_store(ctx, start: TrainState, hold_at: int = 0, here: bool = True) -> S
 
     from mpitrain.transport import END_POLL_S, Poller
 
-    kind = REGISTRY[ctx.cfg.optimizer]
-    if kind.blas_step is not None:  # SharedUpdate's, loaded before the ranks meet here: SciPy's ~0.4 s, each rank alike
-        blas_saxpy()
-    names = kind.state
+    names = REGISTRY[ctx.cfg.optimizer].state  # SharedUpdate's BLAS was loaded in set-up (optim.preload_blas)
     ema, dc = bool(ctx.cfg.ema_decay), ctx.cfg.delay_compensation is not None
     n, W, K = ctx.model.n_params, ctx.workers, ctx.layout.shards
     buf = bytearray(NAME_BYTES)
