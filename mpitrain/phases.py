@@ -35,13 +35,12 @@ def joined(cfg: TrainConfig, comm, carry: join.Carry) -> tuple[TrainConfig, obje
     Returns the next phase's flags, the new world (None: the job ended first) and its node."""
     if comm.Get_size() != 1:
         raise UsageError(f"--join starts one worker, but MPI started {comm.Get_size()}: run it under mpirun -np 1")
-    from mpitrain.data import load_dataset
-    from mpitrain.runtime import make_model
+    from mpitrain.runtime import load_inputs, make_model
 
     def mine() -> dict:
         if spawned():
             faults.slow_setup()
-        carry.data = load_dataset(cfg)  # its first phase uses it (trainer._phase)
+        carry.data = load_inputs(cfg)  # its first phase uses it (trainer._phase)
         return identity_of(cfg, make_model(cfg, carry.data, np))
 
     if spawned():  # started by the job itself (--respawn): it waits in the new world already
@@ -66,10 +65,10 @@ def with_spares(cfg: TrainConfig, comm, node: Node, carry: join.Carry, library: 
         if side is not None:
             say(f"mpitrain: {side.describe()}; a lost worker's place goes to one of them (--spares)")
         return cfg, job, node_info(job)
-    from mpitrain.data import load_dataset
+    from mpitrain.runtime import load_inputs
 
     def mine() -> None:
-        carry.data = load_dataset(cfg)  # its first phase uses it (trainer._phase), as a joiner's
+        carry.data = load_inputs(cfg)  # its first phase uses it (trainer._phase), as a joiner's
 
     got = spares.stand_by(cfg, side, carry, mine, library)
     if isinstance(got, int):
