@@ -136,6 +136,34 @@ def test_warmup_ramps_linearly_to_the_scaled_rate():
     assert Context.lr_scale_at(ctx, 0) == 4.0
 
 
+@pytest.mark.parametrize("flags", [["--mode", "async"], ["--mode", "sync", "--lr-decay", "0.9", "--warmup-epochs", "2"],
+                                   ["--mode", "sync", "--lr-scaling", "none", "--lr", "0.3"]],
+                         ids=["async", "sync-warm-decay", "sync-unscaled"])
+def test_the_learning_rate_of_each_step_is_the_formulas_with_the_phases_constants_looked_up_once(flags):
+    """lr_at keeps the phase's constants (it runs for every update); the rate is still, to the
+    bit, decay ** epochs seen x the warm-up's factor, and a context made from it (dataclasses.replace:
+    the next phase's workers) computes with its own."""
+    import dataclasses
+
+    from mpitrain import modes
+    from mpitrain.cli import parse_args
+    from mpitrain.layout import Layout
+    from mpitrain.optim import decayed_lr
+    from mpitrain.runtime import Node, setup
+    from test_cli import FakeWorld
+
+    cfg, _ = parse_args([*flags, "--dataset", "synthetic"])
+    ctx = setup(cfg, FakeWorld(1, 3), Node(1, 3, 2, 2), modes.of)
+    for step in (0, 7, 1000, 123456):
+        seen = step * ctx.global_batch
+        assert ctx.lr_at(step) == decayed_lr(cfg.learning_rate, cfg.lr_decay, seen, ctx.data.n_train) * \
+            ctx.lr_scale_at(seen)
+    bigger = dataclasses.replace(ctx, size=4, layout=Layout(4, cfg.num_ps))  # a sync update averages 3 gradients
+    assert bigger.lr_at(10) == decayed_lr(cfg.learning_rate, cfg.lr_decay, 10 * bigger.global_batch,
+                                          ctx.data.n_train) * bigger.lr_scale_at(10 * bigger.global_batch)
+    assert (bigger.lr_at(10) != ctx.lr_at(10)) == (cfg.mode == "sync")
+
+
 @only_on("mpich", NUMBERS_ONLY)
 def test_your_own_npz_trains_like_the_builtin_data(tmp_path):
     """The README's three lines: any arrays saved with np.savez train with one flag."""

@@ -95,6 +95,23 @@ def sweep(shm_dir: str = SHM_DIR) -> list[str]:
     return removed
 
 
+class ShardLock:
+    """A shard's lock: byte `shard` of the segment's file, a POSIX record lock (the kernel's, released
+    when its holder dies however it dies). A class, not a generator context manager: every push
+    takes it, and contextlib's machinery cost ~3 us of a softmax push's ~70 (2026-11-29)."""
+
+    __slots__ = ("fd", "shard")
+
+    def __init__(self, fd: int, shard: int):
+        self.fd, self.shard = fd, shard
+
+    def __enter__(self) -> None:
+        fcntl.lockf(self.fd, fcntl.LOCK_EX, 1, self.shard)
+
+    def __exit__(self, *exc) -> None:
+        fcntl.lockf(self.fd, fcntl.LOCK_UN, 1, self.shard)
+
+
 class Store:
     """One rank's mapping of the segment: numpy views of each section, and the lock."""
 
@@ -120,16 +137,11 @@ class Store:
         self.header = self.rows[0]  # shard 0's, and the run's slots
         self.active, self.params, self.ema = v["active"], v["params"], v.get("ema")
         self.opt = {name: v[f"opt_{name}"] for name in state_names}
+        self.locks = [ShardLock(self.fd, k) for k in range(shards)]
 
-    @contextlib.contextmanager
-    def locked(self, shard: int = 0):
-        """Shard `shard`'s lock: byte `shard` of the file, a POSIX record lock (the kernel's,
-        released when its holder dies however it dies). Whoever takes several takes them in order."""
-        fcntl.lockf(self.fd, fcntl.LOCK_EX, 1, shard)
-        try:
-            yield self
-        finally:
-            fcntl.lockf(self.fd, fcntl.LOCK_UN, 1, shard)
+    def locked(self, shard: int = 0) -> ShardLock:
+        """Shard `shard`'s lock, as a `with` block. Whoever takes several takes them in order."""
+        return self.locks[shard]
 
     @contextlib.contextmanager
     def locked_all(self):
