@@ -250,9 +250,6 @@ class Context:
         """The factor --lr-scaling linear reaches: the gradients averaged into one sync update."""
         return self.global_batch // self.cfg.batch_size if self.cfg.scaled_lr else 1
 
-    def lr_scale_at(self, samples_seen: int) -> float:
-        return warmed_up(self.lr_scale, self.cfg.warmup_epochs, samples_seen, self.data.n_train)
-
     @property
     def global_batch(self) -> int:
         """Examples behind one global step: one worker's batch in async; in sync, the batches of

@@ -125,15 +125,11 @@ def test_sync_scales_the_learning_rate_with_the_workers(tmp_path):
 
 
 def test_warmup_ramps_linearly_to_the_scaled_rate():
-    from types import SimpleNamespace
+    from mpitrain.runtime import warmed_up
 
-    from mpitrain.runtime import Context
-
-    ctx = SimpleNamespace(lr_scale=4, cfg=SimpleNamespace(warmup_epochs=2.0), data=SimpleNamespace(n_train=1000))
-    ramp = [Context.lr_scale_at(ctx, seen) for seen in (0, 1000, 2000, 5000)]
+    ramp = [warmed_up(4, 2.0, seen, 1000) for seen in (0, 1000, 2000, 5000)]
     assert ramp == [1.0, 2.5, 4.0, 4.0]
-    ctx.cfg.warmup_epochs = 0.0
-    assert Context.lr_scale_at(ctx, 0) == 4.0
+    assert warmed_up(4, 0.0, 0, 1000) == 4.0
 
 
 @pytest.mark.parametrize("flags", [["--mode", "async"], ["--mode", "sync", "--lr-decay", "0.9", "--warmup-epochs", "2"],
@@ -149,18 +145,20 @@ def test_the_learning_rate_of_each_step_is_the_formulas_with_the_phases_constant
     from mpitrain.cli import parse_args
     from mpitrain.layout import Layout
     from mpitrain.optim import decayed_lr
-    from mpitrain.runtime import Node, setup
+    from mpitrain.runtime import Node, setup, warmed_up
     from test_cli import FakeWorld
+
+    def formula(c, step):  # from the context's live properties, not lr_at's cache
+        seen = step * c.global_batch
+        n = c.data.n_train
+        return decayed_lr(cfg.learning_rate, cfg.lr_decay, seen, n) * warmed_up(c.lr_scale, cfg.warmup_epochs, seen, n)
 
     cfg, _ = parse_args([*flags, "--dataset", "synthetic"])
     ctx = setup(cfg, FakeWorld(1, 3), Node(1, 3, 2, 2), modes.of)
     for step in (0, 7, 1000, 123456):
-        seen = step * ctx.global_batch
-        assert ctx.lr_at(step) == decayed_lr(cfg.learning_rate, cfg.lr_decay, seen, ctx.data.n_train) * \
-            ctx.lr_scale_at(seen)
+        assert ctx.lr_at(step) == formula(ctx, step)
     bigger = dataclasses.replace(ctx, size=4, layout=Layout(4, cfg.num_ps))  # a sync update averages 3 gradients
-    assert bigger.lr_at(10) == decayed_lr(cfg.learning_rate, cfg.lr_decay, 10 * bigger.global_batch,
-                                          ctx.data.n_train) * bigger.lr_scale_at(10 * bigger.global_batch)
+    assert bigger.lr_at(10) == formula(bigger, 10)
     assert (bigger.lr_at(10) != ctx.lr_at(10)) == (cfg.mode == "sync")
 
 
