@@ -12,6 +12,7 @@ MPITRAIN_INJECT_KILL=RANK:takeover ... a successor, once it has told the others 
 MPITRAIN_INJECT_KILL=RANK:STEP:locked   --ps-transport shm: ... holding the store's lock, before applying
 MPITRAIN_INJECT_KILL=RANK:STEP:applying ... with its gradient applied to the store, the version not yet
                                 advanced (half-way through its step, as rank 0 and the others see it)
+MPITRAIN_INJECT_KILL=RANK:0:opening ... before it has the store's name from rank 0 (open_store)
 MPITRAIN_INJECT_EXIT=RANK:STEP  worker RANK exits at its local step STEP without a word (exit 137,
                                 as a killed rank's supervisor does: a Python API script has none)
 MPITRAIN_INJECT_RAISE=RANK:STEP worker RANK raises an unexpected exception at its local step STEP
@@ -133,8 +134,9 @@ class Kill:
 
 
 # Where in a --ps-transport shm push (exchange/shm.py): holding shard 0's lock, half-way through its
-# apply, half-way through shard 1's (--num-ps 2: shard 0 applied, the rest not).
-STORE_KILL_POINTS = ("locked", "applying", "sharded")
+# apply, half-way through shard 1's (--num-ps 2: shard 0 applied, the rest not); or, at step 0, before
+# the worker has mapped the store at all (open_store).
+STORE_KILL_POINTS = ("locked", "applying", "sharded", "opening")
 
 
 def store_kill(rank: int, env=os.environ) -> tuple[int, str] | None:

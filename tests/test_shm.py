@@ -18,6 +18,12 @@ def _segments() -> set[str]:
     return {n for n in os.listdir(shm.SHM_DIR) if n.startswith(shm.PREFIX)}
 
 
+def _none_left(before: set[str]) -> bool:
+    """No segment left by the job run since `before` was taken. One an earlier killed job left may
+    be gone: the job's rank 0 sweeps those (CI: a failed test's leftover failed the next test here)."""
+    return not _segments() - before
+
+
 @only_on("mpich", NUMBERS_ONLY)
 @pytest.mark.parametrize("flags", [[], ["--optimizer", "momentum", "--ema-decay", "0.99"], ["--optimizer", "adam"]],
                          ids=["sgd", "momentum-ema", "adam"])
@@ -30,7 +36,7 @@ def test_it_learns_with_each_optimizer_and_rank_0_sees_every_step(tmp_path, flag
     assert s["global_step"] == sum(s["local_steps"]) == s["staleness"]["gradients"]
     assert [e["global_step"] for e in s["eval_history"]] == list(range(100, s["global_step"] + 1, 100))
     assert s["staleness"]["p50"] <= 2  # no overlap and no round trip: about a step per other worker
-    assert "shared memory" in s["_stdout"] and _segments() == before
+    assert "shared memory" in s["_stdout"] and _none_left(before)
 
 
 @only_on("mpich", NUMBERS_ONLY)
@@ -43,7 +49,7 @@ def test_with_num_ps_each_shard_is_applied_under_its_own_lock_and_it_learns(tmp_
     assert s["test_accuracy"] >= 0.93 and s["num_ps"] == 2, s["_stdout"]
     assert s["global_step"] == sum(s["local_steps"]) == s["staleness"]["gradients"]
     assert [e["global_step"] for e in s["eval_history"]] == list(range(100, s["global_step"] + 1, 100))
-    assert _segments() == before
+    assert _none_left(before)
 
 
 @only_on("mpich", NUMBERS_ONLY)
@@ -59,23 +65,27 @@ def test_checkpoints_fall_on_their_steps_and_a_run_resumes_from_them(tmp_path):
     assert more["test_accuracy"] >= 0.9
 
 
-@pytest.mark.parametrize("point,servers", [("locked", 1), ("applying", 1), ("sharded", 2)])
-def test_a_worker_killed_in_the_store_leaves_a_job_that_finishes_its_budget(tmp_path, point, servers):
+@pytest.mark.parametrize("point,servers,step", [("locked", 1, 40), ("applying", 1, 40), ("sharded", 2, 40),
+                                               ("opening", 1, 0)])
+def test_a_worker_killed_in_the_store_leaves_a_job_that_finishes_its_budget(tmp_path, point, servers, step):
     """SIGKILLed holding the lock (the kernel releases it), half-way through its step (applied,
-    the version not advanced: a partial step), or with --num-ps 2 half-way through shard 1 (shard 0
-    applied, the rest not: the shards' counts one apart): the others finish the budget, nothing is
-    NaN, the worker is reported lost (exit 8), and no segment is left."""
+    the version not advanced: a partial step), with --num-ps 2 half-way through shard 1 (shard 0
+    applied, the rest not: the shards' counts one apart), or before it had the store's name (rank 0
+    waited for it in a barrier and ended the job, exit 5: seen in CI as rank 0's set-up with --log-dir
+    took a second under load, --respawn or not): the others finish the budget, nothing is NaN, the
+    worker is reported lost (exit 8), and no segment is left."""
     before = _segments()
     summary = tmp_path / "s.json"
     proc, _ = run_detached(mpitrain_cmd(3 + servers, "--no-progress", "--ps-transport", "shm", "--steps", "600",
                                         "--num-ps", str(servers), "--worker-timeout", "2", "--summary-json", str(summary),
                                         launcher_flags=keep_going()),
-                           env={**child_env(), "MPITRAIN_INJECT_KILL": f"{servers + 1}:40:{point}"}, timeout=120)
+                           env={**child_env(), "MPITRAIN_INJECT_KILL": f"{servers + 1}:{step}:{point}"}, timeout=120)
     assert proc.returncode == mpi_impl().worker_lost_exit, proc.stdout + proc.stderr  # what mpirun makes of exit 8
     s = json.loads(summary.read_text())
     assert s["global_step"] == 600 and [w["rank"] for w in s["lost_workers"]] == [servers + 1]
+    assert (s["lost_workers"][0]["global_step"] == 0) == (point == "opening"), s["lost_workers"]
     assert math.isfinite(s["test_loss"]) and s["test_accuracy"] >= 0.9
-    assert "Traceback" not in proc.stderr and not proc.leftovers and _segments() == before
+    assert "Traceback" not in proc.stderr and not proc.leftovers and _none_left(before)
 
 
 OFF_HOST = {**child_env(), "MPITRAIN_INJECT_OFFHOST": "2"}  # rank 2 takes another host's path (faults.py)

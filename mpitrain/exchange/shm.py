@@ -48,7 +48,7 @@ from mpitrain.waiting import poll
 
 SHM_DIR = "/dev/shm"
 PREFIX = "mpitrain-store"
-NAME_BYTES = 256  # the segment's path, broadcast by rank 0 (a fixed-size buffer: no pickle)
+NAME_BYTES = 256  # the segment's path, sent by rank 0 to every rank (a fixed-size buffer: no pickle)
 RING = 4096  # steps rank 0 may fall behind the workers (it holds them before the ring wraps)
 HOLD_POLL_S = 1e-3  # a held worker (rank 0 evaluating or saving) looks again after this
 
@@ -206,33 +206,68 @@ class Store:
         os.close(self.fd)
 
 
-def open_store(ctx, start: TrainState, hold_at: int = 0, here: bool = True) -> Store | None:
-    """Collective over ctx.comm: rank 0 makes the segment and fills it; every rank of its host maps
-    it (`here`; a worker on another host takes part without mapping it, and gets None); once all
-    have, rank 0 unlinks its name (the memory lives until the last rank unmaps it)."""
+def open_store(ctx, start: TrainState, hold_at: int = 0, here: bool = True,
+               lost: dict[int, str] | None = None) -> Store | None:
+    """Rank 0 makes the segment, fills it and sends its name to every other rank; each maps it
+    (`here`; a worker on another host takes part without mapping it, and gets None) and says so;
+    once every rank has, or was lost, rank 0 unlinks the name (the memory lives until the last rank
+    unmaps it). Point to point, not a collective: under load rank 0's set-up before this can take a
+    second (CI, with --log-dir), and a worker killed meanwhile would hold a barrier for ever and end
+    the job although --respawn could replace it. Rank 0 gives such a worker up (into `lost`, its
+    caller's to record) as it would one lost in training; a lost server ends the job as ever."""
     from mpi4py import MPI
 
+    from mpitrain.protocol import TAG_STORE
     from mpitrain.transport import END_POLL_S, Poller
 
     names = REGISTRY[ctx.cfg.optimizer].state  # SharedUpdate's BLAS was loaded in set-up (optim.preload_blas)
     ema, dc = bool(ctx.cfg.ema_decay), ctx.cfg.delay_compensation is not None
     n, W, K = ctx.model.n_params, ctx.workers, ctx.layout.shards
     buf = bytearray(NAME_BYTES)
-    store = None
-    if ctx.rank == PS_RANK:
-        sweep()
-        path = os.path.join(SHM_DIR, segment_name(os.getpid(), secrets.token_hex(8)))
-        store = Store(path, n, W, names, ema, dc, create=True, shards=K)
-        store.fill(start, W, hold_at)
-        buf[:len(path)] = path.encode()
-    ctx.comm.Bcast([buf, MPI.BYTE], root=PS_RANK)
-    if store is None and here:
-        store = Store(bytes(buf).rstrip(b"\0").decode(), n, W, names, ema, dc, create=False, shards=K)
-    Poller(END_POLL_S, ctx.watch).all([ctx.comm.Ibarrier()], [PS_RANK])
-    if ctx.rank == PS_RANK:
-        with contextlib.suppress(OSError):
-            os.unlink(store.path)
+    poller = Poller(END_POLL_S, ctx.watch)
+    if ctx.rank != PS_RANK:
+        if store_kill(ctx.rank) == (0, "opening"):
+            kill_here()
+        poller.all([ctx.comm.Irecv([buf, MPI.BYTE], source=PS_RANK, tag=TAG_STORE)], [PS_RANK])
+        store = Store(bytes(buf).rstrip(b"\0").decode(), n, W, names, ema, dc, create=False, shards=K) if here else None
+        poller.all([ctx.comm.Isend([MAPPED, MPI.BYTE], dest=PS_RANK, tag=TAG_STORE)], [PS_RANK])
+        return store
+    sweep()
+    path = os.path.join(SHM_DIR, segment_name(os.getpid(), secrets.token_hex(8)))
+    store = Store(path, n, W, names, ema, dc, create=True, shards=K)
+    store.fill(start, W, hold_at)
+    buf[:len(path)] = path.encode()
+    exchanges = {r: (ctx.comm.Isend([buf, MPI.BYTE], dest=r, tag=TAG_STORE),
+                     ctx.comm.Irecv([bytearray(1), MPI.BYTE], source=r, tag=TAG_STORE))
+                 for r in range(ctx.size) if r != PS_RANK}
+    gone = _hear_from(ctx, poller, exchanges)
+    with contextlib.suppress(OSError):
+        os.unlink(store.path)
+    if lost is not None:
+        lost.update(gone)
     return store
+
+
+MAPPED = bytearray(b"\1")  # a rank's answer to the store's name: mapped (or, on another host, heard)
+
+
+def _hear_from(ctx, poller, exchanges: dict) -> dict[int, str]:
+    """Rank 0: wait until each rank has the name and has answered (`exchanges`: rank -> the send and
+    the answer's receive); a worker lost meanwhile, before or after its answer, is given up
+    (returned, rank -> why: declared in the watch, so --respawn replaces it); a lost server raises
+    PeerLost."""
+    from mpitrain.liveness import PeerLost
+
+    gone: dict[int, str] = {}
+    while True:
+        waiting = [r for r in exchanges if r not in gone]
+        try:
+            poller.all([req for r in waiting for req in exchanges[r]], [r for r in waiting for _ in exchanges[r]])
+            return gone
+        except PeerLost as e:
+            if any(ctx.layout.is_server(r) for r in e.lost):
+                raise
+            gone.update(e.lost)  # its requests stay posted: the dead rank takes and sends nothing more
 
 
 class SharedUpdate:

@@ -39,7 +39,8 @@ class ShmServer:
         self.state: ServerState = self.duties.state
         self.seen = self.state.global_step  # the last step read back from the ring
         self.budget = ctx.global_step_budget
-        self.store = shm.open_store(ctx, self.duties.start, self._next_hold())
+        lost_at_start: dict[int, str] = {}
+        self.store = shm.open_store(ctx, self.duties.start, self._next_hold(), lost=lost_at_start)
         self.guard = LossGuard(self.cfg.divergence_factor)
         self.lost: set[int] = set()  # worker indices
         remote = off_host(ctx)  # workers on other hosts: their gradients come as messages, applied here
@@ -49,6 +50,8 @@ class ShmServer:
             ranks = ", ".join(str(ctx.layout.worker_ranks[w]) for w in remote)
             say(f"mpitrain: --ps-transport shm: worker rank(s) {ranks} run on another host than rank 0: their "
                 f"gradients come to rank 0 as messages, and it applies them into the store")
+        if lost_at_start:  # killed before it had mapped the store: lost as in training (--respawn replaces it)
+            self._lose(lost_at_start)
 
     def run(self) -> ServerState:
         try:
@@ -147,7 +150,7 @@ class ShmServer:
 
 def keep_store(ctx: Context) -> ServerState:
     """A server k > 0 of --num-ps K on the store: the workers apply its shard themselves, so it maps
-    the store (open_store is collective) and waits until no worker is left training, watching the
+    the store (open_store: every rank takes part) and waits until no worker is left training, watching the
     others' heartbeats as every server does; a lost worker is rank 0's to report, a lost server ends it."""
     start, state, _ = begin(ctx)
     clock = Clock()
