@@ -217,7 +217,7 @@ def test_a_worker_slowed_from_outside_is_named_without_any_flag(tmp_path):
     """Rank 2 is stopped 3/4 of the time in short bursts (as a busy node would slow it); nothing
     tells mpitrain which rank it is."""
     summary = tmp_path / "s.json"
-    proc = start(4, *LONG_RUN, "--steps", "12000", "--summary-json", str(summary), "--log-dir", str(tmp_path / "log"),
+    proc = start(4, *LONG_RUN, "--steps", "6000", "--summary-json", str(summary), "--log-dir", str(tmp_path / "log"),
                  "--log-every", "500")
     pid = training_pid(proc, 2)
     while proc.poll() is None:
