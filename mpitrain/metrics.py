@@ -72,6 +72,22 @@ class JobOutputs:
             self.progress = None
 
 
+def summary_writer_class():
+    """tensorboardX's SummaryWriter (ImportError without it), imported without PyTorch: its writer
+    imports torch whenever installed, only to accept torch tensors, which mpitrain never gives it
+    (floats only), and that import took 3-5 s of rank 0's set-up on 2 cores (PyTorch 2.14, measured)
+    while every worker waited. A torch the process already holds (a user's Model) stays as it is."""
+    blocked = "torch" not in sys.modules
+    if blocked:
+        sys.modules["torch"] = None  # `import torch` raises ImportError until this entry goes
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        if blocked and sys.modules.get("torch", 0) is None:
+            del sys.modules["torch"]
+    return SummaryWriter
+
+
 class RunLog:
     """--log-dir on rank 0: events.jsonl (one JSON object a line) and, when tensorboardX is
     installed, TensorBoard event files with the same scalars (`tensorboard --logdir DIR`)."""
@@ -94,8 +110,7 @@ class RunLog:
         if ends_cut(self.path):  # a run killed mid-line: its half line stays a line of its own
             self._append(b"\n")
         try:
-            from tensorboardX import SummaryWriter
-
+            SummaryWriter = summary_writer_class()
             # A resumed run rewrites the steps after its checkpoint: TensorBoard drops the earlier
             # run's events from that step on (purge_step), so no curve jumps back.
             self.tb = SummaryWriter(str(self.dir), purge_step=start_step or None)

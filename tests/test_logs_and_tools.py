@@ -2,11 +2,13 @@
 
 import json
 import struct
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
-from conftest import NUMBERS_ONLY, only_on, own_lines, run_mpitrain, train
+from conftest import NUMBERS_ONLY, child_env, only_on, own_lines, run_mpitrain, train
 from mpitrain.evaluation import confusion_matrix
 
 pytestmark = only_on("mpich", NUMBERS_ONLY)
@@ -22,6 +24,39 @@ def two_runs(tmp_path_factory):
                   "--checkpoint-dir", str(d / "ck"), "--ema-decay", "0.99")
         out[mode] = (d, s)
     return out
+
+
+FAKE_TORCH = "Tensor = type('Tensor', (), {})\n"
+LOG_WITH_TORCH_ABOUT = """
+import sys
+from pathlib import Path
+if sys.argv[1] == "user":
+    import torch  # a user's Model holds it already
+from mpitrain.metrics import RunLog
+log = RunLog(sys.argv[2], {"start_step": 0}, 1)
+log.close({"test_accuracy": 0.5})
+print("torch" in sys.modules, sorted(p.name.split(".")[0] for p in Path(sys.argv[2]).iterdir()))
+import torch  # importable again afterwards
+print(torch.Tensor.__name__)
+"""
+
+
+@pytest.mark.parametrize("who", ["nobody", "user"])
+def test_log_dir_does_not_import_pytorch_for_tensorboard(tmp_path, who):
+    """tensorboardX's writer imports torch when it is installed: 3-5 s of rank 0's set-up (PyTorch
+    2.14, 2 cores) while the workers wait, for nothing mpitrain uses. With a stand-in torch
+    installed: --log-dir's writer leaves it alone, still writes TensorBoard's file, and torch stays
+    importable; a torch the process already holds is left as it is."""
+    pytest.importorskip("tensorboardX")
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text(FAKE_TORCH)
+    env = {**child_env(), "PYTHONPATH": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", LOG_WITH_TORCH_ABOUT, who, str(tmp_path / "log")], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    held, files = proc.stdout.splitlines()[0].split(" ", 1)
+    assert held == str(who == "user") and "events" in files, proc.stdout  # events.jsonl and TensorBoard's file
+    assert proc.stdout.splitlines()[1] == "Tensor"  # imported after the writer: there when asked for
 
 
 @pytest.mark.parametrize("mode", ["async", "sync"])
