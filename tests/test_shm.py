@@ -20,7 +20,7 @@ def _segments() -> set[str]:
 
 def _none_left(before: set[str]) -> bool:
     """No segment left by the job run since `before` was taken. One an earlier killed job left may
-    be gone: the job's rank 0 sweeps those (CI: a failed test's leftover failed the next test here)."""
+    be gone: the job's rank 0 sweeps those (a failed test's leftover failed the next test here)."""
     return not _segments() - before
 
 
@@ -71,8 +71,8 @@ def test_a_worker_killed_in_the_store_leaves_a_job_that_finishes_its_budget(tmp_
     """SIGKILLed holding the lock (the kernel releases it), half-way through its step (applied,
     the version not advanced: a partial step), with --num-ps 2 half-way through shard 1 (shard 0
     applied, the rest not: the shards' counts one apart), or before it had the store's name (rank 0
-    waited for it in a barrier and ended the job, exit 5: seen in CI as rank 0's set-up with --log-dir
-    took a second under load, --respawn or not): the others finish the budget, nothing is NaN, the
+    waited for it in a barrier and ended the job, exit 5, --respawn or not: seen in a local run of the
+    suite, rank 0's set-up slowed by --log-dir's import of PyTorch): the others finish the budget, nothing is NaN, the
     worker is reported lost (exit 8), and no segment is left."""
     before = _segments()
     summary = tmp_path / "s.json"

@@ -211,10 +211,11 @@ def open_store(ctx, start: TrainState, hold_at: int = 0, here: bool = True,
     """Rank 0 makes the segment, fills it and sends its name to every other rank; each maps it
     (`here`; a worker on another host takes part without mapping it, and gets None) and says so;
     once every rank has, or was lost, rank 0 unlinks the name (the memory lives until the last rank
-    unmaps it). Point to point, not a collective: under load rank 0's set-up before this can take a
-    second (CI, with --log-dir), and a worker killed meanwhile would hold a barrier for ever and end
-    the job although --respawn could replace it. Rank 0 gives such a worker up (into `lost`, its
-    caller's to record) as it would one lost in training; a lost server ends the job as ever."""
+    unmaps it). Point to point, not a collective: rank 0's set-up before this can take seconds (under
+    load; --log-dir's import of PyTorch took 3-5 s before metrics.summary_writer_class), and a worker
+    killed meanwhile would hold a barrier for ever and end the job although --respawn could replace it.
+    Rank 0 gives such a worker up (into `lost`, its caller's to record) as it would one lost in
+    training; a lost server ends the job as ever."""
     from mpi4py import MPI
 
     from mpitrain.protocol import TAG_STORE
