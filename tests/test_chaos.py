@@ -25,12 +25,13 @@ import chaos  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
-# Short runs: a calibration and one random kill each (benchmarks/chaos.py runs 100 a case, both MPIs,
-# results in benchmarks/CHAOS*.md; here each CI run draws a new moment). The *-big case moves 6.4 MB messages, so a
-# kill often lands mid-message; "rank0" kills the parameter server; "chief" the worker that gathers
-# every --quorum step while the others wait for its update; "shm" a worker of --ps-transport shm, most
-# often holding the store's lock or half-way through its apply; the SIGTERM / SIGINT cases stop the run,
-# which must save, exit 128 + the signal and resume.
+# Short runs: a calibration (one per command: chaos.calibrate) and one random kill each
+# (benchmarks/chaos.py runs 100 a case, both MPIs, results in benchmarks/CHAOS*.md; here each CI run
+# draws a new moment). The *-big case moves 6.4 MB messages, so a kill often lands mid-message;
+# "rank0" kills the parameter server; "chief" the worker that gathers every --quorum step while the
+# others wait for its update; "shm" a worker of --ps-transport shm, most often holding the store's
+# lock or half-way through its apply; the SIGTERM / SIGINT cases stop the run, which must save, exit
+# 128 + the signal and resume.
 QUICK = [chaos.Case("async-big", ("--mode", "async", "--hidden", "2000"), "worker", 500),
          chaos.Case("sync", ("--mode", "sync"), "worker", 2000),
          chaos.Case("chief-quorum", ("--mode", "sync", "--quorum", "2"), "chief", 1000),

@@ -161,7 +161,8 @@ def test_a_job_warned_by_usr1_saves_requeues_itself_and_finishes(slurm, tmp_path
     under its id, resumes from that checkpoint and finishes the budget."""
     import time
 
-    env = {**job_env("--dataset synthetic --steps 20000"), "MPITRAIN_REQUEUE": "1"}
+    steps = 6000  # ~1,100 steps/s: the stop comes ~2,000 in, the second run trains the rest in ~4 s
+    env = {**job_env(f"--dataset synthetic --steps {steps}"), "MPITRAIN_REQUEUE": "1"}
     job = slurm.submit(ROOT / "jobs" / "async.sbatch", tmp_path, env)
     out_file = tmp_path / f"mpitrain-{job}.out"
     _wait_for_output(out_file, "rank 2 worker")
@@ -173,27 +174,29 @@ def test_a_job_warned_by_usr1_saves_requeues_itself_and_finishes(slurm, tmp_path
     stopped = re.findall(r"mpitrain stopped \(SIGUSR1\) at global step ([\d,]+); the newest checkpoint is (\S+);", out)
     assert len(stopped) == 1, out
     step = int(stopped[0][0].replace(",", ""))
-    assert 0 < step < 20000 and f"resuming from {stopped[0][1]}" in out
+    assert 0 < step < steps and f"resuming from {stopped[0][1]}" in out
     summary = json.loads((tmp_path / "runs" / str(job) / "summary.json").read_text())
-    assert summary["global_step"] == 20000 and summary["resumed_from"] == stopped[0][1]
+    assert summary["global_step"] == steps and summary["resumed_from"] == stopped[0][1]
     assert "Traceback" not in out
 
 
 @only_on("openmpi", "Slurm's time limit and its warning are Slurm's, the same under either MPI; the stop "
-                    "signal through srun under MPICH is the requeue test's. A 1-minute limit: ~45 s")
+                    "signal through srun under MPICH is the requeue test's. A 1-minute limit: ~30 s")
 def test_a_job_at_its_time_limit_stops_and_saves(slurm, tmp_path):
-    """Over 60 s because Slurm's time limits count in minutes: the shortest is --time=1.
+    """~30 s because Slurm's time limits count in minutes: the shortest is --time=1.
 
     --time=1 and a time-limit warning: Slurm sends SIGUSR1 at its first check inside the last
     warning + 30 s (its check period), or, if the limit comes first, SIGTERM (then SIGKILL after
-    KillWait). Either way the run stops within seconds and saves. The warning comes 10 s ahead
+    KillWait). Either way the run stops within seconds and saves. The warning comes 20 s ahead
     here, not the script's 90: Slurm sends it to the job's steps only (job_mgr.c,
     send_job_warn_signal), and a 1-minute job is inside its last 90 + 30 s from the start, so a
     check before srun's step had started sent it to nobody, once and for all (measured once in CI
     under Open MPI: no SIGUSR1, then srun aborted at the limit before the ranks' lines got out).
-    With 10 s the first check that sends it is 20-50 s in."""
+    With 20 s the first check that sends it is 10-40 s in, and the ranks stand ready to stop ~4 s
+    after the job starts (measured: 3.7 and 3.8 s; stopped 27 s in both times, where 10 s ahead
+    made the test ~39 s)."""
     job = slurm.submit(ROOT / "jobs" / "sync.sbatch", tmp_path, job_env("--dataset synthetic --steps 100000000"),
-                       sbatch_args=["--time=1", "--signal=USR1@10"])
+                       sbatch_args=["--time=1", "--signal=USR1@20"])
     info = slurm.wait(job, timeout=300)
     out = (tmp_path / f"mpitrain-{job}.out").read_text()
     found = re.findall(r"mpitrain stopped \((SIG\w+)\) at global step ([\d,]+); the newest checkpoint is (\S+);", out)
