@@ -80,6 +80,7 @@ class Case:
     steps: int  # --steps: a run of several seconds on 2 cores
     sig: int = signal.SIGKILL  # SIGTERM / SIGINT: a user's or the scheduler's stop, not a crash
     env: tuple[str, ...] = ()  # VAR=value for every rank (`env` in front of python)
+    window_s: float = 0.0  # > 0: the kill comes within this long of rank 0's start lines, not over the whole run
 
     @property
     def mode(self) -> str:
@@ -117,6 +118,10 @@ CASES = [
     # half-way through its apply (a step is mostly that); rank 0, which only follows the version.
     Case("shm-async", ("--mode", "async", "--ps-transport", "shm"), "worker", 30000),
     Case("rank0-shm", ("--mode", "async", "--ps-transport", "shm"), "rank0", 30000),
+    # ... in its first second after rank 0's start lines: the store's opening follows them within
+    # milliseconds (kills 0.02 s after them found it mapped), then the first steps; the opening itself is
+    # hit by MPITRAIN_INJECT_KILL=RANK:0:opening (tests/test_shm.py)
+    Case("shm-early", ("--mode", "async", "--ps-transport", "shm"), "worker", 8000, window_s=1.0),
     # A worker on another host than the store's (rank 2, MPITRAIN_INJECT_OFFHOST): its gradients come as
     # messages that rank 0 applies into the store; a worker killed (the remote one mid-message, or a local
     # one in the store), or rank 0 killed while it applies
@@ -180,7 +185,7 @@ CASES = [
     Case("failover-respawn", ("--mode", "async", "--respawn", "1", *FAILOVER), "rank0-respawn", 20000),
 ]
 DEFAULT_TRIALS = {"async": 5, "async-staleness": 4, "async-big": 6, "sync": 4, "sync-quorum": 4, "chief-quorum": 3,
-                  "quorum-big": 3, "sync-big": 3, "chief-sync": 3, "sync-stop": 2, "rank0-async": 4, "rank0-sync": 3, "supervisor": 3, "shm-async": 5, "rank0-shm": 3, "shm-2ps": 3,
+                  "quorum-big": 3, "sync-big": 3, "chief-sync": 3, "sync-stop": 2, "rank0-async": 4, "rank0-sync": 3, "supervisor": 3, "shm-async": 5, "rank0-shm": 3, "shm-early": 3, "shm-2ps": 3,
                   "shm-remote": 4, "rank0-shm-remote": 3,
                   "shard-shm": 2, "quorum-local": 3, "chief-quorum-local": 3, "async-2ps": 4,
                   "shard-async": 3, "shard-sync": 2, "term-mpirun-async": 3, "term-rank-sync": 3,
@@ -375,6 +380,8 @@ def _run_trial(case: Case, duration_s: float, rng: random.Random, tmp: str) -> T
     trial.kill_after_s = rng.uniform(0.0 if joiner else 0.2, duration_s * (0.8 if joiner else 1.05))
     if case.target in ("rank0-join", "rank0-respawn", "spare-joining"):
         trial.kill_after_s = rng.uniform(0.0, SPARE_WINDOW_S if case.target == "spare-joining" else JOIN_WINDOW_S)
+    elif case.window_s:
+        trial.kill_after_s = rng.uniform(0.0, case.window_s)
     time.sleep(max(0.0, started + trial.kill_after_s - time.monotonic()))
     pids = rank_pids(job.proc.pid)
     lay = case.layout
