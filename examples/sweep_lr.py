@@ -11,7 +11,7 @@ import mpitrain
 results = {}
 for lr in (0.02, 0.2):
     try:
-        summary = mpitrain.train(model="mlp", dataset="digits", epochs=5, lr=lr, progress=False)
+        summary = mpitrain.train(model="mlp", dataset="digits", epochs=30, lr=lr, progress=False)
     except mpitrain.Diverged as e:  # a learning rate too large for the model: record it, go on
         summary = e.summary
     if mpitrain.rank() == 0:
