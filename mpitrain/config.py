@@ -417,6 +417,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise UsageError(f"--epochs must be a positive integer (got {cfg.epochs}); e.g. --epochs 10")
     if cfg.steps is not None and cfg.steps <= 0:
         raise UsageError(f"--steps must be a positive integer (got {cfg.steps}); e.g. --steps 500")
+    if cfg.seed < 0:  # NumPy's generators take no negative seed (a traceback on rank 0, the others waiting)
+        raise UsageError(f"--seed must be zero or more (got {cfg.seed}); e.g. --seed 1")
     if cfg.model == "mlp" and (not cfg.hidden or any(h <= 0 for h in cfg.hidden)):
         raise UsageError(f"--hidden needs positive layer widths (got {cfg.hidden}); e.g. --hidden 100 or --hidden 256,128")
     if cfg.synthetic_samples < 2:
@@ -467,8 +469,6 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         if not 0 <= cfg.delay_compensation < float("inf"):
             raise UsageError(f"--delay-compensation takes a lambda of zero or more (got {cfg.delay_compensation}); "
                              f"e.g. --delay-compensation {DEFAULT_DC_LAMBDA:g}")
-    if cfg.log_every <= 0:
-        raise UsageError(f"--log-every must be a positive number of global steps (got {cfg.log_every})")
     if not (cfg.straggler_report == 0 or 1 < cfg.straggler_report < float("inf")):
         raise UsageError(f"--straggler-report must be above 1, or 0 to name no slow worker "
                          f"(got {cfg.straggler_report}); e.g. --straggler-report 1.5")
@@ -478,15 +478,14 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if cfg.timeline_steps <= 0:
         raise UsageError(f"--timeline-steps must be a positive number of steps (got {cfg.timeline_steps}); "
                          f"e.g. --timeline-steps 100")
-    if cfg.eval_every is not None and cfg.eval_every <= 0:
-        raise UsageError(f"--eval-every must be a positive number of global steps (got {cfg.eval_every})")
+    for flag, n in (("log-every", cfg.log_every), ("eval-every", cfg.eval_every),
+                    ("checkpoint-every-steps", cfg.checkpoint_every_steps)):
+        if n is not None and n <= 0:
+            raise UsageError(f"--{flag} must be a positive number of global steps (got {n})")
     if cfg.eval_at_end and cfg.eval_every is None:
         raise UsageError("--eval-at-end evaluates what --eval-every copies: give --eval-every N too")
     if cfg.checkpoint_every_secs <= 0:
         raise UsageError(f"--checkpoint-every-secs must be positive (got {cfg.checkpoint_every_secs}); e.g. 60")
-    if cfg.checkpoint_every_steps is not None and cfg.checkpoint_every_steps <= 0:
-        raise UsageError(f"--checkpoint-every-steps must be a positive number of global steps "
-                         f"(got {cfg.checkpoint_every_steps})")
     if cfg.keep_checkpoints < 1:
         raise UsageError(f"--keep-checkpoints must be at least 1 (got {cfg.keep_checkpoints})")
     if cfg.cuda_aware and cfg.device == "cpu":

@@ -17,6 +17,7 @@ MPITRAIN_INJECT_EXIT=RANK:STEP  worker RANK exits at its local step STEP without
                                 as a killed rank's supervisor does: a Python API script has none)
 MPITRAIN_INJECT_RAISE=RANK:STEP worker RANK raises an unexpected exception at its local step STEP
                                 (a bug: its traceback, then MPI_Abort ends every rank)
+MPITRAIN_INJECT_RAISE=RANK:connect ... rank RANK, in the collectives that start a phase (the others wait in them)
 MPITRAIN_INJECT_HANG=RANK:STEP:SEC worker RANK's training thread stops for SEC seconds at its
                                 local step STEP, its heartbeats going on (alive, not progressing:
                                 a rank stuck in a slow read or a lock; tests/test_observe.py)
@@ -105,6 +106,7 @@ class Kill:
         self.report = env.get("MPITRAIN_INJECT_KILL") == f"{rank}:report"
         self.takeover = env.get("MPITRAIN_INJECT_KILL") == f"{rank}:takeover"
         self.letin = env.get("MPITRAIN_INJECT_KILL") == f"{rank}:letin"
+        self.connect_raise = env.get("MPITRAIN_INJECT_RAISE") == f"{rank}:connect"
         spec, _, seconds = env.get("MPITRAIN_INJECT_HANG", "").rpartition(":")
         self.hang_step = injected_step("MPITRAIN_INJECT_HANG", rank, {"MPITRAIN_INJECT_HANG": spec})
         self.hang_s = float(seconds) if self.hang_step is not None else 0.0
@@ -118,6 +120,10 @@ class Kill:
             raise RuntimeError(f"MPITRAIN_INJECT_RAISE at local step {local_step}")
         if local_step == self.hang_step:
             time.sleep(self.hang_s)
+
+    def connecting(self) -> None:
+        if self.connect_raise:
+            raise RuntimeError("MPITRAIN_INJECT_RAISE as the phase starts")
 
     def after_report(self) -> None:
         if self.report:

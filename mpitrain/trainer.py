@@ -171,7 +171,15 @@ def _phase(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: 
         if ctx.rank == PS_RANK:
             ctx = dataclasses.replace(ctx, resume=None, handover=carry.handover)
         carry.handover = None
-    ctx, placements, heartbeat = connect(dataclasses.replace(ctx, outputs=carry.outputs), regrown=carry.start_step is not None)
+    try:
+        ctx, placements, heartbeat = connect(dataclasses.replace(ctx, outputs=carry.outputs),
+                                             regrown=carry.start_step is not None)
+    except MPI.Exception as e:
+        if liveness.REVOKED in str(e):  # the rank that failed here aborted the job (mpiimpl.abort, under ULFM)
+            liveness.end_aborted()
+        raise
+    except Exception:  # its collectives: the others would wait in them for good (a --seed NumPy refused did)
+        return failed(ctx)
     carry.formed()  # heartbeats run: a rank lost from here is seen as in any phase
     if carry.budget is None:
         carry.budget = ctx.global_step_budget  # the job's, whoever joins later
@@ -185,8 +193,7 @@ def _phase(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: 
         say(f"mpitrain: rank {ctx.rank}: wire-format error: {e}", sys.stderr)
         return abort_job(ctx, ExitCode.PROTOCOL)
     except Exception:
-        sys.stderr.write(f"mpitrain: rank {ctx.rank} failed:\n{traceback.format_exc()}")
-        return abort_job(ctx, ExitCode.FAILED)
+        return failed(ctx)
     diverged = divergence(ctx, mine, reports)
     summary = None
     if ctx.rank == PS_RANK:
@@ -234,6 +241,12 @@ def _phase(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: 
     return outcome
 
 
+def failed(ctx: Context) -> Outcome:
+    """An unexpected exception on this rank (a bug): its traceback, then every rank ends (MPI_Abort)."""
+    sys.stderr.write(f"mpitrain: rank {ctx.rank} failed:\n{traceback.format_exc()}")
+    return abort_job(ctx, ExitCode.FAILED)
+
+
 def connect(ctx: Context, regrown: bool = False) -> tuple[Context, list[str], liveness.Heartbeat | None]:
     """The last collectives over every rank (the sync workers' communicator, the start lines, the
     start state), then this rank's activity record and heartbeats. Returns the connected context, the start
@@ -245,6 +258,7 @@ def connect(ctx: Context, regrown: bool = False) -> tuple[Context, list[str], li
     placements = comm.gather(ctx.placement(), root=0)
     if ctx.rank == PS_RANK:
         announce(ctx, placements, regrown)
+    Kill(ctx.rank).connecting()
     start = broadcast_start(ctx)
     activity = observe.Activity(cfg.timeline_steps if cfg.timeline else 0)
     heartbeat, watch = liveness.start(comm, ctx.rank, ctx.layout, cfg.worker_timeout, activity)

@@ -56,6 +56,7 @@ BAD = [
     (["--spares", "-1"], "--spares must be zero (none)"),
     (["--spares", "1"], "--spares lets a worker in through the job's folder and heartbeats: give --checkpoint-dir"),
     (["--spares", "1", "--checkpoint-dir", "ck", "--on-lost-worker", "stop"], "drop one of the two"),
+    (["--seed", "-1"], "--seed must be zero or more"),  # NumPy's traceback on rank 0, the others waiting, before
 ]
 
 
@@ -276,6 +277,9 @@ INVALID = [
     (["--lr-scaling", "sqrt"], "invalid choice"),
     (["--lr-scaling", "linear"], "--lr-scaling linear applies to --mode sync"),
     (["--mode", "sync", "--warmup-epochs", "-1"], "--warmup-epochs must be zero or more"),
+    (["--log-every", "0"], "--log-every must be a positive number of global steps"),
+    (["--eval-every", "-1"], "--eval-every must be a positive number of global steps"),
+    (["--checkpoint-every-steps", "0"], "--checkpoint-every-steps must be a positive number of global steps"),
 ]
 
 

@@ -80,6 +80,17 @@ def test_an_exception_on_a_worker_ends_every_rank_even_when_the_job_keeps_going(
     assert not proc.leftovers  # --worker-timeout 0: no heartbeat would ever have ended an orphan
 
 
+def test_an_exception_as_the_phase_starts_ends_every_rank_not_a_hang():
+    """Rank 0 fails in the collectives that start a phase (placements, the start state), before any
+    heartbeat runs: outside the training's handler, its traceback left the others waiting in the
+    start state's broadcast for good (a --seed -1 that NumPy refused did, before --seed was checked)."""
+    proc, seconds = run_detached(mpitrain_cmd(3, "--no-progress", "--steps", "200", launcher_flags=keep_going()),
+                                 env={**child_env(), "MPITRAIN_INJECT_RAISE": "0:connect"}, timeout=60)
+    assert proc.returncode != 0 and seconds < 30, (proc.returncode, proc.stderr)
+    assert "rank 0 failed:" in proc.stderr and "MPITRAIN_INJECT_RAISE as the phase starts" in proc.stderr
+    assert not proc.leftovers
+
+
 @only_on("mpich", OWN_LOGIC)
 def test_a_straggler_slower_than_the_timeout_is_not_declared_lost(tmp_path):
     """Heartbeats come from a thread: a worker sleeping 0.6 s per step stays alive at 0.3 s."""
