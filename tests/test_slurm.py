@@ -148,12 +148,12 @@ def _wait_for_output(path: Path, text: str, timeout: float = 120) -> None:
 
 
 # Slurm holds a requeued job back until its credentials expire (slurm_cluster.CRED_EXPIRE_S: 20 s
-# here, 120 s by default), so this test takes ~35 s: run under one MPI only. The requeue is
+# here, 120 s by default), so this test takes ~30 s: run under one MPI only. The requeue is
 # Slurm's and the script's, the same under either; the stop signal through srun under Open MPI is
 # test_a_job_at_its_time_limit_stops_and_saves's (which runs under Open MPI only, for the same reason).
-@only_on("mpich", "the requeue is the same under either MPI (see above); it takes ~35 s")
+@only_on("mpich", "the requeue is the same under either MPI (see above); it takes ~30 s")
 def test_a_job_warned_by_usr1_saves_requeues_itself_and_finishes(slurm, tmp_path):
-    """~35 s: Slurm holds a requeued job until its credentials expire (20 s here, see above), and
+    """~30 s: Slurm holds a requeued job until its credentials expire (20 s here, see above), and
     the job runs twice.
 
     What `#SBATCH --signal=USR1@90` does before the time limit, sent now with `scancel --signal`:
