@@ -309,7 +309,7 @@ _CALIBRATED: dict[tuple, tuple[float, float]] = {}
 
 def calibrate(case: Case) -> float:
     """Seconds from rank 0's start lines to the end of an unharmed run of this case."""
-    key = (case.args, case.steps, case.env, case.spares)
+    key = (case.args, case.steps, case.env)  # what command() runs (--spares is in the args)
     if key not in _CALIBRATED:
         with tempfile.TemporaryDirectory() as tmp:
             job = Job(command(case, tmp), tmp)

@@ -62,8 +62,7 @@ def mpi_error_reason(message: str) -> str:
     e.g. "copy_iovs(224): process_vm_readv failed (errno 3)"). Every MPI error of a message comes
     here; a revoked communicator is not a lost peer but a job that another rank aborts
     (mpiimpl.abort, under ULFM): this rank ends at once."""
-    if REVOKED in message:
-        end_aborted()
+    end_if_aborted(message)
     lines = message.strip().splitlines() or ["unknown"]
     return f"MPI error: {lines[-1].strip()}"
 
@@ -72,6 +71,13 @@ REVOKED = "MPI_ERR_REVOKED"
 # This process's rank in the phase's world (set by `start`), which end_aborted names: COMM_WORLD's is
 # 0 in every worker that --respawn started or --join let in (each is a world of its own).
 PHASE_RANK: list[int | None] = [None]
+
+
+def end_if_aborted(message: str) -> None:
+    """An MPI error on a revoked communicator: another rank aborted the job (mpiimpl.abort, under
+    ULFM), and this one ends at once (end_aborted); any other error is the caller's."""
+    if REVOKED in message:
+        end_aborted()
 
 
 def end_aborted() -> None:

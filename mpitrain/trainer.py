@@ -175,8 +175,7 @@ def _phase(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: 
         ctx, placements, heartbeat = connect(dataclasses.replace(ctx, outputs=carry.outputs),
                                              regrown=carry.start_step is not None)
     except MPI.Exception as e:
-        if liveness.REVOKED in str(e):  # the rank that failed here aborted the job (mpiimpl.abort, under ULFM)
-            liveness.end_aborted()
+        liveness.end_if_aborted(str(e))  # the rank that failed here aborted the job; else a rank died (_run)
         raise
     except Exception:  # its collectives: the others would wait in them for good (a --seed NumPy refused did)
         return failed(ctx)

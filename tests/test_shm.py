@@ -72,8 +72,8 @@ def test_a_worker_killed_in_the_store_leaves_a_job_that_finishes_its_budget(tmp_
     the version not advanced: a partial step), with --num-ps 2 half-way through shard 1 (shard 0
     applied, the rest not: the shards' counts one apart), or before it had the store's name (rank 0
     waited for it in a barrier and ended the job, exit 5, --respawn or not: seen in a local run of the
-    suite, rank 0's set-up slowed by --log-dir's import of PyTorch): the others finish the budget, nothing is NaN, the
-    worker is reported lost (exit 8), and no segment is left."""
+    suite, rank 0's set-up slowed by --log-dir's import of PyTorch): the others finish the budget,
+    nothing is NaN, the worker is reported lost (exit 8), and no segment is left."""
     before = _segments()
     summary = tmp_path / "s.json"
     proc, _ = run_detached(mpitrain_cmd(3 + servers, "--no-progress", "--ps-transport", "shm", "--steps", "600",
