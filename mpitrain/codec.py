@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
+
 BF16_ROUND = 0x7FFF  # with the kept bits' lowest one added: round to nearest, ties to even
 
 # float32 -> float16 on the bits (after Maratyszcza's FP16 library, fp16_ieee_from_fp32_value):
@@ -162,6 +163,7 @@ class Codec:
     name: str
     wire: type
     add: Callable | None = None  # the body of its MPI SUM op; None: MPI's own float SUM
+    exact: int = 2 ** 24  # every integer up to this one survives the wire and its sum exactly (sync's tail slots)
 
     def mpi_sum(self):
         """(MPI datatype, SUM op) for an Allreduce of wire-typed values. MPI has no portable
@@ -179,8 +181,8 @@ class Codec:
 _OPS: dict = {}
 
 # --compress NAME -> its codec: the one list of them (the CLI's choices and validate read it).
-CODECS = {c.name: c for c in (Codec("none", np.float32), Codec("fp16", np.float16, _sum_op(np.float16)),
-                              Codec("bf16", np.uint16, _sum_op(np.uint16)))}
+CODECS = {c.name: c for c in (Codec("none", np.float32), Codec("fp16", np.float16, _sum_op(np.float16), 2 ** 11),
+                              Codec("bf16", np.uint16, _sum_op(np.uint16), 2 ** 8))}
 WIRE_DTYPES = {name: c.wire for name, c in CODECS.items()}  # --compress -> element type on the wire
 
 

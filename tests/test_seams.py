@@ -27,8 +27,12 @@ class AsIfAnotherWorkerSentZeros:
         self.calls = 0
 
     def sum(self, buf) -> bool:
+        from mpitrain.modes.sync import STAMP, SYNC_SLOTS, WEIGHT
+
         self.calls += 1
-        buf[-2] += 1.0  # its weight (SyncStep's buffer ends [..., loss, weight, stop vote])
+        n = len(buf) - SYNC_SLOTS
+        buf[n + WEIGHT] += 1.0  # its weight, and the same step's stamp
+        buf[n + STAMP] *= 2
         return True
 
 
@@ -46,6 +50,61 @@ def test_the_sync_step_sums_through_the_reducer_it_is_given():
     assert reducer.calls == 1 and mean_loss == pytest.approx(loss / 2)
     # The mean of its gradient and the other's zeros: half a step of its own.
     np.testing.assert_allclose(step.params, before - np.float32(ctx.lr_at(0)) * grad / 2, rtol=1e-5, atol=1e-7)
+
+
+class AsIfTheOtherDiedSendingIt(AsIfAnotherWorkerSentZeros):
+    """MPICH's sum on a survivor when the other worker died half-way through its part: every weight,
+    but `slot` holds what no worker sent (a stop vote nobody cast: CI's exit 143; a stamp of another step)."""
+
+    def __init__(self, slot: str, value: float):
+        super().__init__()
+        self.slot, self.value = slot, value
+
+    def sum(self, buf) -> bool:
+        from mpitrain.modes import sync
+
+        super().sum(buf)
+        buf[len(buf) - sync.SYNC_SLOTS + getattr(sync, self.slot)] = self.value
+        return True
+
+
+@pytest.mark.parametrize("slot, value", [("VOTE", 0.37), ("VOTE", 3.0), ("STAMP", 2.0), ("STAMP", 0.0),
+                                         ("WEIGHT", 1.0)])
+def test_a_sum_whose_exact_slots_disagree_is_never_applied_nor_taken_for_a_stop(monkeypatch, slot, value):
+    """A torn sum waits for rank 0's verdict on the worker that died in it (a regroup, or the job's end):
+    the parameters are untouched and no stop is requested (on the old check, weight only, the 0.37 vote
+    stopped the job as if signalled)."""
+    from mpitrain.gradients import GradientSource
+    from mpitrain.modes import sync
+    from mpitrain.stopping import STOP
+
+    class Verdict(Exception):
+        pass
+
+    def await_verdict(ctx, why):
+        raise Verdict(why)
+
+    monkeypatch.setattr(sync, "await_verdict", await_verdict)
+    STOP.reset()
+    ctx = sync_worker_context()
+    step = sync.SyncStep(ctx, ctx.model.init_params(0), reducer=AsIfTheOtherDiedSendingIt(slot, value))
+    step.compute(GradientSource(ctx))
+    before = step.params.copy()
+    with pytest.raises(Verdict, match="stop votes|step stamp|weight"):
+        step.reduce_and_apply(5)
+    assert not STOP.requested and not step.stop
+    np.testing.assert_array_equal(step.params, before)
+
+
+def test_the_step_stamp_is_summed_exactly_on_every_wire():
+    """The stamp cycles with the step, as far as the wire sums it exactly: bf16 keeps 8 bits."""
+    from mpitrain.modes.sync import STAMPS, SyncStep
+
+    assert SyncStep(sync_worker_context(), sync_worker_context().model.init_params(0)).period == STAMPS
+    for compress, workers in (("bf16", 2), ("fp16", 2)):
+        ctx = sync_worker_context("--compress", compress)
+        period = SyncStep(ctx, ctx.model.init_params(0)).period
+        assert period >= 2 and workers * period <= {"bf16": 2 ** 8, "fp16": 2 ** 11}[compress]
 
 
 def test_without_a_reducer_a_lone_sync_worker_uses_mpi_s_and_applies_its_own_gradient():

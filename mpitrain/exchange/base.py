@@ -10,7 +10,7 @@ if TYPE_CHECKING:
 
 class Reducer(Protocol):
     """How sync workers sum a buffer, in place, over all of them: SyncStep's [gradient..., loss,
-    weight, stop vote]. MPIReducer is the one mpitrain uses; another transport (NCCL between GPUs)
+    weight, stop vote, step stamp]. MPIReducer is the one mpitrain uses; another transport (NCCL between GPUs)
     is another class with this one method. `sum` returns whether it summed anything (False: this
     worker is alone, the buffer is already the sum). `alone` says so beforehand: SyncStep then keeps
     its loss and stop vote on the host (on a GPU, three kernels and two host reads fewer a step)."""

@@ -18,7 +18,6 @@ from mpitrain.runtime import Context
 from mpitrain.transport import WORKER_POLL_S, Poller, collective_poll_s
 from mpitrain.waiting import poll
 
-
 ABANDONED: list = []  # collectives an interrupted wait left pending, and their buffers: alive until the process ends
 
 
@@ -67,20 +66,11 @@ class MPIReducer:
             # Left pending (a regroup, a lost peer): the live workers' parts may still arrive, and MPI
             # reduces them into the buffer, which must never be memory that was freed and reused.
             # (First suspected of a CI run's regroup going on from exploded parameters; it was not
-            # that: check_weight below is what stopped it.)
+            # that: sync's check of the sum's exact slots is what stopped it, modes/sync.torn.)
             ABANDONED.append((req, spec))
             raise
         if done.failed:
             await_verdict(self.ctx, done.failed[0])
-
-
-def check_weight(ctx: Context, weight: float) -> None:
-    """Sync: every worker adds a weight of exactly 1 to the sum (float32 sums of ones are exact). MPICH
-    completed an Allreduce on a survivor with a part a dying worker had only half sent: applied, the
-    parameters exploded and a regroup went on from them (tests/test_elastic.py, 1 in ~20 under load).
-    A sum without every weight is never applied: it is a worker lost mid-Allreduce (await_verdict)."""
-    if weight != ctx.workers:
-        await_verdict(ctx, f"the sum holds a weight of {weight:g}, not {ctx.workers}: a worker died sending its part")
 
 
 def await_verdict(ctx: Context, why: str) -> None:

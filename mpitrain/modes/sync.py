@@ -20,9 +20,10 @@ from mpi4py import MPI
 from mpitrain import checkpoint, elastic
 from mpitrain.checkpoint import TrainState
 from mpitrain.chief import ChiefDuties, Clock, ServerState, begin, record_lost
+from mpitrain.codec import CODECS
 from mpitrain.elastic import interrupted_at
 from mpitrain.exchange.base import Reducer
-from mpitrain.exchange.mpi import MPIReducer, check_weight
+from mpitrain.exchange.mpi import MPIReducer, await_verdict
 from mpitrain.faults import Kill
 from mpitrain.gradients import LOSS_WINDOW, GradientSource, WorkerResult, mean_loss
 from mpitrain.guard import NON_FINITE, Diverged, LossGuard
@@ -41,17 +42,20 @@ from mpitrain.shards import Gather, assemble
 from mpitrain.stopping import STOP
 from mpitrain.transport import CHIEF_POLL_S, Poller
 
-SYNC_SLOTS = 3  # behind a sync step's gradient: loss, weight, stop vote (SyncStep)
+LOSS, WEIGHT, VOTE, STAMP = range(4)  # the slots behind a sync step's gradient, from its end (SyncStep)
+SYNC_SLOTS = 4
+STAMPS = 8  # the step stamp cycles through 1..STAMPS (fewer where the wire cannot sum W of them exactly)
 
 
 class SyncStep:
     """One synchronous update: average the workers' gradients with Allreduce, then apply the same
     optimizer step on every worker, so replicas stay bitwise identical. The buffer is
-    [gradient..., loss, weight, stop]: the loss rides along so every worker knows the mean loss, the
-    weight (1 from each worker) so the sum divides by the number of gradients in it, and the stop
+    [gradient..., loss, weight, stop, stamp]: the loss rides along so every worker knows the mean loss,
+    the weight (1 from each worker) so the sum divides by the number of gradients in it, the stop
     vote (1 from a worker that knows of a stop request) so that every worker stops after the same
-    step (`stop`). --quorum sums its gradients on the coordinator instead (QuorumCoordinator) and every
-    worker `apply`s the mean."""
+    step (`stop`), and the step's stamp (the same from each worker) so that a sum holding a part of
+    another step, or garbage, is never taken for this one (`torn`). --quorum sums its gradients on the
+    coordinator instead (QuorumCoordinator) and every worker `apply`s the mean."""
 
     def __init__(self, ctx: Context, params, start: TrainState | None = None, reducer: Reducer | None = None):
         cfg, be, model = ctx.cfg, ctx.backend, ctx.model
@@ -66,6 +70,7 @@ class SyncStep:
         self.guard = LossGuard(cfg.divergence_factor)  # on the mean loss: every worker decides alike
         self.why: str | None = None  # set when the step just reduced diverged (and was not applied)
         self.stop = False  # set when the step just reduced is the last: a stop was requested (stopping.py)
+        self.period = max(1, min(STAMPS, CODECS[cfg.compress].exact // max(ctx.workers, 1)))
         if start is not None:
             self.opt.restore(start.opt_t, start.opt_state)
             if ctx.worker_index == 0:  # the coordinator (or the local run) keeps the moving average
@@ -98,9 +103,9 @@ class SyncStep:
         self.own_loss = loss
         if self.reducer.alone:  # nothing to sum: the loss and the vote stay here (_average)
             return
-        self.buf[self.n] = loss
-        self.buf[self.n + 1] = 1.0
-        self.buf[self.n + 2] = 1.0 if STOP.requested else 0.0
+        self.buf[self.n + LOSS] = loss
+        self.buf[self.n + WEIGHT] = 1.0
+        self.buf[self.n + VOTE] = 1.0 if STOP.requested else 0.0
 
     def reduce_and_apply(self, step: int, last: bool = False) -> float:
         """Sum over workers (the reducer), divide by the summed weight, apply; returns the mean loss.
@@ -108,20 +113,28 @@ class SyncStep:
         outer step follows (local_step)."""
         if self.local is not None:
             return self.local_step(step, last)
-        return self.apply(step, self._average())
+        return self.apply(step, self._average(step))
 
-    def _average(self) -> float | None:
-        """Sum [values..., loss, weight, stop vote] over the workers, divide by the weight (each worker's 1:
-        check_weight); the votes are the same sum on every worker, so all stop after this step. A
-        worker alone returns its loss (as float32, as the buffer would hold it); None: it is in buf."""
-        buf, n = self.buf, self.n
+    def _average(self, step: int) -> float | None:
+        """Sum [values..., loss, weight, stop vote, stamp] over the workers, check the exact slots (`torn`),
+        divide by the weight (each worker's 1); the votes are the same sum on every worker, so all stop
+        after this step. A worker alone returns its loss (as float32, as the buffer would hold it); None:
+        it is in buf."""
+        buf, n, ctx = self.buf, self.n, self.ctx
         if self.reducer.alone:
             self.stop, loss = STOP.requested, float(np.float32(self.own_loss))
         else:
+            stamp = 1 + step % self.period
+            buf[n + STAMP] = stamp
+            votes = 1.0 if STOP.requested else 0.0  # this worker's own, unless a sum comes back
             if self.reducer.sum(buf):
-                check_weight(self.ctx, float(buf[n + 1]))
-                buf *= self.ctx.backend.xp.float32(1.0) / buf[n + 1]
-            self.stop, loss = bool(buf[n + 2] > 0), None
+                tail = [float(x) for x in ctx.backend.to_host(buf[n:])]  # one copy from a GPU
+                votes = tail[VOTE]
+                why = torn(ctx.workers, tail[WEIGHT], votes, tail[STAMP], stamp)
+                if why:
+                    await_verdict(ctx, why)
+                buf *= ctx.backend.xp.float32(1.0) / buf[n + WEIGHT]
+            self.stop, loss = votes > 0, None
         if self.stop:
             STOP.request()
         return loss
@@ -141,7 +154,7 @@ class SyncStep:
         be.xp.subtract(loc.anchor, self.params, out=buf[:n])
         self._weigh(float(np.mean(loc.losses)))
         loc.losses.clear()
-        return self.apply(step, self._average())
+        return self.apply(step, self._average(step))
 
     def apply(self, step: int, loss: float | None = None) -> float:
         """Apply the mean gradient in buf (mean loss behind it, unless given) as update `step`, unless that loss
@@ -149,7 +162,7 @@ class SyncStep:
         outer gradients, and the outer optimizer steps the global model (the anchor) by it."""
         ctx, buf, n, loc = self.ctx, self.buf, self.n, self.local
         self.activity.enter(APPLY)
-        loss = float(buf[n]) if loss is None else loss
+        loss = float(buf[n + LOSS]) if loss is None else loss
         self.why = NON_FINITE if not math.isfinite(loss) else self.guard.exploded(loss)
         if self.why:
             return loss  # diverged: every worker sees the same mean, and none applies it
@@ -162,6 +175,23 @@ class SyncStep:
         if self.ema:
             self.ema.update(self.params)
         return loss
+
+
+def torn(workers: int, weight: float, votes: float, stamped: float, stamp: int) -> str | None:
+    """Why a sum's exact slots say it is not every worker's whole part of this step (None: they agree).
+    MPICH completed an Allreduce on a survivor with a part a dying worker had only half sent: applied,
+    the parameters exploded and a regroup went on from them (tests/test_elastic.py, 1 in ~20 under
+    load): hence the weight, each worker's 1. Then one completed with every weight and a stop vote
+    that no worker had cast: the job stopped as if signalled (exit 143) one step after its regroup
+    (CI, 2026-11-29; 5 in ~150 chaos trials under load, the coordinator killed): hence the stamp, and
+    votes that must count workers. Such a sum is never applied: a worker died in it (await_verdict)."""
+    if weight != workers:
+        return f"the sum holds a weight of {weight:g}, not {workers}: a worker died sending its part"
+    if stamped != workers * stamp:
+        return f"the sum's step stamp is {stamped:g}, not {workers * stamp}: a part is torn or of another step"
+    if votes not in range(workers + 1):
+        return f"the sum holds {votes:g} stop votes of {workers} workers: a part is torn"
+    return None
 
 
 def train(ctx: Context, start: TrainState, on_step=None) -> WorkerResult:
