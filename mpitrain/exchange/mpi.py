@@ -18,7 +18,7 @@ from mpitrain.runtime import Context
 from mpitrain.transport import WORKER_POLL_S, Poller, collective_poll_s
 from mpitrain.waiting import poll
 
-ABANDONED: list = []  # collectives an interrupted wait left pending, and their buffers: alive until the process ends
+ABANDONED: list = []  # requests a lost peer left pending, and their buffers: alive until the process ends
 
 
 class MPIReducer:

@@ -23,7 +23,7 @@ from mpitrain.chief import ChiefDuties, Clock, ServerState, begin, record_lost
 from mpitrain.codec import CODECS
 from mpitrain.elastic import interrupted_at
 from mpitrain.exchange.base import Reducer
-from mpitrain.exchange.mpi import MPIReducer, await_verdict
+from mpitrain.exchange.mpi import ABANDONED, MPIReducer, await_verdict
 from mpitrain.faults import Kill
 from mpitrain.gradients import LOSS_WINDOW, GradientSource, WorkerResult, mean_loss
 from mpitrain.guard import NON_FINITE, Diverged, LossGuard
@@ -338,7 +338,10 @@ def follow_coordinator(ctx: Context, progress: Progress) -> ServerState:
                 record_lost(state, rank, why, f"; regrouping: continuing with {layout.workers} worker(s)")
             W = layout.workers
             if coordinator != layout.worker_rank(0):  # the old coordinator's receive is left behind with it
-                coordinator = layout.worker_rank(0)
+                # ...and its buffer: MPICH may still complete it with what the dead one half sent
+                # (`torn`), which must not land in the new coordinator's messages.
+                ABANDONED.append((status, box))
+                coordinator, box = layout.worker_rank(0), Message(full_count)
                 status = ctx.comm.Irecv(box.spec(), source=coordinator, tag=TAG_STATUS)
             continue
         if 0 not in done.arrived:
