@@ -43,7 +43,7 @@ from mpitrain.stopping import STOP
 from mpitrain.transport import CHIEF_POLL_S, Poller
 
 LOSS, WEIGHT, VOTE, STAMP = range(4)  # the slots behind a sync step's gradient, from its end (SyncStep)
-SYNC_SLOTS = 4
+SYNC_SLOTS = STAMP + 1
 STAMPS = 8  # the step stamp cycles through 1..STAMPS (fewer where the wire cannot sum W of them exactly)
 
 
