@@ -70,7 +70,7 @@ class SyncStep:
         self.guard = LossGuard(cfg.divergence_factor)  # on the mean loss: every worker decides alike
         self.why: str | None = None  # set when the step just reduced diverged (and was not applied)
         self.stop = False  # set when the step just reduced is the last: a stop was requested (stopping.py)
-        self.period = max(1, min(STAMPS, CODECS[cfg.compress].exact // max(ctx.workers, 1)))
+        self.period = stamp_period(cfg.compress, ctx.workers)
         if start is not None:
             self.opt.restore(start.opt_t, start.opt_state)
             if ctx.worker_index == 0:  # the coordinator (or the local run) keeps the moving average
@@ -175,6 +175,11 @@ class SyncStep:
         if self.ema:
             self.ema.update(self.params)
         return loss
+
+
+def stamp_period(compress: str, workers: int) -> int:
+    """How many stamps the step cycles through: `workers` of the largest must sum exactly on the wire."""
+    return max(1, min(STAMPS, CODECS[compress].exact // max(workers, 1)))
 
 
 def torn(workers: int, weight: float, votes: float, stamped: float, stamp: int) -> str | None:
