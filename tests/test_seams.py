@@ -102,7 +102,7 @@ def test_a_whole_sum_passes_the_check_on_every_wire_at_every_stamp(compress, wor
     """Every worker's tail [loss, weight, vote, stamp] summed as MPI would through --compress's wire (its
     own SUM op for 16 bits) is never taken for a torn one: a false alarm would stall the job."""
     from mpitrain.codec import CODECS, decode, encode
-    from mpitrain.modes.sync import SYNC_SLOTS, STAMP, VOTE, WEIGHT, stamp_period, torn
+    from mpitrain.modes.sync import STAMP, SYNC_SLOTS, VOTE, WEIGHT, stamp_period, torn
 
     c = CODECS[compress]
     period = stamp_period(compress, workers)
