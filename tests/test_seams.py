@@ -68,6 +68,7 @@ class AsIfTheOtherDiedSendingIt(AsIfAnotherWorkerSentZeros):
         return True
 
 
+@only_on("mpich", NUMBERS_ONLY)
 @pytest.mark.parametrize("slot, value", [("VOTE", 0.37), ("VOTE", 3.0), ("STAMP", 2.0), ("STAMP", 0.0),
                                          ("WEIGHT", 1.0)])
 def test_a_sum_whose_exact_slots_disagree_is_never_applied_nor_taken_for_a_stop(monkeypatch, slot, value):
@@ -96,6 +97,7 @@ def test_a_sum_whose_exact_slots_disagree_is_never_applied_nor_taken_for_a_stop(
     np.testing.assert_array_equal(step.params, before)
 
 
+@only_on("mpich", NUMBERS_ONLY)
 @pytest.mark.parametrize("compress", ["none", "fp16", "bf16"])
 @pytest.mark.parametrize("workers", [2, 3, 16, 64])
 def test_a_whole_sum_passes_the_check_on_every_wire_at_every_stamp(compress, workers):
