@@ -13,7 +13,7 @@ class Reducer(Protocol):
     weight, stop vote, step stamp]. MPIReducer is the one mpitrain uses; another transport (NCCL between GPUs)
     is another class with this one method. `sum` returns whether it summed anything (False: this
     worker is alone, the buffer is already the sum). `alone` says so beforehand: SyncStep then keeps
-    its loss and stop vote on the host (on a GPU, three kernels and two host reads fewer a step)."""
+    its loss and stop vote on the host (on a GPU, four scalar writes and a host read fewer a step)."""
 
     alone: bool
 
