@@ -108,7 +108,7 @@ def test_a_whole_sum_passes_the_check_on_every_wire_at_every_stamp(compress, wor
 
     c = CODECS[compress]
     period = stamp_period(compress, workers)
-    assert period >= (2 if workers <= 64 else 1)
+    assert period >= 2  # a stale part of the step before always shows
     for step in range(2 * period):
         stamp = 1 + step % period
         acc = np.empty(SYNC_SLOTS, c.wire)
