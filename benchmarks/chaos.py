@@ -132,6 +132,12 @@ CASES = [
     # --num-ps 2 on the store: a worker killed between two shards' locks; server rank 1, which only maps it
     Case("shm-2ps", ("--mode", "async", "--ps-transport", "shm", "--num-ps", "2"), "worker", 30000),
     Case("shard-shm", ("--mode", "async", "--ps-transport", "shm", "--num-ps", "2"), "shard", 30000),
+    # ... with --local-steps 4: a worker killed while it takes its inner steps or applies its push (an
+    # outer step) into the store; rank 0 killed under --on-lost-server continue, the take-over starting from
+    # the store's global model and outer momentum
+    Case("shm-local", ("--mode", "async", "--ps-transport", "shm", "--local-steps", "4"), "worker", 30000),
+    Case("failover-shm-local", ("--mode", "async", "--ps-transport", "shm", "--local-steps", "4", *FAILOVER), "rank0",
+         30000),
     # --quorum with --local-steps: a round of 8 inner steps stands for a gradient
     Case("quorum-local", ("--mode", "sync", "--quorum", "2", "--local-steps", "8"), "worker", 8000),
     Case("chief-quorum-local", ("--mode", "sync", "--quorum", "2", "--local-steps", "8"), "chief", 8000),
@@ -187,7 +193,7 @@ CASES = [
 DEFAULT_TRIALS = {"async": 5, "async-staleness": 4, "async-big": 6, "sync": 4, "sync-quorum": 4, "chief-quorum": 3,
                   "quorum-big": 3, "sync-big": 3, "chief-sync": 3, "sync-stop": 2, "rank0-async": 4, "rank0-sync": 3, "supervisor": 3, "shm-async": 5, "rank0-shm": 3, "shm-early": 3, "shm-2ps": 3,
                   "shm-remote": 4, "rank0-shm-remote": 3,
-                  "shard-shm": 2, "quorum-local": 3, "chief-quorum-local": 3, "async-2ps": 4,
+                  "shard-shm": 2, "shm-local": 4, "failover-shm-local": 4, "quorum-local": 3, "chief-quorum-local": 3, "async-2ps": 4,
                   "shard-async": 3, "shard-sync": 2, "term-mpirun-async": 3, "term-rank-sync": 3,
                   "int-mpirun-quorum": 3, "term-rank0-2ps": 3, "disk-full": 3, "rejoin-async": 4,
                   "rejoin-sync": 3, "respawn-async": 3, "respawn-sync": 3, "failover-sync": 6, "failover-quorum": 4,

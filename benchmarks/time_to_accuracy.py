@@ -34,11 +34,16 @@ from run import PY, env, machine, mpirun, run_mpitrain  # noqa: E402
 LINKS = {"one-host": None, "1 Gbit/s": "1gbit", "100 Mbit/s": "100mbit"}
 WORKERS = 4
 ONE = "one process"  # the rows' mode for a single process's run
+HS = "1,4,16,64"  # --hs: the H of each mode's rows
 ACROSS = "{a}:3\n{b}:2\n"  # rank 0 + 2 workers on A, 2 workers on B (hydra fills hosts in order)
+# The rows' modes (--modes) and their flags; async-shm: async over the node-shared store (across the
+# link, host B's workers keep the message path and rank 0 applies their pushes into the store).
+MODES = {"sync": ["--mode", "sync"], "async": ["--mode", "async"],
+         "async-shm": ["--mode", "async", "--ps-transport", "shm"]}
 
 
 def flags(dataset: list[str], mode: str, h: int, epochs: int, eval_every: int, seed: int) -> list[str]:
-    return [*dataset, "--mode", mode, "--epochs", str(epochs), "--eval-every", str(eval_every), "--seed", str(seed),
+    return [*dataset, *MODES[mode], "--epochs", str(epochs), "--eval-every", str(eval_every), "--seed", str(seed),
             "--eval-at-end",
             *(["--local-steps", str(h)] if h > 1 else [])]
 
@@ -81,8 +86,9 @@ def main() -> int:
     p.add_argument("--train-samples", type=int, default=60000, help="the training set's size (for --eval-every)")
     p.add_argument("--target", type=float, default=0.84)
     p.add_argument("--max-epochs", type=int, default=6)
-    p.add_argument("--hs", default="1,4,16,64")
+    p.add_argument("--hs", default=HS)
     p.add_argument("--links", default=",".join(LINKS))
+    p.add_argument("--modes", default="sync,async", help=f"of {', '.join(MODES)}")
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--evals-per-epoch", type=int, default=16)
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "TIME_TO_ACCURACY.md"))
@@ -91,6 +97,7 @@ def main() -> int:
     n_train = args.train_samples if args.data_dir else 1437
     hs = [int(h) for h in args.hs.split(",")]
     links = args.links.split(",")
+    modes = args.modes.split(",")
     results: dict = {}
 
     def measure(link: str, mode: str, h: int, go) -> None:
@@ -106,7 +113,7 @@ def main() -> int:
               file=sys.stderr, flush=True)
 
     def runs(go) -> None:
-        for mode in ("sync", "async"):
+        for mode in modes:
             for h in hs:
                 measure(link, mode, h, go)
 
@@ -122,16 +129,16 @@ def main() -> int:
                     runs(lambda a: run_across(names, addrs, wrapper, a))
         except netns.Unavailable as e:
             print(f"time_to_accuracy: shaped links skipped: {e}", file=sys.stderr)
-    Path(args.out).write_text("\n".join(report(results, args, links, hs)) + "\n")
+    Path(args.out).write_text("\n".join(report(results, args, links, hs, modes)) + "\n")
     print(Path(args.out).read_text())
     return 0
 
 
-def report(results: dict, args, links: list[str], hs: list[int]) -> list[str]:
+def report(results: dict, args, links: list[str], hs: list[int], modes: list[str]) -> list[str]:
     data = "MNIST-sized" if args.data_dir else "digits"
     lines = ["# Time to accuracy with --local-steps H", "",
              f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", f"- machine: {machine()}",
-             f"- command: `python benchmarks/time_to_accuracy.py{' --data-dir DIR' if args.data_dir else ''}` (root for "
+             f"- command: `python benchmarks/time_to_accuracy.py{' --data-dir DIR' if args.data_dir else ''}{chosen(args)}` (root for "
              f"the shaped links); {WORKERS} workers, MLP, batch 100, at most {args.max_epochs} epochs, the median of seeds "
              f"0-{args.seeds - 1}",
              f"- data: {data}{': ' + args.data_source if args.data_source else ''}",
@@ -145,7 +152,7 @@ def report(results: dict, args, links: list[str], hs: list[int]) -> list[str]:
     one = results.get(("one-host", ONE, 1))  # no link: every link's rows are compared with it
     for link in links:
         base_sync = results.get((link, "sync", 1))
-        for mode in (ONE, "sync", "async"):
+        for mode in (ONE, *modes):
             base = results.get((link, mode, 1))
             for h in (1,) if mode == ONE else hs:
                 r = results.get((link, mode, h))
@@ -156,6 +163,12 @@ def report(results: dict, args, links: list[str], hs: list[int]) -> list[str]:
                              f"{ratio(base, t)} | {ratio(base_sync, t)} | {ratio(one, t)} | {r['final']:.4f} | {r['bytes']:,.0f} | "
                              f"{r['sps']:,.0f} |")
     return lines
+
+
+def chosen(args) -> str:
+    """The row-choosing flags given other than their defaults, as the command line had them."""
+    given = (("--links", args.links, ",".join(LINKS)), ("--modes", args.modes, "sync,async"), ("--hs", args.hs, HS))
+    return "".join(f" {flag} {value}" for flag, value, default in given if value != default)
 
 
 def ratio(base: dict | None, t: float | None) -> str:

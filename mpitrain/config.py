@@ -445,7 +445,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise UsageError(f"--local-steps must be at least 1 (got {cfg.local_steps}); e.g. --local-steps 16")
     if cfg.local_steps > 1 and cfg.mode == "async":
         _not_with("--local-steps in async mode", (cfg.overlap, "--overlap"),
-                  (cfg.delay_compensation is not None, "--delay-compensation"), (cfg.ps_transport == "shm", "--ps-transport shm"))
+                  (cfg.delay_compensation is not None, "--delay-compensation"))
     if cfg.local_steps == 1 and (cfg.outer_optimizer is not None or cfg.outer_lr is not None):
         raise UsageError("--outer-optimizer and --outer-lr apply with --local-steps H above 1; "
                          "e.g. --local-steps 16 --outer-optimizer sgd")

@@ -86,6 +86,11 @@ class OuterOptimizer:
     def state(self) -> dict:
         return {name: a for name, a in ((OUTER_STATE, self.v), (OUTER_BUFFER, self.buf)) if a is not None}
 
+    def adopt(self, arrays: dict) -> None:
+        """Keep the state in `arrays` from now on (views of the node-shared store's, exchange/shm.py)."""
+        self.v = arrays.get(OUTER_STATE, self.v)
+        self.buf = arrays.get(OUTER_BUFFER, self.buf)
+
 
 class OuterUpdate:
     """The async server's update rule with --local-steps H (optim.ServerUpdate's interface): a pushed
@@ -115,6 +120,10 @@ class OuterUpdate:
     @property
     def state(self) -> dict:
         return self.outer.state()
+
+    @state.setter
+    def state(self, arrays: dict) -> None:  # as an Optimizer's: exchange/shm.SharedUpdate keeps it in the store
+        self.outer.adopt(arrays)
 
     def was_sent(self, worker: int, version: int) -> None:
         pass

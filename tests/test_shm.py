@@ -53,6 +53,25 @@ def test_with_num_ps_each_shard_is_applied_under_its_own_lock_and_it_learns(tmp_
 
 
 @only_on("mpich", NUMBERS_ONLY)
+def test_local_steps_push_outer_steps_into_the_store_and_rank_0_counts_their_inner_steps(tmp_path):
+    """--local-steps 8 on the store, its two shards each under its own lock: each push is one outer step
+    (delayed-nesterov, its state in the store and in the checkpoint), rank 0 counts its 8 inner steps
+    and evaluates at the push that crossed each multiple of 100, as on the message path; no byte goes
+    through MPI."""
+    before, ck = _segments(), tmp_path / "ck"
+    s = train(5, tmp_path, "--ps-transport", "shm", "--num-ps", "2", "--local-steps", "8", "--eval-every", "100",
+              "--checkpoint-dir", str(ck))
+    assert s["global_step"] == sum(s["local_steps"]) == 600, s["_stdout"]  # --epochs: the samples of H = 1
+    assert s["gradients_pushed"] == [25, 25, 25] and s["staleness"]["gradients"] == 75
+    evals = [e["global_step"] for e in s["eval_history"]]
+    assert len(evals) == 6 and all(0 <= step - 100 * k < 8 for k, step in enumerate(evals, 1)), evals
+    with np.load(sorted(ck.glob("ckpt-*.npz"))[-1]) as saved:
+        assert int(saved["opt_t"]) == 75 and np.any(saved["opt_outer_v"] != 0)  # the momentum moved
+    assert s["bytes_per_sample"] == 0 and s["test_accuracy"] >= 0.93, s["_stdout"]
+    assert "local steps: each worker takes 8 steps" in s["_stdout"] and _none_left(before)
+
+
+@only_on("mpich", NUMBERS_ONLY)
 def test_checkpoints_fall_on_their_steps_and_a_run_resumes_from_them(tmp_path):
     ck = tmp_path / "ck"
     first = train(3, tmp_path, "--ps-transport", "shm", "--steps", "300", "--checkpoint-every-steps", "100",
@@ -92,8 +111,8 @@ OFF_HOST = {**child_env(), "MPITRAIN_INJECT_OFFHOST": "2"}  # rank 2 takes anoth
 
 
 @only_on("mpich", NUMBERS_ONLY)
-@pytest.mark.parametrize("flags", [[], ["--delay-compensation", "--max-staleness", "3", "--compress", "fp16"]],
-                         ids=["plain", "dc-staleness-fp16"])
+@pytest.mark.parametrize("flags", [[], ["--delay-compensation", "--max-staleness", "3", "--compress", "fp16"],
+                                   ["--local-steps", "4"]], ids=["plain", "dc-staleness-fp16", "local-steps"])
 def test_a_worker_on_another_host_sends_its_gradients_into_the_store(tmp_path, flags):
     """A worker that cannot map the store (on another host: tests/test_multihost.py runs a real one)
     keeps the message path, and rank 0 applies its gradients into the store under the same lock:
@@ -101,12 +120,15 @@ def test_a_worker_on_another_host_sends_its_gradients_into_the_store(tmp_path, f
     delay compensation (against the reply rank 0 sent it), --max-staleness and fp16 messages too."""
     s = train(4, tmp_path, "--ps-transport", "shm", "--eval-every", "100", *flags, env=OFF_HOST)
     assert s["test_accuracy"] >= 0.93, s["_stdout"]
-    assert s["global_step"] == sum(s["local_steps"]) == s["staleness"]["gradients"]
-    assert [e["global_step"] for e in s["eval_history"]] == list(range(100, s["global_step"] + 1, 100))
+    assert s["global_step"] == sum(s["local_steps"]) == 600  # --local-steps: a push's inner steps, counted once
+    h = 4 if "--local-steps" in flags else 1
+    assert s["staleness"]["gradients"] == sum(s["gradients_pushed"]) == 600 // h
+    evals = [e["global_step"] for e in s["eval_history"]]
+    assert len(evals) == 6 and all(0 <= step - 100 * k < h for k, step in enumerate(evals, 1)), evals
     sent = [b[0] for b in s["worker_bytes"]]
     assert sent[1] > 0 and sent[0] == sent[2] == 0, sent
     assert "worker rank(s) 2 run on another host" in s["_stdout"] + s["_stderr"]
-    if flags:
+    if "--max-staleness" in flags:
         assert s["staleness"]["max"] <= 3
 
 
@@ -183,6 +205,46 @@ def test_a_shared_apply_is_the_servers_update_with_the_workers_own_copy_as_the_s
         np.testing.assert_allclose(store.opt[name], ref.opt.state[name], rtol=1e-6)
     for row in store.rows:
         assert row[shm.OPT_T] == ref.opt.t == 9 and row[shm.DC_T] == ref.dc.t == 4
+    store.close()
+
+
+@pytest.mark.parametrize("flags", [["--ema-decay", "0.9"], ["--outer-optimizer", "sgd", "--staleness-lr", "2"]],
+                         ids=["delayed-nesterov-ema", "sgd-damped"])
+def test_a_shared_outer_step_is_the_servers_outer_update(tmp_path, flags):
+    """--local-steps: two workers' SharedUpdates taking turns over one store (two shards) equal one
+    outer.OuterUpdate on private arrays, as the message path's server applies pushes: delayed-nesterov's
+    momentum and buffer and its count of pushes are the store's, and the damped sgd step's floor (1 / the
+    workers still pushing) follows the store's `active` slots when a worker stops."""
+    from mpitrain.checkpoint import TrainState
+    from mpitrain.cli import parse_args
+    from mpitrain.outer import OuterUpdate
+
+    cfg, _ = parse_args(["--local-steps", "4", *flags])
+    rng = np.random.default_rng(0)
+    start = TrainState(rng.standard_normal(6).astype(np.float32), global_step=8, opt_t=2)
+    parts = [slice(0, 4), slice(4, 6)]
+    names = shm.stored_state(cfg)
+    assert names == (("outer_v", "outer_buf") if "sgd" not in flags else ())
+    store = shm.Store(str(tmp_path / "seg"), 6, 2, names, ema=bool(cfg.ema_decay), dc=False, create=True, shards=2)
+    store.fill(start, 2, hold_at=100)
+    workers = [[shm.SharedUpdate(cfg, store, np, k, p, workers=2) for k, p in enumerate(parts)] for _ in range(2)]
+    private = start.params.copy()
+    ref = OuterUpdate(cfg, private, np, 8, 2, {}, workers=2)
+    for k in range(6):
+        if k == 4:  # worker 1 stops: the floor is the whole step from now on
+            store.active[1] = 0
+            ref.forget(1)
+        delta, w = rng.standard_normal(6).astype(np.float32), 0 if k >= 4 else k % 2
+        ref.apply(delta, 0.1, 8, w, 8 + 4 * k - 8)
+        for shard, p in zip(workers[w], parts):
+            shard.apply(delta[p], 0.1, 8, 8 + 4 * k - 8, None)
+        np.testing.assert_allclose(store.params, private, rtol=1e-6)
+    for name in names:
+        np.testing.assert_allclose(store.opt[name], ref.state[name], rtol=1e-6)
+    if cfg.ema_decay:
+        np.testing.assert_allclose(store.ema, ref.ema.avg, rtol=1e-6)
+    for row in store.rows:
+        assert row[shm.OPT_T] == ref.t == 8
     store.close()
 
 

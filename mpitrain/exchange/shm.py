@@ -39,11 +39,12 @@ import secrets
 
 import numpy as np
 
-from mpitrain.checkpoint import TrainState
+from mpitrain.checkpoint import OPT_PREFIX, TrainState, state_arrays
 from mpitrain.faults import kill_here, store_kill
 from mpitrain.layout import PS_RANK
 from mpitrain.mpiimpl import orphans
-from mpitrain.optim import REGISTRY, ServerUpdate, StalenessHold
+from mpitrain.optim import ServerUpdate, StalenessHold
+from mpitrain.outer import OuterUpdate
 from mpitrain.waiting import poll
 
 SHM_DIR = "/dev/shm"
@@ -74,7 +75,7 @@ def _sections(n: int, workers: int, state_names: tuple[str, ...], ema: bool, dc:
     `bases`: the version of the parameters each worker computes on (--max-staleness reads it)."""
     return ([("header", np.int64, HEADER * shards), ("active", np.int64, workers), ("bases", np.int64, workers),
              ("diverged_loss", np.float64, 1), ("ring_loss", np.float64, RING), ("ring_basis", np.int64, RING),
-             ("ring_worker", np.int64, RING), ("params", np.float32, n)]
+             ("ring_worker", np.int64, RING), ("ring_span", np.int64, RING), ("params", np.float32, n)]
             + [(f"opt_{name}", np.float32, n) for name in state_names]
             + ([("ema", np.float32, n)] if ema else [])
             + ([("dc_mean_square", np.float32, n)] if dc else []))
@@ -183,13 +184,14 @@ class Store:
         h = self.header
         h[DIVERGED_RANK], h[DIVERGED_STEP], h[STOP] = rank, version, 1
 
-    def stepped(self, version: int, loss: float, basis: int, worker: int) -> None:
-        """Under shard 0's lock, after `worker`'s apply made step `version` + 1: its ring entry, then
-        the version (a reader never sees a step that is not there), then the worker's next basis."""
+    def stepped(self, version: int, loss: float, basis: int, worker: int, span: int = 1) -> None:
+        """Under shard 0's lock, after `worker`'s apply made steps `version` + 1 .. `version` + `span`
+        (--local-steps: a push's inner steps; else 1): its ring entry, at the first of them, then the
+        version (a reader never sees a step that is not there), then the worker's next basis."""
         v, i = self.views, (version + 1) % RING
-        v["ring_loss"][i], v["ring_basis"][i], v["ring_worker"][i] = loss, basis, worker
-        self.header[VERSION] = version + 1
-        v["bases"][worker] = version + 1
+        v["ring_loss"][i], v["ring_basis"][i], v["ring_worker"][i], v["ring_span"][i] = loss, basis, worker, span
+        self.header[VERSION] = version + span
+        v["bases"][worker] = version + span
 
     def snapshot(self, positions: list[int]) -> TrainState:
         """The whole training state at one version of shard 0 (copies, taken under every lock)."""
@@ -204,6 +206,12 @@ class Store:
         with contextlib.suppress(BufferError):  # a view still held elsewhere: the mapping goes with the process
             self.mm.close()
         os.close(self.fd)
+
+
+def stored_state(cfg) -> tuple[str, ...]:
+    """The update rule's state arrays the store holds, as the run's state names them (the optimizer's;
+    with --local-steps the outer optimizer's, the inner ones being each worker's own)."""
+    return tuple(name[len(OPT_PREFIX):] for name in state_arrays(cfg) if name.startswith(OPT_PREFIX))
 
 
 def open_store(ctx, start: TrainState, hold_at: int = 0, here: bool = True,
@@ -221,7 +229,7 @@ def open_store(ctx, start: TrainState, hold_at: int = 0, here: bool = True,
     from mpitrain.protocol import TAG_STORE
     from mpitrain.transport import END_POLL_S, Poller
 
-    names = REGISTRY[ctx.cfg.optimizer].state  # SharedUpdate's BLAS was loaded in set-up (optim.preload_blas)
+    names = stored_state(ctx.cfg)  # SharedUpdate's BLAS was loaded in set-up (optim.preload_blas)
     ema, dc = bool(ctx.cfg.ema_decay), ctx.cfg.delay_compensation is not None
     n, W, K = ctx.model.n_params, ctx.workers, ctx.layout.shards
     buf = bytearray(NAME_BYTES)
@@ -276,14 +284,19 @@ class SharedUpdate:
     this process's scratch, the store's state (its counts too, in the shard's row, which every worker
     advances). With --delay-compensation the parameters a gradient was computed on are the worker's
     own pulled copy (`then`): no backup per worker is kept at all; the gradients' mean square is the
-    store's."""
+    store's. With --local-steps a push is an outer step (outer.OuterUpdate, as on the message path):
+    the store holds the outer optimizer's state, OPT_T counts the pushes (delayed-nesterov's turn) and
+    `workers`, the phase's, is its W."""
 
-    def __init__(self, cfg, store: Store, xp=np, shard: int = 0, part: slice = slice(None)):
+    def __init__(self, cfg, store: Store, xp=np, shard: int = 0, part: slice = slice(None), workers: int = 1):
         h = self.row = store.rows[shard]
-        # blas: SGD's and momentum's apply in one pass, under the lock every pusher waits on
-        # (benchmarks/SHM_HOLD.md: a push's hold of the lock 1.5x shorter with SGD)
-        self.update = ServerUpdate(cfg, store.params[part], xp, int(h[EMA_T]), int(h[OPT_T]), {}, workers=1,
-                                   version=int(h[VERSION]), blas=True)
+        self.active = store.active if cfg.local_steps > 1 else None  # the outer step's floor: who still pushes
+        if self.active is not None:
+            self.update = OuterUpdate(cfg, store.params[part], xp, int(h[EMA_T]), int(h[OPT_T]), {}, workers=workers)
+        else:  # blas: SGD's and momentum's apply in one pass, under the lock every pusher waits on
+            # (benchmarks/SHM_HOLD.md: a push's hold of the lock 1.5x shorter with SGD)
+            self.update = ServerUpdate(cfg, store.params[part], xp, int(h[EMA_T]), int(h[OPT_T]), {}, workers=1,
+                                       version=int(h[VERSION]), blas=True)
         up = self.update
         up.opt.state = {k: a[part] for k, a in store.opt.items()}  # views of the store's arrays, not copies
         if up.ema is not None:
@@ -299,6 +312,8 @@ class SharedUpdate:
             up.ema.t = int(h[EMA_T])
         if up.dc is not None:
             up.dc.t, up.dc.sent = int(h[DC_T]), [{basis: then}]
+        if self.active is not None:
+            up.pushing = {w for w, a in enumerate(self.active) if a > 0}
         up.apply(grad, lr, staleness, 0, basis)
         h[OPT_T] = up.opt.t
         if up.ema is not None:
@@ -317,7 +332,7 @@ class ShmPushPull:
         self.ctx, self.be = ctx, ctx.backend
         self.store = open_store(ctx, start)
         self.parts = ctx.layout.shard_slices(ctx.model.n_params)  # one with one server
-        self.shared = [SharedUpdate(ctx.cfg, self.store, np, k, p) for k, p in enumerate(self.parts)]
+        self.shared = [SharedUpdate(ctx.cfg, self.store, np, k, p, ctx.workers) for k, p in enumerate(self.parts)]
         self.worker = ctx.worker_index
         self.host_params = np.array(start.params, np.float32)  # the pulled parameters (a copy: the store moves on)
         self.params = self.be.asarray(self.host_params)  # NumPy: the same array
@@ -327,14 +342,19 @@ class ShmPushPull:
         self.in_flight = False
         self.stopped = False
         self.count = 0  # this worker's pushes so far, the one in hand included (the fault injection's step)
-        self.hold = StalenessHold(ctx.cfg.max_staleness)
+        self.counted = 0  # --local-steps: its inner steps in its pushes so far (each push's span is the rest)
+        self.span = 1
+        self.hold = StalenessHold(ctx.cfg.max_staleness, ctx.cfg.local_steps)
         self.kill_at = store_kill(ctx.rank)  # MPITRAIN_INJECT_KILL=RANK:STEP:POINT (the fault tests)
 
     def gradient(self, slot: int):
         return self.grads[slot]
 
     def push(self, slot: int, loss: float, versions: list[int], count: int, last: bool) -> None:
-        self.count = count
+        """`count`: the worker's gradients so far, this one's included (--local-steps: its inner steps)."""
+        self.count += 1
+        if self.ctx.cfg.local_steps > 1:
+            self.span, self.counted = count - self.counted, count
         self.ctx.watch.check()  # rank 0 is not in the loop: its loss is noticed here (PeerLost)
         grad = self.be.to_host(self.grads[slot])
         while True:
@@ -370,9 +390,9 @@ class ShmPushPull:
         part = self.parts[0]
         self.shared[0].apply(grad[part], self.ctx.lr_at(v), v - basis, basis, self.host_params[part])
         self._injected("applying")
-        s.stepped(v, loss, basis, self.worker)
+        s.stepped(v, loss, basis, self.worker, self.span)
         self.host_params[part] = s.params[part]
-        self.versions[0] = v + 1
+        self.versions[0] = v + self.span
         return False
 
     def _apply_shard(self, k: int, grad, basis: int) -> None:
@@ -381,9 +401,9 @@ class ShmPushPull:
         v = int(row[VERSION])
         self.shared[k].apply(grad[part], self.ctx.lr_at(v), v - basis, basis, self.host_params[part])
         self._injected("sharded")
-        row[VERSION] = v + 1
+        row[VERSION] = v + self.span
         self.host_params[part] = self.store.params[part]
-        self.versions[k] = v + 1
+        self.versions[k] = v + self.span
 
     def _injected(self, point: str) -> None:
         if self.kill_at == (self.count, point):

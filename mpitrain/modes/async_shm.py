@@ -91,9 +91,8 @@ class ShmServer:
         """Read back the steps applied since the last look, then decide the next hold and the stop."""
         h = self.store.header
         version = int(h[shm.VERSION])
-        for step in range(self.seen + 1, version + 1):
-            self._stepped(step)
-        self.seen = version
+        while self.seen < version:
+            self.seen = self._stepped(self.seen + 1)
         if h[shm.DIVERGED_STEP] >= 0 and self.state.diverged is None:
             self.state.diverged = Diverged(int(h[shm.DIVERGED_STEP]), [int(h[shm.DIVERGED_RANK])],
                                            float(self.store.views["diverged_loss"][0]), NON_FINITE)
@@ -103,20 +102,25 @@ class ShmServer:
         else:
             h[shm.HOLD_AT] = self._next_hold()
 
-    def _stepped(self, step: int) -> None:
-        """Global step `step`, as the worker that applied it left it in the ring."""
-        v, i, state = self.store.views, step % shm.RING, self.state
+    def _stepped(self, first: int) -> int:
+        """The apply that made global step `first` (and, --local-steps, the rest of its push's inner
+        steps), as the worker that applied it left it in the ring; returns the last step it made.
+        Counted as the message path counts it (AsyncServer._apply): staleness in pushes."""
+        v, i, state = self.store.views, first % shm.RING, self.state
         loss, basis, w = float(v["ring_loss"][i]), int(v["ring_basis"][i]), int(v["ring_worker"][i])
-        staleness = step - 1 - basis
+        span = int(v["ring_span"][i])
+        step = first - 1 + span
+        staleness = -(-(first - 1 - basis) // self.cfg.local_steps)  # ceil: in outer steps, about H global steps each
         state.global_step = step
-        state.local_steps[w] += 1
+        state.local_steps[w] += span
         state.staleness[staleness] += 1
         state.recent_losses.append(loss)
         why = self.guard.exploded(loss)
         if why and state.diverged is None:  # steps applied since are the explosion's: nothing more is saved
             state.diverged = Diverged(step, [self.ctx.layout.worker_ranks[w]], loss, why)
-        self.duties.advance(step, loss, lambda evaluate, save: self._whole(), basis=basis, staleness=staleness,
-                            local_steps=list(state.local_steps))
+        self.duties.advance(step, loss, lambda evaluate, save: self._whole(), basis=basis, span=span,
+                            staleness=staleness, local_steps=list(state.local_steps))
+        return step
 
     def _next_hold(self) -> int:
         """The next step at which rank 0 has a duty (an evaluation, a checkpoint by steps, the

@@ -57,10 +57,11 @@ class RemoteWorkers:
         self.outbox = [Message(n, alloc, wire) for _ in workers]
         self.message_bytes = self.inbox[0].buf.nbytes if workers else 0
         self.widened = np.empty(n, np.float32) if np.dtype(wire) != np.float32 else None  # --compress
-        self.shared = shm.SharedUpdate(ctx.cfg, store, np)
+        self.shared = shm.SharedUpdate(ctx.cfg, store, np, workers=ctx.workers)
         dc = ctx.cfg.delay_compensation is not None
         self.then = [np.array(start_params, np.float32) for _ in workers] if dc else None
-        self.hold = StalenessHold(ctx.cfg.max_staleness)
+        self.hold = StalenessHold(ctx.cfg.max_staleness, ctx.cfg.local_steps)
+        self.counted = [0] * len(workers)  # --local-steps: each one's inner steps as its last push said
         self.poller = Poller(POLL_S, ctx.watch)
         self.recv = [self._receive(i) for i in range(len(workers))]
         self.sends = [MPI.REQUEST_NULL] * len(workers)
@@ -121,10 +122,12 @@ class RemoteWorkers:
         if self.widened is not None:
             self.widened[:] = grad
             grad = self.widened
-        basis = msg.step
+        basis, span = msg.step, 1
+        if self.ctx.cfg.local_steps > 1:  # a push is an outer step: the inner steps since its last one
+            span, self.counted[i] = msg.local_step - self.counted[i], msg.local_step
         self.shared.apply(grad, self.ctx.lr_at(v), v - basis, basis, None if self.then is None else self.then[i])
-        s.stepped(v, msg.loss, basis, w)
-        return v + 1, FLAG_STOP if msg.flags & FLAG_LAST else 0
+        s.stepped(v, msg.loss, basis, w, span)
+        return v + span, FLAG_STOP if msg.flags & FLAG_LAST else 0
 
     def _wait_sent(self, i: int) -> None:
         """The previous reply's buffer is reused: that send must be done (it is, in all but name:
