@@ -338,12 +338,14 @@ class AsyncWorker:
         n, xp = ctx.model.n_params, self.be.xp
         self.inner = InnerSteps(ctx.cfg, n, xp) if ctx.cfg.local_steps > 1 else None  # --local-steps H
         self.pushed = 0
+        self.counted = 0  # its gradients in the pushes so far: pushes, or (--local-steps) the inner steps they carried
         self.sent_last = False
         self.diverged: Diverged | None = None  # set when a server stops the run because a loss diverged
 
     def run(self) -> WorkerResult:
         # Rank 0 lost (--on-lost-server continue): the take-over starts from the freshest copy.
-        with interrupted_at(self.exchange.held, lambda: (self.pushed if self.inner is None else self.inner.count, 0)):
+        # (What a server may have applied: the pushes, not inner steps not pushed yet, which no store or server has.)
+        with interrupted_at(self.exchange.held, lambda: (self.counted, 0)):
             return self._train()
 
     def _train(self) -> WorkerResult:
@@ -391,6 +393,7 @@ class AsyncWorker:
         count = self.pushed + 1 if self.inner is None else self.inner.count  # its gradients: pushes, or inner steps
         self.exchange.push(slot, loss, used_versions, count, last)
         self.pushed += 1
+        self.counted = count
         self.sent_last = last
 
     def _pull(self) -> bool:
