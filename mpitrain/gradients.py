@@ -36,6 +36,7 @@ class WorkerResult:
     recent_loss: float | None = None  # sync: mean minibatch loss of the last LOSS_WINDOW steps
     train_state: TrainState | None = None  # what a checkpoint of the final step holds (async: the last pull's)
     diverged: Diverged | None = None  # the non-finite or exploding loss that stopped the run, if any
+    counted: int | None = None  # async: the gradients its pushes carried (--local-steps: inner steps; else `pushed`)
 
 
 class BatchStream:

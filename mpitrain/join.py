@@ -116,7 +116,7 @@ class Carry:
     job_cfg: TrainConfig | None = None  # rank 0: the flags as given (--respawn starts a worker with them)
     respawns_left: int = 0  # rank 0: how many more lost workers --respawn may replace
     forming: threading.Timer | None = None  # from making room until the next phase's heartbeats run
-    earlier: tuple[int, int, int] = (0, 0, 0)  # a worker: gradients pushed, dropped, contributed in earlier phases
+    earlier: tuple[int, ...] = (0, 0, 0, 0)  # earlier phases: gradients pushed, dropped, contributed; exchanges
     outputs: JobOutputs = dataclasses.field(default_factory=JobOutputs)  # rank 0: one bar and one log for all phases
     spares: object = None  # rank 0: spares.Pool, the spares still waiting (--spares)
     handover: object = None  # failover.Handover: rank 0 was lost, the next phase starts from the survivors' state
@@ -171,10 +171,11 @@ class Carry:
         """A worker's report (reports.WorkerReport) of this phase, counting this process's earlier
         phases too; kept for the next. A phase's counts start at zero, and rank 0 keeps only the last
         phase's reports."""
-        pushed, dropped, contributed = self.earlier
+        pushed, dropped, contributed, exchanges = self.earlier
+        together = None if report.contributed is None else report.contributed + contributed
         report = dataclasses.replace(report, pushed=report.pushed + pushed, dropped=report.dropped + dropped,
-                                     contributed=None if report.contributed is None else report.contributed + contributed)
-        self.earlier = (report.pushed, report.dropped, report.contributed or 0)
+                                     contributed=together, exchanges=report.exchanges + exchanges)
+        self.earlier = (report.pushed, report.dropped, report.contributed or 0, report.exchanges)
         return report
 
     def next_config(self, cfg: TrainConfig) -> TrainConfig:

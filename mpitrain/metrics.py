@@ -321,7 +321,9 @@ def human_summary(s: dict) -> list[str]:
               f"stopped ({s['stopped']['signal']})" if s.get("stopped") else "done")
     alone = s["world_size"] == 1  # one process: no workers to tell apart, nothing dropped
     if s.get("trained", True):
+        outer = s["config"]["local_steps"] > 1 and not alone  # --local-steps: the exchanges the saving is in
         steps = ("" if alone else f" | local steps {s['local_steps']}") + (
+            f" in {s['worker_exchanges']} exchanges" if outer else "") + (
             f" | {s['wall_seconds']:.2f} s training | {s['samples_per_second']:,.0f} samples/s")
         if s.get("bytes_per_sample") is not None:
             steps += f" | {s['bytes_per_sample']:,.0f} bytes through MPI per sample"

@@ -78,6 +78,7 @@ class Activity:
         self.helper_compute_s = 0.0  # --quorum: computed by the gradient thread, beside the main one
         self.gradients = 0  # gradients this rank computed (its local steps)
         self.bytes_sent = self.bytes_received = 0  # what this worker handed MPI to move, and got back
+        self.exchanges = 0  # the exchanges it sent its work in: a push, an Allreduce, a --quorum push or update
         self.samples: deque = deque(maxlen=MAX_SAMPLES)  # busy seconds per gradient, one per SAMPLE_S
         self._window = (0.0, 0)  # busy seconds and gradients at the window's start
         self.timeline = Timeline(timeline_steps) if timeline_steps > 0 else None
@@ -97,6 +98,7 @@ class Activity:
         buffer (both: every worker contributes it and gets the sum), a --quorum push and update."""
         self.bytes_sent += sent
         self.bytes_received += received
+        self.exchanges += bool(sent)
 
     def helper_computed(self, t0: float, t1: float, step: int) -> None:
         """--quorum: the gradient thread computed one gradient from t0 to t1."""

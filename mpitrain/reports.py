@@ -30,6 +30,7 @@ class WorkerReport:
     timeline: list[dict] = field(default_factory=list)  # --timeline spans
     stop_signal: int = 0  # the signal that asked this rank to stop, if it knows one (stopping.py)
     bytes_moved: list[int] | None = None  # [sent, received] through MPI
+    exchanges: int = 0  # what it sent its work in: async pushes, sync Allreduces (--local-steps: its outer steps)
 
     role = "worker"
 
@@ -127,6 +128,7 @@ class Summary:
     write_errors: dict | None  # failed writes by kind (count, first), and the newest checkpoint written (outputs.py)
     worker_bytes: list[list[int] | None] = field(default_factory=list)  # per worker: [sent, received] through MPI
     bytes_per_sample: float | None = None  # every worker's sent + received bytes / samples trained
+    worker_exchanges: list[int] = field(default_factory=list)  # per worker: WorkerReport.exchanges
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -60,7 +60,8 @@ def worker_report(ctx: Context, wres: WorkerResult, evaluation: tuple[float, flo
     act = ctx.activity
     return WorkerReport(ctx.rank, wres.pushed, wres.dropped, as_dict(wres.diverged), wres.contributed, evaluation[0],
                         evaluation[1], digest(wres.params), breakdown, act.report(), stop_signal=STOP.signum,
-                        bytes_moved=[act.bytes_sent, act.bytes_received])
+                        bytes_moved=[act.bytes_sent, act.bytes_received],
+                        exchanges=act.exchanges if ctx.mode.averages else wres.pushed)  # async: to the store too
 
 
 def build_summary(ctx: Context, mine: RoleResult, reports: list, placements: list[str],
@@ -131,6 +132,7 @@ def build_summary(ctx: Context, mine: RoleResult, reports: list, placements: lis
         trained=trained,
         worker_bytes=[None if ctx.local else w.bytes_moved for w in workers],  # one process: nothing goes through MPI
         bytes_per_sample=None if ctx.local else per_sample([w.bytes_moved for w in workers], samples),
+        worker_exchanges=[w.exchanges for w in workers],
     )
 
 

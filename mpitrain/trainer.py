@@ -290,7 +290,8 @@ def train_and_report(ctx: Context, carry: join.Carry) -> tuple[RoleResult, list]
 def held_at_the_end(e: PeerLost, mine: RoleResult) -> None:
     """Rank 0 lost after this worker's training: a take-over (failover.py) starts from its final state."""
     if e.state is None and mine.held is not None:
-        e.state, e.counts = mine.held, (mine.worker.pushed, mine.worker.dropped)
+        w = mine.worker  # (the pushes' gradients, in global steps: --local-steps pushes carry H each)
+        e.state, e.counts = mine.held, (w.pushed if w.counted is None else w.counted, w.dropped)
 
 
 def max_rss_mb() -> float:

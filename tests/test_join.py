@@ -77,8 +77,9 @@ def test_a_worker_joins_a_running_job_and_trains(tmp_path, mode):
     # The counts are of the whole job, not of the phase after the join (as before: the job's own
     # workers had pushed fewer gradients than rank 0 had applied from them, and a sync joiner had
     # taken part in every step), and the job was not resumed from the join's checkpoint.
-    if mode == "sync":
-        assert s["local_steps"] == s["gradients_pushed"] == [BUDGET[mode]] * 2 + [BUDGET[mode] - joined["global_step"]]
+    if mode == "sync":  # (an Allreduce a step: the exchanges of the whole job too)
+        assert (s["local_steps"] == s["gradients_pushed"] == s["worker_exchanges"]
+                == [BUDGET[mode]] * 2 + [BUDGET[mode] - joined["global_step"]])
     else:
         assert sum(s["local_steps"]) == BUDGET[mode]
         assert all(p >= k for p, k in zip(s["gradients_pushed"], s["local_steps"])), s

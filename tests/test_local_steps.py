@@ -199,6 +199,12 @@ def test_the_bytes_each_worker_moved_are_counted_and_h_steps_move_h_times_fewer(
     assert one["bytes_per_sample"] == pytest.approx(sum(map(sum, one["worker_bytes"])) / samples)
     assert one["bytes_per_sample"] / eight["bytes_per_sample"] >= 7.5
     assert f"{one['bytes_per_sample']:,.0f} bytes through MPI per sample" in one["_stdout"]
+    # The exchanges each worker sent its work in: one per step with H 1, one per 8 inner steps (its last
+    # round may be shorter: at the budget in sync, at its data's end in async), and so the summary says.
+    assert one["worker_exchanges"] == one["local_steps"]
+    assert all(-(-k // 8) == e for k, e in zip(eight["local_steps"], eight["worker_exchanges"])), eight["_stdout"]
+    assert f"local steps {eight['local_steps']} in {eight['worker_exchanges']} exchanges" in eight["_stdout"]
+    assert " exchanges" not in one["_stdout"]
 
 
 @only_on("mpich", NUMBERS_ONLY)

@@ -368,7 +368,8 @@ class AsyncWorker:
             self._push(slot, loss, used_versions)
         held = self.exchange.held()  # what a take-over would start from, should rank 0 be lost after this
         ex.close()
-        return WorkerResult(self.pushed, held.params, self.act.times(), diverged=self.diverged, train_state=held)
+        return WorkerResult(self.pushed, held.params, self.act.times(), diverged=self.diverged, train_state=held,
+                            counted=self.counted)
 
     def _compute(self, slot: int) -> tuple[float, list[int]]:
         """The next minibatch's gradient into the exchange's `slot`; its loss and the versions it used."""
