@@ -116,7 +116,7 @@ class Carry:
     job_cfg: TrainConfig | None = None  # rank 0: the flags as given (--respawn starts a worker with them)
     respawns_left: int = 0  # rank 0: how many more lost workers --respawn may replace
     forming: threading.Timer | None = None  # from making room until the next phase's heartbeats run
-    earlier: tuple[int, ...] = (0, 0, 0, 0)  # earlier phases: gradients pushed, dropped, contributed; exchanges
+    earlier: tuple = (0, 0, 0, 0, (0, 0))  # earlier phases: gradients pushed, dropped, contributed; exchanges, bytes
     outputs: JobOutputs = dataclasses.field(default_factory=JobOutputs)  # rank 0: one bar and one log for all phases
     spares: object = None  # rank 0: spares.Pool, the spares still waiting (--spares)
     handover: object = None  # failover.Handover: rank 0 was lost, the next phase starts from the survivors' state
@@ -171,11 +171,13 @@ class Carry:
         """A worker's report (reports.WorkerReport) of this phase, counting this process's earlier
         phases too; kept for the next. A phase's counts start at zero, and rank 0 keeps only the last
         phase's reports."""
-        pushed, dropped, contributed, exchanges = self.earlier
+        pushed, dropped, contributed, exchanges, moved = self.earlier
         together = None if report.contributed is None else report.contributed + contributed
+        both = None if report.bytes_moved is None else [a + b for a, b in zip(report.bytes_moved, moved)]
         report = dataclasses.replace(report, pushed=report.pushed + pushed, dropped=report.dropped + dropped,
-                                     contributed=together, exchanges=report.exchanges + exchanges)
-        self.earlier = (report.pushed, report.dropped, report.contributed or 0, report.exchanges)
+                                     contributed=together, exchanges=report.exchanges + exchanges, bytes_moved=both)
+        self.earlier = (report.pushed, report.dropped, report.contributed or 0, report.exchanges,
+                        tuple(report.bytes_moved or (0, 0)))
         return report
 
     def next_config(self, cfg: TrainConfig) -> TrainConfig:
