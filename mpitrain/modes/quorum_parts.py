@@ -43,6 +43,11 @@ UPDATES_IN_FLIGHT_BYTES = 256 << 20
 # PACE_WINDOW pushes.
 PACE_SLACK = 2.0
 PACE_RUN, PACE_WINDOW = 3, 5
+# On its thread, every PACE_PROBE-th gradient of its own is computed on the main thread instead, to see
+# whether it is still the slow one there: on the thread its gradients measure slow whatever they would take
+# inline (the main thread's polling takes the GIL from it: digits, --local-steps 8, 3.7-5.7 ms a round against
+# the others' 1.7), so once there it never came back, and every round it computed came too late to count.
+PACE_PROBE = 16
 
 
 OWED_MARGIN_S = 2e-3  # --quorum: an update's trip to a worker and its push's back, on top of its compute time
@@ -222,13 +227,18 @@ class CoordinatorPace:
     cores the other workers need; the pushes that came meanwhile count first. Once PACE_RUN
     gradients of its own in a row took more than PACE_SLACK times the Q-th fastest other
     worker's (each push says how long it took), on its gradient thread, so that a slow coordinator never
-    holds a step up; back on its main thread once PACE_RUN in a row on the thread did not."""
+    holds a step up; back on its main thread once PACE_RUN in a row on the thread did not, or once a
+    probe (every PACE_PROBE-th, computed inline) was not slow: a coordinator a little slower than the
+    others by chance (start-up, a busy core) was kept on its thread for good and starved there, --quorum
+    1 of 2 --local-steps 8 counting [64, 1436] in CI and [0, 1500] in 1 of 4 runs at --straggler 1:x1.3."""
 
     def __init__(self, others: int, quorum: int):
         self.quorum = quorum
         self.others = [deque(maxlen=PACE_WINDOW) for _ in range(others)]  # their compute times, seconds
         self.inline = True
         self.run = 0  # its gradients in a row that said it computes in the wrong place
+        self.threaded = 0  # its gradients on the thread (every PACE_PROBE-th: a probe, computed inline)
+        self.probing = False  # the next gradient is a probe
 
     def heard(self, i: int, seconds: float) -> None:
         self.others[i].append(seconds)
@@ -239,6 +249,13 @@ class CoordinatorPace:
         if len(known) < self.quorum:
             return  # nothing to compare with yet
         slow = seconds > PACE_SLACK * known[self.quorum - 1]
+        if self.probing:  # inline for once, from the thread: where it belongs now
+            self.probing, self.inline, self.run = False, not slow, 0
+            return
+        if not self.inline:
+            self.threaded += 1
         self.run = self.run + 1 if slow == self.inline else 0
         if self.run >= PACE_RUN:
             self.inline, self.run = not self.inline, 0
+        elif not self.inline and self.threaded % PACE_PROBE == 0:
+            self.inline = self.probing = True
