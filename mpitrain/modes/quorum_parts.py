@@ -47,7 +47,9 @@ PACE_RUN, PACE_WINDOW = 3, 5
 # whether it is still the slow one there: on the thread its gradients measure slow whatever they would take
 # inline (the main thread's polling takes the GIL from it: digits, --local-steps 8, 3.7-5.7 ms a round against
 # the others' 1.7), so once there it never came back, and every round it computed came too late to count.
-PACE_PROBE = 16
+# A real straggler pays one step in PACE_PROBE held up by its probe: at --straggler 1:x5, 16 cost it 6-8% of
+# its steps/s, 32 nothing this VM could tell (interleaved runs, 2026-11-30).
+PACE_PROBE = 32
 
 
 OWED_MARGIN_S = 2e-3  # --quorum: an update's trip to a worker and its push's back, on top of its compute time
