@@ -44,9 +44,10 @@ UPDATES_IN_FLIGHT_BYTES = 256 << 20
 PACE_SLACK = 2.0
 PACE_RUN, PACE_WINDOW = 3, 5
 # On its thread, every PACE_PROBE-th gradient of its own is computed on the main thread instead, to see
-# whether it is still the slow one there: on the thread its gradients measure slow whatever they would take
-# inline (the main thread's polling takes the GIL from it: digits, --local-steps 8, 3.7-5.7 ms a round against
-# the others' 1.7), so once there it never came back, and every round it computed came too late to count.
+# whether it is still the slow one there: on the thread its gradients measure slower than they would inline
+# (the main thread's polling takes the GIL from it: digits, --local-steps 8, at --straggler 1:x1.3 3.7-5.7 ms
+# a round there, 3.5 inline, the others' 1.7), so a coordinator that measures 1.4-1.6x the others inline
+# could be sent there by a few slow rounds and never come back, every round it computed too late to count.
 # A real straggler pays one step in PACE_PROBE held up by its probe: at --straggler 1:x5, 16 cost it 6-8% of
 # its steps/s, 32 nothing this VM could tell (interleaved runs, 2026-11-30).
 PACE_PROBE = 32
@@ -230,9 +231,9 @@ class CoordinatorPace:
     gradients of its own in a row took more than PACE_SLACK times the Q-th fastest other
     worker's (each push says how long it took), on its gradient thread, so that a slow coordinator never
     holds a step up; back on its main thread once PACE_RUN in a row on the thread did not, or once a
-    probe (every PACE_PROBE-th, computed inline) was not slow: a coordinator a little slower than the
-    others by chance (start-up, a busy core) was kept on its thread for good and starved there, --quorum
-    1 of 2 --local-steps 8 counting [64, 1436] in CI and [0, 1500] in 1 of 4 runs at --straggler 1:x1.3."""
+    probe (every PACE_PROBE-th, computed inline) was not slow: a coordinator slower than the others for
+    a few rounds by chance (start-up, a busy core) was kept on its thread for good and starved there,
+    --quorum 1 of 2 --local-steps 8 counting [64, 1436] in CI."""
 
     def __init__(self, others: int, quorum: int):
         self.quorum = quorum
