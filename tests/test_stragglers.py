@@ -67,10 +67,10 @@ def test_chief_pace_moves_its_gradients_to_the_thread_only_while_it_is_the_slow_
 
 
 def test_on_its_thread_the_chief_probes_its_pace_on_the_main_thread():
-    """On the thread its gradients measure slow whatever they would take inline (the main thread's polling
-    takes the GIL from it), so every PACE_PROBE-th is computed inline: a slow probe sends it back to the
-    thread at once, a fast one keeps it inline. Without the probes a chief slow by chance once stayed on
-    its thread for good, its rounds always too late: [64, 1436] (CI)."""
+    """On the thread its gradients measure slower than inline (the main thread's polling takes the GIL
+    from it), so every PACE_PROBE-th is computed inline: a slow probe sends it back to the thread at once,
+    a fast one keeps it inline. Without the probes a chief slow by chance for a few rounds stayed on its
+    thread for good, its rounds always too late: [64, 1436] (CI)."""
     pace = CoordinatorPace(others=1, quorum=1)
     for _ in range(PACE_WINDOW):
         pace.heard(0, 1.0)
@@ -78,7 +78,7 @@ def test_on_its_thread_the_chief_probes_its_pace_on_the_main_thread():
         pace.computed(3.0)
     assert not pace.inline
     for _ in range(PACE_PROBE - 1):
-        pace.computed(3.0)  # slow on the thread, as it always measures there
+        pace.computed(3.0)  # slow on the thread, as it measures there
         assert not pace.inline
     pace.computed(3.0)
     assert pace.inline and pace.probing  # the next one is a probe, inline
