@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import subprocess
 import sys
@@ -168,7 +169,7 @@ def report(results: dict, args, links: list[str], hs: list[int], modes: list[str
 def chosen(args) -> str:
     """The row-choosing flags given other than their defaults, as the command line had them."""
     given = (("--links", args.links, ",".join(LINKS)), ("--modes", args.modes, "sync,async"), ("--hs", args.hs, HS))
-    return "".join(f" {flag} {value}" for flag, value, default in given if value != default)
+    return "".join(f" {flag} {shlex.quote(value)}" for flag, value, default in given if value != default)
 
 
 def ratio(base: dict | None, t: float | None) -> str:
