@@ -144,6 +144,27 @@ class OuterUpdate:
             self.ema.update(self.params)
 
 
+class PushSpans:
+    """A server's (or the store's) count of the global steps each worker's push makes: one, or with
+    --local-steps H the inner steps since that worker's last push (its count of inner steps, which each
+    push carries, says: H, or fewer at its data's end)."""
+
+    def __init__(self, h: int, workers: int):
+        self.h, self.counted = h, [0] * workers
+
+    def span(self, w: int, count: int) -> int:
+        if self.h == 1:
+            return 1
+        inner, self.counted[w] = count - self.counted[w], count
+        return inner
+
+
+def in_pushes(staleness: int, h: int) -> int:
+    """A push's staleness in global steps as the summary and --max-staleness count it with --local-steps
+    H: in outer steps, about H global steps each (rounded up)."""
+    return -(-staleness // h)
+
+
 class InnerSteps:
     """An async worker's H steps between two pushes: --optimizer on its own copy of the parameters
     (the optimizer's state is the worker's own, never sent), then the outer gradient anchor - local

@@ -44,7 +44,7 @@ from mpitrain.faults import kill_here, store_kill
 from mpitrain.layout import PS_RANK
 from mpitrain.mpiimpl import orphans
 from mpitrain.optim import ServerUpdate, StalenessHold
-from mpitrain.outer import OuterUpdate
+from mpitrain.outer import OuterUpdate, PushSpans
 from mpitrain.waiting import poll
 
 SHM_DIR = "/dev/shm"
@@ -342,8 +342,7 @@ class ShmPushPull:
         self.in_flight = False
         self.stopped = False
         self.count = 0  # this worker's pushes so far, the one in hand included (the fault injection's step)
-        self.counted = 0  # --local-steps: its inner steps in its pushes so far (each push's span is the rest)
-        self.span = 1
+        self.spans = PushSpans(ctx.cfg.local_steps, 1)  # the global steps each push makes (--local-steps: H)
         self.hold = StalenessHold(ctx.cfg.max_staleness, ctx.cfg.local_steps)
         self.kill_at = store_kill(ctx.rank)  # MPITRAIN_INJECT_KILL=RANK:STEP:POINT (the fault tests)
 
@@ -353,13 +352,12 @@ class ShmPushPull:
     def push(self, slot: int, loss: float, versions: list[int], count: int, last: bool) -> None:
         """`count`: the worker's gradients so far, this one's included (--local-steps: its inner steps)."""
         self.count += 1
-        if self.ctx.cfg.local_steps > 1:
-            self.span, self.counted = count - self.counted, count
+        span = self.spans.span(0, count)
         self.ctx.watch.check()  # rank 0 is not in the loop: its loss is noticed here (PeerLost)
         grad = self.be.to_host(self.grads[slot])
         while True:
             with self.store.locked():
-                done = self._apply(grad, loss, versions[0], last)
+                done = self._apply(grad, loss, versions[0], span)
             if done is not None:
                 break
             h = self.store.header  # rank 0 holds this step (evaluating, saving): wait outside the lock
@@ -368,15 +366,16 @@ class ShmPushPull:
         if not done:  # shard 0 applied: the others, in order, each under its own lock
             for k in range(1, len(self.parts)):
                 with self.store.locked(k):
-                    self._apply_shard(k, grad, versions[k])
+                    self._apply_shard(k, grad, versions[k], span)
             if last:
                 self.store.active[self.worker] = 0  # after its last shard: rank 0's final state holds it all
         self.stopped = done or last
         self.in_flight = True
         self.be.upload(self.params, self.host_params)  # NumPy: the same array, nothing to do
 
-    def _apply(self, grad, loss: float, basis: int, last: bool) -> bool | None:
-        """Under shard 0's lock: apply and pull its part (False), stop without applying (True), or held (None)."""
+    def _apply(self, grad, loss: float, basis: int, span: int) -> bool | None:
+        """Under shard 0's lock: apply and pull its part (False), stop without applying (True), or held (None);
+        `span`: the global steps the push makes."""
         s, h = self.store, self.store.header
         self._injected("locked")
         if h[STOP]:
@@ -390,20 +389,20 @@ class ShmPushPull:
         part = self.parts[0]
         self.shared[0].apply(grad[part], self.ctx.lr_at(v), v - basis, basis, self.host_params[part])
         self._injected("applying")
-        s.stepped(v, loss, basis, self.worker, self.span)
+        s.stepped(v, loss, basis, self.worker, span)
         self.host_params[part] = s.params[part]
-        self.versions[0] = v + self.span
+        self.versions[0] = v + span
         return False
 
-    def _apply_shard(self, k: int, grad, basis: int) -> None:
+    def _apply_shard(self, k: int, grad, basis: int, span: int) -> None:
         """Under shard k's lock (k > 0): its part of the push, at its own count, and its part of the pull."""
         row, part = self.store.rows[k], self.parts[k]
         v = int(row[VERSION])
         self.shared[k].apply(grad[part], self.ctx.lr_at(v), v - basis, basis, self.host_params[part])
         self._injected("sharded")
-        row[VERSION] = v + self.span
+        row[VERSION] = v + span
         self.host_params[part] = self.store.params[part]
-        self.versions[k] = v + self.span
+        self.versions[k] = v + span
 
     def _injected(self, point: str) -> None:
         if self.kill_at == (self.count, point):

@@ -37,7 +37,7 @@ from mpitrain.modes.base import Mode, Trained
 from mpitrain.modes.shm_remote import on_store_host
 from mpitrain.observe import APPLY, COMPUTE, PULL, PUSH, WAIT
 from mpitrain.optim import ServerUpdate, StalenessHold
-from mpitrain.outer import InnerSteps, OuterUpdate
+from mpitrain.outer import InnerSteps, OuterUpdate, PushSpans, in_pushes
 from mpitrain.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_LAST, FLAG_LEAVING, FLAG_STOP, TAG_GRAD,
                                TAG_PARAMS, Message, ProtocolError)
 from mpitrain.runtime import Context, start_state
@@ -90,7 +90,7 @@ class AsyncServer:
         self.active = set(range(W))  # workers not yet told to stop
         self.held: list[int] = []  # gradients received, not yet applied (--max-staleness)
         self.basis = [self.state.global_step] * W  # version each worker's next gradient is computed on
-        self.counted = [0] * W  # --local-steps: each worker's inner steps in this run, as its last push said
+        self.spans = PushSpans(cfg.local_steps, W)  # --local-steps: each worker's inner steps, as its last push said
         self.stopping = False
         self.stuck_at = stuck_from(ctx.rank)  # MPITRAIN_INJECT_STUCK
         if self.chief and not self.gather:  # the whole state is here: a stuck MPI saves it first (stuck.py)
@@ -289,11 +289,7 @@ class AsyncServer:
         summary and --max-staleness count it. --local-steps H: the inner steps since the worker's last
         push (its count says, H or fewer at its data's end) and the staleness in outer steps, about H
         global steps each (the outer step's damping, OuterUpdate, counts global steps)."""
-        h = self.cfg.local_steps
-        if h == 1:
-            return 1, staleness
-        inner, self.counted[w] = count - self.counted[w], count
-        return inner, -(-staleness // h)
+        return self.spans.span(w, count), in_pushes(staleness, self.cfg.local_steps)
 
     def _whole_state(self, evaluate: bool, save: bool) -> TrainState:
         """For rank 0's duties: the whole state, with the other servers' slices (asked for why)."""

@@ -24,6 +24,7 @@ from mpitrain.metrics import Progress
 from mpitrain.modes.shm_remote import POLL_S as REMOTE_POLL_S
 from mpitrain.modes.shm_remote import RemoteWorkers, off_host
 from mpitrain.observe import WAIT
+from mpitrain.outer import in_pushes
 from mpitrain.runtime import Context
 from mpitrain.stopping import STOP
 
@@ -110,7 +111,7 @@ class ShmServer:
         loss, basis, w = float(v["ring_loss"][i]), int(v["ring_basis"][i]), int(v["ring_worker"][i])
         span = int(v["ring_span"][i])
         step = first - 1 + span
-        staleness = -(-(first - 1 - basis) // self.cfg.local_steps)  # ceil: in outer steps, about H global steps each
+        staleness = in_pushes(first - 1 - basis, self.cfg.local_steps)
         state.global_step = step
         state.local_steps[w] += span
         state.staleness[staleness] += 1

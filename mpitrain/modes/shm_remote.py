@@ -25,6 +25,7 @@ from mpitrain.faults import offhost_ranks
 from mpitrain.layout import PS_RANK
 from mpitrain.liveness import PeerLost
 from mpitrain.optim import StalenessHold
+from mpitrain.outer import PushSpans
 from mpitrain.protocol import FLAG_DIVERGED, FLAG_LAST, FLAG_LEAVING, FLAG_STOP, TAG_GRAD, TAG_PARAMS, Message
 from mpitrain.transport import END_POLL_S, PS_POLL_NO_OVERLAP_S, Poller, tested
 
@@ -61,7 +62,7 @@ class RemoteWorkers:
         dc = ctx.cfg.delay_compensation is not None
         self.then = [np.array(start_params, np.float32) for _ in workers] if dc else None
         self.hold = StalenessHold(ctx.cfg.max_staleness, ctx.cfg.local_steps)
-        self.counted = [0] * len(workers)  # --local-steps: each one's inner steps as its last push said
+        self.spans = PushSpans(ctx.cfg.local_steps, len(workers))  # --local-steps: a push's inner steps
         self.poller = Poller(POLL_S, ctx.watch)
         self.recv = [self._receive(i) for i in range(len(workers))]
         self.sends = [MPI.REQUEST_NULL] * len(workers)
@@ -122,9 +123,7 @@ class RemoteWorkers:
         if self.widened is not None:
             self.widened[:] = grad
             grad = self.widened
-        basis, span = msg.step, 1
-        if self.ctx.cfg.local_steps > 1:  # a push is an outer step: the inner steps since its last one
-            span, self.counted[i] = msg.local_step - self.counted[i], msg.local_step
+        basis, span = msg.step, self.spans.span(i, msg.local_step)
         self.shared.apply(grad, self.ctx.lr_at(v), v - basis, basis, None if self.then is None else self.then[i])
         s.stepped(v, msg.loss, basis, w, span)
         return v + span, FLAG_STOP if msg.flags & FLAG_LAST else 0
