@@ -189,6 +189,8 @@ CASES = [
     # ... and while a lost worker is replaced (--respawn 1, both MPIs): a worker killed, then rank 0
     # within 3 s (the loss noticed, the spawn, the new world forming, or just after)
     Case("failover-respawn", ("--mode", "async", "--respawn", "1", *FAILOVER), "rank0-respawn", 20000),
+    # ... with --spares 1 (both MPIs): the successor takes the spare over and lets it in at once (spares.adopt)
+    Case("failover-spare", ("--mode", "async", "--spares", "1", *FAILOVER), "rank0", 20000),
 ]
 DEFAULT_TRIALS = {"async": 5, "async-staleness": 4, "async-big": 6, "sync": 4, "sync-quorum": 4, "chief-quorum": 3,
                   "quorum-big": 3, "sync-big": 3, "chief-sync": 3, "sync-stop": 2, "rank0-async": 4, "rank0-sync": 3, "supervisor": 3, "shm-async": 5, "rank0-shm": 3, "shm-early": 3, "shm-2ps": 3,
@@ -199,7 +201,8 @@ DEFAULT_TRIALS = {"async": 5, "async-staleness": 4, "async-big": 6, "sync": 4, "
                   "rejoin-sync": 3, "respawn-async": 3, "respawn-sync": 3, "failover-sync": 6, "failover-quorum": 4,
                   "failover-async": 6, "failover-big": 4, "failover-shard-async": 5, "failover-shard-sync": 4,
                   "failover-duties-sync": 5, "failover-duties-async": 5, "failover-shm": 5, "failover-join": 6,
-                  "failover-respawn": 6, "spare-async": 4, "spare-sync": 4, "spare-killed": 4, "spare-joining": 6}
+                  "failover-respawn": 6, "failover-spare": 6, "spare-async": 4, "spare-sync": 4, "spare-killed": 4,
+                  "spare-joining": 6}
 
 
 @dataclass
@@ -481,7 +484,7 @@ def expected(case: Case, trial: Trial, err: str, code: int, summary: dict | None
     if case.target in ("rank0-join", "rank0-respawn"):
         return join_failed_over_as_documented(case, trial, err, joiner, code, summary, ck)
     if case.target in ("rank0", "shard") and failover(case):
-        return failed_over_as_documented(case, trial, err, code, summary, ck)
+        return failed_over_as_documented(case, trial, err, code, summary, ck, out)
     if case.target == "rank0":
         if summary is not None and summary["global_step"] == case.steps:
             # Killed after it wrote the summary (its goodbyes sent, or being sent): nothing was
@@ -595,7 +598,7 @@ def failover(case: Case) -> bool:
 
 
 def failed_over_as_documented(case: Case, trial: Trial, err: str, code: int, summary: dict | None,
-                              ck: list) -> list[str]:
+                              ck: list, out: str = "") -> list[str]:
     """--on-lost-server continue: rank 1 takes over (a lost shard: the first worker serves it, rank 0
     stays), says so once, and the job reaches its budget with a final checkpoint there; sync loses no
     update, async at most two per worker (#49's goal). Killed after rank 0 wrote the summary, nothing
@@ -627,6 +630,14 @@ def failed_over_as_documented(case: Case, trial: Trial, err: str, code: int, sum
         problems.append(f"{fo['updates_lost_at_most']} updates lost (more than {limit})")
     if case.mode == "sync" and summary["worker_param_digests"] != [summary["param_digest"]] * len(summary["worker_ranks"]):
         problems.append("replicas differ")
+    if case.spares:  # the successor takes the spare over and lets it in at once, unless the budget was reached
+        spared = [j for j in summary["joined_workers"] if j.get("spare") and j["global_step"] >= fo["global_step"]]
+        if "took over the spares: 1 spare(s) waiting" not in out:
+            problems.append("the successor did not take the spare over")
+        elif not spared and not any(why in out for why in ("no worker was started in place", "did not join")):
+            problems.append("the spare was not let in, and no line said why")
+        elif spared and len(summary["worker_ranks"]) != NP - 1:
+            problems.append(f"{len(summary['worker_ranks'])} workers at the end, not {NP - 1}")
     if code != IMPL.worker_lost_exit:
         problems.append(f"exit {code}")
     return problems

@@ -118,7 +118,7 @@ def agree(ctx, e: PeerLost, step: int, pushed: int, deadline: float) -> list[int
     sends = [comm.Isend([box, MPI.INT64_T], dest=r, tag=TAG_FAILOVER) for r in others]
     inbox = {r: np.zeros_like(box) for r in others}
     recvs = {r: comm.Irecv([inbox[r], MPI.INT64_T], source=r, tag=TAG_FAILOVER) for r in others}
-    heard = _gather(recvs, deadline, until_all=True)
+    heard = gather_within(recvs, deadline, until_all=True)
     # Every buffer and request stays alive: a receive from a rank that died never completes, and a
     # message that comes late must not land in freed memory.
     KEPT.append((box, sends, inbox, recvs))
@@ -130,7 +130,7 @@ def agree(ctx, e: PeerLost, step: int, pushed: int, deadline: float) -> list[int
         decision = _message(DECIDE, step, pushed, comm.Get_size())
         decision[3:][view] = 1
         sends += [comm.Isend([decision, MPI.INT64_T], dest=r, tag=TAG_FAILOVER) for r in view[1:]]
-        _gather({i: s for i, s in enumerate(sends)}, time.monotonic() + ctx.cfg.worker_timeout, until_all=True)
+        gather_within({i: s for i, s in enumerate(sends)}, time.monotonic() + ctx.cfg.worker_timeout, until_all=True)
         KEPT.append((decision, sends))
         Kill(me).taking_over()
         return view
@@ -142,7 +142,7 @@ def agree(ctx, e: PeerLost, step: int, pushed: int, deadline: float) -> list[int
     # 0), and it noticed the loss up to --worker-timeout after this rank: wait that much past ours
     # (chaos: a worker and rank 0 killed together, the follower gave up just as the DECIDE came).
     grace = ctx.cfg.worker_timeout + 1.0
-    came = _gather(reqs, deadline + grace, until_all=False)
+    came = gather_within(reqs, deadline + grace, until_all=False)
     KEPT.append((decides, reqs))
     if not came:
         return f"no successor answered within {AGREE_FACTOR * ctx.cfg.worker_timeout + 1 + grace:g} s (rank " \
@@ -160,7 +160,7 @@ def _message(kind: int, step: int, pushed: int, size: int) -> np.ndarray:
     return box
 
 
-def _gather(reqs: dict, deadline: float, until_all: bool) -> list:
+def gather_within(reqs: dict, deadline: float, until_all: bool) -> list:
     """The keys whose request completed by `deadline` (all of them, or the first: `until_all`). A
     request MPI fails (its peer died: ULFM) is left out, never raised."""
     done = []
@@ -204,7 +204,8 @@ def freshest(ctx, world, mine: TrainState, pushed: int, lost_shards: list[int]) 
             if not present:
                 continue
             held = mine.array(name) if world.Get_rank() == root else None
-            piece = np.ascontiguousarray(held[part] if held is not None else np.empty(part.stop - part.start), np.float32)
+            size = part.stop - part.start
+            piece = np.ascontiguousarray(held[part] if held is not None else np.empty(size, np.float32))
             world.Bcast([piece, MPI.FLOAT], root=root)
             if state.array(name) is None:
                 state.set_array(name, np.zeros(n, np.float32))

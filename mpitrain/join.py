@@ -119,6 +119,7 @@ class Carry:
     earlier: tuple = (0, 0, 0, 0, (0, 0))  # earlier phases: gradients pushed, dropped, contributed; exchanges, bytes
     outputs: JobOutputs = dataclasses.field(default_factory=JobOutputs)  # rank 0: one bar and one log for all phases
     spares: object = None  # rank 0: spares.Pool, the spares still waiting (--spares)
+    roster: list | None = None  # every rank mpirun started, --spares: the spares' (world rank, host, pid)
     handover: object = None  # failover.Handover: rank 0 was lost, the next phase starts from the survivors' state
     failovers: list[dict] = dataclasses.field(default_factory=list)  # every take-over of the job (the summary's)
     owed: int = 0  # rank 0: lost ranks --respawn has yet to start a worker in place of (Lobby.owe)

@@ -59,7 +59,7 @@ def with_spares(cfg: TrainConfig, comm, node: Node, carry: join.Carry, library: 
     """--spares N (spares.py), first thing: the job's world without the spares, (cfg, comm, node) for
     the rest of the run. Rank 0 keeps the pool (carry.spares). A spare waits: (the next phase's flags,
     the world it is let into, its node), or (cfg, None, the exit code) when the job ended without it."""
-    job, side = spares.split(cfg, comm)
+    job, side = spares.split(cfg, comm, carry)
     if job is not None:
         carry.spares = side
         if side is not None:
@@ -223,4 +223,9 @@ def take_over(ctx: Context, e, heartbeat, carry: join.Carry, library: bool) -> O
     carry.handover = handover
     carry.owed = int(handover.state is not None)  # the successor: --respawn starts a rank in place of the lost one
     carry.failovers.append(handover.record)
+    # The spares still waiting follow the successor (spares.adopt). Every survivor takes part, whatever
+    # its flags: a worker started by --respawn runs with --spares 0.
+    among = spares.members(world, carry)
+    if handover.state is not None and (ctx.cfg.spares or carry.roster is not None):
+        spares.adopt(ctx.cfg, carry, among)
     return Outcome(ExitCode.OK, grown=(carry.next_config(ctx.cfg), world, node_info(world)))

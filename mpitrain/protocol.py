@@ -16,10 +16,11 @@ import numpy as np
 from mpitrain.stopping import STOP
 
 MAGIC = 0x4D505452  # "MPTR": catches a peer that is not mpitrain, or a misrouted buffer
-VERSION = 9  # bump when the layout below changes (2: heartbeats carry an activity snapshot; 3: --quorum messages;
+VERSION = 10  # bump when the layout below changes (2: heartbeats carry an activity snapshot; 3: --quorum messages;
 #               4: H_SECONDS; 5: H_SIGNAL, FLAG_STOP_STEP, FLAG_STOPPED; 6: TAG_REGROUP, FLAG_REGROUPED;
 #               7: TAG_JOIN, FLAG_REFORM, the goodbye's payload; 8: FLAG_LEAVING out of FLAG_STOP, H_GENERATION
-#               and H_JOINER out of H_STEP and H_LOCAL_STEP; 9: TAG_STORE, the shm store's name point to point)
+#               and H_JOINER out of H_STEP and H_LOCAL_STEP; 9: TAG_STORE, the shm store's name point to point;
+#               10: TAG_ADOPT, a successor's offer to the spares)
 
 # Tags (one per message kind, so a posted receive can never match the wrong kind).
 TAG_GRAD = 11  # worker -> PS: a gradient (async)
@@ -34,6 +35,8 @@ TAG_JOIN = 21  # rank 0 <-> a worker joining, on their own connection (join.py):
 TAG_REGROUP = 20  # sync, rank 0 -> the workers left: regroup without the lost (H_GENERATION; payload: lost ranks), flagged GO: now, flagged STOP: training is over; worker -> rank 0: READY for generation H_GENERATION (elastic.py)
 TAG_FAILOVER = 22  # worker <-> worker, rank 0 lost (--on-lost-server continue): HERE (global step, gradients pushed), then the successor's DECIDE (one flag per rank of the new world); int64, not a Message (failover.py)
 TAG_STORE = 23  # --ps-transport shm, rank 0 -> every other rank: the store's path (exchange/shm.py, NAME_BYTES); back: one byte, mapped
+TAG_ADOPT = 24  # rank 0's successor <-> a waiting spare (--spares, --on-lost-server continue), on their own connection
+#                 (spares.split): the successor's offer (header), the spare's answer (header)
 
 # Header slots.
 H_MAGIC = 0

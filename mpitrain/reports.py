@@ -31,6 +31,7 @@ class WorkerReport:
     stop_signal: int = 0  # the signal that asked this rank to stop, if it knows one (stopping.py)
     bytes_moved: list[int] | None = None  # [sent, received] through MPI
     exchanges: int = 0  # what it sent its work in: async pushes, sync Allreduces (--local-steps: its outer steps)
+    counted: int | None = None  # async: the gradients its pushes carried (gradients.WorkerResult.counted)
 
     role = "worker"
 

@@ -18,6 +18,16 @@ beats (TAG_HEARTBEAT on that connection, every BEAT_S while the job trains) carr
 budget; a spare that hears none for `quiet_s` (or finds rank 0's process gone, on its host) leaves
 in one line. At the job's end rank 0 tells every spare left to leave (`dismiss_all`: join.tell_to_leave,
 flagged PEER_LOST when a rank was lost, so that it leaves without MPI_Finalize as the job's ranks do).
+
+With --on-lost-server continue, rank 0's successor (failover.py) takes the spares over (`adopt`): every
+rank of the job knows the spares (`split`'s roster); once the survivors' world is formed they tell
+each other which of them are ranks of this launch (`members`), and the successor offers itself to
+every spare not among them (TAG_ADOPT over COMM_WORLD, which every rank of the launch shares; rank 0's
+connection died with it). A spare listens for an offer from any rank that could become rank 0
+(`Offers`), answers it, and the two make their own connection as `split` did: the spare waits there
+for the successor's beats and GO, and the successor's pool lets the first one in at once, in the lost
+rank 0's worker's place (join.Carry.owed). A spare that finds rank 0 gone waits `adoption_s` for an
+offer before it leaves.
 """
 
 from __future__ import annotations
@@ -28,16 +38,17 @@ import socket
 import sys
 import time
 
+import numpy as np
 from mpi4py import MPI
 
 from mpitrain.config import TrainConfig, UsageError
 from mpitrain.console import say
 from mpitrain.exitcodes import ExitCode, interrupted
 from mpitrain.join import GROW_TAG, Joiner, answer_go, dead_here, into_job, tell_to_leave
-from mpitrain.protocol import FLAG_PEER_LOST, FLAG_STOP, H_FLAGS, H_STEP, TAG_HEARTBEAT, TAG_JOIN, Message
+from mpitrain.protocol import FLAG_PEER_LOST, FLAG_STOP, H_FLAGS, H_STEP, TAG_ADOPT, TAG_HEARTBEAT, TAG_JOIN, Message
 
-SPARE_TAG = GROW_TAG + 1  # MPI_Intercomm_create's tag between rank 0 and the spare of world rank r: SPARE_TAG + r
-# (one tag for all: MPICH 5.0.2 segfaulted in rank 0's second MPI_Intercomm_create, measured)
+SPARE_TAG = GROW_TAG + 1  # MPI_Intercomm_create's tag between rank w (0, or a worker) and the spare of world rank r:
+# SPARE_TAG + size * w + r (split)
 BEAT_S = 1.0  # rank 0 -> each waiting spare: the job is alive (and its step budget)
 POLL_S = 0.01  # a waiting spare looks at its connection this often, and rank 0 at its spares
 
@@ -47,6 +58,19 @@ def quiet_s(cfg: TrainConfig) -> float:
     its training loop's waits, and a phase's end (saving, evaluating, re-forming: join.FORM_LIMIT_S)
     goes by without one."""
     return max(60.0, 4 * cfg.worker_timeout)
+
+
+def adoption_s(cfg: TrainConfig) -> float:
+    """--on-lost-server continue: how long a spare that found rank 0 gone waits for the successor's
+    offer. The workers notice the loss within --worker-timeout, agree within AGREE_FACTOR of them plus
+    a grace of one more (failover.agree), then form their world: what is left is slack for 2 cores."""
+    from mpitrain.failover import AGREE_FACTOR
+
+    return (AGREE_FACTOR + 2) * cfg.worker_timeout + 10.0
+
+
+ANSWER_S = 5.0  # the successor waits this long for the spares' answers to its offer (they look every POLL_S)
+KEPT: list = []  # offers, answers and the dead rank 0's receives: alive until the process ends
 
 
 @dataclasses.dataclass
@@ -131,10 +155,13 @@ class Pool:
 POOL: list[Pool] = []  # rank 0's, once split: the job's ends that leave without unwinding dismiss it too
 
 
-def split(cfg: TrainConfig, comm):
+def split(cfg: TrainConfig, comm, carry) -> tuple:
     """Collective over COMM_WORLD, before anything else: (the job's world, this rank's spare side).
     The job's world is every rank but the last cfg.spares; rank 0 gets a Pool of them, a spare its
-    connection to rank 0 and where rank 0 runs, the others None."""
+    connection to rank 0, where every rank runs and its connections to the workers (`adopt`), the
+    others None. With --on-lost-server continue every worker makes its own connection to each spare
+    now (carry.roster), while every rank is alive: Open MPI's MPI_Intercomm_create over a COMM_WORLD
+    with a dead rank in it failed (MPI_ERR_INTERN, measured), so a successor could not make one then."""
     size, rank = comm.Get_size(), comm.Get_rank()
     if cfg.spares >= size - 1:
         raise UsageError(f"--spares {cfg.spares} leaves no worker: mpirun started {size} rank(s), of which the last "
@@ -142,14 +169,23 @@ def split(cfg: TrainConfig, comm):
     first = size - cfg.spares
     where = comm.allgather((socket.gethostname(), os.getpid()))  # start-up only
     job = comm.Split(int(rank >= first), rank)
+    # Every pair (worker w, spare r) connects in the same order on both sides (rank 0 first, then by rank):
+    # no cycle of waits. One tag per pair: MPICH 5.0.2 segfaulted in a rank's second MPI_Intercomm_create
+    # that reused its tag (measured).
+    standby = range(1, first) if cfg.on_lost_server == "continue" else range(0)
+
+    def connect(w: int, r: int) -> object:
+        return MPI.COMM_SELF.Create_intercomm(0, comm, r if rank == w else w, SPARE_TAG + size * w + r)
+
     if rank == 0:
-        pool = Pool([Spare(MPI.COMM_SELF.Create_intercomm(0, comm, r, SPARE_TAG + r), r, *where[r])
-                     for r in range(first, size)], cfg)
+        pool = Pool([Spare(connect(0, r), r, *where[r]) for r in range(first, size)], cfg)
         POOL.append(pool)
         return job, pool
     if rank >= first:
         job.Free()
-        return None, (MPI.COMM_SELF.Create_intercomm(0, comm, 0, SPARE_TAG + rank), where[0])
+        return None, (connect(0, rank), where, {w: connect(w, rank) for w in standby})
+    if rank in standby:
+        carry.roster = [Spare(connect(rank, r), r, *where[r]) for r in range(first, size)]
     return job, None
 
 
@@ -159,31 +195,99 @@ def dismiss_all(peer_lost: bool) -> None:
         POOL.pop().dismiss_all(peer_lost)
 
 
+class Offers:
+    """A waiting spare's ear for a successor's offer (--on-lost-server continue): a receive on its
+    connection to each worker that could become rank 0 (split)."""
+
+    def __init__(self, backups: dict):
+        self.backups = backups
+        self.boxes = {w: Message(0) for w in backups}
+        self.reqs = {w: inter.Irecv(self.boxes[w].spec(), source=0, tag=TAG_ADOPT) for w, inter in backups.items()}
+        KEPT.append(self.boxes)
+
+    def made(self) -> int | None:
+        """The world rank whose offer came (this spare has answered it), or None."""
+        for w, req in list(self.reqs.items()):
+            try:
+                done = req.Test()
+            except MPI.Exception:  # that worker died (ULFM): it makes no offer
+                done = False
+                self.reqs.pop(w)
+            if done:
+                self.reqs.pop(w)
+                answer = Message(0)
+                answer.stamp(TAG_ADOPT)
+                KEPT.append((answer, self.backups[w].Isend(answer.spec(), dest=0, tag=TAG_ADOPT)))
+                return w
+        return None
+
+    def close(self) -> None:
+        """Let in, or leaving: no more offers (a receive cancelled completes at once)."""
+        for req in self.reqs.values():
+            try:
+                req.Cancel()
+                req.Wait()
+            except MPI.Exception:
+                pass
+        self.reqs = {}
+
+
 def stand_by(cfg: TrainConfig, link, carry, mine, library: bool = False) -> tuple[int, object] | int:
     """A spare: load what a worker needs (`mine`), then wait on rank 0's connection. Returns (the job's
     step budget, the new world) when rank 0 lets it in, else the exit code it leaves with (0: the job
     ended without needing it; interrupted: a stop signal came first and the job ended). After a lost
     rank the command line leaves without MPI_Finalize at once; the Python API (`library`) returns, with
-    carry.peer_lost set (api.LostPeer)."""
+    carry.peer_lost set (api.LostPeer). With --on-lost-server continue, rank 0's successor may adopt it
+    (`Offers`): it then waits on the successor's connection the same way."""
     from mpitrain.stopping import STOP
 
-    inter, (host, pid) = link
+    inter, where, backups = link
+    host, pid = where[0]
     mine()
+    offers = Offers(backups) if backups else None
     go, beat = Message(0), Message(0)
     go_req = inter.Irecv(go.spec(), source=0, tag=TAG_JOIN)
     beat_req = inter.Irecv(beat.spec(), source=0, tag=TAG_HEARTBEAT)
-    budget, heard = 0, time.monotonic()
+    budget, heard, missed = 0, time.monotonic(), None  # missed: when rank 0 was first found gone
     while True:
-        while beat_req.Test():
-            budget, heard = int(beat.header[H_STEP]) or budget, time.monotonic()
+        try:
+            while beat_req is not None and beat_req.Test():
+                budget, heard = int(beat.header[H_STEP]) or budget, time.monotonic()
+                beat_req = inter.Irecv(beat.spec(), source=0, tag=TAG_HEARTBEAT)
+            if go_req is not None and go_req.Test():
+                break
+        except MPI.Exception:  # ULFM: rank 0's death fails the receives on its connection
+            KEPT.append((go, beat, go_req, beat_req))
+            go_req = beat_req = None
+        successor = offers.made() if offers is not None else None
+        if successor is not None:
+            KEPT.append((go, beat, go_req, beat_req))  # the dead rank 0's: a late match lands in live memory
+            inter, (host, pid) = backups[successor], where[successor]
+            go, beat = Message(0), Message(0)
+            go_req = inter.Irecv(go.spec(), source=0, tag=TAG_JOIN)
             beat_req = inter.Irecv(beat.spec(), source=0, tag=TAG_HEARTBEAT)
-        if go_req.Test():
-            break
-        if dead_here(host, pid) or time.monotonic() - heard > quiet_s(cfg):
-            why = "its process has ended" if dead_here(host, pid) else f"no word from it for {quiet_s(cfg):g} s"
+            heard, missed = time.monotonic(), None
+            say(f"mpitrain: spare rank {MPI.COMM_WORLD.Get_rank()}: the job's rank 0 was lost; waiting for rank "
+                f"{successor}, which took over")
+            continue
+        gone = go_req is None or dead_here(host, pid)
+        now = time.monotonic()
+        if gone and offers is not None:
+            missed = missed or now
+            if now - missed < adoption_s(cfg):  # a successor is being chosen: its offer comes within this
+                time.sleep(POLL_S)
+                continue
+        if gone or now - heard > quiet_s(cfg):
+            why = ("its connection failed" if go_req is None else "its process has ended" if gone
+                   else f"no word from it for {quiet_s(cfg):g} s")
+            if offers is not None:
+                why += f", and no successor took this spare over within {adoption_s(cfg):g} s"
+                offers.close()
             say(f"mpitrain: spare rank {MPI.COMM_WORLD.Get_rank()}: the job's rank 0 was lost ({why}); leaving", sys.stderr)
             return leave(True, ExitCode.PEER_LOST, carry, library)
         time.sleep(POLL_S)
+    if offers is not None:
+        offers.close()
     if go.header[H_FLAGS] & FLAG_STOP:
         code = interrupted(STOP.signum) if STOP.signum else ExitCode.OK
         return leave(bool(go.header[H_FLAGS] & FLAG_PEER_LOST), code, carry, library)
@@ -200,6 +304,44 @@ def stand_by(cfg: TrainConfig, link, carry, mine, library: bool = False) -> tupl
     if not STOP.signum:
         STOP.reset()
     return budget, world
+
+
+def members(world, carry) -> set[int]:
+    """Collective over a world just formed: the COMM_WORLD ranks of its processes that mpirun started
+    (a worker the job spawned, or one that joined by hand, has a COMM_WORLD of its own: left out)."""
+    mine = np.array([-1 if carry.joiner else MPI.COMM_WORLD.Get_rank()], np.int64)
+    every = np.empty(world.Get_size(), np.int64)
+    world.Allgather([mine, MPI.INT64_T], [every, MPI.INT64_T])
+    return {int(r) for r in every if r >= 0}
+
+
+def adopt(cfg: TrainConfig, carry, among: set[int]) -> None:
+    """The successor of a lost rank 0 (failover.py), its world formed: every spare of its roster not
+    among the world's ranks (`members`: those let in already) and not known dead is offered to come
+    over, on this rank's own connection to it (split); those that answer within ANSWER_S become this
+    rank's pool (carry.spares), to be let in as rank 0's were."""
+    from mpitrain.failover import gather_within
+
+    if carry.roster is None:
+        say("mpitrain: the spares cannot follow this successor (it has no connection of its own to them: it "
+            "was not one of the workers mpirun started); they leave once they find rank 0 gone", sys.stderr)
+        return
+    waiting = [sp for sp in carry.roster if sp.world_rank not in among and not dead_here(sp.host, sp.pid)]
+    if not waiting:
+        return
+    offer = Message(0)
+    offer.stamp(TAG_ADOPT, step=carry.budget or 0)
+    answers = {sp.world_rank: Message(0) for sp in waiting}
+    sends = [sp.inter.Isend(offer.spec(), dest=0, tag=TAG_ADOPT) for sp in waiting]
+    recvs = {sp.world_rank: sp.inter.Irecv(answers[sp.world_rank].spec(), source=0, tag=TAG_ADOPT) for sp in waiting}
+    heard = gather_within(recvs, time.monotonic() + ANSWER_S, until_all=True)
+    KEPT.append((offer, answers, sends, recvs))  # a late answer lands in live memory
+    pool = Pool([sp for sp in waiting if sp.world_rank in heard], cfg)
+    POOL[:] = [pool]
+    carry.spares = pool
+    silent = [sp.world_rank for sp in waiting if sp.world_rank not in heard]
+    more = f"; no answer from spare rank(s) {', '.join(map(str, silent))} within {ANSWER_S:g} s" if silent else ""
+    say(f"mpitrain: took over the spares: {pool.describe()}{more}")
 
 
 def leave(peer_lost: bool, code: int, carry, library: bool) -> int:

@@ -61,7 +61,8 @@ def worker_report(ctx: Context, wres: WorkerResult, evaluation: tuple[float, flo
     return WorkerReport(ctx.rank, wres.pushed, wres.dropped, as_dict(wres.diverged), wres.contributed, evaluation[0],
                         evaluation[1], digest(wres.params), breakdown, act.report(), stop_signal=STOP.signum,
                         bytes_moved=[act.bytes_sent, act.bytes_received],
-                        exchanges=act.exchanges if ctx.mode.averages else wres.pushed)  # async: to the store too
+                        exchanges=act.exchanges if ctx.mode.averages else wres.pushed,  # async: to the store too
+                        counted=wres.counted)
 
 
 def build_summary(ctx: Context, mine: RoleResult, reports: list, placements: list[str],

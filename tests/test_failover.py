@@ -196,3 +196,20 @@ def test_a_rank_0_that_ends_the_job_on_purpose_is_not_taken_over():
     ended = PeerLost({0: ENDS_THE_JOB})
     ended.state = lost.state
     assert not failover.applies(ctx, ended)
+
+
+def test_rank_0_lost_as_a_worker_reports_hands_the_take_over_what_its_pushes_carried():
+    """Rank 0 lost while a worker sends its report, its training over: the take-over starts from the
+    worker's final state, counting the gradients its pushes carried (--local-steps: each push carries
+    its inner steps; without, one each). The report is what the worker holds then (it had no such count:
+    an AttributeError in the chaos of two take-overs, 2026-12-01)."""
+    from mpitrain.liveness import PeerLost
+    from mpitrain.reports import RoleResult, WorkerReport
+    from mpitrain.trainer import held_at_the_end
+
+    for counted, want in ((48, 48), (None, 12)):
+        report = WorkerReport(1, 12, 0, None, None, 0.5, 0.9, "d", {}, {}, counted=counted)
+        mine = RoleResult(worker=report, held=object())
+        lost = PeerLost({0: "its process (pid 1) has ended"})
+        held_at_the_end(lost, mine)
+        assert lost.state is mine.held and lost.counts == (want, 0)

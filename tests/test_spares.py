@@ -12,6 +12,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from conftest import (MPI_TIMEOUT_S, Lines, child_env, keep_going, kill_session, mpi_impl, mpirun_path, only_on,
                       read_summary)
 from mpitrain import join, mpiimpl
@@ -80,6 +82,48 @@ def test_under_open_mpi_sync_regroups_and_takes_the_spare_in(tmp_path):
     s = read_summary(tmp_path / "s.json", text)
     assert s["global_step"] == budget and len(s["local_steps"]) == 3, s
     assert [j["spare"] for j in s["joined_workers"]] == [True]
+
+
+@pytest.mark.parametrize("kills", [pytest.param(2, marks=only_on("mpich", "a second take-over adds no MPI")),
+                                   pytest.param(1, marks=only_on("openmpi", "the take-over under MPICH is kills=2"))])
+def test_with_on_lost_server_continue_each_successor_of_rank_0_takes_the_spares_over(tmp_path, kills):
+    """--spares with --on-lost-server continue: rank 0 SIGKILLed from outside; the worker that takes over
+    also takes the waiting spares over (spares.adopt, on connections the workers made at the start) and lets
+    one in at once, in its own worker's place. Under MPICH, np 7 with 2 spares: the successor is killed too,
+    and the next one takes the spare left. The job ends its budget with as many workers as it started with.
+    Under Open MPI, once: its ULFM fails the spare's receives from the dead rank 0 instead of leaving them."""
+    budget, spares_n = 30000, kills
+    np_ = 4 + 1 + spares_n
+    cmd = spares_cmd(tmp_path, "--mode", "async", "--steps", str(budget), "--spares", str(spares_n), "--on-lost-server",
+                     "continue", "--checkpoint-every-steps", "5000", np_=np_)
+    cmd[cmd.index("--worker-timeout") + 1] = "1"
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(),
+                            start_new_session=True)
+    lines = Lines(proc.stdout)
+    try:
+        assert lines.wait("rank 4 worker"), lines.text()
+        time.sleep(1)
+        for k, victim in enumerate((0, 1)[:kills], 1):  # rank 0, then the successor (world rank 1)
+            os.kill(rank_pids(proc.pid)[victim][0], signal.SIGKILL)
+            assert lines.wait("took over the spares", k, 60) and lines.wait("joined as rank 4", k, 60), lines.text()
+        proc.wait(MPI_TIMEOUT_S)
+    finally:
+        leftovers = kill_session(proc)
+    text = lines.text()
+    assert not leftovers and "Traceback" not in text, text
+    assert proc.returncode == mpi_impl().worker_lost_exit, text
+    first = 4 + 1  # world rank of the first spare
+    adopted = [ln for ln in text.splitlines() if "took over the spares" in ln]
+    said = [f"{spares_n - k} spare(s) waiting: rank {first + k} on" in ln for k, ln in enumerate(adopted)]
+    assert said == [True] * kills, adopted
+    assert f"spare rank {np_ - 1}: the job's rank 0 was lost; waiting for rank 1, which took over" in text, text
+    if kills == 2:
+        assert f"spare rank {np_ - 1}: the job's rank 0 was lost; waiting for rank 2, which took over" in text, text
+    s = read_summary(tmp_path / "s.json", text)
+    assert s["global_step"] == budget and len(s["failovers"]) == kills, s["failovers"]
+    assert len(s["local_steps"]) == 4 and not s["lost_workers"], s  # the workers it started with
+    [joined] = s["joined_workers"]  # the last successor's own phases: the spare it let in
+    assert joined["spare"] and joined["global_step"] >= s["failovers"][-1]["global_step"], joined
 
 
 @only_on("mpich", "hydra's MPI_Finalize is what waited for the dead spare")
