@@ -191,6 +191,7 @@ CASES = [
     Case("failover-respawn", ("--mode", "async", "--respawn", "1", *FAILOVER), "rank0-respawn", 20000),
     # ... with --spares 1 (both MPIs): the successor takes the spare over and lets it in at once (spares.adopt)
     Case("failover-spare", ("--mode", "async", "--spares", "1", *FAILOVER), "rank0", 20000),
+    Case("failover-spare-sync", ("--mode", "sync", "--spares", "1", *FAILOVER), "rank0", 4000),
 ]
 DEFAULT_TRIALS = {"async": 5, "async-staleness": 4, "async-big": 6, "sync": 4, "sync-quorum": 4, "chief-quorum": 3,
                   "quorum-big": 3, "sync-big": 3, "chief-sync": 3, "sync-stop": 2, "rank0-async": 4, "rank0-sync": 3, "supervisor": 3, "shm-async": 5, "rank0-shm": 3, "shm-early": 3, "shm-2ps": 3,
@@ -201,7 +202,7 @@ DEFAULT_TRIALS = {"async": 5, "async-staleness": 4, "async-big": 6, "sync": 4, "
                   "rejoin-sync": 3, "respawn-async": 3, "respawn-sync": 3, "failover-sync": 6, "failover-quorum": 4,
                   "failover-async": 6, "failover-big": 4, "failover-shard-async": 5, "failover-shard-sync": 4,
                   "failover-duties-sync": 5, "failover-duties-async": 5, "failover-shm": 5, "failover-join": 6,
-                  "failover-respawn": 6, "failover-spare": 6, "spare-async": 4, "spare-sync": 4, "spare-killed": 4,
+                  "failover-respawn": 6, "failover-spare": 6, "failover-spare-sync": 4, "spare-async": 4, "spare-sync": 4, "spare-killed": 4,
                   "spare-joining": 6}
 
 
