@@ -120,6 +120,10 @@ class Carry:
     outputs: JobOutputs = dataclasses.field(default_factory=JobOutputs)  # rank 0: one bar and one log for all phases
     spares: object = None  # rank 0: spares.Pool, the spares still waiting (--spares)
     roster: list | None = None  # every rank mpirun started, --spares: the spares' (world rank, host, pid)
+    # A worker's own account of the job, which its summary starts from should it take over from a lost rank 0
+    # (failover.py): the global step its first phase started at, and its phases' training seconds so far.
+    first_step: int | None = None
+    worker_s: float = 0.0
     handover: object = None  # failover.Handover: rank 0 was lost, the next phase starts from the survivors' state
     failovers: list[dict] = dataclasses.field(default_factory=list)  # every take-over of the job (the summary's)
     owed: int = 0  # rank 0: lost ranks --respawn has yet to start a worker in place of (Lobby.owe)
@@ -180,6 +184,18 @@ class Carry:
         self.earlier = (report.pushed, report.dropped, report.contributed or 0, report.exchanges,
                         tuple(report.bytes_moved or (0, 0)))
         return report
+
+    def phase_ended(self, ctx) -> None:
+        """A worker's (or a server's) phase ended in a join or a take-over: its training seconds count."""
+        self.worker_s += ctx.activity.times()["wall_s"]
+
+    def succeed(self) -> None:
+        """This worker takes over from a lost rank 0: the summary it writes covers the whole job, from the
+        step its first phase started at and with the seconds its phases trained (as rank 0's would)."""
+        if self.start_step is None:
+            self.start_step = self.first_step
+        self.train_s += self.worker_s
+        self.worker_s = 0.0
 
     def next_config(self, cfg: TrainConfig) -> TrainConfig:
         """The next phase's flags: the same, resumed, with the budget the job started with."""

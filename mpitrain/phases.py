@@ -152,6 +152,7 @@ def grow_with_joiner(ctx: Context, heartbeat, carry: join.Carry, bye: Message) -
     """A worker (or another server), rank 0's goodbye flagged FLAG_REFORM: into the new world."""
     lost = [int(r) for r in np.flatnonzero(bye.payload)]
     carry.peer_lost |= bool(bye.flags & FLAG_PEER_LOST)
+    carry.phase_ended(ctx)
     world, _ = _regrow(ctx, heartbeat, carry, lost, bye.generation, bye.joiner, None)
     return Outcome(ExitCode.OK, grown=(carry.next_config(ctx.cfg), world, node_info(world)))
 
@@ -221,6 +222,9 @@ def take_over(ctx: Context, e, heartbeat, carry: join.Carry, library: bool) -> O
         exit_without_finalize(ExitCode.PEER_LOST)
     world, handover = got
     carry.handover = handover
+    carry.phase_ended(ctx)
+    if handover.state is not None:
+        carry.succeed()
     carry.owed = int(handover.state is not None)  # the successor: --respawn starts a rank in place of the lost one
     carry.failovers.append(handover.record)
     # The spares still waiting follow the successor (spares.adopt). Every survivor takes part, whatever

@@ -180,6 +180,8 @@ def _phase(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: 
     except Exception:  # its collectives: the others would wait in them for good (a --seed NumPy refused did)
         return failed(ctx)
     carry.formed()  # heartbeats run: a rank lost from here is seen as in any phase
+    if carry.first_step is None:
+        carry.first_step = ctx.start.global_step
     if carry.budget is None:
         carry.budget = ctx.global_step_budget  # the job's, whoever joins later
     lobby = open_lobby(ctx, carry, heartbeat)

@@ -69,6 +69,8 @@ def test_rank_0_killed_mid_run_a_worker_takes_over_and_the_job_reaches_its_budge
     assert s["global_step"] == BUDGET and s["test_accuracy"] > 0.9, err
     [fo] = s["failovers"]
     assert fo["successor"] == 1 and fo["ranks"] == 3 and fo["global_step"] >= first
+    # its timings cover the whole job (the successor counts its seconds as a worker): every step since 0
+    assert abs(s["steps_per_second"] * s["wall_seconds"] - BUDGET) < 1e-6 * BUDGET, s["wall_seconds"]
     if mode in ("sync", "quorum"):  # the replicas hold the whole model: nothing is lost, and they are identical
         assert fo["updates_lost_at_most"] == 0 and set(s["worker_param_digests"]) == {s["param_digest"]}
     elif mode == "shm":  # the store outlives rank 0: every update applied, and Adam's state, go on
