@@ -119,7 +119,7 @@ class Carry:
     earlier: tuple = (0, 0, 0, 0, (0, 0))  # earlier phases: gradients pushed, dropped, contributed; exchanges, bytes
     outputs: JobOutputs = dataclasses.field(default_factory=JobOutputs)  # rank 0: one bar and one log for all phases
     spares: object = None  # rank 0: spares.Pool, the spares still waiting (--spares)
-    roster: list | None = None  # every rank mpirun started, --spares: the spares' (world rank, host, pid)
+    roster: list | None = None  # a worker, --spares with --on-lost-server continue: its spares.Spare connections
     # A worker's own account of the job, which its summary starts from should it take over from a lost rank 0
     # (failover.py): the global step its first phase started at, and its phases' training seconds so far.
     first_step: int | None = None

@@ -19,15 +19,15 @@ budget; a spare that hears none for `quiet_s` (or finds rank 0's process gone, o
 in one line. At the job's end rank 0 tells every spare left to leave (`dismiss_all`: join.tell_to_leave,
 flagged PEER_LOST when a rank was lost, so that it leaves without MPI_Finalize as the job's ranks do).
 
-With --on-lost-server continue, rank 0's successor (failover.py) takes the spares over (`adopt`): every
-rank of the job knows the spares (`split`'s roster); once the survivors' world is formed they tell
-each other which of them are ranks of this launch (`members`), and the successor offers itself to
-every spare not among them (TAG_ADOPT over COMM_WORLD, which every rank of the launch shares; rank 0's
-connection died with it). A spare listens for an offer from any rank that could become rank 0
-(`Offers`), answers it, and the two make their own connection as `split` did: the spare waits there
-for the successor's beats and GO, and the successor's pool lets the first one in at once, in the lost
-rank 0's worker's place (join.Carry.owed). A spare that finds rank 0 gone waits `adoption_s` for an
-offer before it leaves.
+With --on-lost-server continue, rank 0's successor (failover.py) takes the spares over (`adopt`): at
+the start every worker makes its own connection to each spare too (`split`: carry.roster on the
+worker, the spare's backups), while every rank lives. Once the survivors' world is formed they tell
+each other which of them are ranks of this launch (`members`: a spare let in already is one), and the
+successor offers itself (TAG_ADOPT) on its connection to every spare not among them. A spare listens
+on each of its connections to a worker (`Offers`), answers the first offer, and from then on waits on
+that connection for the successor's beats and GO as it did on rank 0's; the successor's pool lets the
+first one in at once, in the lost rank 0's worker's place (join.Carry.owed). A spare that finds rank 0
+gone waits `adoption_s` for an offer before it leaves.
 """
 
 from __future__ import annotations
@@ -323,8 +323,9 @@ def adopt(cfg: TrainConfig, carry, among: set[int]) -> None:
     from mpitrain.failover import gather_within
 
     if carry.roster is None:
-        say("mpitrain: the spares cannot follow this successor (it has no connection of its own to them: it "
-            "was not one of the workers mpirun started); they leave once they find rank 0 gone", sys.stderr)
+        say("mpitrain: the spares cannot follow this successor: it has no connection of its own to them (it joined "
+            "the job: a spare, or a worker started by --respawn or --join); they leave once they find rank 0 gone",
+            sys.stderr)
         return
     waiting = [sp for sp in carry.roster if sp.world_rank not in among and not dead_here(sp.host, sp.pid)]
     if not waiting:
