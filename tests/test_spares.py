@@ -92,7 +92,7 @@ def test_with_on_lost_server_continue_each_successor_of_rank_0_takes_the_spares_
     one in at once, in its own worker's place. Under MPICH, np 7 with 2 spares: the successor is killed too,
     and the next one takes the spare left. The job ends its budget with as many workers as it started with.
     Under Open MPI, once: its ULFM fails the spare's receives from the dead rank 0 instead of leaving them."""
-    budget, spares_n = 30000, kills
+    budget, spares_n = 16000, kills
     np_ = 4 + 1 + spares_n
     cmd = spares_cmd(tmp_path, "--mode", "async", "--steps", str(budget), "--spares", str(spares_n), "--on-lost-server",
                      "continue", "--checkpoint-every-steps", "5000", np_=np_)
