@@ -202,8 +202,8 @@ DEFAULT_TRIALS = {"async": 5, "async-staleness": 4, "async-big": 6, "sync": 4, "
                   "rejoin-sync": 3, "respawn-async": 3, "respawn-sync": 3, "failover-sync": 6, "failover-quorum": 4,
                   "failover-async": 6, "failover-big": 4, "failover-shard-async": 5, "failover-shard-sync": 4,
                   "failover-duties-sync": 5, "failover-duties-async": 5, "failover-shm": 5, "failover-join": 6,
-                  "failover-respawn": 6, "failover-spare": 6, "failover-spare-sync": 4, "spare-async": 4, "spare-sync": 4, "spare-killed": 4,
-                  "spare-joining": 6}
+                  "failover-respawn": 6, "failover-spare": 6, "failover-spare-sync": 4, "spare-async": 4,
+                  "spare-sync": 4, "spare-killed": 4, "spare-joining": 6}
 
 
 @dataclass

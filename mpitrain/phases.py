@@ -230,6 +230,6 @@ def take_over(ctx: Context, e, heartbeat, carry: join.Carry, library: bool) -> O
     # The spares still waiting follow the successor (spares.adopt). Every survivor takes part, whatever
     # its flags: a worker started by --respawn runs with --spares 0.
     among = spares.members(world, carry)
-    if handover.state is not None and (ctx.cfg.spares or carry.roster is not None):
+    if handover.state is not None and ctx.cfg.spares:
         spares.adopt(ctx.cfg, carry, among)
     return Outcome(ExitCode.OK, grown=(carry.next_config(ctx.cfg), world, node_info(world)))

@@ -245,9 +245,7 @@ def stand_by(cfg: TrainConfig, link, carry, mine, library: bool = False) -> tupl
     host, pid = where[0]
     mine()
     offers = Offers(backups) if backups else None
-    go, beat = Message(0), Message(0)
-    go_req = inter.Irecv(go.spec(), source=0, tag=TAG_JOIN)
-    beat_req = inter.Irecv(beat.spec(), source=0, tag=TAG_HEARTBEAT)
+    go, beat, go_req, beat_req = listen(inter)
     budget, heard, missed = 0, time.monotonic(), None  # missed: when rank 0 was first found gone
     while True:
         try:
@@ -263,9 +261,7 @@ def stand_by(cfg: TrainConfig, link, carry, mine, library: bool = False) -> tupl
         if successor is not None:
             KEPT.append((go, beat, go_req, beat_req))  # the dead rank 0's: a late match lands in live memory
             inter, (host, pid) = backups[successor], where[successor]
-            go, beat = Message(0), Message(0)
-            go_req = inter.Irecv(go.spec(), source=0, tag=TAG_JOIN)
-            beat_req = inter.Irecv(beat.spec(), source=0, tag=TAG_HEARTBEAT)
+            go, beat, go_req, beat_req = listen(inter)
             heard, missed = time.monotonic(), None
             say(f"mpitrain: spare rank {MPI.COMM_WORLD.Get_rank()}: the job's rank 0 was lost; waiting for rank "
                 f"{successor}, which took over")
@@ -304,6 +300,13 @@ def stand_by(cfg: TrainConfig, link, carry, mine, library: bool = False) -> tupl
     if not STOP.signum:
         STOP.reset()
     return budget, world
+
+
+def listen(inter) -> tuple:
+    """A waiting spare's receives on its rank 0's connection: GO (or the end), and a beat."""
+    go, beat = Message(0), Message(0)
+    return (go, beat, inter.Irecv(go.spec(), source=0, tag=TAG_JOIN),
+            inter.Irecv(beat.spec(), source=0, tag=TAG_HEARTBEAT))
 
 
 def members(world, carry) -> set[int]:
