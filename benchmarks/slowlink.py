@@ -61,7 +61,7 @@ def main() -> int:
     try:
         with tempfile.TemporaryDirectory() as tmp, netns.two_hosts(Path(tmp)) as (names, addrs, wrapper, veths):
             for link, rate in LINKS:
-                netns.shape(names, veths, rate)
+                netns.shape(veths.items(), rate)
                 for rep in range(args.reps):
                     for model, mode, compress in rows:
                         print(f"[{link} rep {rep + 1}/{args.reps}] {model} {mode} {compress}", file=sys.stderr,

@@ -10,8 +10,10 @@ training: the workers train on while rank 0 evaluates, so evaluating at once and
 out counted far too little training); the time to the target is the wall time since training
 started of the first evaluated step at or above it (eval_history's training_seconds); each cell is the median over --seeds seeds (a seed that never reaches the
 target counts as never). One process (no mpirun, batch 100, on one host) is the baseline every row is
-also compared with. Across the link: rank 0 and workers 1-2 on host A, workers 3-4 on host B, every
-message over TCP (UCX_TLS=tcp,self), the veth pair shaped with tc tbf in both directions. Each
+also compared with. Across the link (--layout): by default rank 0 and workers 1-2 on host A, workers 3-4
+on host B, the veth pair between them shaped with tc tbf in both directions; ps+2+2: rank 0 alone on
+host A, workers 1-2 on B, 3-4 on C, every host's link to a bridge shaped both ways; every message over
+TCP (UCX_TLS=tcp,self). Each
 run is capped (--max-epochs); a run that never reaches the target says so. Accuracy after the
 same samples is the last evaluation of each run (all runs see the same number of samples).
 """
@@ -19,6 +21,7 @@ same samples is the last evaluation of each run (all runs see the same number of
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shlex
 import statistics
@@ -36,7 +39,15 @@ LINKS = {"one-host": None, "1 Gbit/s": "1gbit", "100 Mbit/s": "100mbit"}
 WORKERS = 4
 ONE = "one process"  # the rows' mode for a single process's run
 HS = "1,4,16,64"  # --hs: the H of each mode's rows
-ACROSS = "{a}:3\n{b}:2\n"  # rank 0 + 2 workers on A, 2 workers on B (hydra fills hosts in order)
+# --layout: how the ranks sit on the hosts across a shaped link (hydra fills a hostfile's hosts in order)
+# and what the report says of it. "2+2": two hosts joined by one link. "ps+2+2": three hosts on a
+# switch, each on its own shaped link, the parameter server alone on one as in TensorFlow's ps
+# tasks: every async exchange crosses a link into rank 0's host, and sync's Allreduce crosses one.
+LAYOUTS = {"2+2": (2, "rank 0 and 2 workers on host A, 2 workers on host B (network namespaces, a veth pair "
+                      "shaped with tc tbf both ways"),
+           "ps+2+2": (3, "rank 0 alone on host A, 2 workers on host B, 2 on host C (network namespaces on a bridge, "
+                         "each host's link shaped with tc tbf both ways")}
+SLOTS = {"2+2": (3, 2), "ps+2+2": (1, 2, 2)}  # ranks on each host, in the order of the hosts
 # The rows' modes (--modes) and their flags; async-shm: async over the node-shared store (across the
 # link, host B's workers keep the message path and rank 0 applies their pushes into the store).
 MODES = {"sync": ["--mode", "sync"], "async": ["--mode", "async"],
@@ -49,10 +60,10 @@ def flags(dataset: list[str], mode: str, h: int, epochs: int, eval_every: int, s
             *(["--local-steps", str(h)] if h > 1 else [])]
 
 
-def run_across(names, addrs, wrapper, args: list[str]) -> dict:
+def run_across(names, addrs, wrapper, layout: str, args: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         hostfile, summary = Path(tmp) / "hosts", Path(tmp) / "s.json"
-        hostfile.write_text(ACROSS.format(a=addrs[0], b=addrs[1]))
+        hostfile.write_text("".join(f"{addr}:{n}\n" for addr, n in zip(addrs, SLOTS[layout])))
         cmd = ["ip", "netns", "exec", names[0], mpirun(), "-launcher", "ssh", "-launcher-exec", str(wrapper),
                "-f", str(hostfile), "-localhost", addrs[0], "-np", str(WORKERS + 1), PY, "-m", "mpitrain",
                "--no-progress", "--summary-json", str(summary), *args]
@@ -92,6 +103,8 @@ def main() -> int:
     p.add_argument("--modes", default="sync,async", help=f"of {', '.join(MODES)}")
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--evals-per-epoch", type=int, default=16)
+    p.add_argument("--layout", choices=LAYOUTS, default="2+2", help="across a shaped link: " + "; ".join(
+        f"{k}: {v[1]})" for k, v in LAYOUTS.items()))
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "TIME_TO_ACCURACY.md"))
     args = p.parse_args()
     dataset = ["--dataset", "mnist", "--data-dir", args.data_dir] if args.data_dir else ["--dataset", "digits"]
@@ -124,15 +137,27 @@ def main() -> int:
     shaped = [x for x in links if LINKS[x] is not None]
     if shaped:
         try:
-            with tempfile.TemporaryDirectory() as tmp, netns.two_hosts(Path(tmp)) as (names, addrs, wrapper, veths):
+            with tempfile.TemporaryDirectory() as tmp, hosts(Path(tmp), args.layout) as (names, addrs, wrapper, ports):
                 for link in shaped:
-                    netns.shape(names, veths, LINKS[link])
-                    runs(lambda a: run_across(names, addrs, wrapper, a))
+                    netns.shape(ports, LINKS[link])
+                    runs(lambda a: run_across(names, addrs, wrapper, args.layout, a))
         except netns.Unavailable as e:
             print(f"time_to_accuracy: shaped links skipped: {e}", file=sys.stderr)
     Path(args.out).write_text("\n".join(report(results, args, links, hs, modes)) + "\n")
     print(Path(args.out).read_text())
     return 0
+
+
+@contextlib.contextmanager
+def hosts(workdir: Path, layout: str):
+    """The namespace hosts of `layout`: (names, addresses, launcher wrapper, ports to shape)."""
+    count = LAYOUTS[layout][0]
+    if count == 2:
+        with netns.two_hosts(workdir) as (names, addrs, wrapper, veths):
+            yield names, addrs, wrapper, list(veths.items())
+    else:
+        with netns.switched_hosts(workdir, count) as made:
+            yield made
 
 
 def report(results: dict, args, links: list[str], hs: list[int], modes: list[str]) -> list[str]:
@@ -146,8 +171,8 @@ def report(results: dict, args, links: list[str], hs: list[int], modes: list[str
              f"- target: test accuracy {args.target}; time = training seconds to the first evaluation at or above it "
              f"(evaluations every 1/{args.evals_per_epoch} epoch, of copies taken then and evaluated after training); `-`: the median seed did not reach it; "
              "`>`: the row compared with did not, so its whole training time stands in as a lower bound",
-             "- across the link: rank 0 and 2 workers on host A, 2 workers on host B (network namespaces, a veth pair "
-             "shaped with tc tbf both ways, every message over TCP); on one host all 5 ranks share the 2 cores", "",
+             f"- across the link: {LAYOUTS[args.layout][1]}, every message over TCP); on one host all 5 ranks share "
+             "the 2 cores", "",
              "| link | mode | H | time to target (s) | seeds that reached it | vs H 1 of the mode | vs plain sync | vs one process "
              "| accuracy at the end | bytes through MPI per sample | samples/s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     one = results.get(("one-host", ONE, 1))  # no link: every link's rows are compared with it
@@ -168,7 +193,8 @@ def report(results: dict, args, links: list[str], hs: list[int], modes: list[str
 
 def chosen(args) -> str:
     """The row-choosing flags given other than their defaults, as the command line had them."""
-    given = (("--links", args.links, ",".join(LINKS)), ("--modes", args.modes, "sync,async"), ("--hs", args.hs, HS))
+    given = (("--links", args.links, ",".join(LINKS)), ("--modes", args.modes, "sync,async"), ("--hs", args.hs, HS),
+             ("--layout", args.layout, "2+2"), ("--max-epochs", str(args.max_epochs), "6"))
     return "".join(f" {flag} {shlex.quote(value)}" for flag, value, default in given if value != default)
 
 
