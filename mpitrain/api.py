@@ -23,7 +23,8 @@ import re
 
 import numpy as np
 
-from mpitrain.config import TrainConfig, UsageError, validate
+from mpitrain.config import TrainConfig, UsageError
+from mpitrain.config_checks import validate
 from mpitrain.config_io import flag_name, parse_straggler
 from mpitrain.model import Model  # public: the protocol a model of your own implements
 
@@ -158,7 +159,7 @@ def config(**options) -> TrainConfig:
         raise UsageError(in_keywords(str(e))) from None
 
 
-# The checks speak the command line's language (config.validate); a caller of train() passed keywords.
+# The checks speak the command line's language (config_checks.validate); a caller of train() passed keywords.
 _EXAMPLE = re.compile(r"(e\.g\.|as in) --([a-z][a-z0-9-]*) ([^\s;,)]+)")
 _FLAG = re.compile(r"--(no-)?([a-z][a-z0-9-]*)")
 

@@ -14,7 +14,8 @@ import os
 import signal
 import sys
 
-from mpitrain.config import TrainConfig, UsageError, validate
+from mpitrain.config import TrainConfig, UsageError
+from mpitrain.config_checks import validate
 from mpitrain.config_io import flag_name, parse_straggler
 from mpitrain.mpiimpl import launcher_rank
 from mpitrain.version import __version__

@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 
 from mpitrain import checkpoint
-from mpitrain.config import TrainConfig, UsageError, validate
+from mpitrain.config import TrainConfig, UsageError
+from mpitrain.config_checks import validate
 from mpitrain.console import say
 from mpitrain.exitcodes import ExitCode
 from mpitrain.metrics import write_json_atomic

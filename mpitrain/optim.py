@@ -26,6 +26,9 @@ class OptimizerKind:
     # The same update with the parameters' last pass as one BLAS axpy (Optimizer(blas=True), NumPy
     # only); None: the kind has none, `step` is used.
     blas_step: Callable | None = None
+    # Whether the update carries a velocity of its own (a first moment) across steps: with
+    # --local-steps it compounds with the outer optimizer's momentum (config.DEFAULT_OUTER_MOMENTUM).
+    own_momentum: bool = False
 
 
 def _sgd(opt: "Optimizer", params, grad, lr: float) -> None:
@@ -107,8 +110,9 @@ def _adam(opt: "Optimizer", params, grad, lr: float) -> None:
 # Keras's SGD trains everywhere; adam 1e-3 is Kingma & Ba's, Keras's and PyTorch's.
 REGISTRY: dict[str, OptimizerKind] = {
     "sgd": OptimizerKind((), _sgd, 0.1, _sgd_blas),
-    "momentum": OptimizerKind(("m",), _momentum, 0.01, _momentum_blas),  # heavy ball, as tf.train.MomentumOptimizer
-    "adam": OptimizerKind(("m", "v"), _adam, 1e-3),  # Kingma & Ba
+    # heavy ball, as tf.train.MomentumOptimizer
+    "momentum": OptimizerKind(("m",), _momentum, 0.01, _momentum_blas, own_momentum=True),
+    "adam": OptimizerKind(("m", "v"), _adam, 1e-3, own_momentum=True),  # Kingma & Ba
 }
 
 

@@ -110,7 +110,7 @@ class OuterUpdate:
     def __init__(self, cfg, params, xp, start_step: int, opt_t: int, opt_state: dict, saved_ema=None,
                  workers: int = 0, version: int = 0):
         self.params, self.tolerance, self.t = params, cfg.staleness_tolerance, opt_t
-        self.outer = OuterOptimizer(cfg.outer_rule, cfg.outer_learning_rate, cfg.outer_momentum,
+        self.outer = OuterOptimizer(cfg.outer_rule, cfg.outer_learning_rate, cfg.outer_beta,
                                     params.shape[0], xp, opt_state, period=workers)
         self.opt = self  # what the server saves: `t` and `state`, as an Optimizer's
         self.ema = make_ema(cfg.ema_decay, params, xp, start_step, saved_ema)
@@ -204,7 +204,7 @@ class LocalSteps:
     def __init__(self, cfg, params, xp, saved_outer: dict | None = None):
         self.h = cfg.local_steps
         self.anchor = params.copy()
-        self.outer = OuterOptimizer(cfg.outer_rule, cfg.outer_learning_rate, cfg.outer_momentum,
+        self.outer = OuterOptimizer(cfg.outer_rule, cfg.outer_learning_rate, cfg.outer_beta,
                                     params.shape[0], xp, saved_outer)
         self.losses: list[float] = []
 

@@ -1,5 +1,5 @@
 """The checks of a TrainConfig that need the world size (known on every rank, identically):
-runtime.setup runs them after config.validate."""
+runtime.setup runs them after config_checks.validate."""
 
 from __future__ import annotations
 

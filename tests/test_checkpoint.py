@@ -250,7 +250,8 @@ def test_time_based_checkpoints(tmp_path, mode):
 def test_an_optimizer_added_to_the_registry_is_stepped_saved_and_resumed_by_its_state_names(tmp_path, monkeypatch):
     """One function and one registry line: the config accepts it, checkpoints carry its state."""
     from mpitrain import optim
-    from mpitrain.config import TrainConfig, validate
+    from mpitrain.config import TrainConfig
+    from mpitrain.config_checks import validate
 
     def signum(opt, params, grad, lr):
         s = opt.state["s"]

@@ -17,7 +17,8 @@ import pytest
 from conftest import (OWN_LOGIC, child_env, communicate_or_kill, mpitrain_cmd, only_on, own_lines, run_mpitrain,
                       wait_for_training)
 from mpitrain import observe
-from mpitrain.config import TrainConfig, UsageError, validate
+from mpitrain.config import TrainConfig, UsageError
+from mpitrain.config_checks import validate
 from mpitrain.faults import Kill, rank_pids
 from mpitrain.protocol import BEAT_FIELDS, BEAT_GLOBAL_STEP, BEAT_PHASE, BEAT_STEPS
 from mpitrain.runtime import check_output_path

@@ -69,7 +69,7 @@ def reads_of_the_mode_flag(path: Path) -> list[int]:
 
 def test_a_mode_is_one_object_in_its_own_file_and_the_flag_is_read_in_one_place():
     """modes/: each file holds one Mode object that the registry can pick; outside the registry
-    only config.py (the flag's own checks and defaults) reads --mode."""
+    only config.py and config_checks.py (the flag's defaults and its own checks) read --mode."""
     from mpitrain import modes
     from mpitrain.config import TrainConfig
     from mpitrain.layout import Layout
@@ -86,7 +86,8 @@ def test_a_mode_is_one_object_in_its_own_file_and_the_flag_is_read_in_one_place(
               for q in (None, 1) for size in (1, 4)}
     assert picked == set(objects.values()), (picked, objects)
     readers = {str(p.relative_to(PACKAGE)): reads_of_the_mode_flag(p) for p in PACKAGE.rglob("*.py")}
-    assert {f for f, lines in readers.items() if lines} == {"config.py", "modes/__init__.py"}, readers
+    readers_of_mode = {f for f, lines in readers.items() if lines}
+    assert readers_of_mode == {"config.py", "config_checks.py", "modes/__init__.py"}, readers
     assert not (PACKAGE / "worker.py").exists() and not (PACKAGE / "server.py").exists()
 
 

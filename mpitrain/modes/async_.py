@@ -438,7 +438,8 @@ class AsyncMode(Mode):
         if cfg.local_steps > 1:
             words += (f"; local steps: each worker takes {cfg.local_steps} steps on its own, then pushes how far it "
                       f"moved, which the server applies as an outer {cfg.outer_rule} step (lr {cfg.outer_learning_rate:g}")
-            words += (f", momentum {cfg.outer_momentum:g} once every {workers} pushes)" if cfg.outer_rule == "delayed-nesterov"
+            delayed = cfg.outer_rule == "delayed-nesterov"
+            words += (f", momentum {cfg.outer_beta:g} once every {workers} pushes{cfg.outer_beta_why()})" if delayed
                       else ")")
         if cfg.ps_transport == "shm":
             words += "; the parameters in shared memory, each worker applying its own gradients (--ps-transport shm)"

@@ -457,7 +457,7 @@ class SyncMode(Mode):
         if cfg.local_steps == 1:
             return None
         if cfg.outer_rule == "nesterov":
-            how = f"momentum {cfg.outer_momentum:g}"
+            how = f"momentum {cfg.outer_beta:g}{cfg.outer_beta_why()}"
         else:  # sgd: at lr 1 the new global model is the workers' mean
             how = "plain averaging" if cfg.outer_learning_rate == 1 else "no momentum"
         return (f"sync, local steps: every {cfg.local_steps} steps {self.averaging(cfg, workers)} and take an "
