@@ -64,7 +64,8 @@ def begin(ctx: Context) -> tuple[TrainState, ServerState, Checkpointer]:
     """The start state (fresh or resumed, broadcast to the workers), rank 0's view of it, and the
     checkpointer (which will not save the step it resumed from again)."""
     start = start_state(ctx)
-    state = ServerState(start.params, global_step=start.global_step, local_steps=list(start.positions),
+    after_loss = ctx.handover.local_steps if ctx.handover is not None and not ctx.mode.averages else None
+    state = ServerState(start.params, global_step=start.global_step, local_steps=list(after_loss or start.positions),
                         start_step=start.global_step, resumed_from=str(ctx.resume[0]) if ctx.resume else None)
     cfg = ctx.cfg
     if cfg.log_dir and ctx.rank == PS_RANK and ctx.outputs.log is not None:  # a later phase of the job: its log goes on

@@ -61,6 +61,9 @@ class Handover:
 
     state: TrainState | None
     record: dict
+    # each worker's gradients (inner steps) that went into updates so far, by its index in the new world:
+    # the summary's local steps go on from them (state.positions are where each new shard starts reading)
+    local_steps: list[int] | None = None
 
 
 def applies(ctx, e: PeerLost) -> bool:
@@ -105,7 +108,14 @@ def take_over(ctx, e: PeerLost, carry) -> tuple[object, Handover] | None:
               "state_kept": [a for a in extra if state.array(a) is not None],
               "state_restarted": [a for a in extra if state.array(a) is None],
               "seconds": round(time.monotonic() - t0, 2)}
-    return world, Handover(state if world.Get_rank() == 0 else None, record)
+    counts = e.counts
+    if ctx.mode.averages and cfg.quorum is None and e.state is not None:
+        # plain sync: a replica one update behind the freshest still gave that update its gradient (the
+        # Allreduce completed for the others), so every step up to the take-over's counts
+        counts = (counts[0] + state.global_step - e.state.global_step, counts[1])
+    carry.interrupted(counts, ctx.mode.averages)
+    so_far = world.allgather(carry.earlier[0])  # async: each worker's gradients pushed, the whole job's
+    return world, Handover(state if world.Get_rank() == 0 else None, record, so_far[K:])
 
 
 def agree(ctx, e: PeerLost, step: int, pushed: int, deadline: float) -> list[int] | str:

@@ -185,6 +185,16 @@ class Carry:
                         tuple(report.bytes_moved or (0, 0)))
         return report
 
+    def interrupted(self, counts: tuple[int, int], averages: bool) -> None:
+        """A phase that ended in a take-over, of which no report was made: what its loop had counted
+        (elastic.interrupted_at; async: the gradients its pushes carried, and those dropped; sync: those
+        it contributed, and dropped) joins the earlier phases', as a report's would (whole_job). Its
+        exchanges and bytes are not known there, and are not counted."""
+        done, dropped = counts
+        pushed, dropped_before, contributed, exchanges, moved = self.earlier
+        self.earlier = (pushed + done + (dropped if averages else 0), dropped_before + dropped,
+                        contributed + (done if averages else 0), exchanges, moved)
+
     def phase_ended(self, ctx) -> None:
         """A worker's (or a server's) phase ended in a join or a take-over: its training seconds count."""
         self.worker_s += ctx.activity.times()["wall_s"]

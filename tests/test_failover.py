@@ -71,6 +71,13 @@ def test_rank_0_killed_mid_run_a_worker_takes_over_and_the_job_reaches_its_budge
     assert fo["successor"] == 1 and fo["ranks"] == 3 and fo["global_step"] >= first
     # its timings cover the whole job (the successor counts its seconds as a worker): every step since 0
     assert abs(s["steps_per_second"] * s["wall_seconds"] - BUDGET) < 1e-6 * BUDGET, s["wall_seconds"]
+    # each worker's local steps are the whole job's too, as the worker counted them (they started over at the
+    # take-over's step: sync [4203, 4203] of 5000; async more than the global steps between them)
+    if mode == "sync":
+        assert s["local_steps"] == s["gradients_pushed"] == [BUDGET] * 2, s["local_steps"]
+    elif mode != "quorum":
+        assert sum(s["local_steps"]) <= BUDGET, s["local_steps"]
+        assert all(0 <= p - n <= 2 for n, p in zip(s["local_steps"], s["gradients_pushed"])), s["gradients_pushed"]
     if mode in ("sync", "quorum"):  # the replicas hold the whole model: nothing is lost, and they are identical
         assert fo["updates_lost_at_most"] == 0 and set(s["worker_param_digests"]) == {s["param_digest"]}
     elif mode == "shm":  # the store outlives rank 0: every update applied, and Adam's state, go on

@@ -280,9 +280,12 @@ def work(ctx: Context, loop=train) -> WorkerResult:
                 if notices is not None:
                     notices.await_done(ctx)
                 break
-            except PeerLost as e:  # rank 0 lost after the loop (--on-lost-server continue): the final state
-                if e.state is None and result is not None:
+            except PeerLost as e:  # rank 0 lost (--on-lost-server continue): what a take-over starts from
+                if e.state is None and result is not None:  # after the loop: its final state
                     e.state, e.counts = result.train_state, (result.contributed or 0, result.dropped)
+                if e.state is not None:  # and this phase's counts, as its report would have had them
+                    e.counts = ((e.state.global_step - first, 0) if loop is train
+                                else (e.counts[0] + contributed, e.counts[1] + dropped))
                 raise
             except elastic.Regroup as r:
                 if r.state is None and regroup is not None:  # a newer NOTICE before GO: the same state, fewer workers
