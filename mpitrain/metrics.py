@@ -323,7 +323,8 @@ def human_summary(s: dict) -> list[str]:
     if s.get("trained", True):
         outer = s["config"]["local_steps"] > 1 and not alone  # --local-steps: the exchanges the saving is in
         steps = ("" if alone else f" | local steps {s['local_steps']}") + (
-            f" in {s['worker_exchanges']} exchanges" if outer else "") + (
+            f" in {s['worker_exchanges']} exchanges{' since the resume' if s.get('resumed_from') else ''}"
+            if outer else "") + (
             f" | {s['wall_seconds']:.2f} s training | {s['samples_per_second']:,.0f} samples/s")
         if s.get("bytes_per_sample") is not None:
             steps += f" | {s['bytes_per_sample']:,.0f} bytes through MPI per sample"

@@ -112,6 +112,7 @@ def test_a_resumed_run_ends_bit_for_bit_where_an_uninterrupted_one_does(tmp_path
     assert saved[:3] == [12, 20, 32] and saved[-1] == 100, saved
     again = train(3, tmp_path, *flags, "--steps", "200", "--checkpoint-dir", str(ck))
     assert "resuming from" in again["_stdout"] and first["global_step"] == 100
+    assert f"in {again['worker_exchanges']} exchanges since the resume" in again["_stdout"]  # a process's own count
     assert again["param_digest"] == whole["param_digest"]
 
 
