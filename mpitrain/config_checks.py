@@ -127,8 +127,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if cfg.local_steps > 1 and cfg.mode == "async":
         _not_with("--local-steps in async mode", (cfg.overlap, "--overlap"),
                   (cfg.delay_compensation is not None, "--delay-compensation"))
-    if cfg.local_steps == 1 and (cfg.outer_optimizer is not None or cfg.outer_lr is not None):
-        raise UsageError("--outer-optimizer and --outer-lr apply with --local-steps H above 1; "
+    if cfg.local_steps == 1 and any(x is not None for x in (cfg.outer_optimizer, cfg.outer_lr, cfg.outer_momentum)):
+        raise UsageError("--outer-optimizer, --outer-lr and --outer-momentum apply with --local-steps H above 1; "
                          "e.g. --local-steps 16 --outer-optimizer sgd")
     if cfg.outer_lr is not None and not 0 < cfg.outer_lr < float("inf"):
         raise UsageError(f"--outer-lr must be positive (got {cfg.outer_lr})")

@@ -45,6 +45,7 @@ BAD = [
     (["--mode", "sync", "--local-steps", "0"], "--local-steps must be at least 1"),
     (["--local-steps", "4", "--overlap"], "--local-steps in async mode does not go with --overlap"),
     (["--mode", "sync", "--outer-lr", "0.5"], "apply with --local-steps H above 1"),
+    (["--outer-momentum", "0.5"], "apply with --local-steps H above 1"),  # its default depends on --optimizer
     (["--mode", "sync", "--local-steps", "4", "--outer-momentum", "1"], "--outer-momentum must be in [0, 1)"),
     (["--mode", "sync", "--local-steps", "4", "--outer-optimizer", "delayed-nesterov"], "delayed-nesterov is async's"),
     (["--mode", "sync", "--delay-compensation"], "--delay-compensation applies to --mode async"),
