@@ -43,11 +43,10 @@ HS = "1,4,16,64"  # --hs: the H of each mode's rows
 # and what the report says of it. "2+2": two hosts joined by one link. "ps+2+2": three hosts on a
 # switch, each on its own shaped link, the parameter server alone on one as in TensorFlow's ps
 # tasks: every async exchange crosses a link into rank 0's host, and sync's Allreduce crosses one.
-LAYOUTS = {"2+2": (2, "rank 0 and 2 workers on host A, 2 workers on host B (network namespaces, a veth pair "
-                      "shaped with tc tbf both ways"),
-           "ps+2+2": (3, "rank 0 alone on host A, 2 workers on host B, 2 on host C (network namespaces on a bridge, "
-                         "each host's link shaped with tc tbf both ways")}
-SLOTS = {"2+2": (3, 2), "ps+2+2": (1, 2, 2)}  # ranks on each host, in the order of the hosts
+LAYOUTS = {"2+2": ((3, 2), "rank 0 and 2 workers on host A, 2 workers on host B (network namespaces, a veth "
+                           "pair shaped with tc tbf both ways)"),
+           "ps+2+2": ((1, 2, 2), "rank 0 alone on host A, 2 workers on host B, 2 on host C (network namespaces on "
+                                 "a bridge, each host's link shaped with tc tbf both ways)")}  # (ranks per host, words)
 # The rows' modes (--modes) and their flags; async-shm: async over the node-shared store (across the
 # link, host B's workers keep the message path and rank 0 applies their pushes into the store).
 MODES = {"sync": ["--mode", "sync"], "async": ["--mode", "async"],
@@ -63,7 +62,7 @@ def flags(dataset: list[str], mode: str, h: int, epochs: int, eval_every: int, s
 def run_across(names, addrs, wrapper, layout: str, args: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         hostfile, summary = Path(tmp) / "hosts", Path(tmp) / "s.json"
-        hostfile.write_text("".join(f"{addr}:{n}\n" for addr, n in zip(addrs, SLOTS[layout])))
+        hostfile.write_text("".join(f"{addr}:{n}\n" for addr, n in zip(addrs, LAYOUTS[layout][0])))
         cmd = ["ip", "netns", "exec", names[0], mpirun(), "-launcher", "ssh", "-launcher-exec", str(wrapper),
                "-f", str(hostfile), "-localhost", addrs[0], "-np", str(WORKERS + 1), PY, "-m", "mpitrain",
                "--no-progress", "--summary-json", str(summary), *args]
@@ -104,7 +103,7 @@ def main() -> int:
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--evals-per-epoch", type=int, default=16)
     p.add_argument("--layout", choices=LAYOUTS, default="2+2", help="across a shaped link: " + "; ".join(
-        f"{k}: {v[1]})" for k, v in LAYOUTS.items()))
+        f"{k}: {v[1]}" for k, v in LAYOUTS.items()))
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "TIME_TO_ACCURACY.md"))
     args = p.parse_args()
     dataset = ["--dataset", "mnist", "--data-dir", args.data_dir] if args.data_dir else ["--dataset", "digits"]
@@ -151,7 +150,7 @@ def main() -> int:
 @contextlib.contextmanager
 def hosts(workdir: Path, layout: str):
     """The namespace hosts of `layout`: (names, addresses, launcher wrapper, ports to shape)."""
-    count = LAYOUTS[layout][0]
+    count = len(LAYOUTS[layout][0])
     if count == 2:
         with netns.two_hosts(workdir) as (names, addrs, wrapper, veths):
             yield names, addrs, wrapper, list(veths.items())
@@ -171,7 +170,7 @@ def report(results: dict, args, links: list[str], hs: list[int], modes: list[str
              f"- target: test accuracy {args.target}; time = training seconds to the first evaluation at or above it "
              f"(evaluations every 1/{args.evals_per_epoch} epoch, of copies taken then and evaluated after training); `-`: the median seed did not reach it; "
              "`>`: the row compared with did not, so its whole training time stands in as a lower bound",
-             f"- across the link: {LAYOUTS[args.layout][1]}, every message over TCP); on one host all 5 ranks share "
+             f"- across the link: {LAYOUTS[args.layout][1]}, every message over TCP; on one host all 5 ranks share "
              "the 2 cores", "",
              "| link | mode | H | time to target (s) | seeds that reached it | vs H 1 of the mode | vs plain sync | vs one process "
              "| accuracy at the end | bytes through MPI per sample | samples/s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
