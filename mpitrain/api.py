@@ -70,6 +70,9 @@ class LostPeer(TrainingFailed):
         self.result = result
 
 
+# How long a survivor of a lost peer waits at its exit for the others' code after LostPeer (_leave):
+# the time that code may take on the slowest one, where the launcher would cut it short.
+LEAVING_TOGETHER_S = 30.0
 AFTER_A_LOSS = ("; MPI in this process can no longer be used (MPI_Finalize would wait for the lost rank): "
                 "a second train() needs a new process, and this one exits with code {code} without MPI_Finalize")
 
@@ -242,9 +245,20 @@ def _leave_at_exit(code: int) -> None:
     lost rank forever (mpi4py calls it at exit; atexit runs this first, registered later)."""
     import atexit
 
-    from mpitrain.lock import exit_without_finalize
+    atexit.register(_leave, code)
 
-    atexit.register(exit_without_finalize, code)
+
+def _leave(code: int) -> None:
+    """Where the launcher ends every rank when one exits non-zero (prterun under ULFM), a survivor
+    still running the caller's code after LostPeer was cut short by another's exit (measured: rank
+    1's print lost when rank 0 left with 8 first): each survivor waits here, bounded, until every
+    other one is at its exit too."""
+    from mpitrain import mpiimpl
+    from mpitrain.lock import exit_without_finalize
+    from mpitrain.runtime import world
+
+    mpiimpl.farewell(world(), LEAVING_TOGETHER_S)
+    exit_without_finalize(code)
 
 
 def _signature() -> inspect.Signature:

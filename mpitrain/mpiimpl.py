@@ -271,8 +271,10 @@ def needs_supervisor(env=os.environ) -> bool:
 
 def ends_job_on_error_exit(env=os.environ) -> bool:
     """Whether the launcher ends every rank when one exits non-zero while the job keeps going after
-    a lost rank: prterun under ULFM does (hydra under -disable-auto-cleanup and srun with
-    --kill-on-bad-exit=0 do not)."""
+    a lost rank: prterun under ULFM does, once half of the ranks are gone (measured, 5.0.11: the
+    second of 3 or of 4 ranks, the third of 5; killed or exited, any code), so a survivor's exit
+    can cut the others short (hydra under -disable-auto-cleanup and srun with --kill-on-bad-exit=0
+    do not)."""
     return env.get(ULFM_VAR) == "1"
 
 
