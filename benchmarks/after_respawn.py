@@ -94,7 +94,8 @@ def one_run(mode: str, by: str = "respawn", kills: str = "one") -> tuple[float, 
         points = [(e["time"] - t0, e["global_step"]) for e in map(json.loads, Path(tmp, "log", "events.jsonl").open())
                   if e.get("event") == "train"]
     start = phase[-1] if len(phase) == len(killed) else float("nan")
-    return rate(points, 4.0, KILL_AT_S), rate(points, start + 1.5, start + 6.5), (joined or [float("nan")])[0] - killed[0]
+    first_join = (joined or [float("nan")])[0]
+    return rate(points, 4.0, KILL_AT_S), rate(points, start + 1.5, start + 6.5), first_join - killed[0]
 
 
 def rate(points: list, a: float, b: float) -> float:
@@ -116,8 +117,8 @@ def main() -> int:
     print(f"`python benchmarks/after_respawn.py --runs {a.runs} --modes {a.modes} --by {a.by} --kills {a.kills}` at "
           f"{commit} (working "
           f"tree), {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, on {machine()}, under {IMPL.title}\n")
-    print("| mode | replaced by | kills | steps/s before the kill (runs) | after the replacement (runs) | after / before "
-          "(median) | kill -> joined, s (median) |")
+    print("| mode | replaced by | kills | steps/s before the kill (runs) | after the replacement (runs) | "
+          "after / before (median) | kill -> joined, s (median) |")
     print("|---|---|---|---|---|---|---|")
     cases = [(by, k) for by in a.by.split(",") for k in a.kills.split(",")]
     for mode in a.modes.split(","):
