@@ -54,6 +54,11 @@ NEWWORLD_STRINGTAG = "mpitrain.failover"
 KEPT: list = []  # the take-over's messages and sends, alive until the process ends
 
 
+# The summary's reason for a worker of the interrupted phase that was not in the take-over; its global step
+# is the take-over's: it was lost by then, and only the lost server (rank 0) knew when.
+LEFT_OUT = "not in the take-over after a parameter server was lost: lost by this step, with it or before"
+
+
 @dataclasses.dataclass
 class Handover:
     """What the take-over hands the next phase: the state it starts from (the successor's), and the
@@ -103,7 +108,10 @@ def take_over(ctx, e: PeerLost, carry) -> tuple[object, Handover] | None:
     state, lost_at_most = freshest(ctx, world, mine, pushed, lost_shards)
     K = ctx.layout.shards
     extra = state_arrays(cfg)[1:]  # the optimizer's state and the moving average: the same on every rank of world
+    # the workers of this phase not in the new world: lost before rank 0 (which alone knew when) or with it
+    left_out = [r for r in ctx.layout.worker_ranks if r not in chosen]
     record = {"lost": why, "successor": chosen[0], "servers": chosen[:K], "lost_shards": lost_shards,
+              "workers_left_out": left_out,
               "global_step": state.global_step, "ranks": len(chosen), "updates_lost_at_most": lost_at_most,
               "state_kept": [a for a in extra if state.array(a) is not None],
               "state_restarted": [a for a in extra if state.array(a) is None],

@@ -66,7 +66,7 @@ from mpitrain import atomic, mpiimpl
 from mpitrain.config import TrainConfig, can_take_joiners
 from mpitrain.config_io import as_argv
 from mpitrain.console import say
-from mpitrain.metrics import JobOutputs
+from mpitrain.metrics import JobOutputs, json_safe
 from mpitrain.protocol import FLAG_STOP, TAG_JOIN, Message
 from mpitrain.waiting import poll
 
@@ -171,6 +171,20 @@ class Carry:
         state.train_s += self.train_s
         state.start_step, state.resumed_from = self.start_step, self.resumed_from
         state.lost_workers[:0] = self.lost_workers
+
+    def share_record(self, comm, is_rank_0: bool) -> None:
+        """Every rank, as a phase starts: rank 0's record of the earlier phases (the workers lost, the
+        joins) on every rank, so that a worker which takes over from a lost rank 0 (failover.py)
+        writes the whole job's summary, not its own phases' only (each rank 0 used to keep its own).
+        JSON, not pickle: a few hundred bytes a phase."""
+        data = json.dumps(json_safe({"lost": self.lost_workers, "joins": self.joins})).encode() if is_rank_0 else b""
+        size = np.array([len(data)], np.int64)
+        comm.Bcast([size, MPI.INT64_T], root=0)
+        buf = np.frombuffer(data, np.uint8).copy() if is_rank_0 else np.empty(int(size[0]), np.uint8)
+        comm.Bcast([buf, MPI.BYTE], root=0)
+        if not is_rank_0:
+            record = json.loads(buf.tobytes().decode())
+            self.lost_workers, self.joins = record["lost"], record["joins"]
 
     def whole_job(self, report):
         """A worker's report (reports.WorkerReport) of this phase, counting this process's earlier

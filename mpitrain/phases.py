@@ -227,6 +227,9 @@ def take_over(ctx: Context, e, heartbeat, carry: join.Carry, library: bool) -> O
         carry.succeed()
     carry.owed = int(handover.state is not None)  # the successor: --respawn starts a rank in place of the lost one
     carry.failovers.append(handover.record)
+    if handover.state is not None:  # the successor: the summary's lost workers go on from rank 0's (Carry.share_record)
+        carry.lost_workers += [{"rank": r, "global_step": handover.record["global_step"], "reason": failover.LEFT_OUT,
+                                "local_steps": None} for r in handover.record["workers_left_out"]]
     # The spares still waiting follow the successor (spares.adopt). Every survivor takes part, whatever
     # its flags: a worker started by --respawn runs with --spares 0.
     among = spares.members(world, carry)

@@ -172,8 +172,7 @@ def _phase(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: 
             ctx = dataclasses.replace(ctx, resume=None, handover=carry.handover)
         carry.handover = None
     try:
-        ctx, placements, heartbeat = connect(dataclasses.replace(ctx, outputs=carry.outputs),
-                                             regrown=carry.start_step is not None)
+        ctx, placements, heartbeat = connect(dataclasses.replace(ctx, outputs=carry.outputs), carry)
     except MPI.Exception as e:
         liveness.end_if_aborted(str(e))  # the rank that failed here aborted the job; else a rank died (_run)
         raise
@@ -248,10 +247,11 @@ def failed(ctx: Context) -> Outcome:
     return abort_job(ctx, ExitCode.FAILED)
 
 
-def connect(ctx: Context, regrown: bool = False) -> tuple[Context, list[str], liveness.Heartbeat | None]:
+def connect(ctx: Context, carry: join.Carry) -> tuple[Context, list[str], liveness.Heartbeat | None]:
     """The last collectives over every rank (the sync workers' communicator, the start lines, the
-    start state), then this rank's activity record and heartbeats. Returns the connected context, the start
-    lines (rank 0) and the heartbeat thread. `regrown`: rank 0, a phase after a join (join.Carry)."""
+    start state, rank 0's record of the earlier phases), then this rank's activity record and
+    heartbeats. Returns the connected context, the start lines (rank 0) and the heartbeat thread."""
+    regrown = carry.start_step is not None  # rank 0: a phase after a join or a take-over
     comm, cfg = ctx.comm, ctx.cfg
     worker_comm = None
     if ctx.mode.worker_comm:  # collective on COMM_WORLD: every rank calls it
@@ -261,6 +261,7 @@ def connect(ctx: Context, regrown: bool = False) -> tuple[Context, list[str], li
         announce(ctx, placements, regrown)
     Kill(ctx.rank).connecting()
     start = broadcast_start(ctx)
+    carry.share_record(comm, ctx.rank == PS_RANK)
     activity = observe.Activity(cfg.timeline_steps if cfg.timeline else 0)
     heartbeat, watch = liveness.start(comm, ctx.rank, ctx.layout, cfg.worker_timeout, activity)
     ctx = dataclasses.replace(ctx, worker_comm=worker_comm, watch=watch, activity=activity, start=start)

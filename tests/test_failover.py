@@ -16,7 +16,7 @@ import pytest
 
 from conftest import (child_env, communicate_or_kill, keep_going, kill_session, mpi_impl, mpirun_path, mpitrain_cmd,
                       only_on, own_lines, read_summary, wait_for_checkpoint, wait_for_training)
-from mpitrain import checkpoint, mpiimpl
+from mpitrain import checkpoint, failover, mpiimpl
 from mpitrain.faults import rank_pids
 from mpitrain.lock import NAME as LOCK
 
@@ -130,6 +130,9 @@ def test_a_worker_killed_with_rank_0_is_left_out_and_the_others_take_over(tmp_pa
     s = read_summary(summary, err)
     [fo] = s["failovers"]
     assert fo["successor"] == 2 and fo["ranks"] == 2 and s["global_step"] == BUDGET, (fo, err)
+    # rank 1's loss went with rank 0: the successor lists it, by the take-over's step
+    assert fo["workers_left_out"] == [1] and s["lost_workers"] == [
+        {"rank": 1, "global_step": fo["global_step"], "reason": failover.LEFT_OUT, "local_steps": None}], s
 
 
 def test_a_successor_killed_during_the_take_over_ends_the_others_in_one_line(tmp_path):
@@ -173,6 +176,38 @@ def test_with_respawn_the_job_grows_back_after_a_take_over(tmp_path):
     [spawned] = s["joined_workers"]
     assert spawned["respawned"] and len(s["worker_ranks"]) == 3, s["worker_ranks"]  # 3 workers again
     assert "a worker started in place of the lost one" in out + err
+
+
+@only_on("mpich", "the spawn itself is tested under both MPIs (test_respawn.py); what a take-over adds is not MPI's")
+def test_after_a_take_over_the_summary_keeps_the_lost_rank_0s_record_of_its_phases(tmp_path):
+    """Worker rank 3 SIGKILLed and replaced (--respawn), then rank 0: the successor's summary lists
+    that lost worker and the replacement's join, which only rank 0 had seen (it shares its record with
+    every rank as a phase starts: join.Carry.share_record); each rank 0 used to keep its own."""
+    summary = tmp_path / "summary.json"
+    cmd = [mpirun_path(), *mpiimpl.local_flags(mpi_impl(), spawns=True), *keep_going(), "-np", "4", sys.executable,
+           "-m", "mpitrain", "--mode", "async", "--no-progress", "--steps", "20000", "--worker-timeout", "1",
+           "--on-lost-server", "continue", "--respawn", "1", "--checkpoint-dir", str(tmp_path / "ck"),
+           "--summary-json", str(summary)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
+                            start_new_session=True)
+    try:
+        wait_for_training(proc, 4)
+        time.sleep(1)  # training under way (kill_mid_run)
+        os.kill(rank_pids(proc.pid)[3][0], signal.SIGKILL)
+        wait_for_training(proc, 4)  # the next phase's start lines: the replacement is rank 3
+        time.sleep(0.5)
+        os.kill(rank_pids(proc.pid)[0][0], signal.SIGKILL)
+        _, err = communicate_or_kill(proc, 120)
+    finally:
+        leftovers = kill_session(proc)
+    assert "Traceback" not in err and not leftovers, err
+    s = read_summary(summary, err)
+    [fo] = s["failovers"]
+    first_lost, first_join = s["lost_workers"][0], s["joined_workers"][0]
+    assert first_lost["rank"] == 3 and first_lost["global_step"] < fo["global_step"], (s["lost_workers"], err)
+    assert first_lost["reason"] != failover.LEFT_OUT and first_lost["local_steps"] > 0, first_lost
+    assert first_join["respawned"] and first_join["global_step"] < fo["global_step"], s["joined_workers"]
+    assert s["global_step"] == 20000, err
 
 
 @only_on("mpich", SAME)
