@@ -249,10 +249,10 @@ def _leave_at_exit(code: int) -> None:
 
 
 def _leave(code: int) -> None:
-    """Where the launcher ends every rank when one exits non-zero (prterun under ULFM), a survivor
-    still running the caller's code after LostPeer was cut short by another's exit (measured: rank
-    1's print lost when rank 0 left with 8 first): each survivor waits here, bounded, until every
-    other one is at its exit too."""
+    """Where the launcher ends every rank once half of them are gone (prterun under ULFM:
+    mpiimpl.ends_job_on_error_exit), a survivor still running the caller's code after LostPeer was
+    cut short by another's exit (measured: rank 1's print lost when rank 0 left second of 3): each
+    survivor waits here, bounded, until every other one is at its exit too."""
     from mpitrain import mpiimpl
     from mpitrain.lock import exit_without_finalize
     from mpitrain.runtime import world
