@@ -176,7 +176,7 @@ class Carry:
         """Every rank, as a phase starts: rank 0's record of the earlier phases (the workers lost, the
         joins) on every rank, so that a worker which takes over from a lost rank 0 (failover.py)
         writes the whole job's summary, not its own phases' only (each rank 0 used to keep its own).
-        JSON, not pickle: a few hundred bytes a phase."""
+        JSON, not pickle: about 150 bytes for each worker lost or joined so far."""
         data = json.dumps(json_safe({"lost": self.lost_workers, "joins": self.joins})).encode() if is_rank_0 else b""
         size = np.array([len(data)], np.int64)
         comm.Bcast([size, MPI.INT64_T], root=0)
