@@ -139,6 +139,10 @@ def main(argv: list[str] | None = None) -> int:
         cfg, parser, err = None, None, str(e)
     else:
         err = None
+    if cfg is not None and cfg.join:
+        from mpitrain import faults
+
+        faults.slow_start()
     comm = world(cfg)
     node = node_info(comm)  # collective: before anyone can fail
     from mpitrain.trainer import run  # imports mpi4py.MPI, which initialises MPI: after world()

@@ -34,6 +34,8 @@ MPITRAIN_INJECT_SPARE=taken     rank 0 SIGKILLs the first spare it takes for a l
                                 died as the job made room for it (tests/test_spares.py)
 MPITRAIN_INJECT_SLOW_SETUP=SEC  a worker the job started (--respawn) takes SEC seconds longer to load its
                                 data, as a large dataset on a slow file system does (tests/test_respawn.py)
+MPITRAIN_INJECT_SLOW_START=SEC  a --join worker (one the job started with --respawn too) waits SEC seconds before
+                                MPI_Init, so rank 0's MPI_Comm_spawn takes that much longer, as on a loaded machine
 MPITRAIN_INJECT_OFFHOST=RANK,...  --ps-transport shm: these workers take the message path as a worker on
                                 another host than rank 0's does (modes/shm_remote.py, tested on one host)
 MPITRAIN_FORM_LIMIT_S=SEC       how long every rank waits for such a world before it ends itself
@@ -293,6 +295,11 @@ def joiner_deaf() -> bool:
 def slow_setup() -> None:
     """MPITRAIN_INJECT_SLOW_SETUP=SEC: this worker's set-up takes SEC seconds longer."""
     time.sleep(float(os.environ.get("MPITRAIN_INJECT_SLOW_SETUP", "0")))
+
+
+def slow_start() -> None:
+    """MPITRAIN_INJECT_SLOW_START=SEC: this --join worker waits SEC seconds before MPI_Init."""
+    time.sleep(float(os.environ.get("MPITRAIN_INJECT_SLOW_START", "0")))
 
 
 def spare_taken(pid: int) -> None:

@@ -24,7 +24,8 @@ from mpi4py import MPI
 
 from mpitrain import samehost
 from mpitrain.layout import Layout
-from mpitrain.protocol import BEAT_FIELDS, BEAT_HOST, BEAT_PID, FLAG_LEAVING, FLAG_PEER_LOST, TAG_HEARTBEAT, Message
+from mpitrain.protocol import (BEAT_FIELDS, BEAT_HOST, BEAT_PID, FLAG_HOLD, FLAG_LEAVING, FLAG_PEER_LOST, TAG_HEARTBEAT,
+                               Message)
 from mpitrain.stuck import WATCHDOG
 from mpitrain.waiting import poll
 
@@ -37,6 +38,11 @@ CHECK_EVERY_S = 0.1  # how often a waiting rank looks at its watch
 ENDED_GRACE_S = 0.3
 CLOSE_POLL_S = 1e-3  # end of run: off the hot path
 HELD_ROUNDS = 64  # heartbeat rounds remembered for Heartbeat.held_s (16 timeouts' worth)
+# How long a peer's silence after a beat flagged FLAG_HOLD (Heartbeat.hold) does not count: MPI_Comm_spawn
+# returns once the new process has started MPI (0.25 s on 2 cores when idle, seconds when loaded); one
+# that takes longer is stuck, and its rank is then lost as a silent one is (the forming limit is as long).
+HOLD_S = 30.0
+HOLD_SENT_WITHIN_S = 1.0  # Heartbeat.hold waits this long at most for its beat round
 
 
 # Why a peer that ends the job on a lost rank (its last beat flagged FLAG_PEER_LOST) is lost to the others.
@@ -123,6 +129,8 @@ class Heartbeat:
         self.beats = 0
         self.rounds: deque[float] = deque(maxlen=HELD_ROUNDS)  # when the last rounds started (held_s)
         self._wake = threading.Event()  # the next round now: a stop (close) or a word to spread (poke)
+        self._holding = threading.Event()  # set: the next round's beats are flagged FLAG_HOLD (hold)
+        self._held = threading.Event()  # set by the thread once that round is out
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="mpitrain-heartbeat", daemon=True)
         self._thread.start()
@@ -144,8 +152,12 @@ class Heartbeat:
                 return
             self.beats += 1
             self.rounds.append(time.monotonic())
+            holding = self._holding.is_set()
             with WATCHDOG:  # a round that never ends (MPI stuck, see stuck.py) ends the rank
-                self._round()
+                self._round(FLAG_HOLD if holding else 0)
+            if holding:
+                self._holding.clear()
+                self._held.set()
             self._wake.wait(self.interval)
             if self._stopping:
                 return
@@ -156,14 +168,27 @@ class Heartbeat:
         sooner (2 s with the default --worker-timeout: half of that a respawn, on average)."""
         self._wake.set()
 
-    def _round(self) -> None:
+    def hold(self) -> None:
+        """Before this process blocks in an MPI call that holds its heartbeat thread too: MPI_Comm_spawn
+        does, under MPICH's lock, until the new process has started MPI (rank 0 starting a worker in
+        place of a lost one while the others train: respawn.launch). A beat round flagged FLAG_HOLD
+        goes out first, and each peer's Watch then lets this rank's silence pass for up to HOLD_S
+        (or until its next beat): a spawn slowed past a short --worker-timeout by a loaded machine
+        used to make the workers declare a live rank 0 lost, and with --on-lost-server continue take
+        over from it (two rank 0s). Returns once the round is out (HOLD_SENT_WITHIN_S at most)."""
+        self._held.clear()
+        self._holding.set()
+        self._wake.set()
+        self._held.wait(HOLD_SENT_WITHIN_S)
+
+    def _round(self, flags: int = 0) -> None:
         """One beat to each live peer whose last beat has gone out."""
         for i in range(len(self.peers)):
             if i in self.gone:
                 continue
             try:
                 if self.reqs[i].Test():
-                    self._beat(i)
+                    self._beat(i, flags)
             except MPI.Exception:  # that peer died: its Watch entry here says so in time
                 self.gone.add(i)
                 self.reqs[i] = MPI.REQUEST_NULL
@@ -259,6 +284,7 @@ class Watch(WaitHooks):
         self.checked = set(peers)  # peers whose silence counts
         self.lost: dict[int, dict] = {}  # rank -> {"rank", "silent_s", "reason"}
         self.ending: set[int] = set()  # peers whose last beat said they end the job on a lost rank
+        self.held_until: dict[int, float] = {}  # rank -> until when its silence does not count (FLAG_HOLD)
         self._next_check = now
 
     def _post(self, rank: int):
@@ -293,6 +319,10 @@ class Watch(WaitHooks):
             self.last[rank] = now
             self.beats[rank] = (box.payload.tolist(), now)
             self.processes[rank] = tuple(box.payload[BEAT_PID:BEAT_HOST + 1])
+            if box.flags & FLAG_HOLD:  # it blocks in MPI now, its beats too (Heartbeat.hold)
+                self.held_until[rank] = now + HOLD_S
+            else:
+                self.held_until.pop(rank, None)
             if box.flags & FLAG_LEAVING:
                 del self.recv[rank]
                 self.checked.discard(rank)
@@ -318,7 +348,7 @@ class Watch(WaitHooks):
                 newly[rank] = ENDS_THE_JOB
                 continue
             silent = now - self.last[rank]
-            if rank in self.checked and silent > self.timeout_s:
+            if rank in self.checked and silent > self.timeout_s and now >= self.held_until.get(rank, 0.0):
                 newly[rank] = f"no heartbeat for {silent:.1f} s" + self._held_here(self.last[rank], now)
             elif rank in self.checked and rank in self.processes and (why := samehost.ended(self.processes[rank])):
                 if now - self.ended_at.setdefault(rank, now) >= ENDED_GRACE_S:

@@ -187,6 +187,8 @@ class Lobby:
 
     def _launch(self) -> None:
         self.launch_at = None
+        if self.heartbeat is not None:  # the spawn holds the heartbeat thread too: the peers are told first
+            self.heartbeat.hold()
         self.starting, failure = respawn.launch(self.carry.spawn_argv())
         if self.starting is None:
             respawn.not_started(failure)

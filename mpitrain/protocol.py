@@ -16,11 +16,11 @@ import numpy as np
 from mpitrain.stopping import STOP
 
 MAGIC = 0x4D505452  # "MPTR": catches a peer that is not mpitrain, or a misrouted buffer
-VERSION = 10  # bump when the layout below changes (2: heartbeats carry an activity snapshot; 3: --quorum messages;
+VERSION = 11  # bump when the layout below changes (2: heartbeats carry an activity snapshot; 3: --quorum messages;
 #               4: H_SECONDS; 5: H_SIGNAL, FLAG_STOP_STEP, FLAG_STOPPED; 6: TAG_REGROUP, FLAG_REGROUPED;
 #               7: TAG_JOIN, FLAG_REFORM, the goodbye's payload; 8: FLAG_LEAVING out of FLAG_STOP, H_GENERATION
 #               and H_JOINER out of H_STEP and H_LOCAL_STEP; 9: TAG_STORE, the shm store's name point to point;
-#               10: TAG_ADOPT, a successor's offer to the spares)
+#               10: TAG_ADOPT, a successor's offer to the spares; 11: FLAG_HOLD)
 
 # Tags (one per message kind, so a posted receive can never match the wrong kind).
 TAG_GRAD = 11  # worker -> PS: a gradient (async)
@@ -81,6 +81,7 @@ FLAG_REFORM = 1024  # PS -> worker, goodbye: not the end, a worker joins: every 
 FLAG_GO = 512  # sync, PS -> the workers left: every one of them is READY (TAG_REGROUP, header only, back): regroup now
 FLAG_LEAVING = 2048  # the sender sends no more of this kind: a worker leaves a server (header only), its last --quorum push, a last heartbeat
 FLAG_LATE = 4096  # --quorum push, header only: a contribution finished after its step closed; only its time (H_SECONDS) counts
+FLAG_HOLD = 8192  # a heartbeat: the sender blocks in MPI now (MPI_Comm_spawn), its beats too, for up to liveness.HOLD_S
 
 
 def _int_slot(index: int) -> property:

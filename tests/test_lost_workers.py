@@ -157,6 +157,48 @@ def test_watch_declares_silence_past_the_timeout_only():
     watch.check(force=True)
 
 
+class _Once:
+    """A heartbeat receive that completes at its first test."""
+
+    def __init__(self):
+        self.tested = False
+
+    def Test(self):
+        first, self.tested = not self.tested, True
+        return first
+
+
+def test_a_peer_that_said_it_holds_is_not_taken_for_lost_until_its_hold_ends():
+    """A beat flagged FLAG_HOLD (Heartbeat.hold: rank 0 is about to block in MPI_Comm_spawn, its heartbeat
+    thread too): the peer's silence does not count for HOLD_S, or until its next beat, which ends the hold."""
+    from mpitrain.liveness import HOLD_S
+    from mpitrain.protocol import FLAG_HOLD, TAG_HEARTBEAT
+
+    def beat(watch, flags):
+        watch.boxes[1].stamp(TAG_HEARTBEAT, 1, flags=flags)
+        watch.recv[1] = _Once()
+        watch.check(force=True)
+
+    now = [0.0]
+    watch = Watch(_Comm(), [1], timeout_s=1.0, clock=lambda: now[0])
+    beat(watch, FLAG_HOLD)
+    now[0] = HOLD_S - 0.1  # long past the timeout, within the hold
+    watch.check(force=True)
+    now[0] = HOLD_S + 0.1
+    with pytest.raises(PeerLost) as lost:
+        watch.check(force=True)
+    assert lost.value.lost == {1: f"no heartbeat for {HOLD_S + 0.1:.1f} s"}
+
+    now = [0.0]
+    watch = Watch(_Comm(), [1], timeout_s=1.0, clock=lambda: now[0])
+    beat(watch, FLAG_HOLD)
+    now[0] = 2.0
+    beat(watch, 0)  # the spawn returned: it beats again, and its silence counts again
+    now[0] = 3.5
+    with pytest.raises(PeerLost):
+        watch.check(force=True)
+
+
 def test_a_silence_this_rank_was_frozen_through_too_is_said_so():
     """MPICH's progress after a peer died can hold a whole process for seconds: then a peer's
     silence is this rank's as much, and the line that declares the peer lost says how long this

@@ -37,18 +37,18 @@ RANKS = {"async": 4, "sync": 3, "shm": 3}
 SLOW_SETUP_S = 2.0
 
 
-def respawn_cmd(tmp_path, *args: str, np_: int = 3) -> list[str]:
+def respawn_cmd(tmp_path, *args: str, np_: int = 3, timeout: float = 5) -> list[str]:
     """The job under this MPI's keep-going flag, with the transports a spawned process needs
     (mpiimpl.local_flags(spawns=True): Open MPI's shared memory alone does not reach it)."""
     return [mpirun_path(), *mpiimpl.local_flags(mpi_impl(), spawns=True), *keep_going(), "-np", str(np_),
-            sys.executable, "-m", "mpitrain", *args, "--no-progress", "--worker-timeout", "5",
+            sys.executable, "-m", "mpitrain", *args, "--no-progress", "--worker-timeout", str(timeout),
             "--checkpoint-dir", str(tmp_path / "ck"), "--summary-json", str(tmp_path / "s.json")]
 
 
-def start_job(tmp_path, *args: str, np_: int = 3, env=None) -> tuple[subprocess.Popen, Lines]:
+def start_job(tmp_path, *args: str, np_: int = 3, env=None, timeout: float = 5) -> tuple[subprocess.Popen, Lines]:
     """The job started (respawn_cmd), its last rank's start line out and a second of training done."""
-    proc = subprocess.Popen(respawn_cmd(tmp_path, *args, np_=np_), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=env or child_env(), start_new_session=True)
+    proc = subprocess.Popen(respawn_cmd(tmp_path, *args, np_=np_, timeout=timeout), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env or child_env(), start_new_session=True)
     lines = Lines(proc.stdout)
     if not lines.wait(f"rank {np_ - 1} worker"):
         kill_session(proc)
@@ -108,6 +108,32 @@ def test_a_worker_killed_with_sigkill_is_replaced_and_the_job_finishes_its_budge
     steps = [e["global_step"] for e in events if e["event"] == "train"]
     assert steps == sorted(set(steps)) and steps[-1] == BUDGET[mode], steps
     assert len(list(log.glob("events.out.tfevents.*"))) == 1
+
+
+@only_on("mpich", "only where rank 0 spawns alone does it spawn while the workers train and watch its beats")
+def test_a_slow_spawn_is_not_taken_for_a_lost_rank_0(tmp_path):
+    """MPI_Comm_spawn holds every thread of rank 0, its heartbeat thread too (MPICH's lock), until the
+    new process has started MPI: 0.25 s here when idle, seconds on a loaded machine (slowed here to
+    3 s), past a short --worker-timeout. The workers used to declare rank 0 lost meanwhile, and
+    with --on-lost-server continue took over from a live rank 0 (CI, 2026-12-01: two rank 0s, the
+    folder's lock refused the second, the job hung). Rank 0 says so in a beat first (FLAG_HOLD):
+    the replacement joins and nobody takes over."""
+    env = {**child_env(), "MPITRAIN_INJECT_SLOW_START": "3"}
+    budget = 20000  # ~4 s of training on 2 cores after the kill are spent in the spawn alone
+    proc, lines = start_job(tmp_path, "--mode", "async", "--steps", str(budget), "--respawn", "1",
+                            "--on-lost-server", "continue", env=env, timeout=1)
+    try:
+        os.kill(rank_pids(proc.pid)[2][0], signal.SIGKILL)
+        assert lines.wait("joined as rank 2", 1, 90), lines.text()
+        proc.wait(MPI_TIMEOUT_S)
+    finally:
+        leftovers = kill_session(proc)
+    text = lines.text()
+    assert proc.returncode == mpi_impl().worker_lost_exit and not leftovers, text
+    assert "lost the parameter server" not in text and "Traceback" not in text, text
+    s = read_summary(tmp_path / "s.json", text)
+    assert s["failovers"] == [] and [x["rank"] for x in s["joined_workers"]] == [2], text
+    assert s["global_step"] == budget
 
 
 class _Watch:
