@@ -19,7 +19,8 @@ spawned process is reached over TCP (open-mpi/ompi#6823). --kills says which wor
 after another, each once the previous replacement has joined; "after" is measured after the last:
 `one` rank 2 (the default), `each` ranks 1 to 4 (every worker is then a spawned one), `one-x4` rank 2
 and then its replacement three times (as many replacements as `each`, one spawned worker at the end:
-a job that slows down as replacements pile up, not by what they are, shows it here). To compare with
+a job that slows down as replacements pile up, not by what they are, shows it here), `one-x20` the same
+with twenty (a 10-minute goodput run's worth of kills, one spawned worker at the end). To compare with
 another commit, run this file from a worktree of it (`git worktree add /tmp/old COMMIT`).
 Prints a Markdown table; not part of CI.
 """
@@ -49,7 +50,8 @@ from mpitrain.faults import rank_pids, spawned_pids  # noqa: E402
 
 KILL_AT_S = 9.0
 # --kills: whom each kill hits, in order (a rank the job started with, or "spawned": the newest replacement)
-KILLS = {"one": (2,), "each": (1, 2, 3, 4), "one-x4": (2, "spawned", "spawned", "spawned")}
+KILLS = {"one": (2,), "each": (1, 2, 3, 4), "one-x4": (2, "spawned", "spawned", "spawned"),
+         "one-x20": (2, *["spawned"] * 19)}
 
 
 # how the lost worker is replaced: (ranks, mpitrain's flags, whether mpirun needs what a spawn does)
@@ -60,6 +62,8 @@ def one_run(mode: str, by: str = "respawn", kills: str = "one") -> tuple[float, 
     """(steps/s before the first kill, steps/s after the last replacement's phase started, the first
     kill -> joined in s)."""
     ranks, flags, spawns = BY[by]
+    if by == "respawn":  # one respawn for each kill at least
+        flags = ("--respawn", str(max(10, len(KILLS[kills]))))
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [mpirun(), *mpiimpl.local_flags(IMPL, spawns=spawns), *IMPL.keep_going, "-np", str(ranks), sys.executable,
                "-m", "mpitrain", "--mode", mode, "--dataset", "synthetic", "--model", "mlp", "--hidden", "200", "--steps",
