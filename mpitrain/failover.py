@@ -38,10 +38,11 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from mpitrain import mpiimpl
+from mpitrain import mpiimpl, samehost
 from mpitrain.checkpoint import TrainState, state_arrays
 from mpitrain.console import say
 from mpitrain.faults import Kill
+from mpitrain.layout import PS_RANK
 from mpitrain.liveness import ENDS_THE_JOB, PeerLost
 from mpitrain.protocol import TAG_FAILOVER
 from mpitrain.stopping import STOP
@@ -90,6 +91,12 @@ def take_over(ctx, e: PeerLost, carry) -> tuple[object, Handover] | None:
     # still arrive into their buffers, which must not be freed and reused meanwhile.
     KEPT.append(e)
     why = "; ".join(f"rank {r}: {w}" for r, w in e.lost.items())
+    rank0 = getattr(ctx.watch, "processes", {}).get(PS_RANK) if PS_RANK in e.lost else None
+    if rank0 is not None and samehost.alive(rank0):  # silent, not gone: the folder's lock would refuse a successor
+        say(f"mpitrain: error: rank {ctx.rank} lost the parameter server ({why}), but its process (pid "
+            f"{int(rank0[0])}) still runs on this host, stopped or frozen: a take-over would make a second rank 0 "
+            "beside it, so this rank ends. Rank 0's newest checkpoint in --checkpoint-dir resumes the run", sys.stderr)
+        return None
     mine = e.state or TrainState(np.zeros(ctx.model.n_params, np.float32), -1, versions=[-1] * ctx.layout.shards)
     pushed = int(e.counts[0]) if not (ctx.mode.averages or ctx.is_ps) else 0
     chosen = agree(ctx, e, mine.global_step, pushed, t0 + AGREE_FACTOR * cfg.worker_timeout + 1.0)

@@ -89,3 +89,16 @@ def ended(peer: tuple[float, float, float]) -> str | None:
     if now[0] in "ZXx":
         return f"its process (pid {pid}) has exited"
     return None
+
+
+def alive(peer: tuple[float, float, float]) -> bool:
+    """Whether the process a peer's heartbeat named certainly still runs: on this host (its key), the
+    same process (its start time), not a zombie; stopped (SIGSTOP) or frozen counts as running."""
+    pid, started, key = (int(x) for x in peer)
+    if not pid or not key or key != int(mine()[2]):
+        return False
+    try:
+        now = _stat(pid)
+    except (OSError, ValueError, IndexError):
+        return False
+    return now is not None and now[1] == started and now[0] not in "ZXx"
