@@ -43,7 +43,7 @@ from mpitrain.checkpoint import TrainState, state_arrays
 from mpitrain.console import say
 from mpitrain.faults import Kill
 from mpitrain.layout import PS_RANK
-from mpitrain.liveness import ENDS_THE_JOB, PeerLost
+from mpitrain.liveness import ENDED_GRACE_S, ENDS_THE_JOB, PeerLost
 from mpitrain.protocol import TAG_FAILOVER
 from mpitrain.stopping import STOP
 
@@ -91,8 +91,8 @@ def take_over(ctx, e: PeerLost, carry) -> tuple[object, Handover] | None:
     # still arrive into their buffers, which must not be freed and reused meanwhile.
     KEPT.append(e)
     why = "; ".join(f"rank {r}: {w}" for r, w in e.lost.items())
-    rank0 = getattr(ctx.watch, "processes", {}).get(PS_RANK) if PS_RANK in e.lost else None
-    if rank0 is not None and samehost.alive(rank0):  # silent, not gone: the folder's lock would refuse a successor
+    if still_runs(ctx, e):  # silent, not gone: the folder's lock would refuse a successor
+        rank0 = ctx.watch.processes[PS_RANK]
         say(f"mpitrain: error: rank {ctx.rank} lost the parameter server ({why}), but its process (pid "
             f"{int(rank0[0])}) still runs on this host, stopped or frozen: a take-over would make a second rank 0 "
             "beside it, so this rank ends. Rank 0's newest checkpoint in --checkpoint-dir resumes the run", sys.stderr)
@@ -131,6 +131,17 @@ def take_over(ctx, e: PeerLost, carry) -> tuple[object, Handover] | None:
     carry.interrupted(counts, ctx.mode.averages)
     so_far = world.allgather(carry.earlier[0])  # async: each worker's gradients pushed, the whole job's
     return world, Handover(state if world.Get_rank() == 0 else None, record, so_far[K:])
+
+
+def still_runs(ctx, e: PeerLost) -> bool:
+    """Whether the lost rank 0's process still runs on this host (its heartbeats named it): stopped or
+    frozen, not gone. Asked twice, ENDED_GRACE_S apart: a killed process's connections close (MPI's
+    report) a moment before /proc shows it exited."""
+    rank0 = getattr(ctx.watch, "processes", {}).get(PS_RANK) if PS_RANK in e.lost else None
+    if rank0 is None or not samehost.alive(rank0):
+        return False
+    time.sleep(ENDED_GRACE_S)
+    return samehost.alive(rank0)
 
 
 def agree(ctx, e: PeerLost, step: int, pushed: int, deadline: float) -> list[int] | str:
