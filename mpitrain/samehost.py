@@ -74,19 +74,30 @@ def mine() -> tuple[float, float, float]:
     return _MINE[pid]
 
 
-def ended(peer: tuple[float, float, float]) -> str | None:
-    """Why the process a peer's heartbeat named has ended, or None: alive, or not ours to look at
-    (another host or pid namespace, or an identity of zeros)."""
+UNKNOWN = "unknown"  # _look: not ours to look at, or unreadable now
+
+
+def _look(peer: tuple[float, float, float]) -> str | tuple[str, int] | None:
+    """The process a peer's heartbeat named, as /proc shows it now: (state, start time) while it is the
+    same process, None once it is gone or another process has its pid, UNKNOWN where this host cannot
+    say (another host or pid namespace, an identity of zeros, /proc unreadable: a race with its exit)."""
     pid, started, key = (int(x) for x in peer)
     if not pid or not key or key != int(mine()[2]):
-        return None
+        return UNKNOWN
     try:
         now = _stat(pid)
-    except (OSError, ValueError, IndexError):  # unreadable (permissions, a race with its exit): ask again later
-        return None
-    if now is None or now[1] != started:
+    except (OSError, ValueError, IndexError):
+        return UNKNOWN
+    return now if now is not None and now[1] == started else None
+
+
+def ended(peer: tuple[float, float, float]) -> str | None:
+    """Why the process a peer's heartbeat named has ended, or None: alive, or not ours to look at
+    (another host or pid namespace, or an identity of zeros; unreadable: ask again later)."""
+    now, pid = _look(peer), int(peer[0])
+    if now is None:
         return f"its process (pid {pid}) has ended"
-    if now[0] in "ZXx":
+    if now != UNKNOWN and now[0] in "ZXx":
         return f"its process (pid {pid}) has exited"
     return None
 
@@ -94,11 +105,5 @@ def ended(peer: tuple[float, float, float]) -> str | None:
 def alive(peer: tuple[float, float, float]) -> bool:
     """Whether the process a peer's heartbeat named certainly still runs: on this host (its key), the
     same process (its start time), not a zombie; stopped (SIGSTOP) or frozen counts as running."""
-    pid, started, key = (int(x) for x in peer)
-    if not pid or not key or key != int(mine()[2]):
-        return False
-    try:
-        now = _stat(pid)
-    except (OSError, ValueError, IndexError):
-        return False
-    return now is not None and now[1] == started and now[0] not in "ZXx"
+    now = _look(peer)
+    return now is not None and now != UNKNOWN and now[0] not in "ZXx"

@@ -16,10 +16,12 @@ def test_a_live_process_is_not_ended_nor_a_stopped_one():
     proc = subprocess.Popen(["sleep", "30"])
     try:
         peer = _peer(proc)
-        assert samehost.ended(peer) is None
+        assert samehost.ended(peer) is None and samehost.alive(peer)
         proc.send_signal(signal.SIGSTOP)  # frozen, not dead: the heartbeat timeout's case
         time.sleep(0.1)
         assert samehost.ended(peer) is None
+        assert samehost.alive(peer)  # a take-over would make a second rank 0 beside it (failover.still_runs)
+        assert not samehost.alive((peer[0], peer[1], peer[2] + 1))  # another host's: never certain
     finally:
         proc.kill()
         proc.wait()
@@ -33,8 +35,9 @@ def test_a_killed_process_is_ended_as_a_zombie_and_once_reaped():
     while samehost._stat(proc.pid)[0] not in "ZX" and time.monotonic() < deadline:
         time.sleep(0.01)
     assert samehost.ended(peer) == f"its process (pid {proc.pid}) has exited"  # not reaped yet
+    assert not samehost.alive(peer)
     proc.wait()
-    assert samehost.ended(peer) == f"its process (pid {proc.pid}) has ended"
+    assert samehost.ended(peer) == f"its process (pid {proc.pid}) has ended" and not samehost.alive(peer)
 
 
 def test_a_pid_that_names_another_process_now_is_ended():
