@@ -46,9 +46,11 @@ from mpitrain.layout import PS_RANK
 from mpitrain.liveness import ENDED_GRACE_S, ENDS_THE_JOB, PeerLost
 from mpitrain.protocol import TAG_FAILOVER
 from mpitrain.stopping import STOP
+from mpitrain.waiting import poll
 
 AGREE_FACTOR = 2.0  # the take-over's bound, in --worker-timeouts (+1 s): the survivors notice the loss apart
 POLL_S = 0.002
+STILL_RUNS_POLL_S = 0.05  # still_runs looks in /proc this often
 HERE, DECIDE = 1, 2  # a TAG_FAILOVER message's kind: [kind, global step, gradients pushed, one flag per rank]
 NEWWORLD_TAG = 3000  # MPICH's tag of the survivors' communicator (mpiimpl.survivors)
 NEWWORLD_STRINGTAG = "mpitrain.failover"
@@ -86,7 +88,6 @@ def take_over(ctx, e: PeerLost, carry) -> tuple[object, Handover] | None:
     """This worker's part of the take-over: the new world and what it starts from, or None (it was
     left out, or the successor never answered: it says so and the caller ends it as before)."""
     cfg = ctx.cfg
-    t0 = time.monotonic()
     # The interrupted loop's frames stay alive: a reply or a collective's part from a live peer may
     # still arrive into their buffers, which must not be freed and reused meanwhile.
     KEPT.append(e)
@@ -97,6 +98,7 @@ def take_over(ctx, e: PeerLost, carry) -> tuple[object, Handover] | None:
             f"{int(rank0[0])}) still runs on this host, stopped or frozen: a take-over would make a second rank 0 "
             "beside it, so this rank ends. Rank 0's newest checkpoint in --checkpoint-dir resumes the run", sys.stderr)
         return None
+    t0 = time.monotonic()
     mine = e.state or TrainState(np.zeros(ctx.model.n_params, np.float32), -1, versions=[-1] * ctx.layout.shards)
     pushed = int(e.counts[0]) if not (ctx.mode.averages or ctx.is_ps) else 0
     chosen = agree(ctx, e, mine.global_step, pushed, t0 + AGREE_FACTOR * cfg.worker_timeout + 1.0)
@@ -135,13 +137,15 @@ def take_over(ctx, e: PeerLost, carry) -> tuple[object, Handover] | None:
 
 def still_runs(ctx, e: PeerLost) -> bool:
     """Whether the lost rank 0's process still runs on this host (its heartbeats named it): stopped or
-    frozen, not gone. Asked twice, ENDED_GRACE_S apart: a killed process's connections close (MPI's
-    report) a moment before /proc shows it exited."""
+    frozen, not gone. A rank 0 frozen inside MPI (its heartbeat thread held too) ends itself within
+    --worker-timeout (stuck.py), about when the workers notice its silence, and a killed process's
+    connections close (MPI's report) a moment before /proc shows it exited: so it is given that long,
+    and ENDED_GRACE_S more, to be gone before the answer is yes."""
     rank0 = getattr(ctx.watch, "processes", {}).get(PS_RANK) if PS_RANK in e.lost else None
-    if rank0 is None or not samehost.alive(rank0):
+    if rank0 is None:
         return False
-    time.sleep(ENDED_GRACE_S)
-    return samehost.alive(rank0)
+    return not poll(lambda: not samehost.alive(rank0), STILL_RUNS_POLL_S,
+                    deadline=time.monotonic() + ctx.cfg.worker_timeout + ENDED_GRACE_S)
 
 
 def agree(ctx, e: PeerLost, step: int, pushed: int, deadline: float) -> list[int] | str:

@@ -192,14 +192,18 @@ def test_a_take_over_that_would_leave_fewer_workers_than_the_quorum_ends_in_one_
 
 
 @only_on("mpich", "what it looks at is the host's /proc, not MPI's; the take-over is tested under both MPIs")
-def test_a_rank_0_stopped_past_the_timeout_is_not_taken_over_while_its_process_runs(tmp_path):
-    """Rank 0 SIGSTOPped past --worker-timeout: silent, not gone. A take-over would make a second rank 0
-    beside it (the CI run of 2026-12-01: the folder's lock refused that successor as "another mpitrain
-    job", and the job hung). Each worker sees the process still runs on this host and ends in one line
-    saying so; rank 0, let go on, finds its workers gone and ends too: no take-over, no hang."""
-    cmd = mpitrain_cmd(4, "--mode", "async", "--no-progress", "--steps", "10000000", "--worker-timeout", "1",
+@pytest.mark.parametrize("then", ["runs-on", "dies"])
+def test_a_rank_0_stopped_past_the_timeout_is_not_taken_over_while_its_process_runs(tmp_path, then):
+    """Rank 0 SIGSTOPped past --worker-timeout (1 s): silent, not gone. A take-over would make a second
+    rank 0 beside it (the CI run of 2026-12-01: the folder's lock refused that successor as "another
+    mpitrain job", and the job hung). runs-on: let go on 5 s later, it is never taken over; each worker
+    ends in one line saying it still runs, and rank 0 finds its workers gone and ends too. dies: killed
+    1.5 s in, inside the time the workers give a frozen rank 0 to be gone (as one frozen inside MPI ends
+    itself, stuck.py): they take over and the job reaches its budget."""
+    budget = 20000
+    cmd = mpitrain_cmd(4, "--mode", "async", "--no-progress", "--steps", str(budget), "--worker-timeout", "1",
                        "--on-lost-server", "continue", "--checkpoint-dir", str(tmp_path / "ck"),
-                       launcher_flags=keep_going())
+                       "--summary-json", str(tmp_path / "s.json"), launcher_flags=keep_going())
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
                             start_new_session=True)
     try:
@@ -207,16 +211,23 @@ def test_a_rank_0_stopped_past_the_timeout_is_not_taken_over_while_its_process_r
         time.sleep(1)
         rank0 = rank_pids(proc.pid)[0][0]
         os.kill(rank0, signal.SIGSTOP)
-        time.sleep(5)  # the workers' timeout (1 s), the check, their ends
-        os.kill(rank0, signal.SIGCONT)
+        if then == "dies":
+            time.sleep(1.5)
+            os.kill(rank0, signal.SIGKILL)
+        else:
+            time.sleep(5)  # the workers' timeout (1 s), their wait for it to be gone, their ends
+            os.kill(rank0, signal.SIGCONT)
         _, err = communicate_or_kill(proc, 90)
     finally:
         leftovers = kill_session(proc)
-    assert "Traceback" not in err and not leftovers and "took over" not in err, err
-    assert "in use by another mpitrain job" not in err, err
+    assert "Traceback" not in err and not leftovers and "in use by another mpitrain job" not in err, err
     lines = [ln for ln in err.splitlines() if f"(pid {rank0}) still runs on this host" in ln]
-    assert sorted(ln.split()[3] for ln in lines) == ["1", "2", "3"], err  # "mpitrain: error: rank N lost ..."
-    assert proc.returncode != 0, err
+    if then == "dies":
+        assert not lines and "took over" in err, err
+        assert read_summary(tmp_path / "s.json", err)["global_step"] == budget
+    else:
+        assert sorted(ln.split()[3] for ln in lines) == ["1", "2", "3"], err  # "mpitrain: error: rank N lost ..."
+        assert "took over" not in err and proc.returncode != 0, err
 
 
 def test_a_rank_0_that_ends_the_job_on_purpose_is_not_taken_over():
