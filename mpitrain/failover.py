@@ -50,7 +50,7 @@ from mpitrain.waiting import poll
 
 AGREE_FACTOR = 2.0  # the take-over's bound, in --worker-timeouts (+1 s): the survivors notice the loss apart
 POLL_S = 0.002
-STILL_RUNS_POLL_S = 0.05  # still_runs looks in /proc this often
+STILL_RUNS_POLL_S = 0.05  # still_running looks in /proc this often
 HERE, DECIDE = 1, 2  # a TAG_FAILOVER message's kind: [kind, global step, gradients pushed, one flag per rank]
 NEWWORLD_TAG = 3000  # MPICH's tag of the survivors' communicator (mpiimpl.survivors)
 NEWWORLD_STRINGTAG = "mpitrain.failover"
@@ -92,8 +92,8 @@ def take_over(ctx, e: PeerLost, carry) -> tuple[object, Handover] | None:
     # still arrive into their buffers, which must not be freed and reused meanwhile.
     KEPT.append(e)
     why = "; ".join(f"rank {r}: {w}" for r, w in e.lost.items())
-    if still_runs(ctx, e):  # silent, not gone: the folder's lock would refuse a successor
-        rank0 = ctx.watch.processes[PS_RANK]
+    rank0 = still_running(ctx, e)
+    if rank0 is not None:  # silent, not gone: the folder's lock would refuse a successor
         say(f"mpitrain: error: rank {ctx.rank} lost the parameter server ({why}), but its process (pid "
             f"{int(rank0[0])}) still runs on this host, stopped or frozen: a take-over would make a second rank 0 "
             "beside it, so this rank ends. Rank 0's newest checkpoint in --checkpoint-dir resumes the run", sys.stderr)
@@ -135,17 +135,18 @@ def take_over(ctx, e: PeerLost, carry) -> tuple[object, Handover] | None:
     return world, Handover(state if world.Get_rank() == 0 else None, record, so_far[K:])
 
 
-def still_runs(ctx, e: PeerLost) -> bool:
-    """Whether the lost rank 0's process still runs on this host (its heartbeats named it): stopped or
-    frozen, not gone. A rank 0 frozen inside MPI (its heartbeat thread held too) ends itself within
+def still_running(ctx, e: PeerLost) -> tuple[float, float, float] | None:
+    """The lost rank 0's process (as its heartbeats named it) if it still runs on this host, stopped or
+    frozen, not gone; else None. A rank 0 frozen inside MPI (its heartbeat thread held too) ends itself within
     --worker-timeout (stuck.py), about when the workers notice its silence, and a killed process's
     connections close (MPI's report) a moment before /proc shows it exited: so it is given that long,
     and ENDED_GRACE_S more, to be gone before the answer is yes."""
     rank0 = getattr(ctx.watch, "processes", {}).get(PS_RANK) if PS_RANK in e.lost else None
     if rank0 is None:
-        return False
-    return not poll(lambda: not samehost.alive(rank0), STILL_RUNS_POLL_S,
-                    deadline=time.monotonic() + ctx.cfg.worker_timeout + ENDED_GRACE_S)
+        return None
+    gone = poll(lambda: not samehost.alive(rank0), STILL_RUNS_POLL_S,
+                deadline=time.monotonic() + ctx.cfg.worker_timeout + ENDED_GRACE_S)
+    return None if gone else rank0
 
 
 def agree(ctx, e: PeerLost, step: int, pushed: int, deadline: float) -> list[int] | str:

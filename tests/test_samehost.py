@@ -20,7 +20,7 @@ def test_a_live_process_is_not_ended_nor_a_stopped_one():
         proc.send_signal(signal.SIGSTOP)  # frozen, not dead: the heartbeat timeout's case
         time.sleep(0.1)
         assert samehost.ended(peer) is None
-        assert samehost.alive(peer)  # a take-over would make a second rank 0 beside it (failover.still_runs)
+        assert samehost.alive(peer)  # a take-over would make a second rank 0 beside it (failover.still_running)
         assert not samehost.alive((peer[0], peer[1], peer[2] + 1))  # another host's: never certain
     finally:
         proc.kill()
