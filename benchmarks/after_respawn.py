@@ -4,6 +4,7 @@
     python benchmarks/after_respawn.py --runs 1 --modes sync
     python benchmarks/after_respawn.py --by respawn,spare   # --respawn against --spares, interleaved
     python benchmarks/after_respawn.py --modes async --kills one,each,one-x4   # do replacements pile up?
+    python benchmarks/after_respawn.py --modes async --kills each --link shm,mpi   # the mailbox against MPI's link
 
 Each run: `mpirun KEEP-GOING -np 5 python -m mpitrain --mode MODE --dataset synthetic --model mlp
 --hidden 200 --respawn 10 --worker-timeout 3 --checkpoint-dir ...` (1 server + 4 workers); 9 s in,
@@ -58,7 +59,7 @@ KILLS = {"one": (2,), "each": (1, 2, 3, 4), "one-x4": (2, "spawned", "spawned", 
 BY = {"respawn": (5, ("--respawn", "10"), True), "spare": (6, ("--spares", "1"), False)}
 
 
-def one_run(mode: str, by: str = "respawn", kills: str = "one") -> tuple[float, float, float]:
+def one_run(mode: str, by: str = "respawn", kills: str = "one", link: str = "shm") -> tuple[float, float, float]:
     """(steps/s before the first kill, steps/s after the last replacement's phase started, the first
     kill -> joined in s)."""
     ranks, flags, spawns = BY[by]
@@ -68,7 +69,7 @@ def one_run(mode: str, by: str = "respawn", kills: str = "one") -> tuple[float, 
         cmd = [mpirun(), *mpiimpl.local_flags(IMPL, spawns=spawns), *IMPL.keep_going, "-np", str(ranks), sys.executable,
                "-m", "mpitrain", "--mode", mode, "--dataset", "synthetic", "--model", "mlp", "--hidden", "200", "--steps",
                "100000000", "--worker-timeout", "3", *flags, "--checkpoint-dir", tmp + "/ck", "--no-progress",
-               "--log-dir", tmp + "/log", "--log-every", "100"]
+               "--log-dir", tmp + "/log", "--log-every", "100", "--joined-link", link]
         t0 = time.time()
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env(),
                                 cwd=str(ROOT), start_new_session=True)
@@ -115,24 +116,25 @@ def main() -> int:
     p.add_argument("--modes", default="sync,async")
     p.add_argument("--by", default="respawn", help=f"comma-separated, of {', '.join(BY)}: run side by side")
     p.add_argument("--kills", default="one", help=f"comma-separated, of {', '.join(KILLS)}: run side by side")
+    p.add_argument("--link", default="shm", help="comma-separated --joined-link values (shm, mpi): run side by side")
     a = p.parse_args()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=ROOT).stdout.strip()
-    print(f"`python benchmarks/after_respawn.py --runs {a.runs} --modes {a.modes} --by {a.by} --kills {a.kills}` at "
+    print(f"`python benchmarks/after_respawn.py --runs {a.runs} --modes {a.modes} --by {a.by} --kills {a.kills} --link {a.link}` at "
           f"{commit} (working "
           f"tree), {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, on {machine()}, under {IMPL.title}\n")
-    print("| mode | replaced by | kills | steps/s before the kill (runs) | after the replacement (runs) | "
+    print("| mode | replaced by | kills | --joined-link | steps/s before the kill (runs) | after the replacement (runs) | "
           "after / before (median) | kill -> joined, s (median) |")
-    print("|---|---|---|---|---|---|---|")
-    cases = [(by, k) for by in a.by.split(",") for k in a.kills.split(",")]
+    print("|---|---|---|---|---|---|---|---|")
+    cases = [(by, k, link) for by in a.by.split(",") for k in a.kills.split(",") for link in a.link.split(",")]
     for mode in a.modes.split(","):
         runs = {case: [] for case in cases}
         for _ in range(a.runs):  # interleaved: this VM's speed drifts
-            for by, k in cases:
-                runs[by, k].append(one_run(mode, by, k))
-        for (by, k), got in runs.items():
+            for by, k, link in cases:
+                runs[by, k, link].append(one_run(mode, by, k, link))
+        for (by, k, link), got in runs.items():
             ratio = statistics.median(after / before for before, after, _ in got)
-            print(f"| {mode} | {by} | {k} | {', '.join(f'{b:.0f}' for b, _, _ in got)} | "
+            print(f"| {mode} | {by} | {k} | {link} | {', '.join(f'{b:.0f}' for b, _, _ in got)} | "
                   f"{', '.join(f'{x:.0f}' for _, x, _ in got)} | {ratio:.2f}x | "
                   f"{statistics.median(j for _, _, j in got):.2f} |", flush=True)
     return 0

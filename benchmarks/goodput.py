@@ -53,7 +53,9 @@ BINS = (1, 2, 3, 5, 10, 30)  # kill -> joined histogram edges, seconds
 
 
 # --modes' names: a mode's own flags ("shm": async over the node-shared parameter store, #47)
-MODE_FLAGS = {"async": ("--mode", "async"), "sync": ("--mode", "sync"), "shm": ("--mode", "async", "--ps-transport", "shm")}
+# async-mpi-link: async as before exchange/mailbox.py (a replacement reached over MPI's link between launches)
+MODE_FLAGS = {"async": ("--mode", "async"), "sync": ("--mode", "sync"), "shm": ("--mode", "async", "--ps-transport", "shm"),
+              "async-mpi-link": ("--mode", "async", "--joined-link", "mpi")}
 
 
 def command(mode: str, tmp: str) -> list[str]:

@@ -24,6 +24,7 @@ LOST_WORKER_CHOICES = ("continue", "stop")  # --on-lost-worker
 LOST_SERVER_CHOICES = ("continue", "stop")  # --on-lost-server
 LR_SCALINGS = ("linear", "none")
 PS_TRANSPORTS = ("mpi", "shm")  # --ps-transport (exchange/mpi.py, exchange/shm.py)
+JOINED_LINKS = ("shm", "mpi")  # --joined-link (exchange/mailbox.py)
 
 
 def _names(module: str, table: str) -> Callable[[], tuple[str, ...]]:
@@ -119,6 +120,10 @@ class TrainConfig:
         "shared memory, each worker there applies its own gradient under a lock; workers on other hosts send theirs "
         "to rank 0, which applies them into the same store)",
         choices=PS_TRANSPORTS)
+    joined_link: str = PARALLELISM(
+        "shm", "async over mpi: how rank 0 exchanges with a worker on its host that another launch started "
+        "(--respawn, --join): shm (a shared-memory mailbox) or mpi (MPI's link between launches: UCX or TCP, "
+        "0.70x as fast)", choices=JOINED_LINKS)
     compress: str = PARALLELISM(
         "none", "send gradients and parameters as float16 or bfloat16 (half the bytes; bf16 converts faster on a "
         "CPU); update in float32", choices=codec_names)

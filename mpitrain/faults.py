@@ -13,6 +13,8 @@ MPITRAIN_INJECT_KILL=RANK:STEP:locked   --ps-transport shm: ... holding the stor
 MPITRAIN_INJECT_KILL=RANK:STEP:applying ... with its gradient applied to the store, the version not yet
                                 advanced (half-way through its step, as rank 0 and the others see it)
 MPITRAIN_INJECT_KILL=RANK:0:opening ... before it has the store's name from rank 0 (open_store)
+MPITRAIN_INJECT_KILL=RANK:STEP:mailing async, a worker with a mailbox (exchange/mailbox.py): half-way
+                                through writing its push, before the counter announces it
 MPITRAIN_INJECT_EXIT=RANK:STEP  worker RANK exits at its local step STEP without a word (exit 137,
                                 as a killed rank's supervisor does: a Python API script has none)
 MPITRAIN_INJECT_RAISE=RANK:STEP worker RANK raises an unexpected exception at its local step STEP
@@ -143,8 +145,9 @@ class Kill:
 
 # Where in a --ps-transport shm push (exchange/shm.py): holding shard 0's lock, half-way through its
 # apply, half-way through shard 1's (--num-ps 2: shard 0 applied, the rest not); or, at step 0, before
-# the worker has mapped the store at all (open_store).
-STORE_KILL_POINTS = ("locked", "applying", "sharded", "opening")
+# the worker has mapped the store at all (open_store). Async's mailbox (exchange/mailbox.py): half-way
+# through writing a push, its counter not yet announcing it.
+STORE_KILL_POINTS = ("locked", "applying", "sharded", "opening", "mailing")
 
 
 def store_kill(rank: int, env=os.environ) -> tuple[int, str] | None:

@@ -16,11 +16,11 @@ import numpy as np
 from mpitrain.stopping import STOP
 
 MAGIC = 0x4D505452  # "MPTR": catches a peer that is not mpitrain, or a misrouted buffer
-VERSION = 11  # bump when the layout below changes (2: heartbeats carry an activity snapshot; 3: --quorum messages;
+VERSION = 12  # bump when the layout below changes (2: heartbeats carry an activity snapshot; 3: --quorum messages;
 #               4: H_SECONDS; 5: H_SIGNAL, FLAG_STOP_STEP, FLAG_STOPPED; 6: TAG_REGROUP, FLAG_REGROUPED;
 #               7: TAG_JOIN, FLAG_REFORM, the goodbye's payload; 8: FLAG_LEAVING out of FLAG_STOP, H_GENERATION
 #               and H_JOINER out of H_STEP and H_LOCAL_STEP; 9: TAG_STORE, the shm store's name point to point;
-#               10: TAG_ADOPT, a successor's offer to the spares; 11: FLAG_HOLD)
+#               10: TAG_ADOPT, a successor's offer to the spares; 11: FLAG_HOLD; 12: TAG_MAIL, async's mailboxes)
 
 # Tags (one per message kind, so a posted receive can never match the wrong kind).
 TAG_GRAD = 11  # worker -> PS: a gradient (async)
@@ -36,6 +36,7 @@ TAG_REGROUP = 20  # sync, rank 0 -> the workers left: regroup without the lost (
 TAG_FAILOVER = 22  # worker <-> worker, rank 0 lost (--on-lost-server continue): HERE (global step, gradients pushed), then the successor's DECIDE (one flag per rank of the new world); int64, not a Message (failover.py)
 TAG_STORE = 23  # --ps-transport shm, rank 0 -> every other rank: the store's path (exchange/shm.py, NAME_BYTES); back: one byte, mapped
 TAG_ADOPT = 24  # rank 0's successor <-> a waiting spare (--spares, --on-lost-server continue), on their own connection
+TAG_MAIL = 25  # async, rank 0 -> a worker of another launch on its host: its mailbox's path (exchange/mailbox.py); back: 1 byte
 #                 (spares.split): the successor's offer (header), the spare's answer (header)
 
 # Header slots.
@@ -168,14 +169,15 @@ class Message(Framed):
     """One header + payload buffer. `payload` is a view (float32, or float16 with --compress
     fp16) into the same memory, so header and payload travel as one message."""
 
-    def __init__(self, count: int, host_alloc=None, dtype=np.float32):
+    def __init__(self, count: int, host_alloc=None, dtype=np.float32, clear: bool = True):
         nbytes = HEADER_BYTES + np.dtype(dtype).itemsize * count
         raw = host_alloc(nbytes) if host_alloc is not None else np.empty(nbytes, np.uint8)
         self.buf = raw
         self.header = raw[:HEADER_BYTES].view(np.int64)
         self.payload = raw[HEADER_BYTES:].view(dtype)
         self.count = count
-        self.header[:] = 0
+        if clear:  # not over memory that may hold a message already (a mailbox mapped by its worker)
+            self.header[:] = 0
 
     def shard_parts(self, slices: list[slice], sending: bool = False) -> list[Framed]:
         """One message per shard over this buffer (--num-ps): the part for slices[k] carries

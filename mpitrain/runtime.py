@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mpitrain import checkpoint, lock, mpiimpl
+from mpitrain import checkpoint, lock, mpiimpl, samehost
 from mpitrain.backend import Backend, make_backend
 from mpitrain.config import TrainConfig, UsageError, can_take_joiners
 from mpitrain.console import say
@@ -42,6 +42,10 @@ class Node:
     busy: int  # ranks on this node other than the parameter servers (which mostly sleep)
     cores: int
     world_ranks: tuple[int, ...] = ()  # the COMM_WORLD ranks on this node (busy is recounted for --num-ps)
+    # The world's ranks on this host (this rank's samehost key) that another launch started (a --join or a
+    # --respawn: not in this process's MPI_COMM_WORLD), which MPI reaches over its network module (UCX, TCP),
+    # not shared memory: exchange/mailbox.py gives async's exchange with rank 0 a shared-memory path of its own.
+    strangers_here: tuple[int, ...] = ()
 
     def for_layout(self, layout: Layout) -> Node:
         if not self.world_ranks:
@@ -83,7 +87,8 @@ def node_info(comm) -> Node:
 
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
     here = tuple(node.allgather(comm.Get_rank()))  # setup-time only
-    info = Node(node.Get_rank(), node.Get_size(), node.Get_size(), len(os.sched_getaffinity(0)), here)
+    info = Node(node.Get_rank(), node.Get_size(), node.Get_size(), len(os.sched_getaffinity(0)), here,
+                strangers_here(comm))
     info = info.for_layout(Layout(comm.Get_size()))  # setup() recounts with --num-ps
     impl = mpiimpl.running()
     if impl is mpiimpl.OPENMPI:  # each rank maps a peer's segment when it first sends to it: all pairs, now
@@ -94,6 +99,22 @@ def node_info(comm) -> Node:
         unlink_init_shm(impl.shm_prefix)  # every rank on this node has mapped them: the names are not needed
         mpiimpl.sweep_sessions(impl)  # killed launchers' folders, which a later one with the same pid trips on
     return info
+
+
+def strangers_here(comm) -> tuple[int, ...]:
+    """Collective over `comm`: its ranks on this host (samehost's key: the kernel's boot and pid
+    namespace) that are not in this process's MPI_COMM_WORLD. Every rank of one launch answers alike about
+    another launch's, so rank 0 and a worker agree on whether they are strangers without a message."""
+    from mpi4py import MPI
+
+    keys = comm.allgather(int(samehost.mine()[2]))  # setup-time only
+    mine = keys[comm.Get_rank()]
+    ranks = list(range(comm.Get_size()))
+    group, launch = comm.Get_group(), MPI.COMM_WORLD.Get_group()
+    in_world = MPI.Group.Translate_ranks(group, ranks, launch)
+    group.Free()
+    launch.Free()
+    return tuple(r for r, key, w in zip(ranks, keys, in_world) if key and key == mine and w == MPI.UNDEFINED)
 
 
 # A node's shared-memory segments are named after the job, and only the rank that created one

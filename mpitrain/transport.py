@@ -83,18 +83,25 @@ class Poller:
         self.unattributed: list[str] = []  # MPI errors no request owned up to (see _sort_out)
         self._statuses: list = []
 
-    def some(self, reqs: list) -> Completed:
+    def some(self, reqs: list, also=None) -> Completed:
         """Wait until at least one request completes (normally or with an error); an empty
-        Completed when none is active any more."""
+        Completed when none is active any more. `also`: what else may arrive, looked at before
+        each test (async's mailboxes: a list of indices past MPI's); with it, the wait goes on
+        when no request is active."""
         t0 = time.perf_counter()
         active = [i for i, r in enumerate(reqs) if r]  # the error path needs to know which went null
         found: list[Completed] = []
 
         def completed() -> bool:
+            other = also() if also is not None else None
+            if other:
+                found.append(Completed(other))
+                return True
             done = self._test(reqs, active)
-            if done is not None:
+            if done is not None and (done or also is None):
                 found.append(done)
-            return done is not None
+                return True
+            return False
 
         try:
             # The watch is looked at on every call, not only when idle: a server kept busy by the

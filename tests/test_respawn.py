@@ -434,3 +434,42 @@ def test_a_job_that_ends_while_its_replacement_loads_tells_it_to_leave_and_ends_
         assert noise not in text, text
     s = read_summary(tmp_path / "s.json", text)
     assert s["global_step"] == budget and s["joined_workers"] == [] and [x["rank"] for x in s["lost_workers"]] == [2]
+
+
+@only_on("mpich", "the mailbox is shared memory between two processes, whichever MPI started them; MPICH's "
+                  "respawn trains on while the replacement starts, Open MPI's makes room first (both by hand: "
+                  "benchmarks/AFTER_RESPAWN.md)")
+def test_a_replacement_on_rank_0s_host_exchanges_through_a_mailbox_and_a_torn_push_is_never_applied(tmp_path):
+    """Async over MPI with one server: the replacement of a worker SIGKILLed from outside is another launch,
+    which MPI reaches over UCX; it gets a shared-memory mailbox instead (exchange/mailbox.py), which rank 0
+    maps while it trains. The replacement then dies half-way through writing a push (the first half of its
+    gradient NaN, its counter not yet written: MPITRAIN_INJECT_KILL=2:STEP:mailing, inherited by the spawned
+    process): rank 0 must never apply it (a NaN applied ends the run as diverged), loses it as any worker,
+    and the job finishes its budget with rank 1; nothing is left in /dev/shm."""
+    budget, torn_at = 30000, 4000
+    env = {**child_env(), "MPITRAIN_INJECT_KILL": f"2:{torn_at}:mailing"}
+    proc, lines = start_job(tmp_path, "--mode", "async", "--steps", str(budget), "--respawn", "1", env=env)
+    try:
+        rank0 = rank_pids(proc.pid)[0][0]
+        os.kill(rank_pids(proc.pid)[2][0], signal.SIGKILL)  # the job's own rank 2: the mailing point is not its
+        assert lines.wait("joined as rank 2", 1, 90), lines.text()
+        mapped = ""  # the next phase's rank 0 offers the mailbox as it starts, after that line
+        for _ in range(200):
+            with open(f"/proc/{rank0}/maps") as f:
+                mapped = [line for line in f if "/dev/shm/mpitrain-mail." in line]
+            if mapped:
+                break
+            time.sleep(0.05)
+        assert mapped, lines.text()
+        proc.wait(MPI_TIMEOUT_S)
+    finally:
+        leftovers = kill_session(proc)
+    text = lines.text()
+    assert not leftovers and "Traceback" not in text and "diverged" not in text, text
+    s = json.loads((tmp_path / "s.json").read_text())
+    [first, torn] = s["lost_workers"]
+    assert first["rank"] == torn["rank"] == 2 and "has ended" in torn["reason"], s["lost_workers"]
+    [joined] = s["joined_workers"]
+    assert joined["respawned"] and s["global_step"] == budget and s["test_accuracy"] > 0.9, s
+    assert torn["global_step"] - joined["global_step"] >= torn_at - 1  # its pushes before the torn one were applied
+    assert not [p for p in os.listdir("/dev/shm") if p.startswith("mpitrain-mail.")]

@@ -81,15 +81,16 @@ def _sections(n: int, workers: int, state_names: tuple[str, ...], ema: bool, dc:
             + ([("dc_mean_square", np.float32, n)] if dc else []))
 
 
-def segment_name(pid: int, token: str) -> str:
-    return f"{PREFIX}.{os.getuid()}.{pid}.{token}"
+def segment_name(pid: int, token: str, prefix: str = PREFIX) -> str:
+    return f"{prefix}.{os.getuid()}.{pid}.{token}"
 
 
-def sweep(shm_dir: str = SHM_DIR) -> list[str]:
+def sweep(shm_dir: str = SHM_DIR, prefix: str = PREFIX) -> list[str]:
     """Remove the segments of this user's jobs whose creator is gone (killed before every rank had
-    mapped the segment, the only time its name exists); returns what it removed."""
+    mapped the segment, the only time its name exists); returns what it removed. (Also the async
+    mailboxes', exchange/mailbox.py, by their prefix.)"""
     removed = []
-    for path in orphans(shm_dir, f"{PREFIX}.{os.getuid()}."):
+    for path in orphans(shm_dir, f"{prefix}.{os.getuid()}."):
         with contextlib.suppress(OSError):
             os.unlink(path)
             removed.append(os.path.basename(path))

@@ -24,6 +24,7 @@ from mpitrain.config import AUTO_OVERLAP_MAX_WORKERS
 from mpitrain.elastic import interrupted_at
 from mpitrain.exchange import shm
 from mpitrain.exchange.base import PushPull
+from mpitrain.exchange.mailbox import ServerMail, worker_exchange
 from mpitrain.exchange.mpi import MPIPushPull
 from mpitrain.exchange.shm import ShmPushPull
 from mpitrain.faults import Kill, never_returns, stuck_from
@@ -80,8 +81,13 @@ class AsyncServer:
         self.zero_copy = bool(W) and be.mirror(self.inbox[0].payload) is self.inbox[0].payload
         self.grad = None if self.zero_copy else be.xp.empty(n, be.xp.float32)
         self.worker_ranks = list(ctx.layout.worker_ranks)  # worker w is MPI rank worker_ranks[w]
-        self.recv = [self.comm.Irecv(self.inbox[w].spec(), source=r, tag=TAG_GRAD) for w, r in enumerate(self.worker_ranks)]
         self.sends = [MPI.REQUEST_NULL] * W
+        # A worker of another launch on this host is offered a mailbox (exchange/mailbox.py): recv[w] awaits
+        # its answer; once it has mapped the mailbox its pushes are looked for there, not in MPI.
+        self.mail = ServerMail(ctx, n, self.worker_ranks)
+        self.recv = [self._listen(w) for w in range(W)]
+        for w in self.mail.offered:
+            self.sends[w], self.recv[w] = self.mail.offer(w, self.worker_ranks[w])
         # With --overlap a reply is not awaited until the worker's next gradient is computed, so
         # rank 0 can sleep longer between polls and leave the cores to the workers.
         self.poller = Poller(PS_POLL_S if cfg.overlaps(ctx.workers) else PS_POLL_NO_OVERLAP_S, ctx.watch)
@@ -125,6 +131,7 @@ class AsyncServer:
                 self._lose(e.lost)
         WATCHDOG.last_words = None
         self._drain_sends()
+        self.mail.close()
         self.duties.finish()
         if self.chief:
             final = self._full_state(FLAG_STOP)
@@ -141,14 +148,16 @@ class AsyncServer:
         a message's header) stops every worker at its next gradient, as --steps does."""
         self.stopping = self.stopping or STOP.requested
         self._apply_held()
-        if self.held and not any(self.recv[w] for w in self.active):
+        if not self.active:  # the last worker was just stopped: nothing more comes (a mailbox's wait would not end)
+            return
+        if self.held and not any(self.recv[w] or self.mail.awaits(w) for w in self.active):
             self._apply(self._oldest_held())  # never reached with S >= W-1; no hang regardless
             return
         self.ctx.activity.enter(WAIT)
         if self.stuck_at is not None and self.state.global_step >= self.stuck_at:
             self.poller.testsome = never_returns
         reqs = self.recv if self.chief else self.recv + [self.service.req]
-        done = self.poller.some(reqs)
+        done = self.poller.some(reqs, also=self.mail.arrived if self.mail.offered else None)
         if done.failed:  # a gradient from a process that died while sending it: never applied
             self._lose({(self.worker_ranks[w] if w < len(self.recv) else PS_RANK): why for w, why in done.failed.items()})
         for w in done.arrived:
@@ -156,12 +165,17 @@ class AsyncServer:
                 self.service.handle(self._own_state(), self.poller)
                 continue
             self.ctx.watch.heard(self.worker_ranks[w])
+            if self.mail.answering(w):  # mapped: its pushes come there; not: over MPI (another /dev/shm)
+                self.recv[w] = MPI.REQUEST_NULL if self.mail.answered(w) else self._listen(w)
+                continue
+            if w in self.mail.boxes:  # a push in its mailbox: read where it lies
+                self.inbox[w] = self.mail.push(w)
             if self.inbox[w].flags & FLAG_LEAVING:  # the worker leaves: another server stopped it
                 self.inbox[w].check(TAG_GRAD, self.worker_ranks[w], count=0)
                 self.active.discard(w)
                 continue
             self.inbox[w].check(TAG_GRAD, self.worker_ranks[w])
-            self.state.bytes_in += self.message_bytes
+            self.state.bytes_in += 0 if w in self.mail.boxes else self.message_bytes  # the summary's "through MPI"
             self.held.append(w)
 
     def _lose(self, lost: dict[int, str]) -> None:
@@ -187,6 +201,7 @@ class AsyncServer:
             # the job ends without MPI_Finalize, which would wait for them (see trainer.py).
             self.recv[w] = MPI.REQUEST_NULL
             self.sends[w] = MPI.REQUEST_NULL
+            self.mail.drop(w)
             record_lost(self.state, rank, why, f"; continuing with {len(self.active)} worker(s)" if self.active else "",
                         loud=self.chief)
 
@@ -301,19 +316,30 @@ class AsyncServer:
         rank = self.worker_ranks[w]
         if not tested(self.sends[w], rank, self.ctx.watch):  # consumed before this push: done at once
             self.poller.all([self.sends[w]], [rank])
-        reply = self.outbox[w]
+        mailed = w in self.mail.boxes
+        reply = self.mail.reply(w) if mailed else self.outbox[w]
         self.be.download(self.params, reply.payload)  # a copy (narrowed with --compress): params change in flight
         flags = (FLAG_STOP | (FLAG_DIVERGED if state.diverged else 0)) if stop else 0
         reply.stamp(TAG_PARAMS, state.global_step, state.local_steps[w], flags)
-        self.sends[w] = self.comm.Isend(reply.spec(), dest=rank, tag=TAG_PARAMS)
-        state.bytes_out += self.message_bytes
+        if mailed:
+            self.mail.announce(w)
+        else:
+            self.sends[w] = self.comm.Isend(reply.spec(), dest=rank, tag=TAG_PARAMS)
+        state.bytes_out += 0 if mailed else self.message_bytes
         self.basis[w] = state.global_step
         if stop:
             self.active.discard(w)
             self.update.forget(w)
         else:
             self.update.was_sent(w, state.global_step)
-            self.recv[w] = self.comm.Irecv(self.inbox[w].spec(), source=rank, tag=TAG_GRAD)
+            if not mailed:
+                self.recv[w] = self._listen(w)
+
+    def _listen(self, w: int):
+        """Post the receive of w's next push over MPI (none for a worker offered a mailbox it took or may take)."""
+        if w in self.mail.offered and w not in self.mail.declined:
+            return MPI.REQUEST_NULL
+        return self.comm.Irecv(self.inbox[w].spec(), source=self.worker_ranks[w], tag=TAG_GRAD)
 
 
 class AsyncWorker:
@@ -463,6 +489,8 @@ class AsyncMode(Mode):
                 exchange = ShmPushPull(ctx, start_state(ctx))
             else:  # another host than the store's: the message path, rank 0 applying into the store
                 shm.open_store(ctx, start_state(ctx), here=False)
+        else:
+            exchange = worker_exchange(ctx, start_state(ctx))  # a mailbox on rank 0's host (another launch's worker)
         return Trained(worker=AsyncWorker(ctx, exchange).run())
 
 
