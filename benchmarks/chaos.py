@@ -50,7 +50,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from mpitrain import checkpoint, mpiimpl  # noqa: E402
 from mpitrain.exitcodes import ExitCode  # noqa: E402
-from mpitrain.faults import LINGER_S, kill_session, rank_pids  # noqa: E402
+from mpitrain.faults import LINGER_S, kill_session, rank_pids, spawned_pids  # noqa: E402
 from mpitrain.join import FORM_LIMIT_S  # noqa: E402
 from mpitrain.layout import Layout  # noqa: E402
 from mpitrain.stuck import STUCK_LINE  # noqa: E402
@@ -161,6 +161,9 @@ CASES = [
     # joins at the next step boundary; the budget is finished with it (or first, if the kill came late).
     Case("respawn-async", ("--mode", "async", "--respawn", "1"), "worker", 20000),
     Case("respawn-sync", ("--mode", "sync", "--respawn", "1"), "worker", 4000),
+    # ... and the replacement itself killed at a random moment once it joined: async, one server, so it pushes
+    # through its mailbox (exchange/mailbox.py); 6.4 MB pushes, so many kills land half-way through writing one
+    Case("respawn-mailbox", ("--mode", "async", "--respawn", "1", "--hidden", "2000"), "respawned", 2400),
     # --on-lost-server continue: a worker takes over from the killed rank 0 (failover.py)
     # --spares 1 (both MPIs): a worker killed at any moment is replaced by the waiting spare (world rank NP);
     # the spare itself killed at any moment while it waits, or while it takes a lost worker's place
@@ -381,6 +384,16 @@ def _run_trial(case: Case, duration_s: float, rng: random.Random, tmp: str) -> T
     elif case.target == "rank0-join":  # from the joiner's start: its request, the connect, making room, forming
         joiner = Job(join_command(case, tmp), tmp)
         started = time.monotonic()
+    elif case.target == "respawned":  # a worker killed first; from its replacement's join: the rest of the run
+        time.sleep(rng.uniform(0.2, duration_s * 0.3))
+        first = rng.choice(case.layout.worker_ranks)
+        with contextlib.suppress(ProcessLookupError, TypeError):
+            os.kill(rank_pids(job.proc.pid).get(first, (None, None))[0], signal.SIGKILL)
+        started = job.wait_for("joined as rank", START_WAIT_S)
+        if started is None:
+            job.finish(5)
+            trial.why = "the replacement never joined: " + job.text()[-800:]
+            return trial
     elif case.target in ("rank0-respawn", "spare-joining"):  # a worker killed first; then: the loss, the spawn or the spare, forming
         time.sleep(rng.uniform(0.2, duration_s * 0.5))
         first = rng.choice(case.layout.worker_ranks)
@@ -388,6 +401,8 @@ def _run_trial(case: Case, duration_s: float, rng: random.Random, tmp: str) -> T
             os.kill(rank_pids(job.proc.pid).get(first, (None, None))[0], signal.SIGKILL)
         started = time.monotonic()
     trial.kill_after_s = rng.uniform(0.0 if joiner else 0.2, duration_s * (0.8 if joiner else 1.05))
+    if case.target == "respawned":  # its phase starts (the mailbox) within a second; it trains a few more
+        trial.kill_after_s = rng.uniform(0.0, 3.0)
     if case.target in ("rank0-join", "rank0-respawn", "spare-joining"):
         trial.kill_after_s = rng.uniform(0.0, SPARE_WINDOW_S if case.target == "spare-joining" else JOIN_WINDOW_S)
     elif case.window_s:
@@ -400,6 +415,9 @@ def _run_trial(case: Case, duration_s: float, rng: random.Random, tmp: str) -> T
     trial.victim = fixed[case.target] if case.target in fixed else rng.choice(lay.worker_ranks)
     if case.target == "joiner":  # the only rank of its own mpirun
         pids = {trial.victim: rank_pids(joiner.proc.pid).get(0, (None, None))}
+    if case.target == "respawned":  # the replacement: the last rank of the new world, its process the job's own
+        trial.victim = NP - 1
+        pids = {trial.victim: ((spawned_pids(job.proc.pid) or [None])[-1], None)}
     pid, supervisor = pids.get(trial.victim, (None, None))
     pid = supervisor if case.target == "supervisor" else pid
     if case.target in ("launcher", "disk"):
@@ -482,6 +500,8 @@ def expected(case: Case, trial: Trial, err: str, code: int, summary: dict | None
         return rank0_stuck_as_documented(case, trial, err, code, ck, stuck)
     if case.target in ("spare", "spare-joining"):
         return spare_killed_as_documented(case, trial, err, code, summary, ck, out)
+    if case.target == "respawned":
+        return replacement_killed_as_documented(case, err, code, summary, ck)
     if case.target in ("rank0-join", "rank0-respawn"):
         return join_failed_over_as_documented(case, trial, err, joiner, code, summary, ck)
     if case.target in ("rank0", "shard") and failover(case):
@@ -551,6 +571,29 @@ def expected(case: Case, trial: Trial, err: str, code: int, summary: dict | None
     if len(lost_lines) != 1 or (ck and str(ck[-1]) not in lost_lines[0]):
         return [f"{len(lost_lines)} lines name rank {v} with the newest checkpoint"]
     return []
+
+
+def replacement_killed_as_documented(case: Case, err: str, code: int, summary: dict | None, ck: list) -> list[str]:
+    """respawn-mailbox: a worker killed, replaced, and its replacement killed (in the middle of a mailbox push,
+    often): rank 0 drops it as any lost worker (--respawn 1 is spent: nobody replaces it), never applies a
+    half-written push (a NaN would end the run as diverged), finishes the budget, and leaves no mailbox in
+    /dev/shm."""
+    if summary is None:
+        return [f"no summary (exit {code})"]
+    problems = []
+    if summary["global_step"] != case.steps or "diverged" in err:
+        diverged = ", diverged" if "diverged" in err else ""
+        problems.append(f"global step {summary['global_step']} of {case.steps}{diverged}")
+    if len(summary["lost_workers"]) not in (1, 2) or not summary["joined_workers"]:  # 1: killed after its report
+        problems.append(f"lost {summary['lost_workers']}, joined {summary['joined_workers']}")
+    if not ck or checkpoint.load(ck[-1]).global_step != case.steps:
+        problems.append("no final checkpoint at the budget")
+    if code != IMPL.worker_lost_exit:
+        problems.append(f"exit {code}")
+    left = [p for p in os.listdir("/dev/shm") if p.startswith(f"mpitrain-mail.{os.getuid()}.")]
+    if left:
+        problems.append(f"left in /dev/shm: {left}")
+    return problems
 
 
 def spare_killed_as_documented(case: Case, trial: Trial, err: str, code: int, summary: dict | None, ck: list,

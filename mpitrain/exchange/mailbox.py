@@ -12,10 +12,10 @@ The segment (one per such worker, made by rank 0): a header of counters, two gra
 parameter slots, each a protocol.Message (header + payload, as MPI would carry it, so the server
 checks it alike). Push p fills gradient slot (p - 1) % 2 and then sets PUSHED = p; rank 0's reply to
 it fills parameter slot p % 2 and then sets ANSWERED = p (slot 0 holds the start). A counter is one
-aligned 8-byte word written after its slot (x86's stores are seen in program order; a reader reads
-the counter first), so a process killed half-way through a write leaves a slot that is never
-announced, as a half-sent message is never received: the heartbeat watch names the dead after
---worker-timeout (samehost.py sooner), as on MPI. Two slots each way, as MPIPushPull's buffers: the
+aligned 8-byte word written after its slot and read before it, with a memory barrier between
+(`fence`), so a process killed half-way through a write leaves a slot that is never announced, as a
+half-sent message is never received: the heartbeat watch names the dead after --worker-timeout
+(samehost.py sooner), as on MPI. Two slots each way, as MPIPushPull's buffers: the
 worker computes into a gradient slot whose push has been answered, on a parameter slot rank 0 is done
 with (its next write there answers a push computed after it).
 
@@ -32,6 +32,7 @@ import contextlib
 import mmap
 import os
 import secrets
+import threading
 
 import numpy as np
 from mpi4py import MPI
@@ -49,6 +50,15 @@ PREFIX = "mpitrain-mail"
 PUSHED, ANSWERED = 0, 1  # the header's counters: the worker's pushes announced, rank 0's answers announced
 COUNTERS = 8  # int64 slots (a cache line), the rest spare
 MAPPED, NOT_MAPPED = b"\1", b"\0"  # the worker's answer to the path
+_BARRIER = threading.Lock()
+
+
+def fence() -> None:
+    """A memory barrier between a slot and its counter: a lock taken and released (its atomic
+    instructions order memory; ~0.1-1 us). x86, where this is tested, keeps stores and loads in order
+    without it; on ARM it is what keeps a counter from being seen before its slot (untested there)."""
+    with _BARRIER:
+        pass
 
 
 def wanted(ctx, rank: int) -> bool:
@@ -81,6 +91,10 @@ class Segment:
             if create:
                 os.ftruncate(fd, size)
             self.mm = mmap.mmap(fd, size)
+        except BaseException:
+            if create:
+                self.unlink()
+            raise
         finally:
             os.close(fd)  # the mapping keeps the memory
         raw = np.frombuffer(self.mm, np.uint8)
@@ -146,6 +160,8 @@ class ServerMail:
     def arrived(self) -> list[int]:
         """The workers whose next push (or goodbye) is announced; each is taken: `push(w)` is it."""
         new = [w for w, seg in self.boxes.items() if seg.counters[PUSHED] > self.taken[w]]
+        if new:
+            fence()
         for w in new:
             self.taken[w] += 1
         return new
@@ -164,6 +180,7 @@ class ServerMail:
         return self.boxes[w].params[self.taken[w] % 2]
 
     def announce(self, w: int) -> None:
+        fence()
         self.boxes[w].counters[ANSWERED] = self.taken[w]  # after the slot: see the module's docstring
 
     def drop(self, w: int) -> None:
@@ -230,6 +247,7 @@ class MailPushPull:
 
     def _announce(self, nbytes: int) -> None:
         self.sent += 1
+        fence()
         self.seg.counters[PUSHED] = self.sent  # after the slot: see the module's docstring
         self.ctx.activity.moved(sent=nbytes)
 
@@ -237,6 +255,7 @@ class MailPushPull:
         """Wait for rank 0's answer to the push in flight; it becomes the parameters. True: stopped."""
         counters = self.seg.counters
         poll(lambda: counters[ANSWERED] >= self.sent, WORKER_POLL_S, self.ctx.watch)
+        fence()
         msg = self.seg.params[self.sent % 2]
         msg.check(TAG_PARAMS, PS_RANK)
         self.pulled = self.sent
