@@ -588,7 +588,9 @@ def replacement_killed_as_documented(case: Case, err: str, code: int, summary: d
         problems.append(f"lost {summary['lost_workers']}, joined {summary['joined_workers']}")
     if not ck or checkpoint.load(ck[-1]).global_step != case.steps:
         problems.append("no final checkpoint at the budget")
-    if code != IMPL.worker_lost_exit:
+    # prterun takes a spawned process killed by a signal for its job's failure and exits 137 (as hydra does for
+    # any killed rank), where a worker of its own launch killed gives rank 0's WORKER_LOST (8)
+    if code not in (IMPL.worker_lost_exit, 128 + signal.SIGKILL):
         problems.append(f"exit {code}")
     left = [p for p in os.listdir("/dev/shm") if p.startswith(f"mpitrain-mail.{os.getuid()}.")]
     if left:

@@ -83,7 +83,7 @@ class Segment:
     """One mapping of a mailbox: the counters and the four slots as Messages over the shared memory."""
 
     def __init__(self, path: str, n: int, wire, create: bool):
-        slot = HEADER_BYTES + np.dtype(wire).itemsize * n
+        slot = -(-(HEADER_BYTES + np.dtype(wire).itemsize * n) // 64) * 64  # whole cache lines: no slot shares one
         size = 8 * COUNTERS + 4 * slot
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         self.path, fd = path, os.open(path, flags, 0o600)  # the job's user only (DESIGN.md, Security)
@@ -206,8 +206,8 @@ def worker_exchange(ctx, start: TrainState):
     poller.all([ctx.comm.Irecv([name, MPI.BYTE], source=PS_RANK, tag=TAG_MAIL)], [PS_RANK])
     try:
         seg = Segment(bytes(name).rstrip(b"\0").decode(), ctx.model.n_params, ctx.cfg.wire_dtype, create=False)
-    except OSError:  # another /dev/shm (a container of its own): MPI's link, as before
-        seg = None
+    except (OSError, ValueError):  # another /dev/shm (a container of its own), or not the size this rank expects
+        seg = None  # (mmap: "length is greater than file size"): MPI's link, as before
     answer = bytearray(MAPPED if seg is not None else NOT_MAPPED)
     poller.all([ctx.comm.Isend([answer, MPI.BYTE], dest=PS_RANK, tag=TAG_MAIL)], [PS_RANK])
     return None if seg is None else MailPushPull(ctx, start, seg)
