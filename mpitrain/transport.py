@@ -86,8 +86,8 @@ class Poller:
     def some(self, reqs: list, also=None) -> Completed:
         """Wait until at least one request completes (normally or with an error); an empty
         Completed when none is active any more. `also`: what else may arrive, looked at before
-        each test (async's mailboxes: a list of indices past MPI's); with it, the wait goes on
-        when no request is active."""
+        each test (async's mailboxes: the indices, in reqs' numbering, of pushes announced); with
+        it, the wait goes on when no request is active."""
         t0 = time.perf_counter()
         active = [i for i, r in enumerate(reqs) if r]  # the error path needs to know which went null
         found: list[Completed] = []
