@@ -384,22 +384,19 @@ def _run_trial(case: Case, duration_s: float, rng: random.Random, tmp: str) -> T
     elif case.target == "rank0-join":  # from the joiner's start: its request, the connect, making room, forming
         joiner = Job(join_command(case, tmp), tmp)
         started = time.monotonic()
-    elif case.target == "respawned":  # a worker killed first; from its replacement's join: the rest of the run
-        time.sleep(rng.uniform(0.2, duration_s * 0.3))
-        first = rng.choice(case.layout.worker_ranks)
-        with contextlib.suppress(ProcessLookupError, TypeError):
-            os.kill(rank_pids(job.proc.pid).get(first, (None, None))[0], signal.SIGKILL)
-        started = job.wait_for("joined as rank", START_WAIT_S)
-        if started is None:
-            job.finish(5)
-            trial.why = "the replacement never joined: " + job.text()[-800:]
-            return trial
-    elif case.target in ("rank0-respawn", "spare-joining"):  # a worker killed first; then: the loss, the spawn or the spare, forming
-        time.sleep(rng.uniform(0.2, duration_s * 0.5))
+    elif case.target in ("rank0-respawn", "spare-joining", "respawned"):  # a worker killed first; then: the loss,
+        # the spawn or the spare, forming (respawned: from the replacement's join, the rest of the run)
+        time.sleep(rng.uniform(0.2, duration_s * (0.3 if case.target == "respawned" else 0.5)))
         first = rng.choice(case.layout.worker_ranks)
         with contextlib.suppress(ProcessLookupError, TypeError):
             os.kill(rank_pids(job.proc.pid).get(first, (None, None))[0], signal.SIGKILL)
         started = time.monotonic()
+        if case.target == "respawned":
+            started = job.wait_for("joined as rank", START_WAIT_S)
+            if started is None:
+                job.finish(5)
+                trial.why = "the replacement never joined: " + job.text()[-800:]
+                return trial
     trial.kill_after_s = rng.uniform(0.0 if joiner else 0.2, duration_s * (0.8 if joiner else 1.05))
     if case.target == "respawned":  # its phase starts (the mailbox) within a second; it trains a few more
         trial.kill_after_s = rng.uniform(0.0, 3.0)

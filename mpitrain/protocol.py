@@ -36,8 +36,8 @@ TAG_REGROUP = 20  # sync, rank 0 -> the workers left: regroup without the lost (
 TAG_FAILOVER = 22  # worker <-> worker, rank 0 lost (--on-lost-server continue): HERE (global step, gradients pushed), then the successor's DECIDE (one flag per rank of the new world); int64, not a Message (failover.py)
 TAG_STORE = 23  # --ps-transport shm, rank 0 -> every other rank: the store's path (exchange/shm.py, NAME_BYTES); back: one byte, mapped
 TAG_ADOPT = 24  # rank 0's successor <-> a waiting spare (--spares, --on-lost-server continue), on their own connection
-TAG_MAIL = 25  # async, rank 0 -> a worker of another launch on its host: its mailbox's path (exchange/mailbox.py); back: 1 byte
 #                 (spares.split): the successor's offer (header), the spare's answer (header)
+TAG_MAIL = 25  # async, rank 0 -> a worker of another launch on its host: its mailbox's path (exchange/mailbox.py); back: 1 byte
 
 # Header slots.
 H_MAGIC = 0

@@ -39,6 +39,7 @@ from mpi4py import MPI
 
 from mpitrain.checkpoint import TrainState
 from mpitrain.exchange import shm
+from mpitrain.exchange.mpi import held_copy
 from mpitrain.faults import kill_here, store_kill
 from mpitrain.layout import PS_RANK
 from mpitrain.protocol import (FLAG_DIVERGED, FLAG_LAST, FLAG_LEAVING, FLAG_STOP, HEADER_BYTES, TAG_GRAD, TAG_MAIL,
@@ -49,7 +50,7 @@ from mpitrain.waiting import poll
 PREFIX = "mpitrain-mail"
 PUSHED, ANSWERED = 0, 1  # the header's counters: the worker's pushes announced, rank 0's answers announced
 COUNTERS = 8  # int64 slots (a cache line), the rest spare
-MAPPED, NOT_MAPPED = b"\1", b"\0"  # the worker's answer to the path
+NOT_MAPPED = b"\0"  # the worker's answer to the path when it could not map it (shm.MAPPED when it did)
 _BARRIER = threading.Lock()
 
 
@@ -150,7 +151,7 @@ class ServerMail:
         """The worker's answer arrived: True if it mapped the mailbox (its pushes come through it)."""
         seg, _, answer = self._pending.pop(w)
         seg.unlink()
-        if bytes(answer) != MAPPED:
+        if answer != shm.MAPPED:
             seg.close()
             self.declined.add(w)
             return False
@@ -208,7 +209,7 @@ def worker_exchange(ctx, start: TrainState):
         seg = Segment(bytes(name).rstrip(b"\0").decode(), ctx.model.n_params, ctx.cfg.wire_dtype, create=False)
     except (OSError, ValueError):  # another /dev/shm (a container of its own), or not the size this rank expects
         seg = None  # (mmap: "length is greater than file size"): MPI's link, as before
-    answer = bytearray(MAPPED if seg is not None else NOT_MAPPED)
+    answer = shm.MAPPED if seg is not None else bytearray(NOT_MAPPED)
     poller.all([ctx.comm.Isend([answer, MPI.BYTE], dest=PS_RANK, tag=TAG_MAIL)], [PS_RANK])
     return None if seg is None else MailPushPull(ctx, start, seg)
 
@@ -276,9 +277,7 @@ class MailPushPull:
         self._announce(bye.buf.nbytes)
 
     def held(self) -> TrainState:
-        """What a take-over starts from (failover.py): the parameters this worker holds."""
-        return TrainState(np.array(self.be.to_host(self.params), np.float32), self.versions[0],
-                          versions=list(self.versions))
+        return held_copy(self)
 
     def close(self) -> None:
         self.params = self.grads = None

@@ -73,6 +73,13 @@ class MPIReducer:
             await_verdict(self.ctx, done.failed[0])
 
 
+def held_copy(ex) -> TrainState:
+    """A message-path exchange's held() (MPIPushPull, mailbox.MailPushPull): what a take-over starts from
+    (rank 0 lost, failover.py), the parameters this worker holds at the global step each server answered
+    them at."""
+    return TrainState(np.array(ex.be.to_host(ex.params), np.float32), ex.versions[0], versions=list(ex.versions))
+
+
 def await_verdict(ctx: Context, why: str) -> None:
     """The gradient Allreduce failed: a worker died in the middle of it. Rank 0 notices within
     --worker-timeout and either tells the workers left to regroup (elastic.Regroup is raised here)
@@ -173,10 +180,7 @@ class MPIPushPull:
         self.poller.all([self.comm.Isend(bye.spec(), dest=rank, tag=TAG_GRAD) for rank in ranks], ranks)
 
     def held(self) -> TrainState:
-        """What a take-over starts from (rank 0 lost, failover.py): the parameters this worker holds,
-        at the global step each server answered them at."""
-        return TrainState(np.array(self.be.to_host(self.params), np.float32), self.versions[0],
-                          versions=list(self.versions))
+        return held_copy(self)
 
     def close(self) -> None:
         for part in self.inparts[0] + self.inparts[1] + self.outparts[0] + self.outparts[1]:
