@@ -46,8 +46,8 @@ from run import env, machine, mpirun
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from mpitrain import mpiimpl  # noqa: E402
-from mpitrain.faults import rank_pids, spawned_pids  # noqa: E402
+from mpitrain.launch import mpiimpl
+from mpitrain.membership.faults import rank_pids, spawned_pids  # noqa: E402
 
 KILL_AT_S = 9.0
 # --kills: whom each kill hits, in order (a rank the job started with, or "spawned": the newest replacement)

@@ -48,12 +48,13 @@ from run import env, machine, mpirun  # noqa: E402  (same folder)
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from mpitrain import checkpoint, mpiimpl  # noqa: E402
-from mpitrain.exitcodes import ExitCode  # noqa: E402
-from mpitrain.faults import LINGER_S, kill_session, rank_pids, spawned_pids  # noqa: E402
-from mpitrain.join import FORM_LIMIT_S  # noqa: E402
-from mpitrain.layout import Layout  # noqa: E402
-from mpitrain.stuck import STUCK_LINE  # noqa: E402
+from mpitrain.core.exitcodes import ExitCode  # noqa: E402
+from mpitrain.core.layout import Layout  # noqa: E402
+from mpitrain.duties import checkpoint
+from mpitrain.launch import mpiimpl
+from mpitrain.membership.faults import LINGER_S, kill_session, rank_pids, spawned_pids  # noqa: E402
+from mpitrain.membership.join import FORM_LIMIT_S  # noqa: E402
+from mpitrain.membership.stuck import STUCK_LINE  # noqa: E402
 
 NP = 4
 TIMEOUT_S = 3.0  # --worker-timeout

@@ -22,6 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import run  # noqa: E402  (benchmarks/run.py: the environment and command every benchmark uses)
+
 # The GEMMs of one MLP 784-100-10 step at batch 100 (forward and both gradients), and softmax's.
 GEMM_CODE = """
 import json, time, numpy as np

@@ -36,8 +36,8 @@ from run import machine, mpirun
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from mpitrain import mpiimpl  # noqa: E402
-from mpitrain.faults import rank_pids  # noqa: E402
+from mpitrain.launch import mpiimpl
+from mpitrain.membership.faults import rank_pids  # noqa: E402
 
 NP = 6
 TIMEOUT_S = 2.0  # --worker-timeout: a kill costs this much before rank 0 declares it

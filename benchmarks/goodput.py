@@ -45,8 +45,8 @@ from run import machine, mpirun
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from mpitrain import mpiimpl  # noqa: E402
-from mpitrain.faults import rank_pids, spawned_pids  # noqa: E402
+from mpitrain.launch import mpiimpl
+from mpitrain.membership.faults import rank_pids, spawned_pids  # noqa: E402
 
 NP = 5
 BINS = (1, 2, 3, 5, 10, 30)  # kill -> joined histogram edges, seconds

@@ -84,10 +84,10 @@ def staging(hidden: str, batch: int, reps: int = 200) -> dict:
     import cupy
     import numpy as np
 
-    from mpitrain.backend import make_backend
-    from mpitrain.codec import WIRE_DTYPES
-    from mpitrain.data import make_synthetic
-    from mpitrain.model import MLP
+    from mpitrain.core.backend import make_backend
+    from mpitrain.core.codec import WIRE_DTYPES
+    from mpitrain.core.data import make_synthetic
+    from mpitrain.core.model import MLP
 
     be = make_backend("gpu", 0)
     sizes = (784, *map(int, hidden.split(",")), 10)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from run import machine, run_mpitrain  # same folder
 
-from mpitrain.config import AUTO_OVERLAP_MAX_WORKERS, DEFAULT_EPOCHS, DEFAULT_STALENESS_TOLERANCE
+from mpitrain.core.config import AUTO_OVERLAP_MAX_WORKERS, DEFAULT_EPOCHS, DEFAULT_STALENESS_TOLERANCE
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = [

@@ -35,8 +35,8 @@ from run import machine, mpirun
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from mpitrain import mpiimpl  # noqa: E402
-from mpitrain.faults import rank_pids  # noqa: E402
+from mpitrain.launch import mpiimpl
+from mpitrain.membership.faults import rank_pids  # noqa: E402
 
 STEPS = {"async": 40000, "sync": 60000}
 EVENTS = (("lost", "lost at global step"), ("start", "starting a worker in place"), ("joined", "joined as rank 2"))

@@ -33,8 +33,8 @@ from run import machine, mpirun
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from mpitrain import mpiimpl  # noqa: E402
-from mpitrain.faults import rank_pids  # noqa: E402
+from mpitrain.launch import mpiimpl
+from mpitrain.membership.faults import rank_pids  # noqa: E402
 
 # Budgets short enough that a random kill often lands near the end (2 cores: async ~3 s, sync ~3 s).
 BUDGET = {"async": 3000, "sync": 500}

@@ -25,7 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from mpitrain.mpiimpl import local_flags, of_mpirun  # noqa: E402
+from mpitrain.launch.mpiimpl import local_flags, of_mpirun  # noqa: E402
 
 PY = sys.executable
 TRACE = os.path.join(tempfile.gettempdir(), "mpitrain-benchmark-trace.json")  # --timeline rows (overwritten)

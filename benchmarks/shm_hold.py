@@ -29,10 +29,10 @@ from run import machine  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from mpitrain.checkpoint import TrainState  # noqa: E402
 from mpitrain.cli import parse_args  # noqa: E402
+from mpitrain.core.optim import REGISTRY, StalenessHold  # noqa: E402
+from mpitrain.duties.checkpoint import TrainState  # noqa: E402
 from mpitrain.exchange import shm  # noqa: E402
-from mpitrain.optim import REGISTRY, StalenessHold  # noqa: E402
 
 SIZES = {"mlp 784-200-10": 784 * 200 + 200 + 200 * 10 + 10, "softmax 784-10": 784 * 10 + 10}
 

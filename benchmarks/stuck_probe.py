@@ -39,16 +39,16 @@ RANK_ARG = "--rank-of-mpitrain-probe"  # the ranks' command (faults.rank_pids fi
 
 
 def rank_main() -> None:
-    from mpitrain.supervise import supervise
+    from mpitrain.launch.supervise import supervise
 
     supervise()  # a killed sender must not take rank 0 with it (hydra)
     import numpy as np
     from mpi4py import MPI
 
-    from mpitrain.mpiimpl import MPICH
+    from mpitrain.exchange.transport import Poller
+    from mpitrain.launch.mpiimpl import MPICH
+    from mpitrain.membership.stuck import WATCHDOG
     from mpitrain.runtime import unlink_init_shm
-    from mpitrain.stuck import WATCHDOG
-    from mpitrain.transport import Poller
 
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -78,8 +78,9 @@ def rank_main() -> None:
 
 
 def trial(rng: random.Random) -> str:
-    from mpitrain.faults import kill_session, rank_pids
     from run import env, mpirun
+
+    from mpitrain.membership.faults import kill_session, rank_pids
 
     proc = subprocess.Popen([mpirun(), "-disable-auto-cleanup", "-np", "3", sys.executable, __file__, RANK_ARG],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env(),

@@ -6,10 +6,10 @@ from __future__ import annotations
 import sys
 
 from mpitrain import modes
-from mpitrain.config import TrainConfig, UsageError
-from mpitrain.config_io import agreed_fields, disagreement, plain_value
-from mpitrain.console import say
-from mpitrain.protocol import VERSION as PROTOCOL_VERSION
+from mpitrain.core.config import TrainConfig, UsageError
+from mpitrain.core.config_io import agreed_fields, disagreement, plain_value
+from mpitrain.core.console import say
+from mpitrain.exchange.protocol import VERSION as PROTOCOL_VERSION
 from mpitrain.runtime import Context, Node, setup
 from mpitrain.version import __version__
 

@@ -23,10 +23,10 @@ import re
 
 import numpy as np
 
-from mpitrain.config import TrainConfig, UsageError
-from mpitrain.config_checks import validate
-from mpitrain.config_io import flag_name, parse_straggler
-from mpitrain.model import Model  # public: the protocol a model of your own implements
+from mpitrain.core.config import TrainConfig, UsageError
+from mpitrain.core.config_checks import validate
+from mpitrain.core.config_io import flag_name, parse_straggler
+from mpitrain.core.model import Model  # public: the protocol a model of your own implements
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 
@@ -116,7 +116,7 @@ def _check_type(name: str, value):
     if value is None and f.type.endswith(" | None"):
         return None
     if name == "model" and not isinstance(value, str):  # a Model of your own (model.Model)
-        from mpitrain.model import MODEL_MEMBERS
+        from mpitrain.core.model import MODEL_MEMBERS
 
         missing = [m for m in MODEL_MEMBERS if not hasattr(value, m)]
         if missing:
@@ -211,14 +211,14 @@ def local_rank() -> int:
     """This process's rank among those on its host, as the launcher says (MPICH's MPI_LOCALRANKID,
     Open MPI's OMPI_COMM_WORLD_LOCAL_RANK, Slurm's SLURM_LOCALID); 0 when no launcher started it.
     Asks no other rank, so it may be called from any one of them."""
-    from mpitrain.mpiimpl import launcher_local_rank
+    from mpitrain.launch.mpiimpl import launcher_local_rank
 
     local = launcher_local_rank(os.environ)
     return local if local is not None else 0
 
 
 def train(**options) -> Result:
-    from mpitrain.exitcodes import ExitCode
+    from mpitrain.core.exitcodes import ExitCode
     from mpitrain.runtime import node_info, world
 
     cfg = config(**options)
@@ -253,8 +253,8 @@ def _leave(code: int) -> None:
     mpiimpl.ends_job_on_error_exit), a survivor still running the caller's code after LostPeer was
     cut short by another's exit (measured: rank 1's print lost when rank 0 left second of 3): each
     survivor waits here, bounded, until every other one is at its exit too."""
-    from mpitrain import mpiimpl
-    from mpitrain.lock import exit_without_finalize
+    from mpitrain.launch import mpiimpl
+    from mpitrain.launch.lock import exit_without_finalize
     from mpitrain.runtime import world
 
     mpiimpl.farewell(world(), LEAVING_TOGETHER_S)
@@ -297,7 +297,7 @@ def evaluate(checkpoint: str, dataset: str | None = None, data_dir: str | None =
     --checkpoint-dir: its newest), in this process (no MPI), on `dataset` (default: the one it was
     trained on). A checkpoint of a model of your own
     needs that model (`model=MyModel(...)`, with the spec it was trained with)."""
-    from mpitrain.evaluation import evaluate as evaluate_checkpoint
+    from mpitrain.duties.evaluation import evaluate as evaluate_checkpoint
 
     return evaluate_checkpoint(checkpoint, dataset, data_dir, model)
 
@@ -305,6 +305,6 @@ def evaluate(checkpoint: str, dataset: str | None = None, data_dir: str | None =
 def dataset(name: str = "digits", data_dir: str | None = None):
     """The arrays a run trains on (x_train, y_train, x_test, y_test, n_classes), as --dataset NAME
     loads them: what predict() takes."""
-    from mpitrain.data import load_dataset
+    from mpitrain.core.data import load_dataset
 
     return load_dataset(config(dataset=name, data_dir=data_dir))

@@ -14,10 +14,10 @@ import os
 import signal
 import sys
 
-from mpitrain.config import TrainConfig, UsageError
-from mpitrain.config_checks import validate
-from mpitrain.config_io import flag_name, parse_straggler
-from mpitrain.mpiimpl import launcher_rank
+from mpitrain.core.config import TrainConfig, UsageError
+from mpitrain.core.config_checks import validate
+from mpitrain.core.config_io import flag_name, parse_straggler
+from mpitrain.launch.mpiimpl import launcher_rank
 from mpitrain.version import __version__
 
 # One BLAS thread per rank: at these matrix sizes two threads are slower than one, and ranks
@@ -25,7 +25,7 @@ from mpitrain.version import __version__
 BLAS_THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
 
-SUBCOMMANDS = {"launch": "mpitrain.launch", "evaluate": "mpitrain.evaluation", "plot": "mpitrain.plot"}
+SUBCOMMANDS = {"launch": "mpitrain.launch.command", "evaluate": "mpitrain.duties.evaluation", "plot": "mpitrain.duties.plot"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         if launcher_rank(os.environ) in (None, 0):  # under mpirun: once, not once per rank (no MPI needed to ask)
             print(f"mpitrain {__version__}")
         return 0
-    from mpitrain.supervise import supervise
+    from mpitrain.launch.supervise import supervise
 
     supervise()  # under hydra: a dying rank must not take its peers down (see supervise.py)
     from mpitrain.runtime import node_info, world
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         err = None
     if cfg is not None and cfg.join:
-        from mpitrain import faults
+        from mpitrain.membership import faults
 
         faults.slow_start()
     comm = world(cfg)
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     # the interpreter on its way out (Python puts the default handlers back while it shuts down:
     # measured, 2 of 66 chaos trials that signalled a rank as it ended exited 143 after "done"):
     # ignored, the process exits with the run's own code.
-    from mpitrain.stopping import handled
+    from mpitrain.membership.stopping import handled
 
     for sig in handled():
         signal.signal(sig, signal.SIG_IGN)

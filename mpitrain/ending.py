@@ -9,18 +9,18 @@ import time
 
 from mpi4py import MPI
 
-from mpitrain import lock, mpiimpl
-from mpitrain.chief import record_lost
-from mpitrain.console import say
-from mpitrain.exitcodes import ExitCode
-from mpitrain.liveness import PeerLost, mpi_error_reason
-from mpitrain.lock import exit_without_finalize
-from mpitrain.protocol import FLAG_PEER_LOST, FLAG_REFORM, FLAG_STOPPED, TAG_REPORT, Message
-from mpitrain.reports import Outcome, RoleResult, ShardReport, WorkerReport, from_bytes, to_bytes
+from mpitrain.core.console import say
+from mpitrain.core.exitcodes import ExitCode
+from mpitrain.core.reports import Outcome, RoleResult, ShardReport, WorkerReport, from_bytes, to_bytes
+from mpitrain.duties.chief import record_lost
+from mpitrain.duties.summary import resume_hint
+from mpitrain.exchange.protocol import FLAG_PEER_LOST, FLAG_REFORM, FLAG_STOPPED, TAG_REPORT, Message
+from mpitrain.exchange.transport import END_POLL_S, Poller
+from mpitrain.exchange.waiting import poll
+from mpitrain.launch import lock, mpiimpl
+from mpitrain.launch.lock import exit_without_finalize
+from mpitrain.membership.liveness import PeerLost, mpi_error_reason
 from mpitrain.runtime import PS_RANK, Context
-from mpitrain.summary import resume_hint
-from mpitrain.transport import END_POLL_S, Poller
-from mpitrain.waiting import poll
 
 
 def retire_heartbeats(ctx: Context, heartbeat) -> bool:

@@ -11,23 +11,24 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from mpitrain import failover, faults, join, mpiimpl, spares
 from mpitrain.agreement import identity, identity_of
-from mpitrain.config import TrainConfig, UsageError
-from mpitrain.console import say
+from mpitrain.core.config import TrainConfig, UsageError
+from mpitrain.core.console import say
+from mpitrain.core.exitcodes import ExitCode
+from mpitrain.core.guard import Diverged
+from mpitrain.core.reports import Outcome, RoleResult
 from mpitrain.ending import free_worker_comm, retire_heartbeats, say_goodbye
-from mpitrain.exitcodes import ExitCode
-from mpitrain.guard import Diverged
-from mpitrain.join import why_not_there
-from mpitrain.joiner import join_job
-from mpitrain.lobby import Lobby
-from mpitrain.lock import exit_without_finalize
-from mpitrain.protocol import FLAG_PEER_LOST, Message
-from mpitrain.reports import Outcome, RoleResult
-from mpitrain.respawn import join_spawned, spawned, start_worker, welcome
+from mpitrain.exchange.protocol import FLAG_PEER_LOST, Message
+from mpitrain.exchange.transport import error_text
+from mpitrain.launch import mpiimpl
+from mpitrain.launch.lock import exit_without_finalize
+from mpitrain.membership import failover, faults, join, spares
+from mpitrain.membership.join import why_not_there
+from mpitrain.membership.joiner import join_job
+from mpitrain.membership.lobby import Lobby
+from mpitrain.membership.respawn import join_spawned, spawned, start_worker, welcome
+from mpitrain.membership.stopping import STOP
 from mpitrain.runtime import PS_RANK, Context, Node, node_info
-from mpitrain.stopping import STOP
-from mpitrain.transport import error_text
 
 
 def joined(cfg: TrainConfig, comm, carry: join.Carry) -> tuple[TrainConfig, object, Node]:

@@ -17,18 +17,19 @@ from pathlib import Path
 
 import numpy as np
 
-from mpitrain import checkpoint, lock, mpiimpl, samehost
-from mpitrain.backend import Backend, make_backend
-from mpitrain.config import TrainConfig, UsageError, can_take_joiners
-from mpitrain.console import say
-from mpitrain.data import Dataset, check_batch_fits, load_dataset, steps_per_epoch
-from mpitrain.faults import copying_backend_for
-from mpitrain.layout import PS_RANK, Layout
-from mpitrain.metrics import JobOutputs
-from mpitrain.model import Model, build
-from mpitrain.observe import Activity
-from mpitrain.optim import decayed_lr, preload_blas
-from mpitrain.worldcheck import validate_for_world
+from mpitrain.core.backend import Backend, make_backend
+from mpitrain.core.config import TrainConfig, UsageError, can_take_joiners
+from mpitrain.core.console import say
+from mpitrain.core.data import Dataset, check_batch_fits, load_dataset, steps_per_epoch
+from mpitrain.core.layout import PS_RANK, Layout
+from mpitrain.core.model import Model, build
+from mpitrain.core.optim import decayed_lr, preload_blas
+from mpitrain.core.worldcheck import validate_for_world
+from mpitrain.duties import checkpoint
+from mpitrain.duties.metrics import JobOutputs
+from mpitrain.duties.observe import Activity
+from mpitrain.launch import lock, mpiimpl, samehost
+from mpitrain.membership.faults import copying_backend_for
 
 __all__ = ["PS_RANK", "Context", "Layout", "Node", "setup", "start_state", "world"]
 
@@ -149,7 +150,7 @@ def unlink_init_shm(prefix: str, maps: str = "/proc/self/maps", shm_dir: str = "
 
 
 def _no_watch():
-    from mpitrain.liveness import NoWatch  # liveness imports MPI, which world() must initialise first
+    from mpitrain.membership.liveness import NoWatch  # liveness imports MPI, which world() must initialise first
 
     return NoWatch()
 
@@ -299,10 +300,11 @@ def rank_backend(cfg: TrainConfig, layout: Layout, rank: int, node: Node) -> Bac
     """This rank's arrays: a worker's on --device; a server's on --ps-device (the host by default:
     with a CPU server, the updates are applied on the very buffers it sends). MPITRAIN_TEST_BACKEND
     (faults.py) swaps a server's for a NumPy backend that copies like a GPU one, for the tests."""
+    mpi_reads_gpu = mpiimpl.mpi_cuda_support() if cfg.cuda_aware else None  # asked only when it matters
     if not layout.is_server(rank):
-        return make_backend(cfg.device, node.rank, cuda_aware=cfg.cuda_aware)
+        return make_backend(cfg.device, node.rank, cuda_aware=cfg.cuda_aware, mpi_reads_gpu=mpi_reads_gpu)
     if cfg.ps_device == "gpu":  # async only (validate)
-        return make_backend("gpu", node.rank, cuda_aware=cfg.cuda_aware, flag="--ps-device")
+        return make_backend("gpu", node.rank, cuda_aware=cfg.cuda_aware, flag="--ps-device", mpi_reads_gpu=mpi_reads_gpu)
     return copying_backend_for("server") or make_backend("cpu", node.rank)
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from mpitrain import mpiimpl
+from mpitrain.launch import mpiimpl
 
 MPI_TIMEOUT_S = 120  # a deadlock fails the test instead of hanging CI
 
@@ -176,7 +176,7 @@ def kill_session(proc: subprocess.Popen) -> bool:
     """SIGKILL whatever is left of a command started in its own session, faults.LINGER_S after it
     ended; True if anything was (with the keep-going flag ranks may outlive mpirun: a test says
     whether they did)."""
-    from mpitrain import faults
+    from mpitrain.membership import faults
 
     return faults.kill_session(proc.pid, faults.LINGER_S if proc.poll() is not None else 0.0)
 
@@ -226,7 +226,7 @@ def wait_for_checkpoint(proc: subprocess.Popen, directory: Path, timeout: float 
     step it is saved at (an event, not a guess at how long start-up takes on a busy machine)."""
     import time
 
-    from mpitrain.checkpoint import list_checkpoints
+    from mpitrain.duties.checkpoint import list_checkpoints
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -6,7 +6,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import MPI_TIMEOUT_S, OWN_LOGIC, child_env, keep_going, launcher, mpi_impl, only_on, run_detached
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -155,7 +154,7 @@ def test_the_api_is_discoverable():
     import inspect
 
     import mpitrain
-    from mpitrain.config import TrainConfig
+    from mpitrain.core.config import TrainConfig
 
     assert {"train", "evaluate", "dataset", "rank", "size", "local_rank", "Model", "Result", "UsageError", "Diverged",
             "TrainingFailed", "__version__"} <= set(dir(mpitrain))

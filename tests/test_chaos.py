@@ -11,14 +11,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import OWN_LOGIC, child_env, keep_going, mpitrain_cmd, only_on, run_detached
 from mpi4py import MPI
 
-from conftest import OWN_LOGIC, child_env, keep_going, mpitrain_cmd, only_on, run_detached
-from mpitrain import checkpoint
-from mpitrain.exitcodes import ExitCode
-from mpitrain.liveness import PeerLost
-from mpitrain.mpiimpl import MPICH
-from mpitrain.transport import Poller
+from mpitrain.core.exitcodes import ExitCode
+from mpitrain.duties import checkpoint
+from mpitrain.exchange.transport import Poller
+from mpitrain.launch.mpiimpl import MPICH
+from mpitrain.membership.liveness import PeerLost
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import chaos  # noqa: E402
@@ -111,7 +111,7 @@ def test_a_failed_request_whose_code_mpi_cannot_name_is_still_a_failed_request(m
     MPI_Error_string(75) raised MPI_ERR_ARG: the rank failed with a traceback and aborted a job that
     --respawn would have kept (benchmarks/GOODPUT-10min-openmpi.md). The request is failed instead.
     (MPICH has a text for any code; Open MPI raises for one it does not know, as stood in here.)"""
-    from mpitrain import transport
+    from mpitrain.exchange import transport
 
     reqs = [_Req()]
     unknown = MPI.ERR_LASTCODE + 1000
@@ -167,7 +167,7 @@ def test_poller_all_names_the_peer_of_a_failed_request_and_survives_an_unowned_e
 def test_the_watchdog_names_a_call_stuck_for_its_bound_in_its_own_ticks():
     """stuck.Watchdog counts its own ticks, so a job suspended for longer than the bound and
     resumed is one tick later, not stuck; a call that left is never named."""
-    from mpitrain.stuck import Watchdog
+    from mpitrain.membership.stuck import Watchdog
 
     dog = Watchdog()
     dog.bound_ticks = 3

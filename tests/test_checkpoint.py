@@ -8,11 +8,11 @@ import zipfile
 
 import numpy as np
 import pytest
-
 from conftest import NUMBERS_ONLY, child_env, kill_session, launcher, only_on, own_lines, run_mpitrain, train
-from mpitrain import checkpoint
-from mpitrain.checkpoint import TrainState
-from mpitrain.config import UsageError
+
+from mpitrain.core.config import UsageError
+from mpitrain.duties import checkpoint
+from mpitrain.duties.checkpoint import TrainState
 
 FP = checkpoint.fingerprint((4, 3, 2), "adam")
 
@@ -224,7 +224,7 @@ def test_ema_is_evaluated_saved_and_restored(tmp_path, mode):
 
 
 def test_weight_ema_follows_tf_semantics():
-    from mpitrain.optim import WeightEMA
+    from mpitrain.core.optim import WeightEMA
 
     p = np.zeros(3, np.float32)
     ema = WeightEMA(0.99, p)
@@ -249,9 +249,9 @@ def test_time_based_checkpoints(tmp_path, mode):
 
 def test_an_optimizer_added_to_the_registry_is_stepped_saved_and_resumed_by_its_state_names(tmp_path, monkeypatch):
     """One function and one registry line: the config accepts it, checkpoints carry its state."""
-    from mpitrain import optim
-    from mpitrain.config import TrainConfig
-    from mpitrain.config_checks import validate
+    from mpitrain.core import optim
+    from mpitrain.core.config import TrainConfig
+    from mpitrain.core.config_checks import validate
 
     def signum(opt, params, grad, lr):
         s = opt.state["s"]

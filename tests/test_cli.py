@@ -6,7 +6,6 @@ import sys
 import time
 
 import pytest
-
 from conftest import MPI_TIMEOUT_S, NUMBERS_ONLY, OWN_LOGIC, child_env, launcher, only_on, own_lines, run_mpitrain
 
 BAD = [
@@ -77,12 +76,12 @@ def per_rank_exit_codes(args):
 
 def skip_where_it_is_not_bad(args):
     if args[:2] == ["--device", "gpu"]:
-        from mpitrain.backend import _import_cupy
+        from mpitrain.core.backend import _import_cupy
 
         if _import_cupy()[1] > 0 and "--cuda-aware" not in args:
             pytest.skip("a GPU is usable here")
     if "--cuda-aware" in args:
-        from mpitrain.backend import mpi_cuda_support
+        from mpitrain.launch.mpiimpl import mpi_cuda_support
 
         if mpi_cuda_support() is not False:
             pytest.skip("this MPI does not say it lacks CUDA support")
@@ -107,7 +106,7 @@ def test_every_bad_input_is_one_line_naming_it_on_the_server_and_a_worker(args, 
     rank 0 and as rank 1, refuse it with one line (the launches below show the exit codes)."""
     from mpitrain import modes
     from mpitrain.cli import parse_args
-    from mpitrain.config import UsageError
+    from mpitrain.core.config import UsageError
     from mpitrain.runtime import Node, setup
 
     skip_where_it_is_not_bad(args)
@@ -128,7 +127,7 @@ def test_shm_shards_on_several_hosts_are_refused_on_every_rank():
     the workers of the other host take the message path (tests/test_multihost.py), so it is not."""
     from mpitrain import modes
     from mpitrain.cli import parse_args
-    from mpitrain.config import UsageError
+    from mpitrain.core.config import UsageError
     from mpitrain.runtime import Node, setup
 
     lines = set()
@@ -169,8 +168,9 @@ def test_bad_input_exits_2_on_every_rank_with_one_line(args, needle):
 
 
 def test_malformed_idx_exits_2(tmp_path):
-    from mpitrain.data import IDX_FILES
     from test_data import write_idx, write_mnist_dir
+
+    from mpitrain.core.data import IDX_FILES
 
     write_mnist_dir(tmp_path)
     write_idx(tmp_path / IDX_FILES["test_images"], [[[1, 2], [3, 4]]], magic=1234)
@@ -231,7 +231,7 @@ ALONE = [
 def test_options_that_need_workers_are_refused_in_one_process(args, needle):
     from mpitrain import modes
     from mpitrain.cli import parse_args
-    from mpitrain.config import UsageError
+    from mpitrain.core.config import UsageError
     from mpitrain.runtime import Node, setup
 
     with pytest.raises(UsageError) as e:
@@ -287,7 +287,7 @@ INVALID = [
 @pytest.mark.parametrize("args,needle", INVALID, ids=[" ".join(a) for a, _ in INVALID])
 def test_validate_names_the_problem(args, needle):
     from mpitrain.cli import parse_args
-    from mpitrain.config import UsageError
+    from mpitrain.core.config import UsageError
 
     with pytest.raises(UsageError, match=needle.replace("(", r"\(")):
         parse_args(args)
@@ -297,7 +297,7 @@ def test_numpy_loads_only_after_the_blas_threads_are_pinned():
     """OpenBLAS reads OPENBLAS_NUM_THREADS when NumPy loads: cli.main pins it first, so importing
     the CLI and the config must not load NumPy (it once did, through the model registry, and sync
     np=3 on 2 cores ran 4-20x slower with two BLAS threads per rank)."""
-    code = ("import sys, mpitrain.cli, mpitrain.config; "
+    code = ("import sys, mpitrain.cli, mpitrain.core.config; "
             "print('numpy' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=child_env())
     assert out.stdout.strip() == "False", out.stderr
@@ -343,7 +343,7 @@ def test_the_flags_a_respawned_worker_gets_give_the_same_config(args):
     """--respawn starts a worker with the job's flags written back out (config_io.as_argv): parsed, they
     must give the job's config field for field, or the worker is refused as a stranger."""
     from mpitrain.cli import parse_args
-    from mpitrain.config_io import as_argv
+    from mpitrain.core.config_io import as_argv
 
     cfg, _ = parse_args(args)
     again, _ = parse_args(as_argv(cfg))
@@ -355,8 +355,8 @@ def test_the_flags_a_respawned_worker_gets_give_the_same_config(args):
 def test_a_model_object_has_no_flags_to_respawn_with():
     import dataclasses
 
-    from mpitrain.config import TrainConfig
-    from mpitrain.config_io import as_argv
+    from mpitrain.core.config import TrainConfig
+    from mpitrain.core.config_io import as_argv
 
     with pytest.raises(ValueError, match="--model"):
         as_argv(dataclasses.replace(TrainConfig(), model=object()))
@@ -368,8 +368,8 @@ def test_a_flag_given_alone_takes_its_documented_value_and_true_from_python_is_o
     import dataclasses
 
     from mpitrain.cli import parse_args
-    from mpitrain.config import DEFAULT_DC_LAMBDA, DEFAULT_STALENESS_TOLERANCE, TrainConfig
-    from mpitrain.config_io import as_argv
+    from mpitrain.core.config import DEFAULT_DC_LAMBDA, DEFAULT_STALENESS_TOLERANCE, TrainConfig
+    from mpitrain.core.config_io import as_argv
 
     cfg, _ = parse_args(["--staleness-lr", "--delay-compensation"])
     assert cfg.staleness_tolerance == 1.0 and cfg.delay_compensation == DEFAULT_DC_LAMBDA

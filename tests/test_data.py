@@ -6,9 +6,9 @@ import time
 import numpy as np
 import pytest
 
-from mpitrain import data
-from mpitrain.config import UsageError
-from mpitrain.data import IDX_FILES, epoch_batches, load_idx_dir, read_idx, steps_per_epoch
+from mpitrain.core import data
+from mpitrain.core.config import UsageError
+from mpitrain.core.data import IDX_FILES, epoch_batches, load_idx_dir, read_idx, steps_per_epoch
 
 
 def write_idx(path, array, magic=None):
@@ -102,7 +102,7 @@ def test_tfds_path_under_mock_data():
 @pytest.mark.parametrize("name", ["mnist", "tfds:kmnist"])
 def test_tfds_offline_fails_in_seconds(tmp_path, monkeypatch, name):
     pytest.importorskip("tensorflow_datasets")
-    from mpitrain.config import TrainConfig
+    from mpitrain.core.config import TrainConfig
 
     monkeypatch.setattr(data, "_online", lambda *a, **k: False)
     t0 = time.perf_counter()
@@ -117,7 +117,7 @@ def test_a_half_prepared_tfds_folder_is_one_line_not_a_warning_per_rank(tmp_path
     pytest.importorskip("tensorflow_datasets")
     import logging
 
-    from mpitrain.config import TrainConfig
+    from mpitrain.core.config import TrainConfig
 
     (tmp_path / "mnist" / "3.0.1").mkdir(parents=True)
     monkeypatch.setattr(data, "_online", lambda *a, **k: False)
@@ -279,7 +279,7 @@ def test_mnist_labels_outside_0_9_are_refused(tmp_path):
                                                    ("emnist/letters", 784, 37)])
 def test_tfds_image_datasets_under_mock_data(name, features, classes):
     tfds = pytest.importorskip("tensorflow_datasets")
-    from mpitrain.config import TrainConfig
+    from mpitrain.core.config import TrainConfig
 
     with tfds.testing.mock_data(num_examples=30):
         ds = data.load_dataset(TrainConfig(dataset=f"tfds:{name}"))
@@ -304,7 +304,7 @@ def test_tfds_other_splits_and_unknown_names(monkeypatch):
 def test_a_batch_size_that_leaves_a_quarter_of_each_shard_out_of_every_epoch_is_named():
     """Digits with 16 workers and --batch-size 50: one batch of each worker's 89 examples per epoch,
     39 left for later (--epochs 50 then sees 57% of the samples 2 workers see); 44 takes two."""
-    from mpitrain.data import shard_left_note
+    from mpitrain.core.data import shard_left_note
 
     note = shard_left_note(1438, 16, 50)
     assert "takes 1 batch(es) from each worker's 89 examples" in note and "39 of them (44%)" in note

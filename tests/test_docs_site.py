@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import only_on
 
 ROOT = Path(__file__).resolve().parent.parent

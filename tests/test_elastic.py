@@ -1,6 +1,6 @@
 """Elastic sync (issue: lose a worker and go on in every mode): a worker of a sync or --quorum job
 SIGKILLed from outside, at a random moment (mid-Allreduce too), no longer ends the job. The
-workers left regroup (mpitrain/elastic.py), finish the budget with bitwise identical replicas, and
+workers left regroup (mpitrain/membership/elastic.py), finish the budget with bitwise identical replicas, and
 the summary lists the lost worker. Below --quorum Q workers, or with --on-lost-worker stop, the
 job ends as before (exit 5)."""
 
@@ -16,12 +16,22 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import (
+    OWN_LOGIC,
+    Lines,
+    child_env,
+    communicate_or_kill,
+    keep_going,
+    kill_session,
+    mpi_impl,
+    mpitrain_cmd,
+    only_on,
+    wait_for_training,
+)
 
-from conftest import (OWN_LOGIC, Lines, child_env, communicate_or_kill, keep_going, kill_session, mpi_impl,
-                      mpitrain_cmd, only_on, wait_for_training)
-from mpitrain.faults import rank_pids
-from mpitrain.liveness import ENDS_THE_JOB
-from mpitrain.mpiimpl import FAREWELL_MIN_S
+from mpitrain.launch.mpiimpl import FAREWELL_MIN_S
+from mpitrain.membership.faults import rank_pids
+from mpitrain.membership.liveness import ENDS_THE_JOB
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import chaos  # noqa: E402  (its reading of a stuck rank's line and exit, as the chaos suite judges them)
@@ -145,8 +155,8 @@ def test_a_regroup_receive_that_fails_in_mpi_means_rank_0_is_lost():
 
     from mpi4py import MPI
 
-    from mpitrain.elastic import Notices
-    from mpitrain.liveness import PeerLost
+    from mpitrain.membership.elastic import Notices
+    from mpitrain.membership.liveness import PeerLost
 
     class Failing:
         def Test(self):

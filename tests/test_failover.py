@@ -13,12 +13,26 @@ import sys
 import time
 
 import pytest
+from conftest import (
+    child_env,
+    communicate_or_kill,
+    keep_going,
+    kill_session,
+    mpi_impl,
+    mpirun_path,
+    mpitrain_cmd,
+    only_on,
+    own_lines,
+    read_summary,
+    wait_for_checkpoint,
+    wait_for_training,
+)
 
-from conftest import (child_env, communicate_or_kill, keep_going, kill_session, mpi_impl, mpirun_path, mpitrain_cmd,
-                      only_on, own_lines, read_summary, wait_for_checkpoint, wait_for_training)
-from mpitrain import checkpoint, failover, mpiimpl
-from mpitrain.faults import rank_pids
-from mpitrain.lock import NAME as LOCK
+from mpitrain.duties import checkpoint
+from mpitrain.launch import mpiimpl
+from mpitrain.launch.lock import NAME as LOCK
+from mpitrain.membership import failover
+from mpitrain.membership.faults import rank_pids
 
 SAME = "the take-over is sync's (tested under both MPIs); --quorum only changes the loop it leaves"
 THIRD = "a third server only adds peers to watch; the take-over of a shard is tested with 2 under both MPIs"
@@ -236,9 +250,9 @@ def test_a_rank_0_that_ends_the_job_on_purpose_is_not_taken_over():
     they take over from a rank 0 that was lost, never from one that ended the job."""
     from types import SimpleNamespace
 
-    from mpitrain import failover
-    from mpitrain.layout import Layout
-    from mpitrain.liveness import ENDS_THE_JOB, PeerLost
+    from mpitrain.core.layout import Layout
+    from mpitrain.membership import failover
+    from mpitrain.membership.liveness import ENDS_THE_JOB, PeerLost
 
     ctx = SimpleNamespace(cfg=SimpleNamespace(on_lost_server="continue"), layout=Layout(4, 1), is_ps=False)
     lost = PeerLost({0: "no heartbeat for 3.1 s"})
@@ -254,8 +268,8 @@ def test_rank_0_lost_as_a_worker_reports_hands_the_take_over_what_its_pushes_car
     worker's final state, counting the gradients its pushes carried (--local-steps: each push carries
     its inner steps; without, one each). The report is what the worker holds then (it had no such count:
     an AttributeError in the chaos of two take-overs, 2026-12-01)."""
-    from mpitrain.liveness import PeerLost
-    from mpitrain.reports import RoleResult, WorkerReport
+    from mpitrain.core.reports import RoleResult, WorkerReport
+    from mpitrain.membership.liveness import PeerLost
     from mpitrain.trainer import held_at_the_end
 
     for counted, want in ((48, 48), (None, 12)):

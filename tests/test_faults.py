@@ -7,9 +7,9 @@ import sys
 
 import numpy as np
 import pytest
-
 from conftest import NUMBERS_ONLY, OWN_LOGIC, child_env, only_on, own_lines, run_mpitrain
-from mpitrain import checkpoint
+
+from mpitrain.duties import checkpoint
 
 # The guard is mpitrain's own logic; how every rank ends with exit 4 is the MPI's: the two np 3
 # cases run under both MPIs, the variants (one process, 4 ranks) and the other guards under MPICH.
@@ -89,8 +89,8 @@ def test_ranks_started_with_different_flags_stop_before_training(workers_flags, 
 def test_only_listed_flags_may_differ_between_ranks():
     from dataclasses import fields
 
-    from mpitrain.config import TrainConfig
-    from mpitrain.config_io import PER_RANK_FIELDS, agreed_fields
+    from mpitrain.core.config import TrainConfig
+    from mpitrain.core.config_io import PER_RANK_FIELDS, agreed_fields
 
     names = {f.name for f in fields(TrainConfig)}
     assert PER_RANK_FIELDS <= names  # no stale name
@@ -127,7 +127,7 @@ def test_divergence_factor_zero_turns_the_guard_off(tmp_path):
 
 
 def test_loss_guard_follows_a_smoothed_loss_against_the_first():
-    from mpitrain.guard import LossGuard
+    from mpitrain.core.guard import LossGuard
 
     guard = LossGuard(10.0)
     assert guard.exploded(2.0) is None  # the start

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from conftest import train
-from mpitrain.backend import _import_cupy, make_backend, mpi_cuda_support
-from mpitrain.codec import WIRE_DTYPES, decode, encode
-from mpitrain.model import MLP
 from test_cli import per_rank_exit_codes
+
+from mpitrain.core.backend import _import_cupy, make_backend
+from mpitrain.core.codec import WIRE_DTYPES, decode, encode
+from mpitrain.core.model import MLP
+from mpitrain.launch.mpiimpl import mpi_cuda_support
 
 cupy, N_GPUS = _import_cupy()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(N_GPUS == 0, reason="needs CuPy and a CUDA device")]
@@ -25,7 +26,7 @@ CUDA_MEMORY_TYPE_HOST = 1  # cudaMemoryTypeHost: page-locked host memory known t
 
 
 def digits_batch(n: int = 256, seed: int = 0):
-    from mpitrain.data import make_synthetic
+    from mpitrain.core.data import make_synthetic
 
     ds = make_synthetic(2 * n, 64, 10, seed)
     return ds.x_train[:n], ds.y_train[:n]

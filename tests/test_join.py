@@ -1,4 +1,4 @@
-"""A worker joins a running job (`--join`, mpitrain/join.py), as a user does it: the job runs, the
+"""A worker joins a running job (`--join`, mpitrain/membership/join.py), as a user does it: the job runs, the
 same command with `--join` is started under its own mpirun, and the job grows by one worker at a
 step boundary: it replaces a worker lost to `kill -9`, or adds one more than the job started with.
 A joiner with other flags is refused in one line and changes nothing. MPICH only: Open MPI 5
@@ -15,11 +15,23 @@ import sys
 import time
 
 import pytest
+from conftest import (
+    MPI_TIMEOUT_S,
+    Lines,
+    child_env,
+    communicate_or_kill,
+    keep_going,
+    kill_session,
+    launcher,
+    mpi_impl,
+    mpitrain_cmd,
+    only_on,
+    wait_for_training,
+)
 
-from conftest import (MPI_TIMEOUT_S, Lines, child_env, communicate_or_kill, keep_going, kill_session, launcher,
-                      mpi_impl, mpitrain_cmd, only_on, wait_for_training)
-from mpitrain import join, mpiimpl
-from mpitrain.faults import rank_pids
+from mpitrain.launch import mpiimpl
+from mpitrain.membership import join
+from mpitrain.membership.faults import rank_pids
 
 # Long enough that the joiner, which starts in ~1-3 s, finds the job training: measured on 2 cores
 # (2026-11-29), it joined at global step 1,513 of async's 6,000 and 299 of sync's 1,400, and 560 in
@@ -288,7 +300,7 @@ def test_a_joiner_that_dies_as_the_new_world_starts_ends_the_job_in_one_line_not
     stuck = [ln for ln in out.splitlines() if "did not go on within" in ln]
     assert len(stuck) == 3 and all(f"within {limit_s} s" in ln and "(a rank died meanwhile); ending." in ln for ln in stuck), out
     assert s is None  # no summary: the run resumes from the checkpoint
-    from mpitrain.checkpoint import list_checkpoints
+    from mpitrain.duties.checkpoint import list_checkpoints
     assert list_checkpoints(tmp_path / "ck"), out
 
 

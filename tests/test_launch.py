@@ -5,10 +5,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from conftest import MPI_TIMEOUT_S, child_env, launcher_flags, own_lines, run_mpitrain
-from mpitrain.config import UsageError
-from mpitrain.launch import parse_hostfile
+
+from mpitrain.core.config import UsageError
+from mpitrain.launch.command import parse_hostfile
 
 
 def test_reads_mpich_and_openmpi_syntax(tmp_path):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from mpitrain.layout import PS_RANK, Layout
+from mpitrain.core.layout import PS_RANK, Layout
 
 
 def test_a_world_of_one_is_a_local_run_with_one_worker():

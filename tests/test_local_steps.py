@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from conftest import NUMBERS_ONLY, only_on, train
+
 from mpitrain.cli import parse_args
-from mpitrain.outer import LocalSteps, OuterOptimizer
+from mpitrain.core.outer import LocalSteps, OuterOptimizer
 
 
 def test_outer_sgd_at_lr_1_is_model_averaging_and_nesterov_is_sutskevers():
@@ -50,7 +50,7 @@ def test_async_local_steps_default_to_delayed_nesterov_undamped():
     """Measured (config.DEFAULT_OUTER_OPTIMIZER): async's pushes go to delayed-nesterov, whose own lr / W per
     push replaces --staleness-lr's damping unless it is given; plain async (H 1) keeps its K (sync refuses
     it: test_cli)."""
-    from mpitrain.outer import OuterUpdate
+    from mpitrain.core.outer import OuterUpdate
 
     cfg, _ = parse_args(["--local-steps", "4"])
     assert (cfg.outer_rule, cfg.staleness_tolerance, cfg.outer_learning_rate) == ("delayed-nesterov", None, 0.7)
@@ -119,7 +119,7 @@ def test_a_resumed_run_ends_bit_for_bit_where_an_uninterrupted_one_does(tmp_path
 def test_async_inner_steps_push_how_far_they_moved_and_the_server_steps_the_global_model_there():
     """A worker's H steps of --optimizer from the pulled model, then anchor - local into the push;
     the server's OuterUpdate (sgd at lr 1) puts its parameters where that worker got to."""
-    from mpitrain.outer import InnerSteps, OuterUpdate
+    from mpitrain.core.outer import InnerSteps, OuterUpdate
 
     cfg, _ = parse_args(["--local-steps", "3", "--lr", "0.5", "--staleness-lr", "0", "--outer-optimizer", "sgd"])
     anchor = np.array([1.0, -1.0], np.float32)
@@ -147,7 +147,7 @@ def test_an_async_outer_step_is_damped_by_the_global_steps_it_is_stale_but_never
     """--staleness-lr K (default 8) with --local-steps: staleness in global steps, as with H 1 (3 workers
     at H 8 are ~16 global steps stale: counted as 2 outer steps they went undamped and learned erratically),
     and never below 1 / W of the outer lr, where W pushes move the model as far as model averaging."""
-    from mpitrain.outer import OuterUpdate
+    from mpitrain.core.outer import OuterUpdate
 
     def moved(update, staleness, worker=0):
         before = update.params.copy()

@@ -7,9 +7,9 @@ import sys
 
 import numpy as np
 import pytest
-
 from conftest import NUMBERS_ONLY, child_env, only_on, own_lines, run_mpitrain, train
-from mpitrain.evaluation import confusion_matrix
+
+from mpitrain.duties.evaluation import confusion_matrix
 
 pytestmark = only_on("mpich", NUMBERS_ONLY)
 
@@ -32,7 +32,7 @@ import sys
 from pathlib import Path
 if sys.argv[1] == "user":
     import torch  # a user's Model holds it already
-from mpitrain.metrics import RunLog
+from mpitrain.duties.metrics import RunLog
 log = RunLog(sys.argv[2], {"start_step": 0}, 1)
 log.close({"test_accuracy": 0.5})
 print("torch" in sys.modules, sorted(p.name.split(".")[0] for p in Path(sys.argv[2]).iterdir()))
@@ -201,7 +201,7 @@ def test_training_into_a_closed_pipe_ends_quietly_and_as_it_would(tmp_path):
     import subprocess
     import sys
 
-    from mpitrain import checkpoint
+    from mpitrain.duties import checkpoint
 
     read, write = os.pipe()
     os.close(read)

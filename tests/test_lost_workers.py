@@ -14,13 +14,23 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import (
+    OWN_LOGIC,
+    child_env,
+    keep_going,
+    kill_session,
+    mpi_impl,
+    mpitrain_cmd,
+    only_on,
+    run_detached,
+    wait_for_checkpoint,
+    wait_for_training,
+)
 
-from conftest import (OWN_LOGIC, child_env, keep_going, kill_session, mpi_impl, mpitrain_cmd, only_on, run_detached,
-                      wait_for_checkpoint, wait_for_training)
-from mpitrain import checkpoint
-from mpitrain.faults import rank_pids
-from mpitrain.liveness import PeerLost, Watch
-from mpitrain.mpiimpl import MPICH, needs_supervisor
+from mpitrain.duties import checkpoint
+from mpitrain.launch.mpiimpl import MPICH, needs_supervisor
+from mpitrain.membership.faults import rank_pids
+from mpitrain.membership.liveness import PeerLost, Watch
 
 
 def killing(rank: int, step: int) -> dict:
@@ -171,8 +181,8 @@ class _Once:
 def test_a_peer_that_said_it_holds_is_not_taken_for_lost_until_its_hold_ends():
     """A beat flagged FLAG_HOLD (Heartbeat.hold: rank 0 is about to block in MPI_Comm_spawn, its heartbeat
     thread too): the peer's silence does not count for HOLD_S, or until its next beat, which ends the hold."""
-    from mpitrain.liveness import HOLD_S
-    from mpitrain.protocol import FLAG_HOLD, TAG_HEARTBEAT
+    from mpitrain.exchange.protocol import FLAG_HOLD, TAG_HEARTBEAT
+    from mpitrain.membership.liveness import HOLD_S
 
     def beat(watch, flags):
         watch.boxes[1].stamp(TAG_HEARTBEAT, 1, flags=flags)
@@ -206,7 +216,7 @@ def test_a_silence_this_rank_was_frozen_through_too_is_said_so():
     from collections import deque
     from types import SimpleNamespace
 
-    from mpitrain.liveness import Heartbeat
+    from mpitrain.membership.liveness import Heartbeat
 
     beat = SimpleNamespace(interval=0.5, rounds=deque([0.0, 0.5, 1.0, 3.5, 4.0]), forget=lambda rank: None)
     assert Heartbeat.held_s(beat, 0.2, 4.2) == pytest.approx(2.0)  # 1.0 -> 3.5: 2.5 s, one interval of it due
@@ -230,7 +240,7 @@ def test_a_silence_this_rank_was_frozen_through_too_is_said_so():
 def test_supervisor_turns_a_killed_rank_into_an_exit_and_forwards_signals(tmp_path):
     """The supervisor (hydra only) exits 128+signal with one line when its rank is killed. No
     mpirun: the hydra environment is made by hand, so this runs on either MPI."""
-    code = ("import os, signal, sys, time; from mpitrain.supervise import supervise; supervise(); "
+    code = ("import os, signal, sys, time; from mpitrain.launch.supervise import supervise; supervise(); "
             "signal.signal(signal.SIGTERM, lambda *a: sys.exit(7)); print('rank pid', os.getpid(), flush=True); "
             "time.sleep(0.3) if os.environ['CASE'] == 'term' else os.kill(os.getpid(), signal.SIGKILL); time.sleep(30)")
     r, w = os.pipe()

@@ -11,10 +11,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from mpitrain.config import TrainConfig
+from mpitrain.core.config import TrainConfig
+from mpitrain.core.layout import Layout
 from mpitrain.exchange import mailbox, shm
-from mpitrain.layout import Layout
-from mpitrain.protocol import TAG_GRAD, Message
+from mpitrain.exchange.protocol import TAG_GRAD, Message
 
 
 def ctx_for(rank: int, strangers: tuple[int, ...], size: int = 3, **flags):

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from mpitrain.model import MLP
-from mpitrain.optim import Optimizer, decayed_lr
+from mpitrain.core.model import MLP
+from mpitrain.core.optim import Optimizer, decayed_lr
 
 
 def _numeric_grad(model, params, x, y, idx, eps=1e-3):
@@ -126,7 +126,7 @@ def test_exponential_decay_per_epoch_of_global_data():
 
 
 def test_the_model_registry_builds_what_the_flags_and_the_fingerprint_describe():
-    from mpitrain.model import HIDDEN, build, from_sizes
+    from mpitrain.core.model import HIDDEN, build, from_sizes
 
     assert set(HIDDEN) == {"softmax", "mlp"}
     assert build("softmax", 64, (32,), 10).sizes == (64, 10)  # --hidden is ignored by softmax

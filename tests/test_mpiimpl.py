@@ -1,13 +1,13 @@
-"""The launcher layer (mpitrain/mpiimpl.py): which MPI runs a process, and what follows from it.
+"""The launcher layer (mpitrain/launch/mpiimpl.py): which MPI runs a process, and what follows from it.
 The behaviour of each implementation is tested end to end by the rest of the suite, which CI runs
 under both; these are the answers themselves."""
 
 import subprocess
 import sys
 
-from mpitrain import mpiimpl
-from mpitrain.exitcodes import ExitCode
-from mpitrain.mpiimpl import MPICH, OPENMPI
+from mpitrain.core.exitcodes import ExitCode
+from mpitrain.launch import mpiimpl
+from mpitrain.launch.mpiimpl import MPICH, OPENMPI
 
 
 def test_the_implementation_is_told_by_the_library_and_a_rank_by_the_environment():
@@ -35,7 +35,7 @@ def test_only_ulfm_makes_a_rank_wait_for_the_others_before_a_non_zero_exit():
 
 
 def test_the_job_scripts_ask_which_srun_plugin(mpi):
-    out = subprocess.run([sys.executable, "-m", "mpitrain.mpiimpl", "slurm-mpi"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "mpitrain.launch.mpiimpl", "slurm-mpi"], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == mpi.slurm_mpi  # this install's MPI (mpi4py's library)
 
@@ -45,7 +45,7 @@ def test_a_killed_launchers_session_folder_is_swept_and_a_live_ones_is_not(tmp_p
     prterun with the same pid cannot listen there. Only folders of launchers that are gone go."""
     import os
 
-    from mpitrain import mpiimpl
+    from mpitrain.launch import mpiimpl
 
     dead = os.fork()
     if dead == 0:

@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import child_env, communicate_or_kill, kill_session, mpi_impl, mpirun_path, only_on, wait_for_training
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))

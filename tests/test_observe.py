@@ -13,14 +13,22 @@ import subprocess
 import time
 
 import pytest
+from conftest import (
+    OWN_LOGIC,
+    child_env,
+    communicate_or_kill,
+    mpitrain_cmd,
+    only_on,
+    own_lines,
+    run_mpitrain,
+    wait_for_training,
+)
 
-from conftest import (OWN_LOGIC, child_env, communicate_or_kill, mpitrain_cmd, only_on, own_lines, run_mpitrain,
-                      wait_for_training)
-from mpitrain import observe
-from mpitrain.config import TrainConfig, UsageError
-from mpitrain.config_checks import validate
-from mpitrain.faults import Kill, rank_pids
-from mpitrain.protocol import BEAT_FIELDS, BEAT_GLOBAL_STEP, BEAT_PHASE, BEAT_STEPS
+from mpitrain.core.config import TrainConfig, UsageError
+from mpitrain.core.config_checks import validate
+from mpitrain.duties import observe
+from mpitrain.exchange.protocol import BEAT_FIELDS, BEAT_GLOBAL_STEP, BEAT_PHASE, BEAT_STEPS
+from mpitrain.membership.faults import Kill, rank_pids
 from mpitrain.runtime import check_output_path
 
 LONG_RUN = ("--dataset", "synthetic", "--no-progress")
@@ -310,7 +318,7 @@ def test_the_timeline_is_a_trace_with_every_ranks_phases(tmp_path, mode):
 
 def test_the_timeline_window_ends_at_the_last_step_not_the_final_eval():
     """The default window showed the last 50 ms of the trace: the final evaluation, no step."""
-    from mpitrain.plot import training_end
+    from mpitrain.duties.plot import training_end
 
     spans = [{"name": "compute", "ts": 0.0, "dur": 1000.0}, {"name": "push", "ts": 1000.0, "dur": 500.0},
              {"name": "eval", "ts": 2000.0, "dur": 90000.0}, {"name": "checkpoint", "ts": 92000.0, "dur": 10.0}]

@@ -15,13 +15,23 @@ import sys
 import time
 
 import pytest
+from conftest import (
+    MPI_TIMEOUT_S,
+    NUMBERS_ONLY,
+    OWN_LOGIC,
+    child_env,
+    communicate_or_kill,
+    mpitrain_cmd,
+    only_on,
+    run_mpitrain,
+    wait_for_training,
+)
 
-from conftest import (MPI_TIMEOUT_S, NUMBERS_ONLY, OWN_LOGIC, child_env, communicate_or_kill, mpitrain_cmd, only_on,
-                      run_mpitrain, wait_for_training)
-from mpitrain import lock, plot
-from mpitrain.config import UsageError
-from mpitrain.faults import rank_pids
-from mpitrain.mpiimpl import OPENMPI
+from mpitrain.core.config import UsageError
+from mpitrain.duties import plot
+from mpitrain.launch import lock
+from mpitrain.launch.mpiimpl import OPENMPI
+from mpitrain.membership.faults import rank_pids
 
 LONG = ("--dataset", "synthetic", "--steps", "1000000", "--no-progress")  # never reached: the signal ends it
 STOP_WITHIN_S = 20  # from the signal to the end of the job, the final checkpoint and summary included
@@ -282,7 +292,7 @@ def test_a_second_signal_while_stopping_does_not_corrupt_anything(tmp_path, mpi)
         time.sleep(0.05)
     out, err = communicate_or_kill(proc, MPI_TIMEOUT_S)
     assert proc.returncode == 128 + stop and "Traceback" not in err, out + err
-    from mpitrain.checkpoint import list_checkpoints, load
+    from mpitrain.duties.checkpoint import list_checkpoints, load
 
     found = list_checkpoints(ck)
     assert found and load(found[-1]).global_step == int(STOP_LINE.findall(out)[0][1].replace(",", ""))
@@ -309,7 +319,7 @@ def test_a_signal_as_the_run_ends_changes_nothing(tmp_path):
 
 
 def test_sigusr1_stops_a_run_except_under_hydra_where_it_means_a_dead_peer():
-    from mpitrain.stopping import handled
+    from mpitrain.membership.stopping import handled
 
     assert signal.SIGUSR1 in handled({}) and signal.SIGUSR1 in handled({"PMI_FD": "9"})  # one process; srun
     assert set(handled({"PMI_FD": "9", "MPI_LOCALRANKID": "0"})) == {signal.SIGINT, signal.SIGTERM}  # mpirun

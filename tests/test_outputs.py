@@ -13,18 +13,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import NUMBERS_ONLY, only_on, run_mpitrain
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from chaos import fill  # noqa: E402  (the chaos suite's disk-full case fills a disk the same way)
 
-from mpitrain import checkpoint, outputs
-from mpitrain.checkpoint import Checkpointer, TrainState
-from mpitrain.config import defaults
-from mpitrain.exitcodes import ExitCode
-from mpitrain.metrics import RunLog
-from mpitrain.outputs import WRITES
+from mpitrain.core.config import defaults
+from mpitrain.core.exitcodes import ExitCode
+from mpitrain.duties import checkpoint, outputs
+from mpitrain.duties.checkpoint import Checkpointer, TrainState
+from mpitrain.duties.metrics import RunLog
+from mpitrain.duties.outputs import WRITES
 
 MODES = {"async": (3, ()), "sync": (3, ("--mode", "sync")), "one process": (0, ())}
 
@@ -161,7 +160,7 @@ def test_a_failed_log_line_is_cut_back_off(tmp_path, capsys):
 
 @only_on("mpich", NUMBERS_ONLY)
 def test_a_plot_that_cannot_be_written_is_one_line(tmp_path, small_fs):
-    from mpitrain import plot
+    from mpitrain.duties import plot
 
     events = [{"event": "train", "global_step": 1, "seconds": 0.1, "loss": 1.0},
               {"event": "eval", "global_step": 1, "seconds": 0.1, "test_accuracy": 0.5}]

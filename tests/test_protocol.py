@@ -3,10 +3,20 @@
 import numpy as np
 import pytest
 
-from mpitrain.codec import WIRE_DTYPES, decode, encode
-from mpitrain.config import codec_names
-from mpitrain.protocol import (FLAG_STOP, H_MAGIC, H_VERSION, HEADER_BYTES, MAGIC, TAG_GRAD, TAG_PARAMS, VERSION,
-                               Message, ProtocolError)
+from mpitrain.core.codec import WIRE_DTYPES, decode, encode
+from mpitrain.core.config import codec_names
+from mpitrain.exchange.protocol import (
+    FLAG_STOP,
+    H_MAGIC,
+    H_VERSION,
+    HEADER_BYTES,
+    MAGIC,
+    TAG_GRAD,
+    TAG_PARAMS,
+    VERSION,
+    Message,
+    ProtocolError,
+)
 
 
 def test_header_and_payload_share_one_buffer():
@@ -29,7 +39,7 @@ def test_a_16_bit_payload_halves_the_bytes(compress):
 def test_every_compression_has_a_wire_type_that_round_trips_and_a_sum_of_its_width():
     """Each codec of the one list: its wire type carries a float32 value there and back (to its
     precision), and its MPI SUM works on elements of the wire type's width."""
-    from mpitrain.codec import CODECS
+    from mpitrain.core.codec import CODECS
 
     assert codec_names() == tuple(CODECS) == ("none", "fp16", "bf16")
     values = np.array([0.0, 1.0, -2.5, 3.0e-3, 1024.0], np.float32)
@@ -65,7 +75,7 @@ def test_bf16_round_trip_error_is_within_half_a_unit_of_its_8_bits():
 
 
 def test_16_bit_allreduce_ops_add_in_place():
-    from mpitrain import codec
+    from mpitrain.core import codec
 
     a, b = np.array([1.5, -2.0, 3.0], np.float32), np.array([0.25, 2.0, 1e-3], np.float32)
     for compress, dtype in (("fp16", np.float16), ("bf16", np.uint16)):
@@ -111,7 +121,7 @@ def _float16_cases() -> np.ndarray:
 
 @pytest.mark.parametrize("chunk", [None, 1000])
 def test_fp16_encode_is_numpys_cast_bit_for_bit(chunk, monkeypatch):
-    from mpitrain import codec
+    from mpitrain.core import codec
 
     if chunk:
         monkeypatch.setattr(codec, "CHUNK", chunk)  # the chunked path, with a ragged last chunk
@@ -136,7 +146,7 @@ def test_fp16_decode_is_exact_for_every_float16():
 
 
 def test_fp16_allreduce_op_is_numpys_float16_add():
-    from mpitrain import codec
+    from mpitrain.core import codec
 
     rng = np.random.default_rng(3)
     a, b = (rng.standard_normal(5000).astype(np.float16) * 100 for _ in range(2))
@@ -149,7 +159,7 @@ def test_fp16_allreduce_op_is_numpys_float16_add():
 def test_each_flag_is_a_bit_of_its_own():
     """One meaning per flag: no two names share a bit, so a message can say two things at once
     and a reader never has to know which tag a flag came with to know what it means."""
-    from mpitrain import protocol
+    from mpitrain.exchange import protocol
 
     flags = {name: value for name, value in vars(protocol).items() if name.startswith("FLAG_")}
     assert all(v > 0 and v & (v - 1) == 0 for v in flags.values()), flags
@@ -159,7 +169,7 @@ def test_each_flag_is_a_bit_of_its_own():
 def test_a_regroup_or_join_number_travels_in_a_slot_of_its_own():
     """One meaning per header slot: the step and a worker's count are never reused for a
     regroup's or a join's number, nor for who joins."""
-    from mpitrain.protocol import TAG_REPORT
+    from mpitrain.exchange.protocol import TAG_REPORT
 
     m = Message(0)
     m.stamp(TAG_REPORT, step=5, local_step=3, generation=2, joiner=1)

@@ -20,9 +20,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from conftest import child_env, mpi_impl
-from mpitrain import mpiimpl
+
+from mpitrain.launch import mpiimpl
 
 ROOT = Path(__file__).resolve().parent.parent
 # The front page, the job scripts' page and the documentation site's pages (docs/*.md; the folders
@@ -146,8 +146,8 @@ def test_the_flag_table_names_only_flags_that_exist_with_their_defaults():
     import dataclasses
 
     from mpitrain.cli import build_parser
-    from mpitrain.config import TrainConfig
-    from mpitrain.config_io import flag_name
+    from mpitrain.core.config import TrainConfig
+    from mpitrain.core.config_io import flag_name
 
     text = (ROOT / "docs" / "flags.md").read_text()
     table = text.split("## Main flags", 1)[1].split("\n## ", 1)[0]

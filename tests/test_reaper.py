@@ -6,9 +6,9 @@ import sys
 import time
 
 import pytest
-
 from conftest import only_on
-from mpitrain import reaper
+
+from mpitrain.launch import reaper
 
 pytestmark = only_on("mpich", "stand-ins for either launcher, no MPI here: one suite is enough")
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from mpitrain.reports import SUMMARY_KEYS, ShardReport, WorkerReport, from_bytes, to_bytes
+from mpitrain.core.reports import SUMMARY_KEYS, ShardReport, WorkerReport, from_bytes, to_bytes
 
 README = Path(__file__).resolve().parents[1] / "docs" / "getting-started.md"  # "Reading the output"
 
@@ -54,7 +54,8 @@ def test_a_summary_of_nothing_trained_with_dropped_gradients_prints(tmp_path):
     --quorum workers still report the gradients they dropped earlier: the straggler line formatted
     steps_per_second, None there, and the successor's summary died in a traceback (chaos, Open MPI)."""
     from conftest import train
-    from mpitrain.metrics import human_summary
+
+    from mpitrain.duties.metrics import human_summary
 
     s = train(0, tmp_path, "--steps", "20")
     s.update(trained=False, steps_per_second=None, samples_per_second=None, dropped_gradients=3, mode="sync",

@@ -14,12 +14,22 @@ import time
 
 import numpy as np
 import pytest
+from conftest import (
+    MPI_TIMEOUT_S,
+    Lines,
+    child_env,
+    keep_going,
+    kill_session,
+    mpi_impl,
+    mpirun_path,
+    only_on,
+    read_summary,
+)
 
-from conftest import (MPI_TIMEOUT_S, Lines, child_env, keep_going, kill_session, mpi_impl, mpirun_path, only_on,
-                      read_summary)
-from mpitrain import join, mpiimpl, respawn
-from mpitrain.faults import rank_pids
-from mpitrain.lobby import Lobby
+from mpitrain.launch import mpiimpl
+from mpitrain.membership import join, respawn
+from mpitrain.membership.faults import rank_pids
+from mpitrain.membership.lobby import Lobby
 
 # Long enough for the kill (1 s in), the spawn and the join, with room to spare: measured on 2 cores
 # (MPICH, 2026-11-29), the new worker joined at global step 4,187 of async's 9,000 (lost at 1,831; its
@@ -251,7 +261,7 @@ class _Starting(respawn.Starting):
 
 def _lobby_starting(tmp_path, monkeypatch, alone: bool):
     """A lobby whose rank 0 spawns alone (MPICH) or not (Open MPI), its launches and stops recorded."""
-    from mpitrain.stopping import STOP
+    from mpitrain.membership.stopping import STOP
 
     carry = join.Carry(identity={}, token="t", budget=10, respawns_left=1)
     carry.spawn_argv = lambda: ["--join"]
@@ -329,9 +339,10 @@ def test_a_later_phase_sets_up_on_the_data_its_process_loaded_before(monkeypatch
     """Every rank of a job that re-forms (a respawn, a join, a take-over) sets up again; the flags of
     the next phase are the same (join.Carry.next_config), so the data are too, and loading them again
     held every respawn up (~0.5 s of ~2.2 s, synthetic, 2 cores): the phase takes the carried dataset."""
+    from test_cli import FakeWorld
+
     from mpitrain import modes, runtime
     from mpitrain.cli import parse_args
-    from test_cli import FakeWorld
 
     cfg = parse_args(["--dataset", "synthetic", "--synthetic-samples", "2000"])[0]
     first = runtime.setup(cfg, FakeWorld(1, 3), runtime.Node(1, 3, 2, 2), modes.of)
@@ -384,8 +395,8 @@ def test_the_stop_that_makes_room_goes_out_in_a_heartbeat_at_once_not_at_the_nex
     the lobby's stop for a respawn or a join pokes the heartbeat thread into a round now."""
     from mpi4py import MPI
 
-    from mpitrain import liveness
-    from mpitrain.stopping import STOP
+    from mpitrain.membership import liveness
+    from mpitrain.membership.stopping import STOP
 
     monkeypatch.setattr(STOP, "request", lambda signum=0: None)
     monkeypatch.setattr(respawn, "spawns_alone", lambda: False)  # the stop at the loss (with MPICH: at the hello)

@@ -4,7 +4,7 @@ import signal
 import subprocess
 import time
 
-from mpitrain import samehost
+from mpitrain.launch import samehost
 
 
 def _peer(proc: subprocess.Popen) -> tuple[float, float, float]:

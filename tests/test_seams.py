@@ -3,7 +3,6 @@ another), and (below) a user's own model through the API."""
 
 import numpy as np
 import pytest
-
 from conftest import NUMBERS_ONLY, only_on, own_lines
 from test_cli import FakeWorld
 
@@ -37,7 +36,7 @@ class AsIfAnotherWorkerSentZeros:
 
 
 def test_the_sync_step_sums_through_the_reducer_it_is_given():
-    from mpitrain.gradients import GradientSource
+    from mpitrain.modes.gradients import GradientSource
     from mpitrain.modes.sync import SyncStep
 
     ctx = sync_worker_context()
@@ -75,9 +74,9 @@ def test_a_sum_whose_exact_slots_disagree_is_never_applied_nor_taken_for_a_stop(
     """A torn sum waits for rank 0's verdict on the worker that died in it (a regroup, or the job's end):
     the parameters are untouched and no stop is requested (on the old check, weight only, the 0.37 vote
     stopped the job as if signalled)."""
-    from mpitrain.gradients import GradientSource
+    from mpitrain.membership.stopping import STOP
     from mpitrain.modes import sync
-    from mpitrain.stopping import STOP
+    from mpitrain.modes.gradients import GradientSource
 
     class Verdict(Exception):
         pass
@@ -103,7 +102,7 @@ def test_a_sum_whose_exact_slots_disagree_is_never_applied_nor_taken_for_a_stop(
 def test_a_whole_sum_passes_the_check_on_every_wire_at_every_stamp(compress, workers):
     """Every worker's tail [loss, weight, vote, stamp] summed as MPI would through --compress's wire (its
     own SUM op for 16 bits) is never taken for a torn one: a false alarm would stall the job."""
-    from mpitrain.codec import CODECS, decode, encode
+    from mpitrain.core.codec import CODECS, decode, encode
     from mpitrain.modes.sync import STAMP, SYNC_SLOTS, VOTE, WEIGHT, stamp_period, torn
 
     c = CODECS[compress]
@@ -128,7 +127,7 @@ def test_a_whole_sum_passes_the_check_on_every_wire_at_every_stamp(compress, wor
 
 def test_without_a_reducer_a_lone_sync_worker_uses_mpi_s_and_applies_its_own_gradient():
     from mpitrain.exchange.mpi import MPIReducer
-    from mpitrain.gradients import GradientSource
+    from mpitrain.modes.gradients import GradientSource
     from mpitrain.modes.sync import SyncStep
 
     ctx = sync_worker_context()
@@ -148,14 +147,15 @@ import dataclasses
 import numpy as np
 sys.path.insert(0, "tests")
 from test_cli import FakeWorld
-from mpitrain import checkpoint, modes
-from mpitrain.chief import ChiefDuties
+from mpitrain.duties import checkpoint
+from mpitrain import modes
+from mpitrain.duties.chief import ChiefDuties
 from mpitrain.cli import parse_args
-from mpitrain.gradients import GradientSource
-from mpitrain.metrics import Progress
-from mpitrain.optim import ServerUpdate
+from mpitrain.modes.gradients import GradientSource
+from mpitrain.duties.metrics import Progress
+from mpitrain.core.optim import ServerUpdate
 from mpitrain.runtime import Node, setup
-from mpitrain.summary import digest
+from mpitrain.duties.summary import digest
 
 cfg, _ = parse_args(sys.argv[1:])
 ctx = setup(cfg, FakeWorld(0, 1), Node(0, 1, 1, 2), modes.of)
@@ -187,7 +187,7 @@ def test_a_server_with_no_message_loop_has_rank_0s_duties(tmp_path):
     import json
     import sys
 
-    from mpitrain import checkpoint
+    from mpitrain.duties import checkpoint
 
     flags = ["--optimizer", "momentum", "--lr", "0.05", "--ema-decay", "0.9", "--steps", "40", "--eval-every", "10",
              "--checkpoint-every-steps", "15"]
@@ -308,7 +308,8 @@ def test_an_async_server_computes_through_its_backend(tmp_path, compress):
 ])
 def test_ps_device_gpu_is_refused_in_one_line_where_it_cannot_work(flags, needle):
     from conftest import run_mpitrain
-    from mpitrain.backend import _import_cupy
+
+    from mpitrain.core.backend import _import_cupy
 
     if "--mode" not in flags and _import_cupy()[1] > 0:
         pytest.skip("a GPU is usable here")
@@ -368,7 +369,7 @@ def test_a_gpu_copy_is_queued_behind_the_compute_that_uses_its_buffer():
     wrote its buffer and for its own copy (MPI reads the host buffer next)."""
     from types import SimpleNamespace
 
-    from mpitrain.backend import CupyBackend
+    from mpitrain.core.backend import CupyBackend
 
     fake = _FakeCuda()
     be = CupyBackend(SimpleNamespace(cuda=fake), 0)

@@ -9,15 +9,28 @@ import time
 
 import numpy as np
 import pytest
+from conftest import (
+    NUMBERS_ONLY,
+    OWN_LOGIC,
+    child_env,
+    communicate_or_kill,
+    keep_going,
+    kill_session,
+    mpitrain_cmd,
+    only_on,
+    read_summary,
+    run_mpitrain,
+    train,
+    wait_for_checkpoint,
+    wait_for_training,
+)
 
-from conftest import (NUMBERS_ONLY, OWN_LOGIC, child_env, communicate_or_kill, keep_going, kill_session, mpitrain_cmd,
-                      only_on, read_summary, run_mpitrain, train, wait_for_checkpoint, wait_for_training)
-from mpitrain import checkpoint
-from mpitrain.faults import rank_pids
-from mpitrain.layout import Layout, shard_bounds
-from mpitrain.model import build
-from mpitrain.protocol import HEADER_BYTES
-from mpitrain.summary import digest
+from mpitrain.core.layout import Layout, shard_bounds
+from mpitrain.core.model import build
+from mpitrain.duties import checkpoint
+from mpitrain.duties.summary import digest
+from mpitrain.exchange.protocol import HEADER_BYTES
+from mpitrain.membership.faults import rank_pids
 
 
 @pytest.mark.parametrize("n,k", [(7510, 2), (7510, 3), (10, 3), (5, 5), (101_770, 4)])
@@ -41,7 +54,7 @@ def test_layout_with_two_servers():
 
 
 def test_a_message_split_into_shard_parts_receives_each_slice_in_place():
-    from mpitrain.protocol import TAG_GRAD, Message
+    from mpitrain.exchange.protocol import TAG_GRAD, Message
 
     msg = Message(10)
     parts = msg.shard_parts([slice(0, 4), slice(4, 7), slice(7, 10)])

@@ -7,8 +7,8 @@ import os
 
 import numpy as np
 import pytest
-
 from conftest import NUMBERS_ONLY, child_env, keep_going, mpi_impl, mpitrain_cmd, only_on, run_detached, train
+
 from mpitrain.exchange import shm
 
 pytestmark = pytest.mark.timeout(300)
@@ -177,9 +177,9 @@ def test_a_shared_apply_is_the_servers_update_with_the_workers_own_copy_as_the_s
     arrays: the optimizer's state and count, the moving average and delay compensation's mean square are
     the store's, and DC's 'parameters sent' are the worker's pulled copy. Momentum: the store's apply
     is the one-pass BLAS step (optim.axpy) into the segment's shard views, the reference NumPy's."""
-    from mpitrain.checkpoint import TrainState
     from mpitrain.cli import parse_args
-    from mpitrain.optim import REGISTRY, ServerUpdate
+    from mpitrain.core.optim import REGISTRY, ServerUpdate
+    from mpitrain.duties.checkpoint import TrainState
 
     cfg, _ = parse_args(["--optimizer", optimizer, "--ema-decay", "0.9", "--delay-compensation", "2"])
     rng = np.random.default_rng(0)
@@ -215,9 +215,9 @@ def test_a_shared_outer_step_is_the_servers_outer_update(tmp_path, flags):
     outer.OuterUpdate on private arrays, as the message path's server applies pushes: delayed-nesterov's
     momentum and buffer and its count of pushes are the store's, and the damped sgd step's floor (1 / the
     workers still pushing) follows the store's `active` slots when a worker stops."""
-    from mpitrain.checkpoint import TrainState
     from mpitrain.cli import parse_args
-    from mpitrain.outer import OuterUpdate
+    from mpitrain.core.outer import OuterUpdate
+    from mpitrain.duties.checkpoint import TrainState
 
     cfg, _ = parse_args(["--local-steps", "4", *flags])
     rng = np.random.default_rng(0)

@@ -6,7 +6,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import NUMBERS_ONLY, OWN_LOGIC, only_on
 from slurm_cluster import SlurmCluster, Unavailable
 

@@ -13,14 +13,24 @@ import sys
 import time
 
 import pytest
+from conftest import (
+    MPI_TIMEOUT_S,
+    Lines,
+    child_env,
+    keep_going,
+    kill_session,
+    mpi_impl,
+    mpirun_path,
+    only_on,
+    read_summary,
+)
 
-from conftest import (MPI_TIMEOUT_S, Lines, child_env, keep_going, kill_session, mpi_impl, mpirun_path, only_on,
-                      read_summary)
-from mpitrain import join, mpiimpl
-from mpitrain.faults import rank_pids
-from mpitrain.lobby import Lobby
-from mpitrain.spares import Pool, Spare
-from mpitrain.stopping import STOP
+from mpitrain.launch import mpiimpl
+from mpitrain.membership import join
+from mpitrain.membership.faults import rank_pids
+from mpitrain.membership.lobby import Lobby
+from mpitrain.membership.spares import Pool, Spare
+from mpitrain.membership.stopping import STOP
 
 
 def spares_cmd(tmp_path, *args: str, np_: int) -> list[str]:
@@ -208,7 +218,7 @@ def test_a_loss_goes_to_a_waiting_spare_before_respawn_and_a_gone_spare_is_not_t
     carry = join.Carry(identity={}, token="t", budget=10, respawns_left=1)
     alive = Spare(_Inter(), 4, "here", 41)
     carry.spares = Pool([Spare(_Inter(), 3, "here", 40), alive], cfg=type("Cfg", (), {"worker_timeout": 2.0})())
-    monkeypatch.setattr("mpitrain.spares.dead_here", lambda host, pid: pid == 40)
+    monkeypatch.setattr("mpitrain.membership.spares.dead_here", lambda host, pid: pid == 40)
     monkeypatch.setattr(STOP, "request", lambda *a: None)  # the stop that makes room: not this process's
 
     class Ctx:

@@ -5,11 +5,11 @@ import json
 
 import numpy as np
 import pytest
-
 from conftest import NUMBERS_ONLY, child_env, keep_going, mpi_impl, mpitrain_cmd, only_on, run_detached, train
+
 from mpitrain.cli import parse_args
-from mpitrain.config import AUTO_OVERLAP_MAX_WORKERS, DEFAULT_STALENESS_TOLERANCE
-from mpitrain.optim import DC_EPS, DC_MEAN_SQUARE_DECAY, DelayCompensation, ServerUpdate, staleness_scaled_lr
+from mpitrain.core.config import AUTO_OVERLAP_MAX_WORKERS, DEFAULT_STALENESS_TOLERANCE
+from mpitrain.core.optim import DC_EPS, DC_MEAN_SQUARE_DECAY, DelayCompensation, ServerUpdate, staleness_scaled_lr
 
 M = DC_MEAN_SQUARE_DECAY
 

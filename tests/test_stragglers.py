@@ -3,14 +3,14 @@
 import json
 
 import pytest
-
 from conftest import NUMBERS_ONLY, OWN_LOGIC, child_env, only_on, train
-from mpitrain import observe
-from mpitrain.config import UsageError
-from mpitrain.config_io import parse_straggler
-from mpitrain.metrics import staleness_summary
+
+from mpitrain.core.config import UsageError
+from mpitrain.core.config_io import parse_straggler
+from mpitrain.core.optim import staleness_scaled_lr
+from mpitrain.duties import observe
+from mpitrain.duties.metrics import staleness_summary
 from mpitrain.modes.quorum_parts import PACE_PROBE, PACE_RUN, PACE_SLACK, PACE_WINDOW, CoordinatorPace
-from mpitrain.optim import staleness_scaled_lr
 
 DIGITS_NP4 = ["--epochs", "40"]
 
@@ -174,9 +174,9 @@ def test_a_late_contribution_tells_the_coordinator_its_pace_and_is_not_counted()
     from collections import deque
     from types import SimpleNamespace
 
+    from mpitrain.exchange.protocol import FLAG_LATE, TAG_QGRAD, Message
     from mpitrain.modes.quorum import QuorumCoordinator
     from mpitrain.modes.quorum_parts import OWED_MARGIN_S
-    from mpitrain.protocol import FLAG_LATE, TAG_QGRAD, Message
 
     msg = Message(4)
     msg.stamp(TAG_QGRAD, 6, 3, FLAG_LATE, 0.5, 0.25)  # a round of step 6's parameters, 0.25 s
@@ -292,7 +292,7 @@ def test_staleness_scaled_lr():
 
 
 def test_staleness_rule_keeps_every_pending_gradient_within_the_bound():
-    from mpitrain.optim import StalenessHold
+    from mpitrain.core.optim import StalenessHold
 
     staleness_feasible = StalenessHold(2).allows
     # 3 workers, S=2, all start on step 0's parameters; A was applied at step 0 (basis 1 now).

@@ -1,7 +1,14 @@
-"""The package's shape (README, Architecture): no import cycle, MPI calls only where they belong."""
+"""The package's shape (README, Architecture; docs/architecture.md): the import contracts of
+pyproject.toml (import-linter), the folders, the size of a module, where --mode is read."""
 
 import ast
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "mpitrain"
 
@@ -18,41 +25,45 @@ def module_names() -> dict[str, Path]:
     return names
 
 
-def module_imports() -> dict[str, set[str]]:
-    """Each module's imports of other mpitrain modules, those inside functions included: an import
-    put off until it runs is still a dependency, and a cycle through one is still a cycle."""
-    names = module_names()
-    graph = {}
-    for name, path in names.items():
-        deps = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "mpitrain":
-                base = node.module.removeprefix("mpitrain").lstrip(".")
-                for alias in node.names:  # `from mpitrain.modes import sync` names a module
-                    sub = f"{base}.{alias.name}" if base else alias.name
-                    deps.add(sub if sub in names else base)
-            elif isinstance(node, ast.Import):
-                deps |= {a.name.removeprefix("mpitrain.") for a in node.names if a.name.startswith("mpitrain.")}
-        graph[name] = {d for d in deps if d in names and d != name}
-    return graph
+def lint_imports(root: Path) -> subprocess.CompletedProcess:
+    """import-linter over the package below `root`, with the repository's contracts (pyproject.toml)."""
+    return subprocess.run([str(Path(sys.executable).parent / "lint-imports"), "--config", str(PACKAGE.parent / "pyproject.toml"),
+                           "--no-cache"], cwd=root, env={**os.environ, "PYTHONPATH": str(root)},
+                          capture_output=True, text=True, timeout=120)
 
 
-def test_no_module_imports_itself_through_a_cycle():
-    graph = module_imports()
-    state: dict[str, str] = {}
+def test_the_import_contracts_hold():
+    """pyproject.toml's import-linter contracts: no cycle, the core imports no MPI and nothing else of
+    mpitrain, the exchange and the membership import no mode, the modes import no door."""
+    proc = lint_imports(PACKAGE.parent)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "0 broken" in proc.stdout
 
-    def visit(name: str, path: list[str]) -> None:
-        state[name] = "open"
-        for dep in sorted(graph[name]):
-            assert state.get(dep) != "open", f"import cycle: {' -> '.join(path + [dep])}"
-            if dep not in state:
-                visit(dep, path + [dep])
-        state[name] = "done"
 
-    for name in sorted(graph):
-        if name not in state:
-            visit(name, [name])
-    assert not graph["console"] and not graph["version"] and not graph["exitcodes"]  # the bottom layer
+@pytest.mark.parametrize("module,line,broken", [
+    ("core/model.py", "from mpitrain.modes import sync", "the core imports no MPI"),
+    ("core/optim.py", "from mpi4py import MPI", "the core imports no MPI"),
+    ("exchange/waiting.py", "from mpitrain.modes import base", "never import a mode"),
+    ("core/layout.py", "from mpitrain.core import worldcheck", "no import cycle"),
+])
+def test_an_import_against_the_contracts_fails_them(tmp_path, module, line, broken):
+    """Each contract fails on a copy of the package with one import that breaks it (one inside a
+    function included: an import put off until it runs is still a dependency)."""
+    shutil.copytree(PACKAGE, tmp_path / "mpitrain", ignore=shutil.ignore_patterns("__pycache__"))
+    path = tmp_path / "mpitrain" / module
+    path.write_text(path.read_text() + f"\n\ndef _broken():\n    {line}\n")
+    proc = lint_imports(tmp_path)
+    verdicts = [line for line in proc.stdout.splitlines() if broken in line]
+    assert proc.returncode != 0 and verdicts and "BROKEN" in verdicts[0], proc.stdout[-3000:]
+
+
+def test_the_package_root_holds_the_doors_and_the_phases_only():
+    """At most a dozen modules at the root; every subpackage's __init__ says its job."""
+    root = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(root) <= 12, root
+    for sub in sorted(p for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__"):
+        doc = ast.get_docstring(ast.parse((sub / "__init__.py").read_text()))
+        assert doc and len(doc.split()) >= 10, f"{sub.name}/__init__.py says nothing of its job"
 
 
 def reads_of_the_mode_flag(path: Path) -> list[int]:
@@ -71,8 +82,8 @@ def test_a_mode_is_one_object_in_its_own_file_and_the_flag_is_read_in_one_place(
     """modes/: each file holds one Mode object that the registry can pick; outside the registry
     only config.py and config_checks.py (the flag's defaults and its own checks) read --mode."""
     from mpitrain import modes
-    from mpitrain.config import TrainConfig
-    from mpitrain.layout import Layout
+    from mpitrain.core.config import TrainConfig
+    from mpitrain.core.layout import Layout
     from mpitrain.modes.base import Mode
 
     objects = {}  # a file of modes/ holds one mode, or none (its pieces: quorum_parts.py)
@@ -87,7 +98,7 @@ def test_a_mode_is_one_object_in_its_own_file_and_the_flag_is_read_in_one_place(
     assert picked == set(objects.values()), (picked, objects)
     readers = {str(p.relative_to(PACKAGE)): reads_of_the_mode_flag(p) for p in PACKAGE.rglob("*.py")}
     readers_of_mode = {f for f, lines in readers.items() if lines}
-    assert readers_of_mode == {"config.py", "config_checks.py", "modes/__init__.py"}, readers
+    assert readers_of_mode == {"core/config.py", "core/config_checks.py", "modes/__init__.py"}, readers
     assert not (PACKAGE / "worker.py").exists() and not (PACKAGE / "server.py").exists()
 
 
@@ -145,7 +156,27 @@ def test_every_job_script_starts_its_tasks_as_jobs_readme_says():
 def test_the_one_rerun_is_for_the_stuck_line_only():
     """pyproject.toml reruns a failed test once only when its text carries stuck.py's line (a kill
     inside an MPICH enqueue, the documented stuck ending): renaming the line must move the rule."""
-    from mpitrain.stuck import STUCK_LINE
+    from mpitrain.membership.stuck import STUCK_LINE
 
     addopts = [ln for ln in (PACKAGE.parent / "pyproject.toml").read_text().splitlines() if ln.startswith("addopts")]
     assert len(addopts) == 1 and f"--reruns 1 --only-rerun '{STUCK_LINE}'" in addopts[0], addopts
+
+
+def test_the_architecture_page_draws_the_real_folders():
+    """docs/architecture.md's map names every module in the folder it is in, and nothing else."""
+    page = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    block = page.split("```text\nmpitrain/", 1)[1].split("```", 1)[0]
+    drawn: dict[str, set[str]] = {"": set()}
+    folder = ""
+    for line in block.splitlines()[1:]:
+        indent = len(line) - len(line.lstrip())
+        head = line.strip().split("  ")[0]  # the names, before the words that say what they are
+        if indent == 2 and head.endswith("/"):
+            folder = head.rstrip("/")
+            drawn[folder] = set()
+        elif indent in (2, 4) and head.endswith(".py"):
+            drawn[folder if indent == 4 else ""] |= {n.strip() for n in head.split(",")}
+    real = {"": {p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py"}}
+    for sub in (p for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__"):
+        real[sub.name] = {p.name for p in sub.glob("*.py") if p.name != "__init__.py"}
+    assert drawn == real

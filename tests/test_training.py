@@ -1,10 +1,10 @@
 """End-to-end runs under mpirun: the modes learn, replicas agree, the counts add up."""
 
 import pytest
-
 from conftest import NUMBERS_ONLY, only_on, run_mpitrain, train
-from mpitrain.reports import SUMMARY_KEYS
 from test_data import write_mnist_dir
+
+from mpitrain.core.reports import SUMMARY_KEYS
 
 
 def test_main_job_async_np3_learns_digits(tmp_path):
@@ -141,12 +141,13 @@ def test_the_learning_rate_of_each_step_is_the_formulas_with_the_phases_constant
     the next phase's workers) computes with its own."""
     import dataclasses
 
+    from test_cli import FakeWorld
+
     from mpitrain import modes
     from mpitrain.cli import parse_args
-    from mpitrain.layout import Layout
-    from mpitrain.optim import decayed_lr
+    from mpitrain.core.layout import Layout
+    from mpitrain.core.optim import decayed_lr
     from mpitrain.runtime import Node, setup, warmed_up
-    from test_cli import FakeWorld
 
     def formula(c, step):  # from the context's live properties, not lr_at's cache
         seen = step * c.global_batch
@@ -167,7 +168,7 @@ def test_your_own_npz_trains_like_the_builtin_data(tmp_path):
     """The README's three lines: any arrays saved with np.savez train with one flag."""
     import numpy as np
 
-    from mpitrain.data import load_digits
+    from mpitrain.core.data import load_digits
 
     d = load_digits()
     images = (d.x_train.reshape(-1, 8, 8) * 255).astype(np.uint8)  # images of any shape are flattened

@@ -4,8 +4,8 @@ import time
 
 import pytest
 
-from mpitrain.liveness import PeerLost
-from mpitrain.waiting import poll
+from mpitrain.exchange.waiting import poll
+from mpitrain.membership.liveness import PeerLost
 
 
 class FakeClock:
@@ -58,7 +58,7 @@ def test_poll_sleeps_between_tries_instead_of_spinning():
 
 
 def test_wait_auto_yields_in_collectives_only_where_ranks_outnumber_cores():
-    from mpitrain.transport import SPIN, WORKER_POLL_S, collective_poll_s
+    from mpitrain.exchange.transport import SPIN, WORKER_POLL_S, collective_poll_s
 
     assert collective_poll_s("auto", oversubscribed=True) == WORKER_POLL_S > 0
     assert collective_poll_s("auto", oversubscribed=False) == SPIN == 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from mpitrain.checkpoint import TrainState
+    from mpitrain.duties.checkpoint import TrainState
 
 
 class Reducer(Protocol):

@@ -37,15 +37,24 @@ import threading
 import numpy as np
 from mpi4py import MPI
 
-from mpitrain.checkpoint import TrainState
+from mpitrain.core.layout import PS_RANK
+from mpitrain.duties.checkpoint import TrainState
 from mpitrain.exchange import shm
 from mpitrain.exchange.mpi import held_copy
-from mpitrain.faults import kill_here, store_kill
-from mpitrain.layout import PS_RANK
-from mpitrain.protocol import (FLAG_DIVERGED, FLAG_LAST, FLAG_LEAVING, FLAG_STOP, HEADER_BYTES, TAG_GRAD, TAG_MAIL,
-                               TAG_PARAMS, Message)
-from mpitrain.transport import END_POLL_S, WORKER_POLL_S, Poller
-from mpitrain.waiting import poll
+from mpitrain.exchange.protocol import (
+    FLAG_DIVERGED,
+    FLAG_LAST,
+    FLAG_LEAVING,
+    FLAG_STOP,
+    HEADER_BYTES,
+    TAG_GRAD,
+    TAG_MAIL,
+    TAG_PARAMS,
+    Message,
+)
+from mpitrain.exchange.transport import END_POLL_S, WORKER_POLL_S, Poller
+from mpitrain.exchange.waiting import poll
+from mpitrain.membership.faults import kill_here, store_kill
 
 PREFIX = "mpitrain-mail"
 PUSHED, ANSWERED = 0, 1  # the header's counters: the worker's pushes announced, rank 0's answers announced

@@ -6,19 +6,33 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from mpitrain import elastic, mpiimpl
-from mpitrain.checkpoint import TrainState
-from mpitrain.codec import wire_sum
-from mpitrain.layout import PS_RANK
-from mpitrain.liveness import CHECK_EVERY_S as VERDICT_POLL_S
-from mpitrain.liveness import PeerLost
-from mpitrain.observe import ALLREDUCE
-from mpitrain.protocol import FLAG_DIVERGED, FLAG_LAST, FLAG_LEAVING, FLAG_STOP, TAG_GRAD, TAG_PARAMS, Message
+from mpitrain.core.codec import CODECS
+from mpitrain.core.layout import PS_RANK
+from mpitrain.duties.checkpoint import TrainState
+from mpitrain.duties.observe import ALLREDUCE
+from mpitrain.exchange.protocol import FLAG_DIVERGED, FLAG_LAST, FLAG_LEAVING, FLAG_STOP, TAG_GRAD, TAG_PARAMS, Message
+from mpitrain.exchange.transport import WORKER_POLL_S, Poller, collective_poll_s
+from mpitrain.exchange.waiting import poll
+from mpitrain.launch import mpiimpl
+from mpitrain.membership import elastic
+from mpitrain.membership.liveness import CHECK_EVERY_S as VERDICT_POLL_S
+from mpitrain.membership.liveness import PeerLost
 from mpitrain.runtime import Context
-from mpitrain.transport import WORKER_POLL_S, Poller, collective_poll_s
-from mpitrain.waiting import poll
 
 ABANDONED: list = []  # requests a lost peer left pending, and their buffers: alive until the process ends
+_SUM_OPS: dict = {}  # --compress -> its MPI SUM op, created once per process
+
+
+def wire_sum(compress: str):
+    """(MPI datatype, SUM op) for an Allreduce of --compress's wire-typed values. MPI has no
+    portable float16 or bfloat16 SUM: a commutative user op (core.codec's `add`) over 2-byte
+    elements (the datatype is UINT16_T, so MPI never splits an element)."""
+    codec = CODECS[compress]
+    if codec.add is None:
+        return MPI.FLOAT, MPI.SUM
+    if compress not in _SUM_OPS:
+        _SUM_OPS[compress] = MPI.Op.Create(codec.add, commute=True)
+    return MPI.UINT16_T, _SUM_OPS[compress]
 
 
 class MPIReducer:

@@ -39,13 +39,13 @@ import secrets
 
 import numpy as np
 
-from mpitrain.checkpoint import OPT_PREFIX, TrainState, state_arrays
-from mpitrain.faults import kill_here, store_kill
-from mpitrain.layout import PS_RANK
-from mpitrain.mpiimpl import orphans
-from mpitrain.optim import ServerUpdate, StalenessHold
-from mpitrain.outer import OuterUpdate, PushSpans
-from mpitrain.waiting import poll
+from mpitrain.core.layout import PS_RANK
+from mpitrain.core.optim import ServerUpdate, StalenessHold
+from mpitrain.core.outer import OuterUpdate, PushSpans
+from mpitrain.duties.checkpoint import OPT_PREFIX, TrainState, state_arrays
+from mpitrain.exchange.waiting import poll
+from mpitrain.launch.mpiimpl import orphans
+from mpitrain.membership.faults import kill_here, store_kill
 
 SHM_DIR = "/dev/shm"
 PREFIX = "mpitrain-store"
@@ -227,8 +227,8 @@ def open_store(ctx, start: TrainState, hold_at: int = 0, here: bool = True,
     training; a lost server ends the job as ever."""
     from mpi4py import MPI
 
-    from mpitrain.protocol import TAG_STORE
-    from mpitrain.transport import END_POLL_S, Poller
+    from mpitrain.exchange.protocol import TAG_STORE
+    from mpitrain.exchange.transport import END_POLL_S, Poller
 
     names = stored_state(ctx.cfg)  # SharedUpdate's BLAS was loaded in set-up (optim.preload_blas)
     ema, dc = bool(ctx.cfg.ema_decay), ctx.cfg.delay_compensation is not None
@@ -266,7 +266,7 @@ def _hear_from(ctx, poller, exchanges: dict) -> dict[int, str]:
     the answer's receive); a worker lost meanwhile, before or after its answer, is given up
     (returned, rank -> why: declared in the watch, so --respawn replaces it); a lost server raises
     PeerLost."""
-    from mpitrain.liveness import PeerLost
+    from mpitrain.membership.liveness import PeerLost
 
     gone: dict[int, str] = {}
     while True:

@@ -4,6 +4,9 @@
     sync.py     sync: the workers Allreduce their gradients; rank 0 follows the coordinator's (worker 0's) word
     quorum.py   sync --quorum Q: a coordinator averages the first Q gradients of each step
     local.py    one process: the sync loop with one worker and no server
+
+and what they share: base.py (Mode and the roles), gradients.py (the one gradient step),
+async_shm.py and shm_remote.py (async over the node-shared store), quorum_parts.py, report.py.
 """
 
 from __future__ import annotations

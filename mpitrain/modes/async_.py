@@ -17,35 +17,46 @@ import math
 import numpy as np
 from mpi4py import MPI
 
-from mpitrain import checkpoint
-from mpitrain.checkpoint import TrainState
-from mpitrain.chief import ChiefDuties, ServerState, record_lost
-from mpitrain.config import AUTO_OVERLAP_MAX_WORKERS
-from mpitrain.elastic import interrupted_at
+from mpitrain.core.config import AUTO_OVERLAP_MAX_WORKERS
+from mpitrain.core.guard import NON_FINITE, Diverged, LossGuard
+from mpitrain.core.layout import PS_RANK
+from mpitrain.core.optim import ServerUpdate, StalenessHold
+from mpitrain.core.outer import InnerSteps, OuterUpdate, PushSpans, in_pushes
+from mpitrain.core.reports import WorkerResult
+from mpitrain.duties import checkpoint
+from mpitrain.duties.checkpoint import TrainState
+from mpitrain.duties.chief import ChiefDuties, ServerState, record_lost
+from mpitrain.duties.metrics import Progress
+from mpitrain.duties.observe import APPLY, COMPUTE, PULL, PUSH, WAIT
 from mpitrain.exchange import shm
 from mpitrain.exchange.base import PushPull
 from mpitrain.exchange.mailbox import ServerMail, worker_exchange
 from mpitrain.exchange.mpi import MPIPushPull
+from mpitrain.exchange.protocol import (
+    FLAG_CKPT,
+    FLAG_DIVERGED,
+    FLAG_EVAL,
+    FLAG_LAST,
+    FLAG_LEAVING,
+    FLAG_STOP,
+    TAG_GRAD,
+    TAG_PARAMS,
+    Message,
+    ProtocolError,
+)
+from mpitrain.exchange.shards import Gather, ShardService, assemble
 from mpitrain.exchange.shm import ShmPushPull
-from mpitrain.faults import Kill, never_returns, stuck_from
-from mpitrain.gradients import GradientSource, WorkerResult
-from mpitrain.guard import NON_FINITE, Diverged, LossGuard
-from mpitrain.layout import PS_RANK
-from mpitrain.liveness import PeerLost
-from mpitrain.metrics import Progress
+from mpitrain.exchange.transport import PS_POLL_NO_OVERLAP_S, PS_POLL_S, Poller, tested
+from mpitrain.membership.elastic import interrupted_at
+from mpitrain.membership.faults import Kill, never_returns, stuck_from
+from mpitrain.membership.liveness import PeerLost
+from mpitrain.membership.stopping import STOP
+from mpitrain.membership.stuck import WATCHDOG
 from mpitrain.modes.async_shm import ShmServer, keep_store
 from mpitrain.modes.base import Mode, Trained
+from mpitrain.modes.gradients import GradientSource
 from mpitrain.modes.shm_remote import on_store_host
-from mpitrain.observe import APPLY, COMPUTE, PULL, PUSH, WAIT
-from mpitrain.optim import ServerUpdate, StalenessHold
-from mpitrain.outer import InnerSteps, OuterUpdate, PushSpans, in_pushes
-from mpitrain.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_LAST, FLAG_LEAVING, FLAG_STOP, TAG_GRAD,
-                               TAG_PARAMS, Message, ProtocolError)
 from mpitrain.runtime import Context, start_state
-from mpitrain.shards import Gather, ShardService, assemble
-from mpitrain.stopping import STOP
-from mpitrain.stuck import WATCHDOG
-from mpitrain.transport import PS_POLL_NO_OVERLAP_S, PS_POLL_S, Poller, tested
 
 
 class AsyncServer:

@@ -14,19 +14,19 @@ from __future__ import annotations
 
 import time
 
-from mpitrain.checkpoint import TrainState
-from mpitrain.chief import ChiefDuties, Clock, ServerState, begin, record_lost
-from mpitrain.console import say
+from mpitrain.core.console import say
+from mpitrain.core.guard import NON_FINITE, Diverged, LossGuard
+from mpitrain.core.outer import in_pushes
+from mpitrain.duties.checkpoint import TrainState
+from mpitrain.duties.chief import ChiefDuties, Clock, ServerState, begin, record_lost
+from mpitrain.duties.metrics import Progress
+from mpitrain.duties.observe import WAIT
 from mpitrain.exchange import shm
-from mpitrain.guard import NON_FINITE, Diverged, LossGuard
-from mpitrain.liveness import PeerLost
-from mpitrain.metrics import Progress
+from mpitrain.membership.liveness import PeerLost
+from mpitrain.membership.stopping import STOP
 from mpitrain.modes.shm_remote import POLL_S as REMOTE_POLL_S
 from mpitrain.modes.shm_remote import RemoteWorkers, off_host
-from mpitrain.observe import WAIT
-from mpitrain.outer import in_pushes
 from mpitrain.runtime import Context
-from mpitrain.stopping import STOP
 
 SERVE_POLL_S = 2e-3  # rank 0 looks at the version this often: off the hot path, a sleeping process
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from mpitrain.layout import PS_RANK
-from mpitrain.observe import ALLREDUCE
+from mpitrain.core.layout import PS_RANK
+from mpitrain.duties.observe import ALLREDUCE
 
 # Who a rank is in every mode (Layout decides it: rank 0, the other servers of --num-ps, the rest).
 CHIEF = "chief"  # rank 0: the global model, the progress bar, checkpoints, the summary

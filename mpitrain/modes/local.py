@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from mpitrain.chief import ChiefDuties, ServerState
-from mpitrain.gradients import WorkerResult
-from mpitrain.metrics import Progress
+from mpitrain.core.reports import WorkerResult
+from mpitrain.duties.chief import ChiefDuties, ServerState
+from mpitrain.duties.metrics import Progress
 from mpitrain.modes.base import CHIEF, Mode, Trained
 from mpitrain.modes.sync import train
 from mpitrain.runtime import Context

@@ -17,23 +17,41 @@ from collections import deque
 import numpy as np
 from mpi4py import MPI
 
-from mpitrain.checkpoint import TrainState
-from mpitrain.elastic import interrupted_at
-from mpitrain.faults import Kill
-from mpitrain.gradients import LOSS_WINDOW, WorkerResult, mean_loss
+from mpitrain.core.outer import round_span
+from mpitrain.core.reports import LOSS_WINDOW, WorkerResult, mean_loss
+from mpitrain.duties.checkpoint import TrainState
+from mpitrain.duties.observe import COMPUTE, PUSH, WAIT
+from mpitrain.exchange.protocol import (
+    FLAG_LATE,
+    FLAG_LEAVING,
+    FLAG_STOP_STEP,
+    HEADER_BYTES,
+    TAG_QGRAD,
+    TAG_UPDATE,
+    Message,
+    ProtocolError,
+)
+from mpitrain.exchange.transport import WORKER_POLL_S, Poller
+from mpitrain.exchange.waiting import poll
+from mpitrain.membership.elastic import interrupted_at
+from mpitrain.membership.faults import Kill
+from mpitrain.membership.stopping import STOP
 from mpitrain.modes.base import Trained
-from mpitrain.modes.quorum_parts import (OWED_MARGIN_S, PACE_SLACK, SWITCH_INTERVAL_S, UNHEARD_HOLDS, CoordinatorPace,
-                                         GradientThread, QuorumUpdate, UpdateRing, arrived, between_workers,
-                                         contribution_source)
+from mpitrain.modes.quorum_parts import (
+    OWED_MARGIN_S,
+    PACE_SLACK,
+    SWITCH_INTERVAL_S,
+    UNHEARD_HOLDS,
+    CoordinatorPace,
+    GradientThread,
+    QuorumUpdate,
+    UpdateRing,
+    arrived,
+    between_workers,
+    contribution_source,
+)
 from mpitrain.modes.sync import SyncMode, SyncStep, sync_result, work
-from mpitrain.observe import COMPUTE, PUSH, WAIT
-from mpitrain.outer import round_span
-from mpitrain.protocol import (FLAG_LATE, FLAG_LEAVING, FLAG_STOP_STEP, HEADER_BYTES, TAG_QGRAD, TAG_UPDATE, Message,
-                               ProtocolError)
 from mpitrain.runtime import Context
-from mpitrain.stopping import STOP
-from mpitrain.transport import WORKER_POLL_S, Poller
-from mpitrain.waiting import poll
 
 # The messages between workers travel on the workers' communicator (ranks: worker indices), not
 # COMM_WORLD: after a regroup (elastic.py) the receives left posted on the old one can never take

@@ -12,16 +12,16 @@ from typing import Callable
 
 import numpy as np
 
-from mpitrain.codec import encode
+from mpitrain.core.codec import encode
+from mpitrain.core.layout import PS_RANK
+from mpitrain.core.outer import InnerSteps, RoundSource
+from mpitrain.duties.observe import WAIT
 from mpitrain.exchange.mpi import await_verdict
-from mpitrain.gradients import GradientSource
-from mpitrain.layout import PS_RANK
-from mpitrain.liveness import PeerLost
-from mpitrain.observe import WAIT
-from mpitrain.outer import InnerSteps, RoundSource
-from mpitrain.protocol import TAG_UPDATE, Message
+from mpitrain.exchange.protocol import TAG_UPDATE, Message
+from mpitrain.exchange.transport import Poller, tested
+from mpitrain.membership.liveness import PeerLost
+from mpitrain.modes.gradients import GradientSource
 from mpitrain.runtime import Context
-from mpitrain.transport import Poller, tested
 
 SWITCH_INTERVAL_S = 1e-4  # --quorum: GIL hand-over between the MPI thread and the compute thread
 

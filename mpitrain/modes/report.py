@@ -8,14 +8,22 @@ import time
 
 from mpi4py import MPI
 
-from mpitrain.checkpoint import Checkpointer, TrainState, state_arrays, to_flat
-from mpitrain.gradients import WorkerResult
-from mpitrain.layout import PS_RANK
-from mpitrain.observe import PUSH
-from mpitrain.protocol import FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_REGROUPED, FLAG_STOP, TAG_STATUS, Message
+from mpitrain.core.layout import PS_RANK
+from mpitrain.core.reports import WorkerResult
+from mpitrain.duties.checkpoint import Checkpointer, TrainState, state_arrays, to_flat
+from mpitrain.duties.observe import PUSH
+from mpitrain.exchange.protocol import (
+    FLAG_CKPT,
+    FLAG_DIVERGED,
+    FLAG_EVAL,
+    FLAG_REGROUPED,
+    FLAG_STOP,
+    TAG_STATUS,
+    Message,
+)
+from mpitrain.exchange.shards import cut
+from mpitrain.exchange.transport import WORKER_POLL_S, Poller, tested
 from mpitrain.runtime import Context
-from mpitrain.shards import cut
-from mpitrain.transport import WORKER_POLL_S, Poller, tested
 
 STATUS_EVERY_S = 0.2  # sync coordinator -> PS progress reports; off the hot path
 

@@ -20,14 +20,14 @@ import math
 import numpy as np
 from mpi4py import MPI
 
+from mpitrain.core.layout import PS_RANK
+from mpitrain.core.optim import StalenessHold
+from mpitrain.core.outer import PushSpans
 from mpitrain.exchange import shm
-from mpitrain.faults import offhost_ranks
-from mpitrain.layout import PS_RANK
-from mpitrain.liveness import PeerLost
-from mpitrain.optim import StalenessHold
-from mpitrain.outer import PushSpans
-from mpitrain.protocol import FLAG_DIVERGED, FLAG_LAST, FLAG_LEAVING, FLAG_STOP, TAG_GRAD, TAG_PARAMS, Message
-from mpitrain.transport import END_POLL_S, PS_POLL_NO_OVERLAP_S, Poller, tested
+from mpitrain.exchange.protocol import FLAG_DIVERGED, FLAG_LAST, FLAG_LEAVING, FLAG_STOP, TAG_GRAD, TAG_PARAMS, Message
+from mpitrain.exchange.transport import END_POLL_S, PS_POLL_NO_OVERLAP_S, Poller, tested
+from mpitrain.membership.faults import offhost_ranks
+from mpitrain.membership.liveness import PeerLost
 
 POLL_S = PS_POLL_NO_OVERLAP_S  # with remote workers rank 0's loop answers them: their reply is on their critical path
 

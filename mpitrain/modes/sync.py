@@ -17,30 +17,41 @@ from collections import deque
 import numpy as np
 from mpi4py import MPI
 
-from mpitrain import checkpoint, elastic
-from mpitrain.checkpoint import TrainState
-from mpitrain.chief import ChiefDuties, Clock, ServerState, begin, record_lost
-from mpitrain.codec import CODECS
-from mpitrain.elastic import interrupted_at
+from mpitrain.core.codec import CODECS
+from mpitrain.core.guard import NON_FINITE, Diverged, LossGuard
+from mpitrain.core.layout import PS_RANK
+from mpitrain.core.optim import Optimizer, make_ema
+from mpitrain.core.outer import LocalSteps
+from mpitrain.core.reports import LOSS_WINDOW, WorkerResult, mean_loss
+from mpitrain.duties import checkpoint
+from mpitrain.duties.checkpoint import TrainState
+from mpitrain.duties.chief import ChiefDuties, Clock, ServerState, begin, record_lost
+from mpitrain.duties.metrics import Progress
+from mpitrain.duties.observe import ALLREDUCE, APPLY, COMPUTE, WAIT
 from mpitrain.exchange.base import Reducer
 from mpitrain.exchange.mpi import ABANDONED, MPIReducer, await_verdict
-from mpitrain.faults import Kill
-from mpitrain.gradients import LOSS_WINDOW, GradientSource, WorkerResult, mean_loss
-from mpitrain.guard import NON_FINITE, Diverged, LossGuard
-from mpitrain.layout import PS_RANK
-from mpitrain.liveness import PeerLost
-from mpitrain.metrics import Progress
+from mpitrain.exchange.protocol import (
+    FLAG_CKPT,
+    FLAG_DIVERGED,
+    FLAG_EVAL,
+    FLAG_REGROUPED,
+    FLAG_STOP,
+    TAG_SHARD,
+    TAG_STATUS,
+    Message,
+    ProtocolError,
+)
+from mpitrain.exchange.shards import Gather, assemble
+from mpitrain.exchange.transport import CHIEF_POLL_S, Poller
+from mpitrain.membership import elastic
+from mpitrain.membership.elastic import interrupted_at
+from mpitrain.membership.faults import Kill
+from mpitrain.membership.liveness import PeerLost
+from mpitrain.membership.stopping import STOP
 from mpitrain.modes.base import Mode, Trained
+from mpitrain.modes.gradients import GradientSource
 from mpitrain.modes.report import CoordinatorReport
-from mpitrain.observe import ALLREDUCE, APPLY, COMPUTE, WAIT
-from mpitrain.optim import Optimizer, make_ema
-from mpitrain.outer import LocalSteps
-from mpitrain.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_REGROUPED, FLAG_STOP, TAG_SHARD, TAG_STATUS,
-                               Message, ProtocolError)
 from mpitrain.runtime import Context, start_state
-from mpitrain.shards import Gather, assemble
-from mpitrain.stopping import STOP
-from mpitrain.transport import CHIEF_POLL_S, Poller
 
 LOSS, WEIGHT, VOTE, STAMP = range(4)  # the slots behind a sync step's gradient, from its end (SyncStep)
 SYNC_SLOTS = STAMP + 1

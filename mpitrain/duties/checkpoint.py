@@ -1,0 +1,239 @@
+"""Checkpoints: one .npz per save (no pickle), written atomically, validated on load.
+
+A checkpoint holds everything needed to continue: the flat parameters, the optimizer state, the
+global step, each worker's position in its data stream, and a fingerprint of the model (layer
+sizes, optimizer) that a resumed run must match. The data order needs no RNG state: every
+epoch's shuffle is a pure function of (--seed, epoch), so the position alone restores it.
+Saving writes a temporary file in the same folder, fsyncs it, then os.replace()s it into place:
+a job killed at any moment leaves every finished checkpoint intact and loadable.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import re
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from mpitrain.core import atomic
+from mpitrain.core.atomic import write_atomic
+from mpitrain.core.config import UsageError
+from mpitrain.core.model import builtin_spec
+from mpitrain.core.optim import REGISTRY as OPTIMIZER_REGISTRY
+from mpitrain.core.outer import OUTER_STATES
+from mpitrain.duties.outputs import WRITES
+
+NAME = re.compile(r"^ckpt-(\d{9})\.npz$")
+FORMAT = 1
+
+
+@dataclass
+class TrainState:
+    """What a run starts from (fresh or resumed) and what a checkpoint stores."""
+
+    params: np.ndarray
+    global_step: int = 0
+    opt_t: int = 0
+    opt_state: dict[str, np.ndarray] = field(default_factory=dict)  # the optimizer's arrays by name (optim.REGISTRY)
+    positions: list[int] = field(default_factory=list)  # batches each worker has taken
+    ema: np.ndarray | None = None  # --ema-decay: moving average of the parameters
+    # A take-over's offer (failover.py): each shard's version of the slice held here (-1: none held);
+    # None: every slice, at global_step (a sync replica)
+    versions: list[int] | None = None
+
+    def position(self, worker: int) -> int:
+        return self.positions[worker] if worker < len(self.positions) else 0
+
+    def array(self, name: str) -> np.ndarray | None:
+        """A flat array by its name in a checkpoint file: params, ema, or opt_<state name>."""
+        if name.startswith(OPT_PREFIX):
+            return self.opt_state.get(name[len(OPT_PREFIX):])
+        return getattr(self, name)
+
+    def set_array(self, name: str, value: np.ndarray) -> None:
+        if name.startswith(OPT_PREFIX):
+            self.opt_state[name[len(OPT_PREFIX):]] = value
+        else:
+            setattr(self, name, value)
+
+
+# An optimizer's state array NAME is stored as "opt_NAME" (opt_m, opt_v: the files of earlier
+# versions load unchanged); "opt_t", its update count, is a scalar beside them.
+OPT_PREFIX, OPT_COUNT = "opt_", "opt_t"
+
+
+def state_arrays(cfg) -> list[str]:
+    """Names of a training state's flat arrays, in the order they travel (the start-up broadcast,
+    the sync coordinator -> rank 0): params, the optimizer's state, the moving average."""
+    inner = OPTIMIZER_REGISTRY[cfg.optimizer].state if cfg.inner_state_saved else ()
+    names = ["params"] + [OPT_PREFIX + name for name in inner]
+    if cfg.local_steps > 1:  # the outer optimizer's state (outer.py)
+        names += [OPT_PREFIX + name for name in OUTER_STATES[cfg.outer_rule]]
+    return names + (["ema"] if cfg.ema_decay else [])
+
+
+def to_flat(state: TrainState, names: list[str]) -> np.ndarray:
+    return np.concatenate([state.array(name) for name in names])
+
+
+def from_flat(flat: np.ndarray, names: list[str], n: int, step: int, positions: list[int]) -> TrainState:
+    state = TrainState(flat[:n].copy(), step, step, positions=list(positions))
+    for i, name in enumerate(names[1:], 1):
+        state.set_array(name, flat[i * n : (i + 1) * n].copy())
+    return state
+
+
+class Checkpointer:
+    """When rank 0 saves: every --checkpoint-every-steps global steps and/or every
+    --checkpoint-every-secs seconds, and once at the end. Inactive without --checkpoint-dir."""
+
+    def __init__(self, cfg, fp: dict, clock=None):
+        import time
+
+        self.cfg, self.fp = cfg, fp
+        self.clock = clock or time.monotonic
+        self.enabled = cfg.checkpoint_dir is not None
+        self.dir = Path(cfg.checkpoint_dir) if self.enabled else None
+        self.last_time = self.clock()
+        self.last_step = None
+        self.saved: list[str] = []
+
+    def due(self, step: int) -> bool:
+        if not self.enabled:
+            return False
+        every = self.cfg.checkpoint_every_steps
+        return bool(every and step % every == 0) or self.clock() - self.last_time >= self.cfg.checkpoint_every_secs
+
+    def mark(self, step: int) -> None:
+        """A save was started at `step` (by rank 0, or by the sync coordinator sending its state)."""
+        self.last_time, self.last_step = self.clock(), step
+
+    def save(self, state: TrainState, final: bool = False) -> bool:
+        """Write `state` unless it was written already; False when the write failed (a full disk,
+        a quota, an I/O error): that is reported, and training goes on from the next one."""
+        if self.enabled and not np.isfinite(state.params).all():
+            self.mark(state.global_step)  # never write a non-finite state: the last good one stays newest
+            return True
+        if self.enabled and state.global_step != self.last_step:
+            try:
+                try:
+                    path = save(self.dir, state, self.fp, self.cfg.keep_checkpoints)
+                except OSError as e:
+                    # Out of space: the older checkpoints go first (never the newest), then once more.
+                    if e.errno not in (errno.ENOSPC, errno.EDQUOT) or not prune(self.dir, keep=1):
+                        raise
+                    path = save(self.dir, state, self.fp, self.cfg.keep_checkpoints)
+                    WRITES.note("checkpoint space", f"{self.dir} is out of space ({e.strerror}): the checkpoints "
+                                f"before the newest were deleted to make room for global step {state.global_step}",
+                                f"fewer than --keep-checkpoints {self.cfg.keep_checkpoints} are kept; training goes on")
+                self.saved.append(str(path))
+                WRITES.newest_checkpoint = self.saved[-1]
+            except OSError as e:
+                newest = list_checkpoints(self.dir)
+                good = f"the newest good one is {newest[-1].name}" if newest else "there is no good one yet"
+                WRITES.failed("checkpoint", f"checkpoint at global step {state.global_step}", self.dir, e,
+                              f"{good}; " + ("the run ends without it" if final else "training goes on"))
+                if final:
+                    WRITES.incomplete = True
+                self.last_time = self.clock()  # not mark(): a final save of this step tries again
+                return False
+        self.mark(state.global_step)
+        return True
+
+
+def fingerprint(sizes: tuple[int, ...], optimizer: str, dataset: str = "", seed: int = 0,
+                model: dict | None = None) -> dict:
+    """What a resumed run must share with the checkpoint: the model (its spec, model.Model; the
+    built-ins' is their kind and layer sizes) and optimizer (the state's layout), and the dataset
+    and --seed (the data order it continues)."""
+    spec = model if model is not None else builtin_spec(sizes)
+    return {"format": FORMAT, "layer_sizes": list(sizes), "model": spec, "optimizer": optimizer, "dataset": dataset,
+            "seed": seed}
+
+
+def path_for(directory: Path, step: int) -> Path:
+    return directory / f"ckpt-{step:09d}.npz"
+
+
+def list_checkpoints(directory: Path) -> list[Path]:
+    """Finished checkpoints, oldest first (temporary files of interrupted saves are not listed)."""
+    if not directory.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := NAME.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def save(directory: Path, state: TrainState, fp: dict, keep: int) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    arrays = {"params": state.params, "global_step": np.int64(state.global_step), OPT_COUNT: np.int64(state.opt_t),
+              "positions": np.asarray(state.positions, np.int64), "fingerprint": np.array(json.dumps(fp))}
+    arrays.update({OPT_PREFIX + name: a for name, a in state.opt_state.items()})
+    if state.ema is not None:
+        arrays["ema"] = state.ema
+    target = write_atomic(path_for(directory, state.global_step), lambda f: np.savez(f, **arrays), binary=True)
+    prune(directory, keep)
+    return target
+
+
+def prune(directory: Path, keep: int) -> bool:
+    """Delete all but the newest `keep` finished checkpoints; True if any went."""
+    removed = False
+    for old in list_checkpoints(directory)[:-keep]:
+        try:
+            old.unlink()
+            removed = True
+        except OSError:  # a read-only remount, an I/O error: an extra old checkpoint costs nothing
+            pass
+    return removed
+
+
+def load(path: Path, fp: dict | None = None) -> TrainState:
+    """Read and validate one checkpoint; UsageError (one line) when it is unusable."""
+    fix = f"delete or move {path.name}, or pass --fresh to start over (nothing was deleted)"
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            data = {k: z[k] for k in z.files}  # reads every member: a truncated file fails here
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, KeyError) as e:
+        raise UsageError(f"checkpoint {path} is corrupt or truncated ({type(e).__name__}); {fix}") from None
+    missing = {"params", "global_step", OPT_COUNT, "positions", "fingerprint"} - set(data)
+    if missing:
+        raise UsageError(f"checkpoint {path} lacks {', '.join(sorted(missing))}: not an mpitrain checkpoint; {fix}")
+    saved = json.loads(str(data["fingerprint"]))
+    if fp is not None and "model" not in saved:  # written before models had a spec: the built-ins' sizes say it
+        fp = {k: v for k, v in fp.items() if k != "model"}
+    if fp is not None and saved != fp:
+        keys = [k for k in fp if saved.get(k) != fp[k]]
+        if "model" in keys and "layer_sizes" in keys:  # the model's spec says its sizes
+            keys.remove("layer_sizes")
+        differ = ", ".join(f"{k} {saved.get(k)} vs {fp[k]} here" for k in keys)
+        raise UsageError(f"checkpoint {path} is of another model or run ({differ}); use the same --model/--hidden/"
+                         f"--optimizer/--dataset/--seed, another --checkpoint-dir, or --fresh")
+    params = data["params"]
+    if params.dtype != np.float32 or not np.isfinite(params).all():
+        raise UsageError(f"checkpoint {path} holds non-finite or non-float32 parameters; {fix}")
+    opt_state = {k[len(OPT_PREFIX):]: a for k, a in data.items() if k.startswith(OPT_PREFIX) and k != OPT_COUNT}
+    return TrainState(params=params, global_step=int(data["global_step"]), opt_t=int(data[OPT_COUNT]),
+                      opt_state=opt_state, positions=[int(p) for p in data["positions"]], ema=data.get("ema"))
+
+
+def saved_fingerprint(path: Path) -> dict:
+    """The fingerprint a checkpoint was written with (load() has validated the file)."""
+    with np.load(path, allow_pickle=False) as z:
+        return json.loads(str(z["fingerprint"]))
+
+
+def set_aside(directory: Path) -> Path | None:
+    """--fresh: move earlier checkpoints into a subfolder so that the new run's pruning
+    (--keep-checkpoints) never deletes them. Returns that folder, or None if there were none."""
+    return atomic.set_aside(list_checkpoints(directory), directory)
+
+
+def load_latest(directory: Path, fp: dict | None = None) -> tuple[Path, TrainState] | None:
+    found = list_checkpoints(directory)
+    if not found:
+        return None
+    return found[-1], load(found[-1], fp)

@@ -1,0 +1,115 @@
+"""Where every training loop takes its gradients, and what every worker loop hands back.
+
+GradientSource is the one gradient step: the next minibatch of this worker's shard (BatchStream),
+the model's loss and gradient into a buffer, the finite check (Divergence) and the --straggler
+pause. The async worker (modes/async_.py), the sync step (modes/sync.py), the quorum coordinator's gradient thread
+and the quorum follower (quorum.py) and the local run all call it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from mpitrain.core.data import epoch_batches
+from mpitrain.core.guard import Diverged
+from mpitrain.duties.checkpoint import TrainState
+from mpitrain.membership.faults import injected_step
+from mpitrain.runtime import Context
+
+
+class BatchStream:
+    """This worker's minibatches, epoch after epoch, reshuffled each epoch from --seed.
+    `budget` is the number of local steps allowed by --epochs (None: endless)."""
+
+    def __init__(self, ctx: Context, taken: int = 0):
+        cfg, be = ctx.cfg, ctx.backend
+        self.ctx = ctx
+        self.x = be.asarray(ctx.data.x_train)  # the whole train set lives on the device once
+        self.y = be.asarray(ctx.data.y_train)
+        self.spe = ctx.steps_per_epoch
+        epochs = cfg.epochs_or_default
+        self.budget = None if epochs is None else epochs * self.spe
+        self.taken = taken  # batches already taken (a resumed run continues the same order)
+        self._epoch_idx = None
+
+    def next(self):
+        ctx = self.ctx
+        epoch, k = divmod(self.taken, self.spe)
+        if k == 0 or self._epoch_idx is None:
+            idx = epoch_batches(ctx.data.n_train, ctx.workers, ctx.worker_index, ctx.cfg.batch_size, epoch, ctx.cfg.seed)
+            self._epoch_idx = ctx.backend.asarray(idx)
+        self.taken += 1
+        rows = self._epoch_idx[k]
+        return self.x[rows], self.y[rows]
+
+    @property
+    def exhausted(self) -> bool:
+        return self.budget is not None and self.taken >= self.budget
+
+
+class Divergence:
+    """A gradient is only usable when its loss and all its entries are finite. One BLAS dot
+    product checks the entries (~1% of a step): NaN or inf anywhere makes it non-finite, and so do
+    entries beyond ~1e19, which only a diverging run produces. A non-finite result is reported as
+    a NaN loss, which stops training on every rank. MPITRAIN_INJECT_NAN (faults.py) makes a
+    worker report NaN at a given local step."""
+
+    def __init__(self, ctx: Context):
+        self.xp = ctx.backend.xp
+        self.inject_at = injected_step("MPITRAIN_INJECT_NAN", ctx.rank)
+        self.steps = 0
+
+    def check(self, loss: float, grad) -> float:
+        self.steps += 1
+        if self.steps == self.inject_at or not math.isfinite(loss) or not math.isfinite(float(self.xp.dot(grad, grad))):
+            return float("nan")
+        return loss
+
+
+class GradientSource:
+    """This worker's gradients, one minibatch each: the next batch of its shard, the model's loss
+    and gradient into `grad`, the finite check and the --straggler pause. `seconds` is how long the
+    last one took (the pause included: what a straggler's peers see)."""
+
+    def __init__(self, ctx: Context, taken: int = 0):
+        self.model = ctx.model
+        self.batches = BatchStream(ctx, taken)
+        self.divergence = Divergence(ctx)
+        self.straggler = Straggler(ctx)
+        self.seconds = 0.0
+
+    def compute(self, params, grad, step: int = 0) -> float:
+        """The next minibatch's gradient on `params` into `grad`; its loss (NaN: not usable). `step`,
+        the global step of `params`, is for outer.RoundSource, which stands in for this class."""
+        x, y = self.batches.next()
+        t0 = time.perf_counter()
+        loss = self.divergence.check(self.model.loss_and_grad(params, x, y, grad), grad)
+        self.straggler.pause(time.perf_counter() - t0)
+        self.seconds = time.perf_counter() - t0
+        return loss
+
+    @property
+    def exhausted(self) -> bool:
+        return self.batches.exhausted
+
+
+class Straggler:
+    """--straggler RANK:SECONDS / RANK:xFACTOR for this rank: sleep after each gradient."""
+
+    def __init__(self, ctx: Context):
+        specs = [(kind, value) for rank, kind, value in ctx.cfg.stragglers if rank == ctx.rank and not ctx.local]
+        self.delay = sum(v for k, v in specs if k == "delay")
+        self.factor = 1.0
+        for k, v in specs:
+            if k == "factor":
+                self.factor *= v
+
+    def pause(self, compute_s: float) -> None:
+        extra = self.delay + (self.factor - 1.0) * compute_s
+        if extra > 0:
+            time.sleep(extra)
