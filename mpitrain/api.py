@@ -218,9 +218,11 @@ def local_rank() -> int:
 
 
 def train(**options) -> Result:
+    from mpitrain.core.blas import pin_blas_threads
     from mpitrain.core.exitcodes import ExitCode
     from mpitrain.runtime import node_info, world
 
+    pin_blas_threads()  # as the command line does (core/blas.py)
     cfg = config(**options)
     comm = world(cfg)
     from mpitrain.trainer import run  # imports mpi4py.MPI, which initialises MPI: after world()

@@ -14,15 +14,12 @@ import os
 import signal
 import sys
 
+from mpitrain.core.blas import pin_blas_threads
 from mpitrain.core.config import TrainConfig, UsageError
 from mpitrain.core.config_checks import validate
 from mpitrain.core.config_io import flag_name, parse_straggler
 from mpitrain.launch.mpiimpl import launcher_rank
 from mpitrain.version import __version__
-
-# One BLAS thread per rank: at these matrix sizes two threads are slower than one, and ranks
-# already share the cores. Set before NumPy loads; an explicit user setting wins.
-BLAS_THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
 
 SUBCOMMANDS = {"launch": "mpitrain.launch.command", "evaluate": "mpitrain.duties.evaluation", "plot": "mpitrain.duties.plot"}
@@ -33,7 +30,18 @@ class _Parser(argparse.ArgumentParser):
         if "-np" in message.split() or "-n" in message.split():  # the launcher's flag, given to mpitrain
             raise UsageError(f"{message}: the number of processes is mpirun's flag, not mpitrain's; run "
                              f"`mpirun -np 3 python -m mpitrain ...`")
-        raise UsageError(f"{message} (see python -m mpitrain --help)")
+        raise UsageError(f"{message}{self._did_you_mean(message)} (see python -m mpitrain --help)")
+
+    def _did_you_mean(self, message: str) -> str:
+        """`--eopchs` -> "; did you mean --epochs?" (the API says the same of a keyword)."""
+        import difflib
+
+        if not message.startswith("unrecognized arguments:"):
+            return ""
+        flags = [s for a in self._actions for s in a.option_strings if s.startswith("--")]
+        typo = message.split(":", 1)[1].split()[0].split("=")[0]
+        close = difflib.get_close_matches(typo, flags, n=1)
+        return f"; did you mean {close[0]}?" if close else ""
 
 
 def _hidden(text: str) -> tuple[int, ...]:
@@ -108,13 +116,8 @@ def parse_args(argv: list[str]) -> tuple[TrainConfig | None, argparse.ArgumentPa
     return validate(TrainConfig(**values)), parser
 
 
-def _pin_blas_threads() -> None:
-    for var in BLAS_THREAD_VARS:
-        os.environ.setdefault(var, "1")
-
-
 def main(argv: list[str] | None = None) -> int:
-    _pin_blas_threads()
+    pin_blas_threads()  # before NumPy loads (core/blas.py)
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] and argv[0] in SUBCOMMANDS:  # no MPI for these: launch starts mpirun itself
         import importlib

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from mpitrain.core.backend import Backend, make_backend
-from mpitrain.core.config import TrainConfig, UsageError, can_take_joiners
+from mpitrain.core.config import NPZ_PREFIX, TrainConfig, UsageError, can_take_joiners
 from mpitrain.core.console import say
 from mpitrain.core.data import Dataset, check_batch_fits, load_dataset, steps_per_epoch
 from mpitrain.core.layout import PS_RANK, Layout
@@ -292,7 +292,11 @@ class Context:
         role, lay = self.role, self.layout
         if self.is_ps and lay.shards > 1:
             k, s = lay.shard_index(self.rank), self.shard
-            role += f" shard {k}/{lay.shards} ({s.stop - s.start:,} params)"
+            if self.cfg.ps_transport == "shm":  # the store holds every shard; the workers apply them there
+                role += f" shard {k}/{lay.shards} (its {s.stop - s.start:,} params are in the host's shared store"
+                role += ", applied by the workers)" if k == 0 else "; this rank holds nothing and waits for the end)"
+            else:
+                role += f" shard {k}/{lay.shards} ({s.stop - s.start:,} params)"
         return f"rank {self.rank} {role} {self.host} {self.backend.description}"
 
 
@@ -324,7 +328,8 @@ def make_model(cfg: TrainConfig, data: Dataset, xp) -> Model:
 
 def fingerprint(cfg: TrainConfig, data: Dataset, model: Model) -> dict:
     """What a checkpoint must match to be resumed by this run."""
-    return checkpoint.fingerprint(model.sizes, cfg.optimizer, data.name, cfg.seed, model.spec)
+    npz = cfg.dataset.startswith(NPZ_PREFIX) and os.path.abspath(cfg.dataset[len(NPZ_PREFIX):])
+    return checkpoint.fingerprint(model.sizes, cfg.optimizer, data.name, cfg.seed, model.spec, npz or None)
 
 
 def check_launch(size: int, env=os.environ) -> None:
@@ -339,8 +344,10 @@ def check_output_path(flag: str, path: str | None) -> None:
     if path is None:
         return
     parent = Path(path).expanduser().resolve().parent
-    if not parent.is_dir():
-        raise UsageError(f"{flag} {path}: the folder {parent} does not exist; create it or pick another path")
+    try:  # made as --log-dir and --checkpoint-dir make theirs
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file where a folder should be, no permission, a read-only mount
+        raise UsageError(f"{flag} {path}: cannot create the folder {parent} ({e.strerror}); pick another path") from None
     if Path(path).is_dir():
         raise UsageError(f"{flag} {path} is a folder; give a file name, e.g. {Path(path) / 'out.json'}")
     try:  # writable (a read-only mount, no permission) is only known by trying: a file that vanishes at once

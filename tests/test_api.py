@@ -11,12 +11,34 @@ from conftest import MPI_TIMEOUT_S, OWN_LOGIC, child_env, keep_going, launcher, 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def python(code: str, np_: int = 0) -> subprocess.CompletedProcess:
+def python(code: str, np_: int = 0, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run `code` in a fresh interpreter (MPI initialised there, not in pytest), under mpirun if np_."""
     cmd = [sys.executable, "-c", code]
     if np_:
         cmd = [*launcher(), "-np", str(np_), *cmd]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=MPI_TIMEOUT_S, env=child_env(), cwd=ROOT)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=MPI_TIMEOUT_S, env=env or child_env(), cwd=ROOT)
+
+
+@pytest.mark.parametrize("user_setting,threads", [(None, 1), ("2", 2)])
+def test_the_api_pins_blas_to_one_thread_per_rank_as_the_cli_does(user_setting, threads):
+    """A script that loaded NumPy before calling train() ran 3 ranks with a BLAS thread per core
+    each, 6-14x slower than the CLI on 2 cores (issue 77): every rank now runs one BLAS thread,
+    unless the user set the thread count."""
+    from mpitrain.core.blas import BLAS_THREAD_VARS
+
+    env = {k: v for k, v in child_env().items() if k not in BLAS_THREAD_VARS}
+    if user_setting:
+        env["OPENBLAS_NUM_THREADS"] = user_setting
+    code = """
+import numpy, threadpoolctl, sys, mpitrain
+mpitrain.train(steps=5, progress=False)
+blas = [p["num_threads"] for p in threadpoolctl.threadpool_info() if p["user_api"] == "blas"]
+sys.stdout.write(f"BLAS {mpitrain.rank()} {max(blas)}" + chr(10))
+"""
+    proc = python(code, np_=3, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = sorted(ln.split()[1:] for ln in proc.stdout.splitlines() if ln.startswith("BLAS "))
+    assert rows == [[str(r), str(threads)] for r in range(3)], proc.stdout
 
 
 def test_train_in_one_process_returns_the_summary_and_runs_twice(tmp_path):

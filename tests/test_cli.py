@@ -22,6 +22,7 @@ BAD = [
     (["--hidden", "10,x"], "--hidden"),
     (["--frobnicate"], "unrecognized arguments"),
     (["--epoch", "3"], "unrecognized arguments: --epoch 3"),
+    (["--eopchs", "3"], "unrecognized arguments: --eopchs 3; did you mean --epochs?"),  # as the API says of a keyword
     (["--hidden", "100,,50"], "--hidden takes comma-separated widths"),
     (["-np", "3"], "mpirun -np 3 python -m mpitrain"),
     (["--dataset", "mnist", "--data-dir", "/nonexistent/mnist"], "does not exist"),
@@ -301,9 +302,9 @@ def test_numpy_loads_only_after_the_blas_threads_are_pinned():
             "print('numpy' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=child_env())
     assert out.stdout.strip() == "False", out.stderr
-    code = ("import os, sys; from mpitrain import cli; cli._pin_blas_threads(); cli.parse_args([]); "
+    code = ("import os, sys; from mpitrain import cli; cli.pin_blas_threads(); cli.parse_args([]); "
             "import threadpoolctl; print(max(p['num_threads'] for p in threadpoolctl.threadpool_info()))")
-    from mpitrain.cli import BLAS_THREAD_VARS
+    from mpitrain.core.blas import BLAS_THREAD_VARS
 
     env = {k: v for k, v in child_env().items() if k not in BLAS_THREAD_VARS}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)

@@ -222,6 +222,8 @@ def test_a_file_given_without_npz_is_pointed_to_it(tmp_path):
     ({"y_test": None}, "has no y_test (it has: x_train, y_train, x_test)"),
     ({"x_test": np.zeros((20, 5), np.float32)}, "x_train has 108 features per example but x_test 5"),
     ({"y_train": np.zeros(50) + 0.5}, "y_train must be a 1-D array of integer class labels"),
+    ({"y_train": np.array([f"class_{i % 3}" for i in range(50)])}, "np.unique(np.concatenate([y_train, y_test]), "
+                                                                      "return_inverse=True)"),
     ({"y_train": np.arange(50) - 1}, "y_train has a negative label (-1)"),
     ({"y_train": np.zeros(49, np.int64)}, "y_train has 49 labels for 50 examples"),
     ({"x_train": np.full((50, 3), np.nan)}, "x_train holds NaN or infinite values"),
@@ -234,6 +236,17 @@ def test_npz_problems_name_the_file_and_the_fix(tmp_path, overrides, needle):
     with pytest.raises(UsageError) as e:
         data.load_npz(str(path))
     assert needle in str(e.value) and "bad.npz" in str(e.value)
+
+
+def test_the_fix_offered_for_named_labels_works_as_written(tmp_path):
+    """String labels get np.unique's numbering, which works on them (astype(np.int64) raises)."""
+    y_train = np.array([f"class_{i % 3}" for i in range(50)])
+    y_test = np.array([f"class_{i % 3}" for i in range(20)])
+    with pytest.raises(UsageError, match="return_inverse"):
+        data.load_npz(str(write_npz(tmp_path / "named.npz", y_train=y_train, y_test=y_test)))
+    _, both = np.unique(np.concatenate([y_train, y_test]), return_inverse=True)  # the message's fix, as written
+    fixed = write_npz(tmp_path / "fixed.npz", y_train=both[:50], y_test=both[50:])
+    assert data.load_npz(str(fixed)).y_train.tolist()[:3] == [0, 1, 2]
 
 
 def test_npz_that_is_not_an_archive(tmp_path):

@@ -175,6 +175,32 @@ def test_evaluate_takes_the_checkpoints_own_dataset_and_says_so(tmp_path):
     assert json.loads(out.read_text())["test_accuracy"] == pytest.approx(json.loads(summary.read_text())["test_accuracy"])
 
 
+def test_evaluate_finds_an_npz_checkpoints_data_from_another_folder(tmp_path):
+    """Trained in one folder on `npz:data/mine.npz` (a relative path), evaluated from another: the
+    checkpoint records where the file was (it once kept the file's name only, and the error told the
+    user to create a file that existed). A file no longer there is named, with the flag that fixes it."""
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    train_dir, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    (train_dir / "data").mkdir(parents=True)
+    elsewhere.mkdir()
+    np.savez(train_dir / "data" / "mine.npz", x_train=x[:1400], y_train=y[:1400], x_test=x[1400:], y_test=y[1400:])
+    proc = run_mpitrain(0, "--dataset", "npz:data/mine.npz", "--steps", "100", "--no-progress",
+                        "--checkpoint-dir", "ck", cwd=train_dir)
+    assert proc.returncode == 0, proc.stderr
+    proc = run_mpitrain(0, "evaluate", str(train_dir / "ck"), cwd=elsewhere)
+    assert proc.returncode == 0, proc.stderr
+    assert "on npz:mine.npz" not in proc.stdout and "mine.npz test set" in proc.stdout
+    (train_dir / "data" / "mine.npz").rename(train_dir / "moved.npz")
+    proc = run_mpitrain(0, "evaluate", str(train_dir / "ck"), cwd=elsewhere)
+    lines = own_lines(proc.stderr)
+    assert proc.returncode == 2 and len(lines) == 1 and "which is not there now" in lines[0], proc.stderr
+    assert "--dataset npz:PATH" in lines[0] and "np.savez" not in lines[0]
+    proc = run_mpitrain(0, "evaluate", str(train_dir / "ck"), "--dataset", "npz:../project/moved.npz", cwd=elsewhere)
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_evaluate_into_a_closed_pipe_ends_quietly(two_runs):
     """`mpitrain evaluate ck | head -2`: a reader that stopped reading used to get a BrokenPipeError
     traceback (and exit 1) after the lines it wanted."""

@@ -193,8 +193,11 @@ def test_bad_observability_flags_are_one_line(tmp_path):
                        (dict(timeline_steps=0), "--timeline-steps must be a positive")):
         with pytest.raises(UsageError, match=words):
             validate(TrainConfig(**bad))
-    with pytest.raises(UsageError, match="does not exist; create it"):
-        check_output_path("--timeline", str(tmp_path / "missing" / "t.json"))
+    check_output_path("--summary-json", str(tmp_path / "logs" / "a" / "s.json"))  # made, as --log-dir's is
+    assert (tmp_path / "logs" / "a").is_dir()
+    (tmp_path / "file").write_text("")
+    with pytest.raises(UsageError, match="cannot create the folder"):
+        check_output_path("--timeline", str(tmp_path / "file" / "t.json"))
     with pytest.raises(UsageError, match="is a folder"):
         check_output_path("--timeline", str(tmp_path))
     check_output_path("--timeline", str(tmp_path / "t.json"))

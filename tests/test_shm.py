@@ -47,6 +47,8 @@ def test_with_num_ps_each_shard_is_applied_under_its_own_lock_and_it_learns(tmp_
     s = train(5, tmp_path, "--ps-transport", "shm", "--num-ps", "2", "--optimizer", "adam", "--ema-decay", "0.99",
               "--eval-every", "100")
     assert s["test_accuracy"] >= 0.93 and s["num_ps"] == 2, s["_stdout"]
+    assert "rank 1 parameter-server shard 1/2 (its 3,755 params are in the host's shared store; this rank holds " \
+           "nothing and waits for the end)" in s["_stdout"]  # not "(3,755 params)", as if it served them (issue 77)
     assert s["global_step"] == sum(s["local_steps"]) == s["staleness"]["gradients"]
     assert [e["global_step"] for e in s["eval_history"]] == list(range(100, s["global_step"] + 1, 100))
     assert _none_left(before)

@@ -66,8 +66,11 @@ def test_async_no_overlap_np2(tmp_path):
 def test_one_process_trains_locally(tmp_path):
     s = train(0, tmp_path, "--model", "softmax")  # plain `python -m mpitrain`, no mpirun
     assert s["mode"] == "local" and s["world_size"] == 1
-    assert "training locally with no parameter server" in s["_stdout"]
+    assert "one process: --mode async trains locally, with no parameter server" in s["_stdout"]
     assert s["test_accuracy"] >= 0.90
+    # --mode sync alone: not refused as --quorum is (the run is the same), but said (issue 77: it was silent)
+    s = train(0, tmp_path, "--model", "softmax", "--mode", "sync", "--steps", "20")
+    assert s["mode"] == "local" and "one process: --mode sync trains locally" in s["_stdout"]
 
 
 @only_on("mpich", NUMBERS_ONLY)

@@ -123,8 +123,11 @@ def class_labels(y: np.ndarray, where: str, n: int, classes: int | None = None) 
     if y.ndim == 2 and y.shape[1] == 1:
         y = y[:, 0]
     if y.dtype.kind not in "iu" or y.ndim != 1:
+        # Names ('cat', 'class_0') are numbered, not cast: astype raises on them.
+        fix = ("number them with np.unique(np.concatenate([y_train, y_test]), return_inverse=True) (one "
+               "numbering for both)" if y.dtype.kind in "USO" else "e.g. y.astype(np.int64)")
         raise UsageError(f"{where} must be a 1-D array of integer class labels 0..C-1 (got dtype {y.dtype}, "
-                         f"shape {y.shape}); e.g. y.astype(np.int64)")
+                         f"shape {y.shape}); {fix}")
     if y.shape[0] != n:
         raise UsageError(f"{where} has {y.shape[0]} labels for {n} examples; they must match one to one")
     if y.size and y.min() < 0:

@@ -145,14 +145,20 @@ class Checkpointer:
         return True
 
 
+# Recorded, not compared: where an npz dataset was (an absolute path), for `mpitrain evaluate` from any
+# folder; a run resumed from another folder, or with the file moved, is still the same run.
+WHERE_KEYS = ("dataset_path",)
+
+
 def fingerprint(sizes: tuple[int, ...], optimizer: str, dataset: str = "", seed: int = 0,
-                model: dict | None = None) -> dict:
+                model: dict | None = None, dataset_path: str | None = None) -> dict:
     """What a resumed run must share with the checkpoint: the model (its spec, model.Model; the
     built-ins' is their kind and layer sizes) and optimizer (the state's layout), and the dataset
-    and --seed (the data order it continues)."""
+    and --seed (the data order it continues); and where an npz dataset was (WHERE_KEYS)."""
     spec = model if model is not None else builtin_spec(sizes)
-    return {"format": FORMAT, "layer_sizes": list(sizes), "model": spec, "optimizer": optimizer, "dataset": dataset,
-            "seed": seed}
+    fp = {"format": FORMAT, "layer_sizes": list(sizes), "model": spec, "optimizer": optimizer, "dataset": dataset,
+          "seed": seed}
+    return fp if dataset_path is None else {**fp, "dataset_path": dataset_path}
 
 
 def path_for(directory: Path, step: int) -> Path:
@@ -203,6 +209,8 @@ def load(path: Path, fp: dict | None = None) -> TrainState:
     if missing:
         raise UsageError(f"checkpoint {path} lacks {', '.join(sorted(missing))}: not an mpitrain checkpoint; {fix}")
     saved = json.loads(str(data["fingerprint"]))
+    if fp is not None:
+        saved, fp = ({k: v for k, v in d.items() if k not in WHERE_KEYS} for d in (saved, fp))
     if fp is not None and "model" not in saved:  # written before models had a spec: the built-ins' sizes say it
         fp = {k: v for k, v in fp.items() if k != "model"}
     if fp is not None and saved != fp:

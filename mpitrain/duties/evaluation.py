@@ -33,6 +33,21 @@ def format_matrix(m: np.ndarray) -> list[str]:
     return [head] + [f"{i:>9}" + "".join(f"{v:>{width}}" for v in row) for i, row in enumerate(m)]
 
 
+def trained_on(path: Path, saved: dict) -> str:
+    """The --dataset a checkpoint was trained on. An npz is found where it was (the absolute path the
+    checkpoint records), from whatever folder this runs in."""
+    from mpitrain.core.config import NPZ_PREFIX
+
+    name = saved.get("dataset") or "digits"
+    if not name.startswith(NPZ_PREFIX):
+        return name
+    where = saved.get("dataset_path")
+    if where and Path(where).is_file():
+        return NPZ_PREFIX + where
+    was = f"at {where}, which is not there now" if where else "its path relative to the folder it was trained in"
+    raise UsageError(f"checkpoint {path} was trained on {name} ({was}); pass the file with --dataset npz:PATH")
+
+
 def evaluate(path: str, dataset: str | None, data_dir: str | None, model=None) -> dict:
     """A checkpoint's test accuracy, loss and confusion matrix, on `dataset` or, when None, on the
     one it was trained on (its fingerprint's name; synthetic data is made again from the
@@ -63,7 +78,7 @@ def evaluate(path: str, dataset: str | None, data_dir: str | None, model=None) -
         if model.spec != spec:
             raise UsageError(f"checkpoint {p} is of the model {spec}, not {model.spec}; pass the model it was "
                              f"trained with")
-    dataset, own = (dataset, False) if dataset else (saved.get("dataset") or "digits", True)
+    dataset, own = (dataset, False) if dataset else (trained_on(p, saved), True)
     remade = {"seed": int(saved.get("seed", 0)), "synthetic_features": sizes[0]} if own else {}  # synthetic: the same
     data = load_dataset(validate(TrainConfig(dataset=dataset, data_dir=data_dir, **remade)))
     if (data.n_features, data.n_classes) != (sizes[0], sizes[-1]):

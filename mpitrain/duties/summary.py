@@ -245,8 +245,8 @@ def announce(ctx: Context, placements: list[str], regrown: bool = False) -> None
     cfg = ctx.cfg
     for line in placements:
         say(line)
-    if ctx.local:
-        say("mpitrain: one process: training locally with no parameter server "
+    if ctx.local:  # --mode is not refused here (the other flags that need workers are): it is said
+        say(f"mpitrain: one process: --mode {cfg.mode} trains locally, with no parameter server and no other worker "
             "(mpirun -np 3 gives 1 parameter server + 2 workers)")
     lr = cfg.learning_rate
     line = f"mpitrain: {cfg.optimizer}, learning rate {lr:g} " + (
