@@ -64,9 +64,13 @@ JOIN_WINDOW_S = 3.0  # rank0-join: the kill comes this long after the joiner sta
 SPARE_WINDOW_S = 0.8  # spare-joining: ... after the worker's kill (a spare takes its place 0.1-0.5 s after it)
 EXIT_PEER_LOST = ExitCode.PEER_LOST
 # Ranks ending with PEER_LOST beside a SIGKILLed rank of their own mpirun (a rank 0 whose MPI got stuck,
-# stuck.py; a world forming for a join that lost rank 0): MPICH's mpirun ORs in the killed rank's 137
+# stuck.py; a world forming for a join that lost rank 0): MPICH's mpirun ORs in rank 0's supervisor's 137 when
+# rank 0 was the one killed (a killed worker's supervisor exits 0: supervise.killed_exit)
 STUCK_EXITS = (EXIT_PEER_LOST, (128 + signal.SIGKILL) | EXIT_PEER_LOST)
 IMPL = mpiimpl.of_mpirun(mpirun())  # the MPI of the mpirun used (--mpi checks it)
+# Hydra ORs in rank 0's supervisor's 128 + 9 when rank 0 itself was killed (supervise.killed_exit);
+# a killed worker's supervisor exits 0, so the job's code is the survivors' verdict.
+RANK0_KILLED = 128 + signal.SIGKILL if IMPL is mpiimpl.MPICH else 0
 UNHARMED_ACCURACY: dict[str, float] = {}  # each case's calibration run (no kill): its final test accuracy
 
 
@@ -554,8 +558,8 @@ def expected(case: Case, trial: Trial, err: str, code: int, summary: dict | None
                                                                                       "did not join")):
             problems.append("the lost worker's place did not go to the spare, and no line said why")
         # Not 0 when a worker was lost: a scheduler must see it. Killed after its report, nothing was
-        # lost: hydra still reports the killed rank's 137 (its supervisor's), Open MPI rank 0's 0.
-        want = IMPL.worker_lost_exit if lost or IMPL is mpiimpl.MPICH else 0
+        # lost: rank 0's 0 (under hydra a killed worker's supervisor exits 0: supervise.killed_exit).
+        want = ExitCode.WORKER_LOST if lost else 0
         if case.target == "joiner":  # not a rank of the job's mpirun: rank 0's own code
             want = ExitCode.WORKER_LOST if lost else 0
         if code != want:
@@ -586,9 +590,9 @@ def replacement_killed_as_documented(case: Case, err: str, code: int, summary: d
         problems.append(f"lost {summary['lost_workers']}, joined {summary['joined_workers']}")
     if not ck or checkpoint.load(ck[-1]).global_step != case.steps:
         problems.append("no final checkpoint at the budget")
-    # prterun takes a spawned process killed by a signal for its job's failure and exits 137 (as hydra does for
-    # any killed rank), where a worker of its own launch killed gives rank 0's WORKER_LOST (8)
-    if code not in (IMPL.worker_lost_exit, 128 + signal.SIGKILL):
+    # prterun takes a spawned process killed by a signal for its job's failure and exits 137, where a worker of its
+    # own launch killed gives rank 0's WORKER_LOST (8); under hydra the killed replacement's supervisor exits 0: 8
+    if code not in (ExitCode.WORKER_LOST, 128 + signal.SIGKILL):
         problems.append(f"exit {code}")
     left = [p for p in os.listdir("/dev/shm") if p.startswith(f"mpitrain-mail.{os.getuid()}.")]
     if left:
@@ -602,8 +606,8 @@ def spare_killed_as_documented(case: Case, trial: Trial, err: str, code: int, su
     line and the job reaches its budget, nobody waiting in MPI_Finalize for it. While it takes a lost worker's
     place (spare-joining): as a joiner killed then, the job goes on without it (`did not join`) or, killed
     once the new world formed, loses it as any worker; killed inside the forming's collectives, every rank
-    ends in one line FORM_LIMIT_S later (exit 5, hydra's OR with 137) with the checkpoint saved to make room.
-    Hydra's exit code ORs in the spare's 137; Open MPI's is rank 0's (8 once a worker was lost, else 0)."""
+    ends in one line FORM_LIMIT_S later (exit 5) with the checkpoint saved to make room. The job's exit code
+    is rank 0's under either MPI (8 once a worker was lost, else 0): a killed spare's supervisor exits 0."""
     if "MPI_Finalize still waiting" in err:
         return ["a rank waited in MPI_Finalize for the dead spare"]
     if summary is None:
@@ -623,7 +627,7 @@ def spare_killed_as_documented(case: Case, trial: Trial, err: str, code: int, su
     if case.target == "spare-joining" and not spared and "is gone" not in err and not any(s in out for s in said):
         about = [ln for ln in out.splitlines() if "spare" in ln][-3:]  # rank 0's lines on it go to standard output
         problems.append(f"the spare neither joined nor was said to be gone (standard output: {about})")
-    want = 128 + signal.SIGKILL if IMPL is mpiimpl.MPICH else IMPL.worker_lost_exit if lost else 0  # Open MPI: rank 0's
+    want = ExitCode.WORKER_LOST if lost else 0  # rank 0's, under either MPI (supervise.killed_exit)
     if code != want:
         problems.append(f"exit {code}")
     return problems
@@ -682,7 +686,7 @@ def failed_over_as_documented(case: Case, trial: Trial, err: str, code: int, sum
             problems.append("the spare was not let in, and no line said why")
         elif spared and len(summary["worker_ranks"]) != NP - 1:
             problems.append(f"{len(summary['worker_ranks'])} workers at the end, not {NP - 1}")
-    if code != IMPL.worker_lost_exit:
+    if code != ExitCode.WORKER_LOST | RANK0_KILLED:
         problems.append(f"exit {code}")
     return problems
 
@@ -723,7 +727,7 @@ def rank0_stuck_as_documented(case: Case, trial: Trial, err: str, code: int, ck:
     """The victim died half-way through handing rank 0 a message, and MPICH's progress on rank 0
     then never returns (stuck.py): rank 0 says so in one line, naming the checkpoint it saved with
     one server; every other rank says it lost rank 0 (or is stuck too); the job ends with
-    PEER_LOST (MPICH's mpirun ORs in the killed rank's 137) and the newest checkpoint resumes it."""
+    PEER_LOST (the killed worker's supervisor exits 0: supervise.killed_exit) and the newest checkpoint resumes it."""
     problems = []
     line = [ln for ln in err.splitlines() if ln.startswith(f"mpitrain: rank 0: {STUCK_LINE}")]
     if len(line) != 1:

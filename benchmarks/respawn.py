@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 from mpitrain.launch import mpiimpl
 from mpitrain.membership.faults import rank_pids  # noqa: E402
+from mpitrain.core.exitcodes import ExitCode
 
 STEPS = {"async": 40000, "sync": 60000}
 EVENTS = (("lost", "lost at global step"), ("start", "starting a worker in place"), ("joined", "joined as rank 2"))
@@ -65,7 +66,7 @@ def trial(mode: str, tmp: str) -> dict:
     summary_path = Path(tmp) / "s.json"
     s = json.loads(summary_path.read_text()) if summary_path.exists() else None
     problems = []
-    if proc.returncode != IMPL.worker_lost_exit:
+    if proc.returncode != ExitCode.WORKER_LOST:
         problems.append(f"exit {proc.returncode}")
     if s is None:
         problems.append("no summary")

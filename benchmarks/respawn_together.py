@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from mpitrain.launch import mpiimpl
 from mpitrain.membership.faults import rank_pids  # noqa: E402
+from mpitrain.core.exitcodes import ExitCode
 
 # Budgets short enough that a random kill often lands near the end (2 cores: async ~3 s, sync ~3 s).
 BUDGET = {"async": 3000, "sync": 500}
@@ -78,7 +79,7 @@ def trial(mode: str, seed: int) -> dict:
             problems.append(f"{lost} lost, {replaced} replaced, {said} said why not")
         # Nothing lost: the kills came after the budget, to processes on their way out (hydra then reports
         # a killed one's 137) or already gone (0).
-        if code not in ((IMPL.worker_lost_exit,) if lost else (0, IMPL.worker_lost_exit)):
+        if code not in ((ExitCode.WORKER_LOST,) if lost else (0, ExitCode.WORKER_LOST)):
             problems.append(f"exit {code}")
     return {"mode": mode, "wait_s": round(wait, 2), "victims": victims, "lost": lost, "replaced": replaced,
             "said": said, "code": code, "problems": problems, "text": text[-1500:] if problems else ""}

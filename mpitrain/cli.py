@@ -18,6 +18,7 @@ from mpitrain.core.blas import pin_blas_threads
 from mpitrain.core.config import TrainConfig, UsageError
 from mpitrain.core.config_checks import validate
 from mpitrain.core.config_io import flag_name, parse_straggler
+from mpitrain.core.options import SECTIONS
 from mpitrain.launch.mpiimpl import launcher_rank
 from mpitrain.version import __version__
 
@@ -70,9 +71,11 @@ def _value_type(f: dataclasses.Field):
 PARSERS = {"hidden": _hidden, "stragglers": _straggler}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(every_flag: bool = True) -> argparse.ArgumentParser:
     """The parser, generated from TrainConfig's fields: each one's flag, help, default and choices
-    are declared once, in config.py (the Python API's signature comes from the same place)."""
+    are declared once, in config.py (the Python API's signature comes from the same place). It
+    parses every flag; `every_flag` False: its help shows the ones a newcomer changes first
+    (Option.first), section by section in options.SECTIONS' order, and says where the rest are."""
     p = _Parser(
         prog="mpitrain",
         allow_abbrev=False,  # `--epoch 3` is a typo, not --epochs: say so instead of guessing
@@ -81,11 +84,14 @@ def build_parser() -> argparse.ArgumentParser:
                     "Other commands: `mpitrain launch -f HOSTFILE ...`, `mpitrain evaluate CHECKPOINT`, "
                     "`mpitrain plot RUN_DIR... -o curves.png`.",
         add_help=False,
+        epilog=None if every_flag else f"{sum(1 for f in dataclasses.fields(TrainConfig) if not f.metadata['option'].first)} "
+               "more flags (parallelism, faults, tuning, devices): python -m mpitrain --help-all; each explained in "
+               "docs/flags.md.",
     )
-    groups: dict[str, argparse._ArgumentGroup] = {}
+    groups = {name: p.add_argument_group(name) for name in SECTIONS}
     for f in dataclasses.fields(TrainConfig):
         opt = f.metadata["option"]
-        group = groups.get(opt.group) or groups.setdefault(opt.group, p.add_argument_group(opt.group))
+        group = groups[opt.group]
         words = opt.default_words(f.default)
         text = (opt.help + (f" (default: {words})" if words else "")).replace("%", "%%")
         kw = {"dest": f.name, "default": f.default}
@@ -98,9 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
             if opt.bare is not None:
                 kw.update(nargs="?", const=opt.bare)
         action = group.add_argument(flag_name(f), **kw)
-        action.help = text  # after: BooleanOptionalAction appends its own "(default: True)"
+        # after: BooleanOptionalAction appends its own "(default: True)"
+        action.help = text if every_flag or opt.first else argparse.SUPPRESS
     out = groups["output"]
-    out.add_argument("-h", "--help", action="store_true", help="show this help and exit")
+    out.add_argument("-h", "--help", action="store_true", help="show the flags changed first and exit")
+    out.add_argument("--help-all", action="store_true", help="show every flag and exit")
     out.add_argument("--version", action="store_true", help="print the version and exit")
     return p
 
@@ -109,9 +117,9 @@ def parse_args(argv: list[str]) -> tuple[TrainConfig | None, argparse.ArgumentPa
     """(config, parser); config is None when --help was asked for."""
     parser = build_parser()
     ns = parser.parse_args(argv)
-    if ns.help:
-        return None, parser
-    values = {k: v for k, v in vars(ns).items() if k not in ("help", "version")}
+    if ns.help or ns.help_all:
+        return None, build_parser(every_flag=ns.help_all)
+    values = {k: v for k, v in vars(ns).items() if k not in ("help", "help_all", "version")}
     values["stragglers"] = tuple(values["stragglers"])
     return validate(TrainConfig(**values)), parser
 

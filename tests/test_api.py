@@ -302,7 +302,7 @@ def test_a_lost_worker_raises_lost_peer_with_the_summary_and_the_caller_lives_on
     finishes the budget without it, and train() raises LostPeer carrying the summary and the model
     (it used to end the caller's process); the code after it runs on every survivor, and each then
     exits with the job's code without MPI_Finalize, which would wait for the dead rank. Under
-    hydra it exits 137 as a killed rank's supervisor would (a script has none, and a rank killed by
+    hydra it exits 137 as a rank killed by SIGKILL would (a script has no supervisor, and a rank killed by
     a signal takes the job with it there); under Open MPI it is SIGKILLed, as ULFM sees a real loss
     (an exit 137 is not reported as a failed process to the survivors' agreement: measured). Rank
     1 takes 2 s after the exception: prterun ends every rank once half of them are gone, so rank

@@ -32,6 +32,7 @@ from conftest import (
 from mpitrain.launch.mpiimpl import FAREWELL_MIN_S
 from mpitrain.membership.faults import rank_pids
 from mpitrain.membership.liveness import ENDS_THE_JOB
+from mpitrain.core.exitcodes import ExitCode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import chaos  # noqa: E402  (its reading of a stuck rank's line and exit, as the chaos suite judges them)
@@ -76,7 +77,7 @@ def test_a_sync_job_goes_on_without_a_worker_killed_from_outside(tmp_path, mode,
     rng = random.Random(f"{mode}{victim}{time.time()}")
     proc, s, _ = kill_during_training(tmp_path, 4, MODE_FLAGS[mode] + ("--steps", str(STEPS[mode])), [victim], rng)
     out = proc.stdout + proc.stderr
-    assert proc.returncode == mpi_impl().worker_lost_exit, out  # finished, one worker short (exit 8; hydra: 137)
+    assert proc.returncode == ExitCode.WORKER_LOST, out  # finished, one worker short (exit 8, under hydra too)
     assert "Traceback" not in out and not proc.leftovers
     assert f"worker rank {victim} lost at global step" in proc.stderr
     assert "regrouping: continuing with 2 worker(s)" in proc.stderr
@@ -96,7 +97,7 @@ def test_a_worker_killed_on_this_host_is_lost_at_once_not_a_worker_timeout_later
     rng = random.Random()
     proc, s, after = kill_during_training(tmp_path, 4, ("--mode", "sync", "--steps", str(STEPS["sync"])), [3], rng,
                                           worker_timeout="60")
-    assert proc.returncode == mpi_impl().worker_lost_exit and s["global_step"] == STEPS["sync"], proc.stderr
+    assert proc.returncode == ExitCode.WORKER_LOST and s["global_step"] == STEPS["sync"], proc.stderr
     [lost] = s["lost_workers"]
     # not "no heartbeat for 60.0 s"; MPICH itself reports a worker killed mid-copy of a large message
     # ("MPI error"), at once too
@@ -198,7 +199,7 @@ def test_the_quorum_chief_goes_on_after_worker_after_worker_is_lost(tmp_path):
     finally:
         leftovers = kill_session(proc)
     out = lines.text()
-    assert proc.returncode == mpi_impl().worker_lost_exit and not leftovers, out
+    assert proc.returncode == ExitCode.WORKER_LOST and not leftovers, out
     assert "Traceback" not in out and "worker rank 1 lost" not in out, out
     s = json.loads(summary.read_text())
     assert s["global_step"] == steps and [x["rank"] for x in s["lost_workers"]] == [2, 3, 4]

@@ -32,6 +32,7 @@ from conftest import (
 from mpitrain.launch import mpiimpl
 from mpitrain.membership import join
 from mpitrain.membership.faults import rank_pids
+from mpitrain.core.exitcodes import ExitCode
 
 # Long enough that the joiner, which starts in ~1-3 s, finds the job training: measured on 2 cores
 # (2026-11-29), it joined at global step 1,513 of async's 6,000 and 299 of sync's 1,400, and 560 in
@@ -121,7 +122,7 @@ def test_a_joiner_replaces_a_worker_killed_with_sigkill(tmp_path):
     job, s = finish(proc, head, tmp_path)
     out = job.stdout + "".join(lines) + job.stderr
     assert joiner.returncode == 0, joiner.stdout + joiner.stderr + out
-    assert job.returncode == mpi_impl().worker_lost_exit, out  # a worker was lost: exit 8 (hydra: 137)
+    assert job.returncode == ExitCode.WORKER_LOST, out  # a worker was lost: exit 8 (hydra: 137)
     assert "Traceback" not in out and not job.leftovers
     assert [x["rank"] for x in s["lost_workers"]] == [2]
     assert s["workers"] == 2 and len(s["joined_workers"]) == 1

@@ -31,6 +31,7 @@ from mpitrain.duties import checkpoint
 from mpitrain.launch.mpiimpl import MPICH, needs_supervisor
 from mpitrain.membership.faults import rank_pids
 from mpitrain.membership.liveness import PeerLost, Watch
+from mpitrain.core.exitcodes import ExitCode
 
 
 def killing(rank: int, step: int) -> dict:
@@ -43,7 +44,7 @@ def test_async_finishes_the_budget_without_a_killed_worker(tmp_path):
                                               "--summary-json", str(summary), launcher_flags=keep_going()),
                                  env=killing(2, 50))
     # MPICH: the killed rank's 137 (hydra ORs it with rank 0's 8); Open MPI: rank 0's 8
-    assert proc.returncode == mpi_impl().worker_lost_exit != 0, proc.stdout + proc.stderr
+    assert proc.returncode == ExitCode.WORKER_LOST != 0, proc.stdout + proc.stderr
     if mpi_impl() is MPICH:
         assert "rank 2 (pid" in proc.stderr and "killed by signal 9 (SIGKILL)" in proc.stderr  # its supervisor
     assert "worker rank 2 lost at global step" in proc.stderr and "continuing with 2 worker(s)" in proc.stderr
@@ -238,19 +239,29 @@ def test_a_silence_this_rank_was_frozen_through_too_is_said_so():
 
 
 def test_supervisor_turns_a_killed_rank_into_an_exit_and_forwards_signals(tmp_path):
-    """The supervisor (hydra only) exits 128+signal with one line when its rank is killed. No
-    mpirun: the hydra environment is made by hand, so this runs on either MPI."""
+    """The supervisor (hydra only) says one line when its rank is killed and exits: 0 for a worker's, so
+    that hydra's OR of every rank's code is rank 0's verdict (8, not 137, after a survived loss), and
+    128+signal for rank 0's. `ps` tells the two processes apart by their titles. No mpirun: the hydra
+    environment is made by hand, so this runs on either MPI."""
     code = ("import os, signal, sys, time; from mpitrain.launch.supervise import supervise; supervise(); "
             "signal.signal(signal.SIGTERM, lambda *a: sys.exit(7)); print('rank pid', os.getpid(), flush=True); "
+            "print('titles', open(f'/proc/{os.getppid()}/cmdline').read(), '|', open('/proc/self/cmdline').read(), "
+            "flush=True); "
             "time.sleep(0.3) if os.environ['CASE'] == 'term' else os.kill(os.getpid(), signal.SIGKILL); time.sleep(30)")
     r, w = os.pipe()
     env = {**child_env(), "PMI_FD": str(r), "MPI_LOCALRANKID": "0", "PMI_RANK": "4"}
     killed = subprocess.run([sys.executable, "-c", code], env={**env, "CASE": "kill"}, pass_fds=(r,),
                             capture_output=True, text=True, timeout=60)
-    assert killed.returncode == 137
+    assert killed.returncode == 0, killed.stderr  # a worker's: rank 0 says what the job's code is
     assert "mpitrain: rank 4 (pid" in killed.stderr and "killed by signal 9 (SIGKILL)" in killed.stderr
-    child = int(killed.stdout.split()[-1])
+    child = int(killed.stdout.split("rank pid")[1].split()[0])
     assert not os.path.exists(f"/proc/{child}")
+    supervisor, training = killed.stdout.split("titles ")[1].split(" | ")
+    assert supervisor.startswith(f"mpitrain rank 4 supervisor: {sys.executable} -c import os"), supervisor
+    assert training.startswith(f"mpitrain rank 4 training: {sys.executable} -c import os"), training
+    rank0 = subprocess.run([sys.executable, "-c", code], env={**env, "CASE": "kill", "PMI_RANK": "0"}, pass_fds=(r,),
+                           capture_output=True, text=True, timeout=60)
+    assert rank0.returncode == 137 and "mpitrain: rank 0 (pid" in rank0.stderr  # all killed never reads as done
     # a process the job spawned (--respawn) is PMI rank 0 of its own launch: never named "rank 0"
     spawned = subprocess.run([sys.executable, "-c", code], env={**env, "CASE": "kill", "PMI_RANK": "0",
                                                                 "PMI_SPAWNED": "1"},

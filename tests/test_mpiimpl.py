@@ -5,7 +5,6 @@ under both; these are the answers themselves."""
 import subprocess
 import sys
 
-from mpitrain.core.exitcodes import ExitCode
 from mpitrain.launch import mpiimpl
 from mpitrain.launch.mpiimpl import MPICH, OPENMPI
 
@@ -23,7 +22,6 @@ def test_what_each_needs_differs_where_it_was_measured_to():
     assert MPICH.keep_going == ("-disable-auto-cleanup",) and OPENMPI.keep_going == ("--with-ft", "ulfm")
     assert (MPICH.slurm_mpi, OPENMPI.slurm_mpi) == ("pmi2", "pmix")
     assert MPICH.hostfile_line("n1", 3) == "n1:3" and OPENMPI.hostfile_line("n1", 3) == "n1 slots=3"
-    assert MPICH.worker_lost_exit == 137 and OPENMPI.worker_lost_exit == ExitCode.WORKER_LOST == 8  # never 0
     assert "--oversubscribe" in mpiimpl.local_flags(OPENMPI) and mpiimpl.local_flags(MPICH) == []
     assert mpiimpl.local_env(MPICH) == {} and "OMPI_MCA_btl" in mpiimpl.local_env(OPENMPI)
 

@@ -20,7 +20,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import child_env, mpi_impl
+from conftest import child_env, launcher, mpi_impl
 
 from mpitrain.launch import mpiimpl
 
@@ -35,6 +35,9 @@ ONLY = re.compile(r"^\s*<!-- run by tests/test_readme.py under (?P<title>.+\S) o
 # An example that trains says what a user should see, and is held to it: every "test accuracy X" it
 # prints (each run's summary) must be at least the figure (the npz example once said "done" at 0.19).
 CHECKS = re.compile(r"^\s*<!-- tests/test_readme.py checks: test accuracy >= (?P<least>[0-9.]+) -->\s*$")
+# A Python block a page says runs on every rank of an mpirun is run there too, as a file, with the
+# same checks: `mpirun -np N python block.py` (docs/api.md's once crashed on its workers).
+UNDER_MPIRUN = re.compile(r"^\s*<!-- tests/test_readme.py runs it under mpirun -np (?P<np>\d+) too -->\s*$")
 FENCE = re.compile(r"^(?P<indent>\s*)```(?P<lang>\S*)\s*$")
 SHARED = ("hostfiles", "examples", "jobs", "benchmarks")  # repo-relative paths the commands name
 SECTION_TIMEOUT_S = 600  # a hang fails; the slowest section (6 ranks on 2 cores) takes ~1 min
@@ -56,12 +59,20 @@ def blocks(doc: str) -> list[dict]:
         while i < len(lines) and not re.match(r"^\s*```\s*$", lines[i]):
             body.append(lines[i])
             i += 1
-        before = next((ln for ln in reversed(lines[:start]) if ln.strip()), "")
-        why, only, checks = NOT_RUN.match(before), ONLY.match(before), CHECKS.match(before)
+        markers = []  # the comment lines right above the block, each one marker
+        for ln in reversed(lines[:start]):
+            if ln.strip().startswith("<!--"):
+                markers.append(ln)
+            elif ln.strip():
+                break
+        def marked(rx):
+            return next((m for m in map(rx.match, markers) if m), None)
+        why, only, checks, mpirun = marked(NOT_RUN), marked(ONLY), marked(CHECKS), marked(UNDER_MPIRUN)
         found.append({"doc": doc, "line": start + 1, "section": section, "lang": m["lang"],
                       "code": textwrap.dedent("\n".join(body)) + "\n", "not_run": why["why"] if why else None,
                       "only": only["title"] if only else None,
-                      "least_accuracy": float(checks["least"]) if checks else None})
+                      "least_accuracy": float(checks["least"]) if checks else None,
+                      "mpirun_np": int(mpirun["np"]) if mpirun else None})
         i += 1
     return found
 
@@ -87,13 +98,19 @@ def test_every_block_is_run_or_says_why_not():
     assert any(b["lang"] == "python" for b in runnable)
     checked = [f"{b['doc']}:{b['line']}" for b in ALL if b["least_accuracy"] is not None]
     assert len(checked) >= 3, checked  # the main job, your own data, the API at least
+    # A page that says its Python runs on every rank of an mpirun shows it so (docs/api.md's did not)
+    says_mpirun = {b["doc"] for b in ALL if b["lang"] == "python" and "rank()" in b["code"]}
+    assert says_mpirun <= {b["doc"] for b in ALL if b["mpirun_np"]}, says_mpirun
 
 
-def run_block(block: dict, folder: Path) -> subprocess.CompletedProcess:
+def run_block(block: dict, folder: Path, np_: int | None = None) -> subprocess.CompletedProcess:
     env = {**child_env(), **mpiimpl.local_env(mpi_impl(), spawns="--respawn" in block["code"])}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # python, mpirun, mpitrain
     if block["lang"] == "bash":
         cmd = ["bash", "-e", "-o", "pipefail", "-c", block["code"]]
+    elif np_:
+        (folder / "block.py").write_text(block["code"])
+        cmd = [*launcher(), "-np", str(np_), sys.executable, "block.py"]
     else:
         cmd = [sys.executable, "-c", block["code"]]
     return subprocess.run(cmd, cwd=folder, env=env, capture_output=True, text=True, timeout=SECTION_TIMEOUT_S)
@@ -111,9 +128,16 @@ def test_the_commands_of_each_section_run_as_written(section, tmp_path):
         # A newcomer's first commands (the README's) run under both MPIs, and every block written
         # for one MPI under it; docs/ pages show mpitrain's flags, whose MPI calls those make too.
         pytest.skip(f"the docs' commands run under MPICH; under {mpi_impl().title}: the README's and its own blocks")
-    for block in blocks_here:
-        proc = run_block(block, tmp_path)
-        where = f"{block['doc']}:{block['line']} ({block['lang']})"
+    runs = [(b, None) for b in blocks_here] + [(b, b["mpirun_np"]) for b in blocks_here if b["mpirun_np"]]
+    for block, np_ in runs:
+        folder = tmp_path
+        if np_:  # a reader's second try, under mpirun: a folder of its own (its checkpoints are not the first's)
+            folder = tmp_path / f"under-mpirun-{block['line']}"
+            folder.mkdir()
+            for name in SHARED:
+                (folder / name).symlink_to(ROOT / name)
+        proc = run_block(block, folder, np_)
+        where = f"{block['doc']}:{block['line']} ({block['lang']}{f', mpirun -np {np_}' if np_ else ''})"
         assert proc.returncode == 0, f"{where} exited {proc.returncode}:\n{block['code']}\n{proc.stdout}\n{proc.stderr}"
         assert "Traceback" not in proc.stderr, f"{where}:\n{proc.stderr}"
         # An example trains what it shows: one that found an earlier block's finished run in its

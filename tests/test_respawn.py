@@ -30,6 +30,7 @@ from mpitrain.launch import mpiimpl
 from mpitrain.membership import join, respawn
 from mpitrain.membership.faults import rank_pids
 from mpitrain.membership.lobby import Lobby
+from mpitrain.core.exitcodes import ExitCode
 
 # Long enough for the kill (1 s in), the spawn and the join, with room to spare: measured on 2 cores
 # (MPICH, 2026-11-29), the new worker joined at global step 4,187 of async's 9,000 (lost at 1,831; its
@@ -85,7 +86,7 @@ def test_a_worker_killed_with_sigkill_is_replaced_and_the_job_finishes_its_budge
     finally:
         leftovers = kill_session(proc)
     text = lines.text()
-    assert proc.returncode == mpi_impl().worker_lost_exit and not leftovers, text
+    assert proc.returncode == ExitCode.WORKER_LOST and not leftovers, text
     assert "Traceback" not in text, text
     # The end is mpitrain's own: no launcher telling of a rank that ended badly (join.SPAWNED_LEAVES_FIRST_S).
     for noise in ("MPI_Finalize still waiting", *mpiimpl.BAD_END_LINES):
@@ -139,7 +140,7 @@ def test_a_slow_spawn_is_not_taken_for_a_lost_rank_0(tmp_path):
     finally:
         leftovers = kill_session(proc)
     text = lines.text()
-    assert proc.returncode == mpi_impl().worker_lost_exit and not leftovers, text
+    assert proc.returncode == ExitCode.WORKER_LOST and not leftovers, text
     assert "lost the parameter server" not in text and "Traceback" not in text, text
     s = read_summary(tmp_path / "s.json", text)
     assert s["failovers"] == [] and [x["rank"] for x in s["joined_workers"]] == [2], text
@@ -220,7 +221,7 @@ def test_two_workers_killed_at_once_are_both_replaced(tmp_path):
     finally:
         leftovers = kill_session(proc)
     text = lines.text()
-    assert proc.returncode == mpi_impl().worker_lost_exit and not leftovers and "Traceback" not in text, text
+    assert proc.returncode == ExitCode.WORKER_LOST and not leftovers and "Traceback" not in text, text
     assert "(--respawn: 1 more after this one)" in text and "(--respawn: 0 more after this one)" in text, text
     s = json.loads((tmp_path / "s.json").read_text())
     assert sorted(x["rank"] for x in s["lost_workers"]) == [1, 2], s["lost_workers"]
@@ -387,7 +388,7 @@ def test_a_replacement_that_cannot_set_up_says_why_and_the_job_goes_on_without_i
     assert [x["rank"] for x in s["lost_workers"]] == [2], s
     # prterun reports the started worker's own exit (2, its set-up's), as it reports a killed one's (benchmarks/
     # rejoin_soak.py); hydra the killed rank's signal
-    assert proc.returncode == (2 if mpi_impl() is mpiimpl.OPENMPI else mpi_impl().worker_lost_exit), text
+    assert proc.returncode == (2 if mpi_impl() is mpiimpl.OPENMPI else ExitCode.WORKER_LOST), text
 
 
 def test_the_stop_that_makes_room_goes_out_in_a_heartbeat_at_once_not_at_the_next_interval(tmp_path, monkeypatch):
@@ -440,7 +441,7 @@ def test_a_job_that_ends_while_its_replacement_loads_tells_it_to_leave_and_ends_
     assert "training goes on until it is ready" in text, text
     assert "the worker started in place of a lost one leaves: the job ended before it could join" in text, text
     assert "the worker started in place of the lost one did not join: the job finished its budget" in text, text
-    assert proc.returncode == mpi_impl().worker_lost_exit and not leftovers, text
+    assert proc.returncode == ExitCode.WORKER_LOST and not leftovers, text
     for noise in ("Traceback", "MPI_Finalize still waiting", *mpiimpl.BAD_END_LINES):
         assert noise not in text, text
     s = read_summary(tmp_path / "s.json", text)

@@ -10,6 +10,7 @@ import pytest
 from conftest import NUMBERS_ONLY, child_env, keep_going, mpi_impl, mpitrain_cmd, only_on, run_detached, train
 
 from mpitrain.exchange import shm
+from mpitrain.core.exitcodes import ExitCode
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -101,7 +102,7 @@ def test_a_worker_killed_in_the_store_leaves_a_job_that_finishes_its_budget(tmp_
                                         "--num-ps", str(servers), "--worker-timeout", "2", "--summary-json", str(summary),
                                         launcher_flags=keep_going()),
                            env={**child_env(), "MPITRAIN_INJECT_KILL": f"{servers + 1}:{step}:{point}"}, timeout=120)
-    assert proc.returncode == mpi_impl().worker_lost_exit, proc.stdout + proc.stderr  # what mpirun makes of exit 8
+    assert proc.returncode == ExitCode.WORKER_LOST, proc.stdout + proc.stderr  # what mpirun makes of exit 8
     s = json.loads(summary.read_text())
     assert s["global_step"] == 600 and [w["rank"] for w in s["lost_workers"]] == [servers + 1]
     assert (s["lost_workers"][0]["global_step"] == 0) == (point == "opening"), s["lost_workers"]
@@ -143,7 +144,7 @@ def test_a_worker_on_another_host_killed_leaves_a_job_that_finishes_its_budget(t
                                         "--worker-timeout", "2", "--summary-json", str(summary),
                                         launcher_flags=keep_going()),
                            env={**OFF_HOST, "MPITRAIN_INJECT_KILL": "2:5"}, timeout=120)
-    assert proc.returncode == mpi_impl().worker_lost_exit, proc.stdout + proc.stderr
+    assert proc.returncode == ExitCode.WORKER_LOST, proc.stdout + proc.stderr
     s = json.loads(summary.read_text())
     assert s["global_step"] == 600 and [w["rank"] for w in s["lost_workers"]] == [2]
     assert math.isfinite(s["test_loss"]) and s["test_accuracy"] >= 0.9

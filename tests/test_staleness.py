@@ -10,6 +10,7 @@ from conftest import NUMBERS_ONLY, child_env, keep_going, mpi_impl, mpitrain_cmd
 from mpitrain.cli import parse_args
 from mpitrain.core.config import AUTO_OVERLAP_MAX_WORKERS, DEFAULT_STALENESS_TOLERANCE
 from mpitrain.core.optim import DC_EPS, DC_MEAN_SQUARE_DECAY, DelayCompensation, ServerUpdate, staleness_scaled_lr
+from mpitrain.core.exitcodes import ExitCode
 
 M = DC_MEAN_SQUARE_DECAY
 
@@ -132,7 +133,7 @@ def test_a_lost_worker_leaves_delay_compensation_to_the_others(tmp_path):
                                         "--delay-compensation", "--summary-json", str(summary),
                                         launcher_flags=keep_going()),
                            env={**child_env(), "MPITRAIN_INJECT_KILL": "2:50"})
-    assert proc.returncode == mpi_impl().worker_lost_exit, proc.stdout + proc.stderr
+    assert proc.returncode == ExitCode.WORKER_LOST, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr and not proc.leftovers
     s = json.loads(summary.read_text())
     assert [x["rank"] for x in s["lost_workers"]] == [2] and s["global_step"] == 3000

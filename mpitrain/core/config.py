@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from mpitrain.core.options import CHECKPOINTS, DATA, DEVICE, MODEL, OPTIMISATION, OUTPUT, PARALLELISM
+from mpitrain.core.options import CHECKPOINTS, DATA, DEVICE, MODEL, OUTPUT, PARALLELISM, TRAINING
 
 MODES = ("async", "sync")
 
@@ -106,9 +106,9 @@ class UsageError(Exception):
 class TrainConfig:
     """Every training option: the command line's flags (with underscores) and the Python API's keywords."""
 
-    mode: str = PARALLELISM(
+    mode: str = TRAINING(
         "async", "async: each worker pushes gradients to and pulls parameters from the parameter server on its own; "
-        "sync: the workers average their gradients with Allreduce every step", choices=MODES)
+        "sync: the workers average their gradients with Allreduce every step", choices=MODES, first=True)
     num_ps: int = PARALLELISM(
         1, "parameter servers: ranks 0..K-1 each own one slice of the parameters (and its optimizer state); "
         "rank 0 stays the chief that evaluates, logs and checkpoints", metavar="K")
@@ -129,11 +129,11 @@ class TrainConfig:
         "CPU); update in float32", choices=codec_names)
     quorum: int | None = PARALLELISM(
         None, "sync: each update averages the first Q fresh gradients; later ones are dropped and counted",
-        shown="every worker, a plain Allreduce", metavar="Q")
+        shown="every worker, a plain Allreduce", metavar="Q", first=True)
     local_steps: int = PARALLELISM(
         1, "each worker takes H steps on its own, then how far it moved is applied with the outer optimizer "
         "(local SGD, DiLoCo): sync averages the workers' (one Allreduce every H steps instead of every step; "
-        "--quorum Q: the first Q to finish), async pushes each worker's on its own; 1: every gradient", metavar="H")
+        "--quorum Q: the first Q to finish), async pushes each worker's on its own; 1: every gradient", metavar="H", first=True)
     outer_optimizer: str | None = PARALLELISM(
         None, "--local-steps H: the outer optimizer: nesterov (DiLoCo's), delayed-nesterov (async: its momentum "
         "once every W pushes, Liu et al. 2024) or sgd (with --outer-lr 1: plain model averaging)", choices=OUTER_OPTIMIZERS, shown=", ".join(f"{v} in {k}" for k, v in DEFAULT_OUTER_OPTIMIZER.items()))
@@ -164,7 +164,7 @@ class TrainConfig:
     worker_timeout: float = PARALLELISM(
         DEFAULT_WORKER_TIMEOUT_S, "declare a rank lost after SEC seconds without a heartbeat, or at once when it is on "
         "this host and its process has ended (0: never); async goes on without a lost worker under `mpirun "
-        "-disable-auto-cleanup`", metavar="SEC")
+        "-disable-auto-cleanup`", metavar="SEC", first=True)
 
     on_lost_worker: str = PARALLELISM(
         "continue", "when a worker is lost (under the launcher's keep-going flag): go on with the others (sync: they "
@@ -189,42 +189,42 @@ class TrainConfig:
         0, "the last N ranks mpirun starts wait as hot spares; a lost worker's place goes to one at the next step "
         "boundary, before --respawn starts a process (needs --checkpoint-dir, --worker-timeout > 0)", metavar="N")
 
-    model: str = MODEL("mlp", "softmax regression, or a ReLU multi-layer perceptron", choices=model_names)
-    hidden: tuple[int, ...] = MODEL((100,), "MLP hidden layer widths", shown="100", metavar="W[,W...]")
+    model: str = MODEL("mlp", "softmax regression, or a ReLU multi-layer perceptron", choices=model_names, first=True)
+    hidden: tuple[int, ...] = MODEL((100,), "MLP hidden layer widths", shown="100", metavar="W[,W...]", first=True)
     l2: float = MODEL(0.0, "L2 weight decay on the weights (not the biases)", metavar="L")
 
     # the seeds' GradientDescentOptimizer by default; momentum + async staleness is fragile
-    optimizer: str = OPTIMISATION("sgd", "the update rule, on the flat parameter vector", choices=optimizer_names)
-    lr: float | None = OPTIMISATION(
-        None, "learning rate", shown=lambda: "the optimizer's: " + optimizer_lrs(), metavar="LR")
-    lr_decay: float = OPTIMISATION(
+    optimizer: str = TRAINING("sgd", "the update rule, on the flat parameter vector", choices=optimizer_names, first=True)
+    lr: float | None = TRAINING(
+        None, "learning rate", shown=lambda: "the optimizer's: " + optimizer_lrs(), metavar="LR", first=True)
+    lr_decay: float = TRAINING(
         0.99, "multiply the learning rate by this per epoch of global data (1: constant)", metavar="D")
-    lr_scaling: str | None = OPTIMISATION(  # None: "linear" in sync, "none" in async (see scaled_lr)
+    lr_scaling: str | None = TRAINING(  # None: "linear" in sync, "none" in async (see scaled_lr)
         None, "sync: multiply --lr by the gradients averaged per update, as Horovod (linear), or keep it (none)",
         shown="linear in sync, none in async", choices=LR_SCALINGS)
-    warmup_epochs: float = OPTIMISATION(
+    warmup_epochs: float = TRAINING(
         DEFAULT_WARMUP_EPOCHS, "sync with linear scaling: ramp the learning rate up from --lr over E epochs of "
         "global data", metavar="E")
-    momentum: float = OPTIMISATION(0.9, "momentum coefficient (--optimizer momentum)", metavar="M")
-    ema_decay: float | None = OPTIMISATION(
+    momentum: float = TRAINING(0.9, "momentum coefficient (--optimizer momentum)", metavar="M")
+    ema_decay: float | None = TRAINING(
         None, "keep a moving average of the weights (e.g. 0.99), evaluated beside them and checkpointed",
         shown="off", metavar="D")
-    batch_size: int = OPTIMISATION(100, "examples per worker and step", metavar="N")
-    epochs: int | None = OPTIMISATION(
+    batch_size: int = TRAINING(100, "examples per worker and step", metavar="N", first=True)
+    epochs: int | None = TRAINING(
         None, "passes of each worker over its shard of the data",
-        shown=f"{DEFAULT_EPOCHS}, or none when --steps is given", metavar="E")
-    steps: int | None = OPTIMISATION(None, "stop at this global step", shown="no limit", metavar="N")
-    seed: int = OPTIMISATION(0, "seeds initialisation, shuffling and synthetic data", metavar="N")
-    divergence_factor: float = OPTIMISATION(
+        shown=f"{DEFAULT_EPOCHS}, or none when --steps is given", metavar="E", first=True)
+    steps: int | None = TRAINING(None, "stop at this global step", shown="no limit", metavar="N", first=True)
+    seed: int = TRAINING(0, "seeds initialisation, shuffling and synthetic data", metavar="N", first=True)
+    divergence_factor: float = TRAINING(
         DEFAULT_DIVERGENCE_FACTOR, "stop (exit 4) when the smoothed training loss exceeds F times the loss the "
         "run started from (0: only a non-finite loss stops it)", metavar="F")
 
     dataset: str = DATA(
         "digits", "digits (bundled, offline), mnist, fashion_mnist, synthetic, npz:PATH (your arrays "
-        "x_train, y_train, x_test, y_test) or tfds:NAME (a prepared tensorflow-datasets classifier)", metavar="NAME")
+        "x_train, y_train, x_test, y_test) or tfds:NAME (a prepared tensorflow-datasets classifier)", metavar="NAME", first=True)
     data_dir: str | None = DATA(
         None, "folder with MNIST-format IDX .gz files, or a tensorflow-datasets data dir",
-        shown="tensorflow-datasets' own", metavar="DIR")
+        shown="tensorflow-datasets' own", metavar="DIR", first=True)
     train_split: str = DATA("train", "tfds:NAME only: the split to train on", metavar="SPLIT")
     test_split: str = DATA("test", "tfds:NAME only: the split to evaluate on", metavar="SPLIT")
     synthetic_samples: int = DATA(12000, "--dataset synthetic: examples (train and test together)", metavar="N")
@@ -232,7 +232,7 @@ class TrainConfig:
 
     device: str = DEVICE(
         "auto", "auto: CuPy on a GPU when one is usable, else NumPy; each worker takes GPU "
-        "(node-local rank mod GPUs)", choices=DEVICES)
+        "(node-local rank mod GPUs)", choices=DEVICES, first=True)
     cuda_aware: bool = DEVICE(
         False, "hand GPU buffers straight to MPI (a CUDA-aware MPI build) instead of staging them through host memory")
     ps_device: str = DEVICE(
@@ -241,24 +241,24 @@ class TrainConfig:
 
     checkpoint_dir: str | None = CHECKPOINTS(
         None, "save checkpoints here, and resume from the newest one found here", shown="no checkpoints",
-        metavar="DIR")
+        metavar="DIR", first=True)
     checkpoint_every_secs: float = CHECKPOINTS(60.0, "save every S seconds", metavar="S")
     checkpoint_every_steps: int | None = CHECKPOINTS(None, "also save every N global steps", shown="off",
                                                      metavar="N")
     keep_checkpoints: int = CHECKPOINTS(3, "keep the newest K checkpoints", metavar="K")
-    fresh: bool = CHECKPOINTS(False, "start from scratch; earlier checkpoints move to a superseded-* folder")
+    fresh: bool = CHECKPOINTS(False, "start from scratch; earlier checkpoints move to a superseded-* folder", first=True)
 
     eval_every: int | None = OUTPUT(
         None, "evaluate rank 0's parameters on the test set every N global steps (summary: eval_history)",
-        shown="at the end only", metavar="N")
+        shown="at the end only", metavar="N", first=True)
     eval_at_end: bool = OUTPUT(
         False, "with --eval-every: copy rank 0's parameters at each such step and evaluate the copies after training, "
         "so that evaluating takes nothing from training (time to accuracy; one copy per evaluation in rank 0's memory)")
     log_dir: str | None = OUTPUT(None, "write events.jsonl and TensorBoard event files here (rank 0)",
-                                 shown="no log", metavar="DIR")
+                                 shown="no log", metavar="DIR", first=True)
     log_every: int = OUTPUT(10, "log the training scalars every N global steps", metavar="N")
-    progress: bool = OUTPUT(True, "draw a progress bar on rank 0's stderr")
-    summary_json: str | None = OUTPUT(None, "write the run's summary here as JSON", shown="none", metavar="PATH")
+    progress: bool = OUTPUT(True, "draw a progress bar on rank 0's stderr", first=True)
+    summary_json: str | None = OUTPUT(None, "write the run's summary here as JSON", shown="none", metavar="PATH", first=True)
     straggler_report: float = OUTPUT(
         DEFAULT_STRAGGLER_REPORT, "name a worker whose step time and compute time per gradient are X times the "
         "other workers' (0: never)", metavar="X")

@@ -17,9 +17,9 @@ class ExitCode(IntEnum):
     # Rank 0: the budget was finished by the workers left after one was lost (the summary lists it), or
     # after rank 0 itself was lost and a worker took over (--on-lost-server continue: failovers).
     # Not 0, so that a scheduler sees it: Open MPI's mpirun under ULFM reports a run whose ranks all
-    # exit 0 as a success even though a rank was killed (measured, Open MPI 5.0.11). 8 because
-    # MPICH's mpirun ORs every rank's exit status (measured: 4 and 1 give 5): 8's one bit is in
-    # 137 (128 + SIGKILL), so there the job's code stays the killed rank's, as before.
+    # exit 0 as a success even though a rank was killed (measured, Open MPI 5.0.11). MPICH's mpirun
+    # ORs every rank's exit status (measured: 4 and 1 give 5), so a killed worker's supervisor exits 0
+    # (launch/supervise.py, killed_exit) and the job's code is this one there too.
     WORKER_LOST = 8
 
 

@@ -20,6 +20,7 @@ class Option:
     choices: tuple[str, ...] | Callable[[], tuple[str, ...]] | None = None  # a callable: a registry, asked late
     flag: str | None = None  # the flag, where it is not --NAME-WITH-DASHES (--straggler, repeatable)
     bare: float | None = None  # the value of the flag given alone (--delay-compensation), where it may be
+    first: bool = False  # one of the flags a newcomer changes first: shown by --help (the rest by --help-all)
 
     def choice_list(self) -> tuple[str, ...] | None:
         return self.choices() if callable(self.choices) else self.choices
@@ -42,6 +43,8 @@ def _section(group: str):
     return option
 
 
-PARALLELISM, MODEL, OPTIMISATION, DATA, DEVICE, CHECKPOINTS, OUTPUT = map(_section, (
-    "parallelism", "model", "optimisation", "data", "device",
-    "checkpoints (rank 0 writes them; a run resumes from the newest)", "output"))
+# --help's sections, in the order a newcomer reads them: what is trained, on what, how and for how
+# long; then what comes out; then parallelism, faults and tuning.
+SECTIONS = ("model", "data", "training (mode, length, optimizer)", "output", "checkpoints (rank 0 writes them; a run resumes from the newest)",
+            "parallelism", "device")
+MODEL, DATA, TRAINING, OUTPUT, CHECKPOINTS, PARALLELISM, DEVICE = map(_section, SECTIONS)

@@ -28,7 +28,6 @@ import sys
 import time
 from dataclasses import dataclass
 
-from mpitrain.core.exitcodes import ExitCode
 
 
 @dataclass(frozen=True)
@@ -48,10 +47,6 @@ class Impl:
     # summary is in --summary-json only. SIGUSR1 and SIGUSR2 it passes on as they are, and waits.
     stop_exit: int | None = None
     stop_signal: str = "SIGTERM"  # what to send mpirun to stop a job with every rank's output and code
-    # mpirun's exit code when rank 0 finished the budget without a worker killed by SIGKILL: Open MPI
-    # reports rank 0's (ExitCode.WORKER_LOST, 8); hydra ORs every rank's, 8 with the killed rank's
-    # supervisor's 137, which stays 137.
-    worker_lost_exit: int = ExitCode.WORKER_LOST
     root_flags: tuple[str, ...] = ()  # what mpirun needs to run as root (containers)
     oversubscribe_flags: tuple[str, ...] = ()  # what mpirun needs for more ranks than cores
     # On one host: the shared-memory transport only. Open MPI's default also opens its network
@@ -81,7 +76,7 @@ class Impl:
 
 
 MPICH = Impl("mpich", "MPICH", ("-disable-auto-cleanup",), "-f", "{host}:{slots}", "pmi2", "mpich_shm_",
-             worker_lost_exit=128 + 9, spawns_alone=True)
+             spawns_alone=True)
 OPENMPI = Impl("openmpi", "Open MPI", ("--with-ft", "ulfm"), "--hostfile", "{host} slots={slots}", "pmix",
                "sm_segment.", contacts_every_host=True, stop_exit=1, stop_signal="SIGUSR1",
                root_flags=("--allow-run-as-root",), oversubscribe_flags=("--oversubscribe",),

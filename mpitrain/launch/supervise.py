@@ -4,7 +4,7 @@ Why (measured with MPICH 5.0.2, see README "Faults"): hydra's proxy reaps its ch
 waitpid, and when one was *killed by a signal* it SIGKILLs every other rank -- even under
 `mpirun -disable-auto-cleanup`, at the proxy's next event (any output or exit of a survivor).
 So a worker killed by the OOM killer or `kill -9` would take the whole job down with it. With a
-supervisor in between, hydra's child is the supervisor, which *exits* (128 + signal) instead
+supervisor in between, hydra's child is the supervisor, which *exits* (killed_exit) instead
 of being killed; hydra then only notifies the survivors (SIGUSR1, which we ignore) and, under
 -disable-auto-cleanup, leaves them running, so rank 0 can finish with the remaining workers.
 
@@ -43,23 +43,34 @@ def supervise() -> None:
     # handlers are installed stays pending instead of killing it (measured: a SIGTERM sent as soon
     # as the rank printed found the supervisor still starting up, and it died of it).
     signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
+    command = " ".join(sys.orig_argv)
+    who = "spawned worker" if os.environ.get("PMI_SPAWNED") == "1" else f"rank {rank}"
     pid = os.fork()
     if pid == 0:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
         _die_with(parent)
-        _name(f"mpitrain-rank{rank}")
+        _name(f"mpitrain {who} training: {command}", f"mpitrain-rank{rank}")
         # The rank keeps every signal's default: hydra's SIGUSR1 ("a peer died") goes to its own
         # children only, the supervisors, which ignore it.
         return
-    _name(f"mpitrain-sup{rank}")
+    _name(f"mpitrain {who} supervisor: {command}", f"mpitrain-sup{rank}")
     _wait_for(pid)
 
 
-def _name(name: str) -> None:
-    """The process name that `ps -o comm`, `top` and `pkill` show (15 bytes at most), so that a
-    user can tell the training process from its supervisor (README: "When things go wrong")."""
+def _name(title: str, name: str) -> None:
+    """What `ps aux` shows (the title: `mpitrain rank 2 supervisor: python -m mpitrain ...`, where the
+    two processes once had the same command line, issue 77) and the name that `ps -o comm`, `top`
+    and `pkill -x` show (15 bytes at most), so that a user can tell the training process from its
+    supervisor (README: "When things go wrong")."""
     import ctypes
 
+    # In the command line's own bytes only (a long title is cut at its end): by default setproctitle
+    # also writes over the environment's, and /proc/PID/environ (read by the fault tests' tools,
+    # faults.rank_pids, and by anyone who debugs a rank) would then show the title.
+    os.environ["SPT_NOENV"] = "1"
+    from setproctitle import setproctitle
+
+    setproctitle(title)  # before the name: it sets the name too, cut to 15 bytes
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
 
 
@@ -92,12 +103,22 @@ def _wait_for(pid: int) -> None:
         sig = os.WTERMSIG(status)
         # A process the job spawned (--respawn) is rank 0 of its own launch: its PMI_RANK would name
         # the job's rank 0, which is alive (rank 0's own line names the rank it had in the job).
-        who = "a worker the job started" if os.environ.get("PMI_SPAWNED") == "1" else \
-            f"rank {os.environ.get('PMI_RANK', '?')}"
+        spawned = os.environ.get("PMI_SPAWNED") == "1"
+        who = "a worker the job started" if spawned else f"rank {os.environ.get('PMI_RANK', '?')}"
         os.write(2, f"mpitrain: {who} (pid {pid}) was killed by signal {sig} "
                     f"({signal.Signals(sig).name})\n".encode())
-        os._exit(128 + sig)
+        os._exit(killed_exit(sig, rank_0=not spawned and os.environ.get("PMI_RANK") == "0"))
     os._exit(os.waitstatus_to_exitcode(status))
+
+
+def killed_exit(sig: int, rank_0: bool) -> int:
+    """The supervisor's exit code when its rank was killed by `sig`. Hydra's mpirun exits with the OR
+    of every rank's code, and 128 + 9 = 137 holds the bits of rank 0's verdicts (8: done without the
+    lost worker; 5: stopped on it), so a worker's 137 made every survived loss read as 137, an OOM
+    kill to Slurm (issue 77). Rank 0 decides the job's code: a worker's supervisor says its line and
+    exits 0. Rank 0's passes its death on (128 + sig), so that a job whose ranks were all killed never
+    reads as done; after rank 0's take-over (--on-lost-server continue) the job's code is thus 137."""
+    return 128 + sig if rank_0 else 0
 
 
 def _forward(pid: int, signum: int) -> None:

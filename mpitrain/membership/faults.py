@@ -16,7 +16,7 @@ MPITRAIN_INJECT_KILL=RANK:0:opening ... before it has the store's name from rank
 MPITRAIN_INJECT_KILL=RANK:STEP:mailing async, a worker with a mailbox (exchange/mailbox.py): half-way
                                 through writing its push, before the counter announces it
 MPITRAIN_INJECT_EXIT=RANK:STEP  worker RANK exits at its local step STEP without a word (exit 137,
-                                as a killed rank's supervisor does: a Python API script has none)
+                                a SIGKILLed rank's code: a Python API script has no supervisor)
 MPITRAIN_INJECT_RAISE=RANK:STEP worker RANK raises an unexpected exception at its local step STEP
                                 (a bug: its traceback, then MPI_Abort ends every rank)
 MPITRAIN_INJECT_RAISE=RANK:connect ... rank RANK, in the collectives that start a phase (the others wait in them)
@@ -192,7 +192,7 @@ def rank_pids(root: int, supervised: bool = True) -> dict[int, tuple[int, int | 
             expect_supervisor[pid] = supervised and needs_supervisor(env)
 
     out = {}
-    joined = {pid for pid, (args, _) in procs.items() if b"--join" in args}
+    joined = {pid for pid, (args, env) in procs.items() if _spawned_or_joined(args, env)}
     for pid, rank in sorted(ranks.items(), key=lambda item: item[0] in joined):  # the job's own ranks first
         if not _descends(pid, root, parents) or (pid in joined and rank in out):
             continue
@@ -216,11 +216,18 @@ def _processes() -> tuple[dict[int, int], dict[int, tuple[list[bytes], dict[str,
             cmd = open(f"/proc/{pid}/cmdline", "rb").read()
             if b"mpitrain" in cmd:
                 raw = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
-                procs[pid] = (cmd.split(b"\0"), dict(v.decode(errors="replace").partition("=")[::2]
+                # Words, not argv: a supervised rank's title is one string (supervise.py, setproctitle)
+                procs[pid] = (cmd.replace(b"\0", b" ").split(), dict(v.decode(errors="replace").partition("=")[::2]
                                                       for v in raw if b"=" in v))
         except (OSError, ValueError, IndexError):
             continue
     return parents, procs
+
+
+def _spawned_or_joined(args: list[bytes], env: dict[str, str]) -> bool:
+    """A process of --join or --respawn: its command says --join, or hydra says it spawned it (a
+    supervised rank's title may have lost the command's end: supervise._name)."""
+    return b"--join" in args or env.get("PMI_SPAWNED") == "1"
 
 
 def _descends(pid: int, root: int, parents: dict[int, int]) -> bool:
@@ -239,7 +246,7 @@ def spawned_pids(root: int) -> list[int]:
     from mpitrain.launch.mpiimpl import needs_supervisor
 
     parents, procs = _processes()
-    spawned = {pid for pid, (args, _) in procs.items() if b"--join" in args}
+    spawned = {pid for pid, (args, env) in procs.items() if _spawned_or_joined(args, env)}
     return sorted(pid for pid in spawned if _descends(pid, root, parents)
                   and (parents.get(pid) in spawned or not needs_supervisor(procs[pid][1])))
 
