@@ -18,17 +18,8 @@ from mpitrain.duties import observe, outputs
 from mpitrain.duties.chief import begin
 from mpitrain.duties.metrics import Progress
 from mpitrain.duties.summary import announce, divergence, publish, shard_report, timeline_events, verdict, worker_report
-from mpitrain.ending import (
-    abort_job,
-    await_goodbye,
-    collect_reports,
-    finalize,
-    free_worker_comm,
-    peer_lost,
-    retire_heartbeats,
-    say_goodbye,
-    send_report,
-)
+from mpitrain.ending import (abort_job, await_goodbye, collect_reports, finalize, free_worker_comm, peer_lost,
+                             retire_heartbeats, say_goodbye, send_report)
 from mpitrain.exchange.protocol import FLAG_PEER_LOST, FLAG_REFORM, FLAG_STOPPED, ProtocolError
 from mpitrain.launch import lock
 from mpitrain.membership import join, liveness, spares, stopping
@@ -37,17 +28,8 @@ from mpitrain.membership.liveness import PeerLost
 from mpitrain.membership.stalls import server_stall_line, worker_stall_line
 from mpitrain.membership.stopping import STOP
 from mpitrain.modes.base import CHIEF, SERVER
-from mpitrain.phases import (
-    after_the_spawned,
-    grow_with_joiner,
-    joined,
-    leave_after_a_loss,
-    make_room,
-    no_room,
-    open_lobby,
-    take_over,
-    with_spares,
-)
+from mpitrain.phases import (after_the_spawned, grow_with_joiner, joined, leave_after_a_loss, make_room, no_room,
+                             open_lobby, take_over, with_spares)
 from mpitrain.runtime import PS_RANK, Context, Node, broadcast_start, nothing_to_train
 
 

@@ -135,7 +135,7 @@ def test_a_rank_ended_by_another_ranks_abort_names_its_rank_in_the_job():
     import subprocess
 
     # MPI left uninitialised: a process that ends without MPI_Finalize would leave its shared memory.
-    code = ("import mpi4py; mpi4py.rc.initialize = False; from mpitrain import liveness; liveness.PHASE_RANK[0] = 3; "
+    code = ("import mpi4py; mpi4py.rc.initialize = False; from mpitrain.membership import liveness; liveness.PHASE_RANK[0] = 3; "
             "liveness.mpi_error_reason('MPI_ERR_REVOKED: communicator revoked'); print('went on')")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=child_env())
     assert proc.returncode == ExitCode.FAILED and "went on" not in proc.stdout, proc.stderr

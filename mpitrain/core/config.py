@@ -343,6 +343,12 @@ class TrainConfig:
         return self.outer_optimizer or DEFAULT_OUTER_OPTIMIZER[self.mode]
 
     @property
+    def alone_words(self) -> str:
+        """What one process (no mpirun) does with --mode: not refused, as the flags that need workers
+        are (worldcheck.py), since the run is the same either way, but said (it once was silent)."""
+        return f"--mode {self.mode} trains locally, with no parameter server and no other worker"
+
+    @property
     def epochs_or_default(self) -> int | None:
         """--epochs if given; the default only when no --steps budget was given either."""
         if self.epochs is not None:

@@ -3,27 +3,10 @@ need the world size), each a UsageError of one line naming the problem and the f
 
 from __future__ import annotations
 
-from mpitrain.core.config import (
-    DATASET_PREFIXES,
-    DATASETS,
-    DEFAULT_DC_LAMBDA,
-    DEFAULT_STALENESS_TOLERANCE,
-    DEVICES,
-    LOST_SERVER_CHOICES,
-    LR_SCALINGS,
-    MODES,
-    NPZ_PREFIX,
-    OUTER_OPTIMIZERS,
-    PS_DEVICES,
-    TFDS_PREFIX,
-    WAITS,
-    TrainConfig,
-    UsageError,
-    can_take_joiners,
-    codec_names,
-    model_names,
-    optimizer_names,
-)
+from mpitrain.core.config import (DATASET_PREFIXES, DATASETS, DEFAULT_DC_LAMBDA, DEFAULT_STALENESS_TOLERANCE, DEVICES,
+                                  LOST_SERVER_CHOICES, LR_SCALINGS, MODES, NPZ_PREFIX, OUTER_OPTIMIZERS, PS_DEVICES,
+                                  TFDS_PREFIX, WAITS, TrainConfig, UsageError, can_take_joiners, codec_names,
+                                  model_names, optimizer_names)
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:

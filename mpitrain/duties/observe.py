@@ -24,16 +24,8 @@ from pathlib import Path
 
 from mpitrain.core.atomic import write_atomic
 from mpitrain.core.console import say
-from mpitrain.exchange.protocol import (
-    BEAT_COMPUTE,
-    BEAT_FIELDS,
-    BEAT_GLOBAL_STEP,
-    BEAT_PHASE,
-    BEAT_PHASE_S,
-    BEAT_STEP_S,
-    BEAT_STEPS,
-    BEAT_WAIT,
-)
+from mpitrain.exchange.protocol import (BEAT_COMPUTE, BEAT_FIELDS, BEAT_GLOBAL_STEP, BEAT_PHASE, BEAT_PHASE_S,
+                                        BEAT_STEP_S, BEAT_STEPS, BEAT_WAIT)
 
 # Phases, by code (the code travels in heartbeats). IDLE is set-up and the end of the run.
 PHASES = ("idle", "compute", "push", "pull", "wait", "allreduce", "apply", "eval", "checkpoint")

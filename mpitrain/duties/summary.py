@@ -245,9 +245,8 @@ def announce(ctx: Context, placements: list[str], regrown: bool = False) -> None
     cfg = ctx.cfg
     for line in placements:
         say(line)
-    if ctx.local:  # --mode is not refused here (the other flags that need workers are): it is said
-        say(f"mpitrain: one process: --mode {cfg.mode} trains locally, with no parameter server and no other worker "
-            "(mpirun -np 3 gives 1 parameter server + 2 workers)")
+    if ctx.local:
+        say(f"mpitrain: one process: {cfg.alone_words} (mpirun -np 3 gives 1 parameter server + 2 workers)")
     lr = cfg.learning_rate
     line = f"mpitrain: {cfg.optimizer}, learning rate {lr:g} " + (
         "(--lr)" if cfg.lr is not None else f"({cfg.optimizer}'s default; --lr sets another)")

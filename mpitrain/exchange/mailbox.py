@@ -41,17 +41,8 @@ from mpitrain.core.layout import PS_RANK
 from mpitrain.duties.checkpoint import TrainState
 from mpitrain.exchange import shm
 from mpitrain.exchange.mpi import held_copy
-from mpitrain.exchange.protocol import (
-    FLAG_DIVERGED,
-    FLAG_LAST,
-    FLAG_LEAVING,
-    FLAG_STOP,
-    HEADER_BYTES,
-    TAG_GRAD,
-    TAG_MAIL,
-    TAG_PARAMS,
-    Message,
-)
+from mpitrain.exchange.protocol import (FLAG_DIVERGED, FLAG_LAST, FLAG_LEAVING, FLAG_STOP, HEADER_BYTES, TAG_GRAD,
+                                        TAG_MAIL, TAG_PARAMS, Message)
 from mpitrain.exchange.transport import END_POLL_S, WORKER_POLL_S, Poller
 from mpitrain.exchange.waiting import poll
 from mpitrain.membership.faults import kill_here, store_kill

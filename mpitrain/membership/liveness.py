@@ -23,16 +23,8 @@ import numpy as np
 from mpi4py import MPI
 
 from mpitrain.core.layout import Layout
-from mpitrain.exchange.protocol import (
-    BEAT_FIELDS,
-    BEAT_HOST,
-    BEAT_PID,
-    FLAG_HOLD,
-    FLAG_LEAVING,
-    FLAG_PEER_LOST,
-    TAG_HEARTBEAT,
-    Message,
-)
+from mpitrain.exchange.protocol import (BEAT_FIELDS, BEAT_HOST, BEAT_PID, FLAG_HOLD, FLAG_LEAVING, FLAG_PEER_LOST,
+                                        TAG_HEARTBEAT, Message)
 from mpitrain.exchange.waiting import poll
 from mpitrain.launch import samehost
 from mpitrain.membership.stuck import WATCHDOG

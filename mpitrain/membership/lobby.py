@@ -17,23 +17,9 @@ from mpitrain.core.layout import PS_RANK
 from mpitrain.exchange.protocol import FLAG_PEER_LOST
 from mpitrain.membership import faults, respawn
 from mpitrain.membership.faults import Kill
-from mpitrain.membership.join import (
-    ANSWER_S,
-    CONNECT_TIMEOUT_S,
-    FRESH_S,
-    REQUESTS,
-    SCAN_EVERY_S,
-    Carry,
-    Joiner,
-    dead_here,
-    gave_up,
-    job_folder,
-    last_line,
-    recv_json,
-    remove,
-    send_json,
-    tell_to_leave,
-)
+from mpitrain.membership.join import (ANSWER_S, CONNECT_TIMEOUT_S, FRESH_S, REQUESTS, SCAN_EVERY_S, Carry, Joiner,
+                                      dead_here, gave_up, job_folder, last_line, recv_json, remove, send_json,
+                                      tell_to_leave)
 from mpitrain.membership.stopping import STOP
 from mpitrain.membership.stuck import WATCHDOG
 

@@ -28,24 +28,9 @@ from mpitrain.exchange.protocol import FLAG_STOP
 from mpitrain.exchange.waiting import poll
 from mpitrain.launch import mpiimpl
 from mpitrain.launch.lock import exit_without_finalize
-from mpitrain.membership.join import (
-    ANSWER_S,
-    FORM_LIMIT_S,
-    SPAWNED_LEAVES_FIRST_S,
-    Carry,
-    Joiner,
-    JsonReceive,
-    answer_go,
-    await_go,
-    dead_here,
-    into_job,
-    last_line,
-    recv_json,
-    send_json,
-    tell_to_leave,
-    why_not_there,
-    with_joiner,
-)
+from mpitrain.membership.join import (ANSWER_S, FORM_LIMIT_S, SPAWNED_LEAVES_FIRST_S, Carry, Joiner, JsonReceive,
+                                      answer_go, await_go, dead_here, into_job, last_line, recv_json, send_json,
+                                      tell_to_leave, why_not_there, with_joiner)
 from mpitrain.membership.stuck import WATCHDOG
 
 NOT_STARTED, STARTED, FAILED = 0, 1, 2  # rank 0's word on a worker it spawned (start_worker)

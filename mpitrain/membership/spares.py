@@ -44,16 +44,8 @@ from mpi4py import MPI
 from mpitrain.core.config import TrainConfig, UsageError
 from mpitrain.core.console import say
 from mpitrain.core.exitcodes import ExitCode, interrupted
-from mpitrain.exchange.protocol import (
-    FLAG_PEER_LOST,
-    FLAG_STOP,
-    H_FLAGS,
-    H_STEP,
-    TAG_ADOPT,
-    TAG_HEARTBEAT,
-    TAG_JOIN,
-    Message,
-)
+from mpitrain.exchange.protocol import (FLAG_PEER_LOST, FLAG_STOP, H_FLAGS, H_STEP, TAG_ADOPT, TAG_HEARTBEAT,
+                                        TAG_JOIN, Message)
 from mpitrain.membership.join import GROW_TAG, Joiner, answer_go, dead_here, into_job, tell_to_leave
 
 SPARE_TAG = GROW_TAG + 1  # MPI_Intercomm_create's tag between rank w (0, or a worker) and the spare of world rank r:

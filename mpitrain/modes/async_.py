@@ -32,18 +32,8 @@ from mpitrain.exchange import shm
 from mpitrain.exchange.base import PushPull
 from mpitrain.exchange.mailbox import ServerMail, worker_exchange
 from mpitrain.exchange.mpi import MPIPushPull
-from mpitrain.exchange.protocol import (
-    FLAG_CKPT,
-    FLAG_DIVERGED,
-    FLAG_EVAL,
-    FLAG_LAST,
-    FLAG_LEAVING,
-    FLAG_STOP,
-    TAG_GRAD,
-    TAG_PARAMS,
-    Message,
-    ProtocolError,
-)
+from mpitrain.exchange.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_LAST, FLAG_LEAVING, FLAG_STOP,
+                                        TAG_GRAD, TAG_PARAMS, Message, ProtocolError)
 from mpitrain.exchange.shards import Gather, ShardService, assemble
 from mpitrain.exchange.shm import ShmPushPull
 from mpitrain.exchange.transport import PS_POLL_NO_OVERLAP_S, PS_POLL_S, Poller, tested

@@ -12,15 +12,8 @@ from mpitrain.core.layout import PS_RANK
 from mpitrain.core.reports import WorkerResult
 from mpitrain.duties.checkpoint import Checkpointer, TrainState, state_arrays, to_flat
 from mpitrain.duties.observe import PUSH
-from mpitrain.exchange.protocol import (
-    FLAG_CKPT,
-    FLAG_DIVERGED,
-    FLAG_EVAL,
-    FLAG_REGROUPED,
-    FLAG_STOP,
-    TAG_STATUS,
-    Message,
-)
+from mpitrain.exchange.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_REGROUPED, FLAG_STOP, TAG_STATUS,
+                                        Message)
 from mpitrain.exchange.shards import cut
 from mpitrain.exchange.transport import WORKER_POLL_S, Poller, tested
 from mpitrain.runtime import Context

@@ -30,17 +30,8 @@ from mpitrain.duties.metrics import Progress
 from mpitrain.duties.observe import ALLREDUCE, APPLY, COMPUTE, WAIT
 from mpitrain.exchange.base import Reducer
 from mpitrain.exchange.mpi import ABANDONED, MPIReducer, await_verdict
-from mpitrain.exchange.protocol import (
-    FLAG_CKPT,
-    FLAG_DIVERGED,
-    FLAG_EVAL,
-    FLAG_REGROUPED,
-    FLAG_STOP,
-    TAG_SHARD,
-    TAG_STATUS,
-    Message,
-    ProtocolError,
-)
+from mpitrain.exchange.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_REGROUPED, FLAG_STOP, TAG_SHARD,
+                                        TAG_STATUS, Message, ProtocolError)
 from mpitrain.exchange.shards import Gather, assemble
 from mpitrain.exchange.transport import CHIEF_POLL_S, Poller
 from mpitrain.membership import elastic
