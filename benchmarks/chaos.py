@@ -16,7 +16,7 @@ its own mpirun), and it is the one killed, at a random time after it joined. The
 "big" cases use `--hidden 2000` (6.4 MB messages, milliseconds each) so that kills land in the
 middle of a message. Outcomes:
 
-  documented  what README "When things go wrong" says for that case (checked below, per case)
+  documented  what docs/lost-ranks.md says for that case (checked below, per case)
   traceback   a Python traceback on any rank
   hang        the job did not end within --worker-timeout + 10 s of the kill (then killed); where
               a lost worker is dropped (async; sync but with --on-lost-worker stop or --num-ps 2),
@@ -485,7 +485,7 @@ def judge(case: Case, trial: Trial, job: Job, code: int | None, leftovers: bool,
 
 def expected(case: Case, trial: Trial, err: str, code: int, summary: dict | None, tmp: Path,
              joiner: str = "", out: str = "") -> list[str]:
-    """What README "When things go wrong" promises for this case; [] when it held. `err` is the job's
+    """What docs/lost-ranks.md promises for this case; [] when it held. `err` is the job's
     standard error, `out` its standard output (rank 0's lines about joins and replacements)."""
     v = trial.victim
     if v is None:  # the kill came after the victim had exited: an ordinary finished run
@@ -775,7 +775,7 @@ def stopped_as_documented(case: Case, err: str, code: int, summary: dict | None,
     if summary is None or summary["stopped"] is None:
         if by_prterun and code == IMPL.stop_exit:
             # prterun SIGKILLs the ranks 2 s after its SIGTERM: a stop that needs longer ends as a
-            # kill at that moment does (README "Open MPI"); the newest checkpoint loaded above
+            # kill at that moment does (docs/openmpi.md); the newest checkpoint loaded above
             return []
         return [f"no summary of the stop (exit {code})"]
     step = summary["stopped"]["global_step"]

@@ -17,7 +17,7 @@ import pytest
 from conftest import only_on
 
 ROOT = Path(__file__).resolve().parent.parent
-BESIDE_DOCS = ("benchmarks", "examples", "hostfiles", "jobs")  # docs/ links to them (symlinks)
+BESIDE_DOCS = ("benchmarks", "examples", "hostfiles", "jobs", "README.md")  # docs/ links to them; the README is included
 NOT_MPI = "the documentation site, the same under either MPI"
 
 
@@ -64,3 +64,26 @@ def test_no_page_is_left_out_of_the_site():
     """A link to a page in `exclude_docs` is only INFO in mkdocs 1.6, whatever `validation` says: a
     404 on the built site that --strict never sees (benchmarks/README.md was one)."""
     assert "exclude_docs" not in (ROOT / "mkdocs.yml").read_text()
+
+
+MAX_PAGE_WORDS = 2500  # a page read in one sitting; more is split by what it is about (issue 77)
+README_LINES = 250
+
+
+def test_every_page_is_short_enough_to_read_in_one_sitting():
+    pages = {p.name: len(p.read_text().split()) for p in (ROOT / "docs").glob("*.md")}
+    assert not {n: w for n, w in pages.items() if w > MAX_PAGE_WORDS}, sorted(pages.items(), key=lambda x: -x[1])[:3]
+    rows = [(p.name, len(ln)) for p in (ROOT / "docs").glob("*.md") for ln in p.read_text().splitlines()
+            if ln.startswith("|")]
+    assert max(n for _, n in rows) <= 1500, max(rows, key=lambda r: r[1])  # a table row is read, not scrolled
+
+
+def test_the_front_page_is_a_newcomers_and_holds_no_history():
+    """Under README_LINES lines; no dated history ("until 2026-11-29", "since ..."): results files
+    keep that. A date may appear in a link's target (a results file's dated section), not in the text."""
+    import re
+
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) < README_LINES
+    words = re.sub(r"\]\([^)]*\)", "]", text)  # link targets out
+    assert not re.findall(r"20\d\d-[01]\d-[0-3]\d", words), re.findall(r".{40}20\d\d-[01]\d-[0-3]\d.{10}", words)

@@ -1,4 +1,4 @@
-"""The package's shape (README, Architecture; docs/architecture.md): the import contracts of
+"""The package's shape (docs/architecture.md): the import contracts of
 pyproject.toml (import-linter), the folders, the size of a module, where --mode is read."""
 
 import ast

@@ -1,4 +1,4 @@
-"""Every exit code mpitrain ends with, in one place (the README's "When things go wrong" table
+"""Every exit code mpitrain ends with, in one place (docs/checkpoints.md's "When things go wrong" table
 says what each means to a user; a scheduler reads them)."""
 
 from __future__ import annotations

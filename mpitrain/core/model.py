@@ -249,7 +249,7 @@ class FusedOps(PlainOps):
 
 # --model NAME -> the hidden widths it uses, given --hidden. Both are this file's MLP (softmax
 # regression is the MLP without hidden layers). Adding a model: a class with Model's methods and
-# a line here, and `build`/`from_sizes` return it (README, Architecture).
+# a line here, and `build`/`from_sizes` return it (docs/architecture.md).
 HIDDEN: dict[str, Callable[[tuple[int, ...]], tuple[int, ...]]] = {
     "softmax": lambda hidden: (),
     "mlp": lambda hidden: tuple(hidden),

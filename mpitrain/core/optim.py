@@ -104,7 +104,7 @@ def _adam(opt: "Optimizer", params, grad, lr: float) -> None:
 
 
 # --optimizer NAME -> its kind. Adding an optimizer is one function and one line here (the CLI's
-# choices, checkpoints and resume follow); README, Architecture.
+# choices, checkpoints and resume follow); docs/architecture.md.
 # The default learning rates, measured on digits (50 epochs; docs/optimizers.md): sgd 0.1 is the
 # seeds'; momentum 0.1 (an effective 1.0 at 0.9) diverges in async mode (7% accuracy), 0.01 as
 # Keras's SGD trains everywhere; adam 1e-3 is Kingma & Ba's, Keras's and PyTorch's.

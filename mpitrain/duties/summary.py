@@ -75,7 +75,10 @@ def build_summary(ctx: Context, mine: RoleResult, reports: list, placements: lis
     else:  # rank 0 counts by worker index; the summary's lists follow worker_ranks, the lost apart
         index = ctx.layout.worker_index
         local_steps = [state.local_steps[index(w.rank)] for w in workers]
-        lost = [x if "local_steps" in x else {**x, "local_steps": state.local_steps[index(x["rank"])]} for x in lost]
+        # A record from before a take-over may name a rank of the old world that is no worker of this
+        # one (a server shard killed as the budget was reached: CI, 2026-12-03): its count stays unknown.
+        lost = [x if "local_steps" in x or x["rank"] not in ctx.layout.worker_ranks
+                else {**x, "local_steps": state.local_steps[index(x["rank"])]} for x in lost]
     trained = not nothing_to_train(ctx)
     steps = state.global_step - state.start_step  # this run only, when resumed: train_s is this run's
     samples = steps * ctx.global_batch

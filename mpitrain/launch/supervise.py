@@ -1,6 +1,6 @@
 """Under MPICH's hydra launcher, run each rank as the child of a tiny supervisor process.
 
-Why (measured with MPICH 5.0.2, see README "Faults"): hydra's proxy reaps its children with
+Why (measured with MPICH 5.0.2, see docs/lost-ranks.md): hydra's proxy reaps its children with
 waitpid, and when one was *killed by a signal* it SIGKILLs every other rank -- even under
 `mpirun -disable-auto-cleanup`, at the proxy's next event (any output or exit of a survivor).
 So a worker killed by the OOM killer or `kill -9` would take the whole job down with it. With a
