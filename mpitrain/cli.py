@@ -23,7 +23,8 @@ from mpitrain.launch.mpiimpl import launcher_rank
 from mpitrain.version import __version__
 
 
-SUBCOMMANDS = {"launch": "mpitrain.launch.command", "evaluate": "mpitrain.duties.evaluation", "plot": "mpitrain.duties.plot"}
+SUBCOMMANDS = {"launch": "mpitrain.launch.command", "evaluate": "mpitrain.duties.evaluation", "plot": "mpitrain.duties.plot",
+               "run": "mpitrain.launch.run_script"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -82,7 +83,8 @@ def build_parser(every_flag: bool = True) -> argparse.ArgumentParser:
         description="Data-parallel training over MPI: rank 0 is the parameter server, ranks 1..N-1 are workers. "
                     "Run with `mpirun -np 3 python -m mpitrain` (1 server + 2 workers); one process trains locally. "
                     "Other commands: `mpitrain launch -f HOSTFILE ...`, `mpitrain evaluate CHECKPOINT`, "
-                    "`mpitrain plot RUN_DIR... -o curves.png`.",
+                    "`mpitrain plot RUN_DIR... -o curves.png`, `mpitrain run SCRIPT [ARGS]` (your script, "
+                    "supervised as this command's ranks are).",
         add_help=False,
         epilog=None if every_flag else f"{sum(1 for f in dataclasses.fields(TrainConfig) if not f.metadata['option'].first)} "
                "more flags (parallelism, faults, tuning, devices): python -m mpitrain --help-all; each explained in "

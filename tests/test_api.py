@@ -1,12 +1,18 @@
 """The Python API: mpitrain.train / evaluate, in one process and on every rank of an mpirun."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
-from conftest import MPI_TIMEOUT_S, OWN_LOGIC, child_env, keep_going, launcher, mpi_impl, only_on, run_detached
+from conftest import (MPI_TIMEOUT_S, OWN_LOGIC, Lines, child_env, keep_going, kill_session, launcher, mpi_impl,
+                      only_on, run_detached)
+
+from mpitrain.core.exitcodes import ExitCode
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -326,3 +332,45 @@ except mpitrain.LostPeer as e:
     assert "Traceback" not in proc.stderr and not proc.leftovers, proc.stderr
     assert "after rank 0: code 8 lost [2] acc 0." in out and "predicts True" in out, out + proc.stderr
     assert "after rank 1: code 0 lost None" in out, out + proc.stderr  # its own run was whole: its own code
+
+
+SCRIPT = """
+import sys, mpitrain
+try:
+    mpitrain.train(steps=100000, worker_timeout=2, progress=False)
+    print(f"done rank {mpitrain.rank()}", flush=True)
+except mpitrain.LostPeer as e:
+    print(f"after rank {mpitrain.rank()}: code {e.code} args {sys.argv[1:]}", flush=True)
+"""
+
+
+@only_on("mpich", "the supervisor is hydra's (Open MPI's ULFM needs none: the test above)")
+def test_mpitrain_run_gives_a_script_the_supervisor_and_a_worker_killed_from_outside_is_survived(tmp_path):
+    """`mpitrain run script.py ARGS`: under hydra a plain `python script.py` has no supervisor, and a
+    worker SIGKILLed from outside ended the whole job (issue 82). Run by mpitrain it is supervised as
+    the CLI's ranks are: the script's next line runs on every survivor, with its own arguments, and
+    mpirun exits with rank 0's verdict."""
+    from mpitrain.membership.faults import rank_pids
+
+    (tmp_path / "train.py").write_text(SCRIPT)
+    cmd = [*launcher(), *keep_going(), "-np", "3", sys.executable, "-m", "mpitrain", "run", "train.py", "--x", "1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(),
+                            cwd=tmp_path, start_new_session=True)
+    lines = Lines(proc.stdout)
+    try:
+        assert lines.wait("rank 2 worker"), lines.text()
+        time.sleep(1)
+        os.kill(rank_pids(proc.pid)[2][0], signal.SIGKILL)  # the training process, as `kill -9` or the OOM killer
+        proc.wait(MPI_TIMEOUT_S)
+    finally:
+        leftovers = kill_session(proc)
+    out = lines.text()
+    assert "after rank 0: code 8 args ['--x', '1']" in out and "after rank 1: code 0" in out, out
+    assert "Traceback" not in out and not leftovers, out
+    assert proc.returncode == ExitCode.WORKER_LOST, out
+
+
+def test_mpitrain_run_refuses_a_script_that_is_not_there(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "mpitrain", "run", "nope.py"], capture_output=True, text=True,
+                          timeout=60, cwd=tmp_path, env=child_env())
+    assert proc.returncode == 2 and "nope.py is not a file" in proc.stderr and "Traceback" not in proc.stderr

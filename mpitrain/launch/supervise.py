@@ -43,7 +43,9 @@ def supervise() -> None:
     # handlers are installed stays pending instead of killing it (measured: a SIGTERM sent as soon
     # as the rank printed found the supervisor still starting up, and it died of it).
     signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
-    command = " ".join(sys.orig_argv)
+    # The title lives in the command line's own bytes (_name): the interpreter's path gives its room
+    # to the words that say which rank this is, and the arguments follow as far as they fit.
+    command = " ".join(sys.orig_argv[1:])
     who = "spawned worker" if os.environ.get("PMI_SPAWNED") == "1" else f"rank {rank}"
     pid = os.fork()
     if pid == 0:
