@@ -126,7 +126,8 @@ def test_with_on_lost_server_continue_each_successor_of_rank_0_takes_the_spares_
         leftovers = kill_session(proc)
     text = lines.text()
     assert not leftovers and "Traceback" not in text, text
-    assert proc.returncode == ExitCode.WORKER_LOST, text
+    # 8; under hydra ORed with the killed rank 0's supervisor's 137 (supervise.killed_exit; README's exit codes)
+    assert proc.returncode == ExitCode.WORKER_LOST | (137 if mpi_impl().name == "mpich" else 0), text
     first = 4 + 1  # world rank of the first spare
     adopted = [ln for ln in text.splitlines() if "took over the spares" in ln]
     said = [f"{spares_n - k} spare(s) waiting: rank {first + k} on" in ln for k, ln in enumerate(adopted)]
