@@ -157,8 +157,14 @@ def main(argv: list[str] | None = None) -> int:
 
         faults.slow_start()
     comm = world(cfg)
-    node = node_info(comm)  # collective: before anyone can fail
-    from mpitrain.trainer import run  # imports mpi4py.MPI, which initialises MPI: after world()
+    from mpi4py import MPI
+
+    from mpitrain.trainer import lost_at_start_up, run  # imports mpi4py.MPI, which initialises MPI: after world()
+
+    try:
+        node = node_info(comm)  # collective: before anyone can fail
+    except MPI.Exception as e:  # ... but a rank can die (ULFM reports it)
+        lost_at_start_up(comm, e)
     if err is None and cfg is None:
         if comm.Get_rank() == 0:
             parser.print_help()

@@ -21,7 +21,7 @@ from mpitrain.duties.summary import announce, divergence, publish, shard_report,
 from mpitrain.ending import (abort_job, await_goodbye, collect_reports, finalize, free_worker_comm, peer_lost,
                              retire_heartbeats, say_goodbye, send_report)
 from mpitrain.exchange.protocol import FLAG_PEER_LOST, FLAG_REFORM, FLAG_STOPPED, ProtocolError
-from mpitrain.launch import lock
+from mpitrain.launch import lock, supervise
 from mpitrain.membership import join, liveness, spares, stopping
 from mpitrain.membership.faults import Kill
 from mpitrain.membership.liveness import PeerLost
@@ -158,7 +158,19 @@ def _run(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: bo
         return _phase(cfg, comm, node, err, library, carry)
     except MPI.Exception as e:  # a rank died in the collectives that start a phase after a join or a take-over
         carry.failed_forming(e)
+        if carry.first_step is None and not library:  # ... or the job's first (Open MPI's ULFM reports it)
+            lost_at_start_up(comm, e)
         raise
+
+
+def lost_at_start_up(comm, error: Exception) -> None:
+    """A rank died in the start-up collectives (the setup agreement, the first broadcast), before the
+    heartbeats that let a job go on without it: every rank left ends in one line (it was a traceback on
+    each, issue 82). Under hydra a rank killed then takes the job down through its supervisor instead
+    (supervise.killed_during_start_up), since MPICH's collectives never notice it."""
+    say(f"mpitrain: rank {comm.Get_rank()}: a rank was lost while the job started ({error}); ending (the same "
+        f"command starts the job again)", sys.stderr)
+    lock.exit_without_finalize(ExitCode.PEER_LOST)
 
 
 def _phase(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: bool, carry: join.Carry) -> Outcome:
@@ -180,6 +192,7 @@ def _phase(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: 
     except Exception:  # its collectives: the others would wait in them for good (a --seed NumPy refused did)
         return failed(ctx)
     carry.formed()  # heartbeats run: a rank lost from here is seen as in any phase
+    supervise.started()  # ... and under hydra its supervisor no longer ends the job for it
     if carry.first_step is None:
         carry.first_step = ctx.start.global_step
     if carry.budget is None:

@@ -215,7 +215,8 @@ def test_without_a_straggler_the_quorum_counts_every_worker(tmp_path, np_, quoru
     assert sum(counted) == quorum * 1500  # every update averaged exactly Q gradients
     # No worker starves (the failures this guards against were [2994, 6] and [350, 0]); who wins each
     # round is a race, so shares differ: [480, 1020] once under Open MPI on a busy 2-core VM (CI, 2026-11-27).
-    assert max(counted) <= 3 * min(counted), counted
+    # [344, 1156] on a 2-core VM loaded beside the suite (2026-12-03): a share, not a starving worker
+    assert max(counted) <= 8 * min(counted), counted
     assert set(s["worker_param_digests"]) == {s["param_digest"]}
 
 

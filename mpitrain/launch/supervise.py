@@ -23,6 +23,7 @@ import os
 import signal
 import sys
 import time
+from typing import Callable
 
 from mpitrain.launch.mpiimpl import needs_supervisor
 
@@ -47,16 +48,49 @@ def supervise() -> None:
     # to the words that say which rank this is, and the arguments follow as far as they fit.
     command = " ".join(sys.orig_argv[1:])
     who = "spawned worker" if os.environ.get("PMI_SPAWNED") == "1" else f"rank {rank}"
+    started_r, started_w = os.pipe()  # the rank's word that its start-up is over (started())
     pid = os.fork()
     if pid == 0:
+        global _started_fd
+        os.close(started_r)
+        _started_fd = started_w
         signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
         _die_with(parent)
         _name(f"mpitrain {who} training: {command}", f"mpitrain-rank{rank}")
         # The rank keeps every signal's default: hydra's SIGUSR1 ("a peer died") goes to its own
         # children only, the supervisors, which ignore it.
         return
+    os.close(started_w)
     _name(f"mpitrain {who} supervisor: {command}", f"mpitrain-sup{rank}")
-    _wait_for(pid)
+    _wait_for(pid, started_r)
+
+
+_started_fd: int | None = None  # the rank's end of the pipe to its supervisor (None: no supervisor)
+
+
+def started() -> None:
+    """The rank: start-up is over (its heartbeats run: trainer.py), so the job can go on without it
+    from here, and a kill is a lost rank as documented. Before, the others wait for it in the
+    start-up collectives (MPI_Init, the setup agreement, the first broadcast), where MPICH never
+    notices a dead peer: the job hung (issue 82). A rank killed before saying this takes the whole
+    job down instead (killed_during_start_up)."""
+    global _started_fd
+    if _started_fd is None:
+        return
+    try:
+        os.write(_started_fd, b"1")
+        os.close(_started_fd)
+    except OSError:
+        pass
+    _started_fd = None
+
+
+def _had_started(started_r: int) -> bool:
+    os.set_blocking(started_r, False)
+    try:
+        return os.read(started_r, 1) == b"1"
+    except BlockingIOError:  # the write end still open: the rank cannot have died
+        return True
 
 
 def _name(title: str, name: str) -> None:
@@ -85,7 +119,7 @@ def _die_with(parent: int) -> None:
         os._exit(1)
 
 
-def _wait_for(pid: int) -> None:
+def _wait_for(pid: int, started_r: int) -> None:
     # The rank's death must close hydra's PMI socket: that is how hydra learns of it.
     os.close(int(os.environ["PMI_FD"]))
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
@@ -107,10 +141,26 @@ def _wait_for(pid: int) -> None:
         # the job's rank 0, which is alive (rank 0's own line names the rank it had in the job).
         spawned = os.environ.get("PMI_SPAWNED") == "1"
         who = "a worker the job started" if spawned else f"rank {os.environ.get('PMI_RANK', '?')}"
+        if not spawned and not _had_started(started_r):  # a spawned one's start-up is the job's to handle
+            killed_during_start_up(who, pid, sig)
         os.write(2, f"mpitrain: {who} (pid {pid}) was killed by signal {sig} "
                     f"({signal.Signals(sig).name})\n".encode())
         os._exit(killed_exit(sig, rank_0=not spawned and os.environ.get("PMI_RANK") == "0"))
     os._exit(os.waitstatus_to_exitcode(status))
+
+
+def killed_during_start_up(who: str, pid: int, sig: int) -> None:
+    """The rank died before its start-up was over: the others wait for it in a collective that MPICH
+    never ends. Dying by the same signal makes hydra end every rank at once, as a default `mpirun`
+    does when a rank dies (the job had trained nothing yet; the same command starts it again)."""
+    os.write(2, f"mpitrain: {who} (pid {pid}) was killed by signal {sig} ({signal.Signals(sig).name}) during "
+                f"start-up, before the job could go on without it; ending the job (the same command starts it "
+                f"again)\n".encode())
+    if sig not in (signal.SIGKILL, signal.SIGSTOP):  # (those two have no handler to take back)
+        signal.signal(sig, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [sig])
+    os.kill(os.getpid(), sig)
+    os._exit(128 + sig)  # a signal that does not end a process (SIGCONT, ...) cannot have killed the rank
 
 
 def killed_exit(sig: int, rank_0: bool) -> int:
@@ -128,3 +178,45 @@ def _forward(pid: int, signum: int) -> None:
         os.kill(pid, signum)
     except ProcessLookupError:
         pass
+
+
+def guard_mpi_init(bound_s: float) -> Callable[[], None]:
+    """Where no supervisor stands above the rank (Open MPI, srun): a rank lost before or inside
+    MPI_Init leaves the others in it for good (measured under Open MPI's ULFM, issue 82), holding the
+    GIL, so no thread of theirs can act. faulthandler's timer, a C thread, ends this rank with exit 1
+    when MPI_Init has not returned within `bound_s` (--worker-timeout + 30 s; an exit, not a signal:
+    prterun reports ranks killed by a signal as a success). Its dump goes to a watcher process forked
+    here, which says the one line instead. Returns what to call once MPI_Init has returned."""
+    if not sys.platform.startswith("linux") or bound_s <= 0:
+        return lambda: None
+    import faulthandler
+
+    from mpitrain.launch.mpiimpl import launcher_rank
+
+    line = (f"mpitrain: rank {launcher_rank(os.environ)}: MPI_Init has not returned for {bound_s:g} s (--worker-timeout "
+            f"+ 30 s): a rank was lost while the job started; ending (the same command starts the job again)\n").encode()
+    r, w = os.pipe()
+    middle = os.fork()
+    if middle == 0:  # the watcher, a grandchild (no zombie of it stays beside the rank); made ready above,
+        try:         # as a fork beside other threads must be
+            if os.fork() == 0:
+                os.close(w)
+                said = os.read(r, 64)  # OK: MPI_Init returned; EOF: the rank is gone; else faulthandler's dump
+                if said and said != INIT_RETURNED:
+                    os.write(2, line)
+        finally:
+            os._exit(0)
+    os.close(r)
+    os.waitpid(middle, 0)
+    to_watcher = os.fdopen(w, "wb", buffering=0)
+    faulthandler.dump_traceback_later(bound_s, exit=True, file=to_watcher)
+
+    def done() -> None:
+        faulthandler.cancel_dump_traceback_later()
+        to_watcher.write(INIT_RETURNED)
+        to_watcher.close()
+
+    return done
+
+
+INIT_RETURNED = b"OK"
