@@ -20,7 +20,7 @@ from mpitrain.core.reports import Outcome, RoleResult
 from mpitrain.ending import free_worker_comm, retire_heartbeats, say_goodbye
 from mpitrain.exchange.protocol import FLAG_PEER_LOST, Message
 from mpitrain.exchange.transport import error_text
-from mpitrain.launch import mpiimpl
+from mpitrain.launch import mpiimpl, supervise
 from mpitrain.launch.lock import exit_without_finalize
 from mpitrain.membership import failover, faults, join, spares
 from mpitrain.membership.join import why_not_there
@@ -67,6 +67,8 @@ def with_spares(cfg: TrainConfig, comm, node: Node, carry: join.Carry, library: 
             say(f"mpitrain: {side.describe()}; a lost worker's place goes to one of them (--spares)")
         return cfg, job, node_info(job)
     from mpitrain.runtime import load_inputs
+
+    supervise.started()  # a spare waits from here: the job goes on without it (rank 0 drops it in one line)
 
     def mine() -> None:
         carry.data = load_inputs(cfg)  # its first phase uses it (trainer._phase), as a joiner's

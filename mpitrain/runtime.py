@@ -72,7 +72,7 @@ def world(cfg: TrainConfig | None = None):
             mpiimpl.prepare_transport(losses=cfg.worker_timeout > 0, joins=cfg.join or can_take_joiners(cfg))
 
         mpi4py.rc.thread_level = "multiple"
-        from mpitrain.launch.supervise import guard_mpi_init
+        from mpitrain.launch.init_watch import guard_mpi_init
 
         # hydra's ranks have a supervisor, which ends the job when one dies in start-up (supervise.py)
         watched = cfg is not None and cfg.worker_timeout > 0 and not mpiimpl.needs_supervisor() and \

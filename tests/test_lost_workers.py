@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -243,13 +244,14 @@ def test_supervisor_turns_a_killed_rank_into_an_exit_and_forwards_signals(tmp_pa
     that hydra's OR of every rank's code is rank 0's verdict (8, not 137, after a survived loss), and
     128+signal for rank 0's. `ps` tells the two processes apart by their titles. No mpirun: the hydra
     environment is made by hand, so this runs on either MPI."""
-    code = ("import os, signal, sys, time; from mpitrain.launch.supervise import supervise; supervise(); "
+    code = ("import os, signal, sys, time; from mpitrain.launch.supervise import started, supervise; supervise(); "
+            "started() if os.environ.get('STARTED') else None; "
             "signal.signal(signal.SIGTERM, lambda *a: sys.exit(7)); print('rank pid', os.getpid(), flush=True); "
             "print('titles', open(f'/proc/{os.getppid()}/cmdline').read(), '|', open('/proc/self/cmdline').read(), "
             "flush=True); "
             "time.sleep(0.3) if os.environ['CASE'] == 'term' else os.kill(os.getpid(), signal.SIGKILL); time.sleep(30)")
     r, w = os.pipe()
-    env = {**child_env(), "PMI_FD": str(r), "MPI_LOCALRANKID": "0", "PMI_RANK": "4"}
+    env = {**child_env(), "PMI_FD": str(r), "MPI_LOCALRANKID": "0", "PMI_RANK": "4", "STARTED": "1"}
     killed = subprocess.run([sys.executable, "-c", code], env={**env, "CASE": "kill"}, pass_fds=(r,),
                             capture_output=True, text=True, timeout=60)
     assert killed.returncode == 0, killed.stderr  # a worker's: rank 0 says what the job's code is
@@ -262,6 +264,11 @@ def test_supervisor_turns_a_killed_rank_into_an_exit_and_forwards_signals(tmp_pa
     rank0 = subprocess.run([sys.executable, "-c", code], env={**env, "CASE": "kill", "PMI_RANK": "0"}, pass_fds=(r,),
                            capture_output=True, text=True, timeout=60)
     assert rank0.returncode == 137 and "mpitrain: rank 0 (pid" in rank0.stderr  # all killed never reads as done
+    # killed before its start-up was over (no heartbeats yet: the others would wait for it in a collective):
+    # the supervisor dies by the same signal, which makes hydra end the job (supervise.killed_during_start_up)
+    early = subprocess.run([sys.executable, "-c", code], env={**env, "CASE": "kill", "STARTED": ""}, pass_fds=(r,),
+                           capture_output=True, text=True, timeout=60)
+    assert early.returncode == -signal.SIGKILL and "(SIGKILL) during start-up" in early.stderr, early
     # a process the job spawned (--respawn) is PMI rank 0 of its own launch: never named "rank 0"
     spawned = subprocess.run([sys.executable, "-c", code], env={**env, "CASE": "kill", "PMI_RANK": "0",
                                                                 "PMI_SPAWNED": "1"},

@@ -68,7 +68,7 @@ def test_the_mpi_init_watch_ends_a_rank_in_one_line_with_an_exit_not_a_signal():
     success) and the watcher process says the one line, never the dump. Once MPI_Init returned, nothing."""
     import sys
 
-    code = ("import sys, time; from mpitrain.launch.supervise import guard_mpi_init; done = guard_mpi_init(0.5); "
+    code = ("import sys, time; from mpitrain.launch.init_watch import guard_mpi_init; done = guard_mpi_init(0.5); "
             "time.sleep(3) if sys.argv[1] == 'stuck' else done(); time.sleep(1); print('went on')")
     env = {**child_env(), "OMPI_COMM_WORLD_RANK": "3"}
     stuck = subprocess.run([sys.executable, "-c", code, "stuck"], capture_output=True, text=True, timeout=60, env=env)
