@@ -100,8 +100,10 @@ def _is_rank(pid: int) -> bool:
     return any(var.startswith(PMIX_RANK) for var in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"))
 
 
-def start(env=os.environ) -> None:
-    """A rank leaving after a lost peer: the watcher, when the job's launcher runs on this host."""
+def start(env=os.environ, why: str = "partition") -> None:
+    """A rank leaving after a lost peer: the watcher, when the job's launcher runs on this host. `why`
+    "start-up": a supervisor whose rank died in start-up (hydra's mpiexec was once left waiting with no
+    rank and no proxy left, 1 kill in 30: benchmarks/STARTUP_KILLS.md)."""
     from mpitrain.launch.mpiimpl import hydra_env
 
     under_a_launcher = hydra_env(env) or "OMPI_COMM_WORLD_RANK" in env  # (srun's ranks have no launcher above)
@@ -109,13 +111,20 @@ def start(env=os.environ) -> None:
     if launcher is None:
         return
     try:
-        subprocess.Popen([sys.executable, "-m", "mpitrain.launch.reaper", str(launcher)], start_new_session=True,
+        subprocess.Popen([sys.executable, "-m", "mpitrain.launch.reaper", str(launcher), why], start_new_session=True,
                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     except OSError:
         pass  # no watcher: mpirun ends as it always did (by itself, or by hand)
 
 
-def watch(launcher: int, clock=time.monotonic, sleep=time.sleep) -> bool:
+WHY = {"partition": "the ranks it waits for are on a host it cannot reach (a network partition, or a host that went "
+                     "down), and their end never reaches it; ending it. Rank 0 finishes the job on whichever side it "
+                     "is, and its summary and checkpoints are complete where its host writes them",
+       "start-up": "a rank died while the job started, and the launcher missed the end of the others; ending it "
+                   "(the same command starts the job again)"}
+
+
+def watch(launcher: int, clock=time.monotonic, sleep=time.sleep, why: str = "partition") -> bool:
     """Until mpiexec exits, or has been alone on this host for GRACE_S: then its line and SIGTERM.
     True when it was ended here."""
     started = alone_since = clock()
@@ -127,10 +136,7 @@ def watch(launcher: int, clock=time.monotonic, sleep=time.sleep) -> bool:
             alone_since = now
         elif now - alone_since >= GRACE_S:
             _tell(launcher, f"mpitrain: mpirun was still waiting {GRACE_S:g} s after every rank on this host had "
-                            f"ended: the ranks it waits for are on a host it cannot reach (a network partition, or a "
-                            f"host that went down), and their end never reaches it; ending it. "
-                            f"Rank 0 finishes the job on whichever side it is, and its summary and checkpoints are "
-                            f"complete where its host writes them\n")
+                            f"ended: {WHY[why]}\n")
             left = _children(launcher)  # no rank is left: its agents (ssh sessions) to the host it cannot reach
             for signum, wait in END_SIGNALS:
                 os.kill(launcher, signum)
@@ -187,7 +193,7 @@ def _tell(pid: int, line: str) -> None:
 
 
 def main(argv: list[str]) -> int:
-    launcher = int(argv[0])
+    launcher, why = int(argv[0]), (argv[1:] or ["partition"])[0]
     lock = Path(f"/tmp/.mpitrain-reaper-{launcher}")
     try:  # one watcher per mpiexec (every rank of this host that lost a peer starts one)
         fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
@@ -195,7 +201,7 @@ def main(argv: list[str]) -> int:
     except OSError:
         return 0
     try:
-        watch(launcher)
+        watch(launcher, why=why if why in WHY else "partition")
     finally:
         lock.unlink(missing_ok=True)
     return 0

@@ -155,6 +155,9 @@ def killed_during_start_up(who: str, pid: int, sig: int) -> None:
     os.write(2, f"mpitrain: {who} (pid {pid}) was killed by signal {sig} ({signal.Signals(sig).name}) during "
                 f"start-up, before the job could go on without it; ending the job (the same command starts it "
                 f"again)\n".encode())
+    from mpitrain.launch import reaper
+
+    reaper.start(why="start-up")  # hydra's mpiexec once waited on with no rank left (1 kill in 30)
     if sig not in (signal.SIGKILL, signal.SIGSTOP):  # (those two have no handler to take back)
         signal.signal(sig, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, [sig])
