@@ -78,9 +78,10 @@ def world(cfg: TrainConfig | None = None):
         watched = cfg is not None and cfg.worker_timeout > 0 and not mpiimpl.needs_supervisor() and \
             mpiimpl.launcher_rank(os.environ) is not None
         init_returned = guard_mpi_init(cfg.worker_timeout + 30.0 if watched else 0.0)
-        from mpi4py import MPI  # MPI_Init
-
-        init_returned()
+        try:
+            from mpi4py import MPI  # MPI_Init
+        finally:  # returned, or raised (no MPI library): either way the watch is over
+            init_returned()
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD

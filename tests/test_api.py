@@ -337,7 +337,7 @@ except mpitrain.LostPeer as e:
 SCRIPT = """
 import sys, mpitrain
 try:
-    mpitrain.train(steps=100000, worker_timeout=2, progress=False)
+    mpitrain.train(steps=20000, worker_timeout=2, progress=False)  # ~5 s: the kill comes 1 s in
     print(f"done rank {mpitrain.rank()}", flush=True)
 except mpitrain.LostPeer as e:
     print(f"after rank {mpitrain.rank()}: code {e.code} args {sys.argv[1:]}", flush=True)

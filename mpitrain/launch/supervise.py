@@ -88,8 +88,8 @@ def _had_started(started_r: int) -> bool:
     os.set_blocking(started_r, False)
     try:
         return os.read(started_r, 1) == b"1"
-    except BlockingIOError:  # the write end still open: the rank cannot have died
-        return True
+    except BlockingIOError:  # a fork of the rank still holds the write end: no word either way, and the
+        return True          # job goes on as it did before start-ups were told apart
 
 
 def _name(title: str, name: str) -> None:
