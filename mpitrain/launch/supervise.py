@@ -48,6 +48,9 @@ def supervise() -> None:
     command = " ".join(sys.orig_argv[1:])
     who = "spawned worker" if os.environ.get("PMI_SPAWNED") == "1" else f"rank {rank}"
     started_r, started_w = os.pipe()  # the rank's word that its start-up is over (started())
+    # Named before the fork, so that nobody (ps, a test) ever sees the supervisor under the plain command
+    # line once its rank runs: named after, a look from the rank at its parent could come first (CI, once).
+    _name(f"mpitrain {who} supervisor: {command}", f"mpitrain-sup{rank}")
     pid = os.fork()
     if pid == 0:
         global _started_fd
@@ -60,7 +63,6 @@ def supervise() -> None:
         # children only, the supervisors, which ignore it.
         return
     os.close(started_w)
-    _name(f"mpitrain {who} supervisor: {command}", f"mpitrain-sup{rank}")
     _wait_for(pid, started_r)
 
 
