@@ -29,7 +29,7 @@ from mpitrain.duties import checkpoint
 from mpitrain.duties.metrics import JobOutputs
 from mpitrain.duties.observe import Activity
 from mpitrain.launch import lock, mpiimpl, samehost
-from mpitrain.membership.faults import copying_backend_for
+from mpitrain.membership.faults import copying_backend_for, stranger_ranks
 
 __all__ = ["PS_RANK", "Context", "Layout", "Node", "setup", "start_state", "world"]
 
@@ -125,7 +125,10 @@ def strangers_here(comm) -> tuple[int, ...]:
     in_world = MPI.Group.Translate_ranks(group, ranks, launch)
     group.Free()
     launch.Free()
-    return tuple(r for r, key, w in zip(ranks, keys, in_world) if key and key == mine and w == MPI.UNDEFINED)
+    found = {r for r, key, w in zip(ranks, keys, in_world) if key and key == mine and w == MPI.UNDEFINED}
+    injected, me = stranger_ranks(), comm.Get_rank()  # MPITRAIN_INJECT_STRANGER: a test's other launch
+    found |= {r for r in ranks if r != me and (r in injected) != (me in injected)}
+    return tuple(sorted(found))
 
 
 # A node's shared-memory segments are named after the job, and only the rank that created one

@@ -429,8 +429,10 @@ def test_a_job_that_ends_while_its_replacement_loads_tells_it_to_leave_and_ends_
     """The budget runs out while the worker started in place of a lost one still loads its data
     (slowed here): rank 0 waits for its hello, tells it to leave, and the job's ranks leave after
     it; the worker says so in one line, and nothing waits for it (it would hold mpirun open)."""
-    env = {**child_env(), "MPITRAIN_INJECT_SLOW_SETUP": "6"}
-    budget = 6000  # ~1-3 s of training after the kill on 2 cores: done long before the replacement's 6 s
+    env = {**child_env(), "MPITRAIN_INJECT_SLOW_SETUP": "10"}
+    # ~4-8 s of training after the kill on 2 cores: long enough for rank 0 to start the spawn (with 6,000
+    # steps the budget once ran out 0.5 s after the kill, before it had), done before the replacement's 10 s.
+    budget = 15000
     proc, lines = start_job(tmp_path, "--mode", "async", "--steps", str(budget), "--respawn", "1", env=env)
     try:
         os.kill(rank_pids(proc.pid)[2][0], signal.SIGKILL)

@@ -40,6 +40,8 @@ MPITRAIN_INJECT_SLOW_START=SEC  a --join worker (one the job started with --resp
                                 MPI_Init, so rank 0's MPI_Comm_spawn takes that much longer, as on a loaded machine
 MPITRAIN_INJECT_OFFHOST=RANK,...  --ps-transport shm: these workers take the message path as a worker on
                                 another host than rank 0's does (modes/shm_remote.py, tested on one host)
+MPITRAIN_INJECT_STRANGER=RANK,...  these ranks count as another launch's on this host (a --respawn's or a
+                                --join's): async's exchange with rank 0 takes a mailbox (exchange/mailbox.py)
 MPITRAIN_FORM_LIMIT_S=SEC       how long every rank waits for such a world before it ends itself
                                 (join.FORM_LIMIT_S, 30 s; the test that kills there waits less)
 
@@ -295,6 +297,12 @@ def kill_session(sid: int, linger_s: float = 0.0) -> bool:
 def offhost_ranks(env=os.environ) -> set[int]:
     """MPITRAIN_INJECT_OFFHOST: the worker ranks to treat as on another host than the store's."""
     return {int(r) for r in env.get("MPITRAIN_INJECT_OFFHOST", "").split(",") if r.strip()}
+
+
+def stranger_ranks(env=os.environ) -> set[int]:
+    """MPITRAIN_INJECT_STRANGER: ranks to treat as another launch's on this host (runtime.strangers_here),
+    so that async's mailbox (exchange/mailbox.py) is used without a --respawn or a --join."""
+    return {int(r) for r in env.get("MPITRAIN_INJECT_STRANGER", "").split(",") if r.strip()}
 
 
 def joiner_deaf() -> bool:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from mpi4py import MPI
 
 from mpitrain.core.config import AUTO_OVERLAP_MAX_WORKERS
 from mpitrain.core.guard import NON_FINITE, Diverged, LossGuard
@@ -30,13 +29,14 @@ from mpitrain.duties.metrics import Progress
 from mpitrain.duties.observe import APPLY, COMPUTE, PULL, PUSH, WAIT
 from mpitrain.exchange import shm
 from mpitrain.exchange.base import PushPull
-from mpitrain.exchange.mailbox import ServerMail, worker_exchange
+from mpitrain.exchange.mailbox import worker_exchange
 from mpitrain.exchange.mpi import MPIPushPull
 from mpitrain.exchange.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_LAST, FLAG_LEAVING, FLAG_STOP,
-                                        TAG_GRAD, TAG_PARAMS, Message, ProtocolError)
+                                        TAG_GRAD, TAG_PARAMS, ProtocolError)
 from mpitrain.exchange.shards import Gather, ShardService, assemble
 from mpitrain.exchange.shm import ShmPushPull
-from mpitrain.exchange.transport import PS_POLL_NO_OVERLAP_S, PS_POLL_S, Poller, tested
+from mpitrain.exchange.serving import SERVER_SIDES
+from mpitrain.exchange.transport import PS_POLL_NO_OVERLAP_S, PS_POLL_S, Poller
 from mpitrain.membership.elastic import interrupted_at
 from mpitrain.membership.faults import Kill, never_returns, stuck_from
 from mpitrain.membership.liveness import PeerLost
@@ -73,25 +73,16 @@ class AsyncServer:
                            {k: a[shard] for k, a in start.opt_state.items()},
                            None if start.ema is None else start.ema[shard], W, self.state.global_step)
         self.guard = LossGuard(cfg.divergence_factor)
-        wire = cfg.wire_dtype
-        self.inbox = [Message(n, be.host_alloc, wire) for _ in range(W)]
-        self.outbox = [Message(n, be.host_alloc, wire) for _ in range(W)]
-        self.message_bytes = self.inbox[0].buf.nbytes if W else 0
-        # NumPy + float32: a gradient is applied from its receive buffer. Otherwise it is staged
-        # (widened from float16 / bfloat16, or copied to the GPU) into one float32 buffer first.
-        self.zero_copy = bool(W) and be.mirror(self.inbox[0].payload) is self.inbox[0].payload
-        self.grad = None if self.zero_copy else be.xp.empty(n, be.xp.float32)
         self.worker_ranks = list(ctx.layout.worker_ranks)  # worker w is MPI rank worker_ranks[w]
-        self.sends = [MPI.REQUEST_NULL] * W
-        # A worker of another launch on this host is offered a mailbox (exchange/mailbox.py): recv[w] awaits
-        # its answer; once it has mapped the mailbox its pushes are looked for there, not in MPI.
-        self.mail = ServerMail(ctx, n, self.worker_ranks)
-        self.recv = [self._listen(w) for w in range(W)]
-        for w in self.mail.offered:
-            self.sends[w], self.recv[w] = self.mail.offer(w, self.worker_ranks[w])
         # With --overlap a reply is not awaited until the worker's next gradient is computed, so
         # rank 0 can sleep longer between polls and leave the cores to the workers.
         self.poller = Poller(PS_POLL_S if cfg.overlaps(ctx.workers) else PS_POLL_NO_OVERLAP_S, ctx.watch)
+        self.links = SERVER_SIDES[cfg.ps_transport](ctx, n, self.worker_ranks, self.poller)
+        # NumPy + float32: a gradient is applied from its receive buffer. Otherwise it is staged
+        # (widened from float16 / bfloat16, or copied to the GPU) into one float32 buffer first.
+        inbox = self.links.inbox
+        self.zero_copy = bool(W) and be.mirror(inbox[0].payload) is inbox[0].payload
+        self.grad = None if self.zero_copy else be.xp.empty(n, be.xp.float32)
         self.gather = Gather(ctx, self.poller) if self.chief else None  # the other servers' slices
         self.service = None if self.chief else ShardService(ctx, n)  # rank 0's requests for this slice
         self.active = set(range(W))  # workers not yet told to stop
@@ -132,7 +123,7 @@ class AsyncServer:
                 self._lose(e.lost)
         WATCHDOG.last_words = None
         self._drain_sends()
-        self.mail.close()
+        self.links.close()
         self.duties.finish()
         if self.chief:
             final = self._full_state(FLAG_STOP)
@@ -151,32 +142,28 @@ class AsyncServer:
         self._apply_held()
         if not self.active:  # the last worker was just stopped: nothing more comes (a mailbox's wait would not end)
             return
-        if self.held and not any(self.recv[w] or self.mail.awaits(w) for w in self.active):
+        if self.held and not any(self.links.awaits(w) for w in self.active):
             self._apply(self._oldest_held())  # never reached with S >= W-1; no hang regardless
             return
         self.ctx.activity.enter(WAIT)
         if self.stuck_at is not None and self.state.global_step >= self.stuck_at:
             self.poller.testsome = never_returns
-        reqs = self.recv if self.chief else self.recv + [self.service.req]
-        done = self.poller.some(reqs, also=self.mail.arrived if self.mail.offered else None)
+        W = len(self.worker_ranks)
+        done = self.links.next(None if self.chief else [self.service.req])
         if done.failed:  # a gradient from a process that died while sending it: never applied
-            self._lose({(self.worker_ranks[w] if w < len(self.recv) else PS_RANK): why for w, why in done.failed.items()})
+            self._lose({(self.worker_ranks[w] if w < W else PS_RANK): why for w, why in done.failed.items()})
         for w in done.arrived:
-            if w == len(self.recv):
+            if w == W:
                 self.service.handle(self._own_state(), self.poller)
                 continue
             self.ctx.watch.heard(self.worker_ranks[w])
-            if self.mail.answering(w):  # mapped: its pushes come there; not: over MPI (another /dev/shm)
-                self.recv[w] = MPI.REQUEST_NULL if self.mail.answered(w) else self._listen(w)
-                continue
-            if w in self.mail.boxes:  # a push in its mailbox: read where it lies
-                self.inbox[w] = self.mail.push(w)
-            if self.inbox[w].flags & FLAG_LEAVING:  # the worker leaves: another server stopped it
-                self.inbox[w].check(TAG_GRAD, self.worker_ranks[w], count=0)
+            msg = self.links.inbox[w]
+            if msg.flags & FLAG_LEAVING:  # the worker leaves: another server stopped it
+                msg.check(TAG_GRAD, self.worker_ranks[w], count=0)
                 self.active.discard(w)
                 continue
-            self.inbox[w].check(TAG_GRAD, self.worker_ranks[w])
-            self.state.bytes_in += 0 if w in self.mail.boxes else self.message_bytes  # the summary's "through MPI"
+            msg.check(TAG_GRAD, self.worker_ranks[w])
+            self.state.bytes_in += self.links.over_mpi(w)  # the summary's "through MPI"
             self.held.append(w)
 
     def _lose(self, lost: dict[int, str]) -> None:
@@ -198,11 +185,7 @@ class AsyncServer:
             self.update.forget(w)
             if w in self.held:
                 self.held.remove(w)
-            # Requests to or from a dead process never complete: dropped (never waited on), and
-            # the job ends without MPI_Finalize, which would wait for them (see trainer.py).
-            self.recv[w] = MPI.REQUEST_NULL
-            self.sends[w] = MPI.REQUEST_NULL
-            self.mail.drop(w)
+            self.links.drop(w)
             record_lost(self.state, rank, why, f"; continuing with {len(self.active)} worker(s)" if self.active else "",
                         loud=self.chief)
 
@@ -218,7 +201,7 @@ class AsyncServer:
         """Wait for the last replies, giving up on any worker lost meanwhile."""
         while True:
             try:
-                self.poller.all(self.sends, self.worker_ranks)
+                self.links.drain(self.poller)
                 return
             except PeerLost as e:
                 self._lose(e.lost)
@@ -248,7 +231,8 @@ class AsyncServer:
         return assemble([mine] + pieces, names, n, own.global_step, own.opt_t, own.positions)
 
     def _oldest_held(self) -> int:
-        return min(self.held, key=lambda w: self.inbox[w].step)
+        inbox = self.links.inbox
+        return min(self.held, key=lambda w: inbox[w].step)
 
     def _may_apply(self, w: int) -> bool:
         """--max-staleness: whether w's gradient may be applied now (StalenessHold). With --num-ps
@@ -270,7 +254,7 @@ class AsyncServer:
                 progressed = True
 
     def _apply(self, w: int) -> None:
-        cfg, state, msg = self.cfg, self.state, self.inbox[w]
+        cfg, state, msg = self.cfg, self.state, self.links.inbox[w]
         self.held.remove(w)
         why = NON_FINITE if not math.isfinite(msg.loss) else self.guard.exploded(msg.loss)
         if why:  # diverged: never applied, and every worker is stopped
@@ -278,27 +262,29 @@ class AsyncServer:
             self.stopping = True
             self._reply(w, stop=True)
             return
-        staleness = state.global_step - msg.step
+        loss, basis, last = msg.loss, msg.step, bool(msg.flags & FLAG_LAST)  # read before the reply: its
+        staleness = state.global_step - basis  # buffer takes the worker's next push once the reply is sent
         self.ctx.activity.enter(APPLY, state.global_step)
         grad = msg.payload
         if not self.zero_copy:
             self.be.upload(self.grad, grad)
             grad = self.grad
         inner, outer_staleness = self._inner_steps(w, msg.local_step, staleness)
-        self.update.apply(grad, self.ctx.lr_at(state.global_step), staleness, w, msg.step)
+        self.update.apply(grad, self.ctx.lr_at(state.global_step), staleness, w, basis)
         state.global_step += inner
         state.local_steps[w] += inner
         state.staleness[outer_staleness] += 1  # --local-steps: in outer steps, as --max-staleness counts
-        state.recent_losses.append(msg.loss)
-        if self.chief:  # the bar, the log, --eval-every and checkpoints at this global step
-            self.duties.advance(state.global_step, msg.loss, self._whole_state, basis=msg.step, span=inner,
-                                staleness=outer_staleness, local_steps=list(state.local_steps))
+        state.recent_losses.append(loss)
         # --steps counts rank 0's updates, the run's global step. Another server's count can run ahead
         # of it (a worker that died half-way through a push delivered that server's part only:
         # measured by chaos, the run then ended at 999 of 1000), so only rank 0 stops at the budget;
         # the workers it stops leave the other servers.
         self.stopping = STOP.requested or (self.chief and cfg.steps is not None and state.global_step >= cfg.steps)
-        self._reply(w, stop=self.stopping or bool(msg.flags & FLAG_LAST))
+        # The reply first, the bookkeeping after: the worker waits for it (benchmarks/SERVER.md).
+        self._reply(w, stop=self.stopping or last)
+        if self.chief:  # the bar, the log, --eval-every and checkpoints at this global step
+            self.duties.advance(state.global_step, loss, self._whole_state, basis=basis, span=inner,
+                                staleness=outer_staleness, local_steps=list(state.local_steps))
 
     def _inner_steps(self, w: int, count: int, staleness: int) -> tuple[int, int]:
         """The global steps one push makes (the worker batches behind it) and its staleness as the
@@ -314,33 +300,18 @@ class AsyncServer:
     def _reply(self, w: int, stop: bool) -> None:
         state = self.state
         self.ctx.activity.enter(PUSH)
-        rank = self.worker_ranks[w]
-        if not tested(self.sends[w], rank, self.ctx.watch):  # consumed before this push: done at once
-            self.poller.all([self.sends[w]], [rank])
-        mailed = w in self.mail.boxes
-        reply = self.mail.reply(w) if mailed else self.outbox[w]
+        reply = self.links.reply_to(w)
         self.be.download(self.params, reply.payload)  # a copy (narrowed with --compress): params change in flight
         flags = (FLAG_STOP | (FLAG_DIVERGED if state.diverged else 0)) if stop else 0
         reply.stamp(TAG_PARAMS, state.global_step, state.local_steps[w], flags)
-        if mailed:
-            self.mail.announce(w)
-        else:
-            self.sends[w] = self.comm.Isend(reply.spec(), dest=rank, tag=TAG_PARAMS)
-        state.bytes_out += 0 if mailed else self.message_bytes
+        self.links.send(w, more=not stop)
+        state.bytes_out += self.links.over_mpi(w)
         self.basis[w] = state.global_step
         if stop:
             self.active.discard(w)
             self.update.forget(w)
         else:
             self.update.was_sent(w, state.global_step)
-            if not mailed:
-                self.recv[w] = self._listen(w)
-
-    def _listen(self, w: int):
-        """Post the receive of w's next push over MPI (none for a worker offered a mailbox it took or may take)."""
-        if w in self.mail.offered and w not in self.mail.declined:
-            return MPI.REQUEST_NULL
-        return self.comm.Irecv(self.inbox[w].spec(), source=self.worker_ranks[w], tag=TAG_GRAD)
 
 
 class AsyncWorker:

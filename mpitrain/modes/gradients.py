@@ -10,14 +10,9 @@ from __future__ import annotations
 
 import math
 import time
-from collections import deque
-from dataclasses import dataclass
 
-import numpy as np
 
 from mpitrain.core.data import epoch_batches
-from mpitrain.core.guard import Diverged
-from mpitrain.duties.checkpoint import TrainState
 from mpitrain.membership.faults import injected_step
 from mpitrain.runtime import Context
 

@@ -18,14 +18,13 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from mpi4py import MPI
-
 from mpitrain.core.layout import PS_RANK
 from mpitrain.core.optim import StalenessHold
 from mpitrain.core.outer import PushSpans
 from mpitrain.exchange import shm
-from mpitrain.exchange.protocol import FLAG_DIVERGED, FLAG_LAST, FLAG_LEAVING, FLAG_STOP, TAG_GRAD, TAG_PARAMS, Message
-from mpitrain.exchange.transport import END_POLL_S, PS_POLL_NO_OVERLAP_S, Poller, tested
+from mpitrain.exchange.protocol import FLAG_DIVERGED, FLAG_LAST, FLAG_LEAVING, FLAG_STOP, TAG_GRAD, TAG_PARAMS
+from mpitrain.exchange.serving import SERVER_SIDES
+from mpitrain.exchange.transport import PS_POLL_NO_OVERLAP_S, Poller
 from mpitrain.membership.faults import offhost_ranks
 from mpitrain.membership.liveness import PeerLost
 
@@ -50,50 +49,44 @@ class RemoteWorkers:
     store's rules allow it (not past rank 0's hold, --max-staleness), and answered."""
 
     def __init__(self, ctx, store: shm.Store, workers: list[int], start_params: np.ndarray):
-        self.ctx, self.store, self.comm = ctx, store, ctx.comm
-        n, wire, alloc = ctx.model.n_params, ctx.cfg.wire_dtype, ctx.backend.host_alloc
+        self.ctx, self.store = ctx, store
+        n, wire = ctx.model.n_params, ctx.cfg.wire_dtype
         self.workers = workers
         self.ranks = [ctx.layout.worker_ranks[w] for w in workers]
-        self.inbox = [Message(n, alloc, wire) for _ in workers]
-        self.outbox = [Message(n, alloc, wire) for _ in workers]
-        self.message_bytes = self.inbox[0].buf.nbytes if workers else 0
+        self.poller = Poller(POLL_S, ctx.watch)
+        self.links = SERVER_SIDES["mpi"](ctx, n, self.ranks, self.poller)  # messages: the store is not there
         self.widened = np.empty(n, np.float32) if np.dtype(wire) != np.float32 else None  # --compress
         self.shared = shm.SharedUpdate(ctx.cfg, store, np, workers=ctx.workers)
         dc = ctx.cfg.delay_compensation is not None
         self.then = [np.array(start_params, np.float32) for _ in workers] if dc else None
         self.hold = StalenessHold(ctx.cfg.max_staleness, ctx.cfg.local_steps)
         self.spans = PushSpans(ctx.cfg.local_steps, len(workers))  # --local-steps: a push's inner steps
-        self.poller = Poller(POLL_S, ctx.watch)
-        self.recv = [self._receive(i) for i in range(len(workers))]
-        self.sends = [MPI.REQUEST_NULL] * len(workers)
         self.held: list[int] = []  # arrived, not yet applied (rank 0's hold, --max-staleness)
         self.bytes_in = self.bytes_out = 0
-
-    def _receive(self, i: int):
-        return self.comm.Irecv(self.inbox[i].spec(), source=self.ranks[i], tag=TAG_GRAD)
 
     def serve(self) -> bool:
         """One look, without waiting: take what arrived, apply and answer what may be. True when
         anything moved. A gradient from a worker that died sending it raises PeerLost (never applied)."""
-        done = self.poller.test(self.recv)
+        done = self.links.next(wait=False)
         moved = bool(done)
-        for i in done.arrived if done else ():  # first: Testsome freed their requests with the failed one's
+        inbox = self.links.inbox
+        for i in done.arrived:  # first: Testsome freed their requests with the failed one's
             rank = self.ranks[i]
             self.ctx.watch.heard(rank)
-            if self.inbox[i].flags & FLAG_LEAVING:  # nothing (left) to train: a header-only goodbye
-                self.inbox[i].check(TAG_GRAD, rank, count=0)
+            if inbox[i].flags & FLAG_LEAVING:  # nothing (left) to train: a header-only goodbye
+                inbox[i].check(TAG_GRAD, rank, count=0)
                 self.store.active[self.workers[i]] = 0
                 continue
-            self.inbox[i].check(TAG_GRAD, rank)
-            self.bytes_in += self.message_bytes
+            inbox[i].check(TAG_GRAD, rank)
+            self.bytes_in += self.links.over_mpi(i)
             self.held.append(i)
-        for i in sorted(self.held, key=lambda i: self.inbox[i].step):  # the oldest first, as the message path
+        for i in sorted(self.held, key=lambda i: inbox[i].step):  # the oldest first, as the message path
             answered = self._apply(i)
             if answered is not None:
                 self.held.remove(i)
                 self._reply(i, *answered)
                 moved = True
-        if done and done.failed:
+        if done.failed:
             raise PeerLost({self.ranks[i]: why for i, why in done.failed.items()})
         return moved
 
@@ -104,12 +97,11 @@ class RemoteWorkers:
         with s.locked():
             answer = self._decide(i)
             if answer is not None:
-                self._wait_sent(i)
-                self.outbox[i].payload[:] = s.params  # the pull (narrowed with --compress)
+                self.links.reply_to(i).payload[:] = s.params  # the pull (narrowed with --compress)
             return answer
 
     def _decide(self, i: int) -> tuple[int, int] | None:
-        s, msg, w = self.store, self.inbox[i], self.workers[i]
+        s, msg, w = self.store, self.links.inbox[i], self.workers[i]
         h = s.header
         if h[shm.STOP]:
             return int(h[shm.VERSION]), FLAG_STOP | (FLAG_DIVERGED if h[shm.DIVERGED_STEP] >= 0 else 0)
@@ -128,32 +120,24 @@ class RemoteWorkers:
         s.stepped(v, msg.loss, basis, w, span)
         return v + span, FLAG_STOP if msg.flags & FLAG_LAST else 0
 
-    def _wait_sent(self, i: int) -> None:
-        """The previous reply's buffer is reused: that send must be done (it is, in all but name:
-        the worker answered it with this gradient)."""
-        if not tested(self.sends[i], self.ranks[i], self.ctx.watch):
-            self.poller.all([self.sends[i]], [self.ranks[i]])
-
     def _reply(self, i: int, version: int, flags: int) -> None:
-        reply, msg = self.outbox[i], self.inbox[i]
+        reply, msg = self.links.outbox[i], self.links.inbox[i]
         if self.then is not None and not flags & FLAG_STOP:
             self.then[i][:] = reply.payload  # what the worker computes its next gradient on
         reply.stamp(TAG_PARAMS, version, msg.local_step, flags)
-        self.sends[i] = self.comm.Isend(reply.spec(), dest=self.ranks[i], tag=TAG_PARAMS)
-        self.bytes_out += self.message_bytes
+        self.links.send(i, more=not flags & FLAG_STOP)
+        self.bytes_out += self.links.over_mpi(i)
         if flags & FLAG_STOP:
             self.store.active[self.workers[i]] = 0  # after its last step: rank 0's final state holds it
-        else:
-            self.recv[i] = self._receive(i)
 
     def forget(self, w: int) -> None:
         """A lost worker: its requests never complete (dropped, never waited on)."""
         if w in self.workers:
             i = self.workers.index(w)
-            self.recv[i] = self.sends[i] = MPI.REQUEST_NULL
+            self.links.drop(i)
             if i in self.held:
                 self.held.remove(i)
 
     def drain(self) -> None:
         """The last replies, before the job's end (a lost worker's raise PeerLost: the caller forgets it)."""
-        Poller(END_POLL_S, self.ctx.watch).all(self.sends, self.ranks)
+        self.links.drain()
