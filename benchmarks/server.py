@@ -17,8 +17,9 @@ Three figures per model size (MLP 784-100-10, 79,510 parameters; softmax 784-10,
   ps_busy_fraction x training seconds / gradients).
 - one worker: the same model's steps/s in one process (`python -m mpitrain` without mpirun, batch 100).
 
-"Workers one server can feed" = served gradients/s at K workers / one worker's steps/s. With K+1 ranks on a
-machine of fewer cores the fake workers share the cores with the server: said in the table, not hidden.
+"Workers fed" = served gradients/s at K workers / one worker's steps/s. With K+1 ranks on a machine of fewer
+cores the fake workers share the cores with the server (said in the table, not hidden), so the table also
+gives what rank 0's CPU time per gradient allows with a core of its own, and the workers that would feed.
 """
 
 from __future__ import annotations
@@ -165,13 +166,15 @@ def main() -> int:
                 runs = [served(k, size, a.steps, tmp) for _ in range(a.rounds)]
                 per_s = statistics.median(r["per_s"] for r in runs)
                 us = statistics.median(r["server_us"] for r in runs)
+                capacity = 1e6 / us  # gradients/s with a core of its own
                 row = (f"| {size} | {k} | {k + 1} on {os.cpu_count()} | {per_s:,.0f} | {us:.0f} | {lim:.0f} | "
-                       f"{us / lim:.1f}x | {one:,.0f} | {per_s / one:.1f} |")
+                       f"{us / lim:.1f}x | {one:,.0f} | {per_s / one:.1f} | {capacity:,.0f} | {capacity / one:.1f} |")
                 print(row, flush=True)
                 lines.append(row)
     head = ["| model | fake workers | ranks on cores | gradients/s served | rank 0 CPU us per gradient | "
-            "limit us (copy + apply + copy) | over the limit | one worker's steps/s | workers fed |",
-            "|---|---|---|---|---|---|---|---|---|"]
+            "limit us (copy + apply + copy) | over the limit | one worker's steps/s | workers fed | "
+            "gradients/s with a core of its own (1e6 / us) | workers it could feed |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     text = "\n".join(head + lines)
     if a.out:
         day = datetime.now(timezone.utc).strftime("%Y-%m-%d")

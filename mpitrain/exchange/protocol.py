@@ -11,6 +11,8 @@ positions and the flag bits.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from mpitrain.membership.stopping import STOP
@@ -105,9 +107,17 @@ class Framed:
     buf: np.ndarray
 
     def spec(self):
-        from mpi4py import MPI
+        spec = self.__dict__.get("_spec")  # made once: a server passes it twice per gradient
+        if spec is None:
+            from mpi4py import MPI
 
-        return [self.buf, MPI.BYTE]
+            spec = self._spec = [self.buf, MPI.BYTE]
+        return spec
+
+    @functools.cached_property
+    def _floats(self) -> np.ndarray:
+        """The header's slots as float64 (H_LOSS, H_SECONDS): one view, not one per access."""
+        return self.header.view(np.float64)
 
     def stamp(self, tag: int, step: int = 0, local_step: int = 0, flags: int = 0, loss: float = 0.0,
               seconds: float = 0.0, generation: int = 0, joiner: int = 0) -> None:
@@ -119,8 +129,9 @@ class Framed:
         h[H_STEP] = step
         h[H_LOCAL_STEP] = local_step
         h[H_FLAGS] = flags
-        h[H_LOSS : H_LOSS + 1].view(np.float64)[0] = loss
-        h[H_SECONDS : H_SECONDS + 1].view(np.float64)[0] = seconds
+        f = self._floats
+        f[H_LOSS] = loss
+        f[H_SECONDS] = seconds
         h[H_SIGNAL] = STOP.wire  # a stop request spreads with every message (stopping.py)
         h[H_GENERATION] = generation
         h[H_JOINER] = joiner
@@ -158,11 +169,11 @@ class Framed:
 
     @property
     def loss(self) -> float:
-        return float(self.header[H_LOSS : H_LOSS + 1].view(np.float64)[0])
+        return float(self._floats[H_LOSS])
 
     @property
     def seconds(self) -> float:
-        return float(self.header[H_SECONDS : H_SECONDS + 1].view(np.float64)[0])
+        return float(self._floats[H_SECONDS])
 
 
 class Message(Framed):
