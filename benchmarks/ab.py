@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results import record  # noqa: E402  (same folder)
 from run import env as bench_env  # noqa: E402  (same folder)
 from run import machine, mpirun  # noqa: E402
 
@@ -102,7 +103,7 @@ def main() -> int:
                 print(lines[-1], flush=True)
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(before)], cwd=ROOT, capture_output=True)
-    Path(args.out).write_text("\n".join(lines) + "\n")
+    record(args.out, "\n".join(lines) + "\n")
     print(f"wrote {args.out}")
     return 0
 

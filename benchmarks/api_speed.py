@@ -22,6 +22,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results import record  # noqa: E402  (same folder)
 from run import machine, mpirun  # noqa: E402  (same folder)
 
 from mpitrain.launch.mpiimpl import local_flags, of_mpirun  # noqa: E402
@@ -77,7 +78,7 @@ def main() -> int:
     text = "\n".join(lines)
     print(text)
     if a.out:
-        Path(a.out).write_text(text)
+        record(a.out, text)
     return 0
 
 

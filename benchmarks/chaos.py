@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results import record  # noqa: E402  (same folder)
 from run import env, machine, mpirun  # noqa: E402  (same folder)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -866,13 +867,13 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--mpi", choices=sorted(mpiimpl.IMPLS), default=None,
                    help="the MPI to run under (default: that of the mpirun beside this Python); it must be that one")
-    p.add_argument("--out", default=None, help="default: benchmarks/CHAOS.md (MPICH), CHAOS-openmpi.md")
+    p.add_argument("--out", default=None, help="default: benchmarks/CHAOS.md (a section per run, its MPI named)")
     a = p.parse_args()
     if a.mpi and mpiimpl.IMPLS[a.mpi] is not IMPL:
         print(f"chaos.py: error: {mpirun()} is {IMPL.title}'s; run this from an install with "
               f"pip install -e '.[{a.mpi}]'", file=sys.stderr)
         return 2
-    out = a.out or str(ROOT / "benchmarks" / ("CHAOS.md" if IMPL is mpiimpl.MPICH else f"CHAOS-{IMPL.name}.md"))
+    out = a.out or str(ROOT / "benchmarks" / "CHAOS.md")
     seed = a.seed if a.seed is not None else int(time.time())
     rng = random.Random(seed)
     # No supervisor outside hydra (mpiimpl.needs_supervisor): nothing to kill in that case.
@@ -891,7 +892,7 @@ def main() -> int:
         print(f"[{i}/{len(plan)}] {case.name}: rank {t.victim} at {t.kill_after_s:.2f} s -> {t.outcome} "
               f"(exit {t.exit_code}, noticed {t.notice_s} s by {t.noticed_by or '-'}) {t.why}", flush=True)
     text = report(trials, durations, time.perf_counter() - t0)
-    Path(out).write_text(text)
+    record(out, text)
     print(text)
     return 0 if all(t.outcome == "documented" for t in trials) else 1
 

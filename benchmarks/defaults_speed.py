@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 
 from run import machine, run_mpitrain, synthetic  # same folder
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results import record  # noqa: E402  (same folder)
 
 ROOT = Path(__file__).resolve().parent.parent
 OLD = ["--overlap", "--staleness-lr", "0"]
@@ -30,7 +32,7 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--sizes", type=int, nargs="+", default=[2, 4, 8], help="worker counts (np = workers + 1)")
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "AB-defaults.md"))
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "AB.md"))
     args = p.parse_args()
     started = time.time()
     lines = ["# Async's worker-count defaults against the old ones: speed", "",
@@ -54,7 +56,7 @@ def main() -> int:
                      f"{stale['new'][0]:.1f} / {stale['new'][1]:g} vs {stale['old'][0]:.1f} / {stale['old'][1]:g} |")
         print(lines[-1], flush=True)
     lines += ["", f"{(time.time() - started) / 60:.0f} min."]
-    Path(args.out).write_text("\n".join(lines) + "\n")
+    record(args.out, "\n".join(lines) + "\n")
     print(f"wrote {args.out}")
     return 0
 

@@ -38,6 +38,8 @@ sys.path.insert(0, str(ROOT))
 
 from mpitrain.launch import mpiimpl
 from mpitrain.membership.faults import rank_pids  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results import record  # noqa: E402  (same folder)
 
 NP = 6
 TIMEOUT_S = 2.0  # --worker-timeout: a kill costs this much before rank 0 declares it
@@ -91,7 +93,7 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--mpi", choices=sorted(mpiimpl.IMPLS), default=None,
                    help="the MPI to run under (default: that of the mpirun beside this Python); it must be that one")
-    p.add_argument("--out", default=None, help="default: benchmarks/ELASTIC.md (MPICH), ELASTIC-openmpi.md")
+    p.add_argument("--out", default=None, help="default: benchmarks/ELASTIC.md (a section per run)")
     args = p.parse_args()
     impl = IMPL
     if args.mpi and mpiimpl.IMPLS[args.mpi] is not impl:
@@ -139,8 +141,8 @@ def main() -> int:
     for i, j in enumerate(jobs, 1):
         if j["problems"]:
             text += f"\nJob {i} ({'; '.join(j['problems'])}), the end of its stderr:\n\n```text\n{j['err']}\n```\n"
-    out = Path(args.out or ROOT / "benchmarks" / ("ELASTIC.md" if impl is mpiimpl.MPICH else "ELASTIC-openmpi.md"))
-    out.write_text(text)
+    out = Path(args.out or ROOT / "benchmarks" / "ELASTIC.md")
+    record(out, text)
     print(text)
     return 0 if verdict == "PASS" else 1
 

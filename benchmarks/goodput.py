@@ -47,6 +47,8 @@ sys.path.insert(0, str(ROOT))
 
 from mpitrain.launch import mpiimpl
 from mpitrain.membership.faults import rank_pids, spawned_pids  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results import record  # noqa: E402  (same folder)
 
 NP = 5
 BINS = (1, 2, 3, 5, 10, 30)  # kill -> joined histogram edges, seconds
@@ -173,7 +175,7 @@ def main() -> int:
                         "rates: a machine whose speed drifts over a long run); default: one of --minutes, before")
     p.add_argument("--modes", default="async,sync", help=f"comma-separated, of {', '.join(MODE_FLAGS)}")
     p.add_argument("--mpi", choices=sorted(mpiimpl.IMPLS), default=None)
-    p.add_argument("--out", default=None, help="default: benchmarks/GOODPUT.md (MPICH), GOODPUT-openmpi.md")
+    p.add_argument("--out", default=None, help="default: benchmarks/GOODPUT.md (a section per run)")
     a = p.parse_args()
     if a.mpi and mpiimpl.IMPLS[a.mpi] is not IMPL:
         print(f"goodput.py: error: {mpirun()} is {IMPL.title}'s", file=sys.stderr)
@@ -182,7 +184,7 @@ def main() -> int:
     if unknown:
         print(f"goodput.py: error: --modes {','.join(unknown)}: not one of {', '.join(MODE_FLAGS)}", file=sys.stderr)
         return 2
-    out = a.out or str(ROOT / "benchmarks" / ("GOODPUT.md" if IMPL is mpiimpl.MPICH else f"GOODPUT-{IMPL.name}.md"))
+    out = a.out or str(ROOT / "benchmarks" / "GOODPUT.md")
     seconds, rng, rows, t_start = a.minutes * 60, random.Random(), [], time.perf_counter()
     for mode in a.modes.split(","):
         halves = a.baseline_minutes is not None
@@ -226,7 +228,7 @@ def main() -> int:
             lines += ["", f"The {mode} run with a kill every {every:g} s ended early; the end of its stderr:", "",
                       "```text", *r["ended_early"], "```"]
     text = "\n".join(lines) + "\n"
-    Path(out).write_text(text)
+    record(out, text)
     print(text)
     return 0
 

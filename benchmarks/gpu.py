@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results import record  # noqa: E402  (same folder)
 from run import add_saved_run_flags, machine, measured_or_saved, median_row, run_mpitrain, run_torch  # noqa: E402
 
 FED = "one GPU worker fed, mlp 784-4096-4096-10, batch 4096"
@@ -219,7 +220,7 @@ def main() -> int:
     res = measured_or_saved(args, lambda save: measure(args.reps, save, args.only))
     text = report(res)
     if args.out:
-        Path(args.out).write_text(text)
+        record(args.out, text)
     print(text)
     return 0
 

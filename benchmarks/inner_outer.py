@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 
 from run import machine, run_mpitrain  # same folder
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results import record  # noqa: E402  (same folder)
 
 ROOT = Path(__file__).resolve().parent.parent
 INNER = ("sgd", "momentum", "adam")  # each at its default --lr
@@ -71,7 +73,7 @@ def main() -> int:
              "- each cell: test accuracy after training, the median over the seeds (each seed's)", "",
              "| mode | --optimizer | H | H 1 (no outer step) | " + " | ".join(outer) + " |",
              "|---" * (4 + len(outer)) + "|", *rows]
-    Path(args.out).write_text("\n".join(lines) + "\n")
+    record(args.out, "\n".join(lines) + "\n")
     print(Path(args.out).read_text())
     return 0
 

@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 
 from run import machine, run_mpitrain  # same folder
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results import record  # noqa: E402  (same folder)
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = [
@@ -78,7 +80,7 @@ def main() -> int:
         verdict,
         "",
     ])
-    Path(args.out).write_text(text)
+    record(args.out, text)
     print(text)
     return 0
 

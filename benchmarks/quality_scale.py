@@ -1,7 +1,7 @@
 """Does async keep its accuracy as workers grow, with no flag? (issue 48)
 
     python benchmarks/quality_scale.py --data-dir DIR      # ~30 min on 2 cores; writes benchmarks/QUALITY_SCALE.md
-    python benchmarks/quality_scale.py --data-dir DIR --seeds 5 --configs 0 5 --out benchmarks/QUALITY_SCALE-5seeds.md
+    python benchmarks/quality_scale.py --data-dir DIR --seeds 5 --configs 0 5 --out benchmarks/QUALITY_SCALE.md
 
 Held-out accuracy after the same number of epochs (mpitrain's default, 50) at 2, 4, 8 and 16
 workers (np = workers + 1), MLP, three seeds, for: async with today's defaults; async as it was
@@ -26,6 +26,8 @@ from pathlib import Path
 from run import machine, run_mpitrain  # same folder
 
 from mpitrain.core.config import AUTO_OVERLAP_MAX_WORKERS, DEFAULT_EPOCHS, DEFAULT_STALENESS_TOLERANCE
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results import record  # noqa: E402  (same folder)
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = [
@@ -177,7 +179,7 @@ def main() -> int:
         source = f" ({args.data_source})" if dataset == "mnist" and args.data_source else ""
         out += [f"## {dataset}{source}", "", *lines, ""]
         out += [f"- Defaults: {v}." for v in verdicts] + [""]
-    Path(args.out).write_text("\n".join(out))
+    record(args.out, "\n".join(out))
     print("\n".join(out))
     return 0
 

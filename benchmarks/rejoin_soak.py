@@ -5,7 +5,7 @@
 
 With `--respawn` (MPICH and Open MPI) the job is started with `--respawn CYCLES` and replaces each
 killed worker itself (MPI_Comm_spawn, join.py) instead of a joiner started by hand; the report goes
-to REJOIN-respawn.md (REJOIN-respawn-openmpi.md). The job is stopped with its MPI's stop signal
+to a section of REJOIN.md naming its MPI. The job is stopped with its MPI's stop signal
 (Open MPI's prterun: SIGUSR1, exit 138; but 137 once a spawned worker was killed: prterun reports
 that one-rank job's code).
 
@@ -44,6 +44,8 @@ sys.path.insert(0, str(ROOT))
 
 from mpitrain.launch import mpiimpl
 from mpitrain.membership.faults import rank_pids, spawned_pids  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results import record  # noqa: E402  (same folder)
 
 NP = 3
 CYCLES = 4
@@ -196,14 +198,14 @@ def main() -> int:
     p.add_argument("--cycles", type=int, default=CYCLES, help="kills and joins per job")
     p.add_argument("--worker-timeout", type=float, default=TIMEOUT_S, help="the jobs' --worker-timeout")
     p.add_argument("--respawn", action="store_true", help="the job replaces each killed worker itself (--respawn)")
-    p.add_argument("--out", default=None, help="default: benchmarks/REJOIN.md, or REJOIN-respawn[-openmpi].md")
+    p.add_argument("--out", default=None, help="default: benchmarks/REJOIN.md (a section per run)")
     args = p.parse_args()
     WORKER_TIMEOUT_S[0] = args.worker_timeout
     if IMPL is not mpiimpl.MPICH and not args.respawn:
         print("rejoin_soak.py: error: --join needs MPICH; run this from an install with pip install -e '.[mpich]', "
               "or soak --respawn", file=sys.stderr)
         return 2
-    name = "REJOIN" + ("-respawn" if args.respawn else "") + ("" if IMPL is mpiimpl.MPICH else f"-{IMPL.name}")
+    name = "REJOIN"
     args.out = args.out or str(ROOT / "benchmarks" / f"{name}.md")
     seed = args.seed if args.seed is not None else int(time.time())
     rng = random.Random(seed)
@@ -259,7 +261,7 @@ def main() -> int:
     for i, j in enumerate(jobs, 1):
         if j["problems"]:
             text += f"\nJob {i} ({'; '.join(j['problems'])}), the end of its stderr:\n\n```text\n{j['err']}\n```\n"
-    Path(args.out).write_text(text)
+    record(args.out, text)
     print(text)
     return 0 if verdict == "PASS" else 1
 

@@ -3,7 +3,7 @@
     python benchmarks/respawn.py              # ~4 min on 2 cores; writes benchmarks/RESPAWN.md (MPICH)
     python benchmarks/respawn.py --trials 2   # a quick look
 
-Runs under the MPI of this install's mpirun (an Open MPI install writes RESPAWN-openmpi.md). Not
+Runs under the MPI of this install's mpirun (a section of RESPAWN.md names it). Not
 part of CI (tests/test_respawn.py replaces one worker per mode under timeouts). Each trial: the
 job `mpirun KEEP-GOING -np 3 python -m mpitrain --mode MODE --respawn 1 --worker-timeout 5
 --checkpoint-dir ...` on digits; 1 s after rank 0 has announced the ranks, worker rank 2 is
@@ -38,6 +38,8 @@ sys.path.insert(0, str(ROOT))
 from mpitrain.launch import mpiimpl
 from mpitrain.membership.faults import rank_pids  # noqa: E402
 from mpitrain.core.exitcodes import ExitCode
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results import record  # noqa: E402  (same folder)
 
 STEPS = {"async": 40000, "sync": 60000}
 EVENTS = (("lost", "lost at global step"), ("start", "starting a worker in place"), ("joined", "joined as rank 2"))
@@ -116,9 +118,9 @@ def report(trials: list[dict], seconds: float) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trials", type=int, default=6, help="per mode")
-    p.add_argument("--out", default=None, help="default: benchmarks/RESPAWN.md (MPICH), RESPAWN-openmpi.md")
+    p.add_argument("--out", default=None, help="default: benchmarks/RESPAWN.md (a section per run)")
     a = p.parse_args()
-    out = a.out or str(ROOT / "benchmarks" / ("RESPAWN.md" if IMPL is mpiimpl.MPICH else f"RESPAWN-{IMPL.name}.md"))
+    out = a.out or str(ROOT / "benchmarks" / "RESPAWN.md")
     trials, t0 = [], time.monotonic()
     for n in range(a.trials):
         for mode in STEPS:
@@ -130,7 +132,7 @@ def main() -> int:
             if t["problems"]:
                 print(t["tail"], flush=True)
     text = report(trials, time.monotonic() - t0)
-    Path(out).write_text(text)
+    record(out, text)
     print(text)
     return 0 if all(not t["problems"] for t in trials) else 1
 

@@ -1,10 +1,10 @@
 """--respawn when a host fails: two workers SIGKILLed together at a random moment. Is each replaced, or
 does a line say why not, and does every such job end as documented?
 
-    python benchmarks/respawn_together.py                 # ~8 min on 2 cores; writes RESPAWN-together.md
+    python benchmarks/respawn_together.py                 # ~8 min on 2 cores; writes a section of RESPAWN.md
     python benchmarks/respawn_together.py --trials 2      # a quick look
 
-Runs under the MPI of this install's mpirun (an Open MPI install writes RESPAWN-together-openmpi.md).
+Runs under the MPI of this install's mpirun (the section names it).
 Each trial: `mpirun KEEP-GOING -np 5 python -m mpitrain --mode MODE --dataset synthetic --respawn 2
 --worker-timeout 3 ...` (1 server + 4 workers) with a short budget, so that some kills land before
 the replacements can join and some at the budget's end; once rank 0 has announced the ranks, two
@@ -36,6 +36,8 @@ sys.path.insert(0, str(ROOT))
 from mpitrain.launch import mpiimpl
 from mpitrain.membership.faults import rank_pids  # noqa: E402
 from mpitrain.core.exitcodes import ExitCode
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results import record  # noqa: E402  (same folder)
 
 # Budgets short enough that a random kill often lands near the end (2 cores: async ~3 s, sync ~3 s).
 BUDGET = {"async": 3000, "sync": 500}
@@ -90,8 +92,7 @@ def main() -> int:
     p.add_argument("--trials", type=int, default=12, help="per mode")
     p.add_argument("--modes", default="async,sync")
     p.add_argument("--seed", type=int, default=0)
-    suffix = "" if IMPL is mpiimpl.MPICH else f"-{IMPL.name}"
-    p.add_argument("--out", default=str(Path(__file__).resolve().parent / f"RESPAWN-together{suffix}.md"))
+    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "RESPAWN.md"))
     args = p.parse_args()
     started = datetime.datetime.now(datetime.timezone.utc)
     results = []
@@ -118,7 +119,7 @@ def main() -> int:
     for r in bad:
         lines += ["", f"- {r['mode']}, workers {r.get('victims')} killed {r.get('wait_s')} s in: {'; '.join(r['problems'])}",
                   "", "  ```text", *[f"  {x}" for x in r["text"].splitlines()[-20:]], "  ```"]
-    Path(args.out).write_text("\n".join(lines) + "\n")
+    record(args.out, "\n".join(lines) + "\n")
     print("\n".join(lines))
     return 1 if bad else 0
 

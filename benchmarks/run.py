@@ -26,6 +26,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from mpitrain.launch.mpiimpl import local_flags, of_mpirun  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results import record  # noqa: E402  (same folder)
 
 PY = sys.executable
 TRACE = os.path.join(tempfile.gettempdir(), "mpitrain-benchmark-trace.json")  # --timeline rows (overwritten)
@@ -323,7 +325,7 @@ def main() -> int:
                           f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", f"- machine: {machine()}",
                           f"- command: `{command.strip()}`", f"- each row: median of {args.reps} interleaved repetitions",
                           "", *shards_section(args.models.split(","), args.steps, args.reps)])
-        Path(args.out or ROOT / "benchmarks" / "SHARDS.md").write_text(text)
+        record(args.out or ROOT / "benchmarks" / "SHARDS.md", text)
         print(text)
         return 0
     sections = []
@@ -377,7 +379,7 @@ def main() -> int:
         "Measured on a lent GPU machine by `benchmarks/gpu.py` and `benchmarks/scaling.py`: see "
         "[GPU.md](GPU.md) and [SCALING.md](SCALING.md).", "",
     ])
-    Path(args.out or ROOT / "benchmarks" / "RESULTS.md").write_text(text)
+    record(args.out or ROOT / "benchmarks" / "RESULTS.md", text)
     print(text)
     return 0
 

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results import record  # noqa: E402  (same folder)
 from run import add_saved_run_flags, machine, measured_or_saved, median_row, run_independent, run_mpitrain, run_torch  # noqa: E402
 
 NPS = (2, 3, 5, 9, 16)
@@ -195,7 +196,7 @@ def main() -> int:
         res = measured_or_saved(args, lambda save: measure(nps, args.reps, args.torch_steps, save, models))
     text = report(res)
     if args.out:
-        Path(args.out).write_text(text)
+        record(args.out, text)
     if args.plot and "models" in res:
         plot(res, args.plot)
     print(text)

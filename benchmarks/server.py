@@ -32,10 +32,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results import record  # noqa: E402
 from run import env, machine, mpirun  # noqa: E402  (same folder)
 
 SIZES = {"mlp": ["--model", "mlp", "--hidden", "100"], "softmax": ["--model", "softmax"]}
@@ -177,12 +177,9 @@ def main() -> int:
             "|---|---|---|---|---|---|---|---|---|---|---|"]
     text = "\n".join(head + lines)
     if a.out:
-        day = datetime.now(timezone.utc).strftime("%Y-%m-%d")
         cmd = "python benchmarks/server.py " + " ".join(sys.argv[1:])
-        section = f"## {day}\n\n`{cmd}` on {machine()}; medians of {a.rounds} rounds.\n\n{text}\n"
-        out = Path(a.out)
-        old = out.read_text().split("\n", 2)[2] if out.exists() else ""
-        out.write_text(f"# Server saturation (benchmarks/server.py)\n\n{section}\n{old}")
+        record(a.out, f"# Server saturation (benchmarks/server.py)\n\n`{cmd}` on {machine()}; medians of {a.rounds} "
+                      f"rounds.\n\n{text}\n")
     print(text)
     return 0
 

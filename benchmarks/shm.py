@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results import record  # noqa: E402  (same folder)
 from run import machine, median_row, run_independent, run_mpitrain, synthetic  # noqa: E402
 
 TRANSPORTS = ("mpi", "shm")
@@ -96,7 +97,7 @@ def main() -> int:
     thr = throughput(args.models.split(","), args.steps, args.reps)
     learn = learning(args.seeds, args.data_dir)
     text = "\n".join(report(thr, learn, args)) + "\n"
-    Path(args.out).write_text(text)
+    record(args.out, text)
     print(text)
     return 0
 

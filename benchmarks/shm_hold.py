@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results import record  # noqa: E402  (same folder)
 from run import machine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -83,7 +84,7 @@ def main() -> None:
         "(see the script's docstring). Adam has no one-pass step: its apply is NumPy's either way.", "",
         "| model | optimizer | hold, NumPy update (us) | hold, BLAS update (us) | ratio |",
         "|---|---|---|---|---|", *rows, ""])
-    Path(a.out).write_text(text)
+    record(a.out, text)
     print(text)
 
 

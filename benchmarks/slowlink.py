@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results import record  # noqa: E402  (same folder)
 import netns  # noqa: E402
 from run import PY, env, machine, mpirun  # noqa: E402
 
@@ -91,7 +92,7 @@ def main() -> int:
                              f"{bytes_per_step(model, 'bf16'):,} (16-bit) | {med['none']:,.0f} | {med['fp16']:,.0f} "
                              f"| {med['bf16']:,.0f} | {med['bf16'] / med['none']:.2f}x |")
     text = "\n".join(lines) + "\n"
-    Path(args.out).write_text(text)
+    record(args.out, text)
     print(text)
     return 0
 

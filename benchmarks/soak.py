@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 
 from run import env, machine, mpirun  # same folder
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results import record  # noqa: E402  (same folder)
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_RSS_GROWTH = 0.10
@@ -79,7 +81,7 @@ def main() -> int:
         f"Open requests at exit (MPICH's count at MPI_Finalize): {sum(leaks)}.", "",
         f"Verdict (RSS growth <= {MAX_RSS_GROWTH:.0%}, no open requests, no lost worker): **{verdict}**", "",
     ]
-    Path(a.out).write_text("\n".join(lines))
+    record(a.out, "\n".join(lines))
     print("\n".join(lines))
     return 0 if not failures else 1
 

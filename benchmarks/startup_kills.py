@@ -24,6 +24,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results import record  # noqa: E402  (same folder)
 from run import env as bench_env  # noqa: E402  (same folder)
 from run import machine, mpirun  # noqa: E402
 
@@ -96,7 +97,7 @@ def main() -> int:
     text = "\n".join(lines) + "\n"
     print(text)
     if a.out:
-        Path(a.out).write_text(text)
+        record(a.out, text)
     return 0 if good == a.trials else 1
 
 

@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 
 from run import machine, run_mpitrain  # same folder
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results import record  # noqa: E402  (same folder)
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = [  # (name, ranks, flags); the straggler is the last rank
@@ -120,7 +122,7 @@ def main() -> int:
         "Notes: the straggler sleeps for its extra time, so on 2 oversubscribed cores the other workers get more "
         "CPU while it sleeps; `--max-staleness 2` with 3 workers also disables overlap (see README).", "",
     ])
-    Path(args.out).write_text(text)
+    record(args.out, text)
     print(text)
     return 0
 

@@ -31,6 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results import record  # noqa: E402  (same folder)
 
 BOUND_S = 2.0
 GRACE_S = 3.0
@@ -136,7 +137,7 @@ def main() -> int:
         "| outcome | trials |", "|---|---|",
         *[f"| {k} | {v} |" for k, v in sorted(counts.items())], "",
         f"**{counts.get('hang', 0)} hangs in {a.trials} kills.**", ""])
-    Path(a.out).write_text(text)
+    record(a.out, text)
     print(text)
     return 0 if not counts.get("hang") else 1
 

@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results import record  # noqa: E402  (same folder)
 import netns  # noqa: E402
 from run import PY, env, machine, mpirun, run_mpitrain  # noqa: E402
 
@@ -142,7 +143,7 @@ def main() -> int:
                     runs(lambda a: run_across(names, addrs, wrapper, args.layout, a))
         except netns.Unavailable as e:
             print(f"time_to_accuracy: shaped links skipped: {e}", file=sys.stderr)
-    Path(args.out).write_text("\n".join(report(results, args, links, hs, modes)) + "\n")
+    record(args.out, "\n".join(report(results, args, links, hs, modes)) + "\n")
     print(Path(args.out).read_text())
     return 0
 

@@ -109,7 +109,7 @@ def test_poller_sorts_a_failed_testsome_into_arrived_and_failed():
 def test_a_failed_request_whose_code_mpi_cannot_name_is_still_a_failed_request(monkeypatch):
     """Open MPI's Iallreduce (libnbc) completed with error code 75 when a peer was SIGKILLed, and
     MPI_Error_string(75) raised MPI_ERR_ARG: the rank failed with a traceback and aborted a job that
-    --respawn would have kept (benchmarks/GOODPUT-10min-openmpi.md). The request is failed instead.
+    --respawn would have kept (benchmarks/GOODPUT.md#2026-11-28-1439-utc-10min-openmpi). The request is failed instead.
     (MPICH has a text for any code; Open MPI raises for one it does not know, as stood in here.)"""
     from mpitrain.exchange import transport
 

@@ -151,7 +151,7 @@ def test_on_lost_worker_stop_ends_the_job_as_before(tmp_path, mode):
 
 def test_a_regroup_receive_that_fails_in_mpi_means_rank_0_is_lost():
     """Under ULFM a worker's posted receive of rank 0's regroup word fails when rank 0 dies; that is
-    rank 0 lost (one line, exit 5), never a traceback (benchmarks/CHAOS-openmpi.md saw one)."""
+    rank 0 lost (one line, exit 5), never a traceback (benchmarks/CHAOS.md (openmpi) saw one)."""
     import types
 
     from mpi4py import MPI

@@ -67,7 +67,7 @@ DEFAULT_STRAGGLER_REPORT = 1.5
 # 2 workers' accuracy where K 1 (Zhang et al.'s lr / staleness) and K 4 lost 1-1.5 points by slowing every step.
 DEFAULT_STALENESS_TOLERANCE = 8.0
 # --overlap makes each gradient one exchange staler: about 2W - 1 updates old with W workers instead of W - 1.
-# After 6 epochs of Fashion-MNIST (benchmarks/QUALITY_SCALE-overlap.md) it cost 0.95 point at 3 workers and 3.0
+# After 6 epochs of Fashion-MNIST (benchmarks/QUALITY_SCALE.md#2026-11-29-0031-utc-overlap) it cost 0.95 point at 3 workers and 3.0
 # at 4 (medians of 3 seeds) for 5-6% more samples/s, and nothing measurable at 2 workers, where it made
 # 1.22-1.43x the samples/s of --no-overlap. So it stays on for 2 workers only (the main job's np 3).
 AUTO_OVERLAP_MAX_WORKERS = 2

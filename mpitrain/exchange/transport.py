@@ -44,7 +44,7 @@ END_POLL_S = CLOSE_POLL_S  # end of run (reports, goodbyes): off the hot path, a
 # test is one pass: with one test per wake-up, a message from a respawned worker waited behind the
 # shared-memory traffic for sleep after sleep, and a sync job ran at 0.54x of its speed once a worker
 # had been respawned (np 5 on 2 cores). With 8, 0.88x (benchmarks/AFTER_RESPAWN.md), and a job with no
-# respawn gains too, each pass moving one more piece of a large message (async np=3 1.30x: AB-2026-11-27.md).
+# respawn gains too, each pass moving one more piece of a large message (async np=3 1.30x: AB.md (2026-11-27)).
 TESTS_PER_WAKE = 8
 
 

@@ -363,7 +363,7 @@ class Watch(WaitHooks):
         """", and none went out from here for S s": this rank's own heartbeats held through much of a
         peer's silence, so the silence may be this process's (frozen in MPI) as much as the peer's.
         Absent from both lines of the --respawn soak's stall, which is how that stall was told to be
-        the transport's, not a frozen process (benchmarks/REJOIN-respawn-2026-11-27b.md)."""
+        the transport's, not a frozen process (benchmarks/REJOIN.md#2026-11-27-1429-utc-respawn-2026-11-27b)."""
         held = self.heartbeat.held_s(since, now) if self.heartbeat is not None else 0.0
         return f", and none went out from here for {held:.1f} s" if held >= self.timeout_s / 2 else ""
 
