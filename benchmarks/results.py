@@ -41,7 +41,10 @@ def record(path, text: str) -> Path:
         head, _, rest = old.partition("\n")
         if not head.startswith("# "):
             head, rest = f"# {title}", old
-        out = f"{head}\n\n{new}\n{rest.lstrip()}"
+        at = rest.find("\n## ")  # what the file says before its first run stays on top
+        intro, runs = (rest[:at], rest[at + 1:]) if at >= 0 else ("", rest)
+        intro = f"\n\n{intro.strip()}" if intro.strip() else ""
+        out = f"{head}{intro}\n\n{new}\n{runs.lstrip()}"
     else:
         out = f"# {title}\n\n{new}"
     path.parent.mkdir(parents=True, exist_ok=True)

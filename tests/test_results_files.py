@@ -16,9 +16,10 @@ SECTION = re.compile(r"^## (20\d\d-\d\d-\d\d(?: \d\d:\d\d UTC)?): ", re.M)
 def test_a_run_goes_on_top_of_the_older_ones_with_its_headings_one_level_down(tmp_path):
     out = tmp_path / "X.md"
     record(out, "# Speed\n\n- date: 2026-11-01 10:00 UTC\n\n## Targets\n\n| a |\n")
+    out.write_text(out.read_text().replace("# Speed\n", "# Speed\n\nWhat the file is about.\n", 1))
     record(out, "# Speed, again\n\n`cmd`, 2026-12-02 09:30 UTC\n\n## Targets\n\n| b |\n")
     text = out.read_text()
-    assert text.startswith("# Speed\n")  # the file keeps its title
+    assert text.startswith("# Speed\n\nWhat the file is about.\n\n## 2026-12-02")  # its title and intro stay on top
     assert SECTION.findall(text) == ["2026-12-02 09:30 UTC", "2026-11-01 10:00 UTC"]
     assert text.count("### Targets") == 2 and "\n## Targets" not in text
     assert text.index("| b |") < text.index("| a |")

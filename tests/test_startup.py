@@ -14,6 +14,7 @@ import signal
 import subprocess
 import time
 
+import numpy as np
 import pytest
 from conftest import MPI_TIMEOUT_S, child_env, keep_going, kill_session, mpi_impl, mpitrain_cmd, only_on
 
@@ -78,3 +79,57 @@ def test_the_mpi_init_watch_ends_a_rank_in_one_line_with_an_exit_not_a_signal():
                                     "again)"), stuck.stderr
     fine = subprocess.run([sys.executable, "-c", code, "returned"], capture_output=True, text=True, timeout=60, env=env)
     assert fine.returncode == 0 and fine.stdout.strip() == "went on" and not fine.stderr, fine
+
+
+def logged_step(events) -> int:
+    """The newest global step in rank 0's --log-dir events (0: none yet)."""
+    import json
+
+    try:
+        lines = events.read_text().splitlines()
+    except OSError:
+        return 0
+    steps = [json.loads(line)["global_step"] for line in lines if '"global_step"' in line and line.endswith("}")]
+    return steps[-1] if steps else 0
+
+
+# A random rank (rank 0 too) at a random moment of the run's end: its last steps, the final checkpoint, the
+# summary, the reports, the farewell, MPI_Finalize. benchmarks/startup_kills.py --at end does it 40 times.
+@pytest.mark.parametrize("trial", range(3))
+def test_a_rank_killed_as_the_job_ends_leaves_a_documented_ending_and_whole_checkpoints(tmp_path, trial):
+    rng = random.Random(1000 + trial)
+    victim, delay = rng.randrange(4), rng.uniform(0.0, 0.4)
+    budget, events = 3000, tmp_path / "log" / "events.jsonl"
+    cmd = mpitrain_cmd(4, "--dataset", "synthetic", "--steps", str(budget), "--worker-timeout", "2", "--no-progress",
+                       "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every-steps", "1000",
+                       "--log-dir", str(tmp_path / "log"), "--log-every", "50", "--summary-json", str(tmp_path / "s.json"),
+                       launcher_flags=keep_going())
+    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
+                           start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while job.poll() is None and time.monotonic() < deadline and logged_step(events) < 0.8 * budget:
+            time.sleep(0.005)
+        time.sleep(delay)
+        pid = (rank_pids(job.pid).get(victim) or (None,))[0]
+        gone = pid is None
+        if not gone:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                gone = True
+        out, err = job.communicate(timeout=MPI_TIMEOUT_S)
+    finally:
+        leftovers = kill_session(job)
+    text = out + err
+    assert "Traceback" not in text and not leftovers, text
+    for ckpt in (tmp_path / "ck").glob("*.npz"):  # whatever was saved loads
+        with np.load(ckpt, allow_pickle=False) as z:
+            assert z["params"].size > 0
+    wrote, rc = (tmp_path / "s.json").exists(), job.returncode
+    if gone:  # it had ended already: the job with it
+        assert rc == 0 and wrote, text
+    elif victim == 0 and not wrote:  # rank 0 lost before its summary: the workers say so and end
+        assert rc != 0 and "lost the parameter server" in text, text
+    else:  # a worker lost in the last steps (8), or any rank once the summary was written (0, 8; 137 rank 0's)
+        assert wrote and rc in (0, ExitCode.WORKER_LOST, 128 + signal.SIGKILL), (rc, text)
