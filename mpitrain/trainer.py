@@ -59,6 +59,8 @@ def train_role(ctx: Context) -> RoleResult:
         try:
             with ctx.watch.during(stall):  # training only: the end of the run has its own time limits
                 trained = mode.run(ctx, progress)
+            if stall is not None:
+                stall.finish()
         except BaseException:  # the line that says why comes next, under the bar's last line
             ctx.outputs.close_bar()
             raise
@@ -75,6 +77,8 @@ def train_role(ctx: Context) -> RoleResult:
                               lambda stalled_s: worker_stall_line(ctx, stalled_s))
     with ctx.watch.during(stall):
         wres = mode.run(ctx).worker
+    if stall is not None:
+        stall.finish()
     ctx.activity.enter(observe.EVAL)
     return RoleResult(worker=worker_report(ctx, wres, _evaluate(ctx, wres.params)), held=wres.train_state)
 

@@ -162,6 +162,27 @@ def test_a_stall_is_reported_once_and_its_end_once():
     assert "no progress for 2 s (the stall report failed: ZeroDivisionError" in lines[2]
 
 
+def test_a_stall_got_past_just_before_the_loop_ends_is_still_said_to_be_over():
+    """The last steps can run between two checks (a stall near the end of the budget: CI saw the
+    report and no end); finish() says it, and says nothing when no stall was reported or when
+    nothing moved."""
+    clock, mark, lines = FakeClock(), [0], []
+    stream = type("S", (), {"write": lambda self, x: lines.append(x), "flush": lambda self: None})()
+    stall = observe.Stall(5.0, lambda: mark[0], lambda s: f"stuck {s:.0f}", clock=clock, stream=stream)
+    clock.t += 6
+    stall.check()
+    clock.t += 1
+    stall.finish()  # stuck still: no end to report
+    assert lines == ["stuck 6\n"]
+    mark[0] = 1
+    stall.finish()
+    assert len(lines) == 2 and lines[1].startswith("mpitrain: training resumed after 7.0 s")
+    quiet = observe.Stall(5.0, lambda: mark[0], lambda s: f"stuck {s:.0f}", clock=clock, stream=stream)
+    mark[0] = 2
+    quiet.finish()  # progress, never a stall
+    assert len(lines) == 2
+
+
 def test_peer_state_tells_silent_from_alive_and_stuck():
     beat = [0.0] * BEAT_FIELDS
     beat[BEAT_STEPS], beat[BEAT_PHASE] = 812, observe.COMPUTE

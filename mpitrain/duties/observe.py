@@ -263,12 +263,7 @@ class Stall:
 
     def check(self) -> None:
         now = self.clock()
-        mark = self.marker()
-        if mark != self.last:
-            if self.reported and self.said:
-                say(f"mpitrain: training resumed after {now - self.since:.1f} s without progress",
-                    self.stream or sys.stderr)
-            self.last, self.since, self.reported, self.said = mark, now, False, False
+        if self._resumed(now):
             return
         if not self.reported and now - self.since >= self.after_s:
             try:
@@ -279,6 +274,20 @@ class Stall:
             if line:
                 self.reports += 1
                 say(line, self.stream or sys.stderr)
+
+    def finish(self) -> None:
+        """The loop ended: a stall it reported and then got past is said to be over, even when the
+        last steps ran between two checks (a stall near the end of the budget)."""
+        self._resumed(self.clock())
+
+    def _resumed(self, now: float) -> bool:
+        mark = self.marker()
+        if mark == self.last:
+            return False
+        if self.reported and self.said:
+            say(f"mpitrain: training resumed after {now - self.since:.1f} s without progress", self.stream or sys.stderr)
+        self.last, self.since, self.reported, self.said = mark, now, False, False
+        return True
 
 
 
