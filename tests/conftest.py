@@ -221,6 +221,32 @@ def wait_for_training(proc: subprocess.Popen, np_: int, timeout: float = MPI_TIM
     pytest.fail("training did not start in time:\n" + "".join(lines))
 
 
+def logged_step(events: Path) -> int:
+    """The newest global step in rank 0's --log-dir events (0: none yet)."""
+    try:
+        lines = events.read_text().splitlines()
+    except OSError:
+        return 0
+    steps = [json.loads(line)["global_step"] for line in lines if '"global_step"' in line and line.endswith("}")]
+    return steps[-1] if steps else 0
+
+
+def wait_for_step(proc: subprocess.Popen, events: Path, step: int, timeout: float = MPI_TIMEOUT_S) -> int:
+    """Wait until rank 0's log (--log-dir's events.jsonl, every --log-every steps) shows global
+    step `step` or later: a test acting from outside then hits a known point of training, not a
+    guess at how fast this machine runs (a guess that once landed after the last step). Returns
+    the step seen."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        seen = logged_step(events)
+        if seen >= step:
+            return seen
+        if proc.poll() is not None:
+            pytest.fail(f"the job ended (exit {proc.returncode}) before its log showed step {step}")
+        time.sleep(0.005)
+    pytest.fail(f"rank 0's log did not reach step {step} in {timeout} s")
+
+
 def wait_for_checkpoint(proc: subprocess.Popen, directory: Path, timeout: float = MPI_TIMEOUT_S) -> Path:
     """Wait until rank 0 has saved a checkpoint in `directory`: training is under way, past the
     step it is saved at (an event, not a guess at how long start-up takes on a busy machine)."""

@@ -21,6 +21,7 @@ from conftest import (
     only_on,
     own_lines,
     run_mpitrain,
+    wait_for_step,
     wait_for_training,
 )
 
@@ -277,17 +278,20 @@ def test_a_worker_slowed_from_outside_is_named_without_any_flag(tmp_path):
 
 @only_on("mpich", OWN_LOGIC)
 @pytest.mark.parametrize("how", ["sigstop", "hang"])
-def test_a_stall_is_reported_once_naming_who_the_others_wait_for(how):
-    """Sync: worker 2 stops past --stall-warning, then goes on. SIGSTOP freezes it whole (silent:
-    no heartbeat); the injected hang stops its training thread only (alive, not progressing)."""
+def test_a_stall_is_reported_once_naming_who_the_others_wait_for(tmp_path, how):
+    """Sync: worker 2 stops past --stall-warning at step ~200 of 1,500, then goes on. SIGSTOP freezes
+    it whole (silent: no heartbeat); the injected hang stops its training thread only (alive, not
+    progressing)."""
     env = {"MPITRAIN_INJECT_HANG": "2:200:5"} if how == "hang" else {}
     # Heartbeats every 1.5 s (--worker-timeout 9): silent after 3 s, so by the report at 4 s; lost
     # after 9 s, 2.5 s more than a 5-s stop and a beat's interval.
     proc = start(3, *LONG_RUN, "--mode", "sync", "--steps", "1500", "--worker-timeout", "9", "--stall-warning", "4",
-                 env=env)
+                 "--log-dir", str(tmp_path / "log"), "--log-every", "50", env=env)
     if how == "sigstop":
         pid = training_pid(proc, 2)
-        time.sleep(1.0)  # ~800 steps in
+        # At a step rank 0 has logged, never a guess at this machine's pace: a second's sleep once
+        # landed near the last step (the stop then ended no stall) and once after it (no stall at all).
+        wait_for_step(proc, tmp_path / "log" / "events.jsonl", 200)
         os.kill(pid, signal.SIGSTOP)
         time.sleep(5)
         os.kill(pid, signal.SIGCONT)

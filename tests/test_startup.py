@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import MPI_TIMEOUT_S, child_env, keep_going, kill_session, mpi_impl, mpitrain_cmd, only_on
+from conftest import MPI_TIMEOUT_S, child_env, keep_going, kill_session, logged_step, mpi_impl, mpitrain_cmd, only_on
 
 from mpitrain.core.exitcodes import ExitCode
 from mpitrain.membership.faults import rank_pids
@@ -79,18 +79,6 @@ def test_the_mpi_init_watch_ends_a_rank_in_one_line_with_an_exit_not_a_signal():
                                     "again)"), stuck.stderr
     fine = subprocess.run([sys.executable, "-c", code, "returned"], capture_output=True, text=True, timeout=60, env=env)
     assert fine.returncode == 0 and fine.stdout.strip() == "went on" and not fine.stderr, fine
-
-
-def logged_step(events) -> int:
-    """The newest global step in rank 0's --log-dir events (0: none yet)."""
-    import json
-
-    try:
-        lines = events.read_text().splitlines()
-    except OSError:
-        return 0
-    steps = [json.loads(line)["global_step"] for line in lines if '"global_step"' in line and line.endswith("}")]
-    return steps[-1] if steps else 0
 
 
 # A random rank (rank 0 too) at a random moment of the run's end: its last steps, the final checkpoint, the
