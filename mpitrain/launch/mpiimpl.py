@@ -70,6 +70,11 @@ class Impl:
     # launcher leaves behind (its PMIx rendezvous socket, per-job folders): swept as the /dev/shm
     # segments are, so that a machine whose jobs get killed does not collect them. None: none.
     session_prefix: str | None = None
+    # mpirun's exit code when every rank died by a signal under keep_going (a node's OOM killer, a
+    # `pkill -9`), so that nothing of mpitrain's ran to say so; None: 128 + the signal (hydra, through
+    # rank 0's supervisor). prterun under --with-ft ulfm counts no signal death as an error and exits 0
+    # (measured, 5.0.11: every rank SIGKILLed mid-run, no line): only the missing summary tells.
+    all_killed_exit: int | None = None
 
     def hostfile_line(self, host: str, slots: int) -> str:
         return self.slots_syntax.format(host=host, slots=slots)
@@ -81,7 +86,7 @@ OPENMPI = Impl("openmpi", "Open MPI", ("--with-ft", "ulfm"), "--hostfile", "{hos
                "sm_segment.", contacts_every_host=True, stop_exit=1, stop_signal="SIGUSR1",
                root_flags=("--allow-run-as-root",), oversubscribe_flags=("--oversubscribe",),
                one_host_flags=("--mca", "btl", "self,sm"), one_host_spawn_flags=("--mca", "btl", "self,sm,tcp"),
-               spawned_finalizes=True, session_prefix="ompi.")
+               spawned_finalizes=True, session_prefix="ompi.", all_killed_exit=0)
 IMPLS = {impl.name: impl for impl in (MPICH, OPENMPI)}
 
 RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
