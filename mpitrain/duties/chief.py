@@ -252,7 +252,7 @@ class ChiefDuties:
         parameters, is sound (SoundLoss), and dropped if not, so that the folder's newest checkpoint
         is always one to resume from ("the last good checkpoint is ..."). A final one (the end, a
         stop, rank 0's last words) is written at once; so is one `at_once`, if the newest loss is
-        sound (sync: rank 0 hears the loss only when the chief worker sends, so a save waiting for
+        sound (sync: rank 0 hears the loss only when the coordinator (worker 0) sends, so a save waiting for
         the next would wait a whole interval)."""
         if self.state.diverged is not None:
             self.pending.clear()
