@@ -10,7 +10,7 @@ ulfm`; mpiimpl.Impl.keep_going) (1 server + 3 workers,
 or 2 servers + 2 workers in the `--num-ps 2` cases) in its own session, waits for rank 0's start
 lines, sleeps a random time drawn over the whole run (calibrated per case, the end-of-run report
 included), and SIGKILLs the real training process of a random worker (or of rank 0, of server
-rank 1, of the chief worker, which gathers --quorum steps, or of a worker's supervisor), found
+rank 1, of the coordinator (worker 0), which gathers --quorum steps, or of a worker's supervisor), found
 in /proc. In the rejoin cases (MPICH) a worker joins first (the job's command with --join under
 its own mpirun), and it is the one killed, at a random time after it joined. The
 "big" cases use `--hidden 2000` (6.4 MB messages, milliseconds each) so that kills land in the
@@ -79,7 +79,7 @@ UNHARMED_ACCURACY: dict[str, float] = {}  # each case's calibration run (no kill
 class Case:
     name: str
     args: tuple[str, ...]
-    target: str  # "worker", "chief" (the first worker), "rank0", "shard" (rank 1 with --num-ps 2), "supervisor"
+    target: str  # "worker", "coordinator" (the first worker), "rank0", "shard" (rank 1 with --num-ps 2), "supervisor"
     #              "launcher" (mpirun itself), "disk" (the checkpoint folder fills up), "joiner" (a
     #              worker started with --join, killed once it has joined: MPICH) or "rank0-join" (rank 0,
     #              killed at a random moment of a worker's join: MPICH)
@@ -112,10 +112,10 @@ CASES = [
     Case("async-big", ("--mode", "async", "--hidden", "2000"), "worker", 1200),
     Case("sync", ("--mode", "sync"), "worker", 4000),
     Case("sync-quorum", ("--mode", "sync", "--quorum", "2"), "worker", 2500),
-    Case("chief-quorum", ("--mode", "sync", "--quorum", "2"), "chief", 2500),  # it gathers every quorum step
+    Case("coordinator-quorum", ("--mode", "sync", "--quorum", "2"), "coordinator", 2500),  # it gathers every quorum step
     Case("quorum-big", ("--mode", "sync", "--quorum", "2", "--hidden", "2000"), "worker", 300),  # 6.4 MB messages
     Case("sync-big", ("--mode", "sync", "--hidden", "2000"), "worker", 300),
-    Case("chief-sync", ("--mode", "sync"), "chief", 4000),  # the workers left regroup under a new chief
+    Case("coordinator-sync", ("--mode", "sync"), "coordinator", 4000),  # the workers left regroup under a new coordinator
     Case("sync-stop", ("--mode", "sync", "--on-lost-worker", "stop"), "worker", 4000),  # the old behaviour
     Case("rank0-async", ("--mode", "async", "--hidden", "2000"), "rank0", 1200),
     Case("rank0-sync", ("--mode", "sync"), "rank0", 4000),
@@ -146,7 +146,7 @@ CASES = [
          30000),
     # --quorum with --local-steps: a round of 8 inner steps stands for a gradient
     Case("quorum-local", ("--mode", "sync", "--quorum", "2", "--local-steps", "8"), "worker", 8000),
-    Case("chief-quorum-local", ("--mode", "sync", "--quorum", "2", "--local-steps", "8"), "chief", 8000),
+    Case("coordinator-quorum-local", ("--mode", "sync", "--quorum", "2", "--local-steps", "8"), "coordinator", 8000),
     Case("async-2ps", ("--mode", "async", "--num-ps", "2", "--hidden", "2000"), "worker", 1000),
     Case("shard-async", ("--mode", "async", "--num-ps", "2", "--hidden", "2000"), "shard", 1000),
     Case("shard-sync", ("--mode", "sync", "--num-ps", "2"), "shard", 4000),
@@ -202,10 +202,10 @@ CASES = [
     Case("failover-spare", ("--mode", "async", "--spares", "1", *FAILOVER), "rank0", 20000),
     Case("failover-spare-sync", ("--mode", "sync", "--spares", "1", *FAILOVER), "rank0", 4000),
 ]
-DEFAULT_TRIALS = {"async": 5, "async-staleness": 4, "async-big": 6, "sync": 4, "sync-quorum": 4, "chief-quorum": 3,
-                  "quorum-big": 3, "sync-big": 3, "chief-sync": 3, "sync-stop": 2, "rank0-async": 4, "rank0-sync": 3, "supervisor": 3, "shm-async": 5, "rank0-shm": 3, "shm-early": 3, "shm-2ps": 3,
+DEFAULT_TRIALS = {"async": 5, "async-staleness": 4, "async-big": 6, "sync": 4, "sync-quorum": 4, "coordinator-quorum": 3,
+                  "quorum-big": 3, "sync-big": 3, "coordinator-sync": 3, "sync-stop": 2, "rank0-async": 4, "rank0-sync": 3, "supervisor": 3, "shm-async": 5, "rank0-shm": 3, "shm-early": 3, "shm-2ps": 3,
                   "shm-remote": 4, "rank0-shm-remote": 3,
-                  "shard-shm": 2, "shm-local": 4, "failover-shm-local": 4, "quorum-local": 3, "chief-quorum-local": 3, "async-2ps": 4,
+                  "shard-shm": 2, "shm-local": 4, "failover-shm-local": 4, "quorum-local": 3, "coordinator-quorum-local": 3, "async-2ps": 4,
                   "shard-async": 3, "shard-sync": 2, "term-mpirun-async": 3, "term-rank-sync": 3,
                   "int-mpirun-quorum": 3, "term-rank0-2ps": 3, "disk-full": 3, "rejoin-async": 4,
                   "rejoin-sync": 3, "respawn-async": 3, "respawn-sync": 3, "failover-sync": 6, "failover-quorum": 4,
@@ -413,7 +413,7 @@ def _run_trial(case: Case, duration_s: float, rng: random.Random, tmp: str) -> T
     time.sleep(max(0.0, started + trial.kill_after_s - time.monotonic()))
     pids = rank_pids(job.proc.pid)
     lay = case.layout
-    fixed = {"rank0": 0, "rank0-join": 0, "rank0-respawn": 0, "shard": 1, "chief": lay.worker_rank(0), "joiner": NP,
+    fixed = {"rank0": 0, "rank0-join": 0, "rank0-respawn": 0, "shard": 1, "coordinator": lay.worker_rank(0), "joiner": NP,
              "spare": NP, "spare-joining": NP}  # a joiner: the last rank; a spare: world rank NP
     trial.victim = fixed[case.target] if case.target in fixed else rng.choice(lay.worker_ranks)
     if case.target == "joiner":  # the only rank of its own mpirun
@@ -438,7 +438,7 @@ def _run_trial(case: Case, duration_s: float, rng: random.Random, tmp: str) -> T
     # Async rank 0 goes on without a lost worker: the rest of the budget, on fewer workers. With a
     # full disk every rank goes on: the rest of the run (a fill 1.2 s into a 14.8 s run was judged
     # a hang at 13 s, the job finishing as documented meanwhile).
-    lost_one = goes_on(case) and case.target in ("worker", "chief") and case.sig == signal.SIGKILL
+    lost_one = goes_on(case) and case.target in ("worker", "coordinator") and case.sig == signal.SIGKILL
     rest = duration_s * lay.workers / (lay.workers - 1) if lost_one else duration_s if case.target == "disk" else 0.0
     if case.target in ("rank0", "shard") and failover(case):  # the rest on one worker fewer (the successor serves)
         rest = duration_s * lay.workers / (lay.workers - 1) + FORM_LIMIT_S
@@ -803,7 +803,7 @@ def report(trials: list[Trial], durations: dict[str, float], seconds: float) -> 
            f"Each trial: `mpirun {' '.join(IMPL.keep_going)} -np {NP}` (1 server + 3 workers; with `--num-ps 2` "
            f"2 servers + 2 workers), `--worker-timeout "
            f"{TIMEOUT_S:g}`, synthetic data, MLP (hidden 100, or 2000 in the *-big cases: 6.4 MB messages), one "
-           "SIGKILL of the real training process of a random worker (or rank 0, or server rank 1, or the chief "
+           "SIGKILL of the real training process of a random worker (or rank 0, or server rank 1, or the coordinator "
            "worker, or a worker's supervisor, or in the rejoin cases a worker that joined the job) at a "
            "uniformly random time over the whole run, end-of-run report included; in the SIGTERM / SIGINT cases "
            "that signal instead (to mpirun or to one rank: the run must stop, save, exit 128 + the signal and "

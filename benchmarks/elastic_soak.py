@@ -7,7 +7,7 @@
 Not part of CI (tests/test_elastic.py kills once per run under timeouts). Runs one job after
 another until --minutes are spent, alternating plain sync and `--quorum 2`: `mpirun` with the
 keep-going flag, -np 6 (1 parameter server + 5 workers) on synthetic data. Once training runs,
-a random live worker (the chief included) is SIGKILLed from outside every 1-3 s, found in /proc,
+a random live worker (the coordinator, worker 0, included) is SIGKILLed from outside every 1-3 s, found in /proc,
 until one worker is left (plain sync) or two (`--quorum 2`): 4 or 3 regroups per job. A job
 passes when it finished its budget, its summary lists exactly the killed workers, the workers
 left end on rank 0's parameters (identical replicas), no traceback was printed and no process

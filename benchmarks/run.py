@@ -370,7 +370,7 @@ def main() -> int:
         "3 ranks on 2 cores are oversubscribed (rank 0 shares a core with the workers)", "",
         "## Targets (ratios within this run)", "", *target_lines, "",
         "## Throughput", "", *[s + "\n" for s in sections],
-        "- *rank 0 busy*: rank 0's CPU time / wall time during training (async: serving; sync: following the chief).",
+        "- *rank 0 busy*: rank 0's CPU time / wall time during training (async: serving; sync: following the coordinator).",
         "- *worker compute / comm+wait*: mean over workers of the fraction of wall time in gradient (and, sync, "
         "update) computation, and in communication or waiting for it.", "",
         *extra,

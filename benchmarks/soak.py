@@ -74,7 +74,7 @@ def main() -> int:
         f"`python benchmarks/soak.py --minutes {a.minutes:g} --np {a.np}` on {machine()}, "
         f"{time.strftime('%Y-%m-%d %H:%M')}.", "",
         f"mpitrain {' '.join(ARGS)}: {s['global_step']:,} global steps in {s['wall_seconds']:.0f} s of training "
-        f"({seconds:.0f} s in all), local steps {s['local_steps']}, {s['samples_per_second']:,.0f} samples/s, "
+        f"({seconds:.0f} s in all), worker steps {s['worker_steps']}, {s['samples_per_second']:,.0f} samples/s, "
         f"test accuracy {s['test_accuracy']:.4f}, staleness mean {s['staleness']['mean']:.2f} max "
         f"{s['staleness']['max']}, {len(s['checkpoints'])} checkpoints written.", "",
         "| rank | peak RSS at start (MiB) | peak RSS at end (MiB) | growth |", "|---|---|---|---|", *rows, "",

@@ -78,7 +78,7 @@ def main() -> int:
         r_slow = statistics.median(s["steps_per_second"] for s in slow)
         kept[name] = r_slow / r_fast
         rate[name] = (r_fast, r_slow)
-        counted = sorted(fast, key=lambda s: s["steps_per_second"])[len(fast) // 2]["local_steps"]
+        counted = sorted(fast, key=lambda s: s["steps_per_second"])[len(fast) // 2]["worker_steps"]
         shares[name] = (counted, max(counted) / max(min(counted), 1))
 
         def tta(runs):

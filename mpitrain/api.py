@@ -213,8 +213,8 @@ def local_rank() -> int:
     Asks no other rank, so it may be called from any one of them."""
     from mpitrain.launch.mpiimpl import launcher_local_rank
 
-    local = launcher_local_rank(os.environ)
-    return local if local is not None else 0
+    node_rank = launcher_local_rank(os.environ)
+    return node_rank if node_rank is not None else 0
 
 
 def train(**options) -> Result:

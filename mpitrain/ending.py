@@ -103,7 +103,7 @@ def say_goodbye(ctx: Context, ranks: list[int], peer_was_lost: bool, stopped: bo
         bye.payload[reform[1]] = 1
         flags |= FLAG_REFORM
     bye.stamp(TAG_REPORT, flags=flags, generation=reform[0] if reform else 0, joiner=reform[2] if reform else 0)
-    ranks = [r for r in ranks if r != ctx.rank]  # a local run's own report is among them
+    ranks = [r for r in ranks if r != ctx.rank]  # a single-process run's own report is among them
     try:
         Poller(END_POLL_S, ctx.watch).all([ctx.comm.Isend(bye.spec(), dest=r, tag=TAG_REPORT) for r in ranks], ranks)
     except PeerLost:

@@ -118,7 +118,7 @@ def make_room(ctx: Context, mine: RoleResult, reports: list, heartbeat, carry: j
     lost = sorted(lobby.lost(state.lost_workers))
     carry.owed = lobby.unreplaced(state.lost_workers)  # the next phase starts a worker in place of each (Lobby.owe)
     if not ctx.mode.averages:  # the summary's count of each lost worker's gradients, by this phase's index
-        state.lost_workers = [{**x, "local_steps": state.local_steps[ctx.layout.worker_index(x["rank"])]}
+        state.lost_workers = [{**x, "worker_steps": state.worker_steps[ctx.layout.worker_index(x["rank"])]}
                               for x in state.lost_workers]
     carry.add_phase(state)
     gen = len(carry.joins) + 1
@@ -173,7 +173,7 @@ def _regrow(ctx: Context, heartbeat, carry: join.Carry, lost: list[int], gen: in
         STOP.reset()
     live = [r for r in range(ctx.size) if r not in lost]
     carry.with_spawned |= how == join.SPAWNED
-    world, hello, left_behind = join.grow(ctx.comm, live, gen, how, joiner, lambda local: start_worker(local, argv, ready))
+    world, hello, left_behind = join.grow(ctx.comm, live, gen, how, joiner, lambda members: start_worker(members, argv, ready))
     carry.peer_lost |= left_behind  # a spawned worker that never spoke: MPI_Finalize would wait for it
     return world, hello
 
@@ -232,7 +232,7 @@ def take_over(ctx: Context, e, heartbeat, carry: join.Carry, library: bool) -> O
     carry.failovers.append(handover.record)
     if handover.state is not None:  # the successor: the summary's lost workers go on from rank 0's (Carry.share_record)
         carry.lost_workers += [{"rank": r, "global_step": handover.record["global_step"], "reason": failover.LEFT_OUT,
-                                "local_steps": None} for r in handover.record["workers_left_out"]]
+                                "worker_steps": None} for r in handover.record["workers_left_out"]]
     # The spares still waiting follow the successor (spares.adopt). Every survivor takes part, whatever
     # its flags: a worker started by --respawn runs with --spares 0.
     among = spares.members(world, carry)

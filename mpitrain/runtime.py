@@ -21,7 +21,7 @@ from mpitrain.core.backend import Backend, make_backend
 from mpitrain.core.config import NPZ_PREFIX, TrainConfig, UsageError, can_take_joiners
 from mpitrain.core.console import say
 from mpitrain.core.data import Dataset, check_batch_fits, load_dataset, steps_per_epoch
-from mpitrain.core.layout import PS_RANK, Layout
+from mpitrain.core.layout import PS_RANK, WORKER, Layout
 from mpitrain.core.model import Model, build
 from mpitrain.core.optim import decayed_lr, preload_blas
 from mpitrain.core.worldcheck import validate_for_world
@@ -196,9 +196,9 @@ class Context:
     handover: object = None  # rank 0, the phase after a take-over: failover.Handover (the state it starts from)
 
     @property
-    def local(self) -> bool:
+    def single(self) -> bool:
         """One process: train with no parameter server."""
-        return self.layout.local
+        return self.layout.single
 
     @property
     def workers(self) -> int:
@@ -210,7 +210,7 @@ class Context:
 
     @property
     def worker_index(self) -> int:
-        """0-based index among workers (the local process is worker 0)."""
+        """0-based index among workers (the single process is worker 0)."""
         return self.layout.worker_index(self.rank)
 
     @property
@@ -302,7 +302,8 @@ class Context:
 
     def placement(self) -> str:
         """The seeds' log_device_placement, one line per rank."""
-        role, lay = self.role, self.layout
+        lay = self.layout
+        role = "single" if lay.single else ("worker" if self.role == WORKER else "parameter-server")
         if self.is_ps and lay.shards > 1:
             k, s = lay.shard_index(self.rank), self.shard
             if self.cfg.ps_transport == "shm":  # the store holds every shard; the workers apply them there
@@ -437,7 +438,7 @@ def broadcast_start(ctx: Context) -> checkpoint.TrainState:
             state = ctx.resume[1] if ctx.resume else checkpoint.TrainState(ctx.model.init_params(ctx.cfg.seed))
         # a run resumed with another number of workers re-shards: positions beyond the saved ones start at 0
         state.positions = [state.position(w) for w in range(W)]
-        if ctx.local:
+        if ctx.single:
             return state
     else:
         state = checkpoint.TrainState(np.empty(ctx.model.n_params, np.float32), positions=[0] * W)

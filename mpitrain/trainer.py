@@ -13,6 +13,7 @@ from mpitrain.agreement import agree_on_setup
 from mpitrain.core.config import TrainConfig, UsageError
 from mpitrain.core.console import say
 from mpitrain.core.exitcodes import ExitCode
+from mpitrain.core.layout import CHIEF, SERVER
 from mpitrain.core.reports import Outcome, RoleResult, WorkerResult
 from mpitrain.duties import observe, outputs
 from mpitrain.duties.chief import begin
@@ -27,7 +28,6 @@ from mpitrain.membership.faults import Kill
 from mpitrain.membership.liveness import PeerLost
 from mpitrain.membership.stalls import server_stall_line, worker_stall_line
 from mpitrain.membership.stopping import STOP
-from mpitrain.modes.base import CHIEF, SERVER
 from mpitrain.phases import (after_the_spawned, grow_with_joiner, joined, leave_after_a_loss, make_room, no_room,
                              open_lobby, take_over, with_spares)
 from mpitrain.runtime import PS_RANK, Context, Node, broadcast_start, nothing_to_train
@@ -45,7 +45,7 @@ def train_role(ctx: Context) -> RoleResult:
     cfg, mode = ctx.cfg, ctx.mode
     if nothing_to_train(ctx):
         return already_trained(ctx)
-    role = mode.role(ctx.layout, ctx.rank)
+    role = ctx.role
     if role == SERVER:  # --num-ps: a server of one shard, reporting to rank 0
         return RoleResult(shard=shard_report(ctx, mode.run(ctx).state))
     if role == CHIEF:
@@ -53,7 +53,7 @@ def train_role(ctx: Context) -> RoleResult:
         progress = ctx.outputs.progress or Progress(cfg.progress, ctx.global_step_budget, ctx.global_batch)
         ctx.outputs.progress = progress
         stall = None
-        if cfg.stall_warning > 0 and not ctx.local:
+        if cfg.stall_warning > 0 and not ctx.single:
             stall = observe.Stall(cfg.stall_warning, lambda: progress.step,
                                   lambda stalled_s: server_stall_line(ctx, progress.step, stalled_s))
         try:
@@ -86,7 +86,7 @@ def train_role(ctx: Context) -> RoleResult:
 def already_trained(ctx: Context) -> RoleResult:
     """A run with nothing to train: each rank evaluates what it starts from, and reports as usual."""
     start = ctx.start
-    if ctx.is_ps or ctx.local:
+    if ctx.is_ps or ctx.single:
         _, state, ckpt = begin(ctx)
         state.ema = start.ema
         if ctx.handover is not None:  # rank 0 was lost before its final save: the successor makes it
@@ -96,7 +96,7 @@ def already_trained(ctx: Context) -> RoleResult:
             return RoleResult(shard=shard_report(ctx, state))
         loss, acc = _evaluate(ctx, state.params)
         mine = RoleResult(state, loss, acc, _evaluate(ctx, state.ema) if state.ema is not None else (None, None))
-        if ctx.local:
+        if ctx.single:
             mine.worker = worker_report(ctx, idle_result(ctx), (loss, acc))
         return mine
     return RoleResult(worker=worker_report(ctx, idle_result(ctx), _evaluate(ctx, start.params)))

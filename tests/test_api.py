@@ -59,7 +59,7 @@ print("EVAL", json.dumps([e["test_accuracy"], e["global_step"]]))
     proc = python(code)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     mode, acc, steps, model, steps_b = json.loads(proc.stdout.split("RESULT")[1].splitlines()[0])
-    assert mode == "local" and acc > 0.85 and steps == 5 * (1438 // 100)
+    assert mode == "single" and acc > 0.85 and steps == 5 * (1438 // 100)
     assert model.startswith("softmax") and steps_b == 30
     eval_acc, eval_step = json.loads(proc.stdout.split("EVAL")[1].splitlines()[0])
     assert eval_acc == pytest.approx(acc) and eval_step == steps  # the final checkpoint is the run's end

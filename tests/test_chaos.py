@@ -28,7 +28,7 @@ pytestmark = pytest.mark.timeout(300)
 # Short runs (6-7 s of training on 2 cores): a calibration (one per command: chaos.calibrate) and one
 # random kill each (benchmarks/chaos.py runs 100 a case, both MPIs, results in benchmarks/CHAOS*.md;
 # here each CI run draws a new moment). The *-big case moves 6.4 MB messages, so a kill often lands mid-message;
-# "rank0" kills the parameter server; "chief" the worker that gathers every --quorum step while the
+# "rank0" kills the parameter server; "coordinator" the worker that gathers every --quorum step while the
 # others wait for its update; "shm" a worker of --ps-transport shm, most often holding the store's
 # lock or half-way through its apply; the SIGTERM / SIGINT cases stop the run, which must save, exit
 # 128 + the signal and resume. One CI run (2026-11-29) failed "sync": rank 1 killed 1.37 s in, the job
@@ -36,7 +36,7 @@ pytestmark = pytest.mark.timeout(300)
 # the dead worker's stale part and a stop vote nobody cast (docs/notes/dead-peer.md; modes/sync.torn).
 QUICK = [chaos.Case("async-big", ("--mode", "async", "--hidden", "2000"), "worker", 500),
          chaos.Case("sync", ("--mode", "sync"), "worker", 2000),
-         chaos.Case("chief-quorum", ("--mode", "sync", "--quorum", "2"), "chief", 1000),
+         chaos.Case("coordinator-quorum", ("--mode", "sync", "--quorum", "2"), "coordinator", 1000),
          chaos.Case("rank0-async", ("--mode", "async", "--hidden", "2000"), "rank0", 500),
          chaos.Case("shm-async", ("--mode", "async", "--ps-transport", "shm"), "worker", 5000),
          chaos.Case("term-rank-sync", ("--mode", "sync"), "worker", 2000, signal.SIGTERM),  # stops, saves, resumes
@@ -44,10 +44,10 @@ QUICK = [chaos.Case("async-big", ("--mode", "async", "--hidden", "2000"), "worke
 
 
 # The store's kills do not depend on the MPI (tests/test_shm.py kills in it under both): MPICH only.
-# The chief is a worker killed in a sync job, as in "sync": what differs is mpitrain's quorum.
+# The coordinator is a worker killed in a sync job, as in "sync": what differs is mpitrain's quorum.
 ONE_MPI = {"shm-async": only_on("mpich", "the shared store is the same under either MPI; test_shm.py kills in it "
                                 "under both"),
-           "chief-quorum": only_on("mpich", OWN_LOGIC)}
+           "coordinator-quorum": only_on("mpich", OWN_LOGIC)}
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=ONE_MPI.get(c.name, ())) for c in QUICK],

@@ -110,7 +110,7 @@ def test_async_resume_continues_the_global_step(tmp_path):
                                                                   "ckpt-000000100.npz"]
     s = train(3, tmp_path, "--steps", "300", "--checkpoint-dir", str(ck))
     assert s["resumed_from"].endswith("ckpt-000000100.npz") and s["global_step"] == 300
-    assert sum(s["local_steps"]) == 300 and s["test_accuracy"] >= 0.9
+    assert sum(s["worker_steps"]) == 300 and s["test_accuracy"] >= 0.9
     # the rates are this run's: 200 steps in its wall_seconds (they once counted the resumed 100 too)
     assert s["steps_per_second"] * s["wall_seconds"] == pytest.approx(200)
 
@@ -124,7 +124,7 @@ def test_sync_quorum_resume_continues_from_the_saved_step(tmp_path):
     train(4, tmp_path, *args, "--steps", "30")
     s = train(4, tmp_path, *args, "--steps", "70", timeout=60)
     assert s["resumed_from"].endswith("ckpt-000000030.npz") and s["global_step"] == 70
-    assert sum(s["local_steps"]) == 2 * (70 - 30)  # two gradients in each resumed step
+    assert sum(s["worker_steps"]) == 2 * (70 - 30)  # two gradients in each resumed step
     assert set(s["worker_param_digests"]) == {s["param_digest"]}
 
 

@@ -87,13 +87,13 @@ def test_rank_0_killed_mid_run_a_worker_takes_over_and_the_job_reaches_its_budge
     assert fo["successor"] == 1 and fo["ranks"] == 3 and fo["global_step"] >= first
     # its timings cover the whole job (the successor counts its seconds as a worker): every step since 0
     assert abs(s["steps_per_second"] * s["wall_seconds"] - BUDGET) < 1e-6 * BUDGET, s["wall_seconds"]
-    # each worker's local steps are the whole job's too, as the worker counted them (they started over at the
+    # the worker steps are the whole job's too, as the worker counted them (they started over at the
     # take-over's step: sync [4203, 4203] of 5000; async more than the global steps between them)
     if mode == "sync":
-        assert s["local_steps"] == s["gradients_pushed"] == [BUDGET] * 2, s["local_steps"]
+        assert s["worker_steps"] == s["gradients_pushed"] == [BUDGET] * 2, s["worker_steps"]
     elif mode != "quorum":
-        assert sum(s["local_steps"]) <= BUDGET, s["local_steps"]
-        assert all(0 <= p - n <= 2 for n, p in zip(s["local_steps"], s["gradients_pushed"])), s["gradients_pushed"]
+        assert sum(s["worker_steps"]) <= BUDGET, s["worker_steps"]
+        assert all(0 <= p - n <= 2 for n, p in zip(s["worker_steps"], s["gradients_pushed"])), s["gradients_pushed"]
     if mode in ("sync", "quorum"):  # the replicas hold the whole model: nothing is lost, and they are identical
         assert fo["updates_lost_at_most"] == 0 and set(s["worker_param_digests"]) == {s["param_digest"]}
     elif mode == "shm":  # the store outlives rank 0: every update applied, and Adam's state, go on
@@ -152,7 +152,7 @@ def test_a_worker_killed_with_rank_0_is_left_out_and_the_others_take_over(tmp_pa
     assert fo["successor"] == 2 and fo["ranks"] == 2 and s["global_step"] == BUDGET, (fo, err)
     # rank 1's loss went with rank 0: the successor lists it, by the take-over's step
     assert fo["workers_left_out"] == [1] and s["lost_workers"] == [
-        {"rank": 1, "global_step": fo["global_step"], "reason": failover.LEFT_OUT, "local_steps": None}], s
+        {"rank": 1, "global_step": fo["global_step"], "reason": failover.LEFT_OUT, "worker_steps": None}], s
 
 
 def test_a_successor_killed_during_the_take_over_ends_the_others_in_one_line(tmp_path):

@@ -126,7 +126,7 @@ def test_async_np3_learns_digits_on_the_gpu(tmp_path):
     assert "GPU 0" in s["_stdout"].splitlines()[1]  # rank 1's line names the GPU it computes on
     assert s["test_accuracy"] >= 0.93
     assert all(a >= 0.90 for a in s["worker_test_accuracy"])
-    assert s["global_step"] == sum(s["local_steps"])
+    assert s["global_step"] == sum(s["worker_steps"])
 
 
 def test_sync_np3_learns_digits_on_the_gpu_and_replicas_stay_identical(tmp_path):
@@ -153,7 +153,7 @@ def test_quorum_on_the_gpu_keeps_replicas_identical(tmp_path, compress):
     (its thread) and the pushed ones add up on the device, and every replica applies the same."""
     s = train(4, tmp_path, "--device", "gpu", "--mode", "sync", "--quorum", "2", "--compress", compress,
               "--straggler", "3:0.003", "--steps", "150")
-    assert sum(s["local_steps"]) == 2 * s["global_step"]
+    assert sum(s["worker_steps"]) == 2 * s["global_step"]
     assert set(s["worker_param_digests"]) == {s["param_digest"]}
     assert s["test_accuracy"] >= 0.85
 

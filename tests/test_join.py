@@ -91,13 +91,13 @@ def test_a_worker_joins_a_running_job_and_trains(tmp_path, mode):
     # workers had pushed fewer gradients than rank 0 had applied from them, and a sync joiner had
     # taken part in every step), and the job was not resumed from the join's checkpoint.
     if mode == "sync":  # (an Allreduce a step: the exchanges and bytes of the whole job too)
-        assert (s["local_steps"] == s["gradients_pushed"] == s["worker_exchanges"]
+        assert (s["worker_steps"] == s["gradients_pushed"] == s["worker_exchanges"]
                 == [BUDGET[mode]] * 2 + [BUDGET[mode] - joined["global_step"]])
         per_exchange = {b / e for (b, _), e in zip(s["worker_bytes"], s["worker_exchanges"])}
         assert len(per_exchange) == 1, s["worker_bytes"]  # the same buffer every step, whoever sent it
     else:
-        assert sum(s["local_steps"]) == BUDGET[mode]
-        assert all(p >= k for p, k in zip(s["gradients_pushed"], s["local_steps"])), s
+        assert sum(s["worker_steps"]) == BUDGET[mode]
+        assert all(p >= k for p, k in zip(s["gradients_pushed"], s["worker_steps"])), s
     assert s["resumed_from"] is None and "resuming from" not in out
     assert "training on from " in out and ", saved to make room" in out
     assert s["test_accuracy"] > 0.9

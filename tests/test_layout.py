@@ -2,14 +2,14 @@
 
 import pytest
 
-from mpitrain.core.layout import PS_RANK, Layout
+from mpitrain.core.layout import CHIEF, PS_RANK, WORKER, Layout
 
 
-def test_a_world_of_one_is_a_local_run_with_one_worker():
+def test_a_world_of_one_is_a_single_process_run_with_one_worker():
     lay = Layout(1)
-    assert lay.local and lay.workers == 1 and lay.server_ranks == ()
+    assert lay.single and lay.workers == 1 and lay.server_ranks == ()
     assert lay.worker_rank(0) == 0 and lay.worker_index(0) == 0
-    assert lay.role(0) == "local" and lay.peers(0) == []
+    assert lay.role(0) == CHIEF and lay.peers(0) == []
     assert not lay.is_server(0)
 
 
@@ -20,8 +20,8 @@ def test_rank_0_serves_and_the_others_work(size):
     assert lay.worker_ranks == tuple(range(1, size)) and lay.workers == size - 1
     for w, rank in enumerate(lay.worker_ranks):
         assert lay.worker_rank(w) == rank and lay.worker_index(rank) == w
-        assert lay.role(rank) == "worker" and lay.peers(rank) == [0]
-    assert lay.role(0) == "parameter-server" and lay.peers(0) == list(range(1, size))
+        assert lay.role(rank) == WORKER and lay.peers(rank) == [0]
+    assert lay.role(0) == CHIEF and lay.peers(0) == list(range(1, size))
 
 
 def test_a_server_has_no_worker_index():

@@ -9,6 +9,7 @@ from conftest import NUMBERS_ONLY, only_on, train
 
 from mpitrain.cli import parse_args
 from mpitrain.core.outer import LocalSteps, OuterOptimizer
+from mpitrain.exchange.protocol import HEADER_BYTES
 
 
 def test_outer_sgd_at_lr_1_is_model_averaging_and_nesterov_is_sutskevers():
@@ -137,7 +138,7 @@ def test_async_inner_steps_push_how_far_they_moved_and_the_server_steps_the_glob
     server = anchor.copy()
     OuterUpdate(cfg, server, np, 10, 0, {}).apply(out, 0.5, staleness=0)
     np.testing.assert_allclose(server, local, rtol=1e-6)
-    # Its data runs out after two steps: the push carries two (the server counts them from H_LOCAL_STEP).
+    # Its data runs out after two steps: the push carries two (the server counts them from H_PUSHED).
     left = iter([False, True])
     inner.run(anchor, out, compute, lambda: next(left), lambda step: 0.5, version=13)
     assert inner.count == 5
@@ -178,7 +179,7 @@ def test_async_local_steps_learn_and_count_samples_as_without(tmp_path, flags):
     with np.load(sorted(ck.glob("ckpt-*.npz"))[-1]) as saved:
         assert {"opt_outer_v", "opt_outer_buf"} <= set(saved.files) and saved["opt_outer_v"].shape == saved["params"].shape
         assert np.any(saved["opt_outer_v"] != 0)  # the momentum moved (every 3rd push of 75)
-    assert s["global_step"] == sum(s["local_steps"]) == 600  # --epochs: the same samples as with H = 1
+    assert s["global_step"] == sum(s["worker_steps"]) == 600  # --epochs: the same samples as with H = 1
     assert s["gradients_pushed"] == [25, 25, 25]  # 200 inner steps each, 8 per push
     evals = [e["global_step"] for e in s["eval_history"]]  # at the push that crossed each multiple of 100
     assert len(evals) == 6 and all(0 <= step - 100 * k < 8 for k, step in enumerate(evals, 1)), evals
@@ -211,7 +212,7 @@ def test_the_bytes_each_worker_moved_are_counted_and_h_steps_move_h_times_fewer(
     one = train(np_, tmp_path, "--mode", mode)
     eight = train(np_, tmp_path, "--mode", mode, "--local-steps", "8")
     if mode == "async":
-        message = 96 + 4 * 7510  # protocol.HEADER_BYTES + the digits MLP's float32 parameters
+        message = HEADER_BYTES + 4 * 7510  # the header + the digits MLP's float32 parameters
         assert one["worker_bytes"] == [[p * message, p * message] for p in one["gradients_pushed"]]
     samples = one["global_step"] * 100 * (2 if mode == "sync" else 1)  # sync: a global step is both workers' batches
     assert one["bytes_per_sample"] == pytest.approx(sum(map(sum, one["worker_bytes"])) / samples)
@@ -219,9 +220,9 @@ def test_the_bytes_each_worker_moved_are_counted_and_h_steps_move_h_times_fewer(
     assert f"{one['bytes_per_sample']:,.0f} bytes through MPI per sample" in one["_stdout"]
     # The exchanges each worker sent its work in: one per step with H 1, one per 8 inner steps (its last
     # round may be shorter: at the budget in sync, at its data's end in async), and so the summary says.
-    assert one["worker_exchanges"] == one["local_steps"]
-    assert all(-(-k // 8) == e for k, e in zip(eight["local_steps"], eight["worker_exchanges"])), eight["_stdout"]
-    assert f"local steps {eight['local_steps']} in {eight['worker_exchanges']} exchanges" in eight["_stdout"]
+    assert one["worker_exchanges"] == one["worker_steps"]
+    assert all(-(-k // 8) == e for k, e in zip(eight["worker_steps"], eight["worker_exchanges"])), eight["_stdout"]
+    assert f"worker steps {eight['worker_steps']} in {eight['worker_exchanges']} exchanges" in eight["_stdout"]
     assert " exchanges" not in one["_stdout"]
 
 
@@ -236,7 +237,7 @@ def test_with_a_quorum_an_outer_step_averages_the_first_q_rounds_and_every_byte_
     one = train(4, tmp_path, "--mode", "sync", "--quorum", "2")
     eight = train(4, tmp_path, "--mode", "sync", "--quorum", "2", "--local-steps", "8")
     assert eight["global_step"] == one["global_step"] == 200
-    assert sum(eight["local_steps"]) == sum(one["local_steps"]) == 2 * 200
+    assert sum(eight["worker_steps"]) == sum(one["worker_steps"]) == 2 * 200
     assert eight["worker_param_digests"] == [eight["param_digest"]] * 3
     assert eight["test_accuracy"] >= 0.93, eight["_stdout"]
     assert "every 8 steps the first 2 of the 3 workers to finish their steps average their models" in eight["_stdout"]

@@ -67,7 +67,7 @@ def test_jsonl_log_has_training_and_eval_events(two_runs, mode):
     train_ev = [e for e in events if e["event"] == "train"]
     if mode == "async":  # every --log-every steps; sync logs what the chief reports (every 0.2 s)
         assert [e["global_step"] for e in train_ev[:3]] == [5, 10, 15]
-    for key in ("loss", "lr", "samples_per_second", "staleness", "local_steps", "time"):
+    for key in ("loss", "lr", "samples_per_second", "staleness", "worker_steps", "time"):
         assert key in train_ev[-1]
     evals = [e for e in events if e["event"] == "eval"]
     assert len(evals) == s["global_step"] // 20 and "ema_test_accuracy" in evals[-1]

@@ -57,9 +57,9 @@ def test_async_finishes_the_budget_without_a_killed_worker(tmp_path):
     assert s["global_step"] == 6000  # the budget, finished by the others (the loss is noticed ~1 s in, mid-run)
     assert s["worker_ranks"] == [1, 3]
     # Every per-worker list follows worker_ranks; the lost worker's count is in its own entry.
-    assert len(s["local_steps"]) == len(s["worker_test_accuracy"]) == len(s["gradients_pushed"]) == 2
-    assert s["lost_workers"][0]["local_steps"] == 49  # rank 2 died computing its 50th gradient
-    assert sum(s["local_steps"]) == 6000 - 49
+    assert len(s["worker_steps"]) == len(s["worker_test_accuracy"]) == len(s["gradients_pushed"]) == 2
+    assert s["lost_workers"][0]["worker_steps"] == 49  # rank 2 died computing its 50th gradient
+    assert sum(s["worker_steps"]) == 6000 - 49
     assert s["test_accuracy"] > 0.9
     assert "lost worker rank 2 at global step" in proc.stdout  # the human summary says so too
     assert not proc.leftovers  # every survivor exited (none waits in MPI_Finalize for the dead)
@@ -89,7 +89,7 @@ def test_an_exception_on_a_worker_ends_every_rank_even_when_the_job_keeps_going(
                                               "--worker-timeout", "0", launcher_flags=keep_going()),
                                  env={**child_env(), "MPITRAIN_INJECT_RAISE": "2:30"})
     assert proc.returncode != 0 and seconds < 30
-    assert "rank 2 failed:" in proc.stderr and "MPITRAIN_INJECT_RAISE at local step 30" in proc.stderr
+    assert "rank 2 failed:" in proc.stderr and "MPITRAIN_INJECT_RAISE at its own step 30" in proc.stderr
     assert not proc.leftovers  # --worker-timeout 0: no heartbeat would ever have ended an orphan
 
 

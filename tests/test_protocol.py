@@ -6,7 +6,7 @@ import pytest
 from mpitrain.core.codec import WIRE_DTYPES, decode, encode
 from mpitrain.core.config import codec_names
 from mpitrain.exchange.protocol import (
-    FLAG_STOP,
+    FLAG_FINAL,
     H_MAGIC,
     H_VERSION,
     HEADER_BYTES,
@@ -23,11 +23,11 @@ def test_header_and_payload_share_one_buffer():
     m = Message(10)
     assert m.buf.nbytes == HEADER_BYTES + 40
     m.payload[:] = np.arange(10)
-    m.stamp(TAG_PARAMS, step=7, local_step=3, flags=FLAG_STOP, loss=0.125)
+    m.stamp(TAG_PARAMS, step=7, pushed=3, flags=FLAG_FINAL, loss=0.125)
     copy = Message(10)
     copy.buf[:] = m.buf  # what MPI does: bytes in, bytes out
     copy.check(TAG_PARAMS, source=0)
-    assert (copy.step, copy.local_step, copy.flags, copy.loss) == (7, 3, FLAG_STOP, 0.125)
+    assert (copy.step, copy.pushed, copy.flags, copy.loss) == (7, 3, FLAG_FINAL, 0.125)
     assert copy.payload.tolist() == list(range(10))
 
 
@@ -172,8 +172,8 @@ def test_a_regroup_or_join_number_travels_in_a_slot_of_its_own():
     from mpitrain.exchange.protocol import TAG_REPORT
 
     m = Message(0)
-    m.stamp(TAG_REPORT, step=5, local_step=3, generation=2, joiner=1)
+    m.stamp(TAG_REPORT, step=5, pushed=3, generation=2, joiner=1)
     got = Message(0)
     got.buf[:] = m.buf
     got.check(TAG_REPORT, source=0)
-    assert (got.step, got.local_step, got.generation, got.joiner) == (5, 3, 2, 1)
+    assert (got.step, got.pushed, got.generation, got.joiner) == (5, 3, 2, 1)

@@ -171,7 +171,7 @@ def whole(step):
 for step in range(1, ctx.global_step_budget + 1):
     loss = source.compute(params, grad)
     rule.apply(grad, ctx.lr_at(step - 1), staleness=0)
-    duties.advance(step, loss, lambda evaluate, save: whole(step), staleness=0, local_steps=[step])
+    duties.advance(step, loss, lambda evaluate, save: whole(step), staleness=0, worker_steps=[step])
 duties.save(whole(step), final=True)
 print(json.dumps({"param_digest": digest(params), "eval_history": duties.state.eval_history}))
 """

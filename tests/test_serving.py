@@ -4,7 +4,7 @@ twice: the message path (exchange/serving.py over MPI), a worker's mailbox (anot
 
 Each worker pushes a gradient whose every entry is its rank x 2^-10 (no model, no data), and the learning
 rate is 2^-4, so each applied push moves every parameter by exactly rank x 2^-14 in float32. The server's
-counts of applied pushes per worker (the summary's local_steps) then say where the parameters must end, to
+counts of applied pushes per worker (the summary's worker_steps) then say where the parameters must end, to
 within the roundings of the subtractions (far under one push of the smallest size).
 """
 
@@ -17,6 +17,8 @@ import numpy as np
 import pytest
 
 from conftest import MPI_TIMEOUT_S, child_env, launcher
+
+from mpitrain.exchange.protocol import HEADER_BYTES
 
 SCRIPT = """
 import sys
@@ -61,12 +63,12 @@ def test_a_server_applies_exactly_the_pushes_it_received(tmp_path, path):
                           capture_output=True, text=True, env=env, timeout=MPI_TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     s = json.loads((tmp_path / "s.json").read_text())
-    applied = s["local_steps"]  # rank 0's count of each worker's pushes applied
+    applied = s["worker_steps"]  # rank 0's count of each worker's pushes applied
     assert sum(applied) == s["global_step"] == 600 and min(applied) > 0, applied
     start, end = np.load(tmp_path / "start-2.npy"), np.load(tmp_path / "end.npy")
     moved = sum(count * (w + 1) for w, count in enumerate(applied)) * UNIT
     assert np.abs(start - end - moved).max() < UNIT / 4, (applied, float(np.abs(start - end - moved).max()))
-    message = 96 + 4 * (64 * 10 + 10)  # header + softmax 64-10 (digits), the bytes of one push
+    message = HEADER_BYTES + 4 * (64 * 10 + 10)  # header + softmax 64-10 (digits), the bytes of one push
     through_mpi = s["ps_shards"][0]["bytes_in"]  # what rank 0 took from MPI (a mailbox's pushes are not)
     expected = {"messages": sum(applied), "mailbox": applied[0], "shm-remote": applied[1]}[path] * message
     assert expected <= through_mpi <= expected + 2 * message, (through_mpi / message, applied)  # + the last pushes

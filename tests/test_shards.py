@@ -46,7 +46,7 @@ def test_layout_with_two_servers():
     lay = Layout(6, 2)
     assert lay.server_ranks == (0, 1) and lay.worker_ranks == (2, 3, 4, 5) and lay.workers == 4
     assert lay.shard_index(1) == 1 and lay.worker_index(2) == 0
-    assert lay.role(1) == "parameter-server" and lay.role(2) == "worker"
+    assert lay.role(1) == "server" and lay.role(2) == "worker"
     assert lay.peers(2) == [0, 1]  # a worker beats to and watches every server
     assert lay.peers(0) == [1, 2, 3, 4, 5]  # the chief also watches the other servers
     assert lay.peers(1) == [0, 2, 3, 4, 5]  # ... and they watch it (not each other)

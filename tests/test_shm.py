@@ -34,7 +34,7 @@ def test_it_learns_with_each_optimizer_and_rank_0_sees_every_step(tmp_path, flag
     before = _segments()
     s = train(4, tmp_path, "--ps-transport", "shm", "--eval-every", "100", *flags)
     assert s["test_accuracy"] >= 0.93, s["_stdout"]
-    assert s["global_step"] == sum(s["local_steps"]) == s["staleness"]["gradients"]
+    assert s["global_step"] == sum(s["worker_steps"]) == s["staleness"]["gradients"]
     assert [e["global_step"] for e in s["eval_history"]] == list(range(100, s["global_step"] + 1, 100))
     assert s["staleness"]["p50"] <= 2  # no overlap and no round trip: about a step per other worker
     assert "shared memory" in s["_stdout"] and _none_left(before)
@@ -50,7 +50,7 @@ def test_with_num_ps_each_shard_is_applied_under_its_own_lock_and_it_learns(tmp_
     assert s["test_accuracy"] >= 0.93 and s["num_ps"] == 2, s["_stdout"]
     assert "rank 1 parameter-server shard 1/2 (its 3,755 params are in the host's shared store; this rank holds " \
            "nothing and waits for the end)" in s["_stdout"]  # not "(3,755 params)", as if it served them (issue 77)
-    assert s["global_step"] == sum(s["local_steps"]) == s["staleness"]["gradients"]
+    assert s["global_step"] == sum(s["worker_steps"]) == s["staleness"]["gradients"]
     assert [e["global_step"] for e in s["eval_history"]] == list(range(100, s["global_step"] + 1, 100))
     assert _none_left(before)
 
@@ -64,7 +64,7 @@ def test_local_steps_push_outer_steps_into_the_store_and_rank_0_counts_their_inn
     before, ck = _segments(), tmp_path / "ck"
     s = train(5, tmp_path, "--ps-transport", "shm", "--num-ps", "2", "--local-steps", "8", "--eval-every", "100",
               "--checkpoint-dir", str(ck))
-    assert s["global_step"] == sum(s["local_steps"]) == 600, s["_stdout"]  # --epochs: the samples of H = 1
+    assert s["global_step"] == sum(s["worker_steps"]) == 600, s["_stdout"]  # --epochs: the samples of H = 1
     assert s["gradients_pushed"] == [25, 25, 25] and s["staleness"]["gradients"] == 75
     evals = [e["global_step"] for e in s["eval_history"]]
     assert len(evals) == 6 and all(0 <= step - 100 * k < 8 for k, step in enumerate(evals, 1)), evals
@@ -83,7 +83,7 @@ def test_checkpoints_fall_on_their_steps_and_a_run_resumes_from_them(tmp_path):
     assert sorted(p.name for p in ck.glob("ckpt-*.npz")) == [f"ckpt-{s:09d}.npz" for s in (100, 200, 300)]
     more = train(3, tmp_path, "--ps-transport", "shm", "--steps", "500", "--checkpoint-dir", str(ck))
     assert "resuming from" in more["_stdout"] and more["global_step"] == 500
-    assert sum(more["local_steps"]) == 500  # the positions went on from the checkpoint's
+    assert sum(more["worker_steps"]) == 500  # the positions went on from the checkpoint's
     assert more["test_accuracy"] >= 0.9
 
 
@@ -123,7 +123,7 @@ def test_a_worker_on_another_host_sends_its_gradients_into_the_store(tmp_path, f
     delay compensation (against the reply rank 0 sent it), --max-staleness and fp16 messages too."""
     s = train(4, tmp_path, "--ps-transport", "shm", "--eval-every", "100", *flags, env=OFF_HOST)
     assert s["test_accuracy"] >= 0.93, s["_stdout"]
-    assert s["global_step"] == sum(s["local_steps"]) == 600  # --local-steps: a push's inner steps, counted once
+    assert s["global_step"] == sum(s["worker_steps"]) == 600  # --local-steps: a push's inner steps, counted once
     h = 4 if "--local-steps" in flags else 1
     assert s["staleness"]["gradients"] == sum(s["gradients_pushed"]) == 600 // h
     evals = [e["global_step"] for e in s["eval_history"]]
@@ -169,7 +169,7 @@ def test_a_segment_is_swept_only_when_its_creator_is_gone(tmp_path):
 @only_on("mpich", NUMBERS_ONLY)
 def test_max_staleness_holds_and_delay_compensation_learns_on_the_store(tmp_path):
     held = train(4, tmp_path, "--ps-transport", "shm", "--max-staleness", "2", "--straggler", "3:x5")
-    assert held["staleness"]["max"] <= 2 and held["global_step"] == sum(held["local_steps"])
+    assert held["staleness"]["max"] <= 2 and held["global_step"] == sum(held["worker_steps"])
     dc = train(4, tmp_path, "--ps-transport", "shm", "--delay-compensation", "--optimizer", "momentum")
     assert dc["test_accuracy"] >= 0.93, dc["_stdout"]
 

@@ -76,7 +76,7 @@ def test_a_killed_worker_is_replaced_by_the_spare_at_once_and_the_job_finishes_i
     assert joined_s < 1.5, (joined_s, text)
     assert "Traceback" not in text, text
     s = read_summary(tmp_path / "s.json", text)
-    assert s["global_step"] == budget and len(s["local_steps"]) == 3, s
+    assert s["global_step"] == budget and len(s["worker_steps"]) == 3, s
     assert [w["rank"] for w in s["lost_workers"]] == [2]
     assert [(j["rank"], j["spare"], j["respawned"]) for j in s["joined_workers"]] == [(3, True, False)]
 
@@ -91,7 +91,7 @@ def test_under_open_mpi_sync_regroups_and_takes_the_spare_in(tmp_path):
     assert proc.returncode == ExitCode.WORKER_LOST, text
     assert "regrouped" in text and "the spare on" in text and "Traceback" not in text, text
     s = read_summary(tmp_path / "s.json", text)
-    assert s["global_step"] == budget and len(s["local_steps"]) == 3, s
+    assert s["global_step"] == budget and len(s["worker_steps"]) == 3, s
     assert [j["spare"] for j in s["joined_workers"]] == [True]
 
 
@@ -137,7 +137,7 @@ def test_with_on_lost_server_continue_each_successor_of_rank_0_takes_the_spares_
         assert f"spare rank {np_ - 1}: the job's rank 0 was lost; waiting for rank 2, which took over" in text, text
     s = read_summary(tmp_path / "s.json", text)
     assert s["global_step"] == budget and len(s["failovers"]) == kills, s["failovers"]
-    assert len(s["local_steps"]) == 4 and not s["lost_workers"], s  # the workers it started with
+    assert len(s["worker_steps"]) == 4 and not s["lost_workers"], s  # the workers it started with
     joins = s["joined_workers"]  # each successor's spare: rank 0's record goes to every rank (Carry.share_record)
     assert len(joins) == kills and all(j["spare"] for j in joins), joins
     assert all(j["global_step"] >= fo["global_step"] for j, fo in zip(joins, s["failovers"])), (joins, s["failovers"])
@@ -171,7 +171,7 @@ def test_a_spare_that_dies_as_the_job_makes_room_passes_the_loss_to_the_next_spa
     assert "spare rank 5 on" in text and "the spare on" in text and "joined as rank 3" in text, text
     assert "MPI_Finalize still waiting" not in text and "Traceback" not in text, text
     s = read_summary(tmp_path / "s.json", text)
-    assert s["global_step"] == budget and len(s["local_steps"]) == 3, s
+    assert s["global_step"] == budget and len(s["worker_steps"]) == 3, s
     assert [j["spare"] for j in s["joined_workers"]] == [True]
 
 
@@ -183,7 +183,7 @@ def test_a_job_that_loses_nothing_ends_as_without_spares_and_the_spare_leaves(tm
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "mpitrain: 1 spare(s) waiting: rank 3 on " in proc.stdout, proc.stdout
     s = read_summary(tmp_path / "s.json", proc.stdout + proc.stderr)
-    assert len(s["local_steps"]) == 2 and s["global_step"] == 300 and not s["joined_workers"]
+    assert len(s["worker_steps"]) == 2 and s["global_step"] == 300 and not s["joined_workers"]
 
 
 @only_on("mpich", "the line comes before MPI is asked anything; one MPI shows it")

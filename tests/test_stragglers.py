@@ -29,8 +29,8 @@ def test_quorum_with_a_straggler_drops_late_gradients_and_keeps_replicas_identic
     assert s["dropped_gradients"] == sum(s["dropped_gradients_per_worker"])
     assert s["dropped_gradients_per_worker"][w] > 0  # the straggler's
     # every update averaged exactly 2 gradients: the contributions add up to 2 per global step
-    assert sum(s["local_steps"]) == 2 * s["global_step"]
-    assert s["local_steps"][w] < min(c for i, c in enumerate(s["local_steps"]) if i != w)  # it contributed least
+    assert sum(s["worker_steps"]) == 2 * s["global_step"]
+    assert s["worker_steps"][w] < min(c for i, c in enumerate(s["worker_steps"]) if i != w)  # it contributed least
     assert set(s["worker_param_digests"]) == {s["param_digest"]}  # replicas identical
     assert s["test_accuracy"] >= 0.90
     assert f"straggler effect: rank {slow} (0.005 s/step); quorum 2 of 3" in s["_stdout"]
@@ -110,11 +110,11 @@ def test_the_chief_computes_on_its_main_thread_unless_it_is_the_slow_one(tmp_pat
     inline = sum(e["tid"] == observe.THREAD_MAIN for e in spans)
     threaded = sum(e["tid"] == observe.THREAD_HELPER for e in spans)
     # every gradient it computed went into a step or was dropped (one still on the thread at the end: neither)
-    extra = inline + threaded - s["local_steps"][0] - s["dropped_gradients_per_worker"][0]
-    assert 0 <= extra <= 1, (inline, threaded, s["local_steps"], s["dropped_gradients_per_worker"])
+    extra = inline + threaded - s["worker_steps"][0] - s["dropped_gradients_per_worker"][0]
+    assert 0 <= extra <= 1, (inline, threaded, s["worker_steps"], s["dropped_gradients_per_worker"])
     if slow == 1:
         # on its thread after PACE_RUN slow gradients (one more if the others were not heard from yet)
-        assert threaded > 0 and inline <= PACE_RUN + 1 + threaded // PACE_PROBE and s["local_steps"][0] < 20
+        assert threaded > 0 and inline <= PACE_RUN + 1 + threaded // PACE_PROBE and s["worker_steps"][0] < 20
     else:
         assert inline > 4 * threaded, (inline, threaded)
     assert set(s["worker_param_digests"]) == {s["param_digest"]}
@@ -126,7 +126,7 @@ def test_quorum_with_a_straggler_more_updates_behind_than_the_chief_keeps(tmp_pa
     then waits for it to take the oldest, and every update still reaches it, in order."""
     s = train(4, tmp_path, "--mode", "sync", "--quorum", "2", "--straggler", "3:0.1", "--steps", "120",
               "--hidden", "32")
-    assert s["global_step"] == 120 and sum(s["local_steps"]) == 240
+    assert s["global_step"] == 120 and sum(s["worker_steps"]) == 240
     assert s["dropped_gradients_per_worker"][2] > 0
     assert set(s["worker_param_digests"]) == {s["param_digest"]}
 
@@ -138,7 +138,7 @@ def test_quorum_with_a_compressed_wire_keeps_replicas_identical(tmp_path, compre
     would drift from them if it kept its float32 mean)."""
     s = train(4, tmp_path, "--mode", "sync", "--quorum", "2", "--compress", compress, "--straggler", "3:0.003",
               "--steps", "150")
-    assert sum(s["local_steps"]) == 2 * s["global_step"] == 300
+    assert sum(s["worker_steps"]) == 2 * s["global_step"] == 300
     assert set(s["worker_param_digests"]) == {s["param_digest"]}
     assert s["test_accuracy"] >= 0.85
 
@@ -211,7 +211,7 @@ def test_without_a_straggler_the_quorum_counts_every_worker(tmp_path, np_, quoru
     env = {**child_env(), "MPITRAIN_INJECT_HANG": pause} if pause else None
     s = train(np_, tmp_path, "--mode", "sync", "--quorum", str(quorum), "--steps", "1500", "--local-steps", local,
               env=env)
-    counted = s["local_steps"]
+    counted = s["worker_steps"]
     assert sum(counted) == quorum * 1500  # every update averaged exactly Q gradients
     # No worker starves (the failures this guards against were [2994, 6] and [350, 0]); who wins each
     # round is a race, so shares differ: [480, 1020] once under Open MPI on a busy 2-core VM (CI, 2026-11-27).
@@ -224,7 +224,7 @@ def test_without_a_straggler_the_quorum_counts_every_worker(tmp_path, np_, quoru
 def test_quorum_equal_to_workers_drops_nothing(tmp_path):
     s = train(4, tmp_path, "--mode", "sync", "--quorum", "3", "--straggler", "3:x3", "--steps", "40")
     assert s["quorum"] == 3 and s["dropped_gradients"] == 0
-    assert s["local_steps"] == [40, 40, 40]
+    assert s["worker_steps"] == [40, 40, 40]
     assert s["staleness"]["max"] == 0  # sync gradients are never stale
     assert "waits for the slowest every step" in s["_stdout"]
 

@@ -92,7 +92,7 @@ def test_a_mode_is_one_object_in_its_own_file_and_the_flag_is_read_in_one_place(
         found = [v for v in vars(module).values() if isinstance(v, Mode) and type(v).__module__ == module.__name__]
         assert len(found) <= 1, (stem, found)
         objects.update({stem: found[0]} if found else {})
-    assert set(objects) == {"async_", "sync", "quorum", "local"}, objects
+    assert set(objects) == {"async_", "sync", "quorum", "single"}, objects
     picked = {modes.of(TrainConfig(mode=m, quorum=q), Layout(size)) for m in ("async", "sync")
               for q in (None, 1) for size in (1, 4)}
     assert picked == set(objects.values()), (picked, objects)
@@ -180,3 +180,42 @@ def test_the_architecture_page_draws_the_real_folders():
     for sub in (p for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__"):
         real[sub.name] = {p.name for p in sub.glob("*.py") if p.name != "__init__.py"}
     assert drawn == real
+
+
+# docs/architecture.md, "One meaning per name": "local" is --local-steps' H (its outer.LocalSteps, the
+# worker's local model in anchor - local), a launcher's node-local rank or a thread's scratch, and no more.
+LOCAL_WORDS = {"local_steps", "LocalSteps", "local", "local_step", "local_rank", "launcher_local_rank",
+               "node_local_rank", "LOCAL_RANK_VARS", "local_env", "local_flags", "_local"}
+
+
+def identifiers(tree: ast.AST):
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            yield node.id
+        elif isinstance(node, ast.Attribute):
+            yield node.attr
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef)):
+            yield node.name
+        elif isinstance(node, ast.arg):
+            yield node.arg
+
+
+def test_one_meaning_per_name():
+    """The one-process run is `single`, a worker's count of its gradients its `worker_steps`, rank 0
+    the only `chief`; on the wire each flag bit and each header slot means one thing."""
+    stray = {(name, module) for module, path in module_names().items()
+             for name in identifiers(ast.parse(path.read_text()))
+             if ("local" in name.lower() and name not in LOCAL_WORDS) or name in ("chief_worker", "LocalMode")}
+    assert not stray, sorted(stray)
+    from mpitrain.core.layout import CHIEF, SERVER, WORKER, Layout
+    from mpitrain.exchange import protocol
+    from mpitrain.modes import of
+
+    lay = Layout(1)
+    assert lay.role(0) == CHIEF and of(None, lay).name == "single" and not hasattr(lay, "local")
+    assert [Layout(3, num_ps=2).role(r) for r in range(3)] == [CHIEF, SERVER, WORKER]
+    flags = {k: v for k, v in vars(protocol).items() if k.startswith("FLAG_")}
+    assert len(set(flags.values())) == len(flags) and all(v > 0 and v & (v - 1) == 0 for v in flags.values())
+    slots = {k: v for k, v in vars(protocol).items() if k.startswith("H_")}
+    assert sorted(slots.values()) == list(range(len(slots))) and len(slots) <= protocol.HEADER_SLOTS
+    assert "FLAG_STOP" not in flags and "H_LOCAL_STEP" not in slots and protocol.HEADER_BYTES % 16 == 0

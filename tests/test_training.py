@@ -12,9 +12,9 @@ def test_main_job_async_np3_learns_digits(tmp_path):
     assert s["mode"] == "async" and s["world_size"] == 3 and s["workers"] == 2
     assert s["test_accuracy"] >= 0.93
     assert all(a >= 0.90 for a in s["worker_test_accuracy"])
-    # global step = gradients applied at rank 0 = the sum of the workers' applied local steps
-    assert s["global_step"] == sum(s["local_steps"]) and all(k > 0 for k in s["local_steps"])
-    assert s["local_steps"] == s["gradients_pushed"]  # epochs end cleanly: every push applied
+    # global step = gradients applied at rank 0 = the sum of the workers' applied steps (worker_steps)
+    assert s["global_step"] == sum(s["worker_steps"]) and all(k > 0 for k in s["worker_steps"])
+    assert s["worker_steps"] == s["gradients_pushed"]  # epochs end cleanly: every push applied
     assert s["wall_seconds"] < 60
     # exactly the typed summary's fields, whatever the mode (reports.Summary is their one place)
     assert set(s) - {"_stdout", "_stderr"} == set(SUMMARY_KEYS)
@@ -32,7 +32,7 @@ def test_sync_np3_learns_and_replicas_stay_identical(tmp_path):
     assert len(set(s["worker_param_digests"])) == 1
     assert s["worker_param_digests"][0] == s["param_digest"]
     assert s["worker_test_accuracy"] == [s["test_accuracy"]] * 2
-    assert s["local_steps"] == [s["global_step"]] * 2
+    assert s["worker_steps"] == [s["global_step"]] * 2
 
 
 @only_on("mpich", NUMBERS_ONLY)
@@ -48,8 +48,8 @@ def test_async_np4_three_workers_and_step_budget(tmp_path):
     # 800 steps, not 400: three workers on 2 cores run ~5 updates stale, and this narrow net read
     # 0.76-0.94 after 400 (one CI-like run under 0.8); after 800, 0.950-0.955 in 6 runs
     s = train(4, tmp_path, "--steps", "800", "--hidden", "32,16")
-    assert s["workers"] == 3 and len(s["local_steps"]) == 3
-    assert s["global_step"] == 800 == sum(s["local_steps"])
+    assert s["workers"] == 3 and len(s["worker_steps"]) == 3
+    assert s["global_step"] == 800 == sum(s["worker_steps"])
     assert "64-32-16-10" in s["model_description"]
     assert s["test_accuracy"] > 0.8
 
@@ -57,7 +57,7 @@ def test_async_np4_three_workers_and_step_budget(tmp_path):
 @only_on("mpich", NUMBERS_ONLY)
 def test_async_no_overlap_np2(tmp_path):
     s = train(2, tmp_path, "--no-overlap", "--model", "softmax", "--epochs", "20")
-    assert s["workers"] == 1 and s["global_step"] == s["local_steps"][0]
+    assert s["workers"] == 1 and s["global_step"] == s["worker_steps"][0]
     assert s["test_accuracy"] >= 0.85
     assert s["worker_test_accuracy"] == [s["test_accuracy"]]  # its last reply holds the final params
 
@@ -65,12 +65,12 @@ def test_async_no_overlap_np2(tmp_path):
 @only_on("mpich", NUMBERS_ONLY)
 def test_one_process_trains_locally(tmp_path):
     s = train(0, tmp_path, "--model", "softmax")  # plain `python -m mpitrain`, no mpirun
-    assert s["mode"] == "local" and s["world_size"] == 1
+    assert s["mode"] == "single" and s["world_size"] == 1
     assert "one process: --mode async trains locally, with no parameter server" in s["_stdout"]
     assert s["test_accuracy"] >= 0.90
     # --mode sync alone: not refused as --quorum is (the run is the same), but said (issue 77: it was silent)
     s = train(0, tmp_path, "--model", "softmax", "--mode", "sync", "--steps", "20")
-    assert s["mode"] == "local" and "one process: --mode sync trains locally" in s["_stdout"]
+    assert s["mode"] == "single" and "one process: --mode sync trains locally" in s["_stdout"]
 
 
 @only_on("mpich", NUMBERS_ONLY)

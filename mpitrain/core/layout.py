@@ -11,6 +11,11 @@ from functools import cached_property
 
 PS_RANK = 0  # the chief parameter server (shard 0): evaluation, logs, checkpoints
 
+# Who a rank is, in every mode and in every module (Layout.role; the modes' loops are named after them).
+CHIEF = "chief"  # rank 0: the global model, the progress bar, checkpoints, the summary
+SERVER = "server"  # another parameter server of --num-ps K: one shard of the parameters
+WORKER = "worker"  # computes gradients on its shard of the data
+
 
 def shard_bounds(n: int, shards: int) -> tuple[tuple[int, int], ...]:
     """[lo, hi) of each of `shards` contiguous slices of n elements, balanced by elements (not by
@@ -27,7 +32,7 @@ def shard_bounds(n: int, shards: int) -> tuple[tuple[int, int], ...]:
 @dataclass(frozen=True)
 class Layout:
     """The roles in a world of `size` ranks with `num_ps` parameter servers. A world of one is a
-    local run: one process that is its own server and worker 0. The rank lists are worked out
+    single-process run: one process that is its own server and worker 0. The rank lists are worked out
     once (Context.workers is read on every step)."""
 
     size: int
@@ -35,13 +40,13 @@ class Layout:
     lost: frozenset[int] = frozenset()  # workers lost and regrouped without (sync, elastic.py)
 
     @property
-    def local(self) -> bool:
+    def single(self) -> bool:
         return self.size == 1
 
     @cached_property
     def server_ranks(self) -> tuple[int, ...]:
         """Shard k is served by server_ranks[k]; the first is PS_RANK, the chief."""
-        return () if self.local else tuple(range(PS_RANK, PS_RANK + self.num_ps))
+        return () if self.single else tuple(range(PS_RANK, PS_RANK + self.num_ps))
 
     @cached_property
     def worker_ranks(self) -> tuple[int, ...]:
@@ -51,7 +56,7 @@ class Layout:
     @cached_property
     def started_ranks(self) -> tuple[int, ...]:
         servers = self.server_ranks
-        return (PS_RANK,) if self.local else tuple(r for r in range(self.size) if r not in servers)
+        return (PS_RANK,) if self.single else tuple(r for r in range(self.size) if r not in servers)
 
     @property
     def started_workers(self) -> int:
@@ -82,8 +87,8 @@ class Layout:
         return rank in self.server_ranks
 
     def shard_index(self, rank: int) -> int:
-        """The shard a server rank serves (the local run holds the one shard)."""
-        return 0 if self.local else self.server_ranks.index(rank)
+        """The shard a server rank serves (the single-process run holds the one shard)."""
+        return 0 if self.single else self.server_ranks.index(rank)
 
     def shard_slices(self, n: int) -> list[slice]:
         """Each shard's part of a flat vector of n parameters, in shard (server rank) order."""
@@ -94,14 +99,17 @@ class Layout:
         return self.shard_slices(n)[k]
 
     def role(self, rank: int) -> str:
-        return "local" if self.local else ("parameter-server" if self.is_server(rank) else "worker")
+        """CHIEF, SERVER or WORKER: rank 0 is the chief in every mode, a single process included."""
+        if rank == PS_RANK:
+            return CHIEF
+        return SERVER if self.is_server(rank) else WORKER
 
     def peers(self, rank: int) -> list[int]:
         """The ranks `rank` exchanges heartbeats with: a worker with every server; a server with
         every worker and every other server (rank 0 gathers their shards, and with --on-lost-server
         continue every server takes part in a lost shard's take-over, so each must hear of it);
-        nobody in a local run."""
-        if self.local:
+        nobody in a single-process run."""
+        if self.single:
             return []
         if not self.is_server(rank):
             return list(self.server_ranks)

@@ -174,7 +174,7 @@ class InnerSteps:
         self.h, self.xp = cfg.local_steps, xp
         self.opt = Optimizer(cfg.optimizer, n, xp, momentum=cfg.momentum)
         self.local, self.grad = xp.empty(n, xp.float32), xp.empty(n, xp.float32)
-        self.count = 0  # inner steps taken in this run: each push carries it (protocol.H_LOCAL_STEP)
+        self.count = 0  # inner steps taken in this run: each push carries it (protocol.H_PUSHED)
 
     def run(self, anchor, out, compute: Callable, exhausted: Callable[[], bool], lr_at: Callable[[int], float],
             version: int, steps: int | None = None) -> float:

@@ -27,9 +27,9 @@ LOSS_WINDOW = 20  # final_loss: mean minibatch loss of the last LOSS_WINDOW glob
 
 @dataclass
 class WorkerResult:
-    """What a worker's training loop hands back, async or sync (and the local run's sync loop)."""
+    """What a worker's training loop hands back, async or sync (and the single-process run's sync loop)."""
 
-    pushed: int  # gradients computed and sent (sync: local steps taken)
+    pushed: int  # gradients computed and sent (sync: steps taken)
     params: np.ndarray  # host copy of the final parameters
     time: dict  # observe.Activity.times(): wall, compute and wait seconds
     dropped: int = 0  # gradients left out of every update (--quorum: late ones)
@@ -49,7 +49,7 @@ def mean_loss(recent: deque) -> float:
 @dataclass
 class WorkerReport:
     rank: int
-    pushed: int  # gradients computed and sent (sync: local steps taken)
+    pushed: int  # gradients computed and sent (sync: steps taken)
     dropped: int  # gradients left out of every update (--quorum)
     diverged: dict | None  # the non-finite or exploding loss that stopped it, if any (guard.Diverged as a dict)
     contributed: int | None  # sync: gradients that went into updates
@@ -58,7 +58,7 @@ class WorkerReport:
     digest: str  # hash of its final parameters (equal on every worker in sync mode)
     time_breakdown: dict  # fractions of wall time: compute, communication_and_wait, other
     step_time: dict  # observe.Activity.report(): median step time and its spread
-    max_rss_mb: list[float] | None = None  # [start, end] of training (a local run's own report: None)
+    max_rss_mb: list[float] | None = None  # [start, end] of training (a single-process run's own report: None)
     timeline: list[dict] = field(default_factory=list)  # --timeline spans
     stop_signal: int = 0  # the signal that asked this rank to stop, if it knows one (stopping.py)
     bytes_moved: list[int] | None = None  # [sent, received] through MPI
@@ -120,7 +120,7 @@ class Summary:
     world_size: int
     workers: int
     global_step: int
-    local_steps: list[int]  # per worker of worker_ranks: gradients rank 0 applied / that went into averaged updates
+    worker_steps: list[int]  # per worker of worker_ranks: gradients rank 0 applied / that went into averaged updates
     gradients_pushed: list[int]
     wall_seconds: float  # training time
     samples_per_second: float | None  # this run only, when resumed; None when it trained nothing
@@ -131,7 +131,7 @@ class Summary:
     worker_ranks: list[int]  # the workers whose entries follow, in order
     worker_test_accuracy: list[float]
     final_loss: float | None  # mean minibatch loss of the last global steps (None: no step trained)
-    lost_workers: list[dict]  # rank, global step, reason and local steps of each worker declared lost
+    lost_workers: list[dict]  # rank, global step, reason and worker steps of each worker declared lost
     joined_workers: list[dict]  # rank, global step and host of each worker that joined (--join; ranks are renumbered then)
     failovers: list[dict]  # each take-over of a lost rank 0 (--on-lost-server continue; failover.py)
     max_rss_mb: list[dict]  # per rank: peak resident memory at the start and end of training
@@ -172,14 +172,14 @@ SUMMARY_KEYS = tuple(f.name for f in fields(Summary))
 
 @dataclasses.dataclass
 class RoleResult:
-    """What training in its role left on this rank: rank 0 (and a local run) its final state and
+    """What training in its role left on this rank: rank 0 (and a single-process run) its final state and
     evaluation; a worker its report; a server other than rank 0 its shard's report."""
 
-    state: object = None  # server.ServerState: rank 0 and the local run
+    state: object = None  # server.ServerState: rank 0 and the single-process run
     test_loss: float = float("nan")  # rank 0: of its final parameters
     test_accuracy: float = float("nan")
     ema: tuple = (None, None)  # rank 0, --ema-decay: test loss and accuracy of the moving average
-    worker: WorkerReport | None = None  # a worker's (and the local run's) report to rank 0
+    worker: WorkerReport | None = None  # a worker's (and the single-process run's) report to rank 0
     shard: ShardReport | None = None  # a server's other than rank 0
     max_rss_mb: list[float] = dataclasses.field(default_factory=list)  # start and end of training
     held: object = None  # a worker: checkpoint.TrainState of its final step (a take-over after training starts from it)

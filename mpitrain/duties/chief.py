@@ -1,7 +1,7 @@
 """Rank 0's duties, whoever trains: the run's state as rank 0 keeps it (ServerState), the start
 state, and after each global step the bar, the log, --eval-every and checkpoints (ChiefDuties).
-The async server (modes/async_.py), rank 0's sync follower (modes/sync.py) and the local run
-(modes/local.py) each hand their steps to one ChiefDuties; the other servers (--num-ps) keep a ServerState too.
+The async server (modes/async_.py), rank 0's sync follower (modes/sync.py) and the single-process run
+(modes/single.py) each hand their steps to one ChiefDuties; the other servers (--num-ps) keep a ServerState too.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from mpitrain.runtime import Context, start_state
 class ServerState:
     params: np.ndarray
     global_step: int = 0
-    local_steps: list[int] = field(default_factory=list)
+    worker_steps: list[int] = field(default_factory=list)
     recent_losses: deque = field(default_factory=lambda: deque(maxlen=LOSS_WINDOW))
     staleness: Counter = field(default_factory=Counter)  # staleness -> applied gradients
     eval_history: list[dict] = field(default_factory=list)
@@ -64,8 +64,8 @@ def begin(ctx: Context) -> tuple[TrainState, ServerState, Checkpointer]:
     """The start state (fresh or resumed, broadcast to the workers), rank 0's view of it, and the
     checkpointer (which will not save the step it resumed from again)."""
     start = start_state(ctx)
-    after_loss = ctx.handover.local_steps if ctx.handover is not None and not ctx.mode.averages else None
-    state = ServerState(start.params, global_step=start.global_step, local_steps=list(after_loss or start.positions),
+    after_loss = ctx.handover.worker_steps if ctx.handover is not None and not ctx.mode.averages else None
+    state = ServerState(start.params, global_step=start.global_step, worker_steps=list(after_loss or start.positions),
                         start_step=start.global_step, resumed_from=str(ctx.resume[0]) if ctx.resume else None)
     cfg = ctx.cfg
     if cfg.log_dir and ctx.rank == PS_RANK and ctx.outputs.log is not None:  # a later phase of the job: its log goes on

@@ -301,7 +301,7 @@ def straggler_line(s: dict) -> str | None:
     who = slow or "no injected straggler"
     rate = f"{s['steps_per_second']:,.1f} global steps/s"
     if s["mode"] == "async":
-        shares = [f"{100 * k / max(1, s['global_step']):.0f}%" for k in s["local_steps"]]
+        shares = [f"{100 * k / max(1, s['global_step']):.0f}%" for k in s["worker_steps"]]
         st = s["staleness"]
         bound = s["config"]["max_staleness"]
         waited = "nobody waited" if bound is None else f"replies held back to keep staleness <= {bound}"
@@ -315,14 +315,14 @@ def straggler_line(s: dict) -> str | None:
 
 
 def human_summary(s: dict) -> list[str]:
-    ranks = "1 process, local" if s["world_size"] == 1 else f"{s['world_size']} ranks: {s['num_ps']} PS + {s['workers']} workers"
+    ranks = "1 process" if s["world_size"] == 1 else f"{s['world_size']} ranks: {s['num_ps']} PS + {s['workers']} workers"
     workers_acc = ", ".join(f"{a:.4f}" for a in s["worker_test_accuracy"])
     status = ("stopped (diverged)" if s.get("diverged") else
               f"stopped ({s['stopped']['signal']})" if s.get("stopped") else "done")
     alone = s["world_size"] == 1  # one process: no workers to tell apart, nothing dropped
     if s.get("trained", True):
         outer = s["config"]["local_steps"] > 1 and not alone  # --local-steps: the exchanges the saving is in
-        steps = ("" if alone else f" | local steps {s['local_steps']}") + (
+        steps = ("" if alone else f" | worker steps {s['worker_steps']}") + (
             f" in {s['worker_exchanges']} exchanges{' since the resume' if s.get('resumed_from') else ''}"
             if outer else "") + (
             f" | {s['wall_seconds']:.2f} s training | {s['samples_per_second']:,.0f} samples/s")

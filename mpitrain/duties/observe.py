@@ -50,10 +50,10 @@ class Timeline:
         self.wall0 = time.time() - time.perf_counter()  # perf_counter -> wall clock, shared by ranks
         self._lock = threading.Lock()  # --quorum: two threads record
 
-    def span(self, phase: int, t0: float, t1: float, step: int, local: int, tid: int = THREAD_MAIN) -> None:
+    def span(self, phase: int, t0: float, t1: float, step: int, own_step: int, tid: int = THREAD_MAIN) -> None:
         record = (phase, t0, t1, step, tid)
         with self._lock:
-            head = local < self.keep and len(self.head) < self.tail.maxlen  # (rank 0 in sync counts no steps)
+            head = own_step < self.keep and len(self.head) < self.tail.maxlen  # (rank 0 in sync counts no steps)
             (self.head if head else self.tail).append(record)
 
     def events(self, rank: int) -> list[dict]:
@@ -76,7 +76,7 @@ class Activity:
         self.phase, self.step = IDLE, 0  # the phase now, and the global step it works on
         self.seconds = [0.0] * len(PHASES)
         self.helper_compute_s = 0.0  # --quorum: computed by the gradient thread, beside the main one
-        self.gradients = 0  # gradients this rank computed (its local steps)
+        self.gradients = 0  # gradients this rank computed (its worker steps)
         self.bytes_sent = self.bytes_received = 0  # what this worker handed MPI to move, and got back
         self.exchanges = 0  # the exchanges it sent its work in: a push, an Allreduce, a --quorum push or update
         self.samples: deque = deque(maxlen=MAX_SAMPLES)  # busy seconds per gradient, one per SAMPLE_S

@@ -71,14 +71,14 @@ def build_summary(ctx: Context, mine: RoleResult, reports: list, placements: lis
     shards = [shard_report(ctx, state)] + [r for r in reports if isinstance(r, ShardReport)]
     lost = state.lost_workers
     if ctx.mode.averages:  # gradients each worker had in the averaged updates
-        local_steps = [w.contributed for w in workers]
+        worker_steps = [w.contributed for w in workers]
     else:  # rank 0 counts by worker index; the summary's lists follow worker_ranks, the lost apart
         index = ctx.layout.worker_index
-        local_steps = [state.local_steps[index(w.rank)] for w in workers]
+        worker_steps = [state.worker_steps[index(w.rank)] for w in workers]
         # A record from before a take-over may name a rank of the old world that is no worker of this
         # one (a server shard killed as the budget was reached: CI, 2026-12-03): its count stays unknown.
-        lost = [x if "local_steps" in x or x["rank"] not in ctx.layout.worker_ranks
-                else {**x, "local_steps": state.local_steps[index(x["rank"])]} for x in lost]
+        lost = [x if "worker_steps" in x or x["rank"] not in ctx.layout.worker_ranks
+                else {**x, "worker_steps": state.worker_steps[index(x["rank"])]} for x in lost]
     trained = not nothing_to_train(ctx)
     steps = state.global_step - state.start_step  # this run only, when resumed: train_s is this run's
     samples = steps * ctx.global_batch
@@ -92,7 +92,7 @@ def build_summary(ctx: Context, mine: RoleResult, reports: list, placements: lis
         world_size=ctx.size,
         workers=ctx.workers,
         global_step=state.global_step,
-        local_steps=local_steps,
+        worker_steps=worker_steps,
         gradients_pushed=[w.pushed for w in workers],
         wall_seconds=state.train_s,
         samples_per_second=samples / max(state.train_s, 1e-9) if trained else None,
@@ -108,7 +108,7 @@ def build_summary(ctx: Context, mine: RoleResult, reports: list, placements: lis
         failovers=list(failovers),
         max_rss_mb=[{"rank": 0, "start": mine.max_rss_mb[0], "end": mine.max_rss_mb[1]}]
         + [{"rank": w.rank, "start": w.max_rss_mb[0], "end": w.max_rss_mb[1]} for w in workers
-           if w.max_rss_mb],  # a local run's own worker report has none: its rank is 0, above
+           if w.max_rss_mb],  # a single-process run's own worker report has none: its rank is 0, above
         dropped_gradients=sum(w.dropped for w in workers),
         dropped_gradients_per_worker=[w.dropped for w in workers],
         staleness=staleness_summary(state.staleness),
@@ -122,9 +122,9 @@ def build_summary(ctx: Context, mine: RoleResult, reports: list, placements: lis
         time_breakdown=[w.time_breakdown for w in workers],
         worker_step_seconds=step_times,
         slow_workers=slow,
-        ps_busy_fraction=None if ctx.local else state.busy_fraction,
+        ps_busy_fraction=None if ctx.single else state.busy_fraction,
         num_ps=len(ctx.layout.server_ranks),
-        ps_shards=[] if ctx.local else [r.entry() for r in shards],
+        ps_shards=[] if ctx.single else [r.entry() for r in shards],
         resumed_from=state.resumed_from,
         checkpoints=mine.checkpoints,
         placement=placements,
@@ -133,8 +133,8 @@ def build_summary(ctx: Context, mine: RoleResult, reports: list, placements: lis
         stopped=stop_record(ctx, state, reports, diverged),
         write_errors=WRITES.report(),
         trained=trained,
-        worker_bytes=[None if ctx.local else w.bytes_moved for w in workers],  # one process: nothing goes through MPI
-        bytes_per_sample=None if ctx.local else per_sample([w.bytes_moved for w in workers], samples),
+        worker_bytes=[None if ctx.single else w.bytes_moved for w in workers],  # one process: nothing goes through MPI
+        bytes_per_sample=None if ctx.single else per_sample([w.bytes_moved for w in workers], samples),
         worker_exchanges=[w.exchanges for w in workers],
     )
 
@@ -192,7 +192,7 @@ def verdict(ctx: Context, mine: RoleResult, reports: list, summary: dict | None,
     if ctx.rank == PS_RANK:
         outcome.params = np.asarray(mine.state.params, np.float32).copy()
         outcome.model = ctx.model.with_backend(np)
-    if ctx.rank == PS_RANK and not ctx.local and not any(isinstance(r, WorkerReport) for r in reports):
+    if ctx.rank == PS_RANK and not ctx.single and not any(isinstance(r, WorkerReport) for r in reports):
         outcome.code = ExitCode.PEER_LOST  # every worker was lost: the budget was not finished
         outcome.error = "mpitrain: every worker was lost"
     elif ctx.rank == PS_RANK and mine.state.lost_workers:
@@ -248,7 +248,7 @@ def announce(ctx: Context, placements: list[str], regrown: bool = False) -> None
     cfg = ctx.cfg
     for line in placements:
         say(line)
-    if ctx.local:
+    if ctx.single:
         say(f"mpitrain: one process: {cfg.alone_words} (mpirun -np 3 gives 1 parameter server + 2 workers)")
     lr = cfg.learning_rate
     line = f"mpitrain: {cfg.optimizer}, learning rate {lr:g} " + (

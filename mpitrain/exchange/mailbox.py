@@ -41,7 +41,7 @@ from mpitrain.core.layout import PS_RANK
 from mpitrain.duties.checkpoint import TrainState
 from mpitrain.exchange import shm
 from mpitrain.exchange.mpi import held_copy
-from mpitrain.exchange.protocol import (FLAG_DIVERGED, FLAG_LAST, FLAG_LEAVING, FLAG_STOP, HEADER_BYTES, TAG_GRAD,
+from mpitrain.exchange.protocol import (FLAG_DIVERGED, FLAG_LAST, FLAG_LEAVING, FLAG_FINAL, HEADER_BYTES, TAG_GRAD,
                                         TAG_MAIL, TAG_PARAMS, Message)
 from mpitrain.exchange.transport import END_POLL_S, WORKER_POLL_S, Poller
 from mpitrain.exchange.waiting import poll
@@ -69,7 +69,7 @@ def wanted(ctx, rank: int) -> bool:
     cfg, layout = ctx.cfg, ctx.layout
     if cfg.ps_transport != "mpi" or cfg.joined_link != "shm" or layout.shards != 1:
         return False
-    if layout.local or layout.is_server(rank):
+    if layout.single or layout.is_server(rank):
         return False
     other = rank if ctx.rank == PS_RANK else PS_RANK
     return (ctx.rank == PS_RANK or ctx.rank == rank) and other in ctx.node.strangers_here
@@ -268,7 +268,7 @@ class MailPushPull:
         self.versions = [msg.step]
         if msg.flags & FLAG_DIVERGED:
             self.diverged_at = msg.step
-        return bool(msg.flags & FLAG_STOP)
+        return bool(msg.flags & FLAG_FINAL)
 
     def leave(self, count: int) -> None:
         """It stops with nothing pushed: a goodbye (header only) in the next push's slot."""

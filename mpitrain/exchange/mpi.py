@@ -10,7 +10,7 @@ from mpitrain.core.codec import CODECS
 from mpitrain.core.layout import PS_RANK
 from mpitrain.duties.checkpoint import TrainState
 from mpitrain.duties.observe import ALLREDUCE
-from mpitrain.exchange.protocol import FLAG_DIVERGED, FLAG_LAST, FLAG_LEAVING, FLAG_STOP, TAG_GRAD, TAG_PARAMS, Message
+from mpitrain.exchange.protocol import FLAG_DIVERGED, FLAG_FINAL, FLAG_LAST, FLAG_LEAVING, TAG_GRAD, TAG_PARAMS, Message
 from mpitrain.exchange.transport import WORKER_POLL_S, Poller, collective_poll_s
 from mpitrain.exchange.waiting import poll
 from mpitrain.launch import mpiimpl
@@ -180,7 +180,7 @@ class MPIPushPull:
         self.versions = [part.step for part in parts]
         if any(part.flags & FLAG_DIVERGED for part in parts):
             self.diverged_at = self.versions[0]
-        stopped = [bool(part.flags & FLAG_STOP) for part in parts]
+        stopped = [bool(part.flags & FLAG_FINAL) for part in parts]
         if any(stopped) and not all(stopped):
             self.leave(count, [rank for rank, stop in zip(self.servers, stopped) if not stop])
         return any(stopped)

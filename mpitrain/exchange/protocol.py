@@ -18,11 +18,13 @@ import numpy as np
 from mpitrain.membership.stopping import STOP
 
 MAGIC = 0x4D505452  # "MPTR": catches a peer that is not mpitrain, or a misrouted buffer
-VERSION = 12  # bump when the layout below changes (2: heartbeats carry an activity snapshot; 3: --quorum messages;
+VERSION = 13  # bump when the layout below changes (2: heartbeats carry an activity snapshot; 3: --quorum messages;
 #               4: H_SECONDS; 5: H_SIGNAL, FLAG_STOP_STEP, FLAG_STOPPED; 6: TAG_REGROUP, FLAG_REGROUPED;
 #               7: TAG_JOIN, FLAG_REFORM, the goodbye's payload; 8: FLAG_LEAVING out of FLAG_STOP, H_GENERATION
 #               and H_JOINER out of H_STEP and H_LOCAL_STEP; 9: TAG_STORE, the shm store's name point to point;
-#               10: TAG_ADOPT, a successor's offer to the spares; 11: FLAG_HOLD; 12: TAG_MAIL, async's mailboxes)
+#               10: TAG_ADOPT, a successor's offer to the spares; 11: FLAG_HOLD; 12: TAG_MAIL, async's mailboxes;
+#               13: one meaning per name: FLAG_ENDED out of FLAG_STOP (now FLAG_FINAL), H_BUDGET out of H_STEP,
+#               H_LOCAL_STEP renamed H_PUSHED)
 
 # Tags (one per message kind, so a posted receive can never match the wrong kind).
 TAG_GRAD = 11  # worker -> PS: a gradient (async)
@@ -33,8 +35,8 @@ TAG_UPDATE = 16  # sync --quorum, coordinator -> the other workers: step H_STEP'
 TAG_HEARTBEAT = 17  # any rank -> its watchers: I am alive, and what I do (BEAT_* below; liveness.py)
 TAG_REPORT = 18  # at the end, worker -> PS: its report (JSON bytes, once); PS -> worker: goodbye (header)
 TAG_SHARD = 19  # --num-ps: rank 0 -> server k: send me your shard (header); server k -> rank 0: its shard's state
-TAG_JOIN = 21  # rank 0 <-> a worker joining, on their own connection (join.py): JSON hello and answer, then GO (header; flagged STOP: the job ended instead) and the joiner's header back
-TAG_REGROUP = 20  # sync, rank 0 -> the workers left: regroup without the lost (H_GENERATION; payload: lost ranks), flagged GO: now, flagged STOP: training is over; worker -> rank 0: READY for generation H_GENERATION (elastic.py)
+TAG_JOIN = 21  # rank 0 <-> a worker joining, on their own connection (join.py): JSON hello and answer, then GO (header; flagged ENDED: the job ended instead) and the joiner's header back
+TAG_REGROUP = 20  # sync, rank 0 -> the workers left: regroup without the lost (H_GENERATION; payload: lost ranks), flagged GO: now, flagged ENDED: training is over; worker -> rank 0: READY for generation H_GENERATION (elastic.py)
 TAG_FAILOVER = 22  # worker <-> worker, rank 0 lost (--on-lost-server continue): HERE (global step, gradients pushed), then the successor's DECIDE (one flag per rank of the new world); int64, not a Message (failover.py)
 TAG_STORE = 23  # --ps-transport shm, rank 0 -> every other rank: the store's path (exchange/shm.py, NAME_BYTES); back: one byte, mapped
 TAG_ADOPT = 24  # rank 0's successor <-> a waiting spare (--spares, --on-lost-server continue), on their own connection
@@ -47,14 +49,15 @@ H_VERSION = 1
 H_TAG = 2  # the tag it was sent with: a second check that buffer and receive match
 H_COUNT = 3  # number of payload elements (parameters)
 H_STEP = 4  # a global step: of these parameters (PS -> worker, sync states), or the version a gradient was computed on
-H_LOCAL_STEP = 5  # a worker's count of its own gradients
+H_PUSHED = 5  # a worker's count of its own gradients (with --local-steps: its inner steps)
 H_FLAGS = 6
 H_LOSS = 7  # float64 bits of the minibatch loss
 H_SECONDS = 8  # float64 bits: --quorum push, how long its gradient took to compute (the coordinator's pace, quorum.CoordinatorPace)
 H_SIGNAL = 9  # the stop request its sender knows of (stopping.StopRequest.wire): 0 none, a signal number, or -1
 H_GENERATION = 10  # the number of a regroup (TAG_REGROUP, FLAG_REGROUPED) or of a join (a FLAG_REFORM goodbye)
 H_JOINER = 11  # a FLAG_REFORM goodbye: who joins the new world (join.NOBODY, CONNECTED or SPAWNED)
-HEADER_SLOTS = 12  # 96 bytes keep the payload 16-byte aligned for SIMD loads
+H_BUDGET = 12  # the job's step budget: rank 0 -> a waiting spare (spares.py: its heartbeat, the successor's offer)
+HEADER_SLOTS = 14  # slot 13 is free: 112 bytes keep the payload 16-byte aligned for SIMD loads
 HEADER_BYTES = HEADER_SLOTS * 8
 
 # A heartbeat's payload (float64): the sender's activity (observe.Activity.snapshot), so a peer
@@ -72,7 +75,7 @@ BEAT_HOST = 9  # and its kernel boot and pid namespace, as one key
 BEAT_FIELDS = 10
 
 FLAG_LAST = 1  # worker: this is my last gradient (my epochs are done)
-FLAG_STOP = 2  # training is over for the receiver: the last reply (async), state (sync) or request (TAG_SHARD), DONE (TAG_REGROUP), the job ended (TAG_JOIN)
+FLAG_FINAL = 2  # the last of its kind, with the final parameters: the last reply (async), state (sync) or request (TAG_SHARD)
 FLAG_EVAL = 4  # sync coordinator -> PS: these parameters are for --eval-every
 FLAG_CKPT = 8  # sync coordinator -> PS: checkpoint this state (parameters, then the optimizer's arrays)
 FLAG_DIVERGED = 16  # a non-finite loss: training stops (PS -> workers in async, coordinator -> PS in sync)
@@ -84,6 +87,7 @@ FLAG_REFORM = 1024  # PS -> worker, goodbye: not the end, a worker joins: every 
 FLAG_GO = 512  # sync, PS -> the workers left: every one of them is READY (TAG_REGROUP, header only, back): regroup now
 FLAG_LEAVING = 2048  # the sender sends no more of this kind: a worker leaves a server (header only), its last --quorum push, a last heartbeat
 FLAG_LATE = 4096  # --quorum push, header only: a contribution finished after its step closed; only its time (H_SECONDS) counts
+FLAG_ENDED = 16384  # membership, instead of a GO: the job ended (TAG_REGROUP's DONE, TAG_JOIN, TAG_ADOPT)
 FLAG_HOLD = 8192  # a heartbeat: the sender blocks in MPI now (MPI_Comm_spawn), its beats too, for up to liveness.HOLD_S
 
 
@@ -119,15 +123,15 @@ class Framed:
         """The header's slots as float64 (H_LOSS, H_SECONDS): one view, not one per access."""
         return self.header.view(np.float64)
 
-    def stamp(self, tag: int, step: int = 0, local_step: int = 0, flags: int = 0, loss: float = 0.0,
-              seconds: float = 0.0, generation: int = 0, joiner: int = 0) -> None:
+    def stamp(self, tag: int, step: int = 0, pushed: int = 0, flags: int = 0, loss: float = 0.0,
+              seconds: float = 0.0, generation: int = 0, joiner: int = 0, budget: int = 0) -> None:
         h = self.header
         h[H_MAGIC] = MAGIC
         h[H_VERSION] = VERSION
         h[H_TAG] = tag
         h[H_COUNT] = self.count
         h[H_STEP] = step
-        h[H_LOCAL_STEP] = local_step
+        h[H_PUSHED] = pushed
         h[H_FLAGS] = flags
         f = self._floats
         f[H_LOSS] = loss
@@ -135,6 +139,7 @@ class Framed:
         h[H_SIGNAL] = STOP.wire  # a stop request spreads with every message (stopping.py)
         h[H_GENERATION] = generation
         h[H_JOINER] = joiner
+        h[H_BUDGET] = budget
 
     def check(self, tag: int, source: int, count: int | None = None) -> None:
         """Raise ProtocolError unless this buffer holds a well-formed message of kind `tag`
@@ -162,9 +167,10 @@ class Framed:
         """After the last use: release MPI resources (a Part's datatype)."""
 
     step = _int_slot(H_STEP)
-    local_step = _int_slot(H_LOCAL_STEP)
+    pushed = _int_slot(H_PUSHED)
     generation = _int_slot(H_GENERATION)
     joiner = _int_slot(H_JOINER)
+    budget = _int_slot(H_BUDGET)
     flags = _int_slot(H_FLAGS)
 
     @property

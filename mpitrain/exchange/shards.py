@@ -6,7 +6,7 @@ whose payload is its slices of those arrays one after the other (`checkpoint.to_
 shard's own TrainState). Rank 0 puts the K pieces together into the TrainState one server would
 hold, so evaluation, logs and checkpoints never see shards, and a checkpoint resumes with any K.
 
-Async: rank 0 asks (a header-only TAG_SHARD with FLAG_EVAL / FLAG_CKPT / FLAG_STOP) only when it
+Async: rank 0 asks (a header-only TAG_SHARD with FLAG_EVAL / FLAG_CKPT / FLAG_FINAL) only when it
 evaluates or saves, and each server answers from its serve loop (ShardService). Sync: each server
 receives its slices from the coordinator (worker 0) and forwards them (sync.keep_shard); rank 0
 takes them in the order they come.
@@ -18,7 +18,7 @@ import numpy as np
 
 from mpitrain.core.layout import PS_RANK
 from mpitrain.duties.checkpoint import TrainState, from_flat, state_arrays, to_flat
-from mpitrain.exchange.protocol import FLAG_STOP, TAG_SHARD, Message
+from mpitrain.exchange.protocol import FLAG_FINAL, TAG_SHARD, Message
 
 
 def assemble(pieces: list[tuple[slice, np.ndarray]], names: list[str], n: int, step: int, opt_t: int,
@@ -68,7 +68,7 @@ class Gather:
         return [(s, box.payload) for (_, s), box in zip(self.others, self.boxes)]
 
     def ask_all(self, step: int, flags: int) -> list[tuple[slice, np.ndarray]]:
-        """Async: ask every other server for its piece now (flags say why; FLAG_STOP: the last)."""
+        """Async: ask every other server for its piece now (flags say why; FLAG_FINAL: the last)."""
         recvs = self.post()
         self.ask.stamp(TAG_SHARD, step, flags=flags)
         sends = [self.ctx.comm.Isend(self.ask.spec(), dest=r, tag=TAG_SHARD) for r in self.ranks]
@@ -82,7 +82,7 @@ class Gather:
 class ShardService:
     """A server k > 0 in async mode: answers rank 0's requests for its shard's state, from its
     serve loop (one request posted among the gradients it waits for). The last request
-    (FLAG_STOP) is answered only once this server's own loop is over, so the final state holds
+    (FLAG_FINAL) is answered only once this server's own loop is over, so the final state holds
     every gradient this server applied."""
 
     def __init__(self, ctx, n_shard: int):
@@ -96,7 +96,7 @@ class ShardService:
     def handle(self, state: TrainState, poller) -> None:
         """The request arrived: answer it (the last one waits for `finish`)."""
         self.ask.check(TAG_SHARD, PS_RANK)
-        if self.ask.flags & FLAG_STOP:
+        if self.ask.flags & FLAG_FINAL:
             self.last_asked = True
             return
         self._send(state, poller)

@@ -51,7 +51,7 @@ from mpi4py import MPI
 from mpitrain.core.console import say
 from mpitrain.core.layout import PS_RANK
 from mpitrain.duties.checkpoint import TrainState, state_arrays
-from mpitrain.exchange.protocol import FLAG_GO, FLAG_STOP, TAG_REGROUP, Message
+from mpitrain.exchange.protocol import FLAG_ENDED, FLAG_GO, TAG_REGROUP, Message
 from mpitrain.exchange.transport import WORKER_POLL_S, Poller, tested
 from mpitrain.exchange.waiting import poll
 from mpitrain.launch import mpiimpl
@@ -112,7 +112,7 @@ class Notices:
         if self.done or not tested(self.req, PS_RANK):  # rank 0 dead (ULFM fails this receive): PeerLost
             return
         self.box.check(TAG_REGROUP, PS_RANK)
-        if self.box.flags & FLAG_STOP:
+        if self.box.flags & FLAG_ENDED:
             self.done = True  # the last message rank 0 sends on this tag: nothing is left posted
             return
         gen = self.box.generation
@@ -251,7 +251,7 @@ class Arbiter:
     def done(self, layout) -> None:
         """Training is over: every worker left may leave its loop (its sends are waited for with a
         bound and never raise: a worker lost now is the end of the run's business)."""
-        reqs = self._tell(layout.worker_ranks, self.gen, FLAG_STOP)
+        reqs = self._tell(layout.worker_ranks, self.gen, FLAG_ENDED)
         wait_all(reqs, self.ctx.cfg.worker_timeout)
 
     def _tell(self, ranks, gen: int, flags: int) -> list:

@@ -70,8 +70,8 @@ class Handover:
     state: TrainState | None
     record: dict
     # each worker's gradients (inner steps) that went into updates so far, by its index in the new world:
-    # the summary's local steps go on from them (state.positions are where each new shard starts reading)
-    local_steps: list[int] | None = None
+    # the summary's worker steps go on from them (state.positions are where each new shard starts reading)
+    worker_steps: list[int] | None = None
 
 
 def applies(ctx, e: PeerLost) -> bool:

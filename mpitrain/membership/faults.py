@@ -1,7 +1,7 @@
 """Fault injection for the fault tests (tests/test_faults.py), read from the environment:
 
-MPITRAIN_INJECT_NAN=RANK:STEP   worker RANK reports a NaN loss at its local step STEP
-MPITRAIN_INJECT_KILL=RANK:STEP  worker RANK SIGKILLs itself at its local step STEP (as the OOM
+MPITRAIN_INJECT_NAN=RANK:STEP   worker RANK reports a NaN loss at its own step STEP
+MPITRAIN_INJECT_KILL=RANK:STEP  worker RANK SIGKILLs itself at its own step STEP (as the OOM
                                 killer or `kill -9` would)
 MPITRAIN_INJECT_KILL=RANK:report  ... right after it sent rank 0 its end-of-run report
 MPITRAIN_INJECT_KILL=0:letin      rank 0, 1 s after it let a --join worker in and asked for room (its
@@ -15,13 +15,13 @@ MPITRAIN_INJECT_KILL=RANK:STEP:applying ... with its gradient applied to the sto
 MPITRAIN_INJECT_KILL=RANK:0:opening ... before it has the store's name from rank 0 (open_store)
 MPITRAIN_INJECT_KILL=RANK:STEP:mailing async, a worker with a mailbox (exchange/mailbox.py): half-way
                                 through writing its push, before the counter announces it
-MPITRAIN_INJECT_EXIT=RANK:STEP  worker RANK exits at its local step STEP without a word (exit 137,
+MPITRAIN_INJECT_EXIT=RANK:STEP  worker RANK exits at its own step STEP without a word (exit 137,
                                 a SIGKILLed rank's code: a Python API script has no supervisor)
-MPITRAIN_INJECT_RAISE=RANK:STEP worker RANK raises an unexpected exception at its local step STEP
+MPITRAIN_INJECT_RAISE=RANK:STEP worker RANK raises an unexpected exception at its own step STEP
                                 (a bug: its traceback, then MPI_Abort ends every rank)
 MPITRAIN_INJECT_RAISE=RANK:connect ... rank RANK, in the collectives that start a phase (the others wait in them)
 MPITRAIN_INJECT_HANG=RANK:STEP:SEC worker RANK's training thread stops for SEC seconds at its
-                                local step STEP, its heartbeats going on (alive, not progressing:
+                                own step STEP, its heartbeats going on (alive, not progressing:
                                 a rank stuck in a slow read or a lock; tests/test_observe.py)
 MPITRAIN_INJECT_STUCK=RANK:STEP rank RANK (a server) makes its first MPI test at or after global step
                                 STEP never return, as MPICH's does when a sender died half-way
@@ -101,7 +101,7 @@ def injected_step(var: str, rank: int, env=os.environ) -> int | None:
 
 
 class Kill:
-    """MPITRAIN_INJECT_KILL, _EXIT, _RAISE and _HANG for this rank: `at(local_step)` kills the process
+    """MPITRAIN_INJECT_KILL, _EXIT, _RAISE and _HANG for this rank: `at(pushed)` kills the process
     (raises, or holds its training thread) at the step, `after_report()` kills it once its report
     is sent."""
 
@@ -117,14 +117,14 @@ class Kill:
         self.hang_step = injected_step("MPITRAIN_INJECT_HANG", rank, {"MPITRAIN_INJECT_HANG": spec})
         self.hang_s = float(seconds) if self.hang_step is not None else 0.0
 
-    def at(self, local_step: int) -> None:
-        if local_step == self.step:
+    def at(self, pushed: int) -> None:
+        if pushed == self.step:
             os.kill(os.getpid(), signal.SIGKILL)
-        if local_step == self.exit_step:
+        if pushed == self.exit_step:
             os._exit(128 + signal.SIGKILL)
-        if local_step == self.raise_step:
-            raise RuntimeError(f"MPITRAIN_INJECT_RAISE at local step {local_step}")
-        if local_step == self.hang_step:
+        if pushed == self.raise_step:
+            raise RuntimeError(f"MPITRAIN_INJECT_RAISE at its own step {pushed}")
+        if pushed == self.hang_step:
             time.sleep(self.hang_s)
 
     def connecting(self) -> None:
@@ -153,7 +153,7 @@ STORE_KILL_POINTS = ("locked", "applying", "sharded", "opening", "mailing")
 
 
 def store_kill(rank: int, env=os.environ) -> tuple[int, str] | None:
-    """MPITRAIN_INJECT_KILL=RANK:STEP:POINT for this rank: (local step, point), else None."""
+    """MPITRAIN_INJECT_KILL=RANK:STEP:POINT for this rank: (own step, point), else None."""
     spec, _, point = env.get("MPITRAIN_INJECT_KILL", "").rpartition(":")
     step = injected_step("MPITRAIN_INJECT_KILL", rank, {"MPITRAIN_INJECT_KILL": spec})
     return (step, point) if step is not None and point in STORE_KILL_POINTS else None

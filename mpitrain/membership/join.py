@@ -67,7 +67,7 @@ from mpitrain.core.config import TrainConfig, can_take_joiners
 from mpitrain.core.config_io import as_argv
 from mpitrain.core.console import say
 from mpitrain.duties.metrics import JobOutputs, json_safe
-from mpitrain.exchange.protocol import FLAG_STOP, TAG_JOIN, Message
+from mpitrain.exchange.protocol import FLAG_ENDED, TAG_JOIN, Message
 from mpitrain.exchange.waiting import poll
 from mpitrain.launch import mpiimpl
 
@@ -236,7 +236,7 @@ def can_grow(ctx) -> bool:
     joiner finds it), heartbeats (they tell the workers to make room), and either runs on MPICH or
     starts its joiners itself (--respawn: Open MPI 5 cannot connect two separately started mpiruns,
     but spawns within one) or holds them (--spares: ranks of its own launch)."""
-    return (not ctx.local and can_take_joiners(ctx.cfg)
+    return (not ctx.single and can_take_joiners(ctx.cfg)
             and (ctx.cfg.respawn > 0 or ctx.cfg.spares > 0 or mpiimpl.running() is not mpiimpl.OPENMPI))
 
 
@@ -331,7 +331,7 @@ def recv_json(comm, source: int, timeout_s: float) -> dict | None:
 
 def await_go(inter, deadline: float, lost: Callable[[], bool] = lambda: False) -> Message | None:
     """A worker that rank 0 let in (a joiner, or a worker the job started while it trained): rank 0's
-    GO once the job has made room, or its word that the job ended instead (FLAG_STOP); None if none
+    GO once the job has made room, or its word that the job ended instead (FLAG_ENDED); None if none
     came by `deadline`, or `lost()` first (rank 0 died)."""
     go = Message(0)
     req = inter.Irecv(go.spec(), source=0, tag=TAG_JOIN)
@@ -342,12 +342,12 @@ def await_go(inter, deadline: float, lost: Callable[[], bool] = lambda: False) -
 
 
 def tell_to_leave(inter, answer_within_s: float = 0.0, gone: Callable[[], bool] = lambda: False, flags: int = 0) -> bool:
-    """Rank 0, the job ending instead of letting in a worker it let in: FLAG_STOP (await_go's other
+    """Rank 0, the job ending instead of letting in a worker it let in: FLAG_ENDED (await_go's other
     word), and its answer within `answer_within_s` if asked for (a worker the job started: it leaves
     then), not waited for once `gone()`; `flags` besides (a spare: PEER_LOST). Whether it was sent, and
     answered if asked."""
     end, ack = Message(0), Message(0)
-    end.stamp(TAG_JOIN, 0, flags=FLAG_STOP | flags)
+    end.stamp(TAG_JOIN, 0, flags=FLAG_ENDED | flags)
     try:
         reqs = [inter.Isend(end.spec(), dest=0, tag=TAG_JOIN)]
         if answer_within_s:
@@ -405,34 +405,34 @@ NOBODY, CONNECTED, SPAWNED = 0, 1, 2  # who joins as the world re-forms (rank 0'
 def grow(comm, live: list[int], gen: int, how: int, joiner: Joiner | None = None, start=None):
     """Every live rank of `comm`: (the new world, the live ranks in order, then the joiner: the one
     that CONNECTED (rank 0 holds its connection, `joiner`), or one they start (SPAWNED:
-    `start(local)`, respawn.start_worker); the started worker's hello at rank 0, else {};
+    `start(members)`, respawn.start_worker); the started worker's hello at rank 0, else {};
     whether a started worker was left behind, silent). NOBODY (the joiner did not answer GO), or a
     worker that could not be started: the same ranks go on in a world of their own. Its
     collectives block (Carry.start_forming guards them)."""
     if len(live) == comm.Get_size():
-        local = comm if how != NOBODY else comm.Dup()
+        members = comm if how != NOBODY else comm.Dup()
     else:  # without the dead: made by the live ranks alone
-        local = mpiimpl.survivors(comm, live, JOIN_TAG + gen, f"mpitrain.membership.join.{gen}")
+        members = mpiimpl.survivors(comm, live, JOIN_TAG + gen, f"mpitrain.membership.join.{gen}")
     if how == NOBODY:
-        return local, {}, False
+        return members, {}, False
     hello = {}
     if how == SPAWNED:
-        inter, hello, left_behind = start(local)
+        inter, hello, left_behind = start(members)
         if inter is None:
-            return local, {}, left_behind
+            return members, {}, left_behind
     else:
-        inter, _ = with_joiner(local, joiner.inter if joiner is not None else None)
+        inter, _ = with_joiner(members, joiner.inter if joiner is not None else None)
     world = inter.Merge(high=False)
     inter.Free()
     return world, hello, False
 
 
-def with_joiner(local, connection):
-    """Every rank of `local`: the intercommunicator to a joiner that rank 0 alone is connected to
+def with_joiner(members, connection):
+    """Every rank of `members`: the intercommunicator to a joiner that rank 0 alone is connected to
     (`connection`, significant at rank 0: a worker that connected, or one rank 0 spawned alone), and
     rank 0's two-process communicator with it (COMM_SELF elsewhere)."""
     pair = connection.Merge(high=False) if connection is not None else MPI.COMM_SELF
-    return local.Create_intercomm(0, pair, 1, GROW_TAG), pair
+    return members.Create_intercomm(0, pair, 1, GROW_TAG), pair
 
 
 def into_job(connection):

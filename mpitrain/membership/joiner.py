@@ -15,7 +15,7 @@ from mpi4py import MPI
 
 from mpitrain.core.config import TrainConfig, UsageError
 from mpitrain.core.console import say
-from mpitrain.exchange.protocol import FLAG_STOP
+from mpitrain.exchange.protocol import FLAG_ENDED
 from mpitrain.launch import mpiimpl
 from mpitrain.membership import faults
 from mpitrain.membership.join import (ANSWER_S, GAVE_UP, GIVEN_UP_S, REQUESTS, TOKEN, TOUCH_S, Carry, answer_go,
@@ -57,7 +57,7 @@ def join_job(cfg: TrainConfig, identity: dict, carry: Carry):
                        "--on-lost-server continue the job goes on, and takes workers in again)")
     if go is None:
         raise UsageError("--join: the job let this worker in but never made room for it; it may have died")
-    if go.flags & FLAG_STOP:
+    if go.flags & FLAG_ENDED:
         return None, None
     carry.start_forming("the joining worker")
     answer_go(inter)

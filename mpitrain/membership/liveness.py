@@ -395,7 +395,7 @@ class Watch(WaitHooks):
 def start(comm, rank: int, layout: Layout, timeout_s: float, activity=None):
     """(heartbeat thread or None, watch): each rank beats to and watches its layout peers."""
     PHASE_RANK[0] = rank
-    if layout.local or timeout_s <= 0:
+    if layout.single or timeout_s <= 0:
         return None, NoWatch()
     peers = layout.peers(rank)
     heartbeat, watch = Heartbeat(comm, peers, timeout_s, activity), Watch(comm, peers, timeout_s)

@@ -24,7 +24,7 @@ from mpitrain.core.config import UsageError
 from mpitrain.core.config_io import disagreement
 from mpitrain.core.console import say
 from mpitrain.core.exitcodes import ExitCode
-from mpitrain.exchange.protocol import FLAG_STOP
+from mpitrain.exchange.protocol import FLAG_ENDED
 from mpitrain.exchange.waiting import poll
 from mpitrain.launch import mpiimpl
 from mpitrain.launch.lock import exit_without_finalize
@@ -129,7 +129,7 @@ def _spawn(comm, argv: list[str]):
         info.Free()
 
 
-def start_worker(local, argv: list[str], ready: Starting | None = None):
+def start_worker(members, argv: list[str], ready: Starting | None = None):
     """SPAWNED, every live rank: (the intercommunicator to the worker they start with `argv`, its hello
     at rank 0, False), or (None, {}, whether one was started and left behind: FAILED, its set-up failed
     (its hello says why: a data file gone since the job started, say) or it said nothing within
@@ -139,7 +139,7 @@ def start_worker(local, argv: list[str], ready: Starting | None = None):
     MPI_Comm_spawn meanwhile wait asleep on rank 0's word (a nonblocking broadcast), not in a busy
     MPI wait that takes its cores (mpiimpl.Impl.spawns_alone)."""
     alone = spawns_alone()
-    root = local.Get_rank() == 0
+    root = members.Get_rank() == 0
     child, hello, failure = None, {}, ""
     word = np.array([NOT_STARTED], np.int8)
     if alone and root:  # started while the phase trained, it answered GO (phases.make_room); else now
@@ -150,12 +150,12 @@ def start_worker(local, argv: list[str], ready: Starting | None = None):
         if not failure:
             child, hello, word[0] = ready.child, ready.hello.value(), STARTED
     elif not alone:
-        child, failure = _spawn(local, argv)
+        child, failure = _spawn(members, argv)
         if root and child is not None:
             hello = recv_json(child, 0, HELLO_WITHIN_S)
             word[0] = FAILED if hello is None or "error" in hello else STARTED
             failure = SILENT if hello is None else f"its set-up failed: {hello.get('error')}"
-    req = local.Ibcast([word, MPI.BYTE], root=0)
+    req = members.Ibcast([word, MPI.BYTE], root=0)
     poll(req.Test, 1e-3)
     if word[0] != STARTED:
         if root:
@@ -163,7 +163,7 @@ def start_worker(local, argv: list[str], ready: Starting | None = None):
         return None, {}, word[0] == FAILED
     if not alone:
         return child, hello, False
-    inter, pair = with_joiner(local, child if root else None)
+    inter, pair = with_joiner(members, child if root else None)
     if root:  # MPI_Finalize waits on every dynamic communicator left (the world keeps the connection)
         pair.Free()
         child.Free()
@@ -218,7 +218,7 @@ def join_spawned(carry: Carry, identity_of) -> tuple[object, int | None]:
         go = await_go(parent, time.monotonic() + FORM_LIMIT_S)  # the forming limit ends a wait for a dead job
         if go is None:
             raise UsageError("--respawn: the job that started this worker never let it in; it may have ended")
-        if go.flags & FLAG_STOP:
+        if go.flags & FLAG_ENDED:
             answer_go(parent)  # it leaves now: rank 0 waits for this before the job's ranks leave
             say("mpitrain: the worker started in place of a lost one leaves: the job ended before it could join")
             exit_without_finalize(ExitCode.OK)  # MPI_Finalize would wait on the job it never joined

@@ -44,7 +44,7 @@ from mpi4py import MPI
 from mpitrain.core.config import TrainConfig, UsageError
 from mpitrain.core.console import say
 from mpitrain.core.exitcodes import ExitCode, interrupted
-from mpitrain.exchange.protocol import (FLAG_PEER_LOST, FLAG_STOP, H_FLAGS, H_STEP, TAG_ADOPT, TAG_HEARTBEAT,
+from mpitrain.exchange.protocol import (FLAG_ENDED, FLAG_PEER_LOST, H_FLAGS, TAG_ADOPT, TAG_HEARTBEAT,
                                         TAG_JOIN, Message)
 from mpitrain.membership.join import GROW_TAG, Joiner, answer_go, dead_here, into_job, tell_to_leave
 
@@ -124,7 +124,7 @@ class Pool:
                 continue
             if done and now - spare.beat_since >= BEAT_S:
                 beat = Message(0)
-                beat.stamp(TAG_HEARTBEAT, step=self.budget)
+                beat.stamp(TAG_HEARTBEAT, budget=self.budget)
                 try:
                     spare.beat, spare.beat_since = spare.inter.Isend(beat.spec(), dest=0, tag=TAG_HEARTBEAT), now
                     spare.beat_message = beat
@@ -251,7 +251,7 @@ def stand_by(cfg: TrainConfig, link, carry, mine, library: bool = False) -> tupl
     while True:
         try:
             while beat_req is not None and beat_req.Test():
-                budget, heard = int(beat.header[H_STEP]) or budget, time.monotonic()
+                budget, heard = beat.budget or budget, time.monotonic()
                 beat_req = inter.Irecv(beat.spec(), source=0, tag=TAG_HEARTBEAT)
             if go_req is not None and go_req.Test():
                 break
@@ -285,12 +285,12 @@ def stand_by(cfg: TrainConfig, link, carry, mine, library: bool = False) -> tupl
         time.sleep(POLL_S)
     if offers is not None:
         offers.close()
-    if go.header[H_FLAGS] & FLAG_STOP:
+    if go.header[H_FLAGS] & FLAG_ENDED:
         code = interrupted(STOP.signum) if STOP.signum else ExitCode.OK
         return leave(bool(go.header[H_FLAGS] & FLAG_PEER_LOST), code, carry, library)
     while not budget:  # a beat with it came before GO, on another tag: it may be received after it
         beat_req.Wait()
-        budget = int(beat.header[H_STEP])
+        budget = beat.budget
         beat_req = inter.Irecv(beat.spec(), source=0, tag=TAG_HEARTBEAT)
     beat_req.Cancel()  # no beat is sent to a spare let in; one in flight is received (or the receive cancelled) here
     beat_req.Wait()
@@ -335,7 +335,7 @@ def adopt(cfg: TrainConfig, carry, among: set[int]) -> None:
     if not waiting:
         return
     offer = Message(0)
-    offer.stamp(TAG_ADOPT, step=carry.budget or 0)
+    offer.stamp(TAG_ADOPT, budget=carry.budget or 0)
     answers = {sp.world_rank: Message(0) for sp in waiting}
     sends = [sp.inter.Isend(offer.spec(), dest=0, tag=TAG_ADOPT) for sp in waiting]
     recvs = {sp.world_rank: sp.inter.Irecv(answers[sp.world_rank].spec(), source=0, tag=TAG_ADOPT) for sp in waiting}

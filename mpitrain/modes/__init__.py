@@ -3,7 +3,7 @@
     async_.py   async: rank 0 (and each server of --num-ps) serves pushes and pulls; workers push
     sync.py     sync: the workers Allreduce their gradients; rank 0 follows the coordinator's (worker 0's) word
     quorum.py   sync --quorum Q: a coordinator averages the first Q gradients of each step
-    local.py    one process: the sync loop with one worker and no server
+    single.py   one process: the sync loop with one worker and no server
 
 and what they share: base.py (Mode and the roles), gradients.py (the one gradient step),
 async_shm.py and shm_remote.py (async over the node-shared store), quorum_parts.py, report.py.
@@ -13,18 +13,18 @@ from __future__ import annotations
 
 from mpitrain.modes.async_ import ASYNC
 from mpitrain.modes.base import Mode
-from mpitrain.modes.local import LOCAL
 from mpitrain.modes.quorum import QUORUM
+from mpitrain.modes.single import SINGLE
 from mpitrain.modes.sync import SYNC
 
 BY_FLAG = {"async": ASYNC, "sync": SYNC}  # --mode
 
 
 def of(cfg, layout) -> Mode:
-    """The mode a run with these flags trains in: one process is local whatever --mode says; sync
+    """The mode a run with these flags trains in: one process trains alone (SINGLE) whatever --mode says; sync
     with --quorum Q below the number of workers goes on without the slowest."""
-    if layout.local:
-        return LOCAL
+    if layout.single:
+        return SINGLE
     if cfg.mode == "sync" and cfg.quorum is not None and cfg.quorum < layout.workers:
         return QUORUM
     return BY_FLAG[cfg.mode]

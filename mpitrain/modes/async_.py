@@ -31,7 +31,7 @@ from mpitrain.exchange import shm
 from mpitrain.exchange.base import PushPull
 from mpitrain.exchange.mailbox import worker_exchange
 from mpitrain.exchange.mpi import MPIPushPull
-from mpitrain.exchange.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_LAST, FLAG_LEAVING, FLAG_STOP,
+from mpitrain.exchange.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_LAST, FLAG_LEAVING, FLAG_FINAL,
                                         TAG_GRAD, TAG_PARAMS, ProtocolError)
 from mpitrain.exchange.shards import Gather, ShardService, assemble
 from mpitrain.exchange.shm import ShmPushPull
@@ -126,7 +126,7 @@ class AsyncServer:
         self.links.close()
         self.duties.finish()
         if self.chief:
-            final = self._full_state(FLAG_STOP)
+            final = self._full_state(FLAG_FINAL)
             self.state.params, self.state.ema = final.params, final.ema
             self.duties.save(final, final=True)  # the final checkpoint
         else:
@@ -217,11 +217,11 @@ class AsyncServer:
         st, host = self.state, self.be.to_host
         opt = self.update.opt
         return TrainState(host(self.params), st.global_step, opt.t, {k: host(a) for k, a in opt.state.items()},
-                          list(st.local_steps), self._ema_avg)
+                          list(st.worker_steps), self._ema_avg)
 
     def _full_state(self, flags: int) -> TrainState:
         """Rank 0: the whole training state, the other servers' slices asked for (`flags` say
-        why: FLAG_EVAL, FLAG_CKPT, FLAG_STOP). With one server, its own state as it is."""
+        why: FLAG_EVAL, FLAG_CKPT, FLAG_FINAL). With one server, its own state as it is."""
         own = self._own_state()
         if not self.gather:
             return own
@@ -269,10 +269,10 @@ class AsyncServer:
         if not self.zero_copy:
             self.be.upload(self.grad, grad)
             grad = self.grad
-        inner, outer_staleness = self._inner_steps(w, msg.local_step, staleness)
+        inner, outer_staleness = self._inner_steps(w, msg.pushed, staleness)
         self.update.apply(grad, self.ctx.lr_at(state.global_step), staleness, w, basis)
         state.global_step += inner
-        state.local_steps[w] += inner
+        state.worker_steps[w] += inner
         state.staleness[outer_staleness] += 1  # --local-steps: in outer steps, as --max-staleness counts
         state.recent_losses.append(loss)
         # --steps counts rank 0's updates, the run's global step. Another server's count can run ahead
@@ -284,7 +284,7 @@ class AsyncServer:
         self._reply(w, stop=self.stopping or last)
         if self.chief:  # the bar, the log, --eval-every and checkpoints at this global step
             self.duties.advance(state.global_step, loss, self._whole_state, basis=basis, span=inner,
-                                staleness=outer_staleness, local_steps=list(state.local_steps))
+                                staleness=outer_staleness, worker_steps=list(state.worker_steps))
 
     def _inner_steps(self, w: int, count: int, staleness: int) -> tuple[int, int]:
         """The global steps one push makes (the worker batches behind it) and its staleness as the
@@ -302,8 +302,8 @@ class AsyncServer:
         self.ctx.activity.enter(PUSH)
         reply = self.links.reply_to(w)
         self.be.download(self.params, reply.payload)  # a copy (narrowed with --compress): params change in flight
-        flags = (FLAG_STOP | (FLAG_DIVERGED if state.diverged else 0)) if stop else 0
-        reply.stamp(TAG_PARAMS, state.global_step, state.local_steps[w], flags)
+        flags = (FLAG_FINAL | (FLAG_DIVERGED if state.diverged else 0)) if stop else 0
+        reply.stamp(TAG_PARAMS, state.global_step, state.worker_steps[w], flags)
         self.links.send(w, more=not stop)
         state.bytes_out += self.links.over_mpi(w)
         self.basis[w] = state.global_step

@@ -113,14 +113,14 @@ class ShmServer:
         step = first - 1 + span
         staleness = in_pushes(first - 1 - basis, self.cfg.local_steps)
         state.global_step = step
-        state.local_steps[w] += span
+        state.worker_steps[w] += span
         state.staleness[staleness] += 1
         state.recent_losses.append(loss)
         why = self.guard.exploded(loss)
         if why and state.diverged is None:  # steps applied since are the explosion's: nothing more is saved
             state.diverged = Diverged(step, [self.ctx.layout.worker_ranks[w]], loss, why)
         self.duties.advance(step, loss, lambda evaluate, save: self._whole(), basis=basis, span=span,
-                            staleness=staleness, local_steps=list(state.local_steps))
+                            staleness=staleness, worker_steps=list(state.worker_steps))
         return step
 
     def _next_hold(self) -> int:
@@ -133,7 +133,7 @@ class ShmServer:
         return min([limit] + due)
 
     def _whole(self) -> TrainState:
-        return self.store.snapshot(self.state.local_steps)
+        return self.store.snapshot(self.state.worker_steps)
 
     def _lose(self, lost: dict[int, str]) -> None:
         """Carry on without these workers (their half-applied step, if any, stays: a partial step)."""

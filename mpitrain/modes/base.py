@@ -11,13 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from mpitrain.core.layout import PS_RANK
+from mpitrain.core.layout import CHIEF, SERVER, WORKER
 from mpitrain.duties.observe import ALLREDUCE
-
-# Who a rank is in every mode (Layout decides it: rank 0, the other servers of --num-ps, the rest).
-CHIEF = "chief"  # rank 0: the global model, the progress bar, checkpoints, the summary
-SERVER = "server"  # another parameter server of --num-ps K: one shard of the parameters
-WORKER = "worker"  # computes gradients on its shard of the data
 
 
 @dataclasses.dataclass
@@ -39,15 +34,9 @@ class Mode:
     averages = False
     worker_comm = False  # the workers need a communicator of their own (the sync Allreduce)
 
-    def role(self, layout, rank: int) -> str:
-        if rank == PS_RANK:
-            return CHIEF
-        return SERVER if layout.is_server(rank) else WORKER
-
     def run(self, ctx, progress=None) -> Trained:
-        """This rank's part of the run, by its role."""
-        role = self.role(ctx.layout, ctx.rank)
-        return {CHIEF: self.chief, SERVER: self.server, WORKER: self.worker}[role](ctx, progress)
+        """This rank's part of the run, by its role (Layout.role)."""
+        return {CHIEF: self.chief, SERVER: self.server, WORKER: self.worker}[ctx.role](ctx, progress)
 
     def chief(self, ctx, progress) -> Trained:
         raise NotImplementedError

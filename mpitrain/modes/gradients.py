@@ -3,7 +3,7 @@
 GradientSource is the one gradient step: the next minibatch of this worker's shard (BatchStream),
 the model's loss and gradient into a buffer, the finite check (Divergence) and the --straggler
 pause. The async worker (modes/async_.py), the sync step (modes/sync.py), the quorum coordinator's gradient thread
-and the quorum follower (quorum.py) and the local run all call it.
+and the quorum follower (quorum.py) and the single-process run all call it.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from mpitrain.runtime import Context
 
 class BatchStream:
     """This worker's minibatches, epoch after epoch, reshuffled each epoch from --seed.
-    `budget` is the number of local steps allowed by --epochs (None: endless)."""
+    `budget` is the number of steps this worker may take by --epochs (None: endless)."""
 
     def __init__(self, ctx: Context, taken: int = 0):
         cfg, be = ctx.cfg, ctx.backend
@@ -97,7 +97,7 @@ class Straggler:
     """--straggler RANK:SECONDS / RANK:xFACTOR for this rank: sleep after each gradient."""
 
     def __init__(self, ctx: Context):
-        specs = [(kind, value) for rank, kind, value in ctx.cfg.stragglers if rank == ctx.rank and not ctx.local]
+        specs = [(kind, value) for rank, kind, value in ctx.cfg.stragglers if rank == ctx.rank and not ctx.single]
         self.delay = sum(v for k, v in specs if k == "delay")
         self.factor = 1.0
         for k, v in specs:

@@ -12,7 +12,7 @@ from mpitrain.core.layout import PS_RANK
 from mpitrain.core.reports import WorkerResult
 from mpitrain.duties.checkpoint import Checkpointer, TrainState, state_arrays, to_flat
 from mpitrain.duties.observe import PUSH
-from mpitrain.exchange.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_REGROUPED, FLAG_STOP, TAG_STATUS,
+from mpitrain.exchange.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_REGROUPED, FLAG_FINAL, TAG_STATUS,
                                         Message)
 from mpitrain.exchange.shards import cut
 from mpitrain.exchange.transport import WORKER_POLL_S, Poller, tested
@@ -82,5 +82,5 @@ class CoordinatorReport:
         self.pending[0] = self.ctx.comm.Isend(self.status.spec(), dest=PS_RANK, tag=TAG_STATUS)
 
     def final(self, result: WorkerResult) -> None:
-        self.send_full(result.train_state, FLAG_STOP | (FLAG_DIVERGED if result.diverged else 0), result.recent_loss)
+        self.send_full(result.train_state, FLAG_FINAL | (FLAG_DIVERGED if result.diverged else 0), result.recent_loss)
         self.waiter.all(self.pending, [PS_RANK] + self.servers)

@@ -22,7 +22,7 @@ from mpitrain.core.layout import PS_RANK
 from mpitrain.core.optim import StalenessHold
 from mpitrain.core.outer import PushSpans
 from mpitrain.exchange import shm
-from mpitrain.exchange.protocol import FLAG_DIVERGED, FLAG_LAST, FLAG_LEAVING, FLAG_STOP, TAG_GRAD, TAG_PARAMS
+from mpitrain.exchange.protocol import FLAG_DIVERGED, FLAG_LAST, FLAG_LEAVING, FLAG_FINAL, TAG_GRAD, TAG_PARAMS
 from mpitrain.exchange.serving import SERVER_SIDES
 from mpitrain.exchange.transport import PS_POLL_NO_OVERLAP_S, Poller
 from mpitrain.membership.faults import offhost_ranks
@@ -104,30 +104,30 @@ class RemoteWorkers:
         s, msg, w = self.store, self.links.inbox[i], self.workers[i]
         h = s.header
         if h[shm.STOP]:
-            return int(h[shm.VERSION]), FLAG_STOP | (FLAG_DIVERGED if h[shm.DIVERGED_STEP] >= 0 else 0)
+            return int(h[shm.VERSION]), FLAG_FINAL | (FLAG_DIVERGED if h[shm.DIVERGED_STEP] >= 0 else 0)
         v = int(h[shm.VERSION])
         if not s.may_step(v, w, self.hold):
             return None
         if not math.isfinite(msg.loss):  # never applied; rank 0 stops the run
             s.diverged(self.ranks[i], v, msg.loss)
-            return v, FLAG_STOP | FLAG_DIVERGED
+            return v, FLAG_FINAL | FLAG_DIVERGED
         grad = msg.payload
         if self.widened is not None:
             self.widened[:] = grad
             grad = self.widened
-        basis, span = msg.step, self.spans.span(i, msg.local_step)
+        basis, span = msg.step, self.spans.span(i, msg.pushed)
         self.shared.apply(grad, self.ctx.lr_at(v), v - basis, basis, None if self.then is None else self.then[i])
         s.stepped(v, msg.loss, basis, w, span)
-        return v + span, FLAG_STOP if msg.flags & FLAG_LAST else 0
+        return v + span, FLAG_FINAL if msg.flags & FLAG_LAST else 0
 
     def _reply(self, i: int, version: int, flags: int) -> None:
         reply, msg = self.links.outbox[i], self.links.inbox[i]
-        if self.then is not None and not flags & FLAG_STOP:
+        if self.then is not None and not flags & FLAG_FINAL:
             self.then[i][:] = reply.payload  # what the worker computes its next gradient on
-        reply.stamp(TAG_PARAMS, version, msg.local_step, flags)
-        self.links.send(i, more=not flags & FLAG_STOP)
+        reply.stamp(TAG_PARAMS, version, msg.pushed, flags)
+        self.links.send(i, more=not flags & FLAG_FINAL)
         self.bytes_out += self.links.over_mpi(i)
-        if flags & FLAG_STOP:
+        if flags & FLAG_FINAL:
             self.store.active[self.workers[i]] = 0  # after its last step: rank 0's final state holds it
 
     def forget(self, w: int) -> None:

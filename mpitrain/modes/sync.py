@@ -30,7 +30,7 @@ from mpitrain.duties.metrics import Progress
 from mpitrain.duties.observe import ALLREDUCE, APPLY, COMPUTE, WAIT
 from mpitrain.exchange.base import Reducer
 from mpitrain.exchange.mpi import ABANDONED, MPIReducer, await_verdict
-from mpitrain.exchange.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_REGROUPED, FLAG_STOP, TAG_SHARD,
+from mpitrain.exchange.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_REGROUPED, FLAG_FINAL, TAG_SHARD,
                                         TAG_STATUS, Message, ProtocolError)
 from mpitrain.exchange.shards import Gather, assemble
 from mpitrain.exchange.transport import CHIEF_POLL_S, Poller
@@ -75,7 +75,7 @@ class SyncStep:
         self.period = stamp_period(cfg.compress, ctx.workers)
         if start is not None:
             self.opt.restore(start.opt_t, start.opt_state)
-            if ctx.worker_index == 0:  # the coordinator (or the local run) keeps the moving average
+            if ctx.worker_index == 0:  # the coordinator (or the single-process run) keeps the moving average
                 self.ema = make_ema(cfg.ema_decay, params, be.xp, start.global_step, start.ema)
         self.local = None  # --local-steps H > 1: an Allreduce every H steps (outer.py)
         if cfg.local_steps > 1:
@@ -202,9 +202,9 @@ def torn(workers: int, weight: float, votes: float, stamped: float, stamp: int) 
 
 
 def train(ctx: Context, start: TrainState, on_step=None) -> WorkerResult:
-    """The plain sync loop, shared by sync workers and the local (one-process) run, from global
+    """The plain sync loop, shared by sync workers and the single-process run, from global
     step `start.global_step` (a resumed run) to the budget. `on_step(step, loss, sync_step)` reports
-    each step: to rank 0 (coordinator) or to the bar and checkpoints (local)."""
+    each step: to rank 0 (coordinator) or to the bar and checkpoints (single)."""
     be = ctx.backend
     params = be.asarray(start.params)
     step_fn = SyncStep(ctx, params, start)
@@ -239,7 +239,7 @@ def train(ctx: Context, start: TrainState, on_step=None) -> WorkerResult:
 
 def sync_result(step_fn: SyncStep, step: int, loss: float, timing: dict, contributed: int,
                  dropped: int = 0) -> WorkerResult:
-    """What a sync worker (or the local run) reports at global step `step`. When the step
+    """What a sync worker (or the single-process run) reports at global step `step`. When the step
     diverged (step_fn.why) update `step` was not applied: the state is the last good one, and
     whether this worker's own loss was the culprit goes to rank 0."""
     state = step_fn.train_state(step)  # host copies; its params are the result's params
@@ -311,7 +311,7 @@ def work(ctx: Context, loop=train) -> WorkerResult:
 
 def follow_coordinator(ctx: Context, progress: Progress) -> ServerState:
     """Follow the coordinator: header-only status messages for the bar, full ones (FLAG_EVAL)
-    to evaluate, and the last one (FLAG_STOP) with the final parameters; one tag, so MPI's
+    to evaluate, and the last one (FLAG_FINAL) with the final parameters; one tag, so MPI's
     ordering delivers the final one last. (--quorum steps are decided by the coordinator.)"""
     cfg = ctx.cfg
     W = ctx.workers
@@ -362,10 +362,10 @@ def follow_coordinator(ctx: Context, progress: Progress) -> ServerState:
                 box.check(TAG_STATUS, coordinator, count=0)
             status = ctx.comm.Irecv(box.spec(), source=coordinator, tag=TAG_STATUS)
             continue
-        final, full = bool(box.flags & FLAG_STOP), bool(box.flags & (FLAG_STOP | FLAG_EVAL | FLAG_CKPT))
+        final, full = bool(box.flags & FLAG_FINAL), bool(box.flags & (FLAG_FINAL | FLAG_EVAL | FLAG_CKPT))
         box.check(TAG_STATUS, coordinator, count=full_count if full else 0)
         duties.stepped(box.step, box.loss, force_log=True,  # the coordinator already rate-limits
-                       staleness=0, local_steps=[box.step] * W)
+                       staleness=0, worker_steps=[box.step] * W)
         state.global_step = box.step  # where a lost worker's line says it was lost
         received = _received(ctx, gather, box, names) if full else None
         state.bytes_in += box.buf.nbytes if full else 0
@@ -373,7 +373,7 @@ def follow_coordinator(ctx: Context, progress: Progress) -> ServerState:
             state.diverged = Diverged(box.step)  # before the save: a diverged state is never saved
         if box.flags & FLAG_EVAL:
             duties.evaluate(received, box.step)
-        if box.flags & (FLAG_CKPT | FLAG_STOP):
+        if box.flags & (FLAG_CKPT | FLAG_FINAL):
             duties.save(received, final=final, at_once=True)
         if final:  # its loss is the coordinator's mean over the last LOSS_WINDOW steps
             state.global_step = box.step
@@ -386,7 +386,7 @@ def follow_coordinator(ctx: Context, progress: Progress) -> ServerState:
             status = ctx.comm.Irecv(box.spec(), source=coordinator, tag=TAG_STATUS)
     if arbiter is not None:
         arbiter.done(layout)
-    state.local_steps = [state.global_step] * W
+    state.worker_steps = [state.global_step] * W
     return duties.finish()
 
 
@@ -420,10 +420,10 @@ def keep_shard(ctx: Context) -> ServerState:
         state.global_step = box.step
         state.params[s] = box.payload[:m]
         state.bytes_in += box.buf.nbytes
-        box.stamp(TAG_SHARD, box.step, box.local_step, box.flags, box.loss, generation=box.generation)
+        box.stamp(TAG_SHARD, box.step, box.pushed, box.flags, box.loss, generation=box.generation)
         poller.all([ctx.comm.Isend(box.spec(), dest=PS_RANK, tag=TAG_SHARD)], [PS_RANK])
         state.bytes_out += box.buf.nbytes
-        if box.flags & FLAG_STOP:
+        if box.flags & FLAG_FINAL:
             if box.flags & FLAG_DIVERGED:  # rank 0 and the workers say why
                 state.diverged = Diverged(box.step)
             break
