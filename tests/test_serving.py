@@ -21,7 +21,9 @@ from conftest import MPI_TIMEOUT_S, child_env, launcher
 from mpitrain.exchange.protocol import HEADER_BYTES
 
 SCRIPT = """
+import os
 import sys
+import time
 import numpy as np
 import mpitrain
 from mpitrain.modes import gradients
@@ -30,8 +32,17 @@ out, seen = sys.argv[1], []
 
 def compute(self, params, grad, step=0):
     if not seen:  # the first gradient is computed on the job's start parameters
-        seen.append(1)
         np.save(f"{out}/start-{mpitrain.rank()}.npy", np.asarray(params, np.float32))
+    seen.append(1)
+    if len(seen) == 3:  # this worker's first push is applied (its third gradient waits for that reply, overlap or
+        # not): so is the other's before either goes on, or a fast path alone spends the whole budget first
+        # (the store's worker did all 600 before a loaded machine ran the remote one once, [600, 0])
+        open(f"{out}/applied-{mpitrain.rank()}", "w").close()
+        other = f"{out}/applied-{3 - mpitrain.rank()}"
+        for _ in range(60000):
+            if os.path.exists(other):
+                break
+            time.sleep(0.001)
     grad[:] = mpitrain.rank() * 2.0 ** -10
     self.batches.taken += 1
     return 0.5
