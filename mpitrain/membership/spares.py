@@ -44,7 +44,7 @@ from mpi4py import MPI
 from mpitrain.core.config import TrainConfig, UsageError
 from mpitrain.core.console import say
 from mpitrain.core.exitcodes import ExitCode, interrupted
-from mpitrain.exchange.protocol import (FLAG_ENDED, FLAG_PEER_LOST, H_FLAGS, TAG_ADOPT, TAG_HEARTBEAT,
+from mpitrain.exchange.protocol import (FLAG_ENDED, FLAG_PEER_LOST, TAG_ADOPT, TAG_HEARTBEAT,
                                         TAG_JOIN, Message)
 from mpitrain.membership.join import GROW_TAG, Joiner, answer_go, dead_here, into_job, tell_to_leave
 
@@ -285,9 +285,9 @@ def stand_by(cfg: TrainConfig, link, carry, mine, library: bool = False) -> tupl
         time.sleep(POLL_S)
     if offers is not None:
         offers.close()
-    if go.header[H_FLAGS] & FLAG_ENDED:
+    if go.flags & FLAG_ENDED:
         code = interrupted(STOP.signum) if STOP.signum else ExitCode.OK
-        return leave(bool(go.header[H_FLAGS] & FLAG_PEER_LOST), code, carry, library)
+        return leave(bool(go.flags & FLAG_PEER_LOST), code, carry, library)
     while not budget:  # a beat with it came before GO, on another tag: it may be received after it
         beat_req.Wait()
         budget = beat.budget
