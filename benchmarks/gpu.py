@@ -64,18 +64,20 @@ def slim(summary: dict) -> dict:
 
 
 def fed_rows(base: list[str]) -> list[tuple[str, callable]]:
-    """One GPU worker, and what feeds it (issue 52, item 2): the server on the GPU, K CPU servers
-    (ranks 0..K-1, the worker rank K), local steps, the shared-memory store."""
-    rows = [(ONE, lambda: run_mpitrain(0, base)),
-            ("async np=2, 1 CPU server", lambda: run_mpitrain(2, base)),
-            ("async np=2 --ps-device gpu", lambda: run_mpitrain(2, [*base, "--ps-device", "gpu"]))]
-    rows += [(f"async --num-ps {k} (np={k + 1})", lambda k=k: run_mpitrain(k + 1, [*base, "--num-ps", str(k)]))
-             for k in (2, 4, 8)]
-    rows += [(f"async np=2 --local-steps {h}", lambda h=h: run_mpitrain(2, [*base, "--local-steps", str(h)]))
-             for h in (8, 32)]
-    rows += [("async np=2 --ps-transport shm", lambda: run_mpitrain(2, [*base, "--ps-transport", "shm"])),
-             ("async np=2 --ps-device gpu --local-steps 8",
-              lambda: run_mpitrain(2, [*base, "--ps-device", "gpu", "--local-steps", "8"]))]
+    """One GPU worker, and what feeds it (issues 52 and 83, item 2): a CPU server, the server on the GPU,
+    16-bit exchanges, local steps on either server, the shared-memory store. (`--num-ps` 2/4/8 were measured on
+    2026-11-27: 0.24-0.32x, flat from 4 servers; GPU.md.)"""
+    rows = [(ONE, lambda: run_mpitrain(0, base))]
+    for label, flags in (("async np=2, 1 CPU server", []),
+                         ("async np=2 --ps-device gpu", ["--ps-device", "gpu"]),
+                         ("async np=2 --compress bf16", ["--compress", "bf16"]),
+                         ("async np=2 --ps-device gpu --compress bf16", ["--ps-device", "gpu", "--compress", "bf16"]),
+                         ("async np=2 --local-steps 32", ["--local-steps", "32"]),
+                         ("async np=2 --ps-device gpu --local-steps 32", ["--ps-device", "gpu", "--local-steps", "32"]),
+                         ("async np=2 --ps-device gpu --local-steps 32 --compress bf16",
+                          ["--ps-device", "gpu", "--local-steps", "32", "--compress", "bf16"]),
+                         ("async np=2 --ps-transport shm", ["--ps-transport", "shm"])):
+        rows.append((label, lambda flags=flags: run_mpitrain(2, [*base, *flags])))
     return rows
 
 

@@ -40,7 +40,9 @@ from run import env, machine, mpirun  # noqa: E402  (same folder)
 
 SIZES = {"mlp": ["--model", "mlp", "--hidden", "100"], "softmax": ["--model", "softmax"]}
 PARAMS = {"mlp": 784 * 100 + 100 + 100 * 10 + 10, "softmax": 784 * 10 + 10}
-DATA = ["--dataset", "synthetic", "--synthetic-samples", "12000", "--batch-size", "100", "--lr", "0.01"]
+# --device cpu: on a machine with a GPU, auto would put the one worker and the server there (GPU.md, section 4)
+DATA = ["--device", "cpu", "--dataset", "synthetic", "--synthetic-samples", "12000", "--batch-size", "100",
+        "--lr", "0.01"]
 
 CHILD = """
 import ast

@@ -129,6 +129,21 @@ def test_async_np3_learns_digits_on_the_gpu(tmp_path):
     assert s["global_step"] == sum(s["worker_steps"])
 
 
+@pytest.mark.parametrize("flags", [
+    ("--ps-transport", "shm"),
+    ("--local-steps", "4"),
+    ("--delay-compensation",),
+    ("--ps-device", "gpu", "--local-steps", "4", "--compress", "bf16"),
+    ("--mode", "sync", "--local-steps", "4"),
+], ids=["shm-store", "local-steps", "delay-compensation", "gpu-server-local-steps-bf16", "sync-local-steps"])
+def test_the_later_paths_learn_digits_on_gpu_workers(tmp_path, flags):
+    """What came after the last GPU run (issue 83): the shared-memory store (the worker stages to the host
+    and applies there), local steps (the outer delta on the device), delay compensation, and their mixes."""
+    s = train(3, tmp_path, "--device", "gpu", *flags)
+    assert "GPU 0" in s["_stdout"].splitlines()[1]
+    assert s["test_accuracy"] >= 0.88
+
+
 def test_sync_np3_learns_digits_on_the_gpu_and_replicas_stay_identical(tmp_path):
     s = train(3, tmp_path, "--device", "gpu", "--mode", "sync")
     assert s["test_accuracy"] >= 0.90
