@@ -381,3 +381,45 @@ def test_a_gpu_copy_is_queued_behind_the_compute_that_uses_its_buffer():
     fake.log.clear()
     be.download(fake.Array(), host)
     assert fake.log == [("record", "compute"), ("wait", "copy", "compute"), ("copy out of", "copy"), ("sync", "copy")]
+
+
+class _DeviceArray(np.ndarray):
+    """A NumPy array that must be read back with .get(), as a CuPy one."""
+
+    def get(self):
+        return np.asarray(self)
+
+
+def test_a_large_gpu_model_reads_its_loss_and_finite_check_in_one_copy(monkeypatch):
+    """GradientSource on a GPU backend (a stand-in module that is not NumPy): from ONE_READ_FROM parameters the
+    loss and the gradient's squared norm come back in one stacked copy, with the same loss, the same gradient
+    and the same verdict on a non-finite one as the two-read path."""
+    import copy
+    import dataclasses
+    from types import SimpleNamespace
+
+    from mpitrain.modes.gradients import GradientSource
+
+    ctx = sync_worker_context()
+    gpu_like = SimpleNamespace(dot=np.dot, stack=lambda values: np.stack(values).view(_DeviceArray))
+    two, one = GradientSource(ctx), GradientSource(ctx)
+    assert not one.one_read  # NumPy: as before
+    monkeypatch.setattr(GradientSource, "ONE_READ_FROM", 0)
+    backend = copy.copy(ctx.backend)
+    backend.xp = gpu_like
+    one.one_read = GradientSource(dataclasses.replace(ctx, backend=backend)).one_read
+    assert one.one_read
+    one.divergence.xp = gpu_like
+    params = ctx.model.init_params(0)
+    g1, g2 = np.empty_like(params), np.empty_like(params)
+    assert one.compute(params, g1) == pytest.approx(two.compute(params, g2), rel=1e-6)
+    np.testing.assert_array_equal(g1, g2)
+    model, real = ctx.model, ctx.model.log_likelihood_and_grad
+
+    def finite_loss_infinite_gradient(params, x, y, grad):
+        total = real(params, x, y, grad)
+        grad[-1] = np.inf
+        return total
+
+    monkeypatch.setattr(model, "log_likelihood_and_grad", finite_loss_infinite_gradient)
+    assert np.isnan(one.compute(params, g1)) and np.isnan(two.compute(params, g2))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import time
 
+import numpy as np
 
 from mpitrain.core.data import epoch_batches
 from mpitrain.membership.faults import injected_step
@@ -59,9 +60,12 @@ class Divergence:
         self.inject_at = injected_step("MPITRAIN_INJECT_NAN", ctx.rank)
         self.steps = 0
 
-    def check(self, loss: float, grad) -> float:
+    def check(self, loss: float, grad, squared_norm: float | None = None) -> float:
+        """`loss` if usable, else NaN; `squared_norm` when the caller has already read it with the loss."""
         self.steps += 1
-        if self.steps == self.inject_at or not math.isfinite(loss) or not math.isfinite(float(self.xp.dot(grad, grad))):
+        if squared_norm is None:
+            squared_norm = float(self.xp.dot(grad, grad))
+        if self.steps == self.inject_at or not math.isfinite(loss) or not math.isfinite(squared_norm):
             return float("nan")
         return loss
 
@@ -71,19 +75,34 @@ class GradientSource:
     and gradient into `grad`, the finite check and the --straggler pause. `seconds` is how long the
     last one took (the pause included: what a straggler's peers see)."""
 
+    ONE_READ_FROM = 1_000_000  # parameters: from here a GPU step reads its loss and finite check at once
+
     def __init__(self, ctx: Context, taken: int = 0):
         self.model = ctx.model
         self.batches = BatchStream(ctx, taken)
         self.divergence = Divergence(ctx)
         self.straggler = Straggler(ctx)
         self.seconds = 0.0
+        # On a GPU, the loss and the gradient's squared norm come back to the host in one copy instead of
+        # two when the model is large: each read drains the GPU's queue, which costs a large step (784-4096-
+        # 4096-10, batch 4096: 1.04x samples/s, medians of 3 interleaved), while stacking the two values costs a
+        # small one more than it saves (784-100-10, batch 100: 0.84x); benchmarks/GPU.md. Only for the built-in
+        # MLP without L2 (its L2 term would read each layer again); NumPy as before.
+        self.one_read = (ctx.backend.xp is not np and self.model.n_params >= self.ONE_READ_FROM
+                         and not getattr(self.model, "l2", 1) and hasattr(self.model, "log_likelihood_and_grad"))
 
     def compute(self, params, grad, step: int = 0) -> float:
         """The next minibatch's gradient on `params` into `grad`; its loss (NaN: not usable). `step`,
         the global step of `params`, is for outer.RoundSource, which stands in for this class."""
         x, y = self.batches.next()
         t0 = time.perf_counter()
-        loss = self.divergence.check(self.model.loss_and_grad(params, x, y, grad), grad)
+        if self.one_read:
+            xp = self.divergence.xp
+            total = self.model.log_likelihood_and_grad(params, x, y, grad)
+            ll, squared_norm = (float(v) for v in xp.stack((total, xp.dot(grad, grad))).get())
+            loss = self.divergence.check(-ll / x.shape[0], grad, squared_norm)
+        else:
+            loss = self.divergence.check(self.model.loss_and_grad(params, x, y, grad), grad)
         self.straggler.pause(time.perf_counter() - t0)
         self.seconds = time.perf_counter() - t0
         return loss
