@@ -20,6 +20,9 @@ and B/2 after, their mean: a 2-core VM's speed drifts over half an hour). Report
   steps/s between joins   from one replacement's join to the next, first quarter vs last (does the
                      job slow down as replacements pile up?)
   rank 0 RSS, /dev/shm   at the end, against the start: a leak per failure would show
+  where the time goes    per kill, from rank 0's lines: kill -> declared lost -> regrouped (sync) -> the
+                     replacement joined -> training again (sync's re-formed world), medians, and the pace while
+                     a worker short
 
 --worker-timeout 3 (not the default 30): a SIGKILL is usually seen at once as an MPI error, but
 when it is not, the heartbeat timeout is the time to notice, and 30 s is longer than the kill interval.
@@ -78,7 +81,13 @@ def shm_mib() -> float:
 
 
 JOINED = re.compile(r"joined as rank \d+ at global step ([\d,]+)")
-LOGS = Path(tempfile.gettempdir()) / "goodput-logs"  # an early-ended job's whole stderr (kept out of the repository)
+# rank 0's lines on a replacement's way, in order (issue 82, item 5: where a replacement's time goes)
+LOST = re.compile(r"worker rank \d+ lost at global step ([\d,]+)")
+REGROUPED = re.compile(r"worker\(s\) regrouped at global step ([\d,]+)")
+RESUMED = re.compile(r"training on from .*\(global step ([\d,]+)\), saved to make room")
+PARTS = (("detect", "kill -> declared lost"), ("regroup", "-> regrouped"), ("spawn", "-> joined"),
+         ("resume", "-> training again"))
+LOGS = Path(tempfile.gettempdir()) / "goodput-logs"  # each run's whole stderr with kills (kept out of the repository)
 
 
 def rss_mib(pid: int) -> float:
@@ -118,16 +127,18 @@ def one_run(mode: str, seconds: float, every: float | None, rng: random.Random) 
         job.proc.send_signal(getattr(signal, IMPL.stop_signal))  # as scancel does
         code, _ = job.finish(120)
         # rank 0's "joined as rank N at global step S" lines: (when, S)
-        marks = [(t, int(m.group(1).replace(",", ""))) for t, _, line in job.lines if (m := JOINED.search(line))]
+        lines = list(job.lines)
+        marks = [(t, int(m.group(1).replace(",", ""))) for t, _, line in lines if (m := JOINED.search(line))]
         joined = [t for t, _ in marks]
         # A job that ended before its time (no summary): why, in its own last lines and in the
         # first line that any rank wrote as an error; its whole stderr is kept in LOGS.
         ended_early = []
-        if not Path(tmp, "s.json").exists():
-            err = job.text("err").splitlines()
+        err = job.text("err").splitlines()
+        if every:  # every run with kills: its whole stderr (rank 0's lines say each loss and join)
             LOGS.mkdir(parents=True, exist_ok=True)
             kept = LOGS / f"{mode}-{every:g}s-{time.strftime('%Y%m%dT%H%M%S')}.err"
-            kept.write_text("\n".join(err) + "\n")
+            kept.write_text(job.text() + "\n")  # both streams, in order
+        if not Path(tmp, "s.json").exists():
             first = [line for line in err if "mpitrain: error" in line or "aborting" in line][:1]
             ended_early = [*first, *(["..."] if first else []), *err[-6:], f"(the whole stderr: {kept})"]
         s = json.loads(Path(tmp, "s.json").read_text()) if Path(tmp, "s.json").exists() else None
@@ -145,7 +156,8 @@ def one_run(mode: str, seconds: float, every: float | None, rng: random.Random) 
     steps = s["global_step"] - (s.get("start_step") or 0) if s else 0
     return {"code": code, "steps_per_s": steps / seconds, "kills": len(kills), "replaced": len(joined),
             "downs": downs, "mean_workers": mean_workers, "rss": (rss0, rss1), "shm": (shm0, shm1),
-            "lost": len(s["lost_workers"]) if s else None, "ended_early": ended_early, "pace": pace_drift(marks)}
+            "lost": len(s["lost_workers"]) if s else None, "ended_early": ended_early, "pace": pace_drift(marks),
+            "parts": parts(lines, kills)}
 
 
 def pace_drift(marks: list[tuple[float, int]]) -> tuple[float, float] | None:
@@ -157,6 +169,34 @@ def pace_drift(marks: list[tuple[float, int]]) -> tuple[float, float] | None:
         return None
     q = len(rates) // 4
     return statistics.median(rates[:q]), statistics.median(rates[-q:])
+
+
+def parts(lines: list[tuple[float, str, str]], kills: list[float]) -> dict:
+    """Each kill's way back, from rank 0's lines after it: seconds to the loss's declaration (detect), to
+    the regroup without it (sync's; async goes on as it is), to the replacement's join (spawn) and to
+    training again in the grown world (resume: sync's stop, checkpoint and re-formed world). Medians per
+    part, and the pace while a worker short (global steps/s from the regroup to the join)."""
+    marks = [(t, name, int(m.group(1).replace(",", ""))) for t, _, line in lines
+             for name, rx in (("lost", LOST), ("regrouped", REGROUPED), ("joined", JOINED), ("resumed", RESUMED))
+             if (m := rx.search(line))]
+    got: dict[str, list[float]] = {name: [] for name, _ in PARTS}
+    short_pace = []
+    for k, nxt in zip(kills, [*kills[1:], float("inf")]):
+        at, prev = {}, (k, None)
+        for t, name, step in marks:
+            if k < t < nxt and name not in at and (name != "resumed" or "joined" in at):
+                at[name] = (t, step)
+        for (part, _), name in zip(PARTS, ("lost", "regrouped", "joined", "resumed")):
+            if name in at:
+                got[part].append(at[name][0] - prev[0])
+                prev = at[name]
+        if "regrouped" in at and "joined" in at and at["joined"][0] > at["regrouped"][0]:
+            (t0, s0), (t1, s1) = at["regrouped"], at["joined"]
+            short_pace.append((s1 - s0) / (t1 - t0))
+    out = {part: statistics.median(v) if v else None for part, v in got.items()}
+    out["counts"] = {part: len(v) for part, v in got.items()}
+    out["short_pace"] = statistics.median(short_pace) if short_pace else None
+    return out
 
 
 def histogram(downs: list[float]) -> str:
@@ -223,6 +263,17 @@ def main() -> int:
                      f"| {r['kills']} ({r['replaced']}) | {r['mean_workers']:.2f} | {med:.1f} s; {histogram(r['downs'])} "
                      f"| {'{:.0f} -> {:.0f}'.format(*r['pace']) if r.get('pace') else ''} "
                      f"| {r['rss'][0]:.0f} -> {r['rss'][1]:.0f} | {r['shm'][0]:.1f} -> {r['shm'][1]:.1f} | {r['code']} |")
+    split = [(mode, every, base, r) for mode, every, base, r in rows if r.get("parts")]
+    if split:
+        lines += ["", "Where a replacement's time goes (medians over the kills; rank 0's lines; sync alone regroups "
+                  "and re-forms its world for the join):", "",
+                  "| mode | kill every | " + " | ".join(f"{label} (s)" for _, label in PARTS)
+                  + " | global steps/s a worker short / without kills |", "|---|---|" + "---|" * (len(PARTS) + 1)]
+        for mode, every, base, r in split:
+            pt = r["parts"]
+            cells = [f"{pt[part]:.2f} ({pt['counts'][part]})" if pt[part] is not None else "-" for part, _ in PARTS]
+            pace = f"{pt['short_pace']:.0f} / {base['steps_per_s']:.0f}" if pt["short_pace"] else "-"
+            lines.append(f"| {mode} | {every:g} s | " + " | ".join(cells) + f" | {pace} |")
     for mode, every, _, r in rows:
         if r.get("ended_early"):
             lines += ["", f"The {mode} run with a kill every {every:g} s ended early; the end of its stderr:", "",

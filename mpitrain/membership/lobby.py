@@ -34,10 +34,6 @@ class Lobby:
         self.heartbeat = heartbeat  # liveness.Heartbeat: beats out the stop that makes room at once
         self.watch = ctx.watch  # its lost workers: --respawn replaces them
         self.lost_seen = 0
-        # --respawn starts the worker while the job trains on (rank 0 spawning alone) in async only: in sync
-        # the elastic regroup that follows a loss and a spawn meanwhile left the loss unreplaced, without a
-        # line, in 3 of 8 chaos trials (respawn-sync, MPICH; 8 of 8 as documented at the phase's end)
-        self.early = not getattr(getattr(ctx, "mode", None), "averages", False)
         self.spawn = False  # --respawn: start a worker where this phase ends (grow), or let in the one started
         self.launch_at: float | None = None  # --respawn, rank 0 spawning alone: when to start the worker
         self.starting: respawn.Starting | None = None  # ... started, training on
@@ -68,7 +64,12 @@ class Lobby:
             return
         if self._respawn_due():
             more = f"--respawn: {self.carry.respawns_left} more after this one"
-            if not (respawn.spawns_alone() and self.early):  # at the phase's end
+            # Where rank 0 spawns alone (MPICH) the job trains on while the worker starts, sync included: sync
+            # spawning at the phase's end stalled every worker through the spawn and the start-up (0.81 s a
+            # replacement, benchmarks/GOODPUT.md 2026-12-04). It was at the phase's end for sync since 239cb46,
+            # whose chaos trials lost 3 of 8 replacements with the early start; the started worker has waited
+            # for rank 0's GO since that same commit, and 32 of 32 respawn-sync trials now end as documented.
+            if not respawn.spawns_alone():  # at the phase's end, every rank spawning together
                 self.spawn = True
                 say(f"mpitrain: starting a worker in place of the one lost at the next step boundary ({more})")
                 self._make_room()

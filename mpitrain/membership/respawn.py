@@ -143,7 +143,7 @@ def start_worker(members, argv: list[str], ready: Starting | None = None):
     child, hello, failure = None, {}, ""
     word = np.array([NOT_STARTED], np.int8)
     if alone and root:  # started while the phase trained, it answered GO (phases.make_room); else now
-        if ready is None:  # at the phase's end (sync: Lobby.early), the others asleep meanwhile
+        if ready is None:  # the phase ended before it was started (its budget, a stop): now, the others asleep
             ready, failure = launch(argv)
             failure = failure or _hello_and_go(ready)
             word[0] = FAILED if failure and ready is not None else NOT_STARTED
