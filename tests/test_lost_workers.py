@@ -212,6 +212,62 @@ def test_a_peer_that_said_it_holds_is_not_taken_for_lost_until_its_hold_ends():
         watch.check(force=True)
 
 
+class _BeatComm:
+    """Records each beat's (peer, flags); the first beat to `slow` stays in flight for `slow_tests` Tests."""
+
+    def __init__(self, slow: int = -1, slow_tests: int = 0):
+        self.sent: list[tuple[int, int]] = []
+        self.slow, self.slow_tests = slow, slow_tests
+
+    def Isend(self, spec, dest, tag):
+        from mpitrain.exchange.protocol import H_FLAGS
+
+        header = np.frombuffer(spec[0], np.int64)
+        self.sent.append((dest, int(header[H_FLAGS])))
+        comm, first_slow = self, dest == self.slow and sum(d == dest for d, _ in self.sent) == 1
+
+        class Request:
+            def Test(self):
+                if first_slow and comm.slow_tests > 0:
+                    comm.slow_tests -= 1
+                    return False
+                return True
+
+        return Request()
+
+
+def test_a_hold_reaches_every_peer_and_every_beat_says_it_until_released():
+    """Heartbeat.hold (rank 0 about to block in MPI_Comm_spawn): it returns once every peer was sent a beat
+    flagged FLAG_HOLD, also one whose last beat was still going out (the round skips it, then sends it); every
+    beat is flagged until release, since a peer takes an unflagged beat as the hold's end (one that slipped
+    out during a spawn ended a hold early, and a worker declared the spawning rank 0 lost)."""
+    import time
+
+    from mpitrain.exchange.protocol import FLAG_HOLD
+    from mpitrain.membership.liveness import Heartbeat
+
+    comm = _BeatComm(slow=2, slow_tests=5)
+    beats = Heartbeat(comm, [1, 2], timeout_s=0.2)
+    try:
+        deadline = time.monotonic() + 5
+        while len(comm.sent) < 2 and time.monotonic() < deadline:  # the first round: peer 2's beat in flight
+            time.sleep(1e-3)
+        beats.hold()
+        held = [dest for dest, flags in comm.sent if flags & FLAG_HOLD]
+        assert set(held) == {1, 2}, comm.sent
+        time.sleep(0.15)  # a few intervals (0.05 s) of the hold
+        after = comm.sent[len(comm.sent) - 2:]
+        assert all(flags & FLAG_HOLD for _, flags in after), comm.sent
+        beats.release()
+        n = len(comm.sent)
+        time.sleep(0.15)
+        assert comm.sent[n:] and not any(flags & FLAG_HOLD for _, flags in comm.sent[n + 2:]), comm.sent[n:]
+    finally:  # the thread stopped as close() stops it (without close's last beats: no MPI here)
+        beats._stopping = True
+        beats._wake.set()
+        beats._thread.join()
+
+
 def test_a_silence_this_rank_was_frozen_through_too_is_said_so():
     """MPICH's progress after a peer died can hold a whole process for seconds: then a peer's
     silence is this rank's as much, and the line that declares the peer lost says how long this

@@ -42,7 +42,8 @@ HELD_ROUNDS = 64  # heartbeat rounds remembered for Heartbeat.held_s (16 timeout
 # returns once the new process has started MPI (0.25 s on 2 cores when idle, seconds when loaded); one
 # that takes longer is stuck, and its rank is then lost as a silent one is (the forming limit is as long).
 HOLD_S = 30.0
-HOLD_SENT_WITHIN_S = 1.0  # Heartbeat.hold waits this long at most for its beat round
+HOLD_SENT_WITHIN_S = 1.0  # Heartbeat.hold waits this long at most for a held beat to each peer
+HOLD_RETRY_S = 1e-3  # ... looking again this often for a peer whose last beat had not gone out
 
 
 # Why a peer that ends the job on a lost rank (its last beat flagged FLAG_PEER_LOST) is lost to the others.
@@ -129,8 +130,9 @@ class Heartbeat:
         self.beats = 0
         self.rounds: deque[float] = deque(maxlen=HELD_ROUNDS)  # when the last rounds started (held_s)
         self._wake = threading.Event()  # the next round now: a stop (close) or a word to spread (poke)
-        self._holding = threading.Event()  # set: the next round's beats are flagged FLAG_HOLD (hold)
-        self._held = threading.Event()  # set by the thread once that round is out
+        self._holding = threading.Event()  # set: every beat is flagged FLAG_HOLD, from hold() to release()
+        self._held = threading.Event()  # set by the thread once every live peer was sent a held beat
+        self._hold_sent: set[int] = set()  # the peers sent one since hold()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="mpitrain-heartbeat", daemon=True)
         self._thread.start()
@@ -154,11 +156,15 @@ class Heartbeat:
             self.rounds.append(time.monotonic())
             holding = self._holding.is_set()
             with WATCHDOG:  # a round that never ends (MPI stuck, see stuck.py) ends the rank
-                self._round(FLAG_HOLD if holding else 0)
-            if holding:
-                self._holding.clear()
-                self._held.set()
-            self._wake.wait(self.interval)
+                sent = self._round(FLAG_HOLD if holding else 0)
+            wait = self.interval
+            if holding and not self._held.is_set():
+                self._hold_sent |= sent
+                if all(i in self._hold_sent or i in self.gone for i in range(len(self.peers))):
+                    self._held.set()
+                else:  # a peer whose last beat was still going out (skipped by the round): again shortly
+                    wait = HOLD_RETRY_S
+            self._wake.wait(wait)
             if self._stopping:
                 return
 
@@ -175,23 +181,34 @@ class Heartbeat:
         goes out first, and each peer's Watch then lets this rank's silence pass for up to HOLD_S
         (or until its next beat): a spawn slowed past a short --worker-timeout by a loaded machine
         used to make the workers declare a live rank 0 lost, and with --on-lost-server continue take
-        over from it (two rank 0s). Returns once the round is out (HOLD_SENT_WITHIN_S at most)."""
+        over from it (two rank 0s). Returns once every live peer was sent a held beat (HOLD_SENT_WITHIN_S at
+        most); every beat is flagged so until `release`: a peer takes any beat without the flag as the end of
+        the hold, and one that slipped out during the spawn (MPICH yields its lock now and then) used to end
+        it early, and a worker then declared the spawning rank 0 lost (seen in 1 of 13 logged goodput runs, sync)."""
+        self._hold_sent = set()
         self._held.clear()
         self._holding.set()
         self._wake.set()
         self._held.wait(HOLD_SENT_WITHIN_S)
 
-    def _round(self, flags: int = 0) -> None:
-        """One beat to each live peer whose last beat has gone out."""
+    def release(self) -> None:
+        """The blocking call is over (hold): the next beats go out unflagged, and the peers count silence again."""
+        self._holding.clear()
+
+    def _round(self, flags: int = 0) -> set[int]:
+        """One beat to each live peer whose last beat has gone out; the peers beaten."""
+        sent = set()
         for i in range(len(self.peers)):
             if i in self.gone:
                 continue
             try:
                 if self.reqs[i].Test():
                     self._beat(i, flags)
+                    sent.add(i)
             except MPI.Exception:  # that peer died: its Watch entry here says so in time
                 self.gone.add(i)
                 self.reqs[i] = MPI.REQUEST_NULL
+        return sent
 
     def held_s(self, since: float, now: float) -> float:
         """The longest this thread went without starting a round, beyond its interval, between

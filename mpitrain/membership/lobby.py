@@ -191,7 +191,11 @@ class Lobby:
         self.launch_at = None
         if self.heartbeat is not None:  # the spawn holds the heartbeat thread too: the peers are told first
             self.heartbeat.hold()
-        self.starting, failure = respawn.launch(self.carry.spawn_argv())
+        try:
+            self.starting, failure = respawn.launch(self.carry.spawn_argv())
+        finally:
+            if self.heartbeat is not None:
+                self.heartbeat.release()
         if self.starting is None:
             respawn.not_started(failure)
 
