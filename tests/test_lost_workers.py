@@ -246,8 +246,8 @@ def test_a_hold_reaches_every_peer_and_every_beat_says_it_until_released():
     from mpitrain.exchange.protocol import FLAG_HOLD
     from mpitrain.membership.liveness import Heartbeat
 
-    comm = _BeatComm(slow=2, slow_tests=5)
-    beats = Heartbeat(comm, [1, 2], timeout_s=0.2)
+    comm = _BeatComm(slow=2, slow_tests=3)
+    beats = Heartbeat(comm, [1, 2], timeout_s=0.8)  # a beat every 0.2 s
     try:
         deadline = time.monotonic() + 5
         while len(comm.sent) < 2 and time.monotonic() < deadline:  # the first round: peer 2's beat in flight
@@ -255,12 +255,13 @@ def test_a_hold_reaches_every_peer_and_every_beat_says_it_until_released():
         beats.hold()
         held = [dest for dest, flags in comm.sent if flags & FLAG_HOLD]
         assert set(held) == {1, 2}, comm.sent
-        time.sleep(0.15)  # a few intervals (0.05 s) of the hold
+        assert held[:held.index(2)] == [1], comm.sent  # the retries for peer 2 went to peer 2 alone
+        time.sleep(0.5)  # a few intervals of the hold
         after = comm.sent[len(comm.sent) - 2:]
         assert all(flags & FLAG_HOLD for _, flags in after), comm.sent
         beats.release()
         n = len(comm.sent)
-        time.sleep(0.15)
+        time.sleep(0.5)
         assert comm.sent[n:] and not any(flags & FLAG_HOLD for _, flags in comm.sent[n + 2:]), comm.sent[n:]
     finally:  # the thread stopped as close() stops it (without close's last beats: no MPI here)
         beats._stopping = True

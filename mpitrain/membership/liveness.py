@@ -155,10 +155,13 @@ class Heartbeat:
             self.beats += 1
             self.rounds.append(time.monotonic())
             holding = self._holding.is_set()
+            # until every peer was told of a hold, the rounds between intervals go to those not told yet
+            missing = ({i for i in range(len(self.peers)) if i not in self._hold_sent}
+                       if holding and not self._held.is_set() else None)
             with WATCHDOG:  # a round that never ends (MPI stuck, see stuck.py) ends the rank
-                sent = self._round(FLAG_HOLD if holding else 0)
+                sent = self._round(FLAG_HOLD if holding else 0, missing)
             wait = self.interval
-            if holding and not self._held.is_set():
+            if missing is not None:
                 self._hold_sent |= sent
                 if all(i in self._hold_sent or i in self.gone for i in range(len(self.peers))):
                     self._held.set()
@@ -195,11 +198,11 @@ class Heartbeat:
         """The blocking call is over (hold): the next beats go out unflagged, and the peers count silence again."""
         self._holding.clear()
 
-    def _round(self, flags: int = 0) -> set[int]:
-        """One beat to each live peer whose last beat has gone out; the peers beaten."""
+    def _round(self, flags: int = 0, only: set[int] | None = None) -> set[int]:
+        """One beat to each live peer (of `only`, if given) whose last beat has gone out; the peers beaten."""
         sent = set()
         for i in range(len(self.peers)):
-            if i in self.gone:
+            if i in self.gone or (only is not None and i not in only):
                 continue
             try:
                 if self.reqs[i].Test():
