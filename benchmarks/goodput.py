@@ -87,7 +87,7 @@ REGROUPED = re.compile(r"worker\(s\) regrouped at global step ([\d,]+)")
 RESUMED = re.compile(r"training on from .*\(global step ([\d,]+)\), saved to make room")
 PARTS = (("detect", "kill -> declared lost"), ("regroup", "-> regrouped"), ("spawn", "-> joined"),
          ("resume", "-> training again"))
-LOGS = Path(tempfile.gettempdir()) / "goodput-logs"  # each run's whole stderr with kills (kept out of the repository)
+LOGS = Path(tempfile.gettempdir()) / "goodput-logs"  # each run's whole output with kills (kept out of the repository)
 
 
 def rss_mib(pid: int) -> float:
@@ -131,17 +131,18 @@ def one_run(mode: str, seconds: float, every: float | None, rng: random.Random) 
         marks = [(t, int(m.group(1).replace(",", ""))) for t, _, line in lines if (m := JOINED.search(line))]
         joined = [t for t, _ in marks]
         # A job that ended before its time (no summary): why, in its own last lines and in the
-        # first line that any rank wrote as an error; its whole stderr is kept in LOGS.
+        # first line that any rank wrote as an error; its whole output is kept in LOGS.
         ended_early = []
-        err = job.text("err").splitlines()
-        if every:  # every run with kills: its whole stderr (rank 0's lines say each loss and join)
+        summarised = Path(tmp, "s.json").exists()
+        if every or not summarised:  # every run with kills, and one that ended early: its whole output
             LOGS.mkdir(parents=True, exist_ok=True)
-            kept = LOGS / f"{mode}-{every:g}s-{time.strftime('%Y%m%dT%H%M%S')}.err"
-            kept.write_text(job.text() + "\n")  # both streams, in order
-        if not Path(tmp, "s.json").exists():
+            kept = LOGS / f"{mode}-{every or 0:g}s-{time.strftime('%Y%m%dT%H%M%S')}.err"
+            kept.write_text(job.text() + "\n")  # both streams, in order (rank 0's lines say each loss and join)
+        if not summarised:
+            err = job.text("err").splitlines()
             first = [line for line in err if "mpitrain: error" in line or "aborting" in line][:1]
-            ended_early = [*first, *(["..."] if first else []), *err[-6:], f"(the whole stderr: {kept})"]
-        s = json.loads(Path(tmp, "s.json").read_text()) if Path(tmp, "s.json").exists() else None
+            ended_early = [*first, *(["..."] if first else []), *err[-6:], f"(the whole output: {kept})"]
+        s = json.loads(Path(tmp, "s.json").read_text()) if summarised else None
     shm1 = shm_mib()
     downs = []  # kill -> the next "joined" line after it (one replacement per kill, in order)
     free = sorted(joined)

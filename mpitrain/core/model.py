@@ -137,7 +137,11 @@ class MLP:
             return self._loss_and_grad(params, x, y, grad)
 
     def _loss_and_grad(self, params, x, y, grad) -> float:
-        return -float(self.log_likelihood_and_grad(params, x, y, grad)) / x.shape[0] + self._l2_term(params)
+        return self.mean_loss(float(self.log_likelihood_and_grad(params, x, y, grad)), x.shape[0], params)
+
+    def mean_loss(self, log_likelihood: float, n: int, params) -> float:
+        """The loss loss_and_grad reports, from the batch's summed log-likelihood (read on the host) over n rows."""
+        return -log_likelihood / n + self._l2_term(params)
 
     def log_likelihood_and_grad(self, params, x, y, grad):
         """The batch's summed log-likelihood, left where it was computed (a CuPy 0-d array on a GPU:

@@ -89,7 +89,8 @@ class GradientSource:
         # small one more than it saves (784-100-10, batch 100: 0.84x); benchmarks/GPU.md. Only for the built-in
         # MLP without L2 (its L2 term would read each layer again); NumPy as before.
         self.one_read = (ctx.backend.xp is not np and self.model.n_params >= self.ONE_READ_FROM
-                         and not getattr(self.model, "l2", 1) and hasattr(self.model, "log_likelihood_and_grad"))
+                         and not getattr(self.model, "l2", 1)
+                         and all(hasattr(self.model, m) for m in ("log_likelihood_and_grad", "mean_loss")))
 
     def compute(self, params, grad, step: int = 0) -> float:
         """The next minibatch's gradient on `params` into `grad`; its loss (NaN: not usable). `step`,
@@ -100,7 +101,7 @@ class GradientSource:
             xp = self.divergence.xp
             total = self.model.log_likelihood_and_grad(params, x, y, grad)
             ll, squared_norm = (float(v) for v in xp.stack((total, xp.dot(grad, grad))).get())
-            loss = self.divergence.check(-ll / x.shape[0], grad, squared_norm)
+            loss = self.divergence.check(self.model.mean_loss(ll, x.shape[0], params), grad, squared_norm)
         else:
             loss = self.divergence.check(self.model.loss_and_grad(params, x, y, grad), grad)
         self.straggler.pause(time.perf_counter() - t0)
