@@ -17,6 +17,7 @@ from mpitrain.core.console import say
 from mpitrain.core.exitcodes import ExitCode
 from mpitrain.core.guard import Diverged
 from mpitrain.core.reports import Outcome, RoleResult
+from mpitrain.core.stop import STOP
 from mpitrain.ending import free_worker_comm, retire_heartbeats, say_goodbye
 from mpitrain.exchange.protocol import FLAG_PEER_LOST, Message
 from mpitrain.exchange.transport import error_text
@@ -27,7 +28,6 @@ from mpitrain.membership.join import why_not_there
 from mpitrain.membership.joiner import join_job
 from mpitrain.membership.lobby import Lobby
 from mpitrain.membership.respawn import join_spawned, spawned, start_worker, welcome
-from mpitrain.membership.stopping import STOP
 from mpitrain.runtime import PS_RANK, Context, Node, node_info
 
 
@@ -51,8 +51,7 @@ def joined(cfg: TrainConfig, comm, carry: join.Carry) -> tuple[TrainConfig, obje
     if world is None:
         return cfg, None, None
     carry.budget, carry.joiner = budget, True
-    if not STOP.signum:
-        STOP.reset()
+    STOP.room_made()  # the room rank 0 made for this process (heard in its messages)
     return carry.next_config(cfg), world, node_info(world)
 
 
@@ -103,7 +102,7 @@ def no_room(ctx: Context, mine: RoleResult, reports: list, diverged: Diverged | 
     """Rank 0: why the job ends rather than going on with the worker it let in, or None."""
     if diverged:
         return "training diverged"
-    if STOP.signum or any(r.stop_signal for r in reports):
+    if ctx.stop.requested or any(r.stop_signal for r in reports):
         return "the job was stopped"
     if mine.state.global_step >= ctx.global_step_budget:
         return "the job finished its budget"
@@ -169,8 +168,7 @@ def _regrow(ctx: Context, heartbeat, carry: join.Carry, lost: list[int], gen: in
     if not retire_heartbeats(ctx, heartbeat):
         carry.peer_lost = True
     free_worker_comm(ctx)
-    if not STOP.signum:  # the stop that made room; a signal of this rank's own stops the next phase
-        STOP.reset()
+    ctx.stop.room_made()  # a stop (a signal's, or a peer's word of one) stops the next phase too
     live = [r for r in range(ctx.size) if r not in lost]
     carry.with_spawned |= how == join.SPAWNED
     world, hello, left_behind = join.grow(ctx.comm, live, gen, how, joiner, lambda members: start_worker(members, argv, ready))

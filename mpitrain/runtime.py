@@ -24,6 +24,7 @@ from mpitrain.core.data import Dataset, check_batch_fits, load_dataset, steps_pe
 from mpitrain.core.layout import PS_RANK, WORKER, Layout
 from mpitrain.core.model import Model, build
 from mpitrain.core.optim import decayed_lr, preload_blas
+from mpitrain.core.stop import STOP, StopRequest
 from mpitrain.core.worldcheck import validate_for_world
 from mpitrain.duties import checkpoint
 from mpitrain.duties.metrics import JobOutputs
@@ -194,6 +195,7 @@ class Context:
     start: checkpoint.TrainState | None = None  # what training starts from, broadcast by rank 0 (connect)
     outputs: JobOutputs = field(default_factory=JobOutputs)  # rank 0's bar and log, the job's (join.Carry's)
     handover: object = None  # rank 0, the phase after a take-over: failover.Handover (the state it starts from)
+    stop: StopRequest = STOP  # what ends this phase at a step boundary: a stop, or room to make (core/stop.py)
 
     @property
     def single(self) -> bool:

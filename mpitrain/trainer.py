@@ -27,7 +27,6 @@ from mpitrain.membership import join, liveness, spares, stopping
 from mpitrain.membership.faults import Kill
 from mpitrain.membership.liveness import PeerLost
 from mpitrain.membership.stalls import server_stall_line, worker_stall_line
-from mpitrain.membership.stopping import STOP
 from mpitrain.phases import (after_the_spawned, grow_with_joiner, joined, leave_after_a_loss, make_room, no_room,
                              open_lobby, take_over, with_spares)
 from mpitrain.runtime import PS_RANK, Context, Node, broadcast_start, nothing_to_train
@@ -239,7 +238,7 @@ def _phase(cfg: TrainConfig | None, comm, node: Node, err: str | None, library: 
             return grow_with_joiner(ctx, heartbeat, carry, bye)
         peer_was_lost = bool(bye.flags & FLAG_PEER_LOST)
         if not bye.flags & FLAG_STOPPED:
-            STOP.reset()  # the run reached its budget anyway: done, not stopped
+            ctx.stop.reset()  # the run reached its budget anyway: done, not stopped
     outcome = verdict(ctx, mine, reports, summary, diverged)
     if carry.token is not None:  # the job ends: no worker can join it now (this rank may leave without unwinding)
         join.withdraw_token(cfg)

@@ -323,3 +323,47 @@ def test_sigusr1_stops_a_run_except_under_hydra_where_it_means_a_dead_peer():
 
     assert signal.SIGUSR1 in handled({}) and signal.SIGUSR1 in handled({"PMI_FD": "9"})  # one process; srun
     assert set(handled({"PMI_FD": "9", "MPI_LOCALRANKID": "0"})) == {signal.SIGINT, signal.SIGTERM}  # mpirun
+
+
+def test_room_made_for_a_new_member_is_not_a_stop_and_spreads_as_room():
+    """Rank 0 making room for a joiner, a spare or a replacement ends the phase (`due`) but is no stop:
+    it goes on the wire as ROOM, a peer hears room and not a stop, the new world's phase clears it, and a
+    user's stop (a signal, or a peer's word of one whose signal it does not know) outranks it and stays.
+    They shared one flag, told apart only by a known signal number."""
+    from mpitrain.core.stop import ROOM, UNKNOWN, StopRequest
+
+    rank0, worker = StopRequest(), StopRequest()
+    rank0.make_room()
+    assert rank0.due and not rank0.requested and rank0.since is None and rank0.wire == ROOM
+    worker.heard(rank0.wire)
+    assert worker.due and worker.room and not worker.requested
+    worker.heard(UNKNOWN)  # meanwhile another worker's word of a user's stop
+    assert worker.requested and worker.wire == UNKNOWN  # a stop outranks room on the wire
+    worker.room_made()
+    assert worker.requested and worker.due and not worker.room  # the phase after the regroup stops too
+    rank0.request(int(signal.SIGTERM))
+    rank0.room_made()
+    assert rank0.wire == int(signal.SIGTERM)
+
+
+def test_a_signal_long_after_room_was_made_is_the_first_stop_request_not_a_second(monkeypatch):
+    """A second signal FORCE_AFTER_S after the first ends the process without a checkpoint. Room made for a
+    joiner is no first signal: a Ctrl-C during a long regroup must still save (the shared flag's first
+    request set the clock)."""
+    from types import SimpleNamespace
+
+    from mpitrain.core.stop import STOP
+    from mpitrain.membership import stopping
+
+    restore = stopping.install()
+    try:
+        STOP.make_room()
+        forced = []
+        monkeypatch.setattr(stopping, "force_exit", forced.append)
+        later = time.monotonic() + 2 * stopping.FORCE_AFTER_S
+        monkeypatch.setattr(stopping, "time", SimpleNamespace(monotonic=lambda: later))
+        signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
+        assert not forced and STOP.requested and STOP.signum == signal.SIGTERM
+    finally:
+        restore()
+        STOP.reset()

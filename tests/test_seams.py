@@ -68,13 +68,13 @@ class AsIfTheOtherDiedSendingIt(AsIfAnotherWorkerSentZeros):
 
 
 @only_on("mpich", NUMBERS_ONLY)
-@pytest.mark.parametrize("slot, value", [("VOTE", 0.37), ("VOTE", 3.0), ("STAMP", 2.0), ("STAMP", 0.0),
-                                         ("WEIGHT", 1.0)])
+@pytest.mark.parametrize("slot, value", [("VOTE", 0.37), ("VOTE", 3.0), ("ROOM_VOTE", 3.0), ("STAMP", 2.0),
+                                         ("STAMP", 0.0), ("WEIGHT", 1.0)])
 def test_a_sum_whose_exact_slots_disagree_is_never_applied_nor_taken_for_a_stop(monkeypatch, slot, value):
     """A torn sum waits for rank 0's verdict on the worker that died in it (a regroup, or the job's end):
     the parameters are untouched and no stop is requested (on the old check, weight only, the 0.37 vote
     stopped the job as if signalled)."""
-    from mpitrain.membership.stopping import STOP
+    from mpitrain.core.stop import STOP
     from mpitrain.modes import sync
     from mpitrain.modes.gradients import GradientSource
 
@@ -90,9 +90,9 @@ def test_a_sum_whose_exact_slots_disagree_is_never_applied_nor_taken_for_a_stop(
     step = sync.SyncStep(ctx, ctx.model.init_params(0), reducer=AsIfTheOtherDiedSendingIt(slot, value))
     step.compute(GradientSource(ctx))
     before = step.params.copy()
-    with pytest.raises(Verdict, match="stop votes|step stamp|weight"):
+    with pytest.raises(Verdict, match="votes|step stamp|weight"):
         step.reduce_and_apply(5)
-    assert not STOP.requested and not step.stop
+    assert not STOP.due and not step.stop
     np.testing.assert_array_equal(step.params, before)
 
 
@@ -100,10 +100,10 @@ def test_a_sum_whose_exact_slots_disagree_is_never_applied_nor_taken_for_a_stop(
 @pytest.mark.parametrize("compress", ["none", "fp16", "bf16"])
 @pytest.mark.parametrize("workers", [2, 3, 16, 64])
 def test_a_whole_sum_passes_the_check_on_every_wire_at_every_stamp(compress, workers):
-    """Every worker's tail [loss, weight, vote, stamp] summed as MPI would through --compress's wire (its
-    own SUM op for 16 bits) is never taken for a torn one: a false alarm would stall the job."""
+    """Every worker's tail [loss, weight, stop vote, room vote, stamp] summed as MPI would through --compress's
+    wire (its own SUM op for 16 bits) is never taken for a torn one: a false alarm would stall the job."""
     from mpitrain.core.codec import CODECS, decode, encode
-    from mpitrain.modes.sync import STAMP, SYNC_SLOTS, VOTE, WEIGHT, stamp_period, torn
+    from mpitrain.modes.sync import ROOM_VOTE, STAMP, SYNC_SLOTS, VOTE, WEIGHT, stamp_period, torn
 
     c = CODECS[compress]
     period = stamp_period(compress, workers)
@@ -111,9 +111,9 @@ def test_a_whole_sum_passes_the_check_on_every_wire_at_every_stamp(compress, wor
     for step in range(2 * period):
         stamp = 1 + step % period
         acc = np.empty(SYNC_SLOTS, c.wire)
-        for w in range(workers):  # worker 0 votes to stop
+        for w in range(workers):  # worker 0 votes to stop, every other one to make room
             part = np.empty(SYNC_SLOTS, c.wire)
-            encode(np, np.array([0.37 * w, 1.0, float(w == 0), stamp], np.float32), part)
+            encode(np, np.array([0.37 * w, 1.0, float(w == 0), float(w != 0), stamp], np.float32), part)
             if w == 0:
                 acc[...] = part
             elif c.add is None:
@@ -122,7 +122,8 @@ def test_a_whole_sum_passes_the_check_on_every_wire_at_every_stamp(compress, wor
                 c.add(part, acc, None)
         tail = np.empty(SYNC_SLOTS, np.float32)
         decode(np, acc, tail)
-        assert torn(workers, float(tail[WEIGHT]), float(tail[VOTE]), float(tail[STAMP]), stamp) is None, (step, tail)
+        votes = float(tail[VOTE]), float(tail[ROOM_VOTE])
+        assert torn(workers, float(tail[WEIGHT]), votes, float(tail[STAMP]), stamp) is None, (step, tail)
 
 
 def test_without_a_reducer_a_lone_sync_worker_uses_mpi_s_and_applies_its_own_gradient():
@@ -422,3 +423,38 @@ def test_a_large_gpu_model_reads_its_loss_and_finite_check_in_one_copy(monkeypat
 
     monkeypatch.setattr(model, "log_likelihood_and_grad", finite_loss_infinite_gradient)
     assert np.isnan(one.compute(params, g1)) and np.isnan(two.compute(params, g2))
+
+
+class AsIfTheOtherVoted(AsIfAnotherWorkerSentZeros):
+    """A second worker whose part carries a vote in `slot` (it heard rank 0 make room, or a stop)."""
+
+    def __init__(self, slot: str):
+        super().__init__()
+        self.slot = slot
+
+    def sum(self, buf) -> bool:
+        from mpitrain.modes import sync
+
+        super().sum(buf)
+        buf[len(buf) - sync.SYNC_SLOTS + getattr(sync, self.slot)] += 1.0
+        return True
+
+
+@pytest.mark.parametrize("slot", ["VOTE", "ROOM_VOTE"])
+def test_a_sync_worker_ends_the_phase_on_a_peer_s_vote_and_knows_whether_it_is_a_stop(slot):
+    """Every worker ends the phase after the same step whether a peer heard of a stop or of room made for a new
+    member (they hear rank 0 at different times), and each knows which: room is not a stop (the regroup clears
+    it), and a stop stays a stop. One vote slot for both had made every worker's room a stop of unknown signal."""
+    import dataclasses
+
+    from mpitrain.core.stop import StopRequest
+    from mpitrain.modes.gradients import GradientSource
+    from mpitrain.modes.sync import SyncStep
+
+    ctx = dataclasses.replace(sync_worker_context(), stop=StopRequest())
+    step = SyncStep(ctx, ctx.model.init_params(0), reducer=AsIfTheOtherVoted(slot))
+    step.compute(GradientSource(ctx))
+    assert not ctx.stop.due
+    step.reduce_and_apply(0)
+    assert step.stop and ctx.stop.due
+    assert (ctx.stop.requested, ctx.stop.room) == ((True, False) if slot == "VOTE" else (False, True))

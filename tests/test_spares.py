@@ -30,7 +30,7 @@ from mpitrain.membership import join
 from mpitrain.membership.faults import rank_pids
 from mpitrain.membership.lobby import Lobby
 from mpitrain.membership.spares import Pool, Spare
-from mpitrain.membership.stopping import STOP
+from mpitrain.core.stop import StopRequest
 from mpitrain.core.exitcodes import ExitCode
 
 
@@ -221,11 +221,11 @@ def test_a_loss_goes_to_a_waiting_spare_before_respawn_and_a_gone_spare_is_not_t
     alive = Spare(_Inter(), 4, "here", 41)
     carry.spares = Pool([Spare(_Inter(), 3, "here", 40), alive], cfg=type("Cfg", (), {"worker_timeout": 2.0})())
     monkeypatch.setattr("mpitrain.membership.spares.dead_here", lambda host, pid: pid == 40)
-    monkeypatch.setattr(STOP, "request", lambda *a: None)  # the stop that makes room: not this process's
 
     class Ctx:
         cfg = type("Cfg", (), {"checkpoint_dir": str(tmp_path), "worker_timeout": 2.0})()
         watch = _Watch()
+        stop = StopRequest()  # the stop, or the room made, of this lobby's job alone
 
     lobby = Lobby(Ctx, carry)
     lobby.check()  # beats the living spare, with the job's budget; drops the dead one

@@ -18,10 +18,10 @@ from mpitrain.core.exitcodes import ExitCode, interrupted
 from mpitrain.core.guard import Diverged
 from mpitrain.core.model import model_name
 from mpitrain.core.reports import Outcome, RoleResult, ShardReport, Summary, WorkerReport, WorkerResult
+from mpitrain.core.stop import signal_name
 from mpitrain.duties import checkpoint, observe
 from mpitrain.duties.metrics import human_summary, staleness_summary, summary_stop_line, to_json, write_json_atomic
 from mpitrain.duties.outputs import WRITES
-from mpitrain.membership.stopping import STOP, signal_name
 from mpitrain.runtime import PS_RANK, Context, nothing_to_train
 from mpitrain.version import __version__
 
@@ -47,7 +47,7 @@ def shard_report(ctx: Context, state) -> ShardReport:
     s = ctx.shard
     return ShardReport(ctx.rank, ctx.host, ctx.layout.shard_index(ctx.rank), s.stop - s.start, state.busy_fraction,
                        state.global_step, state.bytes_in, state.bytes_out, staleness_summary(state.staleness),
-                       as_dict(state.diverged), stop_signal=STOP.signum)
+                       as_dict(state.diverged), stop_signal=ctx.stop.signum)
 
 
 def worker_report(ctx: Context, wres: WorkerResult, evaluation: tuple[float, float]) -> WorkerReport:
@@ -58,7 +58,7 @@ def worker_report(ctx: Context, wres: WorkerResult, evaluation: tuple[float, flo
                  "other": max(0.0, 1 - (t["compute_s"] + t["wait_s"]) / wall)}
     act = ctx.activity
     return WorkerReport(ctx.rank, wres.pushed, wres.dropped, as_dict(wres.diverged), wres.contributed, evaluation[0],
-                        evaluation[1], digest(wres.params), breakdown, act.report(), stop_signal=STOP.signum,
+                        evaluation[1], digest(wres.params), breakdown, act.report(), stop_signal=ctx.stop.signum,
                         bytes_moved=[act.bytes_sent, act.bytes_received],
                         exchanges=act.exchanges if ctx.mode.averages else wres.pushed,  # async: to the store too
                         counted=wres.counted)
@@ -149,10 +149,11 @@ def per_sample(moved: list[list[int] | None], samples: int) -> float | None:
 def stop_record(ctx: Context, state, reports: list, diverged: Diverged | None) -> dict | None:
     """Rank 0: whether a stop request ended the run before its budget, and by which signal (its
     own, or the one a reporting rank received). A run that reached its budget anyway is done."""
-    if diverged or not STOP.requested or state.global_step >= ctx.global_step_budget:
+    stop = ctx.stop
+    if diverged or not stop.requested or state.global_step >= ctx.global_step_budget:
         return None
-    signum = STOP.signum or next((r.stop_signal for r in reports if r.stop_signal), 0) or int(signal.SIGTERM)
-    STOP.request(signum)  # the goodbye tells the workers which one (their exit code)
+    signum = stop.signum or next((r.stop_signal for r in reports if r.stop_signal), 0) or int(signal.SIGTERM)
+    stop.request(signum)  # the goodbye tells the workers which one (their exit code)
     return {"signal": signal_name(signum), "global_step": state.global_step,
             "resume": resume_hint(ctx, 0) if ctx.cfg.checkpoint_dir else "no --checkpoint-dir: nothing was saved"}
 
@@ -202,11 +203,11 @@ def verdict(ctx: Context, mine: RoleResult, reports: list, summary: dict | None,
     elif ctx.rank == PS_RANK and summary["failovers"]:  # a scheduler must see the loss as it does a worker's
         outcome.code = ExitCode.WORKER_LOST
         outcome.error = "mpitrain: the budget was finished after rank 0 was lost and a worker took over (exit 8)"
-    stopped = summary["stopped"] if ctx.rank == PS_RANK else STOP.requested
+    stopped = summary["stopped"] if ctx.rank == PS_RANK else ctx.stop.requested
     if stopped and not diverged:
-        outcome.code = interrupted(STOP.signum or int(signal.SIGTERM))
+        outcome.code = interrupted(ctx.stop.signum or int(signal.SIGTERM))
         outcome.error = (summary_stop_line(summary) if ctx.rank == PS_RANK else
-                         f"mpitrain: stopped ({signal_name(STOP.signum)}); rank 0 saved the run")
+                         f"mpitrain: stopped ({signal_name(ctx.stop.signum)}); rank 0 saved the run")
     # Incomplete outputs outrank a lost worker: both finished the budget, but this one needs the user.
     if ctx.rank == PS_RANK and WRITES.incomplete and outcome.code in (ExitCode.OK, ExitCode.WORKER_LOST):
         outcome.code = ExitCode.OUTPUTS_INCOMPLETE

@@ -15,7 +15,7 @@ import functools
 
 import numpy as np
 
-from mpitrain.membership.stopping import STOP
+from mpitrain.core.stop import STOP
 
 MAGIC = 0x4D505452  # "MPTR": catches a peer that is not mpitrain, or a misrouted buffer
 VERSION = 13  # bump when the layout below changes (2: heartbeats carry an activity snapshot; 3: --quorum messages;
@@ -53,7 +53,7 @@ H_PUSHED = 5  # a worker's count of its own gradients (with --local-steps: its i
 H_FLAGS = 6
 H_LOSS = 7  # float64 bits of the minibatch loss
 H_SECONDS = 8  # float64 bits: --quorum push, how long its gradient took to compute (the coordinator's pace, quorum.CoordinatorPace)
-H_SIGNAL = 9  # the stop request its sender knows of (stopping.StopRequest.wire): 0 none, a signal number, or -1
+H_SIGNAL = 9  # its sender's stop request or room to make (core/stop.StopRequest.wire): 0, a signal, -1 or -2
 H_GENERATION = 10  # the number of a regroup (TAG_REGROUP, FLAG_REGROUPED) or of a join (a FLAG_REFORM goodbye)
 H_JOINER = 11  # a FLAG_REFORM goodbye: who joins the new world (join.NOBODY, CONNECTED or SPAWNED)
 H_BUDGET = 12  # the job's step budget: rank 0 -> a waiting spare (spares.py: its heartbeat, the successor's offer)

@@ -46,7 +46,6 @@ from mpitrain.exchange.waiting import poll
 from mpitrain.launch import mpiimpl, samehost
 from mpitrain.membership.faults import Kill
 from mpitrain.membership.liveness import ENDED_GRACE_S, ENDS_THE_JOB, PeerLost
-from mpitrain.membership.stopping import STOP
 
 AGREE_FACTOR = 2.0  # the take-over's bound, in --worker-timeouts (+1 s): the survivors notice the loss apart
 POLL_S = 0.002
@@ -110,8 +109,7 @@ def take_over(ctx, e: PeerLost, carry) -> tuple[object, Handover] | None:
             f"take-over: {chosen}. Rank 0's newest checkpoint in --checkpoint-dir resumes the run", sys.stderr)
         return None
     carry.start_forming(f"rank {ctx.rank}", f"agreeing on a successor to the lost rank 0 (rank {chosen[0]})")
-    if not STOP.signum:  # the stop of a join rank 0 was making room for when it died (as phases._regrow):
-        STOP.reset()  # not the user's; a signal's (its number known) stops the successor's phase too
+    ctx.stop.room_made()  # the room rank 0 was making when it died (as phases._regrow); a stop stays
     world = mpiimpl.survivors(ctx.comm, chosen, NEWWORLD_TAG, NEWWORLD_STRINGTAG)
     lost_shards = [k for k, r in enumerate(ctx.layout.server_ranks) if r not in chosen]
     state, lost_at_most = freshest(ctx, world, mine, pushed, lost_shards)

@@ -22,7 +22,7 @@ both sides hang):
 3. Over that connection the joiner proves it belongs to the job: it sends the token and its
    identity (version, protocol, model and every agreed flag: agreement.identity). A wrong token or
    another set of flags is refused in one line on both sides, and nothing in the job changes.
-4. Rank 0 requests a stop (stopping.STOP, without a signal): every mode ends the current step as
+4. Rank 0 makes room (core/stop.StopRequest.make_room, not a stop): every mode ends the current step as
    it does for Ctrl-C, and rank 0 saves the checkpoint. Rank 0's goodbye says FLAG_REFORM instead
    of the end (once the joiner has answered rank 0's GO: one that died meanwhile is not waited
    for, and the ranks left go on without it): every rank left, and the joiner, form one new

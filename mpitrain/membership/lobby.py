@@ -20,7 +20,6 @@ from mpitrain.membership.faults import Kill
 from mpitrain.membership.join import (ANSWER_S, CONNECT_TIMEOUT_S, FRESH_S, REQUESTS, SCAN_EVERY_S, Carry, Joiner,
                                       dead_here, gave_up, job_folder, last_line, recv_json, remove, send_json,
                                       tell_to_leave)
-from mpitrain.membership.stopping import STOP
 from mpitrain.membership.stuck import WATCHDOG
 
 
@@ -33,6 +32,7 @@ class Lobby:
         self.carry = carry  # the job's token, flags as given and step budget; what --respawn may still do
         self.heartbeat = heartbeat  # liveness.Heartbeat: beats out the stop that makes room at once
         self.watch = ctx.watch  # its lost workers: --respawn replaces them
+        self.stop = ctx.stop  # the job's stop request: never let a worker in while one is due
         self.lost_seen = 0
         self.spawn = False  # --respawn: start a worker where this phase ends (grow), or let in the one started
         self.launch_at: float | None = None  # --respawn, rank 0 spawning alone: when to start the worker
@@ -56,7 +56,7 @@ class Lobby:
         if self.starting is not None and self.started is None:
             self._look_at_start()
             return
-        if self.joiner is not None or self.spawn or STOP.requested:  # one at a time; never into a stop
+        if self.joiner is not None or self.spawn or self.stop.due:  # one at a time; never into a stop
             return
         # A loss is looked for at every look (a list's length), the folder only every SCAN_EVERY_S: the
         # replacement's start waited up to that long after the loss was declared (0.25 s a respawn, median).
@@ -221,9 +221,9 @@ class Lobby:
             time.sleep(1e-3)
 
     def _make_room(self) -> None:
-        """Every mode ends this step as for Ctrl-C; the stop spreads with every message, and the
-        heartbeats go out now (a sync worker hears rank 0 in nothing else)."""
-        STOP.request()
+        """Every mode ends this step as for Ctrl-C, but the job goes on: the request spreads with every
+        message, and the heartbeats go out now (a sync worker hears rank 0 in nothing else)."""
+        self.stop.make_room()
         if self.heartbeat is not None:
             self.heartbeat.poke()
 

@@ -240,7 +240,7 @@ def stand_by(cfg: TrainConfig, link, carry, mine, library: bool = False) -> tupl
     rank the command line leaves without MPI_Finalize at once; the Python API (`library`) returns, with
     carry.peer_lost set (api.LostPeer). With --on-lost-server continue, rank 0's successor may adopt it
     (`Offers`): it then waits on the successor's connection the same way."""
-    from mpitrain.membership.stopping import STOP
+    from mpitrain.core.stop import STOP
 
     inter, where, backups = link
     host, pid = where[0]
@@ -298,8 +298,7 @@ def stand_by(cfg: TrainConfig, link, carry, mine, library: bool = False) -> tupl
     answer_go(inter)
     world = into_job(inter)
     carry.peer_lost = True  # a spare comes in for a lost rank: MPI_Finalize would wait for it
-    if not STOP.signum:
-        STOP.reset()
+    STOP.room_made()  # the room rank 0 made for this spare (heard in its beats)
     return budget, world
 
 

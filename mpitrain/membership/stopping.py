@@ -19,47 +19,9 @@ import threading
 import time
 
 from mpitrain.core.exitcodes import interrupted
+from mpitrain.core.stop import STOP, signal_name
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
-UNKNOWN = -1  # on the wire: a stop was requested, by a signal this sender does not know
-
-
-def signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
-
-
-class StopRequest:
-    """This process's knowledge of a stop request: whether one was made, and by which signal."""
-
-    def __init__(self):
-        self.requested = False
-        self.signum = 0  # the signal, once known (0: none, or not known here)
-        self.since: float | None = None  # when it was first requested (time.monotonic)
-
-    def request(self, signum: int = 0) -> None:
-        if not self.requested:
-            self.since = time.monotonic()
-        self.requested = True
-        if signum > 0 and not self.signum:
-            self.signum = signum
-
-    @property
-    def wire(self) -> int:
-        """What a message header says of it (protocol.H_SIGNAL)."""
-        if not self.requested:
-            return 0
-        return self.signum or UNKNOWN
-
-    def heard(self, value: int) -> None:
-        """A peer's header said `value` (0: nothing)."""
-        if value:
-            self.request(max(int(value), 0))
-
-    def reset(self) -> None:
-        self.requested, self.signum, self.since = False, 0, None
 
 
 # A signal this long after the first request ends the process at once: a run stuck on its way out
@@ -75,9 +37,6 @@ def force_exit(signum: int) -> None:
     os.write(2, f"mpitrain: {signal_name(signum)} again {FORCE_AFTER_S:g} s after the stop request: ending now, "
                 f"without a final checkpoint (the newest complete one loads)\n".encode())
     os._exit(interrupted(signum))
-
-
-STOP = StopRequest()  # one per process: signal handlers and message headers both reach it
 
 
 def handled(env=os.environ) -> tuple[signal.Signals, ...]:

@@ -40,7 +40,6 @@ from mpitrain.exchange.transport import PS_POLL_NO_OVERLAP_S, PS_POLL_S, Poller
 from mpitrain.membership.elastic import interrupted_at
 from mpitrain.membership.faults import Kill, never_returns, stuck_from
 from mpitrain.membership.liveness import PeerLost
-from mpitrain.membership.stopping import STOP
 from mpitrain.membership.stuck import WATCHDOG
 from mpitrain.modes.async_shm import ShmServer, keep_store
 from mpitrain.modes.base import Mode, Trained
@@ -138,7 +137,7 @@ class AsyncServer:
         """Apply what may be applied, then wait for the next gradients (and, on a server other
         than rank 0, for rank 0's request for this slice). A stop request (a signal here, or in
         a message's header) stops every worker at its next gradient, as --steps does."""
-        self.stopping = self.stopping or STOP.requested
+        self.stopping = self.stopping or self.ctx.stop.due
         self._apply_held()
         if not self.active:  # the last worker was just stopped: nothing more comes (a mailbox's wait would not end)
             return
@@ -279,7 +278,7 @@ class AsyncServer:
         # of it (a worker that died half-way through a push delivered that server's part only:
         # measured by chaos, the run then ended at 999 of 1000), so only rank 0 stops at the budget;
         # the workers it stops leave the other servers.
-        self.stopping = STOP.requested or (self.chief and cfg.steps is not None and state.global_step >= cfg.steps)
+        self.stopping = self.ctx.stop.due or (self.chief and cfg.steps is not None and state.global_step >= cfg.steps)
         # The reply first, the bookkeeping after: the worker waits for it (benchmarks/SERVER.md).
         self._reply(w, stop=self.stopping or last)
         if self.chief:  # the bar, the log, --eval-every and checkpoints at this global step

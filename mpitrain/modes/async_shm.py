@@ -23,7 +23,6 @@ from mpitrain.duties.metrics import Progress
 from mpitrain.duties.observe import WAIT
 from mpitrain.exchange import shm
 from mpitrain.membership.liveness import PeerLost
-from mpitrain.membership.stopping import STOP
 from mpitrain.modes.shm_remote import POLL_S as REMOTE_POLL_S
 from mpitrain.modes.shm_remote import RemoteWorkers, off_host
 from mpitrain.runtime import Context
@@ -98,7 +97,7 @@ class ShmServer:
             self.state.diverged = Diverged(int(h[shm.DIVERGED_STEP]), [int(h[shm.DIVERGED_RANK])],
                                            float(self.store.views["diverged_loss"][0]), NON_FINITE)
         budget_done = self.cfg.steps is not None and version >= self.cfg.steps
-        if STOP.requested or budget_done or self.state.diverged is not None:
+        if self.ctx.stop.due or budget_done or self.state.diverged is not None:
             h[shm.STOP] = 1
         else:
             h[shm.HOLD_AT] = self._next_hold()

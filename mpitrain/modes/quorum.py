@@ -27,7 +27,6 @@ from mpitrain.exchange.transport import WORKER_POLL_S, Poller
 from mpitrain.exchange.waiting import poll
 from mpitrain.membership.elastic import interrupted_at
 from mpitrain.membership.faults import Kill
-from mpitrain.membership.stopping import STOP
 from mpitrain.modes.base import Trained
 from mpitrain.modes.quorum_parts import (OWED_MARGIN_S, PACE_SLACK, SWITCH_INTERVAL_S, UNHEARD_HOLDS, CoordinatorPace,
                                          GradientThread, QuorumUpdate, UpdateRing, arrived, between_workers,
@@ -104,7 +103,7 @@ class QuorumCoordinator:
                     self.chosen = []
                     ctx.activity.enter(WAIT, step)
                     poll(lambda: self._gathered(step), WORKER_POLL_S, ctx.watch)
-                    last = STOP.requested  # a stop request: this update is the last, and says so
+                    last = ctx.stop.due  # a stop, or room to make: this update is the last, and says so
                     loss = self._update(step, FLAG_STOP_STEP if last else 0)
                     if step_fn.why:
                         diverged = step

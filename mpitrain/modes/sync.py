@@ -38,13 +38,12 @@ from mpitrain.membership import elastic
 from mpitrain.membership.elastic import interrupted_at
 from mpitrain.membership.faults import Kill
 from mpitrain.membership.liveness import PeerLost
-from mpitrain.membership.stopping import STOP
 from mpitrain.modes.base import Mode, Trained
 from mpitrain.modes.gradients import GradientSource
 from mpitrain.modes.report import CoordinatorReport
 from mpitrain.runtime import Context, start_state
 
-LOSS, WEIGHT, VOTE, STAMP = range(4)  # the slots behind a sync step's gradient, from its end (SyncStep)
+LOSS, WEIGHT, VOTE, ROOM_VOTE, STAMP = range(5)  # the slots behind a sync step's gradient, in order (SyncStep)
 SYNC_SLOTS = STAMP + 1
 STAMPS = 8  # the step stamp cycles through 1..STAMPS (fewer where the wire cannot sum W of them exactly)
 
@@ -52,10 +51,11 @@ STAMPS = 8  # the step stamp cycles through 1..STAMPS (fewer where the wire cann
 class SyncStep:
     """One synchronous update: average the workers' gradients with Allreduce, then apply the same
     optimizer step on every worker, so replicas stay bitwise identical. The buffer is
-    [gradient..., loss, weight, stop, stamp]: the loss rides along so every worker knows the mean loss,
-    the weight (1 from each worker) so the sum divides by the number of gradients in it, the stop
-    vote (1 from a worker that knows of a stop request) so that every worker stops after the same
-    step (`stop`), and the step's stamp (the same from each worker) so that a sum holding a part of
+    [gradient..., loss, weight, stop, room, stamp]: the loss rides along so every worker knows the mean
+    loss, the weight (1 from each worker) so the sum divides by the number of gradients in it, two votes
+    (1 from a worker that knows of a stop request; 1 from one that knows rank 0 makes room for a new
+    member) so that every worker ends the phase after the same step (`stop`) and knows why, and the
+    step's stamp (the same from each worker) so that a sum holding a part of
     another step, or garbage, is never taken for this one (`torn`). --quorum sums its gradients on the
     coordinator instead (QuorumCoordinator) and every worker `apply`s the mean."""
 
@@ -71,7 +71,7 @@ class SyncStep:
         self.own_loss = 0.0  # this worker's own minibatch loss in the step being reduced
         self.guard = LossGuard(cfg.divergence_factor)  # on the mean loss: every worker decides alike
         self.why: str | None = None  # set when the step just reduced diverged (and was not applied)
-        self.stop = False  # set when the step just reduced is the last: a stop was requested (stopping.py)
+        self.stop = False  # set when the step just reduced is the last: a stop, or room to make (core/stop.py)
         self.period = stamp_period(cfg.compress, ctx.workers)
         if start is not None:
             self.opt.restore(start.opt_t, start.opt_state)
@@ -107,7 +107,11 @@ class SyncStep:
             return
         self.buf[self.n + LOSS] = loss
         self.buf[self.n + WEIGHT] = 1.0
-        self.buf[self.n + VOTE] = 1.0 if STOP.requested else 0.0
+        self.buf[self.n + VOTE], self.buf[self.n + ROOM_VOTE] = self._votes()
+
+    def _votes(self) -> tuple[float, float]:
+        """This worker's own [stop, room] votes."""
+        return float(self.ctx.stop.requested), float(self.ctx.stop.room)
 
     def reduce_and_apply(self, step: int, last: bool = False) -> float:
         """Sum over workers (the reducer), divide by the summed weight, apply; returns the mean loss.
@@ -118,28 +122,32 @@ class SyncStep:
         return self.apply(step, self._average(step))
 
     def _average(self, step: int) -> float | None:
-        """Sum [values..., loss, weight, stop vote, stamp] over the workers, check the exact slots (`torn`),
+        """Sum [values..., loss, weight, stop and room votes, stamp] over the workers, check the exact slots (`torn`),
         divide by the weight (each worker's 1); the votes are the same sum on every worker, so all stop
         after this step. A worker alone returns its loss (as float32, as the buffer would hold it); None:
         it is in buf."""
         buf, n, ctx = self.buf, self.n, self.ctx
         if self.reducer.alone:
-            self.stop, loss = STOP.requested, float(np.float32(self.own_loss))
-        else:
-            stamp = 1 + step % self.period
-            buf[n + STAMP] = stamp
-            votes = 1.0 if STOP.requested else 0.0  # this worker's own, unless a sum comes back
-            if self.reducer.sum(buf):
-                tail = [float(x) for x in ctx.backend.to_host(buf[n:])]  # one copy from a GPU
-                votes = tail[VOTE]
-                why = torn(ctx.workers, tail[WEIGHT], votes, tail[STAMP], stamp)
-                if why:
-                    await_verdict(ctx, why)
-                buf *= ctx.backend.xp.float32(1.0) / buf[n + WEIGHT]
-            self.stop, loss = votes > 0, None
-        if self.stop:
-            STOP.request()
-        return loss
+            self.stop, loss = ctx.stop.due, float(np.float32(self.own_loss))
+            return loss
+        stamp = 1 + step % self.period
+        buf[n + STAMP] = stamp
+        votes = self._votes()  # this worker's own, unless a sum comes back
+        if self.reducer.sum(buf):
+            tail = [float(x) for x in ctx.backend.to_host(buf[n:])]  # one copy from a GPU
+            votes = tail[VOTE], tail[ROOM_VOTE]
+            why = torn(ctx.workers, tail[WEIGHT], votes, tail[STAMP], stamp)
+            if why:
+                await_verdict(ctx, why)
+            buf *= ctx.backend.xp.float32(1.0) / buf[n + WEIGHT]
+        if votes[0]:
+            ctx.stop.request()
+        if votes[1]:
+            ctx.stop.make_room()
+        # The sum's votes alone: a word heard during the Allreduce (after this worker voted) is the next
+        # step's vote, or this worker would end the phase a step before the others (a hang, seen in a join).
+        self.stop = any(votes)
+        return None
 
     def local_step(self, step: int, last: bool) -> float:
         """--local-steps H: apply this worker's own gradient (its own loss comes back); at an outer
@@ -184,7 +192,7 @@ def stamp_period(compress: str, workers: int) -> int:
     return max(1, min(STAMPS, CODECS[compress].exact // max(workers, 1)))
 
 
-def torn(workers: int, weight: float, votes: float, stamped: float, stamp: int) -> str | None:
+def torn(workers: int, weight: float, votes: tuple[float, ...], stamped: float, stamp: int) -> str | None:
     """Why a sum's exact slots say it is not every worker's whole part of this step (None: they agree).
     MPICH completed an Allreduce on a survivor with a part a dying worker had only half sent: applied,
     the parameters exploded and a regroup went on from them (tests/test_elastic.py, 1 in ~20 under
@@ -196,8 +204,9 @@ def torn(workers: int, weight: float, votes: float, stamped: float, stamp: int) 
         return f"the sum holds a weight of {weight:g}, not {workers}: a worker died sending its part"
     if stamped != workers * stamp:
         return f"the sum's step stamp is {stamped:g}, not {workers * stamp}: a part is torn or of another step"
-    if votes not in range(workers + 1):
-        return f"the sum holds {votes:g} stop votes of {workers} workers: a part is torn"
+    for vote in votes:
+        if vote not in range(workers + 1):
+            return f"the sum holds {vote:g} votes of {workers} workers in one slot: a part is torn"
     return None
 
 
