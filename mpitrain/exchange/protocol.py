@@ -18,13 +18,13 @@ import numpy as np
 from mpitrain.core.stop import STOP
 
 MAGIC = 0x4D505452  # "MPTR": catches a peer that is not mpitrain, or a misrouted buffer
-VERSION = 13  # bump when the layout below changes (2: heartbeats carry an activity snapshot; 3: --quorum messages;
+VERSION = 14  # bump when the layout below changes (2: heartbeats carry an activity snapshot; 3: --quorum messages;
 #               4: H_SECONDS; 5: H_SIGNAL, FLAG_STOP_STEP, FLAG_STOPPED; 6: TAG_REGROUP, FLAG_REGROUPED;
 #               7: TAG_JOIN, FLAG_REFORM, the goodbye's payload; 8: FLAG_LEAVING out of FLAG_STOP, H_GENERATION
 #               and H_JOINER out of H_STEP and H_LOCAL_STEP; 9: TAG_STORE, the shm store's name point to point;
 #               10: TAG_ADOPT, a successor's offer to the spares; 11: FLAG_HOLD; 12: TAG_MAIL, async's mailboxes;
 #               13: one meaning per name: FLAG_ENDED out of FLAG_STOP (now FLAG_FINAL), H_BUDGET out of H_STEP,
-#               H_LOCAL_STEP renamed H_PUSHED)
+#               H_LOCAL_STEP renamed H_PUSHED; 14: H_SIGNAL's ROOM, sync's room vote slot)
 
 # Tags (one per message kind, so a posted receive can never match the wrong kind).
 TAG_GRAD = 11  # worker -> PS: a gradient (async)
