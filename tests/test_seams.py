@@ -90,7 +90,7 @@ def test_a_sum_whose_exact_slots_disagree_is_never_applied_nor_taken_for_a_stop(
     step = sync.SyncStep(ctx, ctx.model.init_params(0), reducer=AsIfTheOtherDiedSendingIt(slot, value))
     step.compute(GradientSource(ctx))
     before = step.params.copy()
-    with pytest.raises(Verdict, match="votes|step stamp|weight"):
+    with pytest.raises(Verdict, match="stop votes|room votes|step stamp|weight"):
         step.reduce_and_apply(5)
     assert not STOP.due and not step.stop
     np.testing.assert_array_equal(step.params, before)
@@ -458,3 +458,34 @@ def test_a_sync_worker_ends_the_phase_on_a_peer_s_vote_and_knows_whether_it_is_a
     step.reduce_and_apply(0)
     assert step.stop and ctx.stop.due
     assert (ctx.stop.requested, ctx.stop.room) == ((True, False) if slot == "VOTE" else (False, True))
+
+
+class AsIfRank0SpokeDuringTheSum(AsIfAnotherWorkerSentZeros):
+    """Rank 0's word that it makes room arrives (a heartbeat) while the sum is under way: after this worker voted."""
+
+    def __init__(self, stop):
+        super().__init__()
+        self.stop = stop
+
+    def sum(self, buf) -> bool:
+        self.stop.make_room()
+        return super().sum(buf)
+
+
+def test_a_word_heard_during_the_sum_is_the_next_step_s_vote_not_this_one_s():
+    """The others summed no vote for this step, so they go on: a worker ending the phase on what it heard during
+    the Allreduce would wait for rank 0 a step before them, and they for it in the next sum (a join hung so)."""
+    import dataclasses
+
+    from mpitrain.core.stop import StopRequest
+    from mpitrain.modes.gradients import GradientSource
+    from mpitrain.modes.sync import ROOM_VOTE, SyncStep
+
+    ctx = dataclasses.replace(sync_worker_context(), stop=StopRequest())
+    step = SyncStep(ctx, ctx.model.init_params(0), reducer=AsIfRank0SpokeDuringTheSum(ctx.stop))
+    source = GradientSource(ctx)
+    step.compute(source)
+    step.reduce_and_apply(0)
+    assert not step.stop and ctx.stop.room
+    step.compute(source)  # the next step votes it
+    assert step.buf[step.n + ROOM_VOTE] == 1.0

@@ -192,7 +192,7 @@ def stamp_period(compress: str, workers: int) -> int:
     return max(1, min(STAMPS, CODECS[compress].exact // max(workers, 1)))
 
 
-def torn(workers: int, weight: float, votes: tuple[float, ...], stamped: float, stamp: int) -> str | None:
+def torn(workers: int, weight: float, votes: tuple[float, float], stamped: float, stamp: int) -> str | None:
     """Why a sum's exact slots say it is not every worker's whole part of this step (None: they agree).
     MPICH completed an Allreduce on a survivor with a part a dying worker had only half sent: applied,
     the parameters exploded and a regroup went on from them (tests/test_elastic.py, 1 in ~20 under
@@ -204,9 +204,9 @@ def torn(workers: int, weight: float, votes: tuple[float, ...], stamped: float, 
         return f"the sum holds a weight of {weight:g}, not {workers}: a worker died sending its part"
     if stamped != workers * stamp:
         return f"the sum's step stamp is {stamped:g}, not {workers * stamp}: a part is torn or of another step"
-    for vote in votes:
+    for kind, vote in zip(("stop", "room"), votes):
         if vote not in range(workers + 1):
-            return f"the sum holds {vote:g} votes of {workers} workers in one slot: a part is torn"
+            return f"the sum holds {vote:g} {kind} votes of {workers} workers: a part is torn"
     return None
 
 
