@@ -31,7 +31,8 @@ from mpitrain.launch import mpiimpl  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 FAULT_TESTS = ["tests/test_startup.py", "tests/test_lost_workers.py", "tests/test_respawn.py", "tests/test_spares.py",
                "tests/test_failover.py", "tests/test_join.py", "tests/test_elastic.py", "tests/test_chaos.py",
-               "tests/test_serving.py", "tests/test_observe.py"]  # observe: stalls are timed, as kills are
+               "tests/test_serving.py", "tests/test_observe.py",  # observe: stalls are timed, as kills are
+               "tests/test_slurm.py"]  # kills and stops through srun: a task killed mid-training, a USR1 requeue
 
 
 def burn() -> None:

@@ -109,7 +109,12 @@ def test_a_job_finishes_without_a_task_killed_mid_training(slurm, tmp_path, scri
     if how == "injected":
         env["MPITRAIN_INJECT_KILL"] = "2:50"
     else:
-        env["MPITRAIN_ARGS"] = "--steps 10000 --worker-timeout 2"  # killed by ~4,000 (~1.7 s of ~2,300 steps/s)
+        # Paced so that the kill, up to ~1.7 s after rank 0's listing, lands mid-run on any machine: unpaced,
+        # an AMD EPYC VM trained all 10,000 sync steps in 1.2 s (8,200 steps/s) and the victim was gone before
+        # the kill (CI, 2026-12-04). Paced: at most ~1,000 steps/s before the kill in sync (rank 2's 1 ms),
+        # ~2,100 in async (both paced), so 10,000 take 4 s or more; the survivor ends the rest.
+        pace = "--straggler 2:0.001" + (" --straggler 1:0.0005" if script == "async" else "")
+        env["MPITRAIN_ARGS"] = f"--steps 10000 --worker-timeout 2 {pace}"
     job = slurm.submit(ROOT / "jobs" / f"{script}.sbatch", tmp_path, env)
     if how == "from outside":
         out_file = tmp_path / f"mpitrain-{job}.out"
@@ -160,8 +165,11 @@ def test_a_job_warned_by_usr1_saves_requeues_itself_and_finishes(slurm, tmp_path
     under its id, resumes from that checkpoint and finishes the budget."""
     import time
 
-    steps = 6000  # ~1,100 steps/s: the stop comes ~2,000 in, the second run trains the rest in ~4 s
-    env = {**job_env(f"--dataset synthetic --steps {steps}"), "MPITRAIN_REQUEUE": "1"}
+    # Paced (1 ms a step on each worker: ~1,200 steps/s together at most) so the stop 1.5 s after the
+    # listing comes ~2,000 in on any machine: unpaced, an AMD EPYC VM trained all 6,000 in 1.8 s.
+    steps = 6000
+    pace = "--straggler 1:0.001 --straggler 2:0.001"
+    env = {**job_env(f"--dataset synthetic --steps {steps} {pace}"), "MPITRAIN_REQUEUE": "1"}
     job = slurm.submit(ROOT / "jobs" / "async.sbatch", tmp_path, env)
     out_file = tmp_path / f"mpitrain-{job}.out"
     _wait_for_output(out_file, "rank 2 worker")
