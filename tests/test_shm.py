@@ -37,7 +37,7 @@ def test_it_learns_with_each_optimizer_and_rank_0_sees_every_step(tmp_path, flag
     assert s["global_step"] == sum(s["worker_steps"]) == s["staleness"]["gradients"]
     assert [e["global_step"] for e in s["eval_history"]] == list(range(100, s["global_step"] + 1, 100))
     assert s["staleness"]["p50"] <= 2  # no overlap and no round trip: about a step per other worker
-    assert "shared memory" in s["_stdout"] and _none_left(before)
+    assert "shared memory" in s["_stdout"] and "no overlap (--ps-transport shm" in s["_stdout"] and _none_left(before)
 
 
 @only_on("mpich", NUMBERS_ONLY)

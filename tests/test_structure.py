@@ -92,9 +92,9 @@ def test_a_mode_is_one_object_in_its_own_file_and_the_flag_is_read_in_one_place(
         found = [v for v in vars(module).values() if isinstance(v, Mode) and type(v).__module__ == module.__name__]
         assert len(found) <= 1, (stem, found)
         objects.update({stem: found[0]} if found else {})
-    assert set(objects) == {"async_", "sync", "quorum", "single"}, objects
-    picked = {modes.of(TrainConfig(mode=m, quorum=q), Layout(size)) for m in ("async", "sync")
-              for q in (None, 1) for size in (1, 4)}
+    assert set(objects) == {"async_", "async_shm", "sync", "quorum", "single"}, objects
+    picked = {modes.of(TrainConfig(mode=m, quorum=q, ps_transport=t), Layout(size)) for m in ("async", "sync")
+              for q in (None, 1) for size in (1, 4) for t in (("mpi", "shm") if m == "async" else ("mpi",))}
     assert picked == set(objects.values()), (picked, objects)
     readers = {str(p.relative_to(PACKAGE)): reads_of_the_mode_flag(p) for p in PACKAGE.rglob("*.py")}
     readers_of_mode = {f for f, lines in readers.items() if lines}

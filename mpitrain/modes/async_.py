@@ -27,24 +27,20 @@ from mpitrain.duties.checkpoint import TrainState
 from mpitrain.duties.chief import ChiefDuties, ServerState, record_lost
 from mpitrain.duties.metrics import Progress
 from mpitrain.duties.observe import APPLY, COMPUTE, PULL, PUSH, WAIT
-from mpitrain.exchange import shm
 from mpitrain.exchange.base import PushPull
 from mpitrain.exchange.mailbox import worker_exchange
 from mpitrain.exchange.mpi import MPIPushPull
 from mpitrain.exchange.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_LAST, FLAG_LEAVING, FLAG_FINAL,
                                         TAG_GRAD, TAG_PARAMS, ProtocolError)
 from mpitrain.exchange.shards import Gather, ShardService, assemble
-from mpitrain.exchange.shm import ShmPushPull
 from mpitrain.exchange.serving import SERVER_SIDES
 from mpitrain.exchange.transport import PS_POLL_NO_OVERLAP_S, PS_POLL_S, Poller
 from mpitrain.membership.elastic import interrupted_at
 from mpitrain.membership.faults import Kill, never_returns, stuck_from
 from mpitrain.membership.liveness import PeerLost
 from mpitrain.membership.stuck import WATCHDOG
-from mpitrain.modes.async_shm import ShmServer, keep_store
 from mpitrain.modes.base import Mode, Trained
 from mpitrain.modes.gradients import GradientSource
-from mpitrain.modes.shm_remote import on_store_host
 from mpitrain.runtime import Context, start_state
 
 
@@ -407,29 +403,33 @@ class AsyncMode(Mode):
 
     def start_words(self, cfg, workers: int) -> str:
         """The defaults that follow the worker count (config.DEFAULT_STALENESS_TOLERANCE), as decided."""
-        if cfg.ps_transport == "shm":
-            overlap = "no overlap (--ps-transport shm: a pull waits for nothing)"
-        elif cfg.local_steps > 1:
-            overlap = "no overlap (--local-steps: a worker's next steps start from the reply)"
-        elif cfg.max_staleness is not None:
-            overlap = "no overlap (--max-staleness)"
-        elif cfg.overlap is not None:
-            overlap = "overlap (--overlap)" if cfg.overlap else "no overlap (--no-overlap)"
-        elif cfg.overlaps(workers):
-            overlap = f"overlap (up to {AUTO_OVERLAP_MAX_WORKERS} workers; --no-overlap turns it off)"
-        else:
-            overlap = f"no overlap (above {AUTO_OVERLAP_MAX_WORKERS} workers; --overlap turns it on)"
+        return f"async, {workers} worker{'s' if workers != 1 else ''}: {self.overlap_words(cfg, workers)}; " + \
+            self.update_words(cfg, workers)
+
+    def overlap_words(self, cfg, workers: int) -> str:
+        """Whether a worker's next steps overlap its push and pull, and which flag decided it."""
+        if cfg.local_steps > 1:
+            return "no overlap (--local-steps: a worker's next steps start from the reply)"
+        if cfg.max_staleness is not None:
+            return "no overlap (--max-staleness)"
+        if cfg.overlap is not None:
+            return "overlap (--overlap)" if cfg.overlap else "no overlap (--no-overlap)"
+        if cfg.overlaps(workers):
+            return f"overlap (up to {AUTO_OVERLAP_MAX_WORKERS} workers; --no-overlap turns it off)"
+        return f"no overlap (above {AUTO_OVERLAP_MAX_WORKERS} workers; --overlap turns it on)"
+
+    def update_words(self, cfg, workers: int) -> str:
+        """How a pushed gradient is applied: its damping for staleness, delay compensation, an outer step."""
         k = cfg.staleness_tolerance
         given = "--staleness-lr" if cfg.staleness_lr is not None else "--staleness-lr K sets another, 0 none"
         if k is None and cfg.staleness_lr is None:  # delayed-nesterov's default (config.DEFAULT_OUTER_OPTIMIZER)
-            damping = "every push undamped (--staleness-lr K damps the stale ones)"
+            words = "every push undamped (--staleness-lr K damps the stale ones)"
         elif k is None:
-            damping = "every gradient at the full learning rate (--staleness-lr 0)"
+            words = "every gradient at the full learning rate (--staleness-lr 0)"
         elif k == 1:
-            damping = f"each gradient at learning rate / staleness ({given})"
+            words = f"each gradient at learning rate / staleness ({given})"
         else:
-            damping = f"a gradient more than {k:g} updates stale at learning rate x {k:g} / staleness ({given})"
-        words = f"async, {workers} worker{'s' if workers != 1 else ''}: {overlap}; {damping}"
+            words = f"a gradient more than {k:g} updates stale at learning rate x {k:g} / staleness ({given})"
         if cfg.delay_compensation is not None:
             words += f"; delay compensation, lambda {cfg.delay_compensation:g}"
         if cfg.local_steps > 1:
@@ -438,30 +438,17 @@ class AsyncMode(Mode):
             delayed = cfg.outer_rule == "delayed-nesterov"
             words += (f", momentum {cfg.outer_beta:g} once every {workers} pushes{cfg.outer_beta_why()})" if delayed
                       else ")")
-        if cfg.ps_transport == "shm":
-            words += "; the parameters in shared memory, each worker applying its own gradients (--ps-transport shm)"
         return words
 
     def chief(self, ctx: Context, progress: Progress) -> Trained:
-        if ctx.cfg.ps_transport == "shm":
-            return Trained(state=ShmServer(ctx, progress).run())
         return Trained(state=AsyncServer(ctx, progress).run())
 
     def server(self, ctx: Context, progress=None) -> Trained:
-        if ctx.cfg.ps_transport == "shm":  # the workers apply its shard in the store themselves
-            return Trained(state=keep_store(ctx))
         # Another server of --num-ps: the same loop over its slice, with no bar.
         return Trained(state=AsyncServer(ctx, Progress(False, None, ctx.global_batch)).run())
 
     def worker(self, ctx: Context, progress=None) -> Trained:
-        exchange = None
-        if ctx.cfg.ps_transport == "shm":
-            if on_store_host(ctx):
-                exchange = ShmPushPull(ctx, start_state(ctx))
-            else:  # another host than the store's: the message path, rank 0 applying into the store
-                shm.open_store(ctx, start_state(ctx), here=False)
-        else:
-            exchange = worker_exchange(ctx, start_state(ctx))  # a mailbox on rank 0's host (another launch's worker)
+        exchange = worker_exchange(ctx, start_state(ctx))  # a mailbox on rank 0's host (another launch's worker)
         return Trained(worker=AsyncWorker(ctx, exchange).run())
 
 

@@ -1,8 +1,8 @@
-"""Async with --ps-transport shm, rank 0's side: the workers apply their own gradients in the
-node-shared store (exchange/shm.py); rank 0 follows the version counter and does only what it
-alone does. Each step the workers applied is read back from the store's ring, in order, into
-the same ChiefDuties.advance that the message loop calls (the bar, the log, the staleness counts,
-the loss guard); evaluations and checkpoints fall on steps where rank 0 holds the workers
+"""Async with --ps-transport shm (SHM_ASYNC, the async mode over another transport): the workers
+apply their own gradients in the node-shared store (exchange/shm.py); rank 0 follows the version
+counter and does only what it alone does. Each step the workers applied is read back from the
+store's ring, in order, into the same ChiefDuties.advance that the message loop calls (the bar,
+the log, the staleness counts, the loss guard); evaluations and checkpoints fall on steps where rank 0 holds the workers
 (`hold_at`), so they see the state of exactly that step, as on the message path; the budget, a
 stop request or a divergence sets the store's stop slot. With --num-ps K the other servers have
 nothing to apply (the workers apply every shard themselves, each under its own lock): each maps the
@@ -22,10 +22,13 @@ from mpitrain.duties.chief import ChiefDuties, Clock, ServerState, begin, record
 from mpitrain.duties.metrics import Progress
 from mpitrain.duties.observe import WAIT
 from mpitrain.exchange import shm
+from mpitrain.exchange.shm import ShmPushPull
 from mpitrain.membership.liveness import PeerLost
+from mpitrain.modes.async_ import AsyncMode, AsyncWorker
+from mpitrain.modes.base import Trained
 from mpitrain.modes.shm_remote import POLL_S as REMOTE_POLL_S
-from mpitrain.modes.shm_remote import RemoteWorkers, off_host
-from mpitrain.runtime import Context
+from mpitrain.modes.shm_remote import RemoteWorkers, off_host, on_store_host
+from mpitrain.runtime import Context, start_state
 
 SERVE_POLL_S = 2e-3  # rank 0 looks at the version this often: off the hot path, a sleeping process
 
@@ -185,3 +188,31 @@ def keep_store(ctx: Context) -> ServerState:
         store.close()
     clock.stop(state)
     return state
+
+
+class ShmAsyncMode(AsyncMode):
+    """Async as the flags ask it, over the store instead of messages (modes.of picks it for --ps-transport shm):
+    the same worker loop and start line, other roles on rank 0 and the other servers."""
+
+    def overlap_words(self, cfg, workers: int) -> str:
+        return "no overlap (--ps-transport shm: a pull waits for nothing)"
+
+    def update_words(self, cfg, workers: int) -> str:
+        return (super().update_words(cfg, workers) +
+                "; the parameters in shared memory, each worker applying its own gradients (--ps-transport shm)")
+
+    def chief(self, ctx: Context, progress: Progress) -> Trained:
+        return Trained(state=ShmServer(ctx, progress).run())
+
+    def server(self, ctx: Context, progress=None) -> Trained:
+        return Trained(state=keep_store(ctx))  # the workers apply its shard in the store themselves
+
+    def worker(self, ctx: Context, progress=None) -> Trained:
+        if on_store_host(ctx):
+            return Trained(worker=AsyncWorker(ctx, ShmPushPull(ctx, start_state(ctx))).run())
+        # Another host than the store's: the message path, rank 0 applying into the store.
+        shm.open_store(ctx, start_state(ctx), here=False)
+        return Trained(worker=AsyncWorker(ctx).run())
+
+
+SHM_ASYNC = ShmAsyncMode()
