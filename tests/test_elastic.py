@@ -40,10 +40,12 @@ import chaos  # noqa: E402  (its reading of a stuck rank's line and exit, as the
 # 3-6 s on 2 cores, so that a kill 0.2-1.5 s in lands mid-run (sync at 3000 once took 1.2 s under Open
 # MPI and the kill came after the budget; quorum at 2500 once under 2 s); --local-steps 8 takes an
 # Allreduce every 8 steps, about twice sync's pace on one host
-STEPS = {"sync": 8000, "quorum": 8000, "local": 12000, "quorum-local": 16000}  # quorum H 8: ~2,000 steps/s
+STEPS = {"sync": 8000, "quorum": 8000, "local": 12000, "quorum-local": 16000,  # quorum H 8: ~2,000 steps/s
+         "int8": 8000}
 MODE_FLAGS = {"sync": ("--mode", "sync"), "quorum": ("--mode", "sync", "--quorum", "2"),
               "local": ("--mode", "sync", "--local-steps", "8"),
-              "quorum-local": ("--mode", "sync", "--quorum", "2", "--local-steps", "8")}
+              "quorum-local": ("--mode", "sync", "--quorum", "2", "--local-steps", "8"),
+              "int8": ("--mode", "sync", "--compress", "int8")}  # the gathered exchange (exchange/compressed.py)
 
 
 def kill_during_training(tmp_path, np_: int, args: tuple[str, ...], victims: list[int], rng: random.Random,
@@ -70,9 +72,10 @@ def kill_during_training(tmp_path, np_: int, args: tuple[str, ...], victims: lis
 # worker: which worker is lost is mpitrain's logic, run under MPICH.
 @pytest.mark.parametrize("mode,victim", [("sync", 3), *(pytest.param(m, v, marks=only_on("mpich", OWN_LOGIC))
                                                        for m, v in [("sync", 1), ("quorum", 2), ("quorum", 1),
-                                                                    ("local", 2), ("quorum-local", 1)])],
+                                                                    ("local", 2), ("quorum-local", 1),
+                                                                    ("int8", 2)])],
                          ids=["sync-worker", "sync-chief", "quorum-worker", "quorum-chief", "local-steps-worker",
-                              "quorum-local-steps-chief"])
+                              "quorum-local-steps-chief", "int8-worker"])
 def test_a_sync_job_goes_on_without_a_worker_killed_from_outside(tmp_path, mode, victim):
     rng = random.Random(f"{mode}{victim}{time.time()}")
     proc, s, _ = kill_during_training(tmp_path, 4, MODE_FLAGS[mode] + ("--steps", str(STEPS[mode])), [victim], rng)

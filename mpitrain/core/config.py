@@ -39,7 +39,8 @@ def _names(module: str, table: str) -> Callable[[], tuple[str, ...]]:
     return names
 
 
-model_names, optimizer_names, codec_names = _names("model", "HIDDEN"), _names("optim", "REGISTRY"), _names("codec", "CODECS")
+model_names, optimizer_names = _names("model", "HIDDEN"), _names("optim", "REGISTRY")
+codec_names = _names("compress", "NAMES")  # --compress: the elementwise codecs, then the gathered ones
 
 
 def optimizer_lrs() -> str:
@@ -126,7 +127,11 @@ class TrainConfig:
         "0.70x as fast)", choices=JOINED_LINKS)
     compress: str = PARALLELISM(
         "none", "send gradients and parameters as float16 or bfloat16 (half the bytes; bf16 converts faster on a "
-        "CPU); update in float32", choices=codec_names)
+        "CPU); sync also int8 or int4 (a scale per 256 values, error feedback; an Allgather); update in float32",
+        choices=codec_names)
+    sparsify: float | None = PARALLELISM(
+        None, "sync: each exchange sends only the P percent of entries largest in magnitude (top-k, with error "
+        "feedback; with --compress none, int8 or int4)", shown="every entry", metavar="P")
     quorum: int | None = PARALLELISM(
         None, "sync: each update averages the first Q fresh gradients; later ones are dropped and counted",
         shown="every worker, a plain Allreduce", metavar="Q", first=True)
@@ -283,9 +288,10 @@ class TrainConfig:
     @property
     def wire_dtype(self):
         """Element type of parameters and gradients on the wire (updates are always float32)."""
-        from mpitrain.core.codec import WIRE_DTYPES
+        from mpitrain.core.codec import CODECS, WIRE_DTYPES
 
-        return WIRE_DTYPES[self.compress]
+        # int8 / int4 compress only sync's gathered parts (compress.py): every other wire is float32
+        return WIRE_DTYPES[self.compress if self.compress in CODECS else "none"]
 
     def overlaps(self, workers: int) -> bool:
         """Async with this many workers: --overlap as given, else on up to AUTO_OVERLAP_MAX_WORKERS.

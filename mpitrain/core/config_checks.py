@@ -59,6 +59,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise UsageError("--train-split/--test-split name tensorflow-datasets splits: use them with --dataset tfds:NAME")
     _choice("device", cfg.device, DEVICES)
     _choice("compress", cfg.compress, codec_names())
+    _gathered_exchange(cfg)
     _choice("ps_device", cfg.ps_device, PS_DEVICES)
     if cfg.ps_device == "gpu" and cfg.mode != "async":
         raise UsageError("--ps-device gpu applies to --mode async (in sync mode the workers apply the updates "
@@ -178,3 +179,22 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise UsageError(f"--data-dir is only read for mnist/fashion_mnist and tfds:NAME, not {cfg.dataset}; "
                          f"drop it or pick --dataset mnist")
     return cfg
+
+
+def _gathered_exchange(cfg: TrainConfig) -> None:
+    """--compress int8 / int4 and --sparsify: sync's Allgather of compressed parts (exchange/compressed.py)."""
+    from mpitrain.core.compress import QUANTIZERS
+
+    if cfg.sparsify is not None:
+        if not 0 < cfg.sparsify <= 100:
+            raise UsageError(f"--sparsify takes the percent of entries each exchange sends, above 0 and at most "
+                             f"100 (got {cfg.sparsify:g}); e.g. --sparsify 2")
+        if cfg.compress not in ("none", *QUANTIZERS):
+            raise UsageError(f"--sparsify sends float32 or quantised values, not {cfg.compress}: use it with "
+                             f"--compress none, {' or '.join(QUANTIZERS)}")
+    gathered = cfg.compress in QUANTIZERS or cfg.sparsify is not None
+    what = f"--compress {cfg.compress}" if cfg.compress in QUANTIZERS else "--sparsify"
+    if gathered and (cfg.mode != "sync" or cfg.quorum is not None):
+        raise UsageError(f"{what} compresses sync's exchange (an Allgather of every worker's part) and not yet "
+                         f"{'--quorum' if cfg.mode == 'sync' else 'async pushes'}: use --mode sync without "
+                         f"--quorum, or --compress bf16")

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mpitrain.core.compress import exchange_words
 from mpitrain.core.config_io import as_record
 from mpitrain.core.console import say
 from mpitrain.core.data import shard_left_note
@@ -259,9 +260,10 @@ def announce(ctx: Context, placements: list[str], regrown: bool = False) -> None
         line += (f"; sync: learning rate {lr:g} x {ctx.lr_scale} gradients per update = {lr * ctx.lr_scale:g} "
                  f"{warm} (--lr-scaling none keeps {lr:g})")
     say(line)
-    words = ctx.mode.start_words(cfg, ctx.workers)
-    if words:
-        say(f"mpitrain: {words}")
+    for words in (ctx.mode.start_words(cfg, ctx.workers),
+                  None if ctx.single else exchange_words(cfg.compress, cfg.sparsify, ctx.model.n_params, ctx.workers)):
+        if words:
+            say(f"mpitrain: {words}")
     for note in ctx.data.notes:  # e.g. a class that never occurs in training
         say(note, sys.stderr)
     left = shard_left_note(ctx.data.n_train, ctx.workers, cfg.batch_size)

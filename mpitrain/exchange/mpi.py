@@ -35,26 +35,33 @@ def wire_sum(compress: str):
     return MPI.UINT16_T, _SUM_OPS[compress]
 
 
-class MPIReducer:
-    """The workers' Allreduce on their own communicator (rank 0 is not in it), in the wire type of
-    --compress, staged through host memory where MPI cannot read the buffer (a GPU without
-    CUDA-aware MPI). Always nonblocking and watched: a blocking Allreduce cannot notice that rank 0
-    died (the workers would wait for a peer that has already stopped). It spins, as MPICH's
-    blocking one does, unless ranks outnumber cores (--wait; transport.collective_poll_s)."""
+class WorkersCollective:
+    """A collective of the workers on their own communicator (rank 0 is not in it). Always
+    nonblocking and watched (watch_collective): a blocking one cannot notice that rank 0 died (the
+    workers would wait for a peer that has already stopped). It spins, as MPICH's blocking ones do,
+    unless ranks outnumber cores (--wait; transport.collective_poll_s)."""
+
+    def __init__(self, ctx: Context):
+        self.ctx, self.be, self.comm = ctx, ctx.backend, ctx.worker_comm
+        self.waiter = Poller(collective_poll_s(ctx.cfg.wait, ctx.node.oversubscribed), ctx.watch)
+
+    @property
+    def alone(self) -> bool:
+        return self.comm is None or self.comm.Get_size() == 1
+
+
+class MPIReducer(WorkersCollective):
+    """The workers' Allreduce, in the wire type of --compress, staged through host memory where MPI
+    cannot read the buffer (a GPU without CUDA-aware MPI)."""
 
     def __init__(self, ctx: Context, count: int):
+        super().__init__(ctx)
         cfg, be = ctx.cfg, ctx.backend
-        self.ctx, self.be, self.comm = ctx, be, ctx.worker_comm
         wire = np.dtype(cfg.wire_dtype)
         self.wire = None  # what travels: the buffer itself (NumPy or CUDA-aware, float32), else a staged copy
         if wire != np.float32 or (be.is_gpu and not be.cuda_aware):
             self.wire = be.host_alloc(wire.itemsize * count).view(wire)
         self.mpi_type, self.op = wire_sum(cfg.compress)
-        self.waiter = Poller(collective_poll_s(cfg.wait, ctx.node.oversubscribed), ctx.watch)
-
-    @property
-    def alone(self) -> bool:
-        return self.comm is None or self.comm.Get_size() == 1
 
     def sum(self, buf) -> bool:
         if self.alone:
@@ -73,18 +80,23 @@ class MPIReducer:
         return True
 
     def _allreduce(self, spec, op) -> None:
-        req = self.comm.Iallreduce(MPI.IN_PLACE, spec, op=op)
-        try:
-            done = self.waiter.some([req])
-        except BaseException:
-            # Left pending (a regroup, a lost peer): the live workers' parts may still arrive, and MPI
-            # reduces them into the buffer, which must never be memory that was freed and reused.
-            # (First suspected of a CI run's regroup going on from exploded parameters; it was not
-            # that: sync's check of the sum's exact slots is what stopped it, modes/sync.torn.)
-            ABANDONED.append((req, spec))
-            raise
-        if done.failed:
-            await_verdict(self.ctx, done.failed[0])
+        watch_collective(self.ctx, self.waiter, self.comm.Iallreduce(MPI.IN_PLACE, spec, op=op), spec)
+
+
+def watch_collective(ctx: Context, waiter: Poller, req, spec) -> None:
+    """Wait for the workers' collective `req` over the buffer `spec`; a part that failed (a worker died
+    in it) waits for rank 0's verdict (await_verdict)."""
+    try:
+        done = waiter.some([req])
+    except BaseException:
+        # Left pending (a regroup, a lost peer): the live workers' parts may still arrive, and MPI
+        # writes them into the buffer, which must never be memory that was freed and reused.
+        # (First suspected of a CI run's regroup going on from exploded parameters; it was not
+        # that: sync's check of the sum's exact slots is what stopped it, modes/sync.torn.)
+        ABANDONED.append((req, spec))
+        raise
+    if done.failed:
+        await_verdict(ctx, done.failed[0])
 
 
 def held_copy(ex) -> TrainState:

@@ -29,7 +29,8 @@ from mpitrain.duties.chief import ChiefDuties, Clock, ServerState, begin, record
 from mpitrain.duties.metrics import Progress
 from mpitrain.duties.observe import ALLREDUCE, APPLY, COMPUTE, WAIT
 from mpitrain.exchange.base import Reducer
-from mpitrain.exchange.mpi import ABANDONED, MPIReducer, await_verdict
+from mpitrain.exchange.compressed import reducer_for
+from mpitrain.exchange.mpi import ABANDONED, await_verdict
 from mpitrain.exchange.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_REGROUPED, FLAG_FINAL, TAG_SHARD,
                                         TAG_STATUS, Message, ProtocolError)
 from mpitrain.exchange.shards import Gather, assemble
@@ -65,7 +66,7 @@ class SyncStep:
         n = model.n_params
         self.n = n
         self.buf = be.xp.zeros(n + SYNC_SLOTS, be.xp.float32)
-        self.reducer = reducer or MPIReducer(ctx, n + SYNC_SLOTS)
+        self.reducer = reducer or reducer_for(ctx, n, SYNC_SLOTS)
         self.opt = Optimizer(cfg.optimizer, n, be.xp, momentum=cfg.momentum)
         self.ema = None
         self.own_loss = 0.0  # this worker's own minibatch loss in the step being reduced
@@ -188,8 +189,10 @@ class SyncStep:
 
 
 def stamp_period(compress: str, workers: int) -> int:
-    """How many stamps the step cycles through: `workers` of the largest must sum exactly on the wire."""
-    return max(1, min(STAMPS, CODECS[compress].exact // max(workers, 1)))
+    """How many stamps the step cycles through: `workers` of the largest must sum exactly on the wire
+    (float32's 2**24 where the slots travel as they are: a codec of none, or a gathered part)."""
+    exact = CODECS[compress].exact if compress in CODECS else 2 ** 24
+    return max(1, min(STAMPS, exact // max(workers, 1)))
 
 
 def torn(workers: int, weight: float, votes: tuple[float, float], stamped: float, stamp: int) -> str | None:

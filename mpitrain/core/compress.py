@@ -1,0 +1,164 @@
+"""Compressors that no MPI SUM can add (--compress int8 / int4, --sparsify P): what a sync worker
+sends instead of its whole float32 part (exchange/compressed.py gathers every worker's and each
+adds them all, in rank order, so the sum is bitwise the same on every worker).
+
+A scheme turns float32 values into bytes and back (`encode`, `decode`, `wire_bytes`): BlockQuantizer
+keeps one float32 scale per BLOCK values (their largest magnitude over 127, or over 7 for int4) and
+each value as a rounded multiple of it, so an entry is off by at most half its block's scale; TopK
+keeps the k largest magnitudes with their indices (and quantises those values when given a
+quantiser). A Compressor (Horovod's two-method shape: compress, decompress) wraps a scheme with
+error feedback (Seide et al. 2014; Karimireddy et al. 2019): what it could not send this time is
+kept and added to the next exchange, so over many exchanges everything is sent.
+
+The elementwise wire types (none, fp16, bf16) stay core/codec.py's: MPI sums them in place.
+Written for NumPy and CuPy alike (`xp`); run on NumPy only (no GPU on the machines that built it).
+"""
+
+from __future__ import annotations
+
+import math
+
+from mpitrain.core.codec import CODECS
+
+BLOCK = 256  # values per scale: 4 bytes of scale per 256 (int8: 1.6% on top of the 1 byte each)
+LEVELS = {8: 127, 4: 7}  # the largest integer each width sends (symmetric: no zero-point to carry)
+
+
+class BlockQuantizer:
+    """`bits`-bit integers with a float32 scale per BLOCK values. Wire: [scales][integers] (int4:
+    two per byte, low nibble first, each stored + 8)."""
+
+    def __init__(self, bits: int):
+        self.bits, self.levels = bits, LEVELS[bits]
+        self.name = f"int{bits}"
+
+    def blocks(self, n: int) -> int:
+        return -(-n // BLOCK)
+
+    def wire_bytes(self, n: int) -> int:
+        nb = self.blocks(n)
+        return 4 * nb + nb * BLOCK * self.bits // 8
+
+    def encode(self, xp, values, out) -> None:
+        """float32 `values` -> `out` (uint8, wire_bytes(len(values)))."""
+        n, nb = values.size, self.blocks(values.size)
+        padded = xp.zeros(nb * BLOCK, xp.float32)
+        padded[:n] = values
+        blocks = padded.reshape(nb, BLOCK)
+        scales = out[: 4 * nb].view(xp.float32)
+        xp.abs(blocks).max(axis=1, out=scales)
+        scales /= self.levels
+        scales[scales == 0] = 1  # an all-zero block: any scale sends zeros
+        q = xp.rint(blocks / scales[:, None])
+        xp.clip(q, -self.levels, self.levels, out=q)
+        body = out[4 * nb:]
+        if self.bits == 8:
+            body.view(xp.int8)[...] = q.ravel()
+        else:
+            u = (q.ravel() + 8).astype(xp.uint8).reshape(-1, 2)
+            body[...] = u[:, 0] | (u[:, 1] << 4)
+
+    def decode(self, xp, wire, out, add: bool = False) -> None:
+        """`wire` -> float32 `out` (its length is the values' count); `add`: out += the values."""
+        n, nb = out.size, self.blocks(out.size)
+        scales = wire[: 4 * nb].view(xp.float32)
+        body = wire[4 * nb:]
+        if self.bits == 8:
+            q = body.view(xp.int8).astype(xp.float32)
+        else:
+            q = xp.empty(2 * body.size, xp.float32)
+            q[0::2] = body & 15
+            q[1::2] = body >> 4
+            q -= 8
+        values = (q.reshape(nb, BLOCK) * scales[:, None]).ravel()[:n]
+        if add:
+            out += values
+        else:
+            out[...] = values
+
+
+class TopK:
+    """The k = ceil(fraction x n) entries of largest magnitude: [indices, int32, ascending][values,
+    float32 or through `inner`]. The rest are zeros to the reader (and the writer's residual)."""
+
+    def __init__(self, fraction: float, inner: BlockQuantizer | None = None):
+        self.fraction, self.inner = fraction, inner
+        self.name = f"top {fraction * 100:g}%" + (f" in {inner.name}" if inner else "")
+
+    def k(self, n: int) -> int:
+        return max(1, min(n, math.ceil(self.fraction * n)))
+
+    def _values_bytes(self, k: int) -> int:
+        return self.inner.wire_bytes(k) if self.inner else 4 * k
+
+    def wire_bytes(self, n: int) -> int:
+        k = self.k(n)
+        return 4 * k + self._values_bytes(k)
+
+    def encode(self, xp, values, out) -> None:
+        n = values.size
+        k = self.k(n)
+        idx = xp.sort(xp.argpartition(xp.abs(values), n - k)[n - k:]).astype(xp.int32)
+        out[: 4 * k].view(xp.int32)[...] = idx
+        picked = values[idx]
+        if self.inner:
+            self.inner.encode(xp, picked, out[4 * k:])
+        else:
+            out[4 * k:].view(xp.float32)[...] = picked
+
+    def decode(self, xp, wire, out, add: bool = False) -> None:
+        k = self.k(out.size)
+        idx = wire[: 4 * k].view(xp.int32)
+        picked = xp.empty(k, xp.float32)
+        if self.inner:
+            self.inner.decode(xp, wire[4 * k:], picked)
+        else:
+            picked[...] = wire[4 * k: 4 * k + 4 * k].view(xp.float32)
+        if not add:
+            out[...] = 0
+        out[idx] += picked  # indices are distinct: no two adds to one entry
+
+
+QUANTIZERS = {q.name: q for q in (BlockQuantizer(8), BlockQuantizer(4))}
+NAMES = (*CODECS, *QUANTIZERS)  # --compress's choices: the elementwise codecs, then these
+
+
+def scheme(compress: str, sparsify: float | None):
+    """The scheme for --compress and --sparsify (percent), or None: the elementwise wire (MPI sums it)."""
+    inner = QUANTIZERS.get(compress)
+    if sparsify is not None:
+        return TopK(sparsify / 100, inner)
+    return inner
+
+
+class Compressor:
+    """A scheme with error feedback over `n` values: compress(values, out) writes what is sent
+    and keeps the rest (`residual`) for the next call; decompress(wire, out, add) reads a part."""
+
+    def __init__(self, scheme_, n: int, xp):
+        self.scheme, self.n, self.xp = scheme_, n, xp
+        self.wire_bytes = scheme_.wire_bytes(n)
+        self.residual = xp.zeros(n, xp.float32)
+        self._sent = xp.empty(n, xp.float32)
+
+    def compress(self, values, out) -> None:
+        r = self.residual
+        r += values  # what is owed: this exchange's values and what earlier ones held back
+        self.scheme.encode(self.xp, r, out)
+        self.scheme.decode(self.xp, out, self._sent)
+        r -= self._sent
+
+    def decompress(self, wire, out, add: bool = False) -> None:
+        self.scheme.decode(self.xp, wire, out, add)
+
+
+def exchange_words(compress: str, sparsify: float | None, n: int, workers: int) -> str | None:
+    """For the start line: what a sync worker sends a step when a scheme compresses it (None: the
+    elementwise wire, as before)."""
+    s = scheme(compress, sparsify)
+    if s is None:
+        return None
+    nbytes = s.wire_bytes(n)
+    return (f"sync exchange: {s.name} with error feedback, {nbytes:,} bytes a worker a step instead of "
+            f"{4 * n:,} ({4 * n / nbytes:.1f}x fewer; an Allgather: each worker receives {workers - 1} other part"
+            f"{'s' if workers != 2 else ''})")
