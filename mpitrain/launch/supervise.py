@@ -22,7 +22,6 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import time
 
 from mpitrain.launch.mpiimpl import needs_supervisor
 
@@ -124,18 +123,18 @@ def _wait_for(pid: int, started_r: int) -> None:
     # The rank's death must close hydra's PMI socket: that is how hydra learns of it.
     os.close(int(os.environ["PMI_FD"]))
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-    for sig in FORWARDED:
-        signal.signal(sig, lambda signum, _frame: _forward(pid, signum))
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)  # what arrived meanwhile is forwarded now
-    # Polled, not one blocking waitpid: Python runs a signal's handler only when the main thread comes back
-    # to the interpreter, and one blocking wait that was never interrupted would hold a forwarded SIGTERM
-    # until the rank ended by itself (CI, Open MPI's suite, once: the rank slept its 30 s out, exit 0 for 7;
-    # not reproduced in 150 tries under a CPU hog). A look every WAIT_S bounds that at WAIT_S.
+    # The forwarded signals stay blocked (since before the fork) and are taken here one by one with
+    # sigtimedwait, which also paces the look at the rank: no Python-level handler. With handlers (run
+    # only when the main thread comes back to the interpreter, after the C handler's flag), a SIGTERM
+    # to the supervisor twice never reached its rank, in CI under Open MPI's suite: the rank slept its
+    # 30 s out, exit 0 for 7 (once behind a blocking waitpid, once behind this loop's time.sleep).
     while True:
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
             break
-        time.sleep(WAIT_S)
+        caught = signal.sigtimedwait(FORWARDED, WAIT_S)
+        if caught is not None:
+            _forward(pid, caught.si_signo)
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
         # A process the job spawned (--respawn) is rank 0 of its own launch: its PMI_RANK would name
