@@ -123,7 +123,7 @@ def on_host(name: str, cmd: list[str], own_hostnames: bool = False) -> list[str]
     return ["ip", "netns", "exec", name, "unshare", "--uts", "sh", "-c", f'hostname h{name}; exec "$@"', "sh", *cmd]
 
 
-RATES = {"10gbit": 10e9, "1gbit": 1e9, "100mbit": 100e6}  # tc rate -> bits/s
+RATES = {"10gbit": 10e9, "1gbit": 1e9, "100mbit": 100e6, "10mbit": 10e6}  # tc rate -> bits/s
 
 
 def shape(ports, rate: str | None) -> None:

@@ -36,7 +36,7 @@ from results import record  # noqa: E402  (same folder)
 import netns  # noqa: E402
 from run import PY, env, machine, mpirun, run_mpitrain  # noqa: E402
 
-LINKS = {"one-host": None, "1 Gbit/s": "1gbit", "100 Mbit/s": "100mbit"}
+LINKS = {"one-host": None, "1 Gbit/s": "1gbit", "100 Mbit/s": "100mbit", "10 Mbit/s": "10mbit"}
 WORKERS = 4
 ONE = "one process"  # the rows' mode for a single process's run
 HS = "1,4,16,64"  # --hs: the H of each mode's rows
@@ -51,7 +51,10 @@ LAYOUTS = {"2+2": ((3, 2), "rank 0 and 2 workers on host A, 2 workers on host B 
 # The rows' modes (--modes) and their flags; async-shm: async over the node-shared store (across the
 # link, host B's workers keep the message path and rank 0 applies their pushes into the store).
 MODES = {"sync": ["--mode", "sync"], "async": ["--mode", "async"],
-         "async-shm": ["--mode", "async", "--ps-transport", "shm"]}
+         "async-shm": ["--mode", "async", "--ps-transport", "shm"],
+         # sync's gathered exchange (issue 80): quantised, and top-k of a quantised part, with error feedback
+         "sync-int8": ["--mode", "sync", "--compress", "int8"], "sync-int4": ["--mode", "sync", "--compress", "int4"],
+         "sync-top2-int8": ["--mode", "sync", "--compress", "int8", "--sparsify", "2"]}
 
 
 def flags(dataset: list[str], mode: str, h: int, epochs: int, eval_every: int, seed: int) -> list[str]:
@@ -118,7 +121,7 @@ def main() -> int:
         """One row: --seeds runs of `mode` at H `h` through `go` (ONE: a single process, async's flags).
         Evaluations every 1/evals-per-epoch of an epoch of global data: a global step is one batch
         (async, one process) or one batch of every worker (sync)."""
-        every = max(1, n_train // args.evals_per_epoch // (100 * (WORKERS if mode == "sync" else 1)))
+        every = max(1, n_train // args.evals_per_epoch // (100 * (WORKERS if mode != ONE and MODES[mode][1] == "sync" else 1)))
         t0 = time.monotonic()
         runs_ = [go(flags(dataset, "async" if mode == ONE else mode, h, args.max_epochs, every, seed))
                  for seed in range(args.seeds)]
