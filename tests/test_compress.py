@@ -89,7 +89,21 @@ def test_a_sync_job_in_int8_keeps_its_workers_identical_and_sends_under_half(tmp
     other two's parts: 2 x 7,800 + 7,800 against an Allreduce's 2 x 30,040); the start line says it."""
     plain = train(4, tmp_path, "--mode", "sync", "--epochs", "10")
     s = train(4, tmp_path, "--mode", "sync", "--epochs", "10", "--compress", "int8")
-    assert "sync exchange: int8 with error feedback, 7,800 bytes a worker a step instead of 30,040" in s["_stdout"]
+    assert "sync exchange: int8 with error feedback, 7,800 bytes instead of 30,040 (3.9x fewer) a worker a step" \
+        in s["_stdout"]
     assert len(set(s["worker_param_digests"])) == 1 and s["worker_param_digests"][0] == s["param_digest"]
     assert s["test_accuracy"] >= plain["test_accuracy"] - 0.03
     assert 0.3 < s["bytes_per_sample"] / plain["bytes_per_sample"] < 0.45
+
+
+@only_on("mpich", NUMBERS_ONLY)
+def test_async_pushes_in_int8_learn_and_send_a_quarter_of_the_push(tmp_path):
+    """Each worker's pushes go as int8 with its own error feedback and rank 0 decodes them; its replies stay
+    float32: a push 7,800 bytes, a reply 30,040, so the bytes through MPI fall to (7,800 + 30,040) / 60,080."""
+    plain = train(3, tmp_path, "--epochs", "10")
+    s = train(3, tmp_path, "--epochs", "10", "--compress", "int8")
+    assert ("async pushes: int8 with error feedback, 7,800 bytes instead of 30,040 (3.9x fewer) a push; rank 0 "
+            "replies with the parameters in float32") in s["_stdout"]
+    assert s["test_accuracy"] >= plain["test_accuracy"] - 0.03 and s["global_step"] == plain["global_step"]
+    assert abs(s["bytes_per_sample"] / plain["bytes_per_sample"] - (7800 + 30040) / 60080) < 0.02
+

@@ -44,16 +44,19 @@ from mpitrain.core.stop import StopRequest
 # trains unslowed at ~6,000 steps/s on an AMD EPYC VM (2026-12-04): 11,100-12,000 of a 12,000 budget were spent
 # by the kill 1 s in, and the job ended before the replacement was up (3 runs of 3). The budget is now past what
 # 2 s of both can spend, and the worker left is slowed to 1 ms a step, so it cannot finish during the spawn.
-BUDGET = {"async": 9000, "sync": 1500, "shm": 30000}
+BUDGET = {"async": 9000, "sync": 1500, "shm": 30000, "async-int8": 9000}
 JOB = {"async": ("--mode", "async", "--steps", str(BUDGET["async"]), "--num-ps", "2", "--straggler", "2:0.001"),
        "sync": ("--mode", "sync", "--steps", str(BUDGET["sync"]), "--straggler", "1:0.002"),
-       "shm": ("--mode", "async", "--ps-transport", "shm", "--steps", str(BUDGET["shm"]), "--straggler", "1:0.001")}
-RANKS = {"async": 4, "sync": 3, "shm": 3}
+       "shm": ("--mode", "async", "--ps-transport", "shm", "--steps", str(BUDGET["shm"]), "--straggler", "1:0.001"),
+       # compressed pushes: the replacement, on rank 0's host in another launch, takes MPI's link, no mailbox
+       "async-int8": ("--mode", "async", "--compress", "int8", "--steps", str(BUDGET["async-int8"]),
+                      "--straggler", "1:0.001")}
+RANKS = {"async": 4, "sync": 3, "shm": 3, "async-int8": 3}
 # The replacement takes this much longer to load its data (faults.slow_setup): under MPICH the job trains on
 # meanwhile (respawn.launch), where it used to stand still from the loss until the worker joined (sync did
 # until 2026-12-04); at least TRAINED_PER_S steps a second of it (async ~1,000/s, sync's slowed worker <= 500/s).
-SLOW_SETUP_S = {"async": 2.0, "sync": 1.0}
-TRAINED_PER_S = {"async": 200, "sync": 100}
+SLOW_SETUP_S = {"async": 2.0, "sync": 1.0, "async-int8": 2.0}
+TRAINED_PER_S = {"async": 200, "sync": 100, "async-int8": 200}
 
 
 def respawn_cmd(tmp_path, *args: str, np_: int = 3, timeout: float = 5) -> list[str]:
@@ -81,7 +84,9 @@ def start_job(tmp_path, *args: str, np_: int = 3, env=None, timeout: float = 5) 
 @pytest.mark.parametrize("mode", [pytest.param("async", marks=only_on(
     "mpich", "under Open MPI the spawn and the room made for it are sync's, tested under both")), "sync",
     pytest.param("shm", marks=only_on("mpich", "the spawn is tested under both MPIs above; the store is the same "
-                                               "under either"))])
+                                               "under either")),
+    pytest.param("async-int8", marks=only_on("mpich", "the spawn is tested under both MPIs above; the link a "
+                                                      "compressed push takes is mpitrain's choice"))])
 def test_a_worker_killed_with_sigkill_is_replaced_and_the_job_finishes_its_budget(tmp_path, mode):
     last = RANKS[mode] - 1  # the victim, and the new worker's rank
     log = tmp_path / "log"
@@ -119,6 +124,8 @@ def test_a_worker_killed_with_sigkill_is_replaced_and_the_job_finishes_its_budge
         assert sum(s["worker_steps"]) <= BUDGET[mode] and s["gradients_pushed"][1] > 0
     else:
         assert s["gradients_pushed"][1] > 0  # the new worker trained
+    if mode == "async-int8":  # its compressed pushes came over MPI (a mailbox's would count none)
+        assert s["worker_bytes"][1][0] > 0, s["worker_bytes"]
     assert s["test_accuracy"] > 0.9
     assert not (tmp_path / "ck" / join.TOKEN).exists()
     # One run, one log: the phase after the respawn goes on with the same series, not a new one.

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from mpitrain.core.codec import CODECS
 
 BLOCK = 256  # values per scale: 4 bytes of scale per 256 (int8: 1.6% on top of the 1 byte each)
@@ -151,14 +153,42 @@ class Compressor:
     def decompress(self, wire, out, add: bool = False) -> None:
         self.scheme.decode(self.xp, wire, out, add)
 
+    def compress_to_host(self, values, host: np.ndarray, to_host) -> None:
+        """compress() into host memory (uint8): straight there with NumPy; with CuPy on the device, then
+        one copy of the compressed bytes (`to_host`: the backend's)."""
+        if self.xp is np:
+            self.compress(values, host)
+            return
+        wire = self.xp.empty(host.size, self.xp.uint8)
+        self.compress(values, wire)
+        host[...] = to_host(wire)
 
-def exchange_words(compress: str, sparsify: float | None, n: int, workers: int) -> str | None:
-    """For the start line: what a sync worker sends a step when a scheme compresses it (None: the
-    elementwise wire, as before)."""
-    s = scheme(compress, sparsify)
+
+def payload(cfg, n: int) -> tuple[int, object]:
+    """An async push's payload: (count, element type): n values of --compress's elementwise type, or the
+    bytes of a scheme's part."""
+    s = scheme(cfg.compress, cfg.sparsify)
+    return (n, cfg.wire_dtype) if s is None else (s.wire_bytes(n), np.uint8)
+
+
+def push_words(cfg, n: int) -> str | None:
+    """For the start line (async): what a push is when a scheme compresses it (None: the elementwise wire)."""
+    s = scheme(cfg.compress, cfg.sparsify)
     if s is None:
         return None
+    return (f"async pushes: {s.name} with error feedback, {_fewer(s, n)} a push; rank 0 replies with the "
+            f"parameters in {np.dtype(cfg.wire_dtype).name}")
+
+
+def gather_words(cfg, n: int, workers: int) -> str | None:
+    """For the start line (sync): what a worker's part is when a scheme compresses it (None: an Allreduce)."""
+    s = scheme(cfg.compress, cfg.sparsify)
+    if s is None:
+        return None
+    return (f"sync exchange: {s.name} with error feedback, {_fewer(s, n)} a worker a step; an Allgather: each "
+            f"worker receives {workers - 1} other part{'s' if workers != 2 else ''}")
+
+
+def _fewer(s, n: int) -> str:
     nbytes = s.wire_bytes(n)
-    return (f"sync exchange: {s.name} with error feedback, {nbytes:,} bytes a worker a step instead of "
-            f"{4 * n:,} ({4 * n / nbytes:.1f}x fewer; an Allgather: each worker receives {workers - 1} other part"
-            f"{'s' if workers != 2 else ''})")
+    return f"{nbytes:,} bytes instead of {4 * n:,} ({4 * n / nbytes:.1f}x fewer)"

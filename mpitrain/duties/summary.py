@@ -11,7 +11,6 @@ from pathlib import Path
 
 import numpy as np
 
-from mpitrain.core.compress import exchange_words
 from mpitrain.core.config_io import as_record
 from mpitrain.core.console import say
 from mpitrain.core.data import shard_left_note
@@ -261,7 +260,7 @@ def announce(ctx: Context, placements: list[str], regrown: bool = False) -> None
                  f"{warm} (--lr-scaling none keeps {lr:g})")
     say(line)
     for words in (ctx.mode.start_words(cfg, ctx.workers),
-                  None if ctx.single else exchange_words(cfg.compress, cfg.sparsify, ctx.model.n_params, ctx.workers)):
+                  ctx.mode.exchange_words(cfg, ctx.model.n_params, ctx.workers)):
         if words:
             say(f"mpitrain: {words}")
     for note in ctx.data.notes:  # e.g. a class that never occurs in training

@@ -42,12 +42,7 @@ class GatherReducer(WorkersCollective):
         be, xp, n, body, size = self.be, self.be.xp, self.n, self.body, self.part
         self.ctx.activity.enter(ALLREDUCE)
         mine = self.parts[self.me * size: (self.me + 1) * size]
-        if xp is np:
-            self.compressor.compress(buf[:n], mine[:body])
-        else:  # compressed on the device; only the part crosses to the host
-            wire = xp.empty(body, xp.uint8)
-            self.compressor.compress(buf[:n], wire)
-            mine[:body] = be.to_host(wire)
+        self.compressor.compress_to_host(buf[:n], mine[:body], be.to_host)
         mine[body: body + 4 * self.tail].view(np.float32)[...] = be.to_host(buf[n:])
         spec = [self.parts, MPI.BYTE]
         watch_collective(self.ctx, self.waiter, self.comm.Iallgather(MPI.IN_PLACE, spec), spec)

@@ -37,6 +37,7 @@ import threading
 import numpy as np
 from mpi4py import MPI
 
+from mpitrain.core.compress import scheme
 from mpitrain.core.layout import PS_RANK
 from mpitrain.duties.checkpoint import TrainState
 from mpitrain.exchange import shm
@@ -68,6 +69,8 @@ def wanted(ctx, rank: int) -> bool:
     --ps-transport mpi, --joined-link shm, and the worker on rank 0's host in another launch than rank 0's."""
     cfg, layout = ctx.cfg, ctx.layout
     if cfg.ps_transport != "mpi" or cfg.joined_link != "shm" or layout.shards != 1:
+        return False
+    if scheme(cfg.compress, cfg.sparsify) is not None:  # a compressed push is no mailbox slot's size: over MPI
         return False
     if layout.single or layout.is_server(rank):
         return False

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from mpi4py import MPI
 
+from mpitrain.core.compress import payload
 from mpitrain.exchange.mailbox import ServerMail
 from mpitrain.exchange.protocol import TAG_GRAD, TAG_PARAMS, Message
 from mpitrain.exchange.transport import END_POLL_S, Completed, Poller, tested
@@ -34,9 +35,10 @@ class WorkerLinks:
         be, wire = ctx.backend, ctx.cfg.wire_dtype
         self.ctx, self.comm, self.ranks, self.poller = ctx, ctx.comm, list(ranks), poller
         W = len(ranks)
-        self.inbox = [Message(n, be.host_alloc, wire) for _ in range(W)]
+        count, pushed = payload(ctx.cfg, n)  # a scheme's bytes with --compress int8|int4 / --sparsify
+        self.inbox = [Message(count, be.host_alloc, pushed) for _ in range(W)]
         self.outbox = [Message(n, be.host_alloc, wire) for _ in range(W)]
-        self.message_bytes = self.inbox[0].buf.nbytes if W else 0
+        self.message_bytes = (self.inbox[0].buf.nbytes, self.outbox[0].buf.nbytes) if W else (0, 0)
         self.sends = [MPI.REQUEST_NULL] * W
         # A worker of another launch on this host is offered a mailbox (exchange/mailbox.py): recv[i] awaits
         # its answer; once it has mapped the mailbox its pushes are looked for there, not in MPI.
@@ -68,9 +70,9 @@ class WorkerLinks:
         done.arrived = arrived
         return done
 
-    def over_mpi(self, i: int) -> int:
-        """The bytes one message of worker i moves through MPI (0 through a mailbox): the summary's count."""
-        return 0 if i in self.mail.boxes else self.message_bytes
+    def over_mpi(self, i: int, reply: bool = False) -> int:
+        """The bytes one push (or `reply`) of worker i moves through MPI (0 through a mailbox): the summary's count."""
+        return 0 if i in self.mail.boxes else self.message_bytes[reply]
 
     def reply_to(self, i: int) -> Message:
         """The buffer of the answer to i's push; its previous reply has left (it has, in all but name: the

@@ -20,6 +20,7 @@ from mpitrain.core.config import AUTO_OVERLAP_MAX_WORKERS
 from mpitrain.core.guard import NON_FINITE, Diverged, LossGuard
 from mpitrain.core.layout import PS_RANK
 from mpitrain.core.optim import ServerUpdate, StalenessHold
+from mpitrain.core.compress import push_words, scheme
 from mpitrain.core.outer import InnerSteps, OuterUpdate, PushSpans, in_pushes
 from mpitrain.core.reports import WorkerResult
 from mpitrain.duties import checkpoint
@@ -78,6 +79,7 @@ class AsyncServer:
         inbox = self.links.inbox
         self.zero_copy = bool(W) and be.mirror(inbox[0].payload) is inbox[0].payload
         self.grad = None if self.zero_copy else be.xp.empty(n, be.xp.float32)
+        self.unpack = scheme(cfg.compress, cfg.sparsify)  # --compress int8|int4, --sparsify: a push is its bytes
         self.gather = Gather(ctx, self.poller) if self.chief else None  # the other servers' slices
         self.service = None if self.chief else ShardService(ctx, n)  # rank 0's requests for this slice
         self.active = set(range(W))  # workers not yet told to stop
@@ -261,7 +263,10 @@ class AsyncServer:
         staleness = state.global_step - basis  # buffer takes the worker's next push once the reply is sent
         self.ctx.activity.enter(APPLY, state.global_step)
         grad = msg.payload
-        if not self.zero_copy:
+        if self.unpack is not None:  # decoded into float32 (on the server's device)
+            self.unpack.decode(self.be.xp, self.be.asarray(grad), self.grad)
+            grad = self.grad
+        elif not self.zero_copy:
             self.be.upload(self.grad, grad)
             grad = self.grad
         inner, outer_staleness = self._inner_steps(w, msg.pushed, staleness)
@@ -300,7 +305,7 @@ class AsyncServer:
         flags = (FLAG_FINAL | (FLAG_DIVERGED if state.diverged else 0)) if stop else 0
         reply.stamp(TAG_PARAMS, state.global_step, state.worker_steps[w], flags)
         self.links.send(w, more=not stop)
-        state.bytes_out += self.links.over_mpi(w)
+        state.bytes_out += self.links.over_mpi(w, reply=True)
         self.basis[w] = state.global_step
         if stop:
             self.active.discard(w)
@@ -439,6 +444,9 @@ class AsyncMode(Mode):
             words += (f", momentum {cfg.outer_beta:g} once every {workers} pushes{cfg.outer_beta_why()})" if delayed
                       else ")")
         return words
+
+    def exchange_words(self, cfg, n: int, workers: int) -> str | None:
+        return push_words(cfg, n)
 
     def chief(self, ctx: Context, progress: Progress) -> Trained:
         return Trained(state=AsyncServer(ctx, progress).run())

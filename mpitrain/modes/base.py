@@ -67,6 +67,11 @@ class Mode:
         """What this mode decided for this many workers, for rank 0's start lines (None: nothing)."""
         return None
 
+    def exchange_words(self, cfg, n: int, workers: int) -> str | None:
+        """What a worker sends an exchange of `n` values when --compress int8|int4 or --sparsify compresses it,
+        for rank 0's start lines (None: the exchange as ever)."""
+        return None
+
     def waits_for(self, cfg, workers: int) -> str:
         """What rank 0 waits for while no global step comes (the --stall-warning line)."""
         return "waiting for a gradient"

@@ -126,7 +126,7 @@ class RemoteWorkers:
             self.then[i][:] = reply.payload  # what the worker computes its next gradient on
         reply.stamp(TAG_PARAMS, version, msg.pushed, flags)
         self.links.send(i, more=not flags & FLAG_FINAL)
-        self.bytes_out += self.links.over_mpi(i)
+        self.bytes_out += self.links.over_mpi(i, reply=True)
         if flags & FLAG_FINAL:
             self.store.active[self.workers[i]] = 0  # after its last step: rank 0's final state holds it
 

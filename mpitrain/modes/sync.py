@@ -18,6 +18,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpitrain.core.codec import CODECS
+from mpitrain.core.compress import gather_words
 from mpitrain.core.guard import NON_FINITE, Diverged, LossGuard
 from mpitrain.core.layout import PS_RANK
 from mpitrain.core.optim import Optimizer, make_ema
@@ -484,6 +485,9 @@ class SyncMode(Mode):
     def averaging(self, cfg, workers: int) -> str:
         """--local-steps H: whose models an outer step averages, and what it costs."""
         return f"the {workers} workers average their models (one Allreduce instead of {cfg.local_steps})"
+
+    def exchange_words(self, cfg, n: int, workers: int) -> str | None:
+        return gather_words(cfg, n, workers)
 
     def waits_for(self, cfg, workers: int) -> str:
         return "waiting for the workers' gradient Allreduce"
