@@ -50,6 +50,30 @@ def test_gradient_matches_numpy_on_the_same_parameters(sizes, l2):
     assert acc_gpu == acc_cpu and np.array_equal(pred_gpu, pred_cpu)
 
 
+@pytest.mark.parametrize("name", ["int8", "int4", "top 2% in int8"])
+def test_a_compressed_part_on_the_gpu_decodes_as_numpy_decodes_it(name):
+    """core/compress.py on CuPy (GatherReducer and a GPU worker's pushes compress on the device): the same
+    entries kept, each within its block's bound, and a part made on the GPU read back on the host alike."""
+    from mpitrain.core.compress import QUANTIZERS, TopK
+
+    s = TopK(0.02, QUANTIZERS["int8"]) if name.startswith("top") else QUANTIZERS[name]
+    src = (np.random.default_rng(0).standard_normal(100_003) * 3).astype(np.float32)
+    host, dev = np.zeros(s.wire_bytes(src.size), np.uint8), cupy.zeros(s.wire_bytes(src.size), cupy.uint8)
+    s.encode(np, src, host)
+    s.encode(cupy, cupy.asarray(src), dev)
+    back_cpu, back_gpu = np.empty(src.size, np.float32), cupy.empty(src.size, cupy.float32)
+    s.decode(np, host, back_cpu)
+    s.decode(cupy, dev, back_gpu)
+    from_gpu_on_host = np.empty(src.size, np.float32)
+    s.decode(np, dev.get(), from_gpu_on_host)
+    np.testing.assert_array_equal(from_gpu_on_host, back_gpu.get())
+    step = np.abs(src).max() / getattr(s, "inner", s).levels  # a division rounded apart may move one value one step
+    np.testing.assert_allclose(back_gpu.get(), back_cpu, rtol=0, atol=step * 1.001)
+    if name.startswith("top"):  # the same entries picked: the indices in front are the same bytes
+        k = s.k(src.size)
+        assert np.array_equal(dev[: 4 * k].get(), host[: 4 * k])
+
+
 @pytest.mark.parametrize("compress", ["fp16", "bf16"])
 def test_wire_codec_on_the_gpu_is_bitwise_the_numpy_one(compress):
     wire = np.dtype(WIRE_DTYPES[compress])
