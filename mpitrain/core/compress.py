@@ -164,20 +164,45 @@ class Compressor:
         host[...] = to_host(wire)
 
 
-def payload(cfg, n: int) -> tuple[int, object]:
-    """An async push's payload: (count, element type): n values of --compress's elementwise type, or the
-    bytes of a scheme's part."""
-    s = scheme(cfg.compress, cfg.sparsify)
-    return (n, cfg.wire_dtype) if s is None else (s.wire_bytes(n), np.uint8)
+class Pushes:
+    """How one sender's gradients travel to one reader (async's pushes, --quorum's contributions): `count`
+    elements of `dtype` a message, which is n values of --compress's elementwise type, or a scheme's part
+    with this sender's error feedback. `be`: the backend (staging to and from the host, the device's xp)."""
+
+    def __init__(self, cfg, n: int, be):
+        self.n, self.be, self.scheme = n, be, scheme(cfg.compress, cfg.sparsify)
+        self.count, self.dtype = (n, cfg.wire_dtype) if self.scheme is None else (self.scheme.wire_bytes(n), np.uint8)
+        self._feedback: Compressor | None = None  # made by the first write: a reader keeps none
+
+    def gradient(self, payload):
+        """The float32 array a sender computes into for `payload`: the payload itself where it can be."""
+        return self.be.mirror(payload) if self.scheme is None else self.be.xp.zeros(self.n, self.be.xp.float32)
+
+    def write(self, grad, payload) -> None:
+        """The sender's: `grad` (float32) into the message's payload."""
+        if self.scheme is None:
+            self.be.download(grad, payload)
+            return
+        if self._feedback is None:
+            self._feedback = Compressor(self.scheme, self.n, self.be.xp)
+        self._feedback.compress_to_host(grad, payload, self.be.to_host)
+
+    def read(self, payload, out) -> None:
+        """The reader's: a received payload into float32 `out` (on the reader's device)."""
+        if self.scheme is None:
+            self.be.upload(out, payload)
+        else:
+            self.scheme.decode(self.be.xp, self.be.asarray(payload), out)
 
 
-def push_words(cfg, n: int) -> str | None:
-    """For the start line (async): what a push is when a scheme compresses it (None: the elementwise wire)."""
+def push_words(cfg, n: int, pushes: str = "async pushes", answer: str = "rank 0 replies with the parameters") \
+        -> str | None:
+    """For the start line (async, --quorum): what a push is when a scheme compresses it (None: the
+    elementwise wire) and what answers it."""
     s = scheme(cfg.compress, cfg.sparsify)
     if s is None:
         return None
-    return (f"async pushes: {s.name} with error feedback, {_fewer(s, n)} a push; rank 0 replies with the "
-            f"parameters in {np.dtype(cfg.wire_dtype).name}")
+    return f"{pushes}: {s.name} with error feedback, {_fewer(s, n)} a push; {answer} in {np.dtype(cfg.wire_dtype).name}"
 
 
 def gather_words(cfg, n: int, workers: int) -> str | None:

@@ -7,7 +7,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpitrain.core.codec import CODECS
-from mpitrain.core.compress import Compressor, payload, scheme
+from mpitrain.core.compress import Pushes
 from mpitrain.core.layout import PS_RANK
 from mpitrain.duties.checkpoint import TrainState
 from mpitrain.duties.observe import ALLREDUCE
@@ -138,11 +138,9 @@ class MPIPushPull:
         n, wire = ctx.model.n_params, ctx.cfg.wire_dtype
         self.servers = list(ctx.layout.server_ranks)
         slices = ctx.layout.shard_slices(n)
-        count, pushed = payload(ctx.cfg, n)  # a scheme's bytes with --compress int8|int4 / --sparsify (one server)
+        self.pushes = Pushes(ctx.cfg, n, be)  # a scheme's part with --compress int8|int4 / --sparsify (one server)
         self.inbox = [Message(n, be.host_alloc, wire), Message(n, be.host_alloc, wire)]  # current / next parameters
-        self.outbox = [Message(count, be.host_alloc, pushed) for _ in range(2)]  # alternating: one in flight
-        s = scheme(ctx.cfg.compress, ctx.cfg.sparsify)
-        self.compressor = Compressor(s, n, be.xp) if s else None  # this worker's error feedback
+        self.outbox = [Message(self.pushes.count, be.host_alloc, self.pushes.dtype) for _ in range(2)]  # one in flight
         self.inparts = [m.shard_parts(slices) for m in self.inbox]  # [buffer][server]; one server: the buffers
         self.outparts = [m.shard_parts(slices, sending=True) for m in self.outbox]
         self.peers = self.servers + self.servers  # of reqs: a receive from each server, then a send to each
@@ -152,8 +150,7 @@ class MPIPushPull:
             self.params = self.inbox[0].payload
         else:
             self.params = be.asarray(start.params)
-        self.grads = ([be.xp.zeros(n, be.xp.float32) for _ in range(2)] if self.compressor
-                      else [be.mirror(m.payload) for m in self.outbox])
+        self.grads = [self.pushes.gradient(m.payload) for m in self.outbox]
         self.cur = 0  # which inbox holds the parameters in use
         self.versions = [start.global_step] * len(self.servers)  # each server's step of those parameters
         self.poller = Poller(WORKER_POLL_S, ctx.watch)
@@ -169,10 +166,7 @@ class MPIPushPull:
 
     def push(self, slot: int, loss: float, versions: list[int], count: int, last: bool) -> None:
         """Send the gradient of `slot` to every server and post the receives of their answers."""
-        if self.compressor:
-            self.compressor.compress_to_host(self.grads[slot], self.outbox[slot].payload, self.be.to_host)
-        else:
-            self.be.download(self.grads[slot], self.outbox[slot].payload)
+        self.pushes.write(self.grads[slot], self.outbox[slot].payload)
         for part, version in zip(self.outparts[slot], versions):
             part.refresh()
             part.stamp(TAG_GRAD, version, count, FLAG_LAST if last else 0, loss)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from mpi4py import MPI
 
-from mpitrain.core.compress import payload
+from mpitrain.core.compress import Pushes
 from mpitrain.exchange.mailbox import ServerMail
 from mpitrain.exchange.protocol import TAG_GRAD, TAG_PARAMS, Message
 from mpitrain.exchange.transport import END_POLL_S, Completed, Poller, tested
@@ -35,8 +35,8 @@ class WorkerLinks:
         be, wire = ctx.backend, ctx.cfg.wire_dtype
         self.ctx, self.comm, self.ranks, self.poller = ctx, ctx.comm, list(ranks), poller
         W = len(ranks)
-        count, pushed = payload(ctx.cfg, n)  # a scheme's bytes with --compress int8|int4 / --sparsify
-        self.inbox = [Message(count, be.host_alloc, pushed) for _ in range(W)]
+        self.pushes = Pushes(ctx.cfg, n, be)  # a scheme's part with --compress int8|int4 / --sparsify: read()
+        self.inbox = [Message(self.pushes.count, be.host_alloc, self.pushes.dtype) for _ in range(W)]
         self.outbox = [Message(n, be.host_alloc, wire) for _ in range(W)]
         self.message_bytes = (self.inbox[0].buf.nbytes, self.outbox[0].buf.nbytes) if W else (0, 0)
         self.sends = [MPI.REQUEST_NULL] * W

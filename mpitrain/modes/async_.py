@@ -20,7 +20,7 @@ from mpitrain.core.config import AUTO_OVERLAP_MAX_WORKERS
 from mpitrain.core.guard import NON_FINITE, Diverged, LossGuard
 from mpitrain.core.layout import PS_RANK
 from mpitrain.core.optim import ServerUpdate, StalenessHold
-from mpitrain.core.compress import push_words, scheme
+from mpitrain.core.compress import push_words
 from mpitrain.core.outer import InnerSteps, OuterUpdate, PushSpans, in_pushes
 from mpitrain.core.reports import WorkerResult
 from mpitrain.duties import checkpoint
@@ -79,7 +79,6 @@ class AsyncServer:
         inbox = self.links.inbox
         self.zero_copy = bool(W) and be.mirror(inbox[0].payload) is inbox[0].payload
         self.grad = None if self.zero_copy else be.xp.empty(n, be.xp.float32)
-        self.unpack = scheme(cfg.compress, cfg.sparsify)  # --compress int8|int4, --sparsify: a push is its bytes
         self.gather = Gather(ctx, self.poller) if self.chief else None  # the other servers' slices
         self.service = None if self.chief else ShardService(ctx, n)  # rank 0's requests for this slice
         self.active = set(range(W))  # workers not yet told to stop
@@ -263,11 +262,8 @@ class AsyncServer:
         staleness = state.global_step - basis  # buffer takes the worker's next push once the reply is sent
         self.ctx.activity.enter(APPLY, state.global_step)
         grad = msg.payload
-        if self.unpack is not None:  # decoded into float32 (on the server's device)
-            self.unpack.decode(self.be.xp, self.be.asarray(grad), self.grad)
-            grad = self.grad
-        elif not self.zero_copy:
-            self.be.upload(self.grad, grad)
+        if not self.zero_copy:  # widened, decoded (--compress), or staged to the server's GPU
+            self.links.pushes.read(grad, self.grad)
             grad = self.grad
         inner, outer_staleness = self._inner_steps(w, msg.pushed, staleness)
         self.update.apply(grad, self.ctx.lr_at(state.global_step), staleness, w, basis)

@@ -17,6 +17,7 @@ from collections import deque
 import numpy as np
 from mpi4py import MPI
 
+from mpitrain.core.compress import Pushes, push_words
 from mpitrain.core.outer import round_span
 from mpitrain.core.reports import LOSS_WINDOW, WorkerResult, mean_loss
 from mpitrain.duties.checkpoint import TrainState
@@ -69,8 +70,10 @@ class QuorumCoordinator:
         self.others = list(ctx.layout.worker_ranks[1:])
         wire = ctx.cfg.wire_dtype
         self.narrow = np.dtype(wire) != np.float32
-        self.inbox = [Message(n, be.host_alloc, wire) for _ in self.others]
-        self.landing = [be.mirror(m.payload) for m in self.inbox]  # float32 on the device; NumPy: the payload
+        self.pushes = Pushes(ctx.cfg, n, be)  # the followers' contributions: read() widens or decodes them
+        self.inbox = [Message(self.pushes.count, be.host_alloc, self.pushes.dtype) for _ in self.others]
+        # float32 on the device; NumPy float32: the payload itself
+        self.landing = [self.pushes.gradient(m.payload) for m in self.inbox]
         self.recv = [self._post(m, r) for m, r in zip(self.inbox, self.others)]
         self.updates = UpdateRing(ctx, self.others, Poller(WORKER_POLL_S, ctx.watch))
         self.kill = Kill(ctx.rank)
@@ -232,7 +235,7 @@ class QuorumCoordinator:
                                 f"while the coordinator is at step {step}")
         self.pace.heard(i, msg.seconds)  # a late one's too: a worker that is always late is never waited for else
         if msg.step == step and not msg.flags & FLAG_LATE and len(self.chosen) < self.Q:
-            self.ctx.backend.upload(self.landing[i], msg.payload)
+            self.pushes.read(msg.payload, self.landing[i])
             self._add(i + 1, self.landing[i], msg.loss)
         # else late: its worker learns from the update that it was left out, and counts it
         self.recv[i] = self._post(msg, rank)
@@ -299,8 +302,9 @@ class QuorumFollower:
         self.coordinator = ctx.layout.worker_rank(0)
         # Two push buffers, alternating: a push the coordinator did not need may still be in flight when
         # the next gradient is computed. NumPy float32: computed straight into the message.
-        self.outs = [Message(n, be.host_alloc, ctx.cfg.wire_dtype) for _ in range(2)]
-        self.grads = [be.mirror(m.payload) for m in self.outs]
+        self.pushes = Pushes(ctx.cfg, n, be)  # a scheme's part with --compress int8|int4 / --sparsify
+        self.outs = [Message(self.pushes.count, be.host_alloc, self.pushes.dtype) for _ in range(2)]
+        self.grads = [self.pushes.gradient(m.payload) for m in self.outs]
         self.sends = [MPI.REQUEST_NULL] * 2
         self.update = QuorumUpdate(ctx)
         self.total = ctx.global_step_budget
@@ -363,8 +367,8 @@ class QuorumFollower:
         out = self.outs[slot]
         out.stamp(TAG_QGRAD, step, self.computed, flags, loss, seconds)
         nbytes = push_bytes(out)
-        if nbytes == out.buf.nbytes:
-            self.ctx.backend.download(self.grads[slot], out.payload)
+        if nbytes == out.buf.nbytes:  # (a header alone sends nothing of the gradient: no feedback taken)
+            self.pushes.write(self.grads[slot], out.payload)
         self.sends[slot] = self.ctx.worker_comm.Isend([out.buf[:nbytes], MPI.BYTE], dest=COORDINATOR_INDEX,
                                                       tag=TAG_QGRAD)
         self.ctx.activity.moved(sent=nbytes)
@@ -423,6 +427,9 @@ class QuorumMode(SyncMode):
 
     def worker(self, ctx: Context, progress=None) -> Trained:
         return Trained(worker=work(ctx, train))
+
+    def exchange_words(self, cfg, n: int, workers: int) -> str | None:
+        return push_words(cfg, n, "quorum's pushes to the coordinator", "it sends each step's average")
 
     def waits_for(self, cfg, workers: int) -> str:
         return f"waiting for the workers' --quorum steps ({cfg.quorum} of {workers} gradients each)"
