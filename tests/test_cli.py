@@ -16,10 +16,8 @@ BAD = [
     (["--dataset", "imagenet"], "--dataset"),
     (["--dataset", "npz:/nonexistent/mine.npz"], "no such file; write it with np.savez("),
     (["--batch-size", "0"], "--batch-size must be a positive integer"),
-    (["--compress", "int8", "--num-ps", "2"], "--compress int8 compresses async's pushes to one server over MPI, "
-                                             "not yet --num-ps 2"),
-    (["--ps-transport", "shm", "--sparsify", "2"], "--sparsify compresses async's pushes to one server over MPI, "
-                                                   "not yet --ps-transport shm"),
+    (["--compress", "int8", "--num-ps", "2"], "--compress int8 compresses async's pushes to one server, not yet "
+                                             "--num-ps 2's shards"),
     (["--mode", "sync", "--sparsify", "0"], "--sparsify takes the percent of entries each exchange sends"),
     (["--mode", "sync", "--sparsify", "2", "--compress", "fp16"], "--sparsify sends float32 or quantised values"),
     (["--lr", "-1"], "--lr must be positive"),

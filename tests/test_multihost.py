@@ -37,7 +37,9 @@ def two_hosts(tmp_path):
     (1, 4, 2, [0, 1, 0, 1], ""),
     # the store in the first host's memory: rank 1 applies there, rank 2 sends its gradients to rank 0
     (2, 3, 1, [0, 0, 1], "--ps-transport shm"),
-], ids=["one-server", "two-servers", "shm"])
+    # the same, rank 2's pushes in int8 (rank 0 decodes them before it applies them into the store)
+    (2, 3, 1, [0, 0, 1], "--ps-transport shm --compress int8"),
+], ids=["one-server", "two-servers", "shm", "shm-int8"])
 def test_training_across_two_hosts_from_a_hostfile(two_hosts, tmp_path, slots, np_, num_ps, placed, flags):
     names, addrs, wrapper, _ = two_hosts
     hostfile = tmp_path / "hosts"
@@ -67,6 +69,9 @@ def test_training_across_two_hosts_from_a_hostfile(two_hosts, tmp_path, slots, n
     if "shm" in flags:  # only the remote worker's gradients travel
         assert [b[0] > 0 for b in s["worker_bytes"]] == [False, True], s["worker_bytes"]
         assert "worker rank(s) 2 run on another host" in proc.stdout + proc.stderr
+    if "int8" in flags:
+        assert "pushes from workers on other hosts than the store's: int8 with error feedback" in proc.stdout
+        assert s["ps_shards"][0]["bytes_in"] < 0.3 * s["ps_shards"][0]["bytes_out"]  # 7,800 a push, 30,040 a reply
 
 
 def partitioned(two_hosts, tmp_path, rank0_cut_off: bool = False, heal_after: float | None = None,

@@ -195,7 +195,6 @@ def _gathered_exchange(cfg: TrainConfig) -> None:
     if cfg.compress not in QUANTIZERS and cfg.sparsify is None:
         return
     what = f"--compress {cfg.compress}" if cfg.compress in QUANTIZERS else "--sparsify"
-    if cfg.mode == "async" and (cfg.num_ps != 1 or cfg.ps_transport != "mpi"):
-        raise UsageError(f"{what} compresses async's pushes to one server over MPI, not yet "
-                         f"{'--num-ps ' + str(cfg.num_ps) if cfg.num_ps != 1 else '--ps-transport shm'}: drop one "
-                         f"of the two, or use --compress bf16")
+    if cfg.mode == "async" and cfg.num_ps != 1:
+        raise UsageError(f"{what} compresses async's pushes to one server, not yet --num-ps {cfg.num_ps}'s shards: "
+                         f"drop one of the two, or use --compress bf16")

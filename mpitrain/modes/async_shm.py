@@ -16,6 +16,7 @@ import time
 
 from mpitrain.core.console import say
 from mpitrain.core.guard import NON_FINITE, Diverged, LossGuard
+from mpitrain.core.compress import push_words
 from mpitrain.core.outer import in_pushes
 from mpitrain.duties.checkpoint import TrainState
 from mpitrain.duties.chief import ChiefDuties, Clock, ServerState, begin, record_lost
@@ -200,6 +201,9 @@ class ShmAsyncMode(AsyncMode):
     def update_words(self, cfg, workers: int) -> str:
         return (super().update_words(cfg, workers) +
                 "; the parameters in shared memory, each worker applying its own gradients (--ps-transport shm)")
+
+    def exchange_words(self, cfg, n: int, workers: int) -> str | None:
+        return push_words(cfg, n, "pushes from workers on other hosts than the store's")
 
     def chief(self, ctx: Context, progress: Progress) -> Trained:
         return Trained(state=ShmServer(ctx, progress).run())

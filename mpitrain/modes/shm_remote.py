@@ -55,7 +55,8 @@ class RemoteWorkers:
         self.ranks = [ctx.layout.worker_ranks[w] for w in workers]
         self.poller = Poller(POLL_S, ctx.watch)
         self.links = SERVER_SIDES["mpi"](ctx, n, self.ranks, self.poller)  # messages: the store is not there
-        self.widened = np.empty(n, np.float32) if np.dtype(wire) != np.float32 else None  # --compress
+        pushes = self.links.pushes  # --compress: widened or decoded into float32 first
+        self.widened = np.empty(n, np.float32) if np.dtype(wire) != np.float32 or pushes.scheme else None
         self.shared = shm.SharedUpdate(ctx.cfg, store, np, workers=ctx.workers)
         dc = ctx.cfg.delay_compensation is not None
         self.then = [np.array(start_params, np.float32) for _ in workers] if dc else None
@@ -113,7 +114,7 @@ class RemoteWorkers:
             return v, FLAG_FINAL | FLAG_DIVERGED
         grad = msg.payload
         if self.widened is not None:
-            self.widened[:] = grad
+            self.links.pushes.read(grad, self.widened)
             grad = self.widened
         basis, span = msg.step, self.spans.span(i, msg.pushed)
         self.shared.apply(grad, self.ctx.lr_at(v), v - basis, basis, None if self.then is None else self.then[i])
