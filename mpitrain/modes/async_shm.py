@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import time
 
+from mpitrain.core.compress import push_words
 from mpitrain.core.console import say
 from mpitrain.core.guard import NON_FINITE, Diverged, LossGuard
-from mpitrain.core.compress import push_words
 from mpitrain.core.outer import in_pushes
 from mpitrain.duties.checkpoint import TrainState
 from mpitrain.duties.chief import ChiefDuties, Clock, ServerState, begin, record_lost
