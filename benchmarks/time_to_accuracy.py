@@ -54,7 +54,10 @@ MODES = {"sync": ["--mode", "sync"], "async": ["--mode", "async"],
          "async-shm": ["--mode", "async", "--ps-transport", "shm"],
          # sync's gathered exchange (issue 80): quantised, and top-k of a quantised part, with error feedback
          "sync-int8": ["--mode", "sync", "--compress", "int8"], "sync-int4": ["--mode", "sync", "--compress", "int4"],
-         "sync-top2-int8": ["--mode", "sync", "--compress", "int8", "--sparsify", "2"]}
+         "sync-top2-int8": ["--mode", "sync", "--compress", "int8", "--sparsify", "2"],
+         # async: the pushes compressed, rank 0's replies in float32
+         "async-int8": ["--mode", "async", "--compress", "int8"], "async-int4": ["--mode", "async", "--compress", "int4"],
+         "async-top2-int8": ["--mode", "async", "--compress", "int8", "--sparsify", "2"]}
 
 
 def flags(dataset: list[str], mode: str, h: int, epochs: int, eval_every: int, seed: int) -> list[str]:
