@@ -1,6 +1,8 @@
-"""Compressors that no MPI SUM can add (--compress int8 / int4, --sparsify P): what a sync worker
-sends instead of its whole float32 part (exchange/compressed.py gathers every worker's and each
-adds them all, in rank order, so the sum is bitwise the same on every worker).
+"""Compressors that no MPI SUM can add (--compress int8 / int4, --sparsify P): what a worker sends
+instead of its whole float32 gradient. Sync gathers every worker's part and each worker adds them
+all, in rank order, so the sum is bitwise the same everywhere (exchange/compressed.py); async's
+pushes and --quorum's contributions are written and read through `Pushes`, the reader decoding
+into float32 before it applies anything.
 
 A scheme turns float32 values into bytes and back (`encode`, `decode`, `wire_bytes`): BlockQuantizer
 keeps one float32 scale per BLOCK values (their largest magnitude over 127, or over 7 for int4) and
