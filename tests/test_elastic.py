@@ -185,10 +185,14 @@ def test_the_quorum_chief_goes_on_after_worker_after_worker_is_lost(tmp_path):
     mpiimpl.LOSS_TRANSPORT_ENV). Three workers of five killed from outside, each once the job has
     regrouped after the one before: the chief and the last worker finish the budget. The third
     regroup came at global step 722-875 (2 runs): 2,500 steps leave the two ~1,600 to finish."""
-    steps = 2500
+    # Paced (every worker 1 ms a step), so that the budget outlasts three kills and regroups on any machine:
+    # unpaced, 2,500 steps were spent before the third kill on an AMD EPYC VM (rank 4 was gone: clean-clone
+    # CI, 2026-12-05).
+    steps = 5000
     summary = tmp_path / "s.json"
+    paced = [arg for rank in range(1, 6) for arg in ("--straggler", f"{rank}:0.001")]
     cmd = mpitrain_cmd(6, *MODE_FLAGS["quorum"], "--dataset", "synthetic", "--steps", str(steps), "--no-progress",
-                       "--worker-timeout", "2", "--summary-json", str(summary), launcher_flags=keep_going())
+                       "--worker-timeout", "2", "--summary-json", str(summary), *paced, launcher_flags=keep_going())
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(),
                             start_new_session=True)
     lines = Lines(proc.stdout)
