@@ -182,7 +182,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
 
 
 def _gathered_exchange(cfg: TrainConfig) -> None:
-    """--compress int8 / int4 and --sparsify: sync's Allgather of compressed parts (exchange/compressed.py)."""
+    """--compress int8 / int4 and --sparsify (core/compress.py): sync's gathered parts, async's and --quorum's
+    pushes; not yet --num-ps's shards."""
     from mpitrain.core.compress import QUANTIZERS
 
     if cfg.sparsify is not None:
