@@ -117,7 +117,7 @@ class TopK:
         if self.inner:
             self.inner.decode(xp, wire[4 * k:], picked)
         else:
-            picked[...] = wire[4 * k: 4 * k + 4 * k].view(xp.float32)
+            picked[...] = wire[4 * k: 8 * k].view(xp.float32)
         if not add:
             out[...] = 0
         out[idx] += picked  # indices are distinct: no two adds to one entry

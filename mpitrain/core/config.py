@@ -127,10 +127,10 @@ class TrainConfig:
         "0.70x as fast)", choices=JOINED_LINKS)
     compress: str = PARALLELISM(
         "none", "send gradients and parameters as float16 or bfloat16 (half the bytes; bf16 converts faster on a "
-        "CPU); sync also int8 or int4 (a scale per 256 values, error feedback; an Allgather); update in float32",
+        "CPU); or each worker's gradient as int8 or int4 (a scale per 256 values, error feedback); update in float32",
         choices=codec_names)
     sparsify: float | None = PARALLELISM(
-        None, "sync: each exchange sends only the P percent of entries largest in magnitude (top-k, with error "
+        None, "each worker's exchange sends only the P percent of entries largest in magnitude (top-k, with error "
         "feedback; with --compress none, int8 or int4)", shown="every entry", metavar="P")
     quorum: int | None = PARALLELISM(
         None, "sync: each update averages the first Q fresh gradients; later ones are dropped and counted",

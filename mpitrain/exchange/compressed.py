@@ -52,7 +52,7 @@ class GatherReducer(WorkersCollective):
             part = parts[w * size: (w + 1) * size]
             self.compressor.decompress(part[:body], buf[:n], add=w > 0)
             tails += self.parts[w * size + body: w * size + body + 4 * self.tail].view(np.float32)
-        buf[n:] = be.asarray(tails) if xp is not np else tails
+        buf[n:] = be.asarray(tails)
         self.ctx.activity.moved(size, size * (len(self.parts) // size - 1))
         return True
 

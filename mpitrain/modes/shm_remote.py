@@ -50,13 +50,13 @@ class RemoteWorkers:
 
     def __init__(self, ctx, store: shm.Store, workers: list[int], start_params: np.ndarray):
         self.ctx, self.store = ctx, store
-        n, wire = ctx.model.n_params, ctx.cfg.wire_dtype
+        n = ctx.model.n_params
         self.workers = workers
         self.ranks = [ctx.layout.worker_ranks[w] for w in workers]
         self.poller = Poller(POLL_S, ctx.watch)
         self.links = SERVER_SIDES["mpi"](ctx, n, self.ranks, self.poller)  # messages: the store is not there
-        pushes = self.links.pushes  # --compress: widened or decoded into float32 first
-        self.widened = np.empty(n, np.float32) if np.dtype(wire) != np.float32 or pushes.scheme else None
+        # --compress: a push not in float32 is widened or decoded first
+        self.widened = np.empty(n, np.float32) if np.dtype(self.links.pushes.dtype) != np.float32 else None
         self.shared = shm.SharedUpdate(ctx.cfg, store, np, workers=ctx.workers)
         dc = ctx.cfg.delay_compensation is not None
         self.then = [np.array(start_params, np.float32) for _ in workers] if dc else None

@@ -192,7 +192,7 @@ class SyncStep:
 def stamp_period(compress: str, workers: int) -> int:
     """How many stamps the step cycles through: `workers` of the largest must sum exactly on the wire
     (float32's 2**24 where the slots travel as they are: a codec of none, or a gathered part)."""
-    exact = CODECS[compress].exact if compress in CODECS else 2 ** 24
+    exact = CODECS.get(compress, CODECS["none"]).exact
     return max(1, min(STAMPS, exact // max(workers, 1)))
 
 
