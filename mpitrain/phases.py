@@ -104,7 +104,7 @@ def no_room(ctx: Context, mine: RoleResult, reports: list, diverged: Diverged | 
         return "training diverged"
     if ctx.stop.requested or any(r.stop_signal for r in reports):
         return "the job was stopped"
-    if mine.state.global_step >= ctx.global_step_budget:
+    if ctx.budget_reached(mine.state):
         return "the job finished its budget"
     return None
 

@@ -22,6 +22,7 @@ from mpitrain.core.config import NPZ_PREFIX, TrainConfig, UsageError, can_take_j
 from mpitrain.core.console import say
 from mpitrain.core.data import Dataset, check_batch_fits, load_dataset, steps_per_epoch
 from mpitrain.core.layout import PS_RANK, WORKER, Layout
+from mpitrain.core.ledger import Deal
 from mpitrain.core.model import Model, build
 from mpitrain.core.optim import decayed_lr, preload_blas
 from mpitrain.core.stop import STOP, StopRequest
@@ -250,6 +251,28 @@ class Context:
     def steps_per_epoch(self) -> int:
         return steps_per_epoch(self.data.n_train, self.workers, self.cfg.batch_size)
 
+    def deal(self, state) -> Deal:
+        """What every epoch of the job is (core/ledger.py): cut for the workers it first started with,
+        which `state` (a TrainState or rank 0's ServerState) keeps once a sync run has dealt (a regroup,
+        a join or a resume keeps them)."""
+        cfg = self.cfg
+        return Deal(self.data.n_train, cfg.batch_size, state.deal_shards or self.layout.started_workers, cfg.seed)
+
+    def budget_reached(self, state) -> bool:
+        """Whether `state` (a TrainState or rank 0's ServerState) is where training ends: --steps, or
+        --epochs' worth of the deal (sync; a loss or a join changes the steps that takes), or the
+        global step budget (the others)."""
+        if not self.mode.deals or state.dealt is None:
+            return state.global_step >= self.global_step_budget
+        end = self.deal_end(self.deal(state))
+        steps = self.cfg.steps
+        return (steps is not None and state.global_step >= steps) or (end is not None and state.dealt >= end)
+
+    def deal_end(self, deal: Deal) -> int | None:
+        """The batch number at which --epochs run out (None: only --steps ends the run)."""
+        epochs = self.cfg.epochs_or_default
+        return None if epochs is None else epochs * deal.per_epoch
+
     @property
     def global_step_budget(self) -> int:
         """The global step at which training ends: --steps, or where --epochs run out, whichever
@@ -428,7 +451,7 @@ def start_state(ctx: Context) -> checkpoint.TrainState:
 
 def broadcast_start(ctx: Context) -> checkpoint.TrainState:
     """Rank 0 initialises the parameters (or takes them from the checkpoint it resumes) and
-    broadcasts them with the optimizer state, the global step and each worker's data position;
+    broadcasts them with the optimizer state, the global step and each worker's data position (sync: the deal's);
     workers never initialise their own. Called once, at start, on every rank."""
     from mpi4py import MPI
 
@@ -445,13 +468,14 @@ def broadcast_start(ctx: Context) -> checkpoint.TrainState:
     else:
         state = checkpoint.TrainState(np.empty(ctx.model.n_params, np.float32), positions=[0] * W)
     names = checkpoint.state_arrays(ctx.cfg)[1:]  # the optimizer's state, the moving average
-    head = np.array([state.global_step, state.opt_t, *(state.array(a) is not None for a in names),
-                     *state.positions], np.int64)
+    head = np.array([state.global_step, state.opt_t, -1 if state.dealt is None else state.dealt, state.deal_shards,
+                     *(state.array(a) is not None for a in names), *state.positions], np.int64)
     ctx.comm.Bcast([head, MPI.INT64_T], root=PS_RANK)
     state.global_step, state.opt_t = int(head[0]), int(head[1])
-    state.positions = [int(p) for p in head[2 + len(names):]]
+    state.dealt, state.deal_shards = (None if head[2] < 0 else int(head[2])), int(head[3])
+    state.positions = [int(p) for p in head[4 + len(names):]]
     ctx.comm.Bcast([state.params, MPI.FLOAT], root=PS_RANK)
-    for name, present in zip(names, head[2:]):
+    for name, present in zip(names, head[4:]):
         if present:
             arr = state.array(name) if ctx.rank == PS_RANK else np.empty(ctx.model.n_params, np.float32)
             ctx.comm.Bcast([arr, MPI.FLOAT], root=PS_RANK)
@@ -463,4 +487,4 @@ def nothing_to_train(ctx: Context) -> bool:
     """The run resumed from a checkpoint that has reached the budget already (a re-run of a
     finished job, a Slurm requeue or `afterany` chain, or a smaller --steps): every rank knows it
     from the start state, so none trains a step and rank 0 writes no new checkpoint."""
-    return ctx.start.global_step >= ctx.global_step_budget
+    return ctx.budget_reached(ctx.start)

@@ -36,6 +36,7 @@ from mpitrain.core.exitcodes import ExitCode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import chaos  # noqa: E402  (its reading of a stuck rank's line and exit, as the chaos suite judges them)
+from test_ledger import EPOCH_SAMPLES, assert_each_epoch_once, read_trace  # noqa: E402  (the workers' own account)
 
 # 3-6 s on 2 cores, so that a kill 0.2-1.5 s in lands mid-run (sync at 3000 once took 1.2 s under Open
 # MPI and the kill came after the budget; quorum at 2500 once under 2 s); --local-steps 8 takes an
@@ -49,13 +50,13 @@ MODE_FLAGS = {"sync": ("--mode", "sync"), "quorum": ("--mode", "sync", "--quorum
 
 
 def kill_during_training(tmp_path, np_: int, args: tuple[str, ...], victims: list[int], rng: random.Random,
-                         timeout_s: float = 120, worker_timeout: str = "2"):
+                         timeout_s: float = 120, worker_timeout: str = "2", env: dict | None = None):
     """Start a job, SIGKILL each of `victims` (MPI ranks) from outside at a random moment of
     training, and wait for the job's end. Returns (result, summary or None, seconds after the kill)."""
     summary = tmp_path / "s.json"
     cmd = mpitrain_cmd(np_, *args, "--no-progress", "--worker-timeout", worker_timeout, "--summary-json", str(summary),
                        launcher_flags=keep_going())
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env or child_env(),
                             start_new_session=True)
     head = wait_for_training(proc, np_)
     for victim in victims:
@@ -90,6 +91,22 @@ def test_a_sync_job_goes_on_without_a_worker_killed_from_outside(tmp_path, mode,
     # Replicas bitwise identical: every worker left and rank 0 end on the same parameters.
     assert s["worker_param_digests"] == [s["param_digest"]] * 2
     assert s["test_accuracy"] > 0.9
+
+
+def test_a_sync_epoch_cut_by_a_lost_worker_still_trains_every_sample_once(tmp_path):
+    """The data ledger (core/ledger.py): a worker SIGKILLed mid-epoch, the two left regroup and take the
+    deal on where the update they gave up started it, so every epoch trains each of its samples once
+    (the workers' own trace says so, not only the summary), in more steps than the budget of 3 workers."""
+    trace = tmp_path / "trace"
+    trace.mkdir()
+    pace = [a for r in (1, 2, 3) for a in ("--straggler", f"{r}:0.002")]  # >= 2.4 s of steps: the kill lands mid-run
+    proc, s, _ = kill_during_training(tmp_path, 4, ("--mode", "sync", "--epochs", "300", *pace), [2],
+                                      random.Random(), env={**child_env(), "MPITRAIN_TRACE_BATCHES": str(trace)})
+    assert proc.returncode == ExitCode.WORKER_LOST, proc.stdout + proc.stderr
+    assert s["global_step"] > 1200  # 300 epochs of 12 batches: 1,200 steps of 3 workers, more with 2 after the loss
+    assert [e["samples"] for e in s["epochs"]] == [EPOCH_SAMPLES[3]] * 300
+    assert {(e["missed"], e["repeated"]) for e in s["epochs"]} == {(0, 0)}
+    assert_each_epoch_once(read_trace(trace), 300, EPOCH_SAMPLES[3])
 
 
 @only_on("mpich", "Open MPI's ULFM reports a killed rank itself; MPICH's shared memory does not, and a sync job "

@@ -23,7 +23,8 @@ def test_every_summary_key_is_documented_in_the_readme():
     # words in backticks that are not keys are the nested fields the paragraph explains
     nested = {"mean", "p50", "p99", "max", "why", "count", "first", "newest_checkpoint", "seconds", "training_seconds",
               "test_accuracy", "test_loss", "sent", "received", "successor", "ranks", "updates_lost_at_most", "servers", "lost_shards",
-              "state_kept", "state_restarted", "workers_left_out"}
+              "state_kept", "state_restarted", "workers_left_out",
+              "epoch", "samples", "missed", "repeated", "dropped", "left"}
     assert named - set(SUMMARY_KEYS) <= nested, named - set(SUMMARY_KEYS) - nested
 
 

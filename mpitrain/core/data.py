@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from mpitrain.core.config import NPZ_PREFIX, TFDS_PREFIX, TrainConfig, UsageError
+from mpitrain.core.ledger import Deal
 
 IDX_FILES = {
     "train_images": "train-images-idx3-ubyte.gz",
@@ -413,13 +414,6 @@ def check_batch_fits(n_train: int, workers: int, batch: int) -> None:
 
 
 def epoch_batches(n_train: int, workers: int, worker: int, batch: int, epoch: int, seed: int) -> np.ndarray:
-    """Indices of this worker's minibatches for one epoch, shape (steps_per_epoch, batch).
-
-    As torch's DistributedSampler: one permutation of all training data per epoch, seeded by
-    (seed, epoch) and identical on every rank, cut into `workers` disjoint contiguous shards.
-    The few examples past the last whole batch wait for a later epoch's reshuffle."""
-    perm = np.random.default_rng([seed, epoch, 0xDA7A]).permutation(n_train)
-    per_worker = n_train // workers
-    shard = perm[worker * per_worker : (worker + 1) * per_worker]
-    spe = per_worker // batch
-    return shard[: spe * batch].reshape(spe, batch)
+    """Indices of this worker's minibatches for one epoch, shape (steps_per_epoch, batch): its shard of
+    the epoch's deal (core/ledger.Deal), as torch's DistributedSampler cuts one permutation per epoch."""
+    return Deal(n_train, batch, workers, seed).shard_rows(epoch, worker)

@@ -162,6 +162,8 @@ class Summary:
     worker_bytes: list[list[int] | None] = field(default_factory=list)  # per worker: [sent, received] through MPI
     bytes_per_sample: float | None = None  # every worker's sent + received bytes / samples trained
     worker_exchanges: list[int] = field(default_factory=list)  # per worker: WorkerReport.exchanges
+    # Per epoch begun: samples applied, missed, repeated, dropped, and left out by the whole-batch rule (core/ledger.py)
+    epochs: list[dict] | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)

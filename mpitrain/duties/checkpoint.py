@@ -1,7 +1,7 @@
 """Checkpoints: one .npz per save (no pickle), written atomically, validated on load.
 
 A checkpoint holds everything needed to continue: the flat parameters, the optimizer state, the
-global step, each worker's position in its data stream, and a fingerprint of the model (layer
+global step, each worker's position in its data stream (sync: the deal's, core/ledger.py), and a fingerprint of the model (layer
 sizes, optimizer) that a resumed run must match. The data order needs no RNG state: every
 epoch's shuffle is a pure function of (--seed, epoch), so the position alone restores it.
 Saving writes a temporary file in the same folder, fsyncs it, then os.replace()s it into place:
@@ -44,6 +44,10 @@ class TrainState:
     # A take-over's offer (failover.py): each shard's version of the slice held here (-1: none held);
     # None: every slice, at global_step (a sync replica)
     versions: list[int] | None = None
+    # Sync: the job's batches in the updates applied, and the workers the deal cuts every epoch for (core/ledger.py);
+    # None and 0 where nothing dealt them (async, quorum, and checkpoints written before the ledger)
+    dealt: int | None = None
+    deal_shards: int = 0
 
     def position(self, worker: int) -> int:
         return self.positions[worker] if worker < len(self.positions) else 0
@@ -180,6 +184,8 @@ def save(directory: Path, state: TrainState, fp: dict, keep: int) -> Path:
     arrays.update({OPT_PREFIX + name: a for name, a in state.opt_state.items()})
     if state.ema is not None:
         arrays["ema"] = state.ema
+    if state.dealt is not None:
+        arrays["dealt"], arrays["deal_shards"] = np.int64(state.dealt), np.int64(state.deal_shards)
     target = write_atomic(path_for(directory, state.global_step), lambda f: np.savez(f, **arrays), binary=True)
     prune(directory, keep)
     return target
@@ -224,8 +230,13 @@ def load(path: Path, fp: dict | None = None) -> TrainState:
     if params.dtype != np.float32 or not np.isfinite(params).all():
         raise UsageError(f"checkpoint {path} holds non-finite or non-float32 parameters; {fix}")
     opt_state = {k[len(OPT_PREFIX):]: a for k, a in data.items() if k.startswith(OPT_PREFIX) and k != OPT_COUNT}
+    dealt = int(data["dealt"]) if "dealt" in data else None
+    shards = int(data["deal_shards"]) if "deal_shards" in data else 0
+    if dealt is not None and (dealt < 0 or shards < 1):
+        raise UsageError(f"checkpoint {path} holds a data deal of {dealt} batches over {shards} shards; {fix}")
     return TrainState(params=params, global_step=int(data["global_step"]), opt_t=int(data[OPT_COUNT]),
-                      opt_state=opt_state, positions=[int(p) for p in data["positions"]], ema=data.get("ema"))
+                      opt_state=opt_state, positions=[int(p) for p in data["positions"]], ema=data.get("ema"),
+                      dealt=dealt, deal_shards=shards)
 
 
 def saved_fingerprint(path: Path) -> dict:

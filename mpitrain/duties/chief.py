@@ -46,6 +46,8 @@ class ServerState:
     busy_fraction: float = 0.0
     bytes_in: int = 0  # message bytes this server received and sent while training (--num-ps rows)
     bytes_out: int = 0
+    dealt: int | None = None  # sync: the deal's batches in the updates so far (core/ledger.py)
+    deal_shards: int = 0
 
     @property
     def final_loss(self) -> float:
@@ -57,7 +59,8 @@ def copy_state(state: TrainState) -> TrainState:
     live parameters)."""
     return TrainState(np.array(state.params), state.global_step, state.opt_t,
                       {k: np.array(a) for k, a in state.opt_state.items()}, list(state.positions),
-                      None if state.ema is None else np.array(state.ema))
+                      None if state.ema is None else np.array(state.ema), dealt=state.dealt,
+                      deal_shards=state.deal_shards)
 
 
 def begin(ctx: Context) -> tuple[TrainState, ServerState, Checkpointer]:
@@ -67,6 +70,9 @@ def begin(ctx: Context) -> tuple[TrainState, ServerState, Checkpointer]:
     after_loss = ctx.handover.worker_steps if ctx.handover is not None and not ctx.mode.averages else None
     state = ServerState(start.params, global_step=start.global_step, worker_steps=list(after_loss or start.positions),
                         start_step=start.global_step, resumed_from=str(ctx.resume[0]) if ctx.resume else None)
+    if ctx.mode.deals:
+        state.deal_shards = ctx.deal(start).shards
+        state.dealt = start.dealt if start.dealt is not None else start.global_step * state.deal_shards
     cfg = ctx.cfg
     if cfg.log_dir and ctx.rank == PS_RANK and ctx.outputs.log is not None:  # a later phase of the job: its log goes on
         state.log = ctx.outputs.log

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mpitrain.core import ledger
 from mpitrain.core.config_io import as_record
 from mpitrain.core.console import say
 from mpitrain.core.data import shard_left_note
@@ -136,7 +137,16 @@ def build_summary(ctx: Context, mine: RoleResult, reports: list, placements: lis
         worker_bytes=[None if ctx.single else w.bytes_moved for w in workers],  # one process: nothing goes through MPI
         bytes_per_sample=None if ctx.single else per_sample([w.bytes_moved for w in workers], samples),
         worker_exchanges=[w.exchanges for w in workers],
+        epochs=epoch_account(ctx, state),
     )
+
+
+def epoch_account(ctx: Context, state) -> list[dict] | None:
+    """What every epoch begun saw (core/ledger.epochs): the job's deal, in the modes that deal; None
+    in the others (each worker reads its own shard: async, --quorum)."""
+    if not ctx.mode.deals or state.dealt is None:
+        return None
+    return ledger.epochs(ctx.deal(state), [(-1, state.dealt)])
 
 
 def per_sample(moved: list[list[int] | None], samples: int) -> float | None:
@@ -150,7 +160,7 @@ def stop_record(ctx: Context, state, reports: list, diverged: Diverged | None) -
     """Rank 0: whether a stop request ended the run before its budget, and by which signal (its
     own, or the one a reporting rank received). A run that reached its budget anyway is done."""
     stop = ctx.stop
-    if diverged or not stop.requested or state.global_step >= ctx.global_step_budget:
+    if diverged or not stop.requested or ctx.budget_reached(state):
         return None
     signum = stop.signum or next((r.stop_signal for r in reports if r.stop_signal), 0) or int(signal.SIGTERM)
     stop.request(signum)  # the goodbye tells the workers which one (their exit code)

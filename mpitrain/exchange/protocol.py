@@ -18,13 +18,14 @@ import numpy as np
 from mpitrain.core.stop import STOP
 
 MAGIC = 0x4D505452  # "MPTR": catches a peer that is not mpitrain, or a misrouted buffer
-VERSION = 14  # bump when the layout below changes (2: heartbeats carry an activity snapshot; 3: --quorum messages;
+VERSION = 15  # bump when the layout below changes (2: heartbeats carry an activity snapshot; 3: --quorum messages;
 #               4: H_SECONDS; 5: H_SIGNAL, FLAG_STOP_STEP, FLAG_STOPPED; 6: TAG_REGROUP, FLAG_REGROUPED;
 #               7: TAG_JOIN, FLAG_REFORM, the goodbye's payload; 8: FLAG_LEAVING out of FLAG_STOP, H_GENERATION
 #               and H_JOINER out of H_STEP and H_LOCAL_STEP; 9: TAG_STORE, the shm store's name point to point;
 #               10: TAG_ADOPT, a successor's offer to the spares; 11: FLAG_HOLD; 12: TAG_MAIL, async's mailboxes;
 #               13: one meaning per name: FLAG_ENDED out of FLAG_STOP (now FLAG_FINAL), H_BUDGET out of H_STEP,
-#               H_LOCAL_STEP renamed H_PUSHED; 14: H_SIGNAL's ROOM, sync's room vote slot)
+#               H_LOCAL_STEP renamed H_PUSHED; 14: H_SIGNAL's ROOM, sync's room vote slot; 15: a sync status's H_PUSHED
+#               counts the deal's batches)
 
 # Tags (one per message kind, so a posted receive can never match the wrong kind).
 TAG_GRAD = 11  # worker -> PS: a gradient (async)
@@ -49,7 +50,8 @@ H_VERSION = 1
 H_TAG = 2  # the tag it was sent with: a second check that buffer and receive match
 H_COUNT = 3  # number of payload elements (parameters)
 H_STEP = 4  # a global step: of these parameters (PS -> worker, sync states), or the version a gradient was computed on
-H_PUSHED = 5  # a worker's count of its own gradients (with --local-steps: its inner steps)
+H_PUSHED = 5  # a count of gradients: a worker's own (with --local-steps: its inner steps); a sync status's: the
+#              deal's worker batches in the updates up to H_STEP (core/ledger.py)
 H_FLAGS = 6
 H_LOSS = 7  # float64 bits of the minibatch loss
 H_SECONDS = 8  # float64 bits: --quorum push, how long its gradient took to compute (the coordinator's pace, quorum.CoordinatorPace)

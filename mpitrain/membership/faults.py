@@ -45,6 +45,10 @@ MPITRAIN_INJECT_STRANGER=RANK,...  these ranks count as another launch's on this
 MPITRAIN_FORM_LIMIT_S=SEC       how long every rank waits for such a world before it ends itself
                                 (join.FORM_LIMIT_S, 30 s; the test that kills there waits less)
 
+MPITRAIN_TRACE_BATCHES=DIR      every sync worker appends to DIR/rank-R.txt, for each batch it takes, a line
+                                "PHASE STEP EPOCH ROW...": the samples, for a test to check what each epoch
+                                trained from the workers' side (core/ledger.py; tests/test_ledger.py)
+
 MPITRAIN_TEST_BACKEND=server     the parameter servers compute on CopyingBackend: NumPy arrays
                                 that never share memory with message buffers, as a GPU's do not
                                 (the --ps-device gpu data path, tested on a CPU; tests/test_seams.py)
@@ -292,6 +296,24 @@ def kill_session(sid: int, linger_s: float = 0.0) -> bool:
         except ProcessLookupError:
             pass
     return found
+
+
+class BatchTrace:
+    """MPITRAIN_TRACE_BATCHES: one line per batch a sync worker takes. A phase (a loop started at a
+    regroup, a join or the start) is named by when it began, so that a reader can tell the steps a
+    regroup redid (the later phase's) from the ones it gave up."""
+
+    def __init__(self, directory: str, rank: int, step0: int):
+        self.file = open(os.path.join(directory, f"rank-{rank}.txt"), "a", buffering=1)  # whole lines, as they come
+        self.phase = f"{step0}:{time.monotonic():.6f}"
+
+    def took(self, step: int, epoch: int, rows) -> None:
+        self.file.write(f"{self.phase} {step} {epoch} {' '.join(str(int(r)) for r in rows)}\n")
+
+
+def batch_trace(rank: int, step0: int, env=os.environ) -> BatchTrace | None:
+    directory = env.get("MPITRAIN_TRACE_BATCHES")
+    return BatchTrace(directory, rank, step0) if directory else None
 
 
 def offhost_ranks(env=os.environ) -> set[int]:

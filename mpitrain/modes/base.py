@@ -33,6 +33,9 @@ class Mode:
     # count in the summary is its contributions; otherwise each gradient is a global step.
     averages = False
     worker_comm = False  # the workers need a communicator of their own (the sync Allreduce)
+    # Its updates take their batches from the job's deal in step order (core/ledger.SyncDeal): the states
+    # it keeps and saves say how far the deal got (TrainState.dealt); otherwise each worker reads its own shard.
+    deals = False
 
     def run(self, ctx, progress=None) -> Trained:
         """This rank's part of the run, by its role (Layout.role)."""

@@ -13,39 +13,82 @@ import time
 
 import numpy as np
 
-from mpitrain.core.data import epoch_batches
-from mpitrain.membership.faults import injected_step
+from mpitrain.core.ledger import Deal, SyncDeal
+from mpitrain.membership.faults import batch_trace, injected_step
 from mpitrain.runtime import Context
 
 
 class BatchStream:
-    """This worker's minibatches, epoch after epoch, reshuffled each epoch from --seed.
-    `budget` is the number of steps this worker may take by --epochs (None: endless)."""
+    """This worker's minibatches: its own shard of every epoch (core/ledger.py), batch after batch,
+    reshuffled each epoch from --seed. `budget` is the number of steps this worker may take by
+    --epochs (None: endless)."""
 
     def __init__(self, ctx: Context, taken: int = 0):
         cfg, be = ctx.cfg, ctx.backend
         self.ctx = ctx
         self.x = be.asarray(ctx.data.x_train)  # the whole train set lives on the device once
         self.y = be.asarray(ctx.data.y_train)
-        self.spe = ctx.steps_per_epoch
+        self.deal = Deal(ctx.data.n_train, cfg.batch_size, ctx.workers, cfg.seed)
+        self.spe = self.deal.batches_per_shard
         epochs = cfg.epochs_or_default
         self.budget = None if epochs is None else epochs * self.spe
         self.taken = taken  # batches already taken (a resumed run continues the same order)
         self._epoch_idx = None
 
     def next(self):
-        ctx = self.ctx
         epoch, k = divmod(self.taken, self.spe)
         if k == 0 or self._epoch_idx is None:
-            idx = epoch_batches(ctx.data.n_train, ctx.workers, ctx.worker_index, ctx.cfg.batch_size, epoch, ctx.cfg.seed)
-            self._epoch_idx = ctx.backend.asarray(idx)
+            self._epoch_idx = self.ctx.backend.asarray(self.deal.shard_rows(epoch, self.ctx.worker_index))
         self.taken += 1
         rows = self._epoch_idx[k]
         return self.x[rows], self.y[rows]
 
     @property
+    def idle(self) -> bool:
+        return False
+
+    @property
     def exhausted(self) -> bool:
         return self.budget is not None and self.taken >= self.budget
+
+
+class DealtBatches:
+    """A sync worker's minibatches: the numbers the deal gives it, step after step (core/ledger.SyncDeal).
+    `idle` when the deal has no batch for it in the coming step (the last of a run whose worker count does
+    not divide what is left of the deal)."""
+
+    def __init__(self, ctx: Context, deal: SyncDeal):
+        be = ctx.backend
+        self.be, self.deal = be, deal
+        self.x = be.asarray(ctx.data.x_train)
+        self.y = be.asarray(ctx.data.y_train)
+        self.step = deal.step0
+        self._epoch, self._perm = None, None  # the epoch's permutation, copied to the device once
+        self.trace = batch_trace(ctx.rank, deal.step0)
+
+    @property
+    def idle(self) -> bool:
+        return self.deal.number(self.step) is None
+
+    def next(self):
+        g = self.deal.number(self.step)
+        self.step += 1
+        deal = self.deal.deal
+        epoch, s, k = deal.locate(g)
+        if epoch != self._epoch:
+            self._epoch, self._perm = epoch, self.be.asarray(deal.permutation(epoch))
+        start = s * deal.per_shard + k * deal.batch
+        rows = self._perm[start : start + deal.batch]
+        if self.trace is not None:
+            self.trace.took(self.step - 1, epoch, deal.permutation(epoch)[start : start + deal.batch])
+        return self.x[rows], self.y[rows]
+
+    def skip(self) -> None:
+        self.step += 1
+
+    @property
+    def exhausted(self) -> bool:
+        return self.deal.end is not None and self.deal.dealt_at(self.step) >= self.deal.end
 
 
 class Divergence:
@@ -77,9 +120,9 @@ class GradientSource:
 
     ONE_READ_FROM = 1_000_000  # parameters: from here a GPU step reads its loss and finite check at once
 
-    def __init__(self, ctx: Context, taken: int = 0):
+    def __init__(self, ctx: Context, taken: int = 0, batches: BatchStream | DealtBatches | None = None):
         self.model = ctx.model
-        self.batches = BatchStream(ctx, taken)
+        self.batches = batches or BatchStream(ctx, taken)
         self.divergence = Divergence(ctx)
         self.straggler = Straggler(ctx)
         self.seconds = 0.0

@@ -424,6 +424,7 @@ class QuorumMode(SyncMode):
     coordinator (worker 0) decides which, rank 0 and the servers follow as in plain sync."""
 
     name = "sync"  # the summary's mode: sync, with its quorum
+    deals = False  # each worker reads its own shard: which gradients an update takes is the coordinator's choice
 
     def worker(self, ctx: Context, progress=None) -> Trained:
         return Trained(worker=work(ctx, train))

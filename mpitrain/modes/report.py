@@ -21,6 +21,12 @@ from mpitrain.runtime import Context
 STATUS_EVERY_S = 0.2  # sync coordinator -> PS progress reports; off the hot path
 
 
+def pushed_by(step: int, dealt: int | None) -> int:
+    """A status's H_PUSHED, the gradients behind its state: the worker batches of the deal that its updates
+    applied (plain sync), or its global step where nothing deals them (--quorum: one per update)."""
+    return step if dealt is None else dealt
+
+
 class CoordinatorReport:
     """The coordinator keeps rank 0 informed, all on one tag so the messages arrive in order: a
     header-only status every STATUS_EVERY_S; its parameters and optimizer state at --eval-every and
@@ -48,7 +54,7 @@ class CoordinatorReport:
         flat = to_flat(state, self.names)
         for k, (full, s, rank) in enumerate(zip(self.fulls, self.slices, self.servers), 1):
             cut(flat, self.names, self.n, s, full.payload)
-            full.stamp(TAG_STATUS, state.global_step, state.global_step, flags, loss)
+            full.stamp(TAG_STATUS, state.global_step, pushed_by(state.global_step, state.dealt), flags, loss)
             self.pending[k] = ctx.comm.Isend(full.spec(), dest=rank, tag=TAG_STATUS)
 
     def report(self, step: int, loss: float, sync_step) -> None:
@@ -70,15 +76,15 @@ class CoordinatorReport:
         now = time.perf_counter()
         if now - self.last_sent < STATUS_EVERY_S or not tested(self.pending[0], PS_RANK, ctx.watch):
             return  # rate-limited, and never more than one status in flight
-        self._status(step, 0, loss)
+        self._status(step, 0, loss, sync_step.dealt_at(step))
         self.last_sent = now
 
-    def regrouped(self, step: int, gen: int) -> None:
+    def regrouped(self, step: int, gen: int, dealt: int | None = None) -> None:
         self.waiter.all(self.pending[:1], [PS_RANK])
-        self._status(step, FLAG_REGROUPED, 0.0, generation=gen)
+        self._status(step, FLAG_REGROUPED, 0.0, dealt, generation=gen)
 
-    def _status(self, step: int, flags: int, loss: float, generation: int = 0) -> None:
-        self.status.stamp(TAG_STATUS, step, step, flags, loss, generation=generation)
+    def _status(self, step: int, flags: int, loss: float, dealt: int | None = None, generation: int = 0) -> None:
+        self.status.stamp(TAG_STATUS, step, pushed_by(step, dealt), flags, loss, generation=generation)
         self.pending[0] = self.ctx.comm.Isend(self.status.spec(), dest=PS_RANK, tag=TAG_STATUS)
 
     def final(self, result: WorkerResult) -> None:

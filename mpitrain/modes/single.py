@@ -29,6 +29,7 @@ def run_single(ctx: Context, progress: Progress) -> tuple[ServerState, WorkerRes
     state.worker_steps = [result.pushed]
     state.recent_losses.append(result.recent_loss)
     state.ema = result.train_state.ema
+    state.dealt = result.train_state.dealt
     if result.diverged:
         state.diverged = dataclasses.replace(result.diverged, ranks=[0])
     duties.save(result.train_state, final=True)
@@ -40,6 +41,7 @@ class SingleMode(Mode):
 
     name = "single"
     averages = True  # its one gradient per step is that step's update
+    deals = True
 
     def chief(self, ctx: Context, progress: Progress) -> Trained:
         return Trained(*run_single(ctx, progress))

@@ -21,6 +21,7 @@ from mpitrain.core.codec import CODECS
 from mpitrain.core.compress import gather_words
 from mpitrain.core.guard import NON_FINITE, Diverged, LossGuard
 from mpitrain.core.layout import PS_RANK
+from mpitrain.core.ledger import SyncDeal
 from mpitrain.core.optim import Optimizer, make_ema
 from mpitrain.core.outer import LocalSteps
 from mpitrain.core.reports import LOSS_WINDOW, WorkerResult, mean_loss
@@ -41,7 +42,7 @@ from mpitrain.membership.elastic import interrupted_at
 from mpitrain.membership.faults import Kill
 from mpitrain.membership.liveness import PeerLost
 from mpitrain.modes.base import Mode, Trained
-from mpitrain.modes.gradients import GradientSource
+from mpitrain.modes.gradients import DealtBatches, GradientSource
 from mpitrain.modes.report import CoordinatorReport
 from mpitrain.runtime import Context, start_state
 
@@ -84,6 +85,17 @@ class SyncStep:
             self.local = LocalSteps(cfg, params, be.xp, start.opt_state if start else None)
         self.synced = True  # the step just taken ended with the workers' models identical
         self.activity = ctx.activity
+        self.deal: SyncDeal | None = None  # plain sync's share of the data deal (train); None: --quorum's own
+        self.own_weight = 1.0  # 0 in a step where the deal has no batch left for this worker
+
+    def dealt_at(self, step: int) -> int | None:
+        """The deal's batches in the updates up to global step `step` (None: nothing deals them)."""
+        return None if self.deal is None else self.deal.dealt_at(step)
+
+    def _dealt(self, state: TrainState) -> TrainState:
+        if self.deal is not None:
+            state.dealt, state.deal_shards = self.deal.dealt_at(state.global_step), self.deal.deal.shards
+        return state
 
     def train_state(self, step: int) -> TrainState:
         """Host copies of what a checkpoint needs (plain sync: every worker is at `step`)."""
@@ -92,23 +104,30 @@ class SyncStep:
 
         if self.local is not None:  # the global model of the last outer step, and the outer momentum
             opt = {**self.opt.state, **self.local.outer.state()}
-            return TrainState(host(self.local.anchor), step, self.opt.t, {k: host(a) for k, a in opt.items()},
-                              [step] * self.ctx.workers, host(self.ema.avg) if self.ema else None)
-        return TrainState(host(self.params), step, self.opt.t, {k: host(a) for k, a in self.opt.state.items()},
-                          [step] * self.ctx.workers, host(self.ema.avg) if self.ema else None)
+            return self._dealt(TrainState(host(self.local.anchor), step, self.opt.t,
+                                          {k: host(a) for k, a in opt.items()}, [step] * self.ctx.workers,
+                                          host(self.ema.avg) if self.ema else None))
+        return self._dealt(TrainState(host(self.params), step, self.opt.t, {k: host(a) for k, a in self.opt.state.items()},
+                                      [step] * self.ctx.workers, host(self.ema.avg) if self.ema else None))
 
     def compute(self, source: GradientSource) -> float:
-        """This worker's gradient on the current parameters, weight 1."""
+        """This worker's gradient on the current parameters, weight 1; weight 0 and a zero gradient
+        where the deal has no batch left for it in this step (the others' mean is the update)."""
+        if source.batches.idle:
+            source.batches.skip()
+            self.buf[: self.n] = 0
+            self._weigh(0.0, 0.0)
+            return 0.0
         loss = source.compute(self.params, self.buf[: self.n])
         self._weigh(loss)
         return loss
 
-    def _weigh(self, loss: float) -> None:
-        self.own_loss = loss
+    def _weigh(self, loss: float, weight: float = 1.0) -> None:
+        self.own_loss, self.own_weight = loss, weight
         if self.reducer.alone:  # nothing to sum: the loss and the vote stay here (_average)
             return
         self.buf[self.n + LOSS] = loss
-        self.buf[self.n + WEIGHT] = 1.0
+        self.buf[self.n + WEIGHT] = weight
         self.buf[self.n + VOTE], self.buf[self.n + ROOM_VOTE] = self._votes()
 
     def _votes(self) -> tuple[float, float]:
@@ -138,7 +157,8 @@ class SyncStep:
         if self.reducer.sum(buf):
             tail = [float(x) for x in ctx.backend.to_host(buf[n:])]  # one copy from a GPU
             votes = tail[VOTE], tail[ROOM_VOTE]
-            why = torn(ctx.workers, tail[WEIGHT], votes, tail[STAMP], stamp)
+            weight = ctx.workers if self.local is not None or self.deal is None else self.deal.weight(step)
+            why = torn(ctx.workers, tail[WEIGHT], votes, tail[STAMP], stamp, weight)
             if why:
                 await_verdict(ctx, why)
             buf *= ctx.backend.xp.float32(1.0) / buf[n + WEIGHT]
@@ -159,12 +179,13 @@ class SyncStep:
         ctx, be, buf, n, loc = self.ctx, self.ctx.backend, self.buf, self.n, self.local
         self.activity.enter(APPLY)
         self.why, self.synced = None, False
-        self.opt.step(self.params, buf[:n], ctx.lr_at(step))
-        loc.losses.append(self.own_loss)
+        if self.own_weight:  # a step without a batch for this worker leaves its model as it is
+            self.opt.step(self.params, buf[:n], ctx.lr_at(step))
+            loc.losses.append(self.own_loss)
         if not loc.due(step, last):
             return self.own_loss
         be.xp.subtract(loc.anchor, self.params, out=buf[:n])
-        self._weigh(float(np.mean(loc.losses)))
+        self._weigh(float(np.mean(loc.losses)) if loc.losses else 0.0)
         loc.losses.clear()
         return self.apply(step, self._average(step))
 
@@ -196,16 +217,19 @@ def stamp_period(compress: str, workers: int) -> int:
     return max(1, min(STAMPS, exact // max(workers, 1)))
 
 
-def torn(workers: int, weight: float, votes: tuple[float, float], stamped: float, stamp: int) -> str | None:
+def torn(workers: int, weight: float, votes: tuple[float, float], stamped: float, stamp: int,
+         weights: int | None = None) -> str | None:
     """Why a sum's exact slots say it is not every worker's whole part of this step (None: they agree).
     MPICH completed an Allreduce on a survivor with a part a dying worker had only half sent: applied,
     the parameters exploded and a regroup went on from them (tests/test_elastic.py, 1 in ~20 under
     load): hence the weight, each worker's 1. Then one completed with every weight and a stop vote
     that no worker had cast: the job stopped as if signalled (exit 143) one step after its regroup
     (CI, 2026-11-29; 5 in ~150 chaos trials under load, the coordinator killed): hence the stamp, and
-    votes that must count workers. Such a sum is never applied: a worker died in it (await_verdict)."""
-    if weight != workers:
-        return f"the sum holds a weight of {weight:g}, not {workers}: a worker died sending its part"
+    votes that must count workers. Such a sum is never applied: a worker died in it (await_verdict).
+    `weights`: the batches in the step, where fewer than the workers (the deal's last step)."""
+    weights = workers if weights is None else weights
+    if weight != weights:
+        return f"the sum holds a weight of {weight:g}, not {weights}: a worker died sending its part"
     if stamped != workers * stamp:
         return f"the sum's step stamp is {stamped:g}, not {workers * stamp}: a part is torn or of another step"
     for kind, vote in zip(("stop", "room"), votes):
@@ -221,9 +245,15 @@ def train(ctx: Context, start: TrainState, on_step=None) -> WorkerResult:
     be = ctx.backend
     params = be.asarray(start.params)
     step_fn = SyncStep(ctx, params, start)
-    source = GradientSource(ctx, start.position(ctx.worker_index))
+    deal = ctx.deal(start)
+    # A checkpoint written before the ledger: every step so far took one batch of each shard
+    dealt = start.dealt if start.dealt is not None else start.global_step * deal.shards
+    step_fn.deal = SyncDeal(deal, start.global_step, dealt, ctx.workers, ctx.worker_index, ctx.deal_end(deal))
+    source = GradientSource(ctx, batches=DealtBatches(ctx, step_fn.deal))
     kill, act = Kill(ctx.rank), ctx.activity
-    total = ctx.global_step_budget
+    # --epochs ends where the deal does: after a loss (or a join) that is more (fewer) steps than the
+    # job's budget in the workers it started with
+    total = sync_total(ctx, step_fn.deal)
     recent = deque([float("nan")], maxlen=LOSS_WINDOW)  # nan only if resumed at the budget
     done = max(total, start.global_step)
     applied = start.global_step  # updates applied: where a regroup takes this worker's state from
@@ -248,6 +278,12 @@ def train(ctx: Context, start: TrainState, on_step=None) -> WorkerResult:
                 done = step + 1
                 break
     return sync_result(step_fn, done, mean_loss(recent), act.times(), contributed=done)
+
+
+def sync_total(ctx: Context, deal: SyncDeal) -> int:
+    """The global step a plain sync phase ends at: --steps, or where the deal runs out."""
+    ends = [s for s in (ctx.cfg.steps, deal.last_step()) if s is not None]
+    return min(ends)
 
 
 def sync_result(step_fn: SyncStep, step: int, loss: float, timing: dict, contributed: int,
@@ -286,7 +322,7 @@ def work(ctx: Context, loop=train) -> WorkerResult:
                     gen, regroup = regroup.gen, None
                     if ctx.worker_index == 0:
                         report = report or CoordinatorReport(ctx)
-                        report.regrouped(start.global_step, gen)
+                        report.regrouped(start.global_step, gen, start.dealt)
                 if ctx.worker_index == 0 and report is None:
                     report = CoordinatorReport(ctx)
                 result = loop(ctx, start, report.report if ctx.worker_index == 0 else None)
@@ -380,7 +416,11 @@ def follow_coordinator(ctx: Context, progress: Progress) -> ServerState:
         duties.stepped(box.step, box.loss, force_log=True,  # the coordinator already rate-limits
                        staleness=0, worker_steps=[box.step] * W)
         state.global_step = box.step  # where a lost worker's line says it was lost
+        if ctx.mode.deals:
+            state.dealt = box.pushed
         received = _received(ctx, gather, box, names) if full else None
+        if received is not None:
+            received.dealt, received.deal_shards = state.dealt, state.deal_shards
         state.bytes_in += box.buf.nbytes if full else 0
         if final and box.flags & FLAG_DIVERGED:  # the why and the loss come in the coordinator's report
             state.diverged = Diverged(box.step)  # before the save: a diverged state is never saved
@@ -451,6 +491,7 @@ class SyncMode(Mode):
     name = "sync"
     averages = True
     worker_comm = True
+    deals = True
 
     def chief(self, ctx: Context, progress: Progress) -> Trained:
         return Trained(state=follow_coordinator(ctx, progress))
