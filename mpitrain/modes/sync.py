@@ -1,6 +1,6 @@
-"""Sync mode: the Allreduce step every worker takes (SyncStep, summing through an exchange Reducer), the workers' loop (train; the
-first worker also reports to rank 0: work), rank 0's follower of that coordinator
-(follow_coordinator) and the other servers' loop (keep_shard, --num-ps). --quorum's loop is in
+"""Sync mode: the Allreduce step every worker takes (SyncStep, summing through an exchange Reducer), the
+workers' loop (train; the first worker also reports to rank 0: work); rank 0's follower of that
+coordinator and the other servers' loop are in sync_follow.py. --quorum's loop is in
 quorum.py and shares SyncStep. Who runs what: SyncMode, at the end.
 
 Rank 0 is not in the gradient Allreduce: the workers average among themselves on their own
@@ -15,28 +15,20 @@ import math
 from collections import deque
 
 import numpy as np
-from mpi4py import MPI
 
 from mpitrain.core.codec import CODECS
 from mpitrain.core.compress import gather_words
 from mpitrain.core.guard import NON_FINITE, Diverged, LossGuard
-from mpitrain.core.layout import PS_RANK
 from mpitrain.core.ledger import SyncDeal
 from mpitrain.core.optim import Optimizer, make_ema
 from mpitrain.core.outer import LocalSteps
 from mpitrain.core.reports import LOSS_WINDOW, WorkerResult, mean_loss
-from mpitrain.duties import checkpoint
 from mpitrain.duties.checkpoint import TrainState
-from mpitrain.duties.chief import ChiefDuties, Clock, ServerState, begin, record_lost
 from mpitrain.duties.metrics import Progress
 from mpitrain.duties.observe import ALLREDUCE, APPLY, COMPUTE, WAIT
 from mpitrain.exchange.base import Reducer
 from mpitrain.exchange.compressed import reducer_for
-from mpitrain.exchange.mpi import ABANDONED, await_verdict
-from mpitrain.exchange.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_REGROUPED, FLAG_FINAL, TAG_SHARD,
-                                        TAG_STATUS, Message, ProtocolError)
-from mpitrain.exchange.shards import Gather, assemble
-from mpitrain.exchange.transport import CHIEF_POLL_S, Poller
+from mpitrain.exchange.mpi import await_verdict
 from mpitrain.membership import elastic
 from mpitrain.membership.elastic import interrupted_at
 from mpitrain.membership.faults import Kill
@@ -107,8 +99,9 @@ class SyncStep:
             return self._dealt(TrainState(host(self.local.anchor), step, self.opt.t,
                                           {k: host(a) for k, a in opt.items()}, [step] * self.ctx.workers,
                                           host(self.ema.avg) if self.ema else None))
-        return self._dealt(TrainState(host(self.params), step, self.opt.t, {k: host(a) for k, a in self.opt.state.items()},
-                                      [step] * self.ctx.workers, host(self.ema.avg) if self.ema else None))
+        return self._dealt(TrainState(host(self.params), step, self.opt.t,
+                                      {k: host(a) for k, a in self.opt.state.items()}, [step] * self.ctx.workers,
+                                      host(self.ema.avg) if self.ema else None))
 
     def compute(self, source: GradientSource) -> float:
         """This worker's gradient on the current parameters, weight 1; weight 0 and a zero gradient
@@ -358,130 +351,7 @@ def work(ctx: Context, loop=train) -> WorkerResult:
     return result
 
 
-def follow_coordinator(ctx: Context, progress: Progress) -> ServerState:
-    """Follow the coordinator: header-only status messages for the bar, full ones (FLAG_EVAL)
-    to evaluate, and the last one (FLAG_FINAL) with the final parameters; one tag, so MPI's
-    ordering delivers the final one last. (--quorum steps are decided by the coordinator.)"""
-    cfg = ctx.cfg
-    W = ctx.workers
-    duties = ChiefDuties(ctx, progress)
-    state = duties.state
-    coordinator = ctx.layout.worker_rank(0)
-    names = checkpoint.state_arrays(cfg)  # [params, optimizer state..., ema]
-    full_count = (ctx.shard.stop - ctx.shard.start) * len(names)  # rank 0's slice (all of it with one server)
-    box = Message(full_count)
-    poller = Poller(CHIEF_POLL_S, ctx.watch)  # PeerLost ends the job (trainer.py)
-    gather = Gather(ctx, poller)  # --num-ps: the other servers forward their slices of the same step
-    status = ctx.comm.Irecv(box.spec(), source=coordinator, tag=TAG_STATUS)
-    arbiter = elastic.Arbiter(ctx) if ctx.regroups else None  # else a lost worker ends the job (trainer.py)
-    layout = ctx.layout
-    final_seen = False
-    while not final_seen:
-        ctx.activity.enter(WAIT, state.global_step)
-        try:
-            ready_ranks, ready = arbiter.requests() if arbiter is not None else ([], [])
-            done = poller.some([status] + ready)  # the coordinator's next message, or a worker READY to regroup
-            if done.failed:  # the coordinator (or a worker) died while sending
-                i, why = next(iter(done.failed.items()))
-                rank = ready_ranks[i - 1] if i else coordinator
-                ctx.watch.declare(rank, why)
-                raise PeerLost({rank: why})
-            for i in done.arrived:
-                if i:
-                    arbiter.ready(ready_ranks[i - 1])
-        except PeerLost as e:
-            if arbiter is None:
-                raise
-            layout = arbiter.lost(e, layout)  # or PeerLost again: the job cannot go on
-            for rank, why in e.lost.items():
-                record_lost(state, rank, why, f"; regrouping: continuing with {layout.workers} worker(s)")
-            W = layout.workers
-            if coordinator != layout.worker_rank(0):  # the old coordinator's receive is left behind with it
-                # ...and its buffer: MPICH may still complete it with what the dead one half sent
-                # (`torn`), which must not land in the new coordinator's messages.
-                ABANDONED.append((status, box))
-                coordinator, box = layout.worker_rank(0), Message(full_count)
-                status = ctx.comm.Irecv(box.spec(), source=coordinator, tag=TAG_STATUS)
-            continue
-        if 0 not in done.arrived:
-            continue
-        if arbiter is not None and arbiter.awaiting:
-            # sent before the coordinator regrouped: superseded (the workers redo it from the agreed step)
-            if box.flags & FLAG_REGROUPED and arbiter.regrouped(box.generation, box.step, W):
-                box.check(TAG_STATUS, coordinator, count=0)
-            status = ctx.comm.Irecv(box.spec(), source=coordinator, tag=TAG_STATUS)
-            continue
-        final, full = bool(box.flags & FLAG_FINAL), bool(box.flags & (FLAG_FINAL | FLAG_EVAL | FLAG_CKPT))
-        box.check(TAG_STATUS, coordinator, count=full_count if full else 0)
-        duties.stepped(box.step, box.loss, force_log=True,  # the coordinator already rate-limits
-                       staleness=0, worker_steps=[box.step] * W)
-        state.global_step = box.step  # where a lost worker's line says it was lost
-        if ctx.mode.deals:
-            state.dealt = box.pushed
-        received = _received(ctx, gather, box, names) if full else None
-        if received is not None:
-            received.dealt, received.deal_shards = state.dealt, state.deal_shards
-        state.bytes_in += box.buf.nbytes if full else 0
-        if final and box.flags & FLAG_DIVERGED:  # the why and the loss come in the coordinator's report
-            state.diverged = Diverged(box.step)  # before the save: a diverged state is never saved
-        if box.flags & FLAG_EVAL:
-            duties.evaluate(received, box.step)
-        if box.flags & (FLAG_CKPT | FLAG_FINAL):
-            duties.save(received, final=final, at_once=True)
-        if final:  # its loss is the coordinator's mean over the last LOSS_WINDOW steps
-            state.global_step = box.step
-            state.recent_losses.append(box.loss)
-            state.params[:] = received.params
-            state.ema = received.ema
-            final_seen = True
-            status = MPI.REQUEST_NULL
-        else:
-            status = ctx.comm.Irecv(box.spec(), source=coordinator, tag=TAG_STATUS)
-    if arbiter is not None:
-        arbiter.done(layout)
-    state.worker_steps = [state.global_step] * W
-    return duties.finish()
-
-
-def _received(ctx: Context, gather: Gather, box: Message, names: list[str]) -> TrainState:
-    """The whole state the coordinator sent at box.step: rank 0's slice, and the other
-    servers' slices of the same step, which they forward (keep_shard)."""
-    pieces = [(ctx.shard, box.payload)]
-    if gather:
-        pieces += gather.wait(gather.post(), gather.ranks)
-        behind = [(r, step) for r, step in zip(gather.ranks, gather.steps()) if step != box.step]
-        if behind:
-            raise ProtocolError(f"server rank {behind[0][0]} forwarded step {behind[0][1]} while the coordinator "
-                                f"sent step {box.step}")
-    return assemble(pieces, names, ctx.model.n_params, box.step, box.step, [box.step] * ctx.workers)
-
-
-def keep_shard(ctx: Context) -> ServerState:
-    """A server k > 0 in sync mode: the workers average among themselves, so it only keeps its
-    slice of the state, which the coordinator sends it at eval, checkpoint and end, and
-    forwards each to rank 0 for the whole state (one message, the same header, tag TAG_SHARD)."""
-    _, state, _ = begin(ctx)
-    clock = Clock()
-    names, s = checkpoint.state_arrays(ctx.cfg), ctx.shard
-    m, coordinator = s.stop - s.start, ctx.layout.worker_rank(0)
-    box = Message(m * len(names))
-    poller = Poller(CHIEF_POLL_S, ctx.watch)
-    while True:
-        ctx.activity.enter(WAIT, state.global_step)
-        poller.all([ctx.comm.Irecv(box.spec(), source=coordinator, tag=TAG_STATUS)], [coordinator])
-        box.check(TAG_STATUS, coordinator)
-        state.global_step = box.step
-        state.params[s] = box.payload[:m]
-        state.bytes_in += box.buf.nbytes
-        box.stamp(TAG_SHARD, box.step, box.pushed, box.flags, box.loss, generation=box.generation)
-        poller.all([ctx.comm.Isend(box.spec(), dest=PS_RANK, tag=TAG_SHARD)], [PS_RANK])
-        state.bytes_out += box.buf.nbytes
-        if box.flags & FLAG_FINAL:
-            if box.flags & FLAG_DIVERGED:  # rank 0 and the workers say why
-                state.diverged = Diverged(box.step)
-            break
-    clock.stop(state)
-    return state
+from mpitrain.modes.sync_follow import follow_coordinator, keep_shard  # noqa: E402  (rank 0's side, below its loops)
 
 
 class SyncMode(Mode):
