@@ -258,6 +258,11 @@ class Context:
         cfg = self.cfg
         return Deal(self.data.n_train, cfg.batch_size, state.deal_shards or self.layout.started_workers, cfg.seed)
 
+    def dealt(self, state) -> int:
+        """The deal's batches in `state`'s updates; a state from before the ledger (an older checkpoint)
+        took one batch of each shard per step."""
+        return state.dealt if state.dealt is not None else state.global_step * self.deal(state).shards
+
     def budget_reached(self, state) -> bool:
         """Whether `state` (a TrainState or rank 0's ServerState) is where training ends: --steps, or
         --epochs' worth of the deal (sync; a loss or a join changes the steps that takes), or the
@@ -468,11 +473,11 @@ def broadcast_start(ctx: Context) -> checkpoint.TrainState:
     else:
         state = checkpoint.TrainState(np.empty(ctx.model.n_params, np.float32), positions=[0] * W)
     names = checkpoint.state_arrays(ctx.cfg)[1:]  # the optimizer's state, the moving average
-    head = np.array([state.global_step, state.opt_t, -1 if state.dealt is None else state.dealt, state.deal_shards,
+    head = np.array([state.global_step, state.opt_t, *state.deal_words(),
                      *(state.array(a) is not None for a in names), *state.positions], np.int64)
     ctx.comm.Bcast([head, MPI.INT64_T], root=PS_RANK)
     state.global_step, state.opt_t = int(head[0]), int(head[1])
-    state.dealt, state.deal_shards = (None if head[2] < 0 else int(head[2])), int(head[3])
+    state.take_deal_words(head[2:4])
     state.positions = [int(p) for p in head[4 + len(names):]]
     ctx.comm.Bcast([state.params, MPI.FLOAT], root=PS_RANK)
     for name, present in zip(names, head[4:]):

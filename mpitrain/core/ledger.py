@@ -71,13 +71,14 @@ class Deal:
         k, s = divmod(j, self.shards)
         return epoch, s, k
 
-    def number(self, epoch: int, shard: int, k: int) -> int:
-        return epoch * self.per_epoch + k * self.shards + shard
+    def place(self, g: int) -> tuple[int, int]:
+        """(epoch, where batch `g` starts in that epoch's permutation)."""
+        epoch, s, k = self.locate(g)
+        return epoch, s * self.per_shard + k * self.batch
 
     def rows(self, g: int) -> np.ndarray:
         """The sample indices of batch `g`."""
-        epoch, s, k = self.locate(g)
-        start = s * self.per_shard + k * self.batch
+        epoch, start = self.place(g)
         return self.permutation(epoch)[start : start + self.batch]
 
     def shard_rows(self, epoch: int, shard: int) -> np.ndarray:
@@ -128,25 +129,13 @@ def epochs(deal: Deal, applied: list[tuple[int, int]], lost: set[int] = frozense
     `missed`. `repeated` and `dropped` are what the run applied twice or gave up by design (none here:
     kept for the modes that have them)."""
     spe, B = deal.batches_per_shard, deal.batch
-    per_epoch = np.zeros(0, np.int64)
-    missed = np.zeros(0, np.int64)
-
-    def grow(n: int):
-        nonlocal per_epoch, missed
-        if n > len(per_epoch):
-            per_epoch, missed = (np.concatenate([a, np.zeros(n - len(a), np.int64)]) for a in (per_epoch, missed))
-
-    for shard, count in applied:
-        if shard < 0:  # a sync deal: every batch number below `count`
-            full, part = divmod(count, deal.per_epoch)
-            grow(full + (1 if part else 0))
-            per_epoch[:full] += deal.per_epoch
-            if part:
-                per_epoch[full] += part
-            continue
-        full, part = divmod(count, spe)
-        grow(full + 1)
-        per_epoch[:full] += spe
+    # batches per epoch behind each count: a sync deal's every number below it, or one worker's shard
+    size = [deal.per_epoch if shard < 0 else spe for shard, _ in applied]
+    n = 1 + max((count // k for (_, count), k in zip(applied, size)), default=0)
+    per_epoch, missed = np.zeros(n, np.int64), np.zeros(n, np.int64)
+    for (_, count), k in zip(applied, size):
+        full, part = divmod(count, k)
+        per_epoch[:full] += k
         per_epoch[full] += part
     begun = int(np.flatnonzero(per_epoch).max()) + 1 if per_epoch.any() else 0
     for shard, count in applied:

@@ -1,7 +1,8 @@
 """Checkpoints: one .npz per save (no pickle), written atomically, validated on load.
 
 A checkpoint holds everything needed to continue: the flat parameters, the optimizer state, the
-global step, each worker's position in its data stream (sync: the deal's, core/ledger.py), and a fingerprint of the model (layer
+global step, each worker's position in its data stream (sync: the deal's,
+core/ledger.py), and a fingerprint of the model (layer
 sizes, optimizer) that a resumed run must match. The data order needs no RNG state: every
 epoch's shuffle is a pure function of (--seed, epoch), so the position alone restores it.
 Saving writes a temporary file in the same folder, fsyncs it, then os.replace()s it into place:
@@ -48,6 +49,13 @@ class TrainState:
     # None and 0 where nothing dealt them (async, quorum, and checkpoints written before the ledger)
     dealt: int | None = None
     deal_shards: int = 0
+
+    def deal_words(self) -> list[int]:
+        """`dealt` and `deal_shards` as the two int64 words a broadcast carries (-1: no count)."""
+        return [-1 if self.dealt is None else self.dealt, self.deal_shards]
+
+    def take_deal_words(self, words) -> None:
+        self.dealt, self.deal_shards = (None if words[0] < 0 else int(words[0])), int(words[1])
 
     def position(self, worker: int) -> int:
         return self.positions[worker] if worker < len(self.positions) else 0

@@ -71,8 +71,7 @@ def begin(ctx: Context) -> tuple[TrainState, ServerState, Checkpointer]:
     state = ServerState(start.params, global_step=start.global_step, worker_steps=list(after_loss or start.positions),
                         start_step=start.global_step, resumed_from=str(ctx.resume[0]) if ctx.resume else None)
     if ctx.mode.deals:
-        state.deal_shards = ctx.deal(start).shards
-        state.dealt = start.dealt if start.dealt is not None else start.global_step * state.deal_shards
+        state.deal_shards, state.dealt = ctx.deal(start).shards, ctx.dealt(start)
     cfg = ctx.cfg
     if cfg.log_dir and ctx.rank == PS_RANK and ctx.outputs.log is not None:  # a later phase of the job: its log goes on
         state.log = ctx.outputs.log

@@ -165,11 +165,10 @@ def regroup(ctx: Context, r: Regroup) -> tuple[Context, TrainState]:
 def broadcast_state(ctx: Context, comm, mine: TrainState, root: int) -> TrainState:
     """`root`'s parameters, step, data deal and optimizer state on every worker of `comm`. The moving average
     (--ema-decay) lives on the coordinator only: the new coordinator keeps its own, or starts one (None)."""
-    head = np.array([mine.global_step, mine.opt_t, -1 if mine.dealt is None else mine.dealt, mine.deal_shards],
-                    np.int64)
+    head = np.array([mine.global_step, mine.opt_t, *mine.deal_words()], np.int64)
     comm.Bcast(head, root=root)
-    state = TrainState(None, int(head[0]), int(head[1]), ema=mine.ema if ctx.worker_index == 0 else None,
-                       dealt=None if head[2] < 0 else int(head[2]), deal_shards=int(head[3]))
+    state = TrainState(None, int(head[0]), int(head[1]), ema=mine.ema if ctx.worker_index == 0 else None)
+    state.take_deal_words(head[2:])
     for name in [k for k in state_arrays(ctx.cfg) if k != "ema"]:  # params, then the optimizer's
         a = np.ascontiguousarray(mine.array(name), np.float32)
         comm.Bcast([a, MPI.FLOAT], root=root)

@@ -234,9 +234,9 @@ def freshest(ctx, world, mine: TrainState, pushed: int, lost_shards: list[int]) 
     world.Allreduce(MPI.IN_PLACE, total_pushed, op=MPI.SUM)
     names = state_arrays(ctx.cfg)  # params, the optimizer's arrays, the moving average
     state = TrainState(np.zeros(n, np.float32), int(top[0]))
-    deal = np.array([-1 if mine.dealt is None else mine.dealt, mine.deal_shards], np.int64)  # sync: the freshest's deal
+    deal = np.array(mine.deal_words(), np.int64)  # sync: the freshest's deal
     world.Bcast([deal, MPI.INT64_T], root=int(roots[0]))
-    state.dealt, state.deal_shards = (None if deal[0] < 0 else int(deal[0])), int(deal[1])
+    state.take_deal_words(deal)
     for k, part in enumerate(ctx.layout.shard_slices(n)):
         root = int(roots[k])
         meta = np.array([mine.opt_t, *(mine.array(a) is not None for a in names)], np.int64)

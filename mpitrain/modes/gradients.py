@@ -74,10 +74,9 @@ class DealtBatches:
         g = self.deal.number(self.step)
         self.step += 1
         deal = self.deal.deal
-        epoch, s, k = deal.locate(g)
+        epoch, start = deal.place(g)
         if epoch != self._epoch:
             self._epoch, self._perm = epoch, self.be.asarray(deal.permutation(epoch))
-        start = s * deal.per_shard + k * deal.batch
         rows = self._perm[start : start + deal.batch]
         if self.trace is not None:
             self.trace.took(self.step - 1, epoch, deal.permutation(epoch)[start : start + deal.batch])
@@ -85,10 +84,6 @@ class DealtBatches:
 
     def skip(self) -> None:
         self.step += 1
-
-    @property
-    def exhausted(self) -> bool:
-        return self.deal.end is not None and self.deal.dealt_at(self.step) >= self.deal.end
 
 
 class Divergence:

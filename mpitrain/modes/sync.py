@@ -239,9 +239,8 @@ def train(ctx: Context, start: TrainState, on_step=None) -> WorkerResult:
     params = be.asarray(start.params)
     step_fn = SyncStep(ctx, params, start)
     deal = ctx.deal(start)
-    # A checkpoint written before the ledger: every step so far took one batch of each shard
-    dealt = start.dealt if start.dealt is not None else start.global_step * deal.shards
-    step_fn.deal = SyncDeal(deal, start.global_step, dealt, ctx.workers, ctx.worker_index, ctx.deal_end(deal))
+    step_fn.deal = SyncDeal(deal, start.global_step, ctx.dealt(start), ctx.workers, ctx.worker_index,
+                            ctx.deal_end(deal))
     source = GradientSource(ctx, batches=DealtBatches(ctx, step_fn.deal))
     kill, act = Kill(ctx.rank), ctx.activity
     # --epochs ends where the deal does: after a loss (or a join) that is more (fewer) steps than the
