@@ -480,8 +480,17 @@ def judge(case: Case, trial: Trial, job: Job, code: int | None, leftovers: bool,
         trial.why = "a process outlived mpirun"
         return
     problems = expected(case, trial, err, code, summary, tmp, job.text("joiner"), job.text("out"))
+    if case.sig == signal.SIGKILL:  # a stop's blocks out are missed until a resume: only a kill's run must be whole
+        problems += ledger_problems(summary)
     trial.outcome = "documented" if not problems else "other"
     trial.why = "; ".join(problems) + (f"\n{err[-1500:]}" if problems else "")
+
+
+def ledger_problems(summary: dict | None) -> list[str]:
+    """Issue 81's promise: every epoch dealt whole applied each of its batches once (the summary's `epochs`:
+    sync and async over messages; null where workers read their own shards)."""
+    bad = [e["epoch"] for e in (summary or {}).get("epochs") or [] if e["complete"] and (e["missed"] or e["repeated"])]
+    return [f"{len(bad)} complete epoch(s) missed or repeated samples (first: epoch {bad[0]})"] if bad else []
 
 
 def expected(case: Case, trial: Trial, err: str, code: int, summary: dict | None, tmp: Path,

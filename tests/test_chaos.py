@@ -90,6 +90,15 @@ class _Req:
         return not self.done
 
 
+def test_the_chaos_judge_fails_a_complete_epoch_that_missed_or_repeated_samples():
+    whole = {"epoch": 0, "complete": True, "samples": 1200, "missed": 0, "repeated": 0, "dropped": 0, "left": 38}
+    assert chaos.ledger_problems({"epochs": [whole, {**whole, "epoch": 1, "complete": False, "missed": 100}]}) == []
+    assert chaos.ledger_problems({"epochs": None}) == chaos.ledger_problems(None) == []
+    assert chaos.ledger_problems({"epochs": [whole, {**whole, "epoch": 1, "samples": 1100, "missed": 100}]}) == [
+        "1 complete epoch(s) missed or repeated samples (first: epoch 1)"]
+    assert chaos.ledger_problems({"epochs": [{**whole, "repeated": 100}]})
+
+
 def test_poller_sorts_a_failed_testsome_into_arrived_and_failed():
     """MPICH's report of a sender killed mid-message (docs/notes/dead-peer.md): Testsome raises
     MPI_ERR_IN_STATUS; every request completed in that call is freed; one status per completed

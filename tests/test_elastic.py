@@ -36,7 +36,7 @@ from mpitrain.core.exitcodes import ExitCode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import chaos  # noqa: E402  (its reading of a stuck rank's line and exit, as the chaos suite judges them)
-from test_ledger import EPOCH_SAMPLES, assert_each_epoch_once, read_trace  # noqa: E402  (the workers' own account)
+from test_ledger import EPOCH_SAMPLES, assert_each_epoch_once, read_leases, read_trace  # noqa: E402  (the workers' own account)
 
 # 3-6 s on 2 cores, so that a kill 0.2-1.5 s in lands mid-run (sync at 3000 once took 1.2 s under Open
 # MPI and the kill came after the budget; quorum at 2500 once under 2 s); --local-steps 8 takes an
@@ -107,6 +107,28 @@ def test_a_sync_epoch_cut_by_a_lost_worker_still_trains_every_sample_once(tmp_pa
     assert [e["samples"] for e in s["epochs"]] == [EPOCH_SAMPLES[3]] * 300
     assert {(e["missed"], e["repeated"]) for e in s["epochs"]} == {(0, 0)}
     assert_each_epoch_once(read_trace(trace), 300, EPOCH_SAMPLES[3])
+
+
+def test_an_async_workers_blocks_are_trained_by_the_others_when_it_is_killed(tmp_path):
+    """Async leases (core/ledger.Leases): a worker SIGKILLed mid-epoch; the blocks rank 0 had lent it go to
+    the two left, in the same epoch, so every batch number is trained (the workers' own trace), the ones
+    trained twice are only what the dead worker had computed and not had applied (at most its two blocks
+    out), and the summary's every epoch is whole."""
+    trace = tmp_path / "trace"
+    trace.mkdir()
+    pace = [a for r in (1, 2, 3) for a in ("--straggler", f"{r}:0.002")]  # >= 2.4 s of steps: the kill lands mid-run
+    proc, s, _ = kill_during_training(tmp_path, 4, ("--mode", "async", "--epochs", "300", *pace), [2],
+                                      random.Random(), env={**child_env(), "MPITRAIN_TRACE_BATCHES": str(trace)})
+    assert proc.returncode == ExitCode.WORKER_LOST, proc.stdout + proc.stderr
+    [lost] = s["lost_workers"]
+    assert lost["rank"] == 2 and lost["global_step"] < 300 * 12 - 50, lost  # mid-run, with blocks out
+    assert s["global_step"] == 300 * 12  # 12 batches an epoch: every one applied once
+    assert [e["samples"] for e in s["epochs"]] == [EPOCH_SAMPLES[3]] * 300
+    assert {(e["missed"], e["repeated"]) for e in s["epochs"]} == {(0, 0)}
+    took = read_leases(trace)
+    assert sorted(took) == list(range(300 * 12))
+    twice = {g: ranks for g, ranks in took.items() if len(ranks) > 1}
+    assert len(twice) <= 2 and all(2 in ranks and len(ranks) == 2 for ranks in twice.values()), twice
 
 
 @only_on("mpich", "Open MPI's ULFM reports a killed rank itself; MPICH's shared memory does not, and a sync job "

@@ -9,14 +9,19 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 import random
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import child_env, run_mpitrain
+from conftest import child_env, communicate_or_kill, mpitrain_cmd, run_mpitrain, wait_for_training
 
 from mpitrain.core import ledger
+from mpitrain.core.config import UsageError
 from mpitrain.core.data import epoch_batches
 from mpitrain.core.ledger import Deal, SyncDeal
 from mpitrain.duties import checkpoint
@@ -61,26 +66,71 @@ def test_regroups_and_joins_at_random_steps_deal_every_batch_once(seed):
             step, dealt = s + 1, phase[0].dealt_at(s + 1)
         workers = max(1, workers + rng.choice([-1, 1]))
     assert sorted(applied) == list(range(end)) and set(applied.values()) == {1}
-    account = ledger.epochs(deal, [(-1, dealt)])
+    account = ledger.epochs(deal, dealt)
     assert [e["samples"] for e in account] == [deal.per_epoch * deal.batch] * (end // deal.per_epoch)
     rows = np.concatenate([deal.rows(g) for g in range(deal.per_epoch)])  # epoch 0: distinct samples
     assert len(set(rows.tolist())) == len(rows) == deal.per_epoch * deal.batch
 
 
-def test_the_account_names_what_a_lost_async_worker_left():
-    """Async: each worker's own shard; one lost for good leaves the rest of its shard in every epoch begun."""
-    deal = Deal(1000, 10, 2, 0)  # 50 batches per shard
-    account = ledger.epochs(deal, [(0, 120), (1, 70)], lost={1})
-    assert [(e["samples"], e["missed"]) for e in account] == [(1000, 0), (700, 300), (200, 500)]
-    assert ledger.epochs(deal, [(0, 100), (1, 100)]) == [
-        {"epoch": e, "samples": 1000, "missed": 0, "repeated": 0, "dropped": 0, "left": 0} for e in (0, 1)]
+@pytest.mark.parametrize("seed", range(20))
+def test_async_leases_apply_every_batch_once_across_losses_phase_ends_and_resumes(seed):
+    """Rank 0's leases (core/ledger.Leases) over a random run: workers push their blocks in any order
+    across workers, some are lost with blocks out, phases end (a join, a stop: every block out is dealt
+    again by the next phase's Leases, built from the state as a resume builds it), --local-steps spans
+    differ between phases. Every number up to the end is applied exactly once, and the account says
+    every epoch is whole; a run cut off with blocks out counts them missed."""
+    rng = random.Random(seed)
+    deal = Deal(997, 7, rng.randint(1, 5), seed)
+    end = rng.randint(2, 5) * deal.per_epoch
+    applied = collections.Counter()
+    fresh, redeal = 0, []
+    while True:
+        workers, span = rng.randint(1, 5), rng.choice([1, 1, 3])
+        leases = ledger.Leases(fresh, redeal, workers, rng.choice([1, 2]), span, end)
+        live = set(range(workers))
+        for _ in range(rng.randint(1, 300)):
+            holding = [w for w in live if leases.holds(w)]
+            if not holding:
+                break
+            w = rng.choice(holding)
+            if rng.random() < 0.02 and len(live) > 1:  # lost, its blocks out
+                leases.lose(w)
+                live.discard(w)
+                continue
+            block = leases.out[w][0]
+            assert leases.applied(w, block) and not leases.applied(w, (block[0] + 99, 1))
+            applied.update(range(block[0], block[0] + block[1]))
+            leases.grant(w)
+        fresh, redeal = leases.fresh, leases.unapplied()  # a phase's end, or a checkpoint resumed
+        if not redeal and fresh == end:
+            break
+        missed = sum(e["missed"] for e in ledger.epochs(deal, fresh, redeal)) // deal.batch
+        assert missed == sum(n for _, n in redeal)  # what is out is counted until a later phase applies it
+    assert sorted(applied) == list(range(end)) and set(applied.values()) == {1}
+    whole = [deal.per_epoch * deal.batch] * (end // deal.per_epoch)
+    assert [e["samples"] for e in ledger.epochs(deal, fresh, redeal)] == whole
+
+
+def test_the_account_counts_blocks_out_at_the_end_as_missed():
+    deal = Deal(1000, 10, 2, 0)  # 100 batches per epoch
+    account = ledger.epochs(deal, 230, [(98, 2), (229, 1)])
+    assert [(e["samples"], e["missed"]) for e in account] == [(980, 20), (1000, 0), (290, 10)]
+    assert ledger.epochs(deal, 200) == [
+        {"epoch": e, "complete": True, "samples": 1000, "missed": 0, "repeated": 0, "dropped": 0, "left": 0}
+        for e in (0, 1)]
+    assert [e["complete"] for e in ledger.epochs(deal, 250)] == [True, True, False]
 
 
 def test_a_checkpoint_keeps_the_deal_and_one_without_it_still_loads(tmp_path):
-    state = checkpoint.TrainState(np.zeros(4, np.float32), 30, 30, positions=[30, 30], dealt=75, deal_shards=3)
+    state = checkpoint.TrainState(np.zeros(4, np.float32), 30, 30, positions=[30, 30], dealt=75, deal_shards=3,
+                                  redeal=[(70, 2), (12, 1)])
     path = checkpoint.save(tmp_path, state, {}, keep=2)
     back = checkpoint.load(path)
-    assert (back.dealt, back.deal_shards) == (75, 3)
+    assert (back.dealt, back.deal_shards, back.redeal) == (75, 3, [(70, 2), (12, 1)])
+    state.redeal = [(74, 2)]  # past the deal: a checkpoint no run wrote
+    with pytest.raises(UsageError, match="batches to deal again"):
+        checkpoint.load(checkpoint.save(tmp_path / "bad", state, {}, keep=2))
+    state.redeal = []
     state.dealt = None  # as checkpoints written before the ledger
     back = checkpoint.load(checkpoint.save(tmp_path / "old", state, {}, keep=2))
     assert back.dealt is None and back.deal_shards == 0
@@ -133,3 +183,55 @@ def test_a_sync_run_resumed_mid_epoch_on_other_worker_counts_finishes_that_epoch
     assert [e["samples"] for e in s["epochs"]] == [EPOCH_SAMPLES[3]] * 5
     assert {(e["missed"], e["repeated"]) for e in s["epochs"]} == {(0, 0)}
     assert_each_epoch_once(read_trace(trace), 5, EPOCH_SAMPLES[3])
+
+
+def read_leases(directory: Path) -> dict[int, list[int]]:
+    """Async's trace: batch number -> the ranks that computed a gradient of it (their trace's step column)."""
+    took: dict[int, list[int]] = collections.defaultdict(list)
+    for f in directory.glob("rank-*.txt"):
+        rank = int(f.stem.split("-")[1])
+        for line in f.read_text().splitlines():
+            took[int(line.split()[1])].append(rank)
+    return took
+
+
+def test_an_async_run_stopped_with_blocks_out_deals_them_again_when_resumed(tmp_path, mpi):
+    """SIGTERM mid-epoch: the blocks rank 0 had lent and not applied are saved to deal again (the checkpoint
+    says so), the resume on another worker count lends them first (the start broadcast carries them), and
+    the job ends with every epoch whole: each batch number trained, twice only where the stop left it out.
+    Fails if the stop's blocks are forgotten (the account and the trace lose them) or not saved."""
+    trace, ck = tmp_path / "trace", tmp_path / "ck"
+    trace.mkdir()
+    env = {**child_env(), "MPITRAIN_TRACE_BATCHES": str(trace)}
+    flags = ("--mode", "async", "--epochs", "200", "--no-progress", "--checkpoint-dir", str(ck),
+             "--straggler", "1:0.002", "--straggler", "2:0.002")  # 2,800 batches over 2 workers: >= 2.8 s
+    proc = subprocess.Popen(mpitrain_cmd(3, *flags), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, start_new_session=True)
+    wait_for_training(proc, 3)
+    time.sleep(0.5)
+    os.kill(proc.pid, signal.SIGTERM)
+    out, err = communicate_or_kill(proc)
+    assert proc.returncode == (mpi.stop_exit or 143), out + err
+    saved = checkpoint.load(checkpoint.list_checkpoints(ck)[-1])
+    assert saved.redeal and saved.dealt < 2800, (saved.dealt, saved.redeal)  # stopped mid-run, blocks out
+    summary = tmp_path / "s.json"
+    run = run_mpitrain(4, *flags, "--summary-json", str(summary), env=env)
+    assert run.returncode == 0, run.stderr
+    s = json.loads(summary.read_text())
+    assert s["global_step"] == 2800 and [e["samples"] for e in s["epochs"]] == [1400] * 200
+    assert {(e["complete"], e["missed"], e["repeated"]) for e in s["epochs"]} == {(True, 0, 0)}
+    took = read_leases(trace)
+    assert sorted(took) == list(range(2800))
+    twice = {g for g, ranks in took.items() if len(ranks) > 1}  # computed before the stop, not applied (the
+    assert twice <= {g for first, n in saved.redeal for g in range(first, first + n)}  # others were not begun)
+
+
+def test_the_summary_names_the_last_complete_epoch_only_when_it_was_not_whole():
+    from mpitrain.duties.metrics import epoch_lines
+
+    whole = {"epoch": 0, "complete": True, "samples": 1200, "missed": 0, "repeated": 0, "dropped": 0, "left": 38}
+    cut = {**whole, "epoch": 1, "samples": 1000, "missed": 200}
+    assert epoch_lines({"epochs": [whole, {**whole, "epoch": 1, "complete": False, "missed": 100}]}) == []
+    assert epoch_lines({"epochs": None}) == []
+    assert epoch_lines({"epochs": [whole, cut, {**whole, "epoch": 2, "complete": False}]}) == [
+        "  epoch 1: 1,000 samples applied, 200 missed, 0 repeated, 0 dropped (a resume deals the missed again)"]

@@ -180,7 +180,8 @@ def test_async_local_steps_learn_and_count_samples_as_without(tmp_path, flags):
         assert {"opt_outer_v", "opt_outer_buf"} <= set(saved.files) and saved["opt_outer_v"].shape == saved["params"].shape
         assert np.any(saved["opt_outer_v"] != 0)  # the momentum moved (every 3rd push of 75)
     assert s["global_step"] == sum(s["worker_steps"]) == 600  # --epochs: the same samples as with H = 1
-    assert s["gradients_pushed"] == [25, 25, 25]  # 200 inner steps each, 8 per push
+    # 600 inner steps, 8 per push, in the blocks rank 0 lends (core/ledger.Leases): a faster worker takes more
+    assert sum(s["gradients_pushed"]) == 75 and min(s["gradients_pushed"]) > 0
     evals = [e["global_step"] for e in s["eval_history"]]  # at the push that crossed each multiple of 100
     assert len(evals) == 6 and all(0 <= step - 100 * k < 8 for k, step in enumerate(evals, 1)), evals
     assert s["test_accuracy"] >= 0.93, s["_stdout"]

@@ -14,16 +14,24 @@ a step given up at a regroup deals its numbers again. Its `dealt` count, where t
 all the ledger a sync job needs: it is the count of worker batches in the updates applied, kept with
 the global step in every state (the coordinator's status, a regroup's broadcast, a checkpoint).
 
-Async workers read their own shard (s = the worker's index), batch after batch; rank 0 counts each
-worker's applied gradients, and a worker that replaces a lost one goes on from that count. The few
-samples past the last whole batch of each shard wait for a later epoch's reshuffle (`left`).
+An async job (one that pushes and pulls through rank 0) takes the same numbers as leases (Leases):
+rank 0 hands a worker a block of numbers with each reply (one; --local-steps H: up to H), the worker
+computes on it, and its push names the block back, which rank 0 marks applied. A worker holds at most
+two blocks (the one it computes on, and with --overlap the next), so rank 0 knows at every moment
+which numbers are out and where: a worker lost, a phase ended by a join or a stop, or a checkpoint
+turns what is out into blocks to deal again (`redeal`), first in line, so the epoch they belong to
+is finished by whoever is left. Why leases rather than each worker reading its own shard: a shard
+follows its worker, and a worker's loss took the shard's rest with it; a lease is one rank's
+decision, with the reply that is sent anyway (two header slots), and costs nothing measurable.
 
-`epochs` writes the summary's account of every epoch begun. Nothing here is per sample: a deal is
-four integers, and an account is a few integers per epoch and worker.
+The few samples past the last whole batch of each shard wait for a later epoch's reshuffle (`left`).
+`epochs` writes the summary's account of every epoch begun. Nothing here is per
+sample: a deal is four integers, the leases a few blocks per worker.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -122,25 +130,79 @@ class SyncDeal:
         return min(self.workers, max(0, self.end - self.dealt_at(step))) if self.end is not None else self.workers
 
 
-def epochs(deal: Deal, applied: list[tuple[int, int]], lost: set[int] = frozenset()) -> list[dict]:
-    """The summary's account of every epoch begun. `applied`: for each async worker (its shard, the
-    batches of it applied in the run: a count that runs across epochs), or one (-1, dealt) for a sync
-    job's deal. A worker in `lost` stopped for good: what is left of its shard in every epoch begun is
-    `missed`. `repeated` and `dropped` are what the run applied twice or gave up by design (none here:
-    kept for the modes that have them)."""
-    spe, B = deal.batches_per_shard, deal.batch
-    # batches per epoch behind each count: a sync deal's every number below it, or one worker's shard
-    size = [deal.per_epoch if shard < 0 else spe for shard, _ in applied]
-    n = 1 + max((count // k for (_, count), k in zip(applied, size)), default=0)
-    per_epoch, missed = np.zeros(n, np.int64), np.zeros(n, np.int64)
-    for (_, count), k in zip(applied, size):
-        full, part = divmod(count, k)
-        per_epoch[:full] += k
-        per_epoch[full] += part
-    begun = int(np.flatnonzero(per_epoch).max()) + 1 if per_epoch.any() else 0
-    for shard, count in applied:
-        if shard in lost:
-            for e in range(begun):
-                missed[e] += spe - min(spe, max(0, count - e * spe))
-    return [{"epoch": e, "samples": int(per_epoch[e]) * B, "missed": int(missed[e]) * B, "repeated": 0,
-             "dropped": 0, "left": deal.left} for e in range(begun)]
+Block = tuple[int, int]  # (first batch number, how many): one lease
+
+
+class Leases:
+    """An async job's deal, on rank 0 (and, to agree on the first blocks, on every worker): `fresh` is
+    the next number never dealt, `redeal` the blocks to deal again before it, `out[w]` worker w's blocks,
+    oldest first. `span` numbers per block (--local-steps), `end` where --epochs run out (None: endless).
+    The first `depth` blocks of each worker are dealt here, the same on every rank, so the start needs
+    no message: worker w takes the w-th block of each round."""
+
+    def __init__(self, fresh: int, redeal: list[Block], workers: int, depth: int, span: int, end: int | None):
+        self.fresh, self.span, self.end = fresh, span, end
+        self.redeal = deque(redeal)
+        self.out: list[deque] = [deque() for _ in range(workers)]
+        for _ in range(depth):
+            for w in range(workers):
+                self.grant(w)
+
+    def grant(self, w: int) -> Block | None:
+        """The next block to worker w (None: the deal has nothing left to hand out now)."""
+        if self.redeal:
+            first, n = self.redeal.popleft()
+            if n > self.span:  # dealt by a run with a longer --local-steps
+                self.redeal.appendleft((first + self.span, n - self.span))
+                n = self.span
+        else:
+            n = self.span if self.end is None else min(self.span, self.end - self.fresh)
+            if n <= 0:
+                return None
+            first = self.fresh
+            self.fresh += n
+        self.out[w].append((first, n))
+        return first, n
+
+    def applied(self, w: int, block: Block) -> bool:
+        """Worker w's push of `block` is applied: False when w holds no such block first in line (a bug or
+        a message from another run: the caller raises)."""
+        if not self.out[w] or self.out[w][0] != block:
+            return False
+        self.out[w].popleft()
+        return True
+
+    def lose(self, w: int) -> None:
+        """Worker w is gone (lost, or its phase ended): its blocks are dealt again, before any other."""
+        self.redeal.extendleft(reversed(self.out[w]))
+        self.out[w].clear()
+
+    def holds(self, w: int) -> bool:
+        return bool(self.out[w])
+
+    def anyone_holds(self) -> bool:
+        return any(self.out)
+
+    def unapplied(self) -> list[Block]:
+        """Every block dealt and not applied: what a checkpoint keeps to deal again."""
+        return list(self.redeal) + [b for q in self.out for b in q]
+
+
+def epochs(deal: Deal, dealt: int, unapplied: list[Block] = ()) -> list[dict]:
+    """The summary's account of every epoch begun: the numbers below `dealt` were dealt, each applied once
+    but those in `unapplied` (async: a block out, or to deal again, when the run ended; a resume deals it
+    again: `missed` until then). Nothing is applied twice: a sync step's numbers are the step's, and rank 0
+    marks an async block applied once, with the push that names it. `repeated` and `dropped` are kept for
+    the modes that have them (--quorum's dropped gradients)."""
+    P = deal.per_epoch
+    begun = -(-dealt // P)
+    missed = np.zeros(begun, np.int64)
+    for first, n in unapplied:
+        for g in range(first, first + n):
+            missed[g // P] += 1
+    out = []
+    for e in range(begun):
+        took = min(dealt, (e + 1) * P) - e * P
+        out.append({"epoch": e, "complete": took == P, "samples": int(took - missed[e]) * deal.batch,
+                    "missed": int(missed[e]) * deal.batch, "repeated": 0, "dropped": 0, "left": deal.left})
+    return out

@@ -45,10 +45,12 @@ class TrainState:
     # A take-over's offer (failover.py): each shard's version of the slice held here (-1: none held);
     # None: every slice, at global_step (a sync replica)
     versions: list[int] | None = None
-    # Sync: the job's batches in the updates applied, and the workers the deal cuts every epoch for (core/ledger.py);
-    # None and 0 where nothing dealt them (async, quorum, and checkpoints written before the ledger)
+    # The deal (core/ledger.py): sync, the job's batches in the updates applied; async, the next batch number never
+    # dealt. The workers every epoch is cut for; async's blocks (first, count) dealt and not applied, to deal again.
+    # None, 0 and none where nothing dealt them (quorum, the shm store, checkpoints written before the ledger)
     dealt: int | None = None
     deal_shards: int = 0
+    redeal: list = field(default_factory=list)
 
     def deal_words(self) -> list[int]:
         """`dealt` and `deal_shards` as the two int64 words a broadcast carries (-1: no count)."""
@@ -194,6 +196,7 @@ def save(directory: Path, state: TrainState, fp: dict, keep: int) -> Path:
         arrays["ema"] = state.ema
     if state.dealt is not None:
         arrays["dealt"], arrays["deal_shards"] = np.int64(state.dealt), np.int64(state.deal_shards)
+        arrays["redeal"] = np.asarray(state.redeal, np.int64).reshape(-1, 2)
     target = write_atomic(path_for(directory, state.global_step), lambda f: np.savez(f, **arrays), binary=True)
     prune(directory, keep)
     return target
@@ -242,9 +245,13 @@ def load(path: Path, fp: dict | None = None) -> TrainState:
     shards = int(data["deal_shards"]) if "deal_shards" in data else 0
     if dealt is not None and (dealt < 0 or shards < 1):
         raise UsageError(f"checkpoint {path} holds a data deal of {dealt} batches over {shards} shards; {fix}")
+    redeal = data.get("redeal", np.zeros((0, 2), np.int64))
+    if (redeal.dtype != np.int64 or redeal.ndim != 2 or redeal.shape[1] != 2 or (redeal[:, 0] < 0).any()
+            or (redeal[:, 1] < 1).any() or (dealt is not None and (redeal.sum(axis=1) > dealt).any())):
+        raise UsageError(f"checkpoint {path} holds batches to deal again that no deal made; {fix}")
     return TrainState(params=params, global_step=int(data["global_step"]), opt_t=int(data[OPT_COUNT]),
                       opt_state=opt_state, positions=[int(p) for p in data["positions"]], ema=data.get("ema"),
-                      dealt=dealt, deal_shards=shards)
+                      dealt=dealt, deal_shards=shards, redeal=[(int(a), int(b)) for a, b in redeal])
 
 
 def saved_fingerprint(path: Path) -> dict:

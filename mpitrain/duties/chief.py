@@ -46,8 +46,9 @@ class ServerState:
     busy_fraction: float = 0.0
     bytes_in: int = 0  # message bytes this server received and sent while training (--num-ps rows)
     bytes_out: int = 0
-    dealt: int | None = None  # sync: the deal's batches in the updates so far (core/ledger.py)
+    dealt: int | None = None  # the deal (core/ledger.py), as TrainState keeps it
     deal_shards: int = 0
+    redeal: list = field(default_factory=list)
 
     @property
     def final_loss(self) -> float:
@@ -60,7 +61,7 @@ def copy_state(state: TrainState) -> TrainState:
     return TrainState(np.array(state.params), state.global_step, state.opt_t,
                       {k: np.array(a) for k, a in state.opt_state.items()}, list(state.positions),
                       None if state.ema is None else np.array(state.ema), dealt=state.dealt,
-                      deal_shards=state.deal_shards)
+                      deal_shards=state.deal_shards, redeal=list(state.redeal))
 
 
 def begin(ctx: Context) -> tuple[TrainState, ServerState, Checkpointer]:
@@ -72,6 +73,8 @@ def begin(ctx: Context) -> tuple[TrainState, ServerState, Checkpointer]:
                         start_step=start.global_step, resumed_from=str(ctx.resume[0]) if ctx.resume else None)
     if ctx.mode.deals:
         state.deal_shards, state.dealt = ctx.deal(start).shards, ctx.dealt(start)
+    elif ctx.mode.leases and start.dealt is not None:  # async's ledger as the start left it (AsyncServer keeps it on)
+        state.deal_shards, state.dealt, state.redeal = ctx.deal(start).shards, start.dealt, list(start.redeal)
     cfg = ctx.cfg
     if cfg.log_dir and ctx.rank == PS_RANK and ctx.outputs.log is not None:  # a later phase of the job: its log goes on
         state.log = ctx.outputs.log

@@ -341,7 +341,7 @@ def human_summary(s: dict) -> list[str]:
         + (f", EMA {s['ema_test_accuracy']:.4f}" if s.get("ema_test_accuracy") is not None else "")
         + ("" if alone else f" | per worker [{workers_acc}]") + f" | test loss {s['test_loss']:.4f} | final train "
         f"loss {final}" + ("" if alone else f" | dropped gradients {s['dropped_gradients']}"),
-    ] + ([line] if (line := straggler_line(s)) else []) + slow_lines(s) + lost_lines(s) + (
+    ] + ([line] if (line := straggler_line(s)) else []) + slow_lines(s) + lost_lines(s) + epoch_lines(s) + (
         [summary_stop_line(s)] if s.get("stopped") else [])
 
 
@@ -354,6 +354,16 @@ def summary_stop_line(s: dict) -> str:
 def slow_lines(s: dict) -> list[str]:
     """Measured, whatever the cause (--straggler-report): observe.attribute's slow workers."""
     return [f"  slow worker: {slow_line(row)}" for row in s.get("slow_workers") or []]
+
+
+def epoch_lines(s: dict) -> list[str]:
+    """The last epoch dealt whole, when it did not train each of its samples once (core/ledger.epochs)."""
+    whole = [e for e in s.get("epochs") or [] if e["complete"]]
+    if not whole or not (whole[-1]["missed"] or whole[-1]["repeated"] or whole[-1]["dropped"]):
+        return []
+    e = whole[-1]
+    return [f"  epoch {e['epoch']}: {e['samples']:,} samples applied, {e['missed']:,} missed, {e['repeated']:,} repeated, "
+            f"{e['dropped']:,} dropped (a resume deals the missed again)"]
 
 
 def lost_lines(s: dict) -> list[str]:

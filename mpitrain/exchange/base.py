@@ -30,10 +30,12 @@ class PushPull(Protocol):
     versions: list[int]  # each server's global step of `params`
     diverged_at: int | None  # a server stopped the run at this step because a loss diverged
     in_flight: bool  # a push whose answer has not been pulled
+    lent: tuple[int, int] | None  # the block of batch numbers rank 0's last answer lent (core/ledger.Leases)
 
     def gradient(self, slot: int): ...
 
-    def push(self, slot: int, loss: float, versions: list[int], count: int, last: bool) -> None: ...
+    def push(self, slot: int, loss: float, versions: list[int], count: int, last: bool,
+             lease: tuple[int, int] | None = None) -> None: ...  # `lease`: the block it was computed on
 
     def pull(self, count: int) -> bool: ...  # True: a server stopped this worker (after `count` pushes)
 

@@ -230,6 +230,7 @@ class MailPushPull:
         self.grads = [be.mirror(m.payload) for m in seg.grads]
         self.versions = [start.global_step]
         self.diverged_at: int | None = None
+        self.lent = None
         self.sent = self.pulled = 0  # pushes announced; answers made the parameters
         self.kill_at = store_kill(ctx.rank)  # MPITRAIN_INJECT_KILL=RANK:STEP:mailing
 
@@ -240,10 +241,10 @@ class MailPushPull:
     def gradient(self, slot: int):
         return self.grads[slot]
 
-    def push(self, slot: int, loss: float, versions: list[int], count: int, last: bool) -> None:
+    def push(self, slot: int, loss: float, versions: list[int], count: int, last: bool, lease=None) -> None:
         msg = self.seg.grads[slot]
         self.be.download(self.grads[slot], msg.payload)
-        msg.stamp(TAG_GRAD, versions[0], count, FLAG_LAST if last else 0, loss)
+        msg.stamp(TAG_GRAD, versions[0], count, FLAG_LAST if last else 0, loss, lease=lease)
         if self.kill_at == (count, "mailing"):
             msg.payload[: msg.count // 2] = np.nan  # a torn push: rank 0 must never take it
             kill_here()
@@ -269,6 +270,7 @@ class MailPushPull:
         else:
             self.be.upload(self.params, msg.payload)
         self.versions = [msg.step]
+        self.lent = msg.lease
         if msg.flags & FLAG_DIVERGED:
             self.diverged_at = msg.step
         return bool(msg.flags & FLAG_FINAL)

@@ -156,6 +156,7 @@ class MPIPushPull:
         self.poller = Poller(WORKER_POLL_S, ctx.watch)
         self.reqs: list = []  # the exchange in flight: a receive from each server, then a send to each
         self.diverged_at: int | None = None
+        self.lent = None
 
     @property
     def in_flight(self) -> bool:
@@ -164,12 +165,12 @@ class MPIPushPull:
     def gradient(self, slot: int):
         return self.grads[slot]
 
-    def push(self, slot: int, loss: float, versions: list[int], count: int, last: bool) -> None:
+    def push(self, slot: int, loss: float, versions: list[int], count: int, last: bool, lease=None) -> None:
         """Send the gradient of `slot` to every server and post the receives of their answers."""
         self.pushes.write(self.grads[slot], self.outbox[slot].payload)
         for part, version in zip(self.outparts[slot], versions):
             part.refresh()
-            part.stamp(TAG_GRAD, version, count, FLAG_LAST if last else 0, loss)
+            part.stamp(TAG_GRAD, version, count, FLAG_LAST if last else 0, loss, lease=lease)
         self.ctx.activity.moved(sent=self.outbox[slot].buf.nbytes)
         comm, nxt = self.comm, self.inparts[1 - self.cur]
         self.reqs = ([comm.Irecv(part.spec(), source=rank, tag=TAG_PARAMS) for part, rank in zip(nxt, self.servers)]
@@ -192,6 +193,7 @@ class MPIPushPull:
             self.be.upload(self.params, self.inbox[nxt].payload)
         parts = self.inparts[nxt]
         self.versions = [part.step for part in parts]
+        self.lent = parts[0].lease  # rank 0's: it keeps the ledger
         if any(part.flags & FLAG_DIVERGED for part in parts):
             self.diverged_at = self.versions[0]
         stopped = [bool(part.flags & FLAG_FINAL) for part in parts]

@@ -18,14 +18,14 @@ import numpy as np
 from mpitrain.core.stop import STOP
 
 MAGIC = 0x4D505452  # "MPTR": catches a peer that is not mpitrain, or a misrouted buffer
-VERSION = 15  # bump when the layout below changes (2: heartbeats carry an activity snapshot; 3: --quorum messages;
+VERSION = 16  # bump when the layout below changes (2: heartbeats carry an activity snapshot; 3: --quorum messages;
 #               4: H_SECONDS; 5: H_SIGNAL, FLAG_STOP_STEP, FLAG_STOPPED; 6: TAG_REGROUP, FLAG_REGROUPED;
 #               7: TAG_JOIN, FLAG_REFORM, the goodbye's payload; 8: FLAG_LEAVING out of FLAG_STOP, H_GENERATION
 #               and H_JOINER out of H_STEP and H_LOCAL_STEP; 9: TAG_STORE, the shm store's name point to point;
 #               10: TAG_ADOPT, a successor's offer to the spares; 11: FLAG_HOLD; 12: TAG_MAIL, async's mailboxes;
 #               13: one meaning per name: FLAG_ENDED out of FLAG_STOP (now FLAG_FINAL), H_BUDGET out of H_STEP,
 #               H_LOCAL_STEP renamed H_PUSHED; 14: H_SIGNAL's ROOM, sync's room vote slot; 15: a sync status's H_PUSHED
-#               counts the deal's batches)
+#               counts the deal's batches; 16: H_LEASE, H_LEASE_N, async's data leases)
 
 # Tags (one per message kind, so a posted receive can never match the wrong kind).
 TAG_GRAD = 11  # worker -> PS: a gradient (async)
@@ -59,7 +59,10 @@ H_SIGNAL = 9  # its sender's stop request or room to make (core/stop.StopRequest
 H_GENERATION = 10  # the number of a regroup (TAG_REGROUP, FLAG_REGROUPED) or of a join (a FLAG_REFORM goodbye)
 H_JOINER = 11  # a FLAG_REFORM goodbye: who joins the new world (join.NOBODY, CONNECTED or SPAWNED)
 H_BUDGET = 12  # the job's step budget: rank 0 -> a waiting spare (spares.py: its heartbeat, the successor's offer)
-HEADER_SLOTS = 14  # slot 13 is free: 112 bytes keep the payload 16-byte aligned for SIMD loads
+H_LEASE = 13  # async, rank 0 -> worker: the first batch number of the block it is lent (core/ledger.Leases);
+#              worker -> servers: the block its gradient was computed on
+H_LEASE_N = 14  # how many numbers the block holds (0: none lent with this reply)
+HEADER_SLOTS = 16  # slot 15 is free: 128 bytes keep the payload 16-byte aligned for SIMD loads
 HEADER_BYTES = HEADER_SLOTS * 8
 
 # A heartbeat's payload (float64): the sender's activity (observe.Activity.snapshot), so a peer
@@ -126,7 +129,8 @@ class Framed:
         return self.header.view(np.float64)
 
     def stamp(self, tag: int, step: int = 0, pushed: int = 0, flags: int = 0, loss: float = 0.0,
-              seconds: float = 0.0, generation: int = 0, joiner: int = 0, budget: int = 0) -> None:
+              seconds: float = 0.0, generation: int = 0, joiner: int = 0, budget: int = 0,
+              lease: tuple[int, int] | None = None) -> None:
         h = self.header
         h[H_MAGIC] = MAGIC
         h[H_VERSION] = VERSION
@@ -142,6 +146,7 @@ class Framed:
         h[H_GENERATION] = generation
         h[H_JOINER] = joiner
         h[H_BUDGET] = budget
+        h[H_LEASE], h[H_LEASE_N] = lease or (0, 0)
 
     def check(self, tag: int, source: int, count: int | None = None) -> None:
         """Raise ProtocolError unless this buffer holds a well-formed message of kind `tag`
@@ -174,6 +179,12 @@ class Framed:
     joiner = _int_slot(H_JOINER)
     budget = _int_slot(H_BUDGET)
     flags = _int_slot(H_FLAGS)
+
+    @property
+    def lease(self) -> tuple[int, int] | None:
+        """The block of batch numbers this message lends or names (None: none)."""
+        n = int(self.header[H_LEASE_N])
+        return (int(self.header[H_LEASE]), n) if n else None
 
     @property
     def loss(self) -> float:

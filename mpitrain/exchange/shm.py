@@ -340,6 +340,7 @@ class ShmPushPull:
         self.grads = [self.be.xp.empty(ctx.model.n_params, self.be.xp.float32) for _ in range(2)]
         self.versions = [start.global_step] * len(self.parts)
         self.diverged_at: int | None = None
+        self.lent = None  # the store's workers read their own shards: nothing is lent
         self.in_flight = False
         self.stopped = False
         self.count = 0  # this worker's pushes so far, the one in hand included (the fault injection's step)
@@ -350,7 +351,7 @@ class ShmPushPull:
     def gradient(self, slot: int):
         return self.grads[slot]
 
-    def push(self, slot: int, loss: float, versions: list[int], count: int, last: bool) -> None:
+    def push(self, slot: int, loss: float, versions: list[int], count: int, last: bool, lease=None) -> None:
         """`count`: the worker's gradients so far, this one's included (--local-steps: its inner steps)."""
         self.count += 1
         span = self.spans.span(0, count)

@@ -1,6 +1,6 @@
 """The modes, one object each (base.Mode), and the one place that reads --mode.
 
-    async_.py     async: rank 0 (and each server of --num-ps) serves pushes and pulls; workers push
+    async_.py     async: rank 0 (and each server of --num-ps) serves pushes and pulls; async_worker.py: workers push
     async_shm.py  async over the node-shared store (--ps-transport shm): workers apply, rank 0 follows
     sync.py       sync: the workers Allreduce their gradients; rank 0 follows the coordinator's (worker 0's) word
     quorum.py     sync --quorum Q: a coordinator averages the first Q gradients of each step

@@ -1,6 +1,6 @@
-"""Async mode, both sides: the parameter servers' serve loop (AsyncServer: rank 0, and with
---num-ps K ranks 1..K-1 too, each over its slice of the parameters) and the workers' push/pull
-(AsyncWorker). Who runs what: AsyncMode, at the end.
+"""Async mode: the parameter servers' serve loop (AsyncServer: rank 0, and with --num-ps K ranks
+1..K-1 too, each over its slice of the parameters); the workers' push/pull is async_worker.py's
+AsyncWorker. Who runs what: AsyncMode, at the end.
 
 A server pre-posts one Irecv per worker; whichever gradient completes is applied and answered
 with fresh parameters, held back with --max-staleness while applying it would leave another
@@ -16,32 +16,39 @@ import math
 
 import numpy as np
 
+from mpitrain.core.compress import push_words
 from mpitrain.core.config import AUTO_OVERLAP_MAX_WORKERS
 from mpitrain.core.guard import NON_FINITE, Diverged, LossGuard
 from mpitrain.core.layout import PS_RANK
 from mpitrain.core.optim import ServerUpdate, StalenessHold
-from mpitrain.core.compress import push_words
-from mpitrain.core.outer import InnerSteps, OuterUpdate, PushSpans, in_pushes
-from mpitrain.core.reports import WorkerResult
+from mpitrain.core.outer import OuterUpdate, PushSpans, in_pushes
 from mpitrain.duties import checkpoint
 from mpitrain.duties.checkpoint import TrainState
 from mpitrain.duties.chief import ChiefDuties, ServerState, record_lost
 from mpitrain.duties.metrics import Progress
-from mpitrain.duties.observe import APPLY, COMPUTE, PULL, PUSH, WAIT
-from mpitrain.exchange.base import PushPull
+from mpitrain.duties.observe import APPLY, PUSH, WAIT
 from mpitrain.exchange.mailbox import worker_exchange
-from mpitrain.exchange.mpi import MPIPushPull
-from mpitrain.exchange.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_LAST, FLAG_LEAVING, FLAG_FINAL,
-                                        TAG_GRAD, TAG_PARAMS, ProtocolError)
-from mpitrain.exchange.shards import Gather, ShardService, assemble
+from mpitrain.exchange.protocol import (
+    FLAG_CKPT,
+    FLAG_DIVERGED,
+    FLAG_EVAL,
+    FLAG_FINAL,
+    FLAG_LAST,
+    FLAG_LEAVING,
+    TAG_GRAD,
+    TAG_PARAMS,
+    ProtocolError,
+)
 from mpitrain.exchange.serving import SERVER_SIDES
+from mpitrain.exchange.shards import Gather, ShardService, assemble
 from mpitrain.exchange.transport import PS_POLL_NO_OVERLAP_S, PS_POLL_S, Poller
 from mpitrain.membership.elastic import interrupted_at
-from mpitrain.membership.faults import Kill, never_returns, stuck_from
+from mpitrain.membership.faults import never_returns, stuck_from
 from mpitrain.membership.liveness import PeerLost
 from mpitrain.membership.stuck import WATCHDOG
+from mpitrain.modes.async_worker import AsyncWorker
 from mpitrain.modes.base import Mode, Trained
-from mpitrain.modes.gradients import GradientSource
+from mpitrain.modes.gradients import start_leases
 from mpitrain.runtime import Context, start_state
 
 
@@ -87,6 +94,12 @@ class AsyncServer:
         self.spans = PushSpans(cfg.local_steps, W)  # --local-steps: each worker's inner steps, as its last push said
         self.stopping = False
         self.stuck_at = stuck_from(ctx.rank)  # MPITRAIN_INJECT_STUCK
+        # Rank 0 lends the data (core/ledger.Leases): a block with each reply, marked applied when its push is.
+        # A worker it has nothing for while another still holds blocks waits, parked, for what a loss returns.
+        self.leases = start_leases(ctx, ctx.start) if self.chief else None
+        self.parked: list[int] = []
+        if self.leases is not None:
+            self.state.deal_shards = ctx.deal(ctx.start).shards
         if self.chief and not self.gather:  # the whole state is here: a stuck MPI saves it first (stuck.py)
             WATCHDOG.last_words = self._last_words
 
@@ -124,6 +137,7 @@ class AsyncServer:
         if self.chief:
             final = self._full_state(FLAG_FINAL)
             self.state.params, self.state.ema = final.params, final.ema
+            self.state.dealt, self.state.redeal = final.dealt, final.redeal
             self.duties.save(final, final=True)  # the final checkpoint
         else:
             self.service.finish(self._own_state(), self.poller)
@@ -136,6 +150,7 @@ class AsyncServer:
         a message's header) stops every worker at its next gradient, as --steps does."""
         self.stopping = self.stopping or self.ctx.stop.due
         self._apply_held()
+        self._settle_parked()
         if not self.active:  # the last worker was just stopped: nothing more comes (a mailbox's wait would not end)
             return
         if self.held and not any(self.links.awaits(w) for w in self.active):
@@ -157,6 +172,8 @@ class AsyncServer:
             if msg.flags & FLAG_LEAVING:  # the worker leaves: another server stopped it
                 msg.check(TAG_GRAD, self.worker_ranks[w], count=0)
                 self.active.discard(w)
+                if self.leases is not None:  # what it was lent goes to the others
+                    self.leases.lose(w)
                 continue
             msg.check(TAG_GRAD, self.worker_ranks[w])
             self.state.bytes_in += self.links.over_mpi(w)  # the summary's "through MPI"
@@ -181,6 +198,10 @@ class AsyncServer:
             self.update.forget(w)
             if w in self.held:
                 self.held.remove(w)
+            if w in self.parked:
+                self.parked.remove(w)
+            if self.leases is not None:  # its blocks go to whoever asks next (a parked worker first)
+                self.leases.lose(w)
             self.links.drop(w)
             record_lost(self.state, rank, why, f"; continuing with {len(self.active)} worker(s)" if self.active else "",
                         loud=self.chief)
@@ -212,8 +233,11 @@ class AsyncServer:
         host (NumPy: the arrays themselves, no copy)."""
         st, host = self.state, self.be.to_host
         opt = self.update.opt
-        return TrainState(host(self.params), st.global_step, opt.t, {k: host(a) for k, a in opt.state.items()},
-                          list(st.worker_steps), self._ema_avg)
+        own = TrainState(host(self.params), st.global_step, opt.t, {k: host(a) for k, a in opt.state.items()},
+                         list(st.worker_steps), self._ema_avg)
+        if self.leases is not None:  # the blocks out are not applied in this state: a resume deals them again
+            own.dealt, own.deal_shards, own.redeal = self.leases.fresh, st.deal_shards, self.leases.unapplied()
+        return own
 
     def _full_state(self, flags: int) -> TrainState:
         """Rank 0: the whole training state, the other servers' slices asked for (`flags` say
@@ -224,7 +248,9 @@ class AsyncServer:
         pieces = self.gather.ask_all(own.global_step, flags)
         names, n = self.gather.names, self.ctx.model.n_params
         mine = (self.ctx.shard, checkpoint.to_flat(own, names))
-        return assemble([mine] + pieces, names, n, own.global_step, own.opt_t, own.positions)
+        whole = assemble([mine] + pieces, names, n, own.global_step, own.opt_t, own.positions)
+        whole.dealt, whole.deal_shards, whole.redeal = own.dealt, own.deal_shards, own.redeal
+        return whole
 
     def _oldest_held(self) -> int:
         inbox = self.links.inbox
@@ -233,7 +259,8 @@ class AsyncServer:
     def _may_apply(self, w: int) -> bool:
         """--max-staleness: whether w's gradient may be applied now (StalenessHold). With --num-ps
         each server holds its own count."""
-        return self.hold.allows(self.state.global_step, [self.basis[u] for u in self.active if u != w])
+        return self.hold.allows(self.state.global_step,
+                                [self.basis[u] for u in self.active if u != w and u not in self.parked])
 
     def _apply_held(self) -> None:
         progressed = True
@@ -260,6 +287,9 @@ class AsyncServer:
             return
         loss, basis, last = msg.loss, msg.step, bool(msg.flags & FLAG_LAST)  # read before the reply: its
         staleness = state.global_step - basis  # buffer takes the worker's next push once the reply is sent
+        if self.leases is not None and not self.leases.applied(w, msg.lease):
+            raise ProtocolError(f"rank {self.worker_ranks[w]} pushed a gradient of batches {msg.lease}, where rank 0 "
+                                f"had lent it {list(self.leases.out[w])}")
         self.ctx.activity.enter(APPLY, state.global_step)
         grad = msg.payload
         if not self.zero_copy:  # widened, decoded (--compress), or staged to the server's GPU
@@ -282,6 +312,14 @@ class AsyncServer:
             self.duties.advance(state.global_step, loss, self._whole_state, basis=basis, span=inner,
                                 staleness=outer_staleness, worker_steps=list(state.worker_steps))
 
+    def _settle_parked(self) -> None:
+        """Answer the parked workers once there is something to say: blocks a loss returned, the last
+        block applied (nobody holds any: they stop), or a stop."""
+        if self.parked and (self.stopping or self.leases.redeal or not self.leases.anyone_holds()):
+            for w in list(self.parked):
+                self.parked.remove(w)
+                self._reply(w, stop=self.stopping)
+
     def _inner_steps(self, w: int, count: int, staleness: int) -> tuple[int, int]:
         """The global steps one push makes (the worker batches behind it) and its staleness as the
         summary and --max-staleness count it. --local-steps H: the inner steps since the worker's last
@@ -295,11 +333,19 @@ class AsyncServer:
 
     def _reply(self, w: int, stop: bool) -> None:
         state = self.state
+        lease = None
+        if self.leases is not None and not stop:  # the next block; none left for it: stopped, or parked
+            lease = self.leases.grant(w)
+            if lease is None and not self.leases.holds(w):
+                if self.leases.anyone_holds():  # a loss may yet return another worker's blocks
+                    self.parked.append(w)
+                    return
+                stop = True
         self.ctx.activity.enter(PUSH)
         reply = self.links.reply_to(w)
         self.be.download(self.params, reply.payload)  # a copy (narrowed with --compress): params change in flight
         flags = (FLAG_FINAL | (FLAG_DIVERGED if state.diverged else 0)) if stop else 0
-        reply.stamp(TAG_PARAMS, state.global_step, state.worker_steps[w], flags)
+        reply.stamp(TAG_PARAMS, state.global_step, state.worker_steps[w], flags, lease=lease)
         self.links.send(w, more=not stop)
         state.bytes_out += self.links.over_mpi(w, reply=True)
         self.basis[w] = state.global_step
@@ -310,97 +356,12 @@ class AsyncServer:
             self.update.was_sent(w, state.global_step)
 
 
-class AsyncWorker:
-    """Pull/compute/push through the exchange (exchange.base.PushPull; MPI's by default). With
-    --overlap (the default up to config.AUTO_OVERLAP_MAX_WORKERS workers) the answer to push k is
-    received while the gradient of step k+1 is computed, so a worker never idles on the round trip;
-    each gradient is then computed on parameters one exchange older. --no-overlap waits for every
-    answer. With --num-ps K the servers count their own versions, and a worker stops when any
-    server stops it."""
-
-    def __init__(self, ctx: Context, exchange: PushPull | None = None):
-        start = start_state(ctx)
-        self.ctx, self.be, self.act = ctx, ctx.backend, ctx.activity
-        self.overlap = ctx.cfg.overlaps(ctx.workers)
-        self.exchange = exchange or MPIPushPull(ctx, start)
-        self.source = GradientSource(ctx, start.position(ctx.worker_index))
-        self.kill = Kill(ctx.rank)
-        n, xp = ctx.model.n_params, self.be.xp
-        self.inner = InnerSteps(ctx.cfg, n, xp) if ctx.cfg.local_steps > 1 else None  # --local-steps H
-        self.pushed = 0
-        self.counted = 0  # its gradients in the pushes so far: pushes, or (--local-steps) the inner steps they carried
-        self.sent_last = False
-        self.diverged: Diverged | None = None  # set when a server stops the run because a loss diverged
-
-    def run(self) -> WorkerResult:
-        # Rank 0 lost (--on-lost-server continue): the take-over starts from the freshest copy.
-        # (What a server may have applied: the pushes, not inner steps not pushed yet, which no store or server has.)
-        with interrupted_at(self.exchange.held, lambda: (self.counted, 0)):
-            return self._train()
-
-    def _train(self) -> WorkerResult:
-        ex = self.exchange
-        # Resumed with its own epochs done (the others' are not): a gradient now would train past
-        # the budget, so it leaves at once.
-        running = not self.source.exhausted
-        if not running:
-            ex.leave(self.pushed)
-        while running:
-            if ex.in_flight and (not self.overlap or self.sent_last):
-                if self._pull():
-                    break
-                if self.sent_last:
-                    raise ProtocolError("the parameter server did not stop this worker after its last gradient")
-            slot = self.pushed % 2
-            loss, used_versions = self._compute(slot)
-            if ex.in_flight and self._pull():
-                break  # the gradient just computed is not pushed: training is over
-            self._push(slot, loss, used_versions)
-        held = self.exchange.held()  # what a take-over would start from, should rank 0 be lost after this
-        ex.close()
-        return WorkerResult(self.pushed, held.params, self.act.times(), diverged=self.diverged, train_state=held,
-                            counted=self.counted)
-
-    def _compute(self, slot: int) -> tuple[float, list[int]]:
-        """The next minibatch's gradient into the exchange's `slot`; its loss and the versions it used."""
-        ex = self.exchange
-        self.act.enter(COMPUTE, ex.versions[0])
-        used_versions = ex.versions
-        if self.inner is not None:  # H steps of its own, and how far they moved into the push
-            loss = self.inner.run(ex.params, ex.gradient(slot), self._step, lambda: self.source.exhausted,
-                                  self.ctx.lr_at, ex.versions[0])
-            return loss, used_versions
-        return self._step(ex.params, ex.gradient(slot)), used_versions
-
-    def _step(self, params, grad) -> float:
-        loss = self.source.compute(params, grad)
-        self.act.stepped()
-        return loss
-
-    def _push(self, slot: int, loss: float, used_versions: list[int]) -> None:
-        last = self.source.exhausted
-        self.kill.at(self.pushed + 1)
-        self.act.enter(PUSH)
-        count = self.pushed + 1 if self.inner is None else self.inner.count  # its gradients: pushes, or inner steps
-        self.exchange.push(slot, loss, used_versions, count, last)
-        self.pushed += 1
-        self.counted = count
-        self.sent_last = last
-
-    def _pull(self) -> bool:
-        """The answer to the push in flight becomes the parameters. True when told to stop."""
-        self.act.enter(PULL)
-        stopped = self.exchange.pull(self.pushed)
-        if self.exchange.diverged_at is not None:
-            self.diverged = Diverged(self.exchange.diverged_at)
-        return stopped
-
-
 class AsyncMode(Mode):
     """Async: every gradient a worker pushes is one global step, applied by rank 0 (and each
     server of --num-ps) as it arrives; a worker pulls the parameters back."""
 
     name = "async"
+    leases = True
 
     def start_words(self, cfg, workers: int) -> str:
         """The defaults that follow the worker count (config.DEFAULT_STALENESS_TOLERANCE), as decided."""

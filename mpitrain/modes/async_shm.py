@@ -25,7 +25,8 @@ from mpitrain.duties.observe import WAIT
 from mpitrain.exchange import shm
 from mpitrain.exchange.shm import ShmPushPull
 from mpitrain.membership.liveness import PeerLost
-from mpitrain.modes.async_ import AsyncMode, AsyncWorker
+from mpitrain.modes.async_ import AsyncMode
+from mpitrain.modes.async_worker import AsyncWorker
 from mpitrain.modes.base import Trained
 from mpitrain.modes.shm_remote import POLL_S as REMOTE_POLL_S
 from mpitrain.modes.shm_remote import RemoteWorkers, off_host, on_store_host
@@ -195,6 +196,8 @@ class ShmAsyncMode(AsyncMode):
     """Async as the flags ask it, over the store instead of messages (modes.of picks it for --ps-transport shm):
     the same worker loop and start line, other roles on rank 0 and the other servers."""
 
+    leases = False  # each worker reads its own shard (the store has no one rank that could lend)
+
     def overlap_words(self, cfg, workers: int) -> str:
         return "no overlap (--ps-transport shm: a pull waits for nothing)"
 
@@ -213,10 +216,10 @@ class ShmAsyncMode(AsyncMode):
 
     def worker(self, ctx: Context, progress=None) -> Trained:
         if on_store_host(ctx):
-            return Trained(worker=AsyncWorker(ctx, ShmPushPull(ctx, start_state(ctx))).run())
+            return Trained(worker=AsyncWorker(ctx, ShmPushPull(ctx, start_state(ctx)), leased=False).run())
         # Another host than the store's: the message path, rank 0 applying into the store.
         shm.open_store(ctx, start_state(ctx), here=False)
-        return Trained(worker=AsyncWorker(ctx).run())
+        return Trained(worker=AsyncWorker(ctx, leased=False).run())
 
 
 SHM_ASYNC = ShmAsyncMode()

@@ -36,6 +36,8 @@ class Mode:
     # Its updates take their batches from the job's deal in step order (core/ledger.SyncDeal): the states
     # it keeps and saves say how far the deal got (TrainState.dealt); otherwise each worker reads its own shard.
     deals = False
+    # Rank 0 lends its workers blocks of the deal with each reply (core/ledger.Leases: async over messages).
+    leases = False
 
     def run(self, ctx, progress=None) -> Trained:
         """This rank's part of the run, by its role (Layout.role)."""

@@ -1,8 +1,9 @@
 """Where every training loop takes its gradients, and what every worker loop hands back.
 
-GradientSource is the one gradient step: the next minibatch of this worker's shard (BatchStream),
+GradientSource is the one gradient step: the next minibatch (the deal's for a sync step, DealtBatches; a
+block rank 0 lent an async worker, LeasedBatches; the worker's own shard elsewhere, BatchStream),
 the model's loss and gradient into a buffer, the finite check (Divergence) and the --straggler
-pause. The async worker (modes/async_.py), the sync step (modes/sync.py), the quorum coordinator's gradient thread
+pause. The async worker (modes/async_worker.py), the sync step (modes/sync.py), the quorum coordinator's gradient thread
 and the quorum follower (quorum.py) and the single-process run all call it.
 """
 
@@ -10,10 +11,11 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 
 import numpy as np
 
-from mpitrain.core.ledger import Deal, SyncDeal
+from mpitrain.core.ledger import Block, Deal, Leases, SyncDeal
 from mpitrain.membership.faults import batch_trace, injected_step
 from mpitrain.runtime import Context
 
@@ -52,38 +54,103 @@ class BatchStream:
         return self.budget is not None and self.taken >= self.budget
 
 
-class DealtBatches:
+class Numbered:
+    """Minibatches by their number in the job's deal (core/ledger.Deal): the samples of batch g, from its
+    epoch's permutation (copied to the device once an epoch), traced for tests (MPITRAIN_TRACE_BATCHES:
+    the trace's step column is `label`, a sync step or an async batch number)."""
+
+    def __init__(self, ctx: Context, deal: Deal, step0: int):
+        be = ctx.backend
+        self.be, self.numbering = be, deal
+        self.x = be.asarray(ctx.data.x_train)
+        self.y = be.asarray(ctx.data.y_train)
+        self._epoch, self._perm = None, None
+        self.trace = batch_trace(ctx.rank, step0)
+
+    def batch(self, g: int, label: int):
+        deal = self.numbering
+        epoch, start = deal.place(g)
+        if epoch != self._epoch:
+            self._epoch, self._perm = epoch, self.be.asarray(deal.permutation(epoch))
+        if self.trace is not None:
+            self.trace.took(label, epoch, deal.permutation(epoch)[start : start + deal.batch])
+        rows = self._perm[start : start + deal.batch]
+        return self.x[rows], self.y[rows]
+
+
+class DealtBatches(Numbered):
     """A sync worker's minibatches: the numbers the deal gives it, step after step (core/ledger.SyncDeal).
     `idle` when the deal has no batch for it in the coming step (the last of a run whose worker count does
     not divide what is left of the deal)."""
 
     def __init__(self, ctx: Context, deal: SyncDeal):
-        be = ctx.backend
-        self.be, self.deal = be, deal
-        self.x = be.asarray(ctx.data.x_train)
-        self.y = be.asarray(ctx.data.y_train)
+        super().__init__(ctx, deal.deal, deal.step0)
+        self.deal = deal
         self.step = deal.step0
-        self._epoch, self._perm = None, None  # the epoch's permutation, copied to the device once
-        self.trace = batch_trace(ctx.rank, deal.step0)
 
     @property
     def idle(self) -> bool:
         return self.deal.number(self.step) is None
 
     def next(self):
-        g = self.deal.number(self.step)
         self.step += 1
-        deal = self.deal.deal
-        epoch, start = deal.place(g)
-        if epoch != self._epoch:
-            self._epoch, self._perm = epoch, self.be.asarray(deal.permutation(epoch))
-        rows = self._perm[start : start + deal.batch]
-        if self.trace is not None:
-            self.trace.took(self.step - 1, epoch, deal.permutation(epoch)[start : start + deal.batch])
-        return self.x[rows], self.y[rows]
+        return self.batch(self.deal.number(self.step - 1), self.step - 1)
 
     def skip(self) -> None:
         self.step += 1
+
+
+def start_leases(ctx: Context, state) -> Leases:
+    """An async job's deal from `state` (the start state: the same on every rank), its first blocks dealt:
+    two per worker with --overlap (the one it computes on and the next), else one. A state from before
+    the ledger went on from the global step (one batch per step). --steps lends no more than the updates
+    left will apply (each applies its block's batches as global steps), so a run ends with nothing out."""
+    cfg, deal = ctx.cfg, ctx.deal(state)
+    fresh = state.dealt if state.dealt is not None else state.global_step
+    end = ctx.deal_end(deal)
+    if cfg.steps is not None:
+        by_steps = fresh + max(0, cfg.steps - state.global_step) - sum(n for _, n in state.redeal)
+        end = by_steps if end is None else min(end, by_steps)
+    depth = 2 if cfg.overlaps(ctx.workers) else 1
+    return Leases(fresh, list(state.redeal), ctx.workers, depth, cfg.local_steps, end)
+
+
+class LeasedBatches(Numbered):
+    """An async worker's minibatches: the blocks of batch numbers rank 0 lends it (core/ledger.Leases), one
+    block per push (--local-steps: up to H batches), in the order lent. `begin` starts the next block; the
+    push names it back."""
+
+    def __init__(self, ctx: Context):
+        super().__init__(ctx, ctx.deal(ctx.start), ctx.start.global_step)
+        self.blocks: deque[Block] = deque(start_leases(ctx, ctx.start).out[ctx.worker_index])  # lent, not begun
+        self.block: Block | None = None  # the one being computed
+        self.taken = 0  # of it
+
+    def lend(self, block: Block) -> None:
+        self.blocks.append(block)
+
+    @property
+    def held(self) -> bool:
+        """Whether a block is lent and not begun."""
+        return bool(self.blocks)
+
+    def begin(self) -> Block:
+        self.block, self.taken = self.blocks.popleft(), 0
+        return self.block
+
+    def next(self):
+        g = self.block[0] + self.taken
+        self.taken += 1
+        return self.batch(g, g)
+
+    @property
+    def idle(self) -> bool:
+        return False
+
+    @property
+    def exhausted(self) -> bool:
+        """The block begun is used up (--local-steps: the inner steps end there)."""
+        return self.block is None or self.taken >= self.block[1]
 
 
 class Divergence:
@@ -115,7 +182,7 @@ class GradientSource:
 
     ONE_READ_FROM = 1_000_000  # parameters: from here a GPU step reads its loss and finite check at once
 
-    def __init__(self, ctx: Context, taken: int = 0, batches: BatchStream | DealtBatches | None = None):
+    def __init__(self, ctx: Context, taken: int = 0, batches: BatchStream | DealtBatches | LeasedBatches | None = None):
         self.model = ctx.model
         self.batches = batches or BatchStream(ctx, taken)
         self.divergence = Divergence(ctx)

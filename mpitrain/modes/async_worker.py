@@ -1,0 +1,113 @@
+"""Async mode, a worker's side (AsyncWorker): compute on the parameters it has, on the block of batches
+rank 0 lent it (core/ledger.Leases), push, pull the next parameters and block; with --overlap the next
+gradient is computed while the answer travels. The servers' side is async_.py's AsyncServer."""
+
+from __future__ import annotations
+
+from mpitrain.core.guard import Diverged
+from mpitrain.core.outer import InnerSteps
+from mpitrain.core.reports import WorkerResult
+from mpitrain.duties.observe import COMPUTE, PULL, PUSH
+from mpitrain.exchange.base import PushPull
+from mpitrain.exchange.mpi import MPIPushPull
+from mpitrain.exchange.protocol import ProtocolError
+from mpitrain.membership.elastic import interrupted_at
+from mpitrain.membership.faults import Kill
+from mpitrain.modes.gradients import GradientSource, LeasedBatches
+from mpitrain.runtime import Context, start_state
+
+
+class AsyncWorker:
+    """Pull/compute/push through the exchange (exchange.base.PushPull; MPI's by default). With
+    --overlap (the default up to config.AUTO_OVERLAP_MAX_WORKERS workers) the answer to push k is
+    received while the gradient of step k+1 is computed, so a worker never idles on the round trip;
+    each gradient is then computed on parameters one exchange older. --no-overlap waits for every
+    answer. With --num-ps K the servers count their own versions, and a worker stops when any
+    server stops it."""
+
+    def __init__(self, ctx: Context, exchange: PushPull | None = None, leased: bool = True):
+        start = start_state(ctx)
+        self.ctx, self.be, self.act = ctx, ctx.backend, ctx.activity
+        self.overlap = ctx.cfg.overlaps(ctx.workers)
+        self.exchange = exchange or MPIPushPull(ctx, start)
+        # Rank 0's blocks of the data (core/ledger.Leases); the shm store's workers read their own shards
+        self.batches = LeasedBatches(ctx) if leased else None
+        self.source = GradientSource(ctx, start.position(ctx.worker_index), batches=self.batches)
+        self.kill = Kill(ctx.rank)
+        n, xp = ctx.model.n_params, self.be.xp
+        self.inner = InnerSteps(ctx.cfg, n, xp) if ctx.cfg.local_steps > 1 else None  # --local-steps H
+        self.pushed = 0
+        self.counted = 0  # its gradients in the pushes so far: pushes, or (--local-steps) the inner steps they carried
+        self.sent_last = False
+        self.diverged: Diverged | None = None  # set when a server stops the run because a loss diverged
+
+    def run(self) -> WorkerResult:
+        # Rank 0 lost (--on-lost-server continue): the take-over starts from the freshest copy.
+        # (What a server may have applied: the pushes, not inner steps not pushed yet, which no store or server has.)
+        with interrupted_at(self.exchange.held, lambda: (self.counted, 0)):
+            return self._train()
+
+    def _train(self) -> WorkerResult:
+        ex = self.exchange
+        # Nothing lent to it at the start (the deal's end is near), or resumed with its own epochs done:
+        # a gradient now would train past the budget, so it leaves at once.
+        running = self._more()
+        if not running:
+            ex.leave(self.pushed)
+        while running:
+            if ex.in_flight and (not self.overlap or not self._more()):
+                if self._pull():
+                    break
+                if not self._more():
+                    raise ProtocolError("the parameter server neither lent this worker more data nor stopped it")
+            slot = self.pushed % 2
+            lease = self.batches.begin() if self.batches else None
+            loss, used_versions = self._compute(slot)
+            if ex.in_flight and self._pull():
+                break  # the gradient just computed is not pushed: training is over
+            self._push(slot, loss, used_versions, lease)
+        held = self.exchange.held()  # what a take-over would start from, should rank 0 be lost after this
+        ex.close()
+        return WorkerResult(self.pushed, held.params, self.act.times(), diverged=self.diverged, train_state=held,
+                            counted=self.counted)
+
+    def _compute(self, slot: int) -> tuple[float, list[int]]:
+        """The next minibatch's gradient into the exchange's `slot`; its loss and the versions it used."""
+        ex = self.exchange
+        self.act.enter(COMPUTE, ex.versions[0])
+        used_versions = ex.versions
+        if self.inner is not None:  # H steps of its own, and how far they moved into the push
+            loss = self.inner.run(ex.params, ex.gradient(slot), self._step, lambda: self.source.exhausted,
+                                  self.ctx.lr_at, ex.versions[0])
+            return loss, used_versions
+        return self._step(ex.params, ex.gradient(slot)), used_versions
+
+    def _step(self, params, grad) -> float:
+        loss = self.source.compute(params, grad)
+        self.act.stepped()
+        return loss
+
+    def _more(self) -> bool:
+        """Whether it has a next gradient to compute without a word from rank 0: a block lent and not begun
+        (its own shard, the shm store's: not at its end)."""
+        return self.batches.held if self.batches else not (self.sent_last or self.source.exhausted)
+
+    def _push(self, slot: int, loss: float, used_versions: list[int], lease) -> None:
+        last = self.batches is None and self.source.exhausted  # lent blocks: rank 0 knows when it is done
+        self.kill.at(self.pushed + 1)
+        self.act.enter(PUSH)
+        count = self.pushed + 1 if self.inner is None else self.inner.count  # its gradients: pushes, or inner steps
+        self.exchange.push(slot, loss, used_versions, count, last, lease)
+        self.pushed += 1
+        self.counted = count
+        self.sent_last = last
+
+    def _pull(self) -> bool:
+        """The answer to the push in flight becomes the parameters. True when told to stop."""
+        self.act.enter(PULL)
+        stopped = self.exchange.pull(self.pushed)
+        if self.batches is not None and not stopped and self.exchange.lent:
+            self.batches.lend(self.exchange.lent)
+        if self.exchange.diverged_at is not None:
+            self.diverged = Diverged(self.exchange.diverged_at)
+        return stopped
