@@ -67,6 +67,7 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "AB.md"))
+    p.add_argument("--speed-only", action="store_true", help="only the speed A/B (a cost check with more --reps)")
     args = p.parse_args()
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     lines = []
@@ -77,21 +78,25 @@ def main() -> int:
         try:
             ref = subprocess.run(["git", "rev-parse", "--short", args.ref], cwd=ROOT, capture_output=True,
                                  text=True).stdout.strip()
-            lines += [f"# Same behaviour: {head} (B) against {ref} (A)", "",
-                      f"`python benchmarks/ab.py {args.ref} --reps {args.reps} --steps {args.steps}`, "
-                      f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, on {machine()}.", "",
-                      "| deterministic run | A param_digest | B param_digest | equal |", "|---|---|---|---|"]
-            for label, ranks, flags in DIGESTS:
+            lines += [f"# {'Speed' if args.speed_only else 'Same behaviour'}: {head} (B) against {ref} (A)", "",
+                      f"`python benchmarks/ab.py {args.ref} --reps {args.reps} --steps {args.steps}"
+                      f"{' --speed-only' if args.speed_only else ''}`, "
+                      f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, on {machine()}.", ""]
+            if not args.speed_only:
+                lines += ["| deterministic run | A param_digest | B param_digest | equal |", "|---|---|---|---|"]
+            for label, ranks, flags in [] if args.speed_only else DIGESTS:
                 a, b = run(before, ranks, flags, tmp)["param_digest"], run(ROOT, ranks, flags, tmp)["param_digest"]
                 lines.append(f"| {label} (`{flags}`) | {a} | {b} | {'yes' if a == b else '**no**'} |")
                 print(lines[-1], flush=True)
-            lines += ["", "| run (not deterministic) | A test accuracy | B test accuracy |", "|---|---|---|"]
-            for label, ranks, flags in ACCURACY:
+            if not args.speed_only:
+                lines += ["", "| run (not deterministic) | A test accuracy | B test accuracy |", "|---|---|---|"]
+            for label, ranks, flags in [] if args.speed_only else ACCURACY:
                 a, b = run(before, ranks, flags, tmp)["test_accuracy"], run(ROOT, ranks, flags, tmp)["test_accuracy"]
                 lines.append(f"| {label} (`{flags}`) | {a:.4f} | {b:.4f} |")
                 print(lines[-1], flush=True)
             lines += ["", f"Speed, np=3, synthetic, MLP, {args.steps} steps, A and B alternating, "
-                          f"median of {args.reps} (samples/s):", "", "| mode | A | B | B / A |", "|---|---|---|---|"]
+                          f"median of {args.reps} (samples/s), and each side's range:", "", "| mode | A | B | B / A | A range | B range |",
+                      "|---|---|---|---|---|---|"]
             for mode in ("async", "sync"):
                 flags = f"--mode {mode} --dataset synthetic --lr 0.1 --steps {args.steps}"
                 rates = {"A": [], "B": []}
@@ -99,7 +104,8 @@ def main() -> int:
                     rates["A"].append(run(before, 3, flags, tmp)["samples_per_second"])
                     rates["B"].append(run(ROOT, 3, flags, tmp)["samples_per_second"])
                 a, b = statistics.median(rates["A"]), statistics.median(rates["B"])
-                lines.append(f"| {mode} | {a:,.0f} | {b:,.0f} | {b / a:.2f}x |")
+                spread = [f"{min(r):,.0f}-{max(r):,.0f}" for r in (rates["A"], rates["B"])]
+                lines.append(f"| {mode} | {a:,.0f} | {b:,.0f} | {b / a:.3f}x | {spread[0]} | {spread[1]} |")
                 print(lines[-1], flush=True)
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(before)], cwd=ROOT, capture_output=True)

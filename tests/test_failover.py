@@ -27,6 +27,7 @@ from conftest import (
     wait_for_checkpoint,
     wait_for_training,
 )
+from test_ledger import EPOCH_SAMPLES, assert_each_epoch_once, read_trace
 
 from mpitrain.duties import checkpoint
 from mpitrain.launch import mpiimpl
@@ -70,13 +71,14 @@ def kill_mid_run(cmd: list[str], np_: int, victim: int | tuple[int, ...], ck=Non
 
 @pytest.mark.parametrize("mode", ["sync", pytest.param("quorum", marks=only_on("mpich", SAME)), "async", "shm"])
 def test_rank_0_killed_mid_run_a_worker_takes_over_and_the_job_reaches_its_budget(tmp_path, mode):
-    ck, summary = tmp_path / "ck", tmp_path / "summary.json"
+    ck, summary, trace = tmp_path / "ck", tmp_path / "summary.json", tmp_path / "trace"
+    trace.mkdir()
     how = {"quorum": ("--mode", "sync", "--quorum", "2"), "shm": ("--mode", "async", "--ps-transport", "shm",
                                                                  "--optimizer", "adam")}.get(mode, ("--mode", mode))
     cmd = mpitrain_cmd(4, *how, "--no-progress", "--steps", str(BUDGET), "--worker-timeout", "1",
                        "--on-lost-server", "continue", "--checkpoint-dir", str(ck), "--checkpoint-every-steps", "500",
                        "--summary-json", str(summary), launcher_flags=keep_going())
-    proc, _, err, leftovers = kill_mid_run(cmd, 4, 0, ck)
+    proc, _, err, leftovers = kill_mid_run(cmd, 4, 0, ck, env={**child_env(), "MPITRAIN_TRACE_BATCHES": str(trace)})
     first = proc.first_checkpoint  # training was under way, past this step
     assert "Traceback" not in err and not leftovers, err
     # 8, as for a lost worker; under hydra ORed with rank 0's supervisor's 137 (supervise.killed_exit)
@@ -96,6 +98,12 @@ def test_rank_0_killed_mid_run_a_worker_takes_over_and_the_job_reaches_its_budge
         assert all(0 <= p - n <= 2 for n, p in zip(s["worker_steps"], s["gradients_pushed"])), s["gradients_pushed"]
     if mode in ("sync", "quorum"):  # the replicas hold the whole model: nothing is lost, and they are identical
         assert fo["updates_lost_at_most"] == 0 and set(s["worker_param_digests"]) == {s["param_digest"]}
+    if mode == "sync":  # the deal's count travels with the take-over: the epoch it cut goes on, each sample once
+        complete = [e["epoch"] for e in s["epochs"] if e["complete"]]
+        assert len(complete) >= BUDGET * 2 // 12  # 3 batches a step, then 2 after the loss
+        assert {(e["samples"], e["missed"], e["repeated"]) for e in s["epochs"][:-1]} == {(EPOCH_SAMPLES[3], 0, 0)}
+        trained = read_trace(trace)
+        assert_each_epoch_once({e: trained[e] for e in complete}, len(complete), EPOCH_SAMPLES[3])
     elif mode == "shm":  # the store outlives rank 0: every update applied, and Adam's state, go on
         assert fo["updates_lost_at_most"] == 0, fo
         assert fo["state_kept"] == ["opt_m", "opt_v"] and "no update lost; kept: m, v" in err, err

@@ -97,6 +97,9 @@ def test_a_worker_joins_a_running_job_and_trains(tmp_path, mode):
         assert len(per_exchange) == 1, s["worker_bytes"]  # the same buffer every step, whoever sent it
     else:
         assert sum(s["worker_steps"]) == BUDGET[mode]
+        # the blocks out at the join were dealt again in the next phase (core/ledger.Leases): each applied once
+        assert sum(e["samples"] for e in s["epochs"]) == s["global_step"] * s["config"]["batch_size"]
+        assert {(e["missed"], e["repeated"]) for e in s["epochs"]} == {(0, 0)}
         assert all(p >= k for p, k in zip(s["gradients_pushed"], s["worker_steps"])), s
     assert s["resumed_from"] is None and "resuming from" not in out
     assert "training on from " in out and ", saved to make room" in out

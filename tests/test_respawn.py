@@ -118,6 +118,9 @@ def test_a_worker_killed_with_sigkill_is_replaced_and_the_job_finishes_its_budge
         assert "starting a worker in place of the one lost at the next step boundary (--respawn: 0 more" in text
     assert joined["respawned"] and joined["rank"] == last and 0 < joined["global_step"] < BUDGET[mode]
     assert s["workers"] == 2 and s["global_step"] == BUDGET[mode]  # the budget the job started with
+    if mode == "async":  # the lost worker's blocks went to the others (core/ledger.Leases): each applied once
+        assert {(e["missed"], e["repeated"]) for e in s["epochs"] if e["complete"]} == {(0, 0)}
+        assert sum(e["samples"] for e in s["epochs"]) == s["global_step"] * s["config"]["batch_size"]
     if mode == "sync":
         assert s["worker_param_digests"] == [s["param_digest"]] * 2
     elif mode == "shm":
