@@ -24,7 +24,11 @@ is finished by whoever is left. Why leases rather than each worker reading its o
 follows its worker, and a worker's loss took the shard's rest with it; a lease is one rank's
 decision, with the reply that is sent anyway (two header slots), and costs nothing measurable.
 
-The few samples past the last whole batch of each shard wait for a later epoch's reshuffle (`left`).
+What is not exact, named: with --num-ps K a worker that dies half-way through a push may have reached
+another server but not rank 0, which deals the block again (that slice applies it twice, uncounted); a
+take-over of rank 0 starts a new ledger from the global step (the blocks out at the loss are unknown);
+--quorum and the shm store read their own shards, with no account. The few samples past the last
+whole batch of each shard wait for a later epoch's reshuffle (`left`).
 `epochs` writes the summary's account of every epoch begun. Nothing here is per
 sample: a deal is four integers, the leases a few blocks per worker.
 """
