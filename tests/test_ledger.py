@@ -235,3 +235,27 @@ def test_the_summary_names_the_last_complete_epoch_only_when_it_was_not_whole():
     assert epoch_lines({"epochs": None}) == []
     assert epoch_lines({"epochs": [whole, cut, {**whole, "epoch": 2, "complete": False}]}) == [
         "  epoch 1: 1,000 samples applied, 200 missed, 0 repeated, 0 dropped (a resume deals the missed again)"]
+
+
+def test_the_ledger_stays_a_few_blocks_however_long_the_run():
+    """60,000 samples, 16 workers, 10 epochs with a worker lost every epoch: what rank 0 keeps is at most two
+    blocks per worker plus what the lost ones held (never a per-sample list), and a worker's deal caches at
+    most two epochs' permutations."""
+    deal = Deal(60_000, 100, 16, 0)
+    end = 10 * deal.per_epoch
+    leases = ledger.Leases(0, [], 16, 2, 1, end)
+    live, largest, rng = list(range(16)), 0, random.Random(1)
+    while any(leases.holds(w) for w in live):
+        for w in list(live):
+            if leases.holds(w):
+                first, n = leases.out[w][0]
+                assert leases.applied(w, (first, n))
+                leases.grant(w)
+                deal.rows(first)
+                if first % deal.per_epoch == 300 and len(live) > 6:  # mid-epoch, one lost
+                    victim = rng.choice(live)
+                    live.remove(victim)
+                    leases.lose(victim)
+        largest = max(largest, len(leases.unapplied()))
+        assert len(deal._perms) <= 2
+    assert largest <= 2 * 16 and leases.fresh == end and not leases.unapplied()
