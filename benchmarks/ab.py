@@ -95,7 +95,8 @@ def main() -> int:
                 lines.append(f"| {label} (`{flags}`) | {a:.4f} | {b:.4f} |")
                 print(lines[-1], flush=True)
             lines += ["", f"Speed, np=3, synthetic, MLP, {args.steps} steps, A and B alternating, "
-                          f"median of {args.reps} (samples/s), and each side's range:", "", "| mode | A | B | B / A | A range | B range |",
+                          f"median of {args.reps} (samples/s), and each side's range:", "",
+                      "| mode | A | B | B / A | A range | B range |",
                       "|---|---|---|---|---|---|"]
             for mode in ("async", "sync"):
                 flags = f"--mode {mode} --dataset synthetic --lr 0.1 --steps {args.steps}"
