@@ -259,9 +259,10 @@ class Context:
         return Deal(self.data.n_train, cfg.batch_size, state.deal_shards or self.layout.started_workers, cfg.seed)
 
     def dealt(self, state) -> int:
-        """The deal's batches in `state`'s updates; a state from before the ledger (an older checkpoint)
-        took one batch of each shard per step."""
-        return state.dealt if state.dealt is not None else state.global_step * self.deal(state).shards
+        """How far the deal got in `state`; one from before the ledger (an older checkpoint) took a batch
+        of each shard per sync step, one batch per async step."""
+        return state.dealt if state.dealt is not None else state.global_step * (self.deal(state).shards
+                                                                                if self.mode.deals else 1)
 
     def budget_reached(self, state) -> bool:
         """Whether `state` (a TrainState or rank 0's ServerState) is where training ends: --steps, or

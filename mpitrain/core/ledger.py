@@ -29,8 +29,9 @@ another server but not rank 0, which deals the block again (that slice applies i
 take-over of rank 0 starts a new ledger from the global step (the blocks out at the loss are unknown);
 --quorum and the shm store read their own shards, with no account. The few samples past the last
 whole batch of each shard wait for a later epoch's reshuffle (`left`).
-`epochs` writes the summary's account of every epoch begun. Nothing here is per
-sample: a deal is four integers, the leases a few blocks per worker.
+
+`epochs` writes the summary's account of every epoch begun. Nothing here is per sample: a deal is
+four integers, the leases a few blocks per worker.
 """
 
 from __future__ import annotations

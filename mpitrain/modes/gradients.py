@@ -105,9 +105,8 @@ def start_leases(ctx: Context, state) -> Leases:
     two per worker with --overlap (the one it computes on and the next), else one. A state from before
     the ledger went on from the global step (one batch per step). --steps lends no more than the updates
     left will apply (each applies its block's batches as global steps), so a run ends with nothing out."""
-    cfg, deal = ctx.cfg, ctx.deal(state)
-    fresh = state.dealt if state.dealt is not None else state.global_step
-    end = ctx.deal_end(deal)
+    cfg, fresh = ctx.cfg, ctx.dealt(state)
+    end = ctx.deal_end(ctx.deal(state))
     if cfg.steps is not None:
         by_steps = fresh + max(0, cfg.steps - state.global_step) - sum(n for _, n in state.redeal)
         end = by_steps if end is None else min(end, by_steps)
