@@ -49,7 +49,7 @@ def rank_main() -> None:
     from mpitrain.exchange.transport import Poller
     from mpitrain.launch.mpiimpl import MPICH
     from mpitrain.membership.stuck import WATCHDOG
-    from mpitrain.runtime import unlink_init_shm
+    from mpitrain.node import unlink_init_shm
 
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()

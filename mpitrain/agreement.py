@@ -10,7 +10,8 @@ from mpitrain.core.config import TrainConfig, UsageError
 from mpitrain.core.config_io import agreed_fields, disagreement, plain_value
 from mpitrain.core.console import say
 from mpitrain.exchange.protocol import VERSION as PROTOCOL_VERSION
-from mpitrain.runtime import Context, Node, setup
+from mpitrain.node import Node
+from mpitrain.runtime import Context, setup
 from mpitrain.version import __version__
 
 

@@ -195,14 +195,14 @@ def in_keywords(line: str) -> str:
 
 def rank() -> int:
     """This process's rank in COMM_WORLD (0: the parameter server, which gets the summary)."""
-    from mpitrain.runtime import world
+    from mpitrain.node import world
 
     return world().Get_rank()
 
 
 def size() -> int:
     """The number of processes in the job (1 in a plain `python`; parameter servers + workers under mpirun)."""
-    from mpitrain.runtime import world
+    from mpitrain.node import world
 
     return world().Get_size()
 
@@ -220,7 +220,7 @@ def local_rank() -> int:
 def train(**options) -> Result:
     from mpitrain.core.blas import pin_blas_threads
     from mpitrain.core.exitcodes import ExitCode
-    from mpitrain.runtime import node_info, world
+    from mpitrain.node import node_info, world
 
     pin_blas_threads()  # as the command line does (core/blas.py)
     cfg = config(**options)
@@ -257,7 +257,7 @@ def _leave(code: int) -> None:
     survivor waits here, bounded, until every other one is at its exit too."""
     from mpitrain.launch import mpiimpl
     from mpitrain.launch.lock import exit_without_finalize
-    from mpitrain.runtime import world
+    from mpitrain.node import world
 
     mpiimpl.farewell(world(), LEAVING_TOGETHER_S)
     exit_without_finalize(code)

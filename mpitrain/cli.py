@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     from mpitrain.launch.supervise import supervise
 
     supervise()  # under hydra: a dying rank must not take its peers down (see supervise.py)
-    from mpitrain.runtime import node_info, world
+    from mpitrain.node import node_info, world
 
     try:  # before MPI starts: the flags say how it must (world); a bad flag is reported once it has, by every rank
         cfg, parser = parse_args(argv)

@@ -28,7 +28,8 @@ from mpitrain.membership.join import why_not_there
 from mpitrain.membership.joiner import join_job
 from mpitrain.membership.lobby import Lobby
 from mpitrain.membership.respawn import join_spawned, spawned, start_worker, welcome
-from mpitrain.runtime import PS_RANK, Context, Node, node_info
+from mpitrain.node import Node, node_info
+from mpitrain.runtime import PS_RANK, Context
 
 
 def joined(cfg: TrainConfig, comm, carry: join.Carry) -> tuple[TrainConfig, object, Node]:

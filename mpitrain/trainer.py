@@ -29,7 +29,8 @@ from mpitrain.membership.liveness import PeerLost
 from mpitrain.membership.stalls import server_stall_line, worker_stall_line
 from mpitrain.phases import (after_the_spawned, grow_with_joiner, joined, leave_after_a_loss, make_room, no_room,
                              open_lobby, take_over, with_spares)
-from mpitrain.runtime import PS_RANK, Context, Node, broadcast_start, nothing_to_train
+from mpitrain.node import Node
+from mpitrain.runtime import PS_RANK, Context, broadcast_start, nothing_to_train
 
 
 def _evaluate(ctx: Context, params_host: np.ndarray) -> tuple[float, float]:

@@ -111,7 +111,7 @@ class SlurmCluster:
         for d in ("state", "spool"):
             (self.root / d).mkdir(parents=True, exist_ok=True)
         # A fresh cluster would number its jobs from 1 again; real clusters do not reuse ids, and
-        # MPICH names its shared memory after "<jobid>.<step>" (see runtime.unlink_init_shm).
+        # MPICH names its shared memory after "<jobid>.<step>" (see node.unlink_init_shm).
         first_job = 1000 + int(time.time()) % 1_000_000
         self.conf.write_text(SLURM_CONF.format(host=self.host, root=self.root, cpus=self.cpus, first_job=first_job,
                                                ctld_port=_free_port(), d_port=_free_port(),

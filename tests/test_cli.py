@@ -112,7 +112,8 @@ def test_every_bad_input_is_one_line_naming_it_on_the_server_and_a_worker(args, 
     from mpitrain import modes
     from mpitrain.cli import parse_args
     from mpitrain.core.config import UsageError
-    from mpitrain.runtime import Node, setup
+    from mpitrain.node import Node
+    from mpitrain.runtime import setup
 
     skip_where_it_is_not_bad(args)
     errors = []
@@ -133,7 +134,8 @@ def test_shm_shards_on_several_hosts_are_refused_on_every_rank():
     from mpitrain import modes
     from mpitrain.cli import parse_args
     from mpitrain.core.config import UsageError
-    from mpitrain.runtime import Node, setup
+    from mpitrain.node import Node
+    from mpitrain.runtime import setup
 
     lines = set()
     for rank in (0, 3):
@@ -243,7 +245,8 @@ def test_options_that_need_workers_are_refused_in_one_process(args, needle):
     from mpitrain import modes
     from mpitrain.cli import parse_args
     from mpitrain.core.config import UsageError
-    from mpitrain.runtime import Node, setup
+    from mpitrain.node import Node
+    from mpitrain.runtime import setup
 
     with pytest.raises(UsageError) as e:
         setup(parse_args(args)[0], FakeWorld(0, 1), Node(0, 1, 1, 2), modes.of)
@@ -328,7 +331,8 @@ def test_setup_makes_a_complete_frozen_context_that_needs_no_mpi():
 
     from mpitrain import modes
     from mpitrain.cli import parse_args
-    from mpitrain.runtime import Node, setup
+    from mpitrain.node import Node
+    from mpitrain.runtime import setup
 
     cfg, _ = parse_args(["--dataset", "digits", "--mode", "sync"])
     ctx = setup(cfg, FakeWorld(1, 3), Node(1, 3, 2, 2), modes.of)

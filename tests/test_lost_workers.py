@@ -429,7 +429,7 @@ def test_a_job_killed_whole_leaves_no_shared_memory_behind_and_exits_as_document
 
 
 def test_unlink_init_shm_removes_only_mapped_init_segments(tmp_path):
-    from mpitrain.runtime import unlink_init_shm
+    from mpitrain.node import unlink_init_shm
 
     shm = tmp_path / "shm"
     shm.mkdir()

@@ -365,15 +365,16 @@ def test_a_later_phase_sets_up_on_the_data_its_process_loaded_before(monkeypatch
 
     from mpitrain import modes, runtime
     from mpitrain.cli import parse_args
+    from mpitrain.node import Node
 
     cfg = parse_args(["--dataset", "synthetic", "--synthetic-samples", "2000"])[0]
-    first = runtime.setup(cfg, FakeWorld(1, 3), runtime.Node(1, 3, 2, 2), modes.of)
+    first = runtime.setup(cfg, FakeWorld(1, 3), Node(1, 3, 2, 2), modes.of)
 
     def loads_again(cfg):
         raise AssertionError("loaded the dataset again")
 
     monkeypatch.setattr(runtime, "load_dataset", loads_again)
-    again = runtime.setup(join.Carry(budget=100).next_config(cfg), FakeWorld(1, 3), runtime.Node(1, 3, 2, 2),
+    again = runtime.setup(join.Carry(budget=100).next_config(cfg), FakeWorld(1, 3), Node(1, 3, 2, 2),
                           modes.of, first.data)
     assert again.data is first.data and again.model.sizes == first.model.sizes
 

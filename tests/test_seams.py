@@ -11,7 +11,8 @@ def sync_worker_context(*flags):
     """A sync worker's context (worker 0 of 2), as setup() makes it, without MPI."""
     from mpitrain import modes
     from mpitrain.cli import parse_args
-    from mpitrain.runtime import Node, setup
+    from mpitrain.node import Node
+    from mpitrain.runtime import setup
 
     cfg, _ = parse_args(["--mode", "sync", "--lr-scaling", "none", *flags])
     return setup(cfg, FakeWorld(1, 3), Node(1, 3, 2, 2), modes.of)
@@ -155,7 +156,8 @@ from mpitrain.cli import parse_args
 from mpitrain.modes.gradients import GradientSource
 from mpitrain.duties.metrics import Progress
 from mpitrain.core.optim import ServerUpdate
-from mpitrain.runtime import Node, setup
+from mpitrain.node import Node
+from mpitrain.runtime import setup
 from mpitrain.duties.summary import digest
 
 cfg, _ = parse_args(sys.argv[1:])

@@ -260,7 +260,7 @@ def test_set_up_loads_the_stores_blas_before_training_and_only_for_it():
     import sys
 
     code = ("import sys; sys.path.insert(0, 'tests'); from test_cli import FakeWorld; from mpitrain import modes; "
-            "from mpitrain.cli import parse_args; from mpitrain.runtime import Node, setup; "
+            "from mpitrain.cli import parse_args; from mpitrain.node import Node; from mpitrain.runtime import setup; "
             "cfg, _ = parse_args(['--mode', 'async', '--ps-transport', sys.argv[1], '--dataset', 'synthetic']); "
             "setup(cfg, FakeWorld(1, 3), Node(1, 3, 2, 2), modes.of); print('scipy.linalg.blas' in sys.modules)")
     loaded = {}

@@ -150,7 +150,8 @@ def test_the_learning_rate_of_each_step_is_the_formulas_with_the_phases_constant
     from mpitrain.cli import parse_args
     from mpitrain.core.layout import Layout
     from mpitrain.core.optim import decayed_lr
-    from mpitrain.runtime import Node, setup, warmed_up
+    from mpitrain.node import Node
+    from mpitrain.runtime import setup, warmed_up
 
     def formula(c, step):  # from the context's live properties, not lr_at's cache
         seen = step * c.global_batch

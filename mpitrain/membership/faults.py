@@ -41,7 +41,8 @@ MPITRAIN_INJECT_SLOW_START=SEC  a --join worker (one the job started with --resp
 MPITRAIN_INJECT_OFFHOST=RANK,...  --ps-transport shm: these workers take the message path as a worker on
                                 another host than rank 0's does (modes/shm_remote.py, tested on one host)
 MPITRAIN_INJECT_STRANGER=RANK,...  these ranks count as another launch's on this host (a --respawn's or a
-                                --join's): async's exchange with rank 0 takes a mailbox (exchange/mailbox.py)
+                                --join's): async's exchange with rank 0 takes a mailbox (read in node.py, below
+                                this layer)
 MPITRAIN_FORM_LIMIT_S=SEC       how long every rank waits for such a world before it ends itself
                                 (join.FORM_LIMIT_S, 30 s; the test that kills there waits less)
 
@@ -319,12 +320,6 @@ def batch_trace(rank: int, step0: int, env=os.environ) -> BatchTrace | None:
 def offhost_ranks(env=os.environ) -> set[int]:
     """MPITRAIN_INJECT_OFFHOST: the worker ranks to treat as on another host than the store's."""
     return {int(r) for r in env.get("MPITRAIN_INJECT_OFFHOST", "").split(",") if r.strip()}
-
-
-def stranger_ranks(env=os.environ) -> set[int]:
-    """MPITRAIN_INJECT_STRANGER: ranks to treat as another launch's on this host (runtime.strangers_here),
-    so that async's mailbox (exchange/mailbox.py) is used without a --respawn or a --join."""
-    return {int(r) for r in env.get("MPITRAIN_INJECT_STRANGER", "").split(",") if r.strip()}
 
 
 def joiner_deaf() -> bool:
