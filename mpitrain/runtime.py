@@ -144,6 +144,8 @@ class Context:
         if not self.mode.deals or state.dealt is None:
             return state.global_step >= self.global_step_budget
         end = self.deal_end(self.deal(state))
+        if end is not None and not self.mode.short_last_step:  # --quorum: fewer left than workers are never dealt
+            end -= self.workers - 1
         steps = self.cfg.steps
         return (steps is not None and state.global_step >= steps) or (end is not None and state.dealt >= end)
 
@@ -347,18 +349,14 @@ def broadcast_start(ctx: Context) -> checkpoint.TrainState:
     else:
         state = checkpoint.TrainState(np.empty(ctx.model.n_params, np.float32), positions=[0] * W)
     names = checkpoint.state_arrays(ctx.cfg)[1:]  # the optimizer's state, the moving average
-    head = np.array([state.global_step, state.opt_t, *state.deal_words(), len(state.redeal),
-                     *(state.array(a) is not None for a in names), *state.positions], np.int64)
+    head = np.array([state.global_step, state.opt_t, *(state.array(a) is not None for a in names), *state.positions],
+                    np.int64)
     ctx.comm.Bcast([head, MPI.INT64_T], root=PS_RANK)
     state.global_step, state.opt_t = int(head[0]), int(head[1])
-    state.take_deal_words(head[2:4])
-    state.positions = [int(p) for p in head[5 + len(names):]]
-    if head[4]:  # async: the blocks to deal again, first in line (core/ledger.Leases)
-        blocks = np.array(state.redeal if ctx.rank == PS_RANK else np.empty((head[4], 2)), np.int64).reshape(-1, 2)
-        ctx.comm.Bcast([blocks, MPI.INT64_T], root=PS_RANK)
-        state.redeal = [(int(a), int(b)) for a, b in blocks]
+    state.positions = [int(p) for p in head[2 + len(names):]]
+    checkpoint.bcast_ledger(ctx.comm, state, state, PS_RANK)
     ctx.comm.Bcast([state.params, MPI.FLOAT], root=PS_RANK)
-    for name, present in zip(names, head[5:]):
+    for name, present in zip(names, head[2:]):
         if present:
             arr = state.array(name) if ctx.rank == PS_RANK else np.empty(ctx.model.n_params, np.float32)
             ctx.comm.Bcast([arr, MPI.FLOAT], root=PS_RANK)

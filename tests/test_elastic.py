@@ -91,6 +91,11 @@ def test_a_sync_job_goes_on_without_a_worker_killed_from_outside(tmp_path, mode,
     # Replicas bitwise identical: every worker left and rank 0 end on the same parameters.
     assert s["worker_param_digests"] == [s["param_digest"]] * 2
     assert s["test_accuracy"] > 0.9
+    # The ledger across the regroup: every epoch dealt whole was applied, or left out by the quorum (which
+    # takes 2 of the 3 before the loss, and both of the 2 after), none missed
+    whole = [e for e in s["epochs"] if e["complete"]]
+    assert {(e["samples"] + e["dropped"], e["missed"], e["repeated"]) for e in whole} == {(EPOCH_SAMPLES[3], 0, 0)}
+    assert (sum(e["dropped"] for e in whole) > 0) == ("quorum" in mode)
 
 
 def kill_rank_2_mid_epoch(tmp_path, mode: str):

@@ -185,6 +185,50 @@ def test_a_sync_run_resumed_mid_epoch_on_other_worker_counts_finishes_that_epoch
     assert_each_epoch_once(read_trace(trace), 5, EPOCH_SAMPLES[3])
 
 
+def test_a_quorum_run_takes_the_jobs_deal_and_counts_what_its_updates_left_out(tmp_path):
+    """--quorum 2 of 3 deals as plain sync (each step's three batches of the job's deal, one per worker) and
+    every update takes two of them: each epoch's account is 800 samples applied and 400 dropped, none missed,
+    across a resume mid-epoch (the checkpoint keeps the counts by epoch; the resumed run goes on with them).
+    The workers' own trace: no sample computed twice in an epoch, by any worker, in either run."""
+    trace, ck = tmp_path / "trace", tmp_path / "ck"
+    trace.mkdir()
+    env = {**child_env(), "MPITRAIN_TRACE_BATCHES": str(trace)}
+    summary = tmp_path / "s.json"
+    for budget in (("--steps", "6"), ("--epochs", "5")):
+        run = run_mpitrain(4, "--mode", "sync", "--quorum", "2", *budget, "--no-progress", "--checkpoint-dir", str(ck),
+                           "--summary-json", str(summary), env=env)
+        assert run.returncode == 0, run.stderr
+        if budget[0] == "--steps":  # 4 steps an epoch, one batch of three left out of each
+            saved = checkpoint.load(checkpoint.list_checkpoints(ck)[-1])
+            assert (saved.global_step, saved.dealt, saved.left_out) == (6, 18, {0: 4, 1: 2})
+    s = json.loads(summary.read_text())
+    assert s["global_step"] == 20 and s["resumed_from"].endswith("ckpt-000000006.npz")
+    assert [(e["samples"], e["dropped"], e["missed"], e["complete"]) for e in s["epochs"]] == [(800, 400, 0, True)] * 5
+    assert "epoch 4: 800 samples applied, 0 missed, 0 repeated, 400 dropped (dropped: in a worker's batch" in run.stdout
+    computed: dict[int, list[int]] = collections.defaultdict(list)
+    for f in trace.glob("rank-*.txt"):
+        for line in f.read_text().splitlines():
+            _, _, epoch, *rows = line.split()
+            computed[int(epoch)] += [int(r) for r in rows]
+    assert sorted(computed) == list(range(5))
+    for e, rows in computed.items():  # the applied ones at least, the late ones too; each sample once
+        assert 800 <= len(rows) <= 1200 and len(set(rows)) == len(rows), (e, len(rows), len(set(rows)))
+
+
+def test_a_quorum_update_leaves_out_the_batches_of_the_workers_it_did_not_take():
+    """SyncDeal.left_out against a count of every number: the workers outside `chosen`, over `span` updates,
+    by the epoch each number falls in (an update's numbers may straddle two epochs)."""
+    rng = random.Random(81)
+    for _ in range(300):
+        W, deal = rng.randint(1, 5), Deal(rng.randint(60, 400), rng.randint(1, 7), rng.randint(1, 4), 0)
+        sd = SyncDeal(deal, rng.randint(0, 9), rng.randint(0, 200), W, 0, None)
+        step, span = sd.step0 + rng.randint(0, 30), rng.randint(1, 20)
+        chosen = rng.sample(range(W), rng.randint(0, W))
+        want = collections.Counter((sd.dealt0 + (t - sd.step0) * W + w) // deal.per_epoch
+                                   for t in range(step, step + span) for w in range(W) if w not in chosen)
+        assert sd.left_out(step, span, chosen) == dict(want)
+
+
 def read_leases(directory: Path) -> dict[int, list[int]]:
     """Async's trace: batch number -> the ranks that computed a gradient of it (their trace's step column)."""
     took: dict[int, list[int]] = collections.defaultdict(list)

@@ -27,8 +27,14 @@ decision, with the reply that is sent anyway (two header slots), and costs nothi
 What is not exact, named: with --num-ps K a worker that dies half-way through a push may have reached
 another server but not rank 0, which deals the block again (that slice applies it twice, uncounted); a
 take-over of rank 0 starts a new ledger from the global step (the blocks out at the loss are unknown);
---quorum and the shm store read their own shards, with no account. The few samples past the last
-whole batch of each shard wait for a later epoch's reshuffle (`left`).
+the shm store reads its own shards, with no account. The few samples past the last whole batch of each
+shard wait for a later epoch's reshuffle (`left`).
+
+--quorum deals as sync (a worker computes on the newest parameters it has, with its batch of that step)
+and each update takes Q of the step's batches: the others are `left_out`, counted by epoch on every
+worker from the update's weights (SyncStep.leave_out), carried with `dealt` (regroups, checkpoints) and
+sent to rank 0 with each state it saves; the summary's `dropped`. Its last step deals every worker a
+batch: the few batches left below the worker count are not dealt.
 
 `epochs` writes the summary's account of every epoch begun. Nothing here is per sample: a deal is
 four integers, the leases a few blocks per worker.
@@ -124,6 +130,22 @@ class SyncDeal:
         g = self.dealt0 + (step - self.step0) * self.workers + self.index
         return None if self.end is not None and g >= self.end else g
 
+    def left_out(self, step: int, span: int, chosen) -> dict[int, int]:
+        """--quorum: the batches of updates `step + 1` to `step + span` that were dealt to a worker not
+        in `chosen` (worker indices) and so never applied, by epoch. Worker w's batches in those updates
+        are w-th of each update's numbers: every `workers`-th number, spread over at most a few epochs."""
+        P, W, out = self.deal.per_epoch, self.workers, {}
+        for w in range(W):
+            if w in chosen:
+                continue
+            g, n = self.dealt0 + (step - self.step0) * W + w, span  # its first number, and how many
+            while n > 0:
+                epoch = g // P
+                k = min(n, -(-((epoch + 1) * P - g) // W))  # those of its numbers still in `epoch`
+                out[epoch] = out.get(epoch, 0) + k
+                g, n = g + k * W, n - k
+        return out
+
     def last_step(self) -> int | None:
         """The global step at which the deal runs out (None: endless)."""
         if self.end is None:
@@ -193,12 +215,13 @@ class Leases:
         return list(self.redeal) + [b for q in self.out for b in q]
 
 
-def epochs(deal: Deal, dealt: int, unapplied: list[Block] = ()) -> list[dict]:
+def epochs(deal: Deal, dealt: int, unapplied: list[Block] = (), left_out: dict[int, int] | None = None) -> list[dict]:
     """The summary's account of every epoch begun: the numbers below `dealt` were dealt, each applied once
     but those in `unapplied` (async: a block out, or to deal again, when the run ended; a resume deals it
-    again: `missed` until then). Nothing is applied twice: a sync step's numbers are the step's, and rank 0
-    marks an async block applied once, with the push that names it. `repeated` and `dropped` are kept for
-    the modes that have them (--quorum's dropped gradients)."""
+    again: `missed` until then) and those `left_out` of the updates by --quorum (`dropped`, by epoch).
+    Nothing is applied twice: a sync step's numbers are the step's, and rank 0 marks an async block applied
+    once, with the push that names it (`repeated` is always 0 here)."""
+    left_out = left_out or {}
     P = deal.per_epoch
     begun = -(-dealt // P)
     missed = np.zeros(begun, np.int64)
@@ -208,6 +231,8 @@ def epochs(deal: Deal, dealt: int, unapplied: list[Block] = ()) -> list[dict]:
     out = []
     for e in range(begun):
         took = min(dealt, (e + 1) * P) - e * P
-        out.append({"epoch": e, "complete": took == P, "samples": int(took - missed[e]) * deal.batch,
-                    "missed": int(missed[e]) * deal.batch, "repeated": 0, "dropped": 0, "left": deal.left})
+        dropped = left_out.get(e, 0)
+        out.append({"epoch": e, "complete": took == P, "samples": int(took - missed[e] - dropped) * deal.batch,
+                    "missed": int(missed[e]) * deal.batch, "repeated": 0, "dropped": dropped * deal.batch,
+                    "left": deal.left})
     return out

@@ -47,10 +47,12 @@ class TrainState:
     versions: list[int] | None = None
     # The deal (core/ledger.py): sync, the job's batches in the updates applied; async, the next batch number never
     # dealt. The workers every epoch is cut for; async's blocks (first, count) dealt and not applied, to deal again.
-    # None, 0 and none where nothing dealt them (quorum, the shm store, checkpoints written before the ledger)
+    # None, 0 and none where nothing dealt them (the shm store, checkpoints written before the ledger).
+    # --quorum: the batches dealt that the updates left out (a worker not in the Q), by epoch
     dealt: int | None = None
     deal_shards: int = 0
     redeal: list = field(default_factory=list)
+    left_out: dict[int, int] = field(default_factory=dict)
 
     def deal_words(self) -> list[int]:
         """`dealt` and `deal_shards` as the two int64 words a broadcast carries (-1: no count)."""
@@ -179,6 +181,34 @@ def path_for(directory: Path, step: int) -> Path:
     return directory / f"ckpt-{step:09d}.npz"
 
 
+def bcast_pairs(comm, pairs, root: int) -> list[tuple[int, int]]:
+    """`root`'s list of (int, int) pairs on every rank of `comm`: its length, then the pairs (int64). At a
+    start, a regroup or a take-over only (the data ledger's blocks to deal again, a quorum's left-out counts)."""
+    from mpi4py import MPI  # at a collective's time: MPI is initialised (node.world)
+
+    mine = comm.Get_rank() == root
+    count = np.array([len(pairs) if mine else 0], np.int64)
+    comm.Bcast([count, MPI.INT64_T], root=root)
+    if not count[0]:
+        return []
+    arr = np.ascontiguousarray(np.asarray(pairs if mine else np.empty((count[0], 2)), np.int64).reshape(-1, 2))
+    comm.Bcast([arr, MPI.INT64_T], root=root)
+    return [(int(a), int(b)) for a, b in arr]
+
+
+def bcast_ledger(comm, mine, into, root: int) -> None:
+    """`root`'s data ledger (core/ledger.py) from its state `mine` into `into`, on every rank of `comm`:
+    where the deal got to and the workers it is cut for, async's blocks to deal again, and --quorum's
+    batches left out of the updates by epoch. The one place a start, a regroup and a take-over send it."""
+    from mpi4py import MPI
+
+    words = np.array(mine.deal_words(), np.int64)
+    comm.Bcast([words, MPI.INT64_T], root=root)
+    into.take_deal_words(words)
+    into.redeal = bcast_pairs(comm, mine.redeal, root)
+    into.left_out = dict(bcast_pairs(comm, sorted(mine.left_out.items()), root))
+
+
 def list_checkpoints(directory: Path) -> list[Path]:
     """Finished checkpoints, oldest first (temporary files of interrupted saves are not listed)."""
     if not directory.is_dir():
@@ -197,6 +227,7 @@ def save(directory: Path, state: TrainState, fp: dict, keep: int) -> Path:
     if state.dealt is not None:
         arrays["dealt"], arrays["deal_shards"] = np.int64(state.dealt), np.int64(state.deal_shards)
         arrays["redeal"] = np.asarray(state.redeal, np.int64).reshape(-1, 2)
+        arrays["left_out"] = np.asarray(sorted(state.left_out.items()), np.int64).reshape(-1, 2)
     target = write_atomic(path_for(directory, state.global_step), lambda f: np.savez(f, **arrays), binary=True)
     prune(directory, keep)
     return target
@@ -249,9 +280,14 @@ def load(path: Path, fp: dict | None = None) -> TrainState:
     if (redeal.dtype != np.int64 or redeal.ndim != 2 or redeal.shape[1] != 2 or (redeal[:, 0] < 0).any()
             or (redeal[:, 1] < 1).any() or (dealt is not None and (redeal.sum(axis=1) > dealt).any())):
         raise UsageError(f"checkpoint {path} holds batches to deal again that no deal made; {fix}")
+    left_out = data.get("left_out", np.zeros((0, 2), np.int64))
+    if (left_out.dtype != np.int64 or left_out.ndim != 2 or left_out.shape[1] != 2 or (left_out < 0).any()
+            or (dealt is not None and left_out[:, 1].sum() > dealt)):
+        raise UsageError(f"checkpoint {path} holds more batches left out of the updates than were dealt; {fix}")
     return TrainState(params=params, global_step=int(data["global_step"]), opt_t=int(data[OPT_COUNT]),
                       opt_state=opt_state, positions=[int(p) for p in data["positions"]], ema=data.get("ema"),
-                      dealt=dealt, deal_shards=shards, redeal=[(int(a), int(b)) for a, b in redeal])
+                      dealt=dealt, deal_shards=shards, redeal=[(int(a), int(b)) for a, b in redeal],
+                      left_out={int(e): int(n) for e, n in left_out})
 
 
 def saved_fingerprint(path: Path) -> dict:

@@ -49,6 +49,7 @@ class ServerState:
     dealt: int | None = None  # the deal (core/ledger.py), as TrainState keeps it
     deal_shards: int = 0
     redeal: list = field(default_factory=list)
+    left_out: dict[int, int] = field(default_factory=dict)
 
     @property
     def final_loss(self) -> float:
@@ -61,7 +62,7 @@ def copy_state(state: TrainState) -> TrainState:
     return TrainState(np.array(state.params), state.global_step, state.opt_t,
                       {k: np.array(a) for k, a in state.opt_state.items()}, list(state.positions),
                       None if state.ema is None else np.array(state.ema), dealt=state.dealt,
-                      deal_shards=state.deal_shards, redeal=list(state.redeal))
+                      deal_shards=state.deal_shards, redeal=list(state.redeal), left_out=dict(state.left_out))
 
 
 def begin(ctx: Context) -> tuple[TrainState, ServerState, Checkpointer]:
@@ -72,7 +73,7 @@ def begin(ctx: Context) -> tuple[TrainState, ServerState, Checkpointer]:
     state = ServerState(start.params, global_step=start.global_step, worker_steps=list(after_loss or start.positions),
                         start_step=start.global_step, resumed_from=str(ctx.resume[0]) if ctx.resume else None)
     if ctx.mode.deals:
-        state.deal_shards, state.dealt = ctx.deal(start).shards, ctx.dealt(start)
+        state.deal_shards, state.dealt, state.left_out = ctx.deal(start).shards, ctx.dealt(start), dict(start.left_out)
     elif ctx.mode.leases and start.dealt is not None:  # async's ledger as the start left it (AsyncServer keeps it on)
         state.deal_shards, state.dealt, state.redeal = ctx.deal(start).shards, start.dealt, list(start.redeal)
     cfg = ctx.cfg

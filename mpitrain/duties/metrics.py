@@ -362,8 +362,10 @@ def epoch_lines(s: dict) -> list[str]:
     if not whole or not (whole[-1]["missed"] or whole[-1]["repeated"] or whole[-1]["dropped"]):
         return []
     e = whole[-1]
+    why = [w for w, n in (("a resume deals the missed again", e["missed"]),
+                          ("dropped: in a worker's batch that the quorum's update left out", e["dropped"])) if n]
     return [f"  epoch {e['epoch']}: {e['samples']:,} samples applied, {e['missed']:,} missed, {e['repeated']:,} repeated, "
-            f"{e['dropped']:,} dropped (a resume deals the missed again)"]
+            f"{e['dropped']:,} dropped" + (f" ({'; '.join(why)})" if why else "")]
 
 
 def lost_lines(s: dict) -> list[str]:

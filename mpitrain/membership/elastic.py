@@ -50,7 +50,7 @@ from mpi4py import MPI
 
 from mpitrain.core.console import say
 from mpitrain.core.layout import PS_RANK
-from mpitrain.duties.checkpoint import TrainState, state_arrays
+from mpitrain.duties.checkpoint import TrainState, bcast_ledger, state_arrays
 from mpitrain.exchange.protocol import FLAG_ENDED, FLAG_GO, TAG_REGROUP, Message
 from mpitrain.exchange.transport import WORKER_POLL_S, Poller, tested
 from mpitrain.exchange.waiting import poll
@@ -165,10 +165,10 @@ def regroup(ctx: Context, r: Regroup) -> tuple[Context, TrainState]:
 def broadcast_state(ctx: Context, comm, mine: TrainState, root: int) -> TrainState:
     """`root`'s parameters, step, data deal and optimizer state on every worker of `comm`. The moving average
     (--ema-decay) lives on the coordinator only: the new coordinator keeps its own, or starts one (None)."""
-    head = np.array([mine.global_step, mine.opt_t, *mine.deal_words()], np.int64)
+    head = np.array([mine.global_step, mine.opt_t], np.int64)
     comm.Bcast(head, root=root)
     state = TrainState(None, int(head[0]), int(head[1]), ema=mine.ema if ctx.worker_index == 0 else None)
-    state.take_deal_words(head[2:])
+    bcast_ledger(comm, mine, state, root)
     for name in [k for k in state_arrays(ctx.cfg) if k != "ema"]:  # params, then the optimizer's
         a = np.ascontiguousarray(mine.array(name), np.float32)
         comm.Bcast([a, MPI.FLOAT], root=root)

@@ -40,7 +40,7 @@ from mpi4py import MPI
 
 from mpitrain.core.console import say
 from mpitrain.core.layout import PS_RANK
-from mpitrain.duties.checkpoint import TrainState, state_arrays
+from mpitrain.duties.checkpoint import TrainState, bcast_ledger, state_arrays
 from mpitrain.exchange.protocol import TAG_FAILOVER
 from mpitrain.exchange.waiting import poll
 from mpitrain.launch import mpiimpl, samehost
@@ -234,9 +234,7 @@ def freshest(ctx, world, mine: TrainState, pushed: int, lost_shards: list[int]) 
     world.Allreduce(MPI.IN_PLACE, total_pushed, op=MPI.SUM)
     names = state_arrays(ctx.cfg)  # params, the optimizer's arrays, the moving average
     state = TrainState(np.zeros(n, np.float32), int(top[0]))
-    deal = np.array(mine.deal_words(), np.int64)  # sync: the freshest's deal
-    world.Bcast([deal, MPI.INT64_T], root=int(roots[0]))
-    state.take_deal_words(deal)
+    bcast_ledger(world, mine, state, int(roots[0]))  # sync: the freshest's deal
     for k, part in enumerate(ctx.layout.shard_slices(n)):
         root = int(roots[k])
         meta = np.array([mine.opt_t, *(mine.array(a) is not None for a in names)], np.int64)

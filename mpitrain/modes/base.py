@@ -36,6 +36,12 @@ class Mode:
     # Its updates take their batches from the job's deal in step order (core/ledger.SyncDeal): the states
     # it keeps and saves say how far the deal got (TrainState.dealt); otherwise each worker reads its own shard.
     deals = False
+    # The deal's last step may hold fewer batches than workers (the others weigh 0 in it); --quorum deals
+    # whole steps only (quorum_parts.quorum_total), and its budget is reached with fewer left than workers.
+    short_last_step = True
+    # Its updates may leave a step's batches out (--quorum's Q of W): the coordinator counts them by epoch and
+    # sends the counts to rank 0 with each state it saves (TAG_LEFT_OUT), for the checkpoint and the summary.
+    leaves_out = False
     # Rank 0 lends its workers blocks of the deal with each reply (core/ledger.Leases: async over messages).
     leases = False
 

@@ -30,9 +30,9 @@ from mpitrain.membership.elastic import interrupted_at
 from mpitrain.membership.faults import Kill
 from mpitrain.modes.base import Trained
 from mpitrain.modes.quorum_parts import (OWED_MARGIN_S, PACE_SLACK, SWITCH_INTERVAL_S, UNHEARD_HOLDS, CoordinatorPace,
-                                         GradientThread, QuorumUpdate, UpdateRing, arrived, between_workers,
-                                         contribution_source)
-from mpitrain.modes.sync import SyncMode, SyncStep, sync_result, work
+                                         ContributionSource, GradientThread, QuorumUpdate, UpdateRing, arrived,
+                                         between_workers, quorum_total)
+from mpitrain.modes.sync import SyncMode, SyncStep, sync_deal, sync_result, work
 from mpitrain.runtime import Context
 
 # The messages between workers travel on the workers' communicator (ranks: worker indices), not
@@ -64,8 +64,10 @@ class QuorumCoordinator:
         self.ctx, self.start, self.on_step, self.n, self.Q = ctx, start, on_step, n, ctx.cfg.quorum
         self.params = be.asarray(start.params)
         self.step_fn = SyncStep(ctx, self.params, start)
-        self.total, self.h = ctx.global_step_budget, ctx.cfg.local_steps  # h: global steps per update (round_span)
-        source = contribution_source(ctx, start.position(ctx.worker_index), lambda: self.total)
+        self.step_fn.deal = sync_deal(ctx, start)
+        self.total = quorum_total(ctx, self.step_fn.deal)
+        self.h = ctx.cfg.local_steps  # global steps per update (round_span)
+        source = ContributionSource(ctx, self.step_fn.deal, lambda: self.total)
         self.helper = GradientThread(ctx, source)
         self.others = list(ctx.layout.worker_ranks[1:])
         wire = ctx.cfg.wire_dtype
@@ -277,7 +279,10 @@ class QuorumCoordinator:
         own = 0 in self.chosen
         self.contributed += own * span
         self.step_fn.own_loss = self.own_loss if own else 0.0
-        return self.step_fn.apply(step)
+        loss = self.step_fn.apply(step)
+        if not self.step_fn.why:
+            self.step_fn.leave_out(step, span, self.chosen)
+        return loss
 
     def _closed(self) -> bool:
         """After the last step: every update delivered, and every other worker's last message
@@ -307,8 +312,9 @@ class QuorumFollower:
         self.grads = [self.pushes.gradient(m.payload) for m in self.outs]
         self.sends = [MPI.REQUEST_NULL] * 2
         self.update = QuorumUpdate(ctx)
-        self.total = ctx.global_step_budget
-        self.source = contribution_source(ctx, start.position(ctx.worker_index), lambda: self.total)
+        self.step_fn.deal = sync_deal(ctx, start)
+        self.total = quorum_total(ctx, self.step_fn.deal)
+        self.source = ContributionSource(ctx, self.step_fn.deal, lambda: self.total)
         self.kill = Kill(ctx.rank)
         self.poller = Poller(WORKER_POLL_S, ctx.watch)
         self.h = ctx.cfg.local_steps  # global steps per update (outer.round_span)
@@ -407,7 +413,9 @@ class QuorumFollower:
         self.loss = step_fn.apply(self.step)
         if not step_fn.why:
             self.recent.append(self.loss)
-            self.step += round_span(self.step, self.total, self.h)
+            span = round_span(self.step, self.total, self.h)
+            step_fn.leave_out(self.step, span, [w for w in range(self.ctx.workers) if u.chose(w)])
+            self.step += span
             if u.msg.flags & FLAG_STOP_STEP:
                 self.total = self.step  # the coordinator's last update: a stop was requested
 
@@ -424,7 +432,8 @@ class QuorumMode(SyncMode):
     coordinator (worker 0) decides which, rank 0 and the servers follow as in plain sync."""
 
     name = "sync"  # the summary's mode: sync, with its quorum
-    deals = False  # each worker reads its own shard: which gradients an update takes is the coordinator's choice
+    short_last_step = False  # quorum_total: a worker without a batch would have nothing to push
+    leaves_out = True
 
     def worker(self, ctx: Context, progress=None) -> Trained:
         return Trained(worker=work(ctx, train))

@@ -14,13 +14,14 @@ import numpy as np
 
 from mpitrain.core.codec import encode
 from mpitrain.core.layout import PS_RANK
+from mpitrain.core.ledger import SyncDeal
 from mpitrain.core.outer import InnerSteps, RoundSource
 from mpitrain.duties.observe import WAIT
 from mpitrain.exchange.mpi import await_verdict
 from mpitrain.exchange.protocol import TAG_UPDATE, Message
 from mpitrain.exchange.transport import Poller, tested
 from mpitrain.membership.liveness import PeerLost
-from mpitrain.modes.gradients import GradientSource
+from mpitrain.modes.gradients import DealtBatches, GradientSource
 from mpitrain.runtime import Context
 
 SWITCH_INTERVAL_S = 1e-4  # --quorum: GIL hand-over between the MPI thread and the compute thread
@@ -68,7 +69,7 @@ class GradientThread:
         self.ctx = ctx
         self.snapshot = be.xp.empty(n, be.xp.float32)
         self.grad = be.xp.empty(n, be.xp.float32)
-        self.source = source  # contribution_source's
+        self.source = source  # a ContributionSource
         self.version: int | None = None  # None: idle; else the step its parameters belong to
         self.loss = float("nan")
         self.seconds = 0.0  # how long the last gradient took (CoordinatorPace)
@@ -129,14 +130,38 @@ class GradientThread:
         return loss, t0
 
 
-def contribution_source(ctx: Context, taken: int, total: Callable[[], int]):
-    """What a worker computes towards one quorum update: the next batch's gradient (GradientSource),
-    or with --local-steps H a round of H inner steps from the global model (outer.RoundSource); both
-    `compute(params, out, step)` and time it in `seconds`. `total`: the loop's budget, now."""
-    source = GradientSource(ctx, taken)
-    if ctx.cfg.local_steps == 1:
-        return source
-    return RoundSource(source, InnerSteps(ctx.cfg, ctx.model.n_params, ctx.backend.xp), ctx.lr_at, total)
+class ContributionSource:
+    """What a worker computes towards one quorum update on the parameters of global step `step`: its batch
+    of that update in the job's deal (core/ledger.SyncDeal), the gradient (GradientSource), or with
+    --local-steps H a round of H inner steps on its batches of the H updates from there
+    (outer.RoundSource). `compute(params, out, step)`; `seconds`, how long it took. A worker computes on
+    the newest parameters it has, so it takes the batches of that step: those of the steps it skipped
+    went to no update (the summary's `dropped`, by epoch: SyncStep.leave_out). `total`: the loop's budget, now."""
+
+    def __init__(self, ctx: Context, deal: SyncDeal, total: Callable[[], int]):
+        self.batches = DealtBatches(ctx, deal)
+        self.source = GradientSource(ctx, batches=self.batches)
+        if ctx.cfg.local_steps > 1:
+            self.source = RoundSource(self.source, InnerSteps(ctx.cfg, ctx.model.n_params, ctx.backend.xp),
+                                      ctx.lr_at, total)
+
+    def compute(self, params, out, step: int) -> float:
+        self.batches.step = step
+        return self.source.compute(params, out, step)
+
+    @property
+    def seconds(self) -> float:
+        return self.source.seconds
+
+
+def quorum_total(ctx: Context, deal: SyncDeal) -> int:
+    """The global step a --quorum phase ends at: --steps, or the last step that deals every worker a batch
+    (no short last step: a worker without a batch would have nothing to push; the few batches left below
+    the worker count are not dealt, and the last epoch says so: not complete)."""
+    ends = [] if ctx.cfg.steps is None else [ctx.cfg.steps]
+    if deal.end is not None:
+        ends.append(deal.step0 + max(0, deal.end - deal.dealt0) // deal.workers)
+    return min(ends)
 
 
 class QuorumUpdate:

@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 from mpi4py import MPI
 
 from mpitrain.core.layout import PS_RANK
 from mpitrain.core.reports import WorkerResult
 from mpitrain.duties.checkpoint import Checkpointer, TrainState, state_arrays, to_flat
 from mpitrain.duties.observe import PUSH
-from mpitrain.exchange.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_REGROUPED, FLAG_FINAL, TAG_STATUS,
-                                        Message)
+from mpitrain.exchange.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_FINAL, FLAG_REGROUPED, TAG_LEFT_OUT,
+                                        TAG_STATUS, Message)
 from mpitrain.exchange.shards import cut
 from mpitrain.exchange.transport import WORKER_POLL_S, Poller, tested
 from mpitrain.runtime import Context
@@ -43,6 +44,8 @@ class CoordinatorReport:
         self.status = Message(0)
         self.fulls = [Message((s.stop - s.start) * len(self.names)) for s in self.slices]  # one per server
         self.pending = [MPI.REQUEST_NULL] * (1 + len(self.servers))  # a status, a full message per server
+        self.left_out = [MPI.REQUEST_NULL]  # --quorum: the batches left out, by epoch, before a state rank 0 saves
+        self.left_out_buf = np.zeros((0, 2), np.int64)
         self.last_sent = 0.0
         self.ckpt = Checkpointer(ctx.cfg, ctx.fingerprint)  # only decides when; rank 0 writes
         self.waiter = Poller(WORKER_POLL_S, ctx.watch)  # a full message waits for its server: never a dead one
@@ -51,6 +54,10 @@ class CoordinatorReport:
         ctx = self.ctx
         ctx.activity.enter(PUSH)
         self.waiter.all(self.pending[1:], self.servers)
+        if ctx.mode.leaves_out and flags & (FLAG_CKPT | FLAG_FINAL):  # first: rank 0 takes it with the state
+            self.waiter.all(self.left_out, [PS_RANK])
+            self.left_out_buf = np.asarray(sorted(state.left_out.items()), np.int64).reshape(-1, 2)
+            self.left_out[0] = ctx.comm.Isend([self.left_out_buf, MPI.INT64_T], dest=PS_RANK, tag=TAG_LEFT_OUT)
         flat = to_flat(state, self.names)
         for k, (full, s, rank) in enumerate(zip(self.fulls, self.slices, self.servers), 1):
             cut(flat, self.names, self.n, s, full.payload)
@@ -89,4 +96,4 @@ class CoordinatorReport:
 
     def final(self, result: WorkerResult) -> None:
         self.send_full(result.train_state, FLAG_FINAL | (FLAG_DIVERGED if result.diverged else 0), result.recent_loss)
-        self.waiter.all(self.pending, [PS_RANK] + self.servers)
+        self.waiter.all(self.pending + self.left_out, [PS_RANK] + self.servers + [PS_RANK])

@@ -77,8 +77,10 @@ class SyncStep:
             self.local = LocalSteps(cfg, params, be.xp, start.opt_state if start else None)
         self.synced = True  # the step just taken ended with the workers' models identical
         self.activity = ctx.activity
-        self.deal: SyncDeal | None = None  # plain sync's share of the data deal (train); None: --quorum's own
+        self.deal: SyncDeal | None = None  # this worker's share of the data deal (train, quorum.train)
         self.own_weight = 1.0  # 0 in a step where the deal has no batch left for this worker
+        # --quorum: the batches dealt to a worker not in an update's Q, by epoch, as of the updates applied
+        self.left_out: dict[int, int] = dict(start.left_out) if start is not None else {}
 
     def dealt_at(self, step: int) -> int | None:
         """The deal's batches in the updates up to global step `step` (None: nothing deals them)."""
@@ -87,7 +89,13 @@ class SyncStep:
     def _dealt(self, state: TrainState) -> TrainState:
         if self.deal is not None:
             state.dealt, state.deal_shards = self.deal.dealt_at(state.global_step), self.deal.deal.shards
+            state.left_out = dict(self.left_out)
         return state
+
+    def leave_out(self, step: int, span: int, chosen) -> None:
+        """--quorum: update `step + 1` (to `step + span`) took the batches of the workers in `chosen` only."""
+        for epoch, n in self.deal.left_out(step, span, chosen).items():
+            self.left_out[epoch] = self.left_out.get(epoch, 0) + n
 
     def train_state(self, step: int) -> TrainState:
         """Host copies of what a checkpoint needs (plain sync: every worker is at `step`)."""
@@ -238,9 +246,7 @@ def train(ctx: Context, start: TrainState, on_step=None) -> WorkerResult:
     be = ctx.backend
     params = be.asarray(start.params)
     step_fn = SyncStep(ctx, params, start)
-    deal = ctx.deal(start)
-    step_fn.deal = SyncDeal(deal, start.global_step, ctx.dealt(start), ctx.workers, ctx.worker_index,
-                            ctx.deal_end(deal))
+    step_fn.deal = sync_deal(ctx, start)
     source = GradientSource(ctx, batches=DealtBatches(ctx, step_fn.deal))
     kill, act = Kill(ctx.rank), ctx.activity
     # --epochs ends where the deal does: after a loss (or a join) that is more (fewer) steps than the
@@ -270,6 +276,12 @@ def train(ctx: Context, start: TrainState, on_step=None) -> WorkerResult:
                 done = step + 1
                 break
     return sync_result(step_fn, done, mean_loss(recent), act.times(), contributed=done)
+
+
+def sync_deal(ctx: Context, start: TrainState) -> SyncDeal:
+    """This worker's share of the job's deal from `start` (core/ledger.SyncDeal)."""
+    deal = ctx.deal(start)
+    return SyncDeal(deal, start.global_step, ctx.dealt(start), ctx.workers, ctx.worker_index, ctx.deal_end(deal))
 
 
 def sync_total(ctx: Context, deal: SyncDeal) -> int:

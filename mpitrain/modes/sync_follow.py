@@ -4,7 +4,7 @@ The workers' side is modes/sync.py."""
 
 from __future__ import annotations
 
-
+import numpy as np
 from mpi4py import MPI
 
 from mpitrain.core.guard import Diverged
@@ -15,10 +15,11 @@ from mpitrain.duties.chief import ChiefDuties, Clock, ServerState, begin, record
 from mpitrain.duties.metrics import Progress
 from mpitrain.duties.observe import WAIT
 from mpitrain.exchange.mpi import ABANDONED
-from mpitrain.exchange.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_REGROUPED, FLAG_FINAL, TAG_SHARD,
-                                        TAG_STATUS, Message, ProtocolError)
+from mpitrain.exchange.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_FINAL, FLAG_REGROUPED, TAG_LEFT_OUT,
+                                        TAG_SHARD, TAG_STATUS, Message, ProtocolError)
 from mpitrain.exchange.shards import Gather, assemble
 from mpitrain.exchange.transport import CHIEF_POLL_S, Poller
+from mpitrain.exchange.waiting import poll
 from mpitrain.membership import elastic
 from mpitrain.membership.liveness import PeerLost
 from mpitrain.runtime import Context
@@ -54,6 +55,8 @@ def follow_coordinator(ctx: Context, progress: Progress) -> ServerState:
             for i in done.arrived:
                 if i:
                     arbiter.ready(ready_ranks[i - 1])
+            if 0 in done.arrived and ctx.mode.leaves_out and box.flags & (FLAG_CKPT | FLAG_FINAL):
+                left_out = receive_left_out(ctx, coordinator)  # sent just before the state
         except PeerLost as e:
             if arbiter is None:
                 raise
@@ -83,9 +86,12 @@ def follow_coordinator(ctx: Context, progress: Progress) -> ServerState:
         state.global_step = box.step  # where a lost worker's line says it was lost
         if ctx.mode.deals:
             state.dealt = box.pushed
+        if ctx.mode.leaves_out and box.flags & (FLAG_CKPT | FLAG_FINAL):
+            state.left_out = left_out
         received = _received(ctx, gather, box, names) if full else None
         if received is not None:
             received.dealt, received.deal_shards = state.dealt, state.deal_shards
+            received.left_out = dict(state.left_out)
         state.bytes_in += box.buf.nbytes if full else 0
         if final and box.flags & FLAG_DIVERGED:  # the why and the loss come in the coordinator's report
             state.diverged = Diverged(box.step)  # before the save: a diverged state is never saved
@@ -106,6 +112,16 @@ def follow_coordinator(ctx: Context, progress: Progress) -> ServerState:
         arbiter.done(layout)
     state.worker_steps = [state.global_step] * W
     return duties.finish()
+
+
+def receive_left_out(ctx: Context, coordinator: int) -> dict[int, int]:
+    """--quorum: the coordinator's count of the batches its updates left out, by epoch (TAG_LEFT_OUT), sent
+    just before the state that arrived: for the checkpoint and the summary."""
+    status = MPI.Status()
+    poll(lambda: ctx.comm.Iprobe(source=coordinator, tag=TAG_LEFT_OUT, status=status), CHIEF_POLL_S, ctx.watch)
+    pairs = np.empty((status.Get_count(MPI.INT64_T) // 2, 2), np.int64)
+    ctx.comm.Recv([pairs, MPI.INT64_T], source=coordinator, tag=TAG_LEFT_OUT)
+    return {int(e): int(n) for e, n in pairs}
 
 
 def _received(ctx: Context, gather: Gather, box: Message, names: list[str]) -> TrainState:
