@@ -48,6 +48,9 @@ ACCURACY = [
     ("sync --quorum 1", 4, "--mode sync --quorum 1 --lr 0.1 --epochs 30"),
 ]
 
+SPEED = {"async": (3, "--mode async"), "sync": (3, "--mode sync"),  # the speed A/B's modes: ranks, flags
+         "quorum": (4, "--mode sync --quorum 2")}
+
 
 def run(tree: Path, ranks: int, flags: str, tmp: Path) -> dict:
     out = tmp / "summary.json"
@@ -68,6 +71,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "AB.md"))
     p.add_argument("--speed-only", action="store_true", help="only the speed A/B (a cost check with more --reps)")
+    p.add_argument("--speed-modes", default="async,sync", help=f"of {', '.join(SPEED)}")
     args = p.parse_args()
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     lines = []
@@ -80,7 +84,7 @@ def main() -> int:
                                  text=True).stdout.strip()
             lines += [f"# {'Speed' if args.speed_only else 'Same behaviour'}: {head} (B) against {ref} (A)", "",
                       f"`python benchmarks/ab.py {args.ref} --reps {args.reps} --steps {args.steps}"
-                      f"{' --speed-only' if args.speed_only else ''}`, "
+                      f"{' --speed-only' if args.speed_only else ''} --speed-modes {args.speed_modes}`, "
                       f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, on {machine()}.", ""]
             if not args.speed_only:
                 lines += ["| deterministic run | A param_digest | B param_digest | equal |", "|---|---|---|---|"]
@@ -94,19 +98,20 @@ def main() -> int:
                 a, b = run(before, ranks, flags, tmp)["test_accuracy"], run(ROOT, ranks, flags, tmp)["test_accuracy"]
                 lines.append(f"| {label} (`{flags}`) | {a:.4f} | {b:.4f} |")
                 print(lines[-1], flush=True)
-            lines += ["", f"Speed, np=3, synthetic, MLP, {args.steps} steps, A and B alternating, "
+            lines += ["", f"Speed, synthetic, MLP, {args.steps} steps, A and B alternating, "
                           f"median of {args.reps} (samples/s), and each side's range:", "",
                       "| mode | A | B | B / A | A range | B range |",
                       "|---|---|---|---|---|---|"]
-            for mode in ("async", "sync"):
-                flags = f"--mode {mode} --dataset synthetic --lr 0.1 --steps {args.steps}"
+            for mode in args.speed_modes.split(","):
+                ranks, mode_flags = SPEED[mode]
+                flags = f"{mode_flags} --dataset synthetic --lr 0.1 --steps {args.steps}"
                 rates = {"A": [], "B": []}
                 for _ in range(args.reps):
-                    rates["A"].append(run(before, 3, flags, tmp)["samples_per_second"])
-                    rates["B"].append(run(ROOT, 3, flags, tmp)["samples_per_second"])
+                    rates["A"].append(run(before, ranks, flags, tmp)["samples_per_second"])
+                    rates["B"].append(run(ROOT, ranks, flags, tmp)["samples_per_second"])
                 a, b = statistics.median(rates["A"]), statistics.median(rates["B"])
                 spread = [f"{min(r):,.0f}-{max(r):,.0f}" for r in (rates["A"], rates["B"])]
-                lines.append(f"| {mode} | {a:,.0f} | {b:,.0f} | {b / a:.3f}x | {spread[0]} | {spread[1]} |")
+                lines.append(f"| {mode} (np={ranks}) | {a:,.0f} | {b:,.0f} | {b / a:.3f}x | {spread[0]} | {spread[1]} |")
                 print(lines[-1], flush=True)
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(before)], cwd=ROOT, capture_output=True)
