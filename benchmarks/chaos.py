@@ -487,8 +487,8 @@ def judge(case: Case, trial: Trial, job: Job, code: int | None, leftovers: bool,
 
 
 def ledger_problems(summary: dict | None) -> list[str]:
-    """Issue 81's promise: every epoch dealt whole applied each of its batches once (the summary's `epochs`:
-    sync and async over messages; null where workers read their own shards)."""
+    """Issue 81's promise: every epoch dealt whole applied each of its batches once (the summary's `epochs`,
+    every mode's: --quorum's left-out batches are `dropped`, not missed)."""
     bad = [e["epoch"] for e in (summary or {}).get("epochs") or [] if e["complete"] and (e["missed"] or e["repeated"])]
     return [f"{len(bad)} complete epoch(s) missed or repeated samples (first: epoch {bad[0]})"] if bad else []
 

@@ -34,6 +34,7 @@ from mpitrain.cli import parse_args  # noqa: E402
 from mpitrain.core.optim import REGISTRY, StalenessHold  # noqa: E402
 from mpitrain.duties.checkpoint import TrainState  # noqa: E402
 from mpitrain.exchange import shm  # noqa: E402
+from mpitrain.exchange.shm_push import SharedUpdate  # noqa: E402
 
 SIZES = {"mlp 784-200-10": 784 * 200 + 200 + 200 * 10 + 10, "softmax 784-10": 784 * 10 + 10}
 
@@ -45,7 +46,7 @@ def hold_us(n: int, optimizer: str, update: str, number: int, repeats: int) -> f
     with tempfile.TemporaryDirectory(dir=shm.SHM_DIR) as tmp:
         store = shm.Store(os.path.join(tmp, "seg"), n, 2, names, ema=False, dc=False, create=True)
         store.fill(TrainState(rng.standard_normal(n).astype(np.float32), 0), 2, hold_at=2**62)
-        shared = shm.SharedUpdate(cfg, store, np)
+        shared = SharedUpdate(cfg, store, np)
         if update == "numpy":
             shared.update.opt._step = REGISTRY[optimizer].step
         grad, pulled, hold = rng.standard_normal(n).astype(np.float32) * 1e-6, np.empty(n, np.float32), StalenessHold(None)

@@ -98,13 +98,13 @@ def test_a_sync_job_goes_on_without_a_worker_killed_from_outside(tmp_path, mode,
     assert (sum(e["dropped"] for e in whole) > 0) == ("quorum" in mode)
 
 
-def kill_rank_2_mid_epoch(tmp_path, mode: str):
+def kill_rank_2_mid_epoch(tmp_path, *flags: str):
     """300 epochs of digits on 3 workers paced to >= 2.4 s of steps, so that rank 2's SIGKILL lands mid-run;
     the workers trace what they train. Returns the job, its summary and the trace's folder."""
     trace = tmp_path / "trace"
     trace.mkdir()
     pace = [a for r in (1, 2, 3) for a in ("--straggler", f"{r}:0.002")]
-    proc, s, _ = kill_during_training(tmp_path, 4, ("--mode", mode, "--epochs", "300", *pace), [2],
+    proc, s, _ = kill_during_training(tmp_path, 4, (*flags, "--epochs", "300", *pace), [2],
                                       random.Random(), env={**child_env(), "MPITRAIN_TRACE_BATCHES": str(trace)})
     return proc, s, trace
 
@@ -113,7 +113,7 @@ def test_a_sync_epoch_cut_by_a_lost_worker_still_trains_every_sample_once(tmp_pa
     """The data ledger (core/ledger.py): a worker SIGKILLed mid-epoch, the two left regroup and take the
     deal on where the update they gave up started it, so every epoch trains each of its samples once
     (the workers' own trace says so, not only the summary), in more steps than the budget of 3 workers."""
-    proc, s, trace = kill_rank_2_mid_epoch(tmp_path, "sync")
+    proc, s, trace = kill_rank_2_mid_epoch(tmp_path, "--mode", "sync")
     assert proc.returncode == ExitCode.WORKER_LOST, proc.stdout + proc.stderr
     assert s["global_step"] > 1200  # 300 epochs of 12 batches: 1,200 steps of 3 workers, more with 2 after the loss
     assert [e["samples"] for e in s["epochs"]] == [EPOCH_SAMPLES[3]] * 300
@@ -121,12 +121,14 @@ def test_a_sync_epoch_cut_by_a_lost_worker_still_trains_every_sample_once(tmp_pa
     assert_each_epoch_once(read_trace(trace), 300, EPOCH_SAMPLES[3])
 
 
-def test_an_async_workers_blocks_are_trained_by_the_others_when_it_is_killed(tmp_path):
-    """Async leases (core/ledger.Leases): a worker SIGKILLed mid-epoch; the blocks rank 0 had lent it go to
-    the two left, in the same epoch, so every batch number is trained (the workers' own trace), the ones
-    trained twice are only what the dead worker had computed and not had applied (at most its two blocks
-    out), and the summary's every epoch is whole."""
-    proc, s, trace = kill_rank_2_mid_epoch(tmp_path, "async")
+@pytest.mark.parametrize("transport", ["mpi", pytest.param("shm", marks=only_on("mpich", OWN_LOGIC))])
+def test_an_async_workers_blocks_are_trained_by_the_others_when_it_is_killed(tmp_path, transport):
+    """Async leases (core/ledger.Leases): a worker SIGKILLed mid-epoch; the blocks it was lent go to the two
+    left, in the same epoch, so every batch number is trained (the workers' own trace), the ones trained
+    twice are only what the dead worker had computed and not had applied (at most its two blocks out), and
+    the summary's every epoch is whole. Over the shm store the ledger is in the store: each worker takes its
+    own next block as it applies, and rank 0 puts the dead one's back."""
+    proc, s, trace = kill_rank_2_mid_epoch(tmp_path, "--mode", "async", "--ps-transport", transport)
     assert proc.returncode == ExitCode.WORKER_LOST, proc.stdout + proc.stderr
     [lost] = s["lost_workers"]
     assert lost["rank"] == 2 and lost["global_step"] < 300 * 12 - 50, lost  # mid-run, with blocks out

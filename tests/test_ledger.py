@@ -229,6 +229,38 @@ def test_a_quorum_update_leaves_out_the_batches_of_the_workers_it_did_not_take()
         assert sd.left_out(step, span, chosen) == dict(want)
 
 
+def test_the_ledger_in_shared_arrays_deals_as_the_one_in_memory():
+    """Leases over PairQueues (the shm store's arrays, exchange/shm.Store.leases) against the in-memory Leases,
+    through the same random grants, applies and losses: the same blocks, the same unapplied at every turn."""
+    from mpitrain.core.ledger import Leases, PairQueue
+
+    rng = random.Random(81)
+    for _ in range(50):
+        W, span, end = rng.randint(1, 4), rng.randint(1, 4), rng.choice([None, rng.randint(10, 80)])
+        redeal = [(rng.randint(0, 9), rng.randint(1, span)) for _ in range(rng.randint(0, 3))]
+        mine = Leases(0, redeal, W, 1, span, end)
+        fresh, counts = np.zeros(1, np.int64), np.zeros(2 + 2 * W, np.int64)
+        pairs, held = np.zeros((len(redeal) + 2 * W, 2), np.int64), np.zeros((W, 2, 2), np.int64)
+        shared = Leases.over(fresh, PairQueue(pairs, counts[:2]),
+                             [PairQueue(held[w], counts[2 + 2 * w:4 + 2 * w]) for w in range(W)], span, end)
+        shared.fresh = mine.fresh
+        shared.redeal.extendleft(reversed(mine.redeal))
+        for w in range(W):
+            shared.out[w].extendleft(reversed(mine.out[w]))
+        for _ in range(60):
+            w = rng.randrange(W)
+            if rng.random() < 0.15:
+                mine.lose(w), shared.lose(w)
+            elif mine.holds(w):
+                block = mine.out[w][0]
+                assert mine.applied(w, block) and shared.applied(w, block)
+                assert mine.grant(w) == shared.grant(w)
+            else:
+                assert mine.grant(w) == shared.grant(w)
+            assert (mine.unapplied(), mine.fresh, mine.anyone_holds()) == (shared.unapplied(), shared.fresh,
+                                                                           shared.anyone_holds())
+
+
 def read_leases(directory: Path) -> dict[int, list[int]]:
     """Async's trace: batch number -> the ranks that computed a gradient of it (their trace's step column)."""
     took: dict[int, list[int]] = collections.defaultdict(list)

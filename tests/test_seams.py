@@ -36,6 +36,14 @@ class AsIfAnotherWorkerSentZeros:
         return True
 
 
+def dealt_batches(ctx):
+    """A fresh sync worker's batches of the job's deal (from step 0)."""
+    from mpitrain.duties.checkpoint import TrainState
+    from mpitrain.modes.gradients import DealtBatches, sync_deal
+
+    return DealtBatches(ctx, sync_deal(ctx, TrainState(np.zeros(1, np.float32))))
+
+
 def test_the_sync_step_sums_through_the_reducer_it_is_given():
     from mpitrain.modes.gradients import GradientSource
     from mpitrain.modes.sync import SyncStep
@@ -44,7 +52,7 @@ def test_the_sync_step_sums_through_the_reducer_it_is_given():
     params = ctx.model.init_params(0)
     reducer = AsIfAnotherWorkerSentZeros()
     step = SyncStep(ctx, params.copy(), reducer=reducer)
-    loss = step.compute(GradientSource(ctx))
+    loss = step.compute(GradientSource(ctx, dealt_batches(ctx)))
     grad, before = step.buf[: ctx.model.n_params].copy(), step.params.copy()
     mean_loss = step.reduce_and_apply(0)
     assert reducer.calls == 1 and mean_loss == pytest.approx(loss / 2)
@@ -89,7 +97,7 @@ def test_a_sum_whose_exact_slots_disagree_is_never_applied_nor_taken_for_a_stop(
     STOP.reset()
     ctx = sync_worker_context()
     step = sync.SyncStep(ctx, ctx.model.init_params(0), reducer=AsIfTheOtherDiedSendingIt(slot, value))
-    step.compute(GradientSource(ctx))
+    step.compute(GradientSource(ctx, dealt_batches(ctx)))
     before = step.params.copy()
     with pytest.raises(Verdict, match="stop votes|room votes|step stamp|weight"):
         step.reduce_and_apply(5)
@@ -135,7 +143,7 @@ def test_without_a_reducer_a_lone_sync_worker_uses_mpi_s_and_applies_its_own_gra
     ctx = sync_worker_context()
     step = SyncStep(ctx, ctx.model.init_params(0))
     assert isinstance(step.reducer, MPIReducer) and step.reducer.sum(step.buf) is False  # no communicator: alone
-    step.compute(GradientSource(ctx))
+    step.compute(GradientSource(ctx, dealt_batches(ctx)))
     grad, before = step.buf[: ctx.model.n_params].copy(), step.params.copy()
     step.reduce_and_apply(0)
     np.testing.assert_allclose(step.params, before - np.float32(ctx.lr_at(0)) * grad, rtol=1e-5, atol=1e-7)
@@ -153,7 +161,7 @@ from mpitrain.duties import checkpoint
 from mpitrain import modes
 from mpitrain.duties.chief import ChiefDuties
 from mpitrain.cli import parse_args
-from mpitrain.modes.gradients import GradientSource
+from mpitrain.modes.gradients import DealtBatches, GradientSource, sync_deal
 from mpitrain.duties.metrics import Progress
 from mpitrain.core.optim import ServerUpdate
 from mpitrain.node import Node
@@ -166,7 +174,7 @@ ctx = dataclasses.replace(ctx, start=checkpoint.TrainState(ctx.model.init_params
 duties = ChiefDuties(ctx, Progress(False, ctx.global_step_budget, ctx.global_batch))
 params = duties.start.params.copy()
 rule = ServerUpdate(cfg, params, np, 0, 0, {})
-source, grad = GradientSource(ctx), np.empty_like(params)
+source, grad = GradientSource(ctx, DealtBatches(ctx, sync_deal(ctx, ctx.start))), np.empty_like(params)
 
 def whole(step):
     return checkpoint.TrainState(params.copy(), step, rule.opt.t, dict(rule.opt.state), [step], rule.ema.avg.copy())
@@ -405,12 +413,12 @@ def test_a_large_gpu_model_reads_its_loss_and_finite_check_in_one_copy(monkeypat
 
     ctx = sync_worker_context()
     gpu_like = SimpleNamespace(dot=np.dot, stack=lambda values: np.stack(values).view(_DeviceArray))
-    two = GradientSource(ctx)
+    two = GradientSource(ctx, dealt_batches(ctx))
     assert not two.one_read  # NumPy: as before
     monkeypatch.setattr(GradientSource, "ONE_READ_FROM", 0)
     backend = copy.copy(ctx.backend)
     backend.xp = gpu_like
-    one = GradientSource(dataclasses.replace(ctx, backend=backend))
+    one = GradientSource(dataclasses.replace(ctx, backend=backend), dealt_batches(ctx))
     assert one.one_read
     params = ctx.model.init_params(0)
     g1, g2 = np.empty_like(params), np.empty_like(params)
@@ -455,7 +463,7 @@ def test_a_sync_worker_ends_the_phase_on_a_peer_s_vote_and_knows_whether_it_is_a
 
     ctx = dataclasses.replace(sync_worker_context(), stop=StopRequest())
     step = SyncStep(ctx, ctx.model.init_params(0), reducer=AsIfTheOtherVoted(slot))
-    step.compute(GradientSource(ctx))
+    step.compute(GradientSource(ctx, dealt_batches(ctx)))
     assert not ctx.stop.due
     step.reduce_and_apply(0)
     assert step.stop and ctx.stop.due
@@ -485,7 +493,7 @@ def test_a_word_heard_during_the_sum_is_the_next_step_s_vote_not_this_one_s():
 
     ctx = dataclasses.replace(sync_worker_context(), stop=StopRequest())
     step = SyncStep(ctx, ctx.model.init_params(0), reducer=AsIfRank0SpokeDuringTheSum(ctx.stop))
-    source = GradientSource(ctx)
+    source = GradientSource(ctx, dealt_batches(ctx))
     step.compute(source)
     step.reduce_and_apply(0)
     assert not step.stop and ctx.stop.room

@@ -26,9 +26,10 @@ decision, with the reply that is sent anyway (two header slots), and costs nothi
 
 What is not exact, named: with --num-ps K a worker that dies half-way through a push may have reached
 another server but not rank 0, which deals the block again (that slice applies it twice, uncounted); a
-take-over of rank 0 starts a new ledger from the global step (the blocks out at the loss are unknown);
-the shm store reads its own shards, with no account. The few samples past the last whole batch of each
-shard wait for a later epoch's reshuffle (`left`).
+take-over of rank 0 starts a new ledger from the global step (the blocks out at the loss are unknown).
+The few samples past the last whole batch of each shard wait for a later epoch's reshuffle (`left`).
+Over the shm store the same Leases live in the store's arrays (PairQueue): a worker grants itself its next
+block in the hold of the lock it applies under, and rank 0 puts a lost worker's back.
 
 --quorum deals as sync (a worker computes on the newest parameters it has, with its batch of that step)
 and each update takes Q of the step's batches: the others are `left_out`, counted by epoch on every
@@ -101,7 +102,7 @@ class Deal:
         return self.permutation(epoch)[start : start + self.batch]
 
     def shard_rows(self, epoch: int, shard: int) -> np.ndarray:
-        """Every whole batch of one shard in one epoch, shape (batches_per_shard, batch): an async worker's epoch."""
+        """Every whole batch of one shard in one epoch, shape (batches_per_shard, batch) (data.epoch_batches)."""
         start = shard * self.per_shard
         return self.permutation(epoch)[start : start + self.batches_per_shard * self.batch].reshape(-1, self.batch)
 
@@ -160,6 +161,52 @@ class SyncDeal:
 Block = tuple[int, int]  # (first batch number, how many): one lease
 
 
+class PairQueue:
+    """The deque of blocks Leases uses, over int64 arrays another process can map (the shm store's): `pairs`,
+    shape (capacity, 2), a ring; `counts` = [head, length]. Only the methods Leases calls. Whoever changes it
+    holds the store's lock."""
+
+    def __init__(self, pairs: np.ndarray, counts: np.ndarray):
+        self.pairs, self.counts = pairs, counts
+
+    def __len__(self) -> int:
+        return int(self.counts[1])
+
+    def __iter__(self):
+        head, cap = int(self.counts[0]), len(self.pairs)
+        return iter([(int(a), int(b)) for a, b in self.pairs[[(head + i) % cap for i in range(len(self))]]])
+
+    def __getitem__(self, i: int) -> Block:
+        a, b = self.pairs[(int(self.counts[0]) + i) % len(self.pairs)]
+        return int(a), int(b)
+
+    def append(self, block: Block) -> None:
+        if len(self) == len(self.pairs):
+            raise RuntimeError(f"the shared ledger's queue of {len(self.pairs)} blocks is full")
+        self.pairs[(int(self.counts[0]) + len(self)) % len(self.pairs)] = block
+        self.counts[1] += 1
+
+    def appendleft(self, block: Block) -> None:
+        if len(self) == len(self.pairs):
+            raise RuntimeError(f"the shared ledger's queue of {len(self.pairs)} blocks is full")
+        self.counts[0] = (int(self.counts[0]) - 1) % len(self.pairs)
+        self.pairs[self.counts[0]] = block
+        self.counts[1] += 1
+
+    def extendleft(self, blocks) -> None:
+        for block in blocks:
+            self.appendleft(block)
+
+    def popleft(self) -> Block:
+        block = self[0]
+        self.counts[0] = (int(self.counts[0]) + 1) % len(self.pairs)
+        self.counts[1] -= 1
+        return block
+
+    def clear(self) -> None:
+        self.counts[1] = 0
+
+
 class Leases:
     """An async job's deal, on rank 0 (and, to agree on the first blocks, on every worker): `fresh` is
     the next number never dealt, `redeal` the blocks to deal again before it, `out[w]` worker w's blocks,
@@ -168,12 +215,29 @@ class Leases:
     no message: worker w takes the w-th block of each round."""
 
     def __init__(self, fresh: int, redeal: list[Block], workers: int, depth: int, span: int, end: int | None):
-        self.fresh, self.span, self.end = fresh, span, end
+        self._fresh = np.array([fresh], np.int64)
+        self.span, self.end = span, end
         self.redeal = deque(redeal)
         self.out: list[deque] = [deque() for _ in range(workers)]
         for _ in range(depth):
             for w in range(workers):
                 self.grant(w)
+
+    @classmethod
+    def over(cls, fresh: np.ndarray, redeal: PairQueue, out: list[PairQueue], span: int, end: int | None) -> Leases:
+        """The same ledger kept in shared arrays (the shm store's: every worker grants itself its next block,
+        rank 0 takes a lost one's back, each under the store's lock): `fresh` a one-element int64 view."""
+        leases = cls.__new__(cls)
+        leases._fresh, leases.redeal, leases.out, leases.span, leases.end = fresh, redeal, out, span, end
+        return leases
+
+    @property
+    def fresh(self) -> int:
+        return int(self._fresh[0])
+
+    @fresh.setter
+    def fresh(self, value: int) -> None:
+        self._fresh[0] = value
 
     def grant(self, w: int) -> Block | None:
         """The next block to worker w (None: the deal has nothing left to hand out now)."""

@@ -122,7 +122,7 @@ class OuterUpdate:
         return self.outer.state()
 
     @state.setter
-    def state(self, arrays: dict) -> None:  # as an Optimizer's: exchange/shm.SharedUpdate keeps it in the store
+    def state(self, arrays: dict) -> None:  # as an Optimizer's: exchange/shm_push.SharedUpdate keeps it in the store
         self.outer.adopt(arrays)
 
     def was_sent(self, worker: int, version: int) -> None:

@@ -142,8 +142,8 @@ def build_summary(ctx: Context, mine: RoleResult, reports: list, placements: lis
 
 
 def epoch_account(ctx: Context, state) -> list[dict] | None:
-    """What every epoch begun saw (core/ledger.py): the job's deal, in the modes that deal or lend it;
-    None in the others (each worker reads its own shard: the shm store)."""
+    """What every epoch begun saw (core/ledger.py): the job's deal, as the modes deal or lend it; None for a
+    state from before the ledger."""
     if state.dealt is None or not (ctx.mode.deals or ctx.mode.leases):
         return None
     return ledger.epochs(ctx.deal(state), state.dealt, state.redeal, state.left_out)

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import math
 import mmap
 import os
 import secrets
@@ -40,10 +39,8 @@ import secrets
 import numpy as np
 
 from mpitrain.core.layout import PS_RANK
-from mpitrain.core.optim import ServerUpdate, StalenessHold
-from mpitrain.core.outer import OuterUpdate, PushSpans
+from mpitrain.core.ledger import Leases, PairQueue
 from mpitrain.duties.checkpoint import OPT_PREFIX, TrainState, state_arrays
-from mpitrain.exchange.waiting import poll
 from mpitrain.launch.mpiimpl import orphans
 from mpitrain.membership.faults import kill_here, store_kill
 
@@ -64,18 +61,24 @@ DIVERGED_STEP = 5  # a worker's loss was not finite at this step (-1: never); no
 DIVERGED_RANK = 6
 DC_T = 7  # --delay-compensation: the gradients its mean square has seen
 HEADER = 8
+LEASES_HELD = 2  # blocks a worker's queue has room for: one is all it holds (a push on the store never overlaps)
 # A worker's `active` slot: 1 training, 0 done (or stopped), LOST rank 0 declared it lost (so that
 # the other servers, which have no loop of their own, take it for lost too and not for done).
 LOST = -1
 
 
 def _sections(n: int, workers: int, state_names: tuple[str, ...], ema: bool, dc: bool,
-              shards: int) -> list[tuple[str, type, int]]:
+              shards: int, redeal: int) -> list[tuple[str, type, int]]:
     """The segment's layout, in order: (name, dtype, length); the 8-byte ones first (aligned).
-    `bases`: the version of the parameters each worker computes on (--max-staleness reads it)."""
+    `bases`: the version of the parameters each worker computes on (--max-staleness reads it). The data
+    ledger (core/ledger.Leases over PairQueues): the next number never dealt, the blocks to deal again (room
+    for `redeal`, the start's and every worker's, each lost at most once in a phase) and each worker's
+    block, with their queues' [head, length]."""
     return ([("header", np.int64, HEADER * shards), ("active", np.int64, workers), ("bases", np.int64, workers),
              ("diverged_loss", np.float64, 1), ("ring_loss", np.float64, RING), ("ring_basis", np.int64, RING),
-             ("ring_worker", np.int64, RING), ("ring_span", np.int64, RING), ("params", np.float32, n)]
+             ("ring_worker", np.int64, RING), ("ring_span", np.int64, RING),
+             ("ledger", np.int64, 3 + 2 * workers), ("ledger_redeal", np.int64, 2 * redeal),
+             ("ledger_out", np.int64, 2 * LEASES_HELD * workers), ("params", np.float32, n)]
             + [(f"opt_{name}", np.float32, n) for name in state_names]
             + ([("ema", np.float32, n)] if ema else [])
             + ([("dc_mean_square", np.float32, n)] if dc else []))
@@ -118,8 +121,8 @@ class Store:
     """One rank's mapping of the segment: numpy views of each section, and the lock."""
 
     def __init__(self, path: str, n: int, workers: int, state_names: tuple[str, ...], ema: bool, dc: bool,
-                 create: bool, shards: int = 1):
-        sections = _sections(n, workers, state_names, ema, dc, shards)
+                 create: bool, shards: int = 1, redeal: int = 0):
+        sections = _sections(n, workers, state_names, ema, dc, shards, redeal + LEASES_HELD * workers)
         size = sum(np.dtype(t).itemsize * k for _, t, k in sections)
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         self.path, self.fd = path, os.open(path, flags, 0o600)  # the job's user only (DESIGN.md, Security)
@@ -141,6 +144,15 @@ class Store:
         self.opt = {name: v[f"opt_{name}"] for name in state_names}
         self.locks = [ShardLock(self.fd, k) for k in range(shards)]
 
+    def leases(self, span: int, end: int | None) -> Leases:
+        """The job's deal in the store (core/ledger.Leases over its arrays): a worker grants itself its next
+        block as it pushes, rank 0 takes a lost worker's back; each under shard 0's lock."""
+        v, W = self.views, len(self.active)
+        out = [PairQueue(v["ledger_out"].reshape(W, LEASES_HELD, 2)[w], v["ledger"][3 + 2 * w:5 + 2 * w])
+               for w in range(W)]
+        return Leases.over(v["ledger"][0:1], PairQueue(v["ledger_redeal"].reshape(-1, 2), v["ledger"][1:3]), out,
+                           span, end)
+
     def locked(self, shard: int = 0) -> ShardLock:
         """Shard `shard`'s lock, as a `with` block. Whoever takes several takes them in order."""
         return self.locks[shard]
@@ -153,8 +165,8 @@ class Store:
                 stack.enter_context(self.locked(k))
             yield self
 
-    def fill(self, start: TrainState, workers: int, hold_at: int) -> None:
-        """Rank 0, before any worker maps it: the start state."""
+    def fill(self, start: TrainState, workers: int, hold_at: int, deal: Leases | None = None) -> None:
+        """Rank 0, before any worker maps it: the start state, and the deal as its start left it."""
         self.rows[:] = 0
         self.rows[:, VERSION], self.rows[:, OPT_T], self.rows[:, EMA_T] = start.global_step, start.opt_t, start.global_step
         h = self.header
@@ -167,6 +179,13 @@ class Store:
             self.ema[:] = start.params if start.ema is None else start.ema
         self.active[:] = 1
         self.views["bases"][:] = start.global_step
+        self.views["ledger"][:] = 0
+        if deal is not None:
+            shared = self.leases(deal.span, deal.end)
+            shared.fresh = deal.fresh
+            shared.redeal.extendleft(reversed(deal.redeal))
+            for w, blocks in enumerate(deal.out):
+                shared.out[w].extendleft(reversed(blocks))
 
     def may_step(self, version: int, worker: int, hold) -> bool:
         """Whether `worker` may apply at `version` now: not a step rank 0 holds (HOLD_AT), and within
@@ -194,13 +213,17 @@ class Store:
         self.header[VERSION] = version + span
         v["bases"][worker] = version + span
 
-    def snapshot(self, positions: list[int]) -> TrainState:
-        """The whole training state at one version of shard 0 (copies, taken under every lock)."""
+    def snapshot(self, positions: list[int], deal: Leases | None = None, shards: int = 0) -> TrainState:
+        """The whole training state at one version of shard 0 (copies, taken under every lock); with the
+        store's `deal`, how far it got and what is out (to deal again on a resume), over `shards`."""
         with self.locked_all():
             h = self.header
-            return TrainState(self.params.copy(), int(h[VERSION]), int(h[OPT_T]),
-                              {k: a.copy() for k, a in self.opt.items()}, list(positions),
-                              None if self.ema is None else self.ema.copy())
+            state = TrainState(self.params.copy(), int(h[VERSION]), int(h[OPT_T]),
+                               {k: a.copy() for k, a in self.opt.items()}, list(positions),
+                               None if self.ema is None else self.ema.copy())
+            if deal is not None:
+                state.dealt, state.deal_shards, state.redeal = deal.fresh, shards, deal.unapplied()
+            return state
 
     def close(self) -> None:
         self.views = self.rows = self.header = self.active = self.params = self.ema = self.opt = None
@@ -216,7 +239,7 @@ def stored_state(cfg) -> tuple[str, ...]:
 
 
 def open_store(ctx, start: TrainState, hold_at: int = 0, here: bool = True,
-               lost: dict[int, str] | None = None) -> Store | None:
+               lost: dict[int, str] | None = None, deal: Leases | None = None) -> Store | None:
     """Rank 0 makes the segment, fills it and sends its name to every other rank; each maps it
     (`here`; a worker on another host takes part without mapping it, and gets None) and says so;
     once every rank has, or was lost, rank 0 unlinks the name (the memory lives until the last rank
@@ -236,16 +259,16 @@ def open_store(ctx, start: TrainState, hold_at: int = 0, here: bool = True,
     buf = bytearray(NAME_BYTES)
     poller = Poller(END_POLL_S, ctx.watch)
     if ctx.rank != PS_RANK:
-        if store_kill(ctx.rank) == (0, "opening"):
-            kill_here()
+        StoreKill(ctx.rank).at(0, "opening")
         poller.all([ctx.comm.Irecv([buf, MPI.BYTE], source=PS_RANK, tag=TAG_STORE)], [PS_RANK])
-        store = Store(bytes(buf).rstrip(b"\0").decode(), n, W, names, ema, dc, create=False, shards=K) if here else None
+        store = Store(bytes(buf).rstrip(b"\0").decode(), n, W, names, ema, dc, create=False, shards=K,
+                      redeal=len(start.redeal)) if here else None
         poller.all([ctx.comm.Isend([MAPPED, MPI.BYTE], dest=PS_RANK, tag=TAG_STORE)], [PS_RANK])
         return store
     sweep()
     path = os.path.join(SHM_DIR, segment_name(os.getpid(), secrets.token_hex(8)))
-    store = Store(path, n, W, names, ema, dc, create=True, shards=K)
-    store.fill(start, W, hold_at)
+    store = Store(path, n, W, names, ema, dc, create=True, shards=K, redeal=len(start.redeal))
+    store.fill(start, W, hold_at, deal)
     buf[:len(path)] = path.encode()
     exchanges = {r: (ctx.comm.Isend([buf, MPI.BYTE], dest=r, tag=TAG_STORE),
                      ctx.comm.Irecv([bytearray(1), MPI.BYTE], source=r, tag=TAG_STORE))
@@ -256,6 +279,20 @@ def open_store(ctx, start: TrainState, hold_at: int = 0, here: bool = True,
     if lost is not None:
         lost.update(gone)
     return store
+
+
+class StoreKill:
+    """MPITRAIN_INJECT_KILL=RANK:STEP:POINT (membership/faults.py): this rank SIGKILLs itself at its push STEP's
+    POINT in the store (0: opening it), as the fault tests ask; the store's one door to the fault hooks."""
+
+    __slots__ = ("when",)
+
+    def __init__(self, rank: int):
+        self.when = store_kill(rank)
+
+    def at(self, count: int, point: str) -> None:
+        if self.when == (count, point):
+            kill_here()
 
 
 MAPPED = bytearray(b"\1")  # a rank's answer to the store's name: mapped (or, on another host, heard)
@@ -278,160 +315,3 @@ def _hear_from(ctx, poller, exchanges: dict) -> dict[int, str]:
             if any(ctx.layout.is_server(r) for r in e.lost):
                 raise
             gone.update(e.lost)  # its requests stay posted: the dead rank takes and sends nothing more
-
-
-class SharedUpdate:
-    """optim.ServerUpdate over one shard of the store's arrays (`part`, all of them with one server):
-    this process's scratch, the store's state (its counts too, in the shard's row, which every worker
-    advances). With --delay-compensation the parameters a gradient was computed on are the worker's
-    own pulled copy (`then`): no backup per worker is kept at all; the gradients' mean square is the
-    store's. With --local-steps a push is an outer step (outer.OuterUpdate, as on the message path):
-    the store holds the outer optimizer's state, OPT_T counts the pushes (delayed-nesterov's turn) and
-    `workers`, the phase's, is its W."""
-
-    def __init__(self, cfg, store: Store, xp=np, shard: int = 0, part: slice = slice(None), workers: int = 1):
-        h = self.row = store.rows[shard]
-        self.active = store.active if cfg.local_steps > 1 else None  # the outer step's floor: who still pushes
-        if self.active is not None:
-            self.update = OuterUpdate(cfg, store.params[part], xp, int(h[EMA_T]), int(h[OPT_T]), {}, workers=workers)
-        else:  # blas: SGD's and momentum's apply in one pass, under the lock every pusher waits on
-            # (benchmarks/SHM_HOLD.md: a push's hold of the lock 1.5x shorter with SGD)
-            self.update = ServerUpdate(cfg, store.params[part], xp, int(h[EMA_T]), int(h[OPT_T]), {}, workers=1,
-                                       version=int(h[VERSION]), blas=True)
-        up = self.update
-        up.opt.state = {k: a[part] for k, a in store.opt.items()}  # views of the store's arrays, not copies
-        if up.ema is not None:
-            up.ema.avg = store.ema[part]
-        if up.dc is not None:
-            up.dc.mean_square = store.views["dc_mean_square"][part]
-
-    def apply(self, grad, lr: float, staleness: int, basis: int, then) -> None:
-        """Under the shard's lock: `grad` computed on `then`, the parameters of version `basis`."""
-        h, up = self.row, self.update
-        up.opt.t = int(h[OPT_T])
-        if up.ema is not None:
-            up.ema.t = int(h[EMA_T])
-        if up.dc is not None:
-            up.dc.t, up.dc.sent = int(h[DC_T]), [{basis: then}]
-        if self.active is not None:
-            up.pushing = {w for w, a in enumerate(self.active) if a > 0}
-        up.apply(grad, lr, staleness, 0, basis)
-        h[OPT_T] = up.opt.t
-        if up.ema is not None:
-            h[EMA_T] = up.ema.t
-        if up.dc is not None:
-            h[DC_T] = up.dc.t
-
-
-class ShmPushPull:
-    """An async worker's side on the store (exchange.base.PushPull): a push applies the gradient
-    and copies the new parameters out under one hold of the lock, so `pull` only says whether the
-    worker was stopped. With nothing to wait for there is no overlap: each gradient is computed on
-    the parameters of the worker's own last push."""
-
-    def __init__(self, ctx, start: TrainState):
-        self.ctx, self.be = ctx, ctx.backend
-        self.store = open_store(ctx, start)
-        self.parts = ctx.layout.shard_slices(ctx.model.n_params)  # one with one server
-        self.shared = [SharedUpdate(ctx.cfg, self.store, np, k, p, ctx.workers) for k, p in enumerate(self.parts)]
-        self.worker = ctx.worker_index
-        self.host_params = np.array(start.params, np.float32)  # the pulled parameters (a copy: the store moves on)
-        self.params = self.be.asarray(self.host_params)  # NumPy: the same array
-        self.grads = [self.be.xp.empty(ctx.model.n_params, self.be.xp.float32) for _ in range(2)]
-        self.versions = [start.global_step] * len(self.parts)
-        self.diverged_at: int | None = None
-        self.lent = None  # the store's workers read their own shards: nothing is lent
-        self.in_flight = False
-        self.stopped = False
-        self.count = 0  # this worker's pushes so far, the one in hand included (the fault injection's step)
-        self.spans = PushSpans(ctx.cfg.local_steps, 1)  # the global steps each push makes (--local-steps: H)
-        self.hold = StalenessHold(ctx.cfg.max_staleness, ctx.cfg.local_steps)
-        self.kill_at = store_kill(ctx.rank)  # MPITRAIN_INJECT_KILL=RANK:STEP:POINT (the fault tests)
-
-    def gradient(self, slot: int):
-        return self.grads[slot]
-
-    def push(self, slot: int, loss: float, versions: list[int], count: int, last: bool, lease=None) -> None:
-        """`count`: the worker's gradients so far, this one's included (--local-steps: its inner steps)."""
-        self.count += 1
-        span = self.spans.span(0, count)
-        self.ctx.watch.check()  # rank 0 is not in the loop: its loss is noticed here (PeerLost)
-        grad = self.be.to_host(self.grads[slot])
-        while True:
-            with self.store.locked():
-                done = self._apply(grad, loss, versions[0], span)
-            if done is not None:
-                break
-            h = self.store.header  # rank 0 holds this step (evaluating, saving): wait outside the lock
-            poll(lambda: h[STOP] or self.store.may_step(int(h[VERSION]), self.worker, self.hold), HOLD_POLL_S,
-                 self.ctx.watch)
-        if not done:  # shard 0 applied: the others, in order, each under its own lock
-            for k in range(1, len(self.parts)):
-                with self.store.locked(k):
-                    self._apply_shard(k, grad, versions[k], span)
-            if last:
-                self.store.active[self.worker] = 0  # after its last shard: rank 0's final state holds it all
-        self.stopped = done or last
-        self.in_flight = True
-        self.be.upload(self.params, self.host_params)  # NumPy: the same array, nothing to do
-
-    def _apply(self, grad, loss: float, basis: int, span: int) -> bool | None:
-        """Under shard 0's lock: apply and pull its part (False), stop without applying (True), or held (None);
-        `span`: the global steps the push makes."""
-        s, h = self.store, self.store.header
-        self._injected("locked")
-        if h[STOP]:
-            return self._stop()
-        v = int(h[VERSION])
-        if not s.may_step(v, self.worker, self.hold):
-            return None
-        if not math.isfinite(loss):  # never applied; rank 0 stops the run (a diverged run saves nothing more)
-            s.diverged(self.ctx.rank, v, loss)
-            return self._stop()
-        part = self.parts[0]
-        self.shared[0].apply(grad[part], self.ctx.lr_at(v), v - basis, basis, self.host_params[part])
-        self._injected("applying")
-        s.stepped(v, loss, basis, self.worker, span)
-        self.host_params[part] = s.params[part]
-        self.versions[0] = v + span
-        return False
-
-    def _apply_shard(self, k: int, grad, basis: int, span: int) -> None:
-        """Under shard k's lock (k > 0): its part of the push, at its own count, and its part of the pull."""
-        row, part = self.store.rows[k], self.parts[k]
-        v = int(row[VERSION])
-        self.shared[k].apply(grad[part], self.ctx.lr_at(v), v - basis, basis, self.host_params[part])
-        self._injected("sharded")
-        row[VERSION] = v + span
-        self.host_params[part] = self.store.params[part]
-        self.versions[k] = v + span
-
-    def _injected(self, point: str) -> None:
-        if self.kill_at == (self.count, point):
-            kill_here()
-
-    def _stop(self) -> bool:
-        h = self.store.header
-        if h[DIVERGED_STEP] >= 0:
-            self.diverged_at = int(h[DIVERGED_STEP])
-        self.store.active[self.worker] = 0
-        return True
-
-    def pull(self, count: int) -> bool:
-        self.in_flight = False
-        return self.stopped
-
-    def held(self) -> TrainState:
-        """What a take-over starts from (rank 0 lost, failover.py): not this worker's copy but the
-        store itself, the newest state any worker applied, optimizer state and moving average too
-        (rank 0 only reads the store: its death leaves it whole, and the kernel releases any lock it held)."""
-        state = self.store.snapshot([])
-        state.versions = [int(row[VERSION]) for row in self.store.rows]
-        return state
-
-    def leave(self, count: int) -> None:
-        with self.store.locked():
-            self.store.active[self.worker] = 0
-
-    def close(self) -> None:
-        self.store.close()

@@ -23,11 +23,12 @@ from mpitrain.duties.chief import ChiefDuties, Clock, ServerState, begin, record
 from mpitrain.duties.metrics import Progress
 from mpitrain.duties.observe import WAIT
 from mpitrain.exchange import shm
-from mpitrain.exchange.shm import ShmPushPull
+from mpitrain.exchange.shm_push import ShmPushPull
 from mpitrain.membership.liveness import PeerLost
 from mpitrain.modes.async_ import AsyncMode
 from mpitrain.modes.async_worker import AsyncWorker
 from mpitrain.modes.base import Trained
+from mpitrain.modes.gradients import start_leases
 from mpitrain.modes.shm_remote import POLL_S as REMOTE_POLL_S
 from mpitrain.modes.shm_remote import RemoteWorkers, off_host, on_store_host
 from mpitrain.runtime import Context, start_state
@@ -45,11 +46,13 @@ class ShmServer:
         self.seen = self.state.global_step  # the last step read back from the ring
         self.budget = ctx.global_step_budget
         lost_at_start: dict[int, str] = {}
-        self.store = shm.open_store(ctx, self.duties.start, self._next_hold(), lost=lost_at_start)
+        deal = start_leases(ctx, self.duties.start)  # the data ledger, kept in the store (core/ledger.py)
+        self.store = shm.open_store(ctx, self.duties.start, self._next_hold(), lost=lost_at_start, deal=deal)
+        self.leases, self.shards = self.store.leases(deal.span, deal.end), ctx.deal(self.duties.start).shards
         self.guard = LossGuard(self.cfg.divergence_factor)
         self.lost: set[int] = set()  # worker indices
         remote = off_host(ctx)  # workers on other hosts: their gradients come as messages, applied here
-        self.remote = RemoteWorkers(ctx, self.store, remote, self.duties.start.params) if remote else None
+        self.remote = RemoteWorkers(ctx, self.store, remote, self.duties.start.params, self.leases) if remote else None
         self.poll_s = REMOTE_POLL_S if remote else SERVE_POLL_S
         if remote:
             ranks = ", ".join(str(ctx.layout.worker_ranks[w]) for w in remote)
@@ -74,6 +77,7 @@ class ShmServer:
             self.duties.finish()
             final = self._whole()
             self.state.params, self.state.ema = final.params, final.ema
+            self.state.dealt, self.state.redeal = final.dealt, final.redeal
             self.duties.save(final, final=True)
         finally:
             self.store.close()
@@ -137,7 +141,7 @@ class ShmServer:
         return min([limit] + due)
 
     def _whole(self) -> TrainState:
-        return self.store.snapshot(self.state.worker_steps)
+        return self.store.snapshot(self.state.worker_steps, self.leases, self.shards)
 
     def _lose(self, lost: dict[int, str]) -> None:
         """Carry on without these workers (their half-applied step, if any, stays: a partial step)."""
@@ -153,6 +157,8 @@ class ShmServer:
             if self.remote:
                 self.remote.forget(w)
             self.store.active[w] = shm.LOST  # its basis no longer holds the others back (--max-staleness)
+            with self.store.locked():  # its block is dealt again, first in line, to whoever pushes next
+                self.leases.lose(w)
             left = self.ctx.workers - len(self.lost)
             record_lost(self.state, rank, why, f"; continuing with {left} worker(s)" if left else "")
 
@@ -196,7 +202,7 @@ class ShmAsyncMode(AsyncMode):
     """Async as the flags ask it, over the store instead of messages (modes.of picks it for --ps-transport shm):
     the same worker loop and start line, other roles on rank 0 and the other servers."""
 
-    leases = False  # each worker reads its own shard (the store has no one rank that could lend)
+    leases = True  # the deal's blocks as on the message path, the ledger in the store: each worker takes its own
 
     def overlap_words(self, cfg, workers: int) -> str:
         return "no overlap (--ps-transport shm: a pull waits for nothing)"
@@ -215,11 +221,12 @@ class ShmAsyncMode(AsyncMode):
         return Trained(state=keep_store(ctx))  # the workers apply its shard in the store themselves
 
     def worker(self, ctx: Context, progress=None) -> Trained:
+        start = start_state(ctx)
         if on_store_host(ctx):
-            return Trained(worker=AsyncWorker(ctx, ShmPushPull(ctx, start_state(ctx)), leased=False).run())
-        # Another host than the store's: the message path, rank 0 applying into the store.
-        shm.open_store(ctx, start_state(ctx), here=False)
-        return Trained(worker=AsyncWorker(ctx, leased=False).run())
+            return Trained(worker=AsyncWorker(ctx, ShmPushPull(ctx, start, start_leases(ctx, start))).run())
+        # Another host than the store's: the message path, rank 0 applying into the store (and lending).
+        shm.open_store(ctx, start, here=False)
+        return Trained(worker=AsyncWorker(ctx).run())
 
 
 SHM_ASYNC = ShmAsyncMode()

@@ -25,20 +25,18 @@ class AsyncWorker:
     answer. With --num-ps K the servers count their own versions, and a worker stops when any
     server stops it."""
 
-    def __init__(self, ctx: Context, exchange: PushPull | None = None, leased: bool = True):
+    def __init__(self, ctx: Context, exchange: PushPull | None = None):
         start = start_state(ctx)
         self.ctx, self.be, self.act = ctx, ctx.backend, ctx.activity
         self.overlap = ctx.cfg.overlaps(ctx.workers)
         self.exchange = exchange or MPIPushPull(ctx, start)
-        # Rank 0's blocks of the data (core/ledger.Leases); the shm store's workers read their own shards
-        self.batches = LeasedBatches(ctx) if leased else None
-        self.source = GradientSource(ctx, start.position(ctx.worker_index), batches=self.batches)
+        self.batches = LeasedBatches(ctx)  # the blocks of the data it is lent (core/ledger.Leases), with every pull
+        self.source = GradientSource(ctx, batches=self.batches)
         self.kill = Kill(ctx.rank)
         n, xp = ctx.model.n_params, self.be.xp
         self.inner = InnerSteps(ctx.cfg, n, xp) if ctx.cfg.local_steps > 1 else None  # --local-steps H
         self.pushed = 0
         self.counted = 0  # its gradients in the pushes so far: pushes, or (--local-steps) the inner steps they carried
-        self.sent_last = False
         self.diverged: Diverged | None = None  # set when a server stops the run because a loss diverged
 
     def run(self) -> WorkerResult:
@@ -61,7 +59,7 @@ class AsyncWorker:
                 if not self._more():
                     raise ProtocolError("the parameter server neither lent this worker more data nor stopped it")
             slot = self.pushed % 2
-            lease = self.batches.begin() if self.batches else None
+            lease = self.batches.begin()
             loss, used_versions = self._compute(slot)
             if ex.in_flight and self._pull():
                 break  # the gradient just computed is not pushed: training is over
@@ -88,25 +86,22 @@ class AsyncWorker:
         return loss
 
     def _more(self) -> bool:
-        """Whether it has a next gradient to compute without a word from rank 0: a block lent and not begun
-        (its own shard, the shm store's: not at its end)."""
-        return self.batches.held if self.batches else not (self.sent_last or self.source.exhausted)
+        """Whether it has a next gradient to compute without a word from rank 0: a block lent and not begun."""
+        return self.batches.held
 
     def _push(self, slot: int, loss: float, used_versions: list[int], lease) -> None:
-        last = self.batches is None and self.source.exhausted  # lent blocks: rank 0 knows when it is done
         self.kill.at(self.pushed + 1)
         self.act.enter(PUSH)
         count = self.pushed + 1 if self.inner is None else self.inner.count  # its gradients: pushes, or inner steps
-        self.exchange.push(slot, loss, used_versions, count, last, lease)
+        self.exchange.push(slot, loss, used_versions, count, False, lease)  # never its last: the ledger says when
         self.pushed += 1
         self.counted = count
-        self.sent_last = last
 
     def _pull(self) -> bool:
         """The answer to the push in flight becomes the parameters. True when told to stop."""
         self.act.enter(PULL)
         stopped = self.exchange.pull(self.pushed)
-        if self.batches is not None and not stopped and self.exchange.lent:
+        if not stopped and self.exchange.lent:
             self.batches.lend(self.exchange.lent)
         if self.exchange.diverged_at is not None:
             self.diverged = Diverged(self.exchange.diverged_at)

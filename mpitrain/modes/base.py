@@ -34,7 +34,7 @@ class Mode:
     averages = False
     worker_comm = False  # the workers need a communicator of their own (the sync Allreduce)
     # Its updates take their batches from the job's deal in step order (core/ledger.SyncDeal): the states
-    # it keeps and saves say how far the deal got (TrainState.dealt); otherwise each worker reads its own shard.
+    # it keeps and saves say how far the deal got (TrainState.dealt).
     deals = False
     # The deal's last step may hold fewer batches than workers (the others weigh 0 in it); --quorum deals
     # whole steps only (quorum_parts.quorum_total), and its budget is reached with fewer left than workers.

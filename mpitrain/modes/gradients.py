@@ -1,7 +1,7 @@
 """Where every training loop takes its gradients, and what every worker loop hands back.
 
-GradientSource is the one gradient step: the next minibatch (the deal's for a sync step, DealtBatches; a
-block rank 0 lent an async worker, LeasedBatches; the worker's own shard elsewhere, BatchStream),
+GradientSource is the one gradient step: the next minibatch (the deal's for a sync or quorum step,
+DealtBatches; a block an async worker was lent, LeasedBatches),
 the model's loss and gradient into a buffer, the finite check (Divergence) and the --straggler
 pause. The async worker (modes/async_worker.py), the sync step (modes/sync.py), the quorum coordinator's gradient thread
 and the quorum follower (quorum.py) and the single-process run all call it.
@@ -18,40 +18,6 @@ import numpy as np
 from mpitrain.core.ledger import Block, Deal, Leases, SyncDeal
 from mpitrain.membership.faults import batch_trace, injected_step
 from mpitrain.runtime import Context
-
-
-class BatchStream:
-    """This worker's minibatches: its own shard of every epoch (core/ledger.py), batch after batch,
-    reshuffled each epoch from --seed. `budget` is the number of steps this worker may take by
-    --epochs (None: endless)."""
-
-    def __init__(self, ctx: Context, taken: int = 0):
-        cfg, be = ctx.cfg, ctx.backend
-        self.ctx = ctx
-        self.x = be.asarray(ctx.data.x_train)  # the whole train set lives on the device once
-        self.y = be.asarray(ctx.data.y_train)
-        self.deal = Deal(ctx.data.n_train, cfg.batch_size, ctx.workers, cfg.seed)
-        self.spe = self.deal.batches_per_shard
-        epochs = cfg.epochs_or_default
-        self.budget = None if epochs is None else epochs * self.spe
-        self.taken = taken  # batches already taken (a resumed run continues the same order)
-        self._epoch_idx = None
-
-    def next(self):
-        epoch, k = divmod(self.taken, self.spe)
-        if k == 0 or self._epoch_idx is None:
-            self._epoch_idx = self.ctx.backend.asarray(self.deal.shard_rows(epoch, self.ctx.worker_index))
-        self.taken += 1
-        rows = self._epoch_idx[k]
-        return self.x[rows], self.y[rows]
-
-    @property
-    def idle(self) -> bool:
-        return False
-
-    @property
-    def exhausted(self) -> bool:
-        return self.budget is not None and self.taken >= self.budget
 
 
 class Numbered:
@@ -98,6 +64,12 @@ class DealtBatches(Numbered):
 
     def skip(self) -> None:
         self.step += 1
+
+
+def sync_deal(ctx: Context, start) -> SyncDeal:
+    """This worker's share of the job's deal in a sync phase from `start` (core/ledger.SyncDeal)."""
+    deal = ctx.deal(start)
+    return SyncDeal(deal, start.global_step, ctx.dealt(start), ctx.workers, ctx.worker_index, ctx.deal_end(deal))
 
 
 def start_leases(ctx: Context, state) -> Leases:
@@ -175,15 +147,15 @@ class Divergence:
 
 
 class GradientSource:
-    """This worker's gradients, one minibatch each: the next batch of its shard, the model's loss
+    """This worker's gradients, one minibatch each: its next batch of the deal, the model's loss
     and gradient into `grad`, the finite check and the --straggler pause. `seconds` is how long the
     last one took (the pause included: what a straggler's peers see)."""
 
     ONE_READ_FROM = 1_000_000  # parameters: from here a GPU step reads its loss and finite check at once
 
-    def __init__(self, ctx: Context, taken: int = 0, batches: BatchStream | DealtBatches | LeasedBatches | None = None):
+    def __init__(self, ctx: Context, batches: DealtBatches | LeasedBatches):
         self.model = ctx.model
-        self.batches = batches or BatchStream(ctx, taken)
+        self.batches = batches
         self.divergence = Divergence(ctx)
         self.straggler = Straggler(ctx)
         self.seconds = 0.0

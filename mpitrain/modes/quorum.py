@@ -32,7 +32,8 @@ from mpitrain.modes.base import Trained
 from mpitrain.modes.quorum_parts import (OWED_MARGIN_S, PACE_SLACK, SWITCH_INTERVAL_S, UNHEARD_HOLDS, CoordinatorPace,
                                          ContributionSource, GradientThread, QuorumUpdate, UpdateRing, arrived,
                                          between_workers, quorum_total)
-from mpitrain.modes.sync import SyncMode, SyncStep, sync_deal, sync_result, work
+from mpitrain.modes.gradients import sync_deal
+from mpitrain.modes.sync import SyncMode, SyncStep, sync_result, work
 from mpitrain.runtime import Context
 
 # The messages between workers travel on the workers' communicator (ranks: worker indices), not

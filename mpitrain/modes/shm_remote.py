@@ -22,8 +22,10 @@ from mpitrain.core.layout import PS_RANK
 from mpitrain.core.optim import StalenessHold
 from mpitrain.core.outer import PushSpans
 from mpitrain.exchange import shm
-from mpitrain.exchange.protocol import FLAG_DIVERGED, FLAG_LAST, FLAG_LEAVING, FLAG_FINAL, TAG_GRAD, TAG_PARAMS
+from mpitrain.exchange.protocol import (FLAG_DIVERGED, FLAG_FINAL, FLAG_LAST, FLAG_LEAVING, TAG_GRAD, TAG_PARAMS,
+                                        ProtocolError)
 from mpitrain.exchange.serving import SERVER_SIDES
+from mpitrain.exchange.shm_push import SharedUpdate
 from mpitrain.exchange.transport import PS_POLL_NO_OVERLAP_S, Poller
 from mpitrain.membership.faults import offhost_ranks
 from mpitrain.membership.liveness import PeerLost
@@ -48,8 +50,8 @@ class RemoteWorkers:
     """Rank 0: a receive posted per remote worker; what arrives is applied into the store when the
     store's rules allow it (not past rank 0's hold, --max-staleness), and answered."""
 
-    def __init__(self, ctx, store: shm.Store, workers: list[int], start_params: np.ndarray):
-        self.ctx, self.store = ctx, store
+    def __init__(self, ctx, store: shm.Store, workers: list[int], start_params: np.ndarray, leases):
+        self.ctx, self.store, self.leases = ctx, store, leases  # the store's deal: rank 0 lends for them
         n = ctx.model.n_params
         self.workers = workers
         self.ranks = [ctx.layout.worker_ranks[w] for w in workers]
@@ -57,7 +59,7 @@ class RemoteWorkers:
         self.links = SERVER_SIDES["mpi"](ctx, n, self.ranks, self.poller)  # messages: the store is not there
         # --compress: a push not in float32 is widened or decoded first
         self.widened = np.empty(n, np.float32) if np.dtype(self.links.pushes.dtype) != np.float32 else None
-        self.shared = shm.SharedUpdate(ctx.cfg, store, np, workers=ctx.workers)
+        self.shared = SharedUpdate(ctx.cfg, store, np, workers=ctx.workers)
         dc = ctx.cfg.delay_compensation is not None
         self.then = [np.array(start_params, np.float32) for _ in workers] if dc else None
         self.hold = StalenessHold(ctx.cfg.max_staleness, ctx.cfg.local_steps)
@@ -91,9 +93,9 @@ class RemoteWorkers:
             raise PeerLost({self.ranks[i]: why for i, why in done.failed.items()})
         return moved
 
-    def _apply(self, i: int) -> tuple[int, int] | None:
+    def _apply(self, i: int) -> tuple[int, int, tuple | None] | None:
         """Under the store's lock, as a local worker's push (ShmPushPull._apply): apply, stop, or hold
-        (None). Returns the reply's version and flags; its parameters are copied out in the same hold."""
+        (None). Returns the reply's version, flags and block lent; its parameters are copied out in the same hold."""
         s = self.store
         with s.locked():
             answer = self._decide(i)
@@ -105,13 +107,13 @@ class RemoteWorkers:
         s, msg, w = self.store, self.links.inbox[i], self.workers[i]
         h = s.header
         if h[shm.STOP]:
-            return int(h[shm.VERSION]), FLAG_FINAL | (FLAG_DIVERGED if h[shm.DIVERGED_STEP] >= 0 else 0)
+            return int(h[shm.VERSION]), FLAG_FINAL | (FLAG_DIVERGED if h[shm.DIVERGED_STEP] >= 0 else 0), None
         v = int(h[shm.VERSION])
         if not s.may_step(v, w, self.hold):
             return None
         if not math.isfinite(msg.loss):  # never applied; rank 0 stops the run
             s.diverged(self.ranks[i], v, msg.loss)
-            return v, FLAG_FINAL | FLAG_DIVERGED
+            return v, FLAG_FINAL | FLAG_DIVERGED, None
         grad = msg.payload
         if self.widened is not None:
             self.links.pushes.read(grad, self.widened)
@@ -119,13 +121,17 @@ class RemoteWorkers:
         basis, span = msg.step, self.spans.span(i, msg.pushed)
         self.shared.apply(grad, self.ctx.lr_at(v), v - basis, basis, None if self.then is None else self.then[i])
         s.stepped(v, msg.loss, basis, w, span)
-        return v + span, FLAG_FINAL if msg.flags & FLAG_LAST else 0
+        if msg.lease is not None and not self.leases.applied(w, msg.lease):
+            raise ProtocolError(f"worker rank {self.ranks[i]} pushed block {msg.lease}, which the store's ledger "
+                                f"did not lend it")
+        block = self.leases.grant(w)  # none left now: it stops (a block lost later goes to the store's workers)
+        return v + span, FLAG_FINAL if msg.flags & FLAG_LAST or block is None else 0, block
 
-    def _reply(self, i: int, version: int, flags: int) -> None:
+    def _reply(self, i: int, version: int, flags: int, block=None) -> None:
         reply, msg = self.links.outbox[i], self.links.inbox[i]
         if self.then is not None and not flags & FLAG_FINAL:
             self.then[i][:] = reply.payload  # what the worker computes its next gradient on
-        reply.stamp(TAG_PARAMS, version, msg.pushed, flags)
+        reply.stamp(TAG_PARAMS, version, msg.pushed, flags, lease=block)
         self.links.send(i, more=not flags & FLAG_FINAL)
         self.bytes_out += self.links.over_mpi(i, reply=True)
         if flags & FLAG_FINAL:

@@ -34,7 +34,7 @@ from mpitrain.membership.elastic import interrupted_at
 from mpitrain.membership.faults import Kill
 from mpitrain.membership.liveness import PeerLost
 from mpitrain.modes.base import Mode, Trained
-from mpitrain.modes.gradients import DealtBatches, GradientSource
+from mpitrain.modes.gradients import DealtBatches, GradientSource, sync_deal
 from mpitrain.modes.report import CoordinatorReport
 from mpitrain.runtime import Context, start_state
 
@@ -276,12 +276,6 @@ def train(ctx: Context, start: TrainState, on_step=None) -> WorkerResult:
                 done = step + 1
                 break
     return sync_result(step_fn, done, mean_loss(recent), act.times(), contributed=done)
-
-
-def sync_deal(ctx: Context, start: TrainState) -> SyncDeal:
-    """This worker's share of the job's deal from `start` (core/ledger.SyncDeal)."""
-    deal = ctx.deal(start)
-    return SyncDeal(deal, start.global_step, ctx.dealt(start), ctx.workers, ctx.worker_index, ctx.deal_end(deal))
 
 
 def sync_total(ctx: Context, deal: SyncDeal) -> int:
