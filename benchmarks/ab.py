@@ -49,7 +49,8 @@ ACCURACY = [
 ]
 
 SPEED = {"async": (3, "--mode async"), "sync": (3, "--mode sync"),  # the speed A/B's modes: ranks, flags
-         "quorum": (4, "--mode sync --quorum 2")}
+         "quorum": (4, "--mode sync --quorum 2"), "shm": (3, "--mode async --ps-transport shm"),
+         "shm-softmax": (3, "--mode async --ps-transport shm --model softmax")}
 
 
 def run(tree: Path, ranks: int, flags: str, tmp: Path) -> dict:

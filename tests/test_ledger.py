@@ -239,10 +239,10 @@ def test_the_ledger_in_shared_arrays_deals_as_the_one_in_memory():
         W, span, end = rng.randint(1, 4), rng.randint(1, 4), rng.choice([None, rng.randint(10, 80)])
         redeal = [(rng.randint(0, 9), rng.randint(1, span)) for _ in range(rng.randint(0, 3))]
         mine = Leases(0, redeal, W, 1, span, end)
-        fresh, counts = np.zeros(1, np.int64), np.zeros(2 + 2 * W, np.int64)
-        pairs, held = np.zeros((len(redeal) + 2 * W, 2), np.int64), np.zeros((W, 2, 2), np.int64)
+        fresh, counts = memoryview(np.zeros(1, np.int64)), memoryview(np.zeros(2 + 2 * W, np.int64))
+        pairs, held = memoryview(np.zeros(2 * (len(redeal) + 2 * W), np.int64)), memoryview(np.zeros(4 * W, np.int64))
         shared = Leases.over(fresh, PairQueue(pairs, counts[:2]),
-                             [PairQueue(held[w], counts[2 + 2 * w:4 + 2 * w]) for w in range(W)], span, end)
+                             [PairQueue(held[4 * w:4 * w + 4], counts[2 + 2 * w:4 + 2 * w]) for w in range(W)], span, end)
         shared.fresh = mine.fresh
         shared.redeal.extendleft(reversed(mine.redeal))
         for w in range(W):

@@ -147,11 +147,11 @@ class Store:
     def leases(self, span: int, end: int | None) -> Leases:
         """The job's deal in the store (core/ledger.Leases over its arrays): a worker grants itself its next
         block as it pushes, rank 0 takes a lost worker's back; each under shard 0's lock."""
-        v, W = self.views, len(self.active)
-        out = [PairQueue(v["ledger_out"].reshape(W, LEASES_HELD, 2)[w], v["ledger"][3 + 2 * w:5 + 2 * w])
+        ledger, held, W = memoryview(self.views["ledger"]), memoryview(self.views["ledger_out"]), len(self.active)
+        out = [PairQueue(held[2 * LEASES_HELD * w:2 * LEASES_HELD * (w + 1)], ledger[3 + 2 * w:5 + 2 * w])
                for w in range(W)]
-        return Leases.over(v["ledger"][0:1], PairQueue(v["ledger_redeal"].reshape(-1, 2), v["ledger"][1:3]), out,
-                           span, end)
+        return Leases.over(ledger[0:1], PairQueue(memoryview(self.views["ledger_redeal"]), ledger[1:3]), out, span,
+                           end)
 
     def locked(self, shard: int = 0) -> ShardLock:
         """Shard `shard`'s lock, as a `with` block. Whoever takes several takes them in order."""
