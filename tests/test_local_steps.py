@@ -219,6 +219,11 @@ def test_the_bytes_each_worker_moved_are_counted_and_h_steps_move_h_times_fewer(
     assert one["bytes_per_sample"] == pytest.approx(sum(map(sum, one["worker_bytes"])) / samples)
     assert one["bytes_per_sample"] / eight["bytes_per_sample"] >= 7.5
     assert f"{one['bytes_per_sample']:,.0f} bytes through MPI per sample" in one["_stdout"]
+    # beside it, the share of the workers' time spent computing (issue 80: what an overlapped exchange gains)
+    for s in (one, eight):
+        shares = [w["compute"] for w in s["time_breakdown"]]
+        assert s["compute_utilisation"] == pytest.approx(sum(shares) / len(shares)) and 0 < s["compute_utilisation"] <= 1
+        assert f"computing {s['compute_utilisation']:.0%} of the workers' time" in s["_stdout"]
     # The exchanges each worker sent its work in: one per step with H 1, one per 8 inner steps (its last
     # round may be shorter: at the budget in sync, at its data's end in async), and so the summary says.
     assert one["worker_exchanges"] == one["worker_steps"]

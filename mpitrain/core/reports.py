@@ -161,6 +161,8 @@ class Summary:
     write_errors: dict | None  # failed writes by kind (count, first), and the newest checkpoint written (outputs.py)
     worker_bytes: list[list[int] | None] = field(default_factory=list)  # per worker: [sent, received] through MPI
     bytes_per_sample: float | None = None  # every worker's sent + received bytes / samples trained
+    # the workers' mean share of their wall time spent computing (time_breakdown's compute; None: one process)
+    compute_utilisation: float | None = None
     worker_exchanges: list[int] = field(default_factory=list)  # per worker: WorkerReport.exchanges
     # Per epoch begun: samples applied, missed, repeated, dropped, and left out by the whole-batch rule (core/ledger.py)
     epochs: list[dict] | None = None

@@ -328,6 +328,8 @@ def human_summary(s: dict) -> list[str]:
             f" | {s['wall_seconds']:.2f} s training | {s['samples_per_second']:,.0f} samples/s")
         if s.get("bytes_per_sample") is not None:
             steps += f" | {s['bytes_per_sample']:,.0f} bytes through MPI per sample"
+        if s.get("compute_utilisation") is not None:
+            steps += f" | computing {s['compute_utilisation']:.0%} of the workers' time"
     elif s.get("failovers"):  # rank 0 was lost once the workers had finished: its successor saved and evaluated
         steps = ": rank 0 was lost after the workers reached the budget; the successor saved and evaluated it"
     else:

@@ -136,6 +136,8 @@ def build_summary(ctx: Context, mine: RoleResult, reports: list, placements: lis
         trained=trained,
         worker_bytes=[None if ctx.single else w.bytes_moved for w in workers],  # one process: nothing goes through MPI
         bytes_per_sample=None if ctx.single else per_sample([w.bytes_moved for w in workers], samples),
+        compute_utilisation=None if ctx.single or not workers else
+        sum(w.time_breakdown["compute"] for w in workers) / len(workers),
         worker_exchanges=[w.exchanges for w in workers],
         epochs=epoch_account(ctx, state),
     )
