@@ -115,6 +115,45 @@ def test_a_worker_killed_in_the_store_leaves_a_job_that_finishes_its_budget(tmp_
     assert "Traceback" not in proc.stderr and not proc.leftovers and _none_left(before)
 
 
+def test_a_ledger_change_cut_short_by_a_death_is_undone_by_the_next_lock_holder(tmp_path):
+    """The store's ledger (Store.leases) changes in several words under shard 0's lock; a worker SIGKILLed
+    between two of them (the kernel frees its lock) leaves the record open, and the next holder puts the words
+    back: no dealt number lost between the next fresh one and a worker's queue (chaos shm-2ps once ended a
+    global step short), none dealt twice. A change carried through is never undone."""
+    from mpitrain.core.ledger import Leases
+    from mpitrain.duties.checkpoint import TrainState
+
+    store = shm.Store(str(tmp_path / "store"), 10, 3, (), False, False, create=True, redeal=1)
+    try:
+        store.fill(TrainState(np.zeros(10, np.float32)), 3, 100, deal=Leases(7, [(50, 1)], 3, 1, 1, None))
+        leases = store.leases(1, None)
+
+        def ledger():
+            return leases.fresh, leases.unapplied(), [list(q) for q in leases.out]
+
+        store.ledger_begin(2)  # worker 2 lost: its block to deal again
+        leases.lose(2)
+        store.ledger_end()
+        start = ledger()
+        assert start == (9, [(8, 1), (50, 1), (7, 1)], [[(50, 1)], [(7, 1)], []])
+        for cut in ("marked applied", "taken from the queue, not yet held", "a fresh number taken, not yet held"):
+            store.ledger_begin(0)
+            leases.applied(0, (50, 1))
+            if cut != "marked applied":
+                leases.redeal.popleft()
+            if cut.startswith("a fresh"):
+                leases.fresh += 1
+            assert ledger() != start, cut
+            assert store.ledger_undo() and ledger() == start, cut  # (the next holder's ledger_begin does this)
+        store.ledger_begin(0)
+        leases.applied(0, (50, 1))
+        assert leases.grant(0) == (8, 1)
+        store.ledger_end()
+        assert not store.ledger_undo() and ledger() == (9, [(8, 1), (7, 1)], [[(8, 1)], [(7, 1)], []])
+    finally:
+        store.close()
+
+
 OFF_HOST = {**child_env(), "MPITRAIN_INJECT_OFFHOST": "2"}  # rank 2 takes another host's path (faults.py)
 
 

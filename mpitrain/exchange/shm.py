@@ -62,6 +62,9 @@ DIVERGED_RANK = 6
 DC_T = 7  # --delay-compensation: the gradients its mean square has seen
 HEADER = 8
 LEASES_HELD = 2  # blocks a worker's queue has room for: one is all it holds (a push on the store never overlaps)
+# The ledger's undo record (Store.ledger_begin): open?, whose, then the words a change may write: the next
+# fresh number, the queue to deal again (head, length) and its head slot's pair, the worker's queue (head, length)
+JOURNAL = 9
 # A worker's `active` slot: 1 training, 0 done (or stopped), LOST rank 0 declared it lost (so that
 # the other servers, which have no loop of their own, take it for lost too and not for done).
 LOST = -1
@@ -77,7 +80,8 @@ def _sections(n: int, workers: int, state_names: tuple[str, ...], ema: bool, dc:
     return ([("header", np.int64, HEADER * shards), ("active", np.int64, workers), ("bases", np.int64, workers),
              ("diverged_loss", np.float64, 1), ("ring_loss", np.float64, RING), ("ring_basis", np.int64, RING),
              ("ring_worker", np.int64, RING), ("ring_span", np.int64, RING),
-             ("ledger", np.int64, 3 + 2 * workers), ("ledger_redeal", np.int64, 2 * redeal),
+             ("ledger", np.int64, 3 + 2 * workers), ("ledger_journal", np.int64, JOURNAL),
+             ("ledger_redeal", np.int64, 2 * redeal),
              ("ledger_out", np.int64, 2 * LEASES_HELD * workers), ("params", np.float32, n)]
             + [(f"opt_{name}", np.float32, n) for name in state_names]
             + ([("ema", np.float32, n)] if ema else [])
@@ -143,15 +147,44 @@ class Store:
         self.active, self.params, self.ema = v["active"], v["params"], v.get("ema")
         self.opt = {name: v[f"opt_{name}"] for name in state_names}
         self.locks = [ShardLock(self.fd, k) for k in range(shards)]
+        self._ledger = (memoryview(v["ledger"]), memoryview(v["ledger_journal"]), memoryview(v["ledger_redeal"]))
 
     def leases(self, span: int, end: int | None) -> Leases:
         """The job's deal in the store (core/ledger.Leases over its arrays): a worker grants itself its next
-        block as it pushes, rank 0 takes a lost worker's back; each under shard 0's lock."""
+        block as it pushes, rank 0 takes a lost worker's back; each under shard 0's lock, between
+        ledger_begin and ledger_end."""
         ledger, held, W = memoryview(self.views["ledger"]), memoryview(self.views["ledger_out"]), len(self.active)
         out = [PairQueue(held[2 * LEASES_HELD * w:2 * LEASES_HELD * (w + 1)], ledger[3 + 2 * w:5 + 2 * w])
                for w in range(W)]
         return Leases.over(ledger[0:1], PairQueue(memoryview(self.views["ledger_redeal"]), ledger[1:3]), out, span,
                            end)
+
+    def ledger_begin(self, w: int) -> None:
+        """Under shard 0's lock, before worker w's blocks change: the words the change may write, kept. A
+        process killed half-way through it (the kernel frees its lock) leaves the record open, and whoever
+        takes the lock next puts them back (ledger_undo): a dealt number never falls between the next fresh
+        one and a worker's queue (chaos, shm-2ps: a run one global step short of its budget)."""
+        self.ledger_undo()
+        L, j, red = self._ledger
+        head, slot = L[1], 2 * L[1]
+        j[1], j[2], j[3], j[4], j[5], j[6] = w, L[0], head, L[2], L[3 + 2 * w], L[4 + 2 * w]
+        j[7], j[8] = (red[slot], red[slot + 1]) if slot < len(red) else (0, 0)
+        j[0] = 1
+
+    def ledger_end(self) -> None:
+        self._ledger[1][0] = 0
+
+    def ledger_undo(self) -> bool:
+        """Under shard 0's lock: a change its process did not finish, undone (True); False when none is open."""
+        L, j, red = self._ledger
+        if not j[0]:
+            return False
+        w, slot = j[1], 2 * j[3]
+        L[0], L[1], L[2], L[3 + 2 * w], L[4 + 2 * w] = j[2], j[3], j[4], j[5], j[6]
+        if slot < len(red):
+            red[slot], red[slot + 1] = j[7], j[8]
+        j[0] = 0
+        return True
 
     def locked(self, shard: int = 0) -> ShardLock:
         """Shard `shard`'s lock, as a `with` block. Whoever takes several takes them in order."""
@@ -180,6 +213,7 @@ class Store:
         self.active[:] = 1
         self.views["bases"][:] = start.global_step
         self.views["ledger"][:] = 0
+        self.views["ledger_journal"][:] = 0
         if deal is not None:
             shared = self.leases(deal.span, deal.end)
             shared.fresh = deal.fresh
@@ -222,11 +256,12 @@ class Store:
                                {k: a.copy() for k, a in self.opt.items()}, list(positions),
                                None if self.ema is None else self.ema.copy())
             if deal is not None:
+                self.ledger_undo()
                 state.dealt, state.deal_shards, state.redeal = deal.fresh, shards, deal.unapplied()
             return state
 
     def close(self) -> None:
-        self.views = self.rows = self.header = self.active = self.params = self.ema = self.opt = None
+        self.views = self.rows = self.header = self.active = self.params = self.ema = self.opt = self._ledger = None
         with contextlib.suppress(BufferError):  # a view still held elsewhere: the mapping goes with the process
             self.mm.close()
         os.close(self.fd)

@@ -139,9 +139,11 @@ class ShmPushPull:
         self._injected("applying")
         s.stepped(v, loss, basis, self.worker, span)
         if self.leases is not None:
+            s.ledger_begin(self.worker)
             if lease is not None and not self.leases.applied(self.worker, lease):
                 raise RuntimeError(f"the store's ledger holds no block {lease} of worker {self.worker}")
             self.lent = self.leases.grant(self.worker)
+            s.ledger_end()
         self.host_params[part] = s.params[part]
         self.versions[0] = v + span
         return False
@@ -154,7 +156,9 @@ class ShmPushPull:
             poll(lambda: h[STOP] or leases.redeal or not leases.anyone_holds(), HOLD_POLL_S, self.ctx.watch)
             with self.store.locked():
                 if not h[STOP]:
+                    self.store.ledger_begin(self.worker)
                     self.lent = leases.grant(self.worker)
+                    self.store.ledger_end()
                 if self.lent is not None:
                     return False
                 if h[STOP] or not leases.anyone_holds():

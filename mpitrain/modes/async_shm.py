@@ -158,7 +158,9 @@ class ShmServer:
                 self.remote.forget(w)
             self.store.active[w] = shm.LOST  # its basis no longer holds the others back (--max-staleness)
             with self.store.locked():  # its block is dealt again, first in line, to whoever pushes next
+                self.store.ledger_begin(w)  # (first undoing what it was half-way through, if it died so)
                 self.leases.lose(w)
+                self.store.ledger_end()
             left = self.ctx.workers - len(self.lost)
             record_lost(self.state, rank, why, f"; continuing with {left} worker(s)" if left else "")
 

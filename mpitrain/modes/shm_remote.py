@@ -121,10 +121,12 @@ class RemoteWorkers:
         basis, span = msg.step, self.spans.span(i, msg.pushed)
         self.shared.apply(grad, self.ctx.lr_at(v), v - basis, basis, None if self.then is None else self.then[i])
         s.stepped(v, msg.loss, basis, w, span)
+        s.ledger_begin(w)
         if msg.lease is not None and not self.leases.applied(w, msg.lease):
             raise ProtocolError(f"worker rank {self.ranks[i]} pushed block {msg.lease}, which the store's ledger "
                                 f"did not lend it")
         block = self.leases.grant(w)  # none left now: it stops (a block lost later goes to the store's workers)
+        s.ledger_end()
         return v + span, FLAG_FINAL if msg.flags & FLAG_LAST or block is None else 0, block
 
     def _reply(self, i: int, version: int, flags: int, block=None) -> None:
