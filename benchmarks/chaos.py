@@ -807,7 +807,7 @@ def stopped_as_documented(case: Case, err: str, code: int, summary: dict | None,
 
 def report(trials: list[Trial], durations: dict[str, float], seconds: float) -> str:
     out = ["# Chaos: real SIGKILLs, stop signals and full disks from outside, at random moments", "",
-           f"`python benchmarks/chaos.py{'' if IMPL is mpiimpl.MPICH else ' --mpi ' + IMPL.name}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, on {machine()}; "
+           f"`python benchmarks/chaos.py{''.join(' ' + a for a in sys.argv[1:])}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, on {machine()}; "
            f"{len(trials)} trials in {seconds / 60:.1f} min, under {IMPL.title}. "
            f"Each trial: `mpirun {' '.join(IMPL.keep_going)} -np {NP}` (1 server + 3 workers; with `--num-ps 2` "
            f"2 servers + 2 workers), `--worker-timeout "
