@@ -1,5 +1,6 @@
-"""The data ledger (issue 81; mpitrain/core/ledger.py): every sample of an epoch once, in sync, across a lost
-worker, a resume on another worker count and the deal's last, partial step; and the summary's account of it.
+"""The data ledger (issue 81; mpitrain/core/ledger.py): every sample of an epoch once, in sync, async (over
+messages and the shm store) and --quorum (applied or left out), across a lost worker, a resume on another
+worker count and the deal's last, partial step; and the summary's account of it.
 
 The MPI tests read what the workers trained from their own side (MPITRAIN_TRACE_BATCHES: the samples of every
 batch taken, by phase and step), not the ledger's arithmetic: a step a regroup gave up is redone by the later

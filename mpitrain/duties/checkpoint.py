@@ -47,7 +47,7 @@ class TrainState:
     versions: list[int] | None = None
     # The deal (core/ledger.py): sync, the job's batches in the updates applied; async, the next batch number never
     # dealt. The workers every epoch is cut for; async's blocks (first, count) dealt and not applied, to deal again.
-    # None, 0 and none where nothing dealt them (the shm store, checkpoints written before the ledger).
+    # None, 0 and none in a state from before the ledger (an older checkpoint, an async take-over's).
     # --quorum: the batches dealt that the updates left out (a worker not in the Q), by epoch
     dealt: int | None = None
     deal_shards: int = 0
