@@ -221,7 +221,7 @@ class Leases:
     no message: worker w takes the w-th block of each round."""
 
     def __init__(self, fresh: int, redeal: list[Block], workers: int, depth: int, span: int, end: int | None):
-        self._fresh = np.array([fresh], np.int64)
+        self._fresh = [fresh]  # a list, as the store's memoryview (Leases.over): no NumPy scalar per grant
         self.span, self.end = span, end
         self.redeal = deque(redeal)
         self.out: list[deque] = [deque() for _ in range(workers)]
@@ -239,7 +239,7 @@ class Leases:
 
     @property
     def fresh(self) -> int:
-        return int(self._fresh[0])  # (a NumPy scalar in memory, an int in the store's memoryview)
+        return self._fresh[0]
 
     @fresh.setter
     def fresh(self, value: int) -> None:

@@ -65,6 +65,13 @@ LEASES_HELD = 2  # blocks a worker's queue has room for: one is all it holds (a 
 # The ledger's undo record (Store.ledger_begin): open?, whose, then the words a change may write: the next
 # fresh number, the queue to deal again (head, length) and its head slot's pair, the worker's queue (head, length)
 JOURNAL = 9
+# The ledger section's words: the next fresh number, the [head, length] of the queue to deal again, then each
+# worker's queue's [head, length] (held(w))
+FRESH, REDEAL = 0, 1
+
+
+def held(w: int) -> int:
+    return 3 + 2 * w
 # A worker's `active` slot: 1 training, 0 done (or stopped), LOST rank 0 declared it lost (so that
 # the other servers, which have no loop of their own, take it for lost too and not for done).
 LOST = -1
@@ -80,7 +87,7 @@ def _sections(n: int, workers: int, state_names: tuple[str, ...], ema: bool, dc:
     return ([("header", np.int64, HEADER * shards), ("active", np.int64, workers), ("bases", np.int64, workers),
              ("diverged_loss", np.float64, 1), ("ring_loss", np.float64, RING), ("ring_basis", np.int64, RING),
              ("ring_worker", np.int64, RING), ("ring_span", np.int64, RING),
-             ("ledger", np.int64, 3 + 2 * workers), ("ledger_journal", np.int64, JOURNAL),
+             ("ledger", np.int64, held(workers)), ("ledger_journal", np.int64, JOURNAL),
              ("ledger_redeal", np.int64, 2 * redeal),
              ("ledger_out", np.int64, 2 * LEASES_HELD * workers), ("params", np.float32, n)]
             + [(f"opt_{name}", np.float32, n) for name in state_names]
@@ -153,11 +160,10 @@ class Store:
         """The job's deal in the store (core/ledger.Leases over its arrays): a worker grants itself its next
         block as it pushes, rank 0 takes a lost worker's back; each under shard 0's lock, between
         ledger_begin and ledger_end."""
-        ledger, held, W = memoryview(self.views["ledger"]), memoryview(self.views["ledger_out"]), len(self.active)
-        out = [PairQueue(held[2 * LEASES_HELD * w:2 * LEASES_HELD * (w + 1)], ledger[3 + 2 * w:5 + 2 * w])
-               for w in range(W)]
-        return Leases.over(ledger[0:1], PairQueue(memoryview(self.views["ledger_redeal"]), ledger[1:3]), out, span,
-                           end)
+        (L, _, red), blocks = self._ledger, memoryview(self.views["ledger_out"])
+        out = [PairQueue(blocks[2 * LEASES_HELD * w:2 * LEASES_HELD * (w + 1)], L[held(w):held(w) + 2])
+               for w in range(len(self.active))]
+        return Leases.over(L[FRESH:FRESH + 1], PairQueue(red, L[REDEAL:REDEAL + 2]), out, span, end)
 
     def ledger_begin(self, w: int) -> None:
         """Under shard 0's lock, before worker w's blocks change: the words the change may write, kept. A
@@ -166,8 +172,8 @@ class Store:
         one and a worker's queue (chaos, shm-2ps: a run one global step short of its budget)."""
         self.ledger_undo()
         L, j, red = self._ledger
-        head, slot = L[1], 2 * L[1]
-        j[1], j[2], j[3], j[4], j[5], j[6] = w, L[0], head, L[2], L[3 + 2 * w], L[4 + 2 * w]
+        head, slot = L[REDEAL], 2 * L[REDEAL]
+        j[1], j[2], j[3], j[4], j[5], j[6] = w, L[FRESH], head, L[REDEAL + 1], L[held(w)], L[held(w) + 1]
         j[7], j[8] = (red[slot], red[slot + 1]) if slot < len(red) else (0, 0)
         j[0] = 1
 
@@ -180,7 +186,7 @@ class Store:
         if not j[0]:
             return False
         w, slot = j[1], 2 * j[3]
-        L[0], L[1], L[2], L[3 + 2 * w], L[4 + 2 * w] = j[2], j[3], j[4], j[5], j[6]
+        L[FRESH], L[REDEAL], L[REDEAL + 1], L[held(w)], L[held(w) + 1] = j[2], j[3], j[4], j[5], j[6]
         if slot < len(red):
             red[slot], red[slot + 1] = j[7], j[8]
         j[0] = 0
