@@ -190,7 +190,8 @@ def main() -> int:
             "`--worker-timeout 1`, every rank making 60,000 synthetic examples before the setup agreement.")
     kind = "Shutdown" if end else "Start-up"
     lines = [f"# {kind} kills, {impl.title} ({datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC)", "",
-             f"`python benchmarks/startup_kills.py --at {a.at} --trials {a.trials} --window {window}`; {machine()}.", "",
+             f"`python benchmarks/startup_kills.py --at {a.at} --trials {a.trials} --window {window} --seed {a.seed}`; "
+             f"{machine()}.", "",
              what, "", f"**{good} of {a.trials} as documented** (docs/lost-ranks.md, the {kind.lower()} rows).", "",
              "| ending | trials | median s from the kill to the end |", "|---|---|---|"]
     for k in kinds:

@@ -63,6 +63,39 @@ def test_a_worker_killed_during_start_up_ends_the_job_at_once(tmp_path, trial):
     assert took < 1 + 30 + 5, took  # never longer than --worker-timeout + 30 s (and a few seconds to end)
 
 
+def test_a_supervisor_killed_in_start_up_is_a_zombie_by_the_time_its_output_ends():
+    """hydra's proxy looks for a dead child (waitpid, WNOHANG) once per event, and the supervisor's own
+    output ending is its last. The kernel closes a dying process's files before it makes it a zombie, and on
+    busy cores (the other ranks spin in a start-up collective) it can be descheduled in between: the proxy
+    looked, found nothing and waited for good (CI, once). As the proxy does, read the supervisor's output to
+    its end and look at once, with every core busy: always found (without supervise._hold_output_past_death,
+    93 of 100 were not)."""
+    import sys
+
+    code = ("import signal; from mpitrain.launch import supervise; "
+            "supervise.killed_during_start_up('rank 2', 1234, signal.SIGKILL)")
+    env = {k: v for k, v in child_env().items() if not k.startswith(("PMI_", "HYDI_", "OMPI_", "PMIX_"))}
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range((os.cpu_count() or 1) + 1)]
+    try:
+        for _ in range(20):
+            r, w = os.pipe()
+            sup = subprocess.Popen([sys.executable, "-c", code], stdout=w, stderr=w, env=env)
+            os.close(w)
+            said = b""
+            while chunk := os.read(r, 65536):  # to the end, as hydra's proxy reads its child's output
+                said += chunk
+            os.close(r)
+            found, status = os.waitpid(sup.pid, os.WNOHANG)  # at once, as the proxy looks
+            if not found:
+                sup.wait()
+            assert found == sup.pid and os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, said
+            assert b"during start-up, before the job could go on without it" in said, said
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+
+
 def test_the_mpi_init_watch_ends_a_rank_in_one_line_with_an_exit_not_a_signal():
     """Where MPI_Init never returns (a peer lost before it, under Open MPI), holding Python's lock:
     faulthandler's C timer ends the rank with exit 1 (prterun counts ranks killed by a signal as a

@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 
 from mpitrain.launch.mpiimpl import needs_supervisor
 
@@ -159,11 +160,46 @@ def killed_during_start_up(who: str, pid: int, sig: int) -> None:
     from mpitrain.launch import reaper
 
     reaper.start(why="start-up")  # hydra's mpiexec once waited on with no rank left (1 kill in 30)
+    _hold_output_past_death()
     if sig not in (signal.SIGKILL, signal.SIGSTOP):  # (those two have no handler to take back)
         signal.signal(sig, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, [sig])
     os.kill(os.getpid(), sig)
     os._exit(128 + sig)  # a signal that does not end a process (SIGCONT, ...) cannot have killed the rank
+
+
+def _hold_output_past_death(limit_s: float = 10.0) -> None:
+    """Keep this supervisor's stdout and stderr open, in a forked child, until the supervisor is a zombie.
+
+    Why: hydra's proxy calls waitpid(WNOHANG) once per event it sees (proxy/pmip.c) and ends every rank
+    only when that call finds a child killed by a signal. The supervisor's own death closes its output
+    pipes, the proxy's last event, and the kernel closes a dying process's files before it makes it a
+    zombie: a proxy quick enough looked before and found nothing, and then waited for good while the
+    others spun in a start-up collective (CI, once; 1 kill in 12 at 0.7-1.2 s, reproduced). Closed here
+    only once the supervisor is a zombie, the pipes' end is an event after which waitpid finds it."""
+    supervisor = os.getpid()
+    if os.fork() != 0:
+        return
+    try:  # the child: nothing of Python's beyond os, and never back into the caller
+        for fd in range(3, 256):  # (the PMI socket is closed already: only the output pipes are held)
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        deadline = time.monotonic() + limit_s
+        while time.monotonic() < deadline and not _dead(supervisor):
+            time.sleep(0.005)
+    finally:
+        os._exit(0)  # its exit closes the pipes
+
+
+def _dead(pid: int) -> bool:
+    """A zombie, or reaped already."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
+    except (OSError, IndexError):
+        return True
 
 
 def killed_exit(sig: int, rank_0: bool) -> int:
