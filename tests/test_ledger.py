@@ -57,6 +57,10 @@ def test_regroups_and_joins_at_random_steps_deal_every_batch_once(seed):
     while dealt < end:
         phase = [SyncDeal(deal, step, dealt, workers, i, end) for i in range(workers)]
         last = phase[0].last_step()
+        whole = phase[0].last_step(whole=True)  # --quorum's end: every step before it deals each worker a batch
+        assert last - 1 <= whole <= last
+        assert whole == step or phase[-1].number(whole - 1) is not None  # the last worker too had a batch
+        assert whole == last or phase[-1].number(whole) is None  # ...and has none in the short step after
         stop = min(last, step + rng.randint(1, 40))
         for s in range(step, stop):
             taken = [g for g in (p.number(s) for p in phase) if g is not None]

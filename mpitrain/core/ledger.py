@@ -147,11 +147,13 @@ class SyncDeal:
                 g, n = g + k * W, n - k
         return out
 
-    def last_step(self) -> int | None:
-        """The global step at which the deal runs out (None: endless)."""
+    def last_step(self, whole: bool = False) -> int | None:
+        """The global step at which the deal runs out (None: endless); `whole`: the last step that deals
+        every worker a batch (no short last step)."""
         if self.end is None:
             return None
-        return self.step0 + max(0, -(-(self.end - self.dealt0) // self.workers))
+        left = max(0, self.end - self.dealt0)
+        return self.step0 + (left // self.workers if whole else -(-left // self.workers))
 
     def weight(self, step: int) -> int:
         """The batches update `step + 1` holds, over all workers."""
@@ -186,19 +188,22 @@ class PairQueue:
         self.pairs[2 * slot], self.pairs[2 * slot + 1] = block
 
     def append(self, block: Block) -> None:
-        head, n = self.counts[0], self.counts[1]
-        if n == self.cap:
-            raise RuntimeError(f"the shared ledger's queue of {self.cap} blocks is full")
+        head, n = self._room()
         self._put((head + n) % self.cap, block)
         self.counts[1] = n + 1
 
     def appendleft(self, block: Block) -> None:
-        head, n = self.counts[0], self.counts[1]
-        if n == self.cap:
-            raise RuntimeError(f"the shared ledger's queue of {self.cap} blocks is full")
+        head, n = self._room()
         head = (head - 1) % self.cap
         self._put(head, block)
         self.counts[0], self.counts[1] = head, n + 1
+
+    def _room(self) -> tuple[int, int]:
+        """[head, length], once there is room for one more block."""
+        head, n = self.counts[0], self.counts[1]
+        if n == self.cap:
+            raise RuntimeError(f"the shared ledger's queue of {self.cap} blocks is full")
+        return head, n
 
     def extendleft(self, blocks) -> None:
         for block in blocks:

@@ -37,7 +37,7 @@ class Mode:
     # it keeps and saves say how far the deal got (TrainState.dealt).
     deals = False
     # The deal's last step may hold fewer batches than workers (the others weigh 0 in it); --quorum deals
-    # whole steps only (quorum_parts.quorum_total), and its budget is reached with fewer left than workers.
+    # whole steps only (sync.sync_total), and its budget is reached with fewer left than workers.
     short_last_step = True
     # Its updates may leave a step's batches out (--quorum's Q of W): the coordinator counts them by epoch and
     # sends the counts to rank 0 with each state it saves (TAG_LEFT_OUT), for the checkpoint and the summary.

@@ -22,18 +22,36 @@ from mpitrain.core.outer import round_span
 from mpitrain.core.reports import LOSS_WINDOW, WorkerResult, mean_loss
 from mpitrain.duties.checkpoint import TrainState
 from mpitrain.duties.observe import COMPUTE, PUSH, WAIT
-from mpitrain.exchange.protocol import (FLAG_LATE, FLAG_LEAVING, FLAG_STOP_STEP, HEADER_BYTES, TAG_QGRAD, TAG_UPDATE,
-                                        Message, ProtocolError)
+from mpitrain.exchange.protocol import (
+    FLAG_LATE,
+    FLAG_LEAVING,
+    FLAG_STOP_STEP,
+    HEADER_BYTES,
+    TAG_QGRAD,
+    TAG_UPDATE,
+    Message,
+    ProtocolError,
+)
 from mpitrain.exchange.transport import WORKER_POLL_S, Poller
 from mpitrain.exchange.waiting import poll
 from mpitrain.membership.elastic import interrupted_at
 from mpitrain.membership.faults import Kill
 from mpitrain.modes.base import Trained
-from mpitrain.modes.quorum_parts import (OWED_MARGIN_S, PACE_SLACK, SWITCH_INTERVAL_S, UNHEARD_HOLDS, CoordinatorPace,
-                                         ContributionSource, GradientThread, QuorumUpdate, UpdateRing, arrived,
-                                         between_workers, quorum_total)
 from mpitrain.modes.gradients import sync_deal
-from mpitrain.modes.sync import SyncMode, SyncStep, sync_result, work
+from mpitrain.modes.quorum_parts import (
+    OWED_MARGIN_S,
+    PACE_SLACK,
+    SWITCH_INTERVAL_S,
+    UNHEARD_HOLDS,
+    ContributionSource,
+    CoordinatorPace,
+    GradientThread,
+    QuorumUpdate,
+    UpdateRing,
+    arrived,
+    between_workers,
+)
+from mpitrain.modes.sync import SyncMode, SyncStep, sync_result, sync_total, work
 from mpitrain.runtime import Context
 
 # The messages between workers travel on the workers' communicator (ranks: worker indices), not
@@ -66,7 +84,7 @@ class QuorumCoordinator:
         self.params = be.asarray(start.params)
         self.step_fn = SyncStep(ctx, self.params, start)
         self.step_fn.deal = sync_deal(ctx, start)
-        self.total = quorum_total(ctx, self.step_fn.deal)
+        self.total = sync_total(ctx, self.step_fn.deal)
         self.h = ctx.cfg.local_steps  # global steps per update (round_span)
         source = ContributionSource(ctx, self.step_fn.deal, lambda: self.total)
         self.helper = GradientThread(ctx, source)
@@ -314,7 +332,7 @@ class QuorumFollower:
         self.sends = [MPI.REQUEST_NULL] * 2
         self.update = QuorumUpdate(ctx)
         self.step_fn.deal = sync_deal(ctx, start)
-        self.total = quorum_total(ctx, self.step_fn.deal)
+        self.total = sync_total(ctx, self.step_fn.deal)
         self.source = ContributionSource(ctx, self.step_fn.deal, lambda: self.total)
         self.kill = Kill(ctx.rank)
         self.poller = Poller(WORKER_POLL_S, ctx.watch)
@@ -433,7 +451,8 @@ class QuorumMode(SyncMode):
     coordinator (worker 0) decides which, rank 0 and the servers follow as in plain sync."""
 
     name = "sync"  # the summary's mode: sync, with its quorum
-    short_last_step = False  # quorum_total: a worker without a batch would have nothing to push
+    short_last_step = False  # (sync_total) a worker without a batch would have nothing to push; the few batches
+    # left below the worker count are not dealt, and the last epoch says so (not complete)
     leaves_out = True
 
     def worker(self, ctx: Context, progress=None) -> Trained:

@@ -154,16 +154,6 @@ class ContributionSource:
         return self.source.seconds
 
 
-def quorum_total(ctx: Context, deal: SyncDeal) -> int:
-    """The global step a --quorum phase ends at: --steps, or the last step that deals every worker a batch
-    (no short last step: a worker without a batch would have nothing to push; the few batches left below
-    the worker count are not dealt, and the last epoch says so: not complete)."""
-    ends = [] if ctx.cfg.steps is None else [ctx.cfg.steps]
-    if deal.end is not None:
-        ends.append(deal.step0 + max(0, deal.end - deal.dealt0) // deal.workers)
-    return min(ends)
-
-
 class QuorumUpdate:
     """--quorum, coordinator -> every other worker: one step's update. The payload is the averaged
     gradient, which every worker applies with its own optimizer (replicas stay bitwise identical),

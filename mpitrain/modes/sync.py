@@ -279,8 +279,9 @@ def train(ctx: Context, start: TrainState, on_step=None) -> WorkerResult:
 
 
 def sync_total(ctx: Context, deal: SyncDeal) -> int:
-    """The global step a plain sync phase ends at: --steps, or where the deal runs out."""
-    ends = [s for s in (ctx.cfg.steps, deal.last_step()) if s is not None]
+    """The global step a sync phase ends at: --steps, or where the deal runs out, at a short last step or
+    (Mode.short_last_step False: --quorum) at the last step that deals every worker a batch."""
+    ends = [s for s in (ctx.cfg.steps, deal.last_step(whole=not ctx.mode.short_last_step)) if s is not None]
     return min(ends)
 
 
