@@ -361,6 +361,11 @@ def broadcast_start(ctx: Context) -> checkpoint.TrainState:
             arr = state.array(name) if ctx.rank == PS_RANK else np.empty(ctx.model.n_params, np.float32)
             ctx.comm.Bcast([arr, MPI.FLOAT], root=PS_RANK)
             state.set_array(name, arr)
+    if ctx.mode.keeps_feedback(ctx.cfg):
+        state.residuals = checkpoint.bcast_residuals(ctx.comm, state.residuals, ctx.model.n_params, PS_RANK)
+        if state.residuals is not None and len(state.residuals) != W and ctx.rank == PS_RANK:
+            say(f"error feedback starts from zero: the checkpoint kept it for {len(state.residuals)} workers, "
+                f"this run has {W}")
     return state
 
 

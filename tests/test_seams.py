@@ -77,8 +77,8 @@ class AsIfTheOtherDiedSendingIt(AsIfAnotherWorkerSentZeros):
 
 
 @only_on("mpich", NUMBERS_ONLY)
-@pytest.mark.parametrize("slot, value", [("VOTE", 0.37), ("VOTE", 3.0), ("ROOM_VOTE", 3.0), ("STAMP", 2.0),
-                                         ("STAMP", 0.0), ("WEIGHT", 1.0)])
+@pytest.mark.parametrize("slot, value", [("VOTE", 0.37), ("VOTE", 3.0), ("ROOM_VOTE", 3.0), ("SAVE_VOTE", 3.0),
+                                         ("STAMP", 2.0), ("STAMP", 0.0), ("WEIGHT", 1.0)])
 def test_a_sum_whose_exact_slots_disagree_is_never_applied_nor_taken_for_a_stop(monkeypatch, slot, value):
     """A torn sum waits for rank 0's verdict on the worker that died in it (a regroup, or the job's end):
     the parameters are untouched and no stop is requested (on the old check, weight only, the 0.37 vote
@@ -99,7 +99,7 @@ def test_a_sum_whose_exact_slots_disagree_is_never_applied_nor_taken_for_a_stop(
     step = sync.SyncStep(ctx, ctx.model.init_params(0), reducer=AsIfTheOtherDiedSendingIt(slot, value))
     step.compute(GradientSource(ctx, dealt_batches(ctx)))
     before = step.params.copy()
-    with pytest.raises(Verdict, match="stop votes|room votes|step stamp|weight"):
+    with pytest.raises(Verdict, match="stop votes|room votes|save votes|step stamp|weight"):
         step.reduce_and_apply(5)
     assert not STOP.due and not step.stop
     np.testing.assert_array_equal(step.params, before)
@@ -109,10 +109,10 @@ def test_a_sum_whose_exact_slots_disagree_is_never_applied_nor_taken_for_a_stop(
 @pytest.mark.parametrize("compress", ["none", "fp16", "bf16"])
 @pytest.mark.parametrize("workers", [2, 3, 16, 64])
 def test_a_whole_sum_passes_the_check_on_every_wire_at_every_stamp(compress, workers):
-    """Every worker's tail [loss, weight, stop vote, room vote, stamp] summed as MPI would through --compress's
+    """Every worker's tail [loss, weight, stop, room and save votes, stamp] summed as MPI would through --compress's
     wire (its own SUM op for 16 bits) is never taken for a torn one: a false alarm would stall the job."""
     from mpitrain.core.codec import CODECS, decode, encode
-    from mpitrain.modes.sync import ROOM_VOTE, STAMP, SYNC_SLOTS, VOTE, WEIGHT, stamp_period, torn
+    from mpitrain.modes.sync import ROOM_VOTE, SAVE_VOTE, STAMP, SYNC_SLOTS, VOTE, WEIGHT, stamp_period, torn
 
     c = CODECS[compress]
     period = stamp_period(compress, workers)
@@ -120,9 +120,9 @@ def test_a_whole_sum_passes_the_check_on_every_wire_at_every_stamp(compress, wor
     for step in range(2 * period):
         stamp = 1 + step % period
         acc = np.empty(SYNC_SLOTS, c.wire)
-        for w in range(workers):  # worker 0 votes to stop, every other one to make room
+        for w in range(workers):  # worker 0 votes to stop and to save, every other one to make room
             part = np.empty(SYNC_SLOTS, c.wire)
-            encode(np, np.array([0.37 * w, 1.0, float(w == 0), float(w != 0), stamp], np.float32), part)
+            encode(np, np.array([0.37 * w, 1.0, float(w == 0), float(w != 0), float(w == 0), stamp], np.float32), part)
             if w == 0:
                 acc[...] = part
             elif c.add is None:
@@ -131,7 +131,7 @@ def test_a_whole_sum_passes_the_check_on_every_wire_at_every_stamp(compress, wor
                 c.add(part, acc, None)
         tail = np.empty(SYNC_SLOTS, np.float32)
         decode(np, acc, tail)
-        votes = float(tail[VOTE]), float(tail[ROOM_VOTE])
+        votes = float(tail[VOTE]), float(tail[ROOM_VOTE]), float(tail[SAVE_VOTE])
         assert torn(workers, float(tail[WEIGHT]), votes, float(tail[STAMP]), stamp) is None, (step, tail)
 
 

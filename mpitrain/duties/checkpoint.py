@@ -53,6 +53,9 @@ class TrainState:
     deal_shards: int = 0
     redeal: list = field(default_factory=list)
     left_out: dict[int, int] = field(default_factory=dict)
+    # Sync with error feedback (--compress int8|int4, --sparsify): each worker's residual at global_step, what
+    # it still owes the exchange, a row per worker in worker order (issue 80). None: none kept.
+    residuals: np.ndarray | None = None
 
     def deal_words(self) -> list[int]:
         """`dealt` and `deal_shards` as the two int64 words a broadcast carries (-1: no count)."""
@@ -196,6 +199,21 @@ def bcast_pairs(comm, pairs, root: int) -> list[tuple[int, int]]:
     return [(int(a), int(b)) for a, b in arr]
 
 
+def bcast_residuals(comm, rows: np.ndarray | None, width: int, root: int) -> np.ndarray | None:
+    """`root`'s error-feedback residuals (rows of `width` float32, or None) on every rank of `comm`: at a start
+    (a resume), where each worker takes its row (modes/sync.SyncStep)."""
+    from mpi4py import MPI
+
+    mine = comm.Get_rank() == root
+    count = np.array([0 if rows is None or not mine else len(rows)], np.int64)
+    comm.Bcast([count, MPI.INT64_T], root=root)
+    if not count[0]:
+        return None
+    arr = np.ascontiguousarray(rows, np.float32) if mine else np.empty((count[0], width), np.float32)
+    comm.Bcast([arr, MPI.FLOAT], root=root)
+    return arr
+
+
 def bcast_ledger(comm, mine, into, root: int) -> None:
     """`root`'s data ledger (core/ledger.py) from its state `mine` into `into`, on every rank of `comm`:
     where the deal got to and the workers it is cut for, async's blocks to deal again, and --quorum's
@@ -228,6 +246,8 @@ def save(directory: Path, state: TrainState, fp: dict, keep: int) -> Path:
         arrays["dealt"], arrays["deal_shards"] = np.int64(state.dealt), np.int64(state.deal_shards)
         arrays["redeal"] = np.asarray(state.redeal, np.int64).reshape(-1, 2)
         arrays["left_out"] = np.asarray(sorted(state.left_out.items()), np.int64).reshape(-1, 2)
+    if state.residuals is not None:
+        arrays["residuals"] = state.residuals
     target = write_atomic(path_for(directory, state.global_step), lambda f: np.savez(f, **arrays), binary=True)
     prune(directory, keep)
     return target
@@ -284,10 +304,14 @@ def load(path: Path, fp: dict | None = None) -> TrainState:
     if (left_out.dtype != np.int64 or left_out.ndim != 2 or left_out.shape[1] != 2 or (left_out < 0).any()
             or (dealt is not None and left_out[:, 1].sum() > dealt)):
         raise UsageError(f"checkpoint {path} holds more batches left out of the updates than were dealt; {fix}")
+    residuals = data.get("residuals")
+    if residuals is not None and (residuals.dtype != np.float32 or residuals.ndim != 2
+                                  or residuals.shape[1] != params.size or not np.isfinite(residuals).all()):
+        raise UsageError(f"checkpoint {path} holds error-feedback residuals that do not fit its parameters; {fix}")
     return TrainState(params=params, global_step=int(data["global_step"]), opt_t=int(data[OPT_COUNT]),
                       opt_state=opt_state, positions=[int(p) for p in data["positions"]], ema=data.get("ema"),
                       dealt=dealt, deal_shards=shards, redeal=[(int(a), int(b)) for a, b in redeal],
-                      left_out={int(e): int(n) for e, n in left_out})
+                      left_out={int(e): int(n) for e, n in left_out}, residuals=residuals)
 
 
 def saved_fingerprint(path: Path) -> dict:

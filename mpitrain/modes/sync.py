@@ -17,13 +17,13 @@ from collections import deque
 import numpy as np
 
 from mpitrain.core.codec import CODECS
-from mpitrain.core.compress import gather_words
+from mpitrain.core.compress import gather_words, scheme
 from mpitrain.core.guard import NON_FINITE, Diverged, LossGuard
 from mpitrain.core.ledger import SyncDeal
 from mpitrain.core.optim import Optimizer, make_ema
 from mpitrain.core.outer import LocalSteps
 from mpitrain.core.reports import LOSS_WINDOW, WorkerResult, mean_loss
-from mpitrain.duties.checkpoint import TrainState
+from mpitrain.duties.checkpoint import Checkpointer, TrainState
 from mpitrain.duties.metrics import Progress
 from mpitrain.duties.observe import ALLREDUCE, APPLY, COMPUTE, WAIT
 from mpitrain.exchange.base import Reducer
@@ -38,7 +38,7 @@ from mpitrain.modes.gradients import DealtBatches, GradientSource, sync_deal
 from mpitrain.modes.report import CoordinatorReport
 from mpitrain.runtime import Context, start_state
 
-LOSS, WEIGHT, VOTE, ROOM_VOTE, STAMP = range(5)  # the slots behind a sync step's gradient, in order (SyncStep)
+LOSS, WEIGHT, VOTE, ROOM_VOTE, SAVE_VOTE, STAMP = range(6)  # the slots behind a sync step's gradient (SyncStep)
 SYNC_SLOTS = STAMP + 1
 STAMPS = 8  # the step stamp cycles through 1..STAMPS (fewer where the wire cannot sum W of them exactly)
 
@@ -46,10 +46,11 @@ STAMPS = 8  # the step stamp cycles through 1..STAMPS (fewer where the wire cann
 class SyncStep:
     """One synchronous update: average the workers' gradients with Allreduce, then apply the same
     optimizer step on every worker, so replicas stay bitwise identical. The buffer is
-    [gradient..., loss, weight, stop, room, stamp]: the loss rides along so every worker knows the mean
-    loss, the weight (1 from each worker) so the sum divides by the number of gradients in it, two votes
+    [gradient..., loss, weight, stop, room, save, stamp]: the loss rides along so every worker knows the mean
+    loss, the weight (1 from each worker) so the sum divides by the number of gradients in it, three votes
     (1 from a worker that knows of a stop request; 1 from one that knows rank 0 makes room for a new
-    member) so that every worker ends the phase after the same step (`stop`) and knows why, and the
+    member; 1 from the coordinator where a checkpoint will keep every worker's error feedback) so that every
+    worker ends the phase after the same step (`stop`) and knows why, or gives its residual (`saving`), and the
     step's stamp (the same from each worker) so that a sum holding a part of
     another step, or garbage, is never taken for this one (`torn`). --quorum sums its gradients on the
     coordinator instead (QuorumCoordinator) and every worker `apply`s the mean."""
@@ -81,6 +82,16 @@ class SyncStep:
         self.own_weight = 1.0  # 0 in a step where the deal has no batch left for this worker
         # --quorum: the batches dealt to a worker not in an update's Q, by epoch, as of the updates applied
         self.left_out: dict[int, int] = dict(start.left_out) if start is not None else {}
+        # Error feedback a checkpoint keeps (Mode.keeps_feedback): the coordinator decides where it saves before
+        # the step's sum and votes so (its own Checkpointer: rank 0's follows the states it is sent), every
+        # worker then gives its residual (`residuals`, on the coordinator, of global step `residuals_at`).
+        self.feedback = self.reducer if ctx.mode.keeps_feedback(cfg) else None
+        self.saves = Checkpointer(cfg, ctx.fingerprint) if self.feedback and ctx.worker_index == 0 else None
+        self.saving, self.last = False, False
+        self.residuals, self.residuals_at = None, -1
+        if self.feedback and start is not None and start.residuals is not None:
+            if len(start.residuals) == ctx.workers:  # (with another number of workers they start from zero)
+                self.feedback.restore(start.residuals[ctx.worker_index])
 
     def dealt_at(self, step: int) -> int | None:
         """The deal's batches in the updates up to global step `step` (None: nothing deals them)."""
@@ -104,12 +115,14 @@ class SyncStep:
 
         if self.local is not None:  # the global model of the last outer step, and the outer momentum
             opt = {**self.opt.state, **self.local.outer.state()}
-            return self._dealt(TrainState(host(self.local.anchor), step, self.opt.t,
-                                          {k: host(a) for k, a in opt.items()}, [step] * self.ctx.workers,
-                                          host(self.ema.avg) if self.ema else None))
-        return self._dealt(TrainState(host(self.params), step, self.opt.t,
-                                      {k: host(a) for k, a in self.opt.state.items()}, [step] * self.ctx.workers,
-                                      host(self.ema.avg) if self.ema else None))
+            state = TrainState(host(self.local.anchor), step, self.opt.t, {k: host(a) for k, a in opt.items()},
+                               [step] * self.ctx.workers, host(self.ema.avg) if self.ema else None)
+        else:
+            state = TrainState(host(self.params), step, self.opt.t, {k: host(a) for k, a in self.opt.state.items()},
+                               [step] * self.ctx.workers, host(self.ema.avg) if self.ema else None)
+        if self.residuals_at == step:  # (gathered at this step only: a regroup's state has none, and they restart)
+            state.residuals = self.residuals
+        return self._dealt(state)
 
     def compute(self, source: GradientSource) -> float:
         """This worker's gradient on the current parameters, weight 1; weight 0 and a zero gradient
@@ -135,29 +148,50 @@ class SyncStep:
         """This worker's own [stop, room] votes."""
         return float(self.ctx.stop.requested), float(self.ctx.stop.room)
 
+    def _save_vote(self, step: int) -> float:
+        """The coordinator's: 1 where the state after update `step` is a checkpoint's (error feedback only)."""
+        saves, loc = self.saves, self.local
+        if saves is None:
+            return 0.0
+        every = self.ctx.cfg.checkpoint_every_steps  # --local-steps: the first outer step at or past a multiple
+        return float(saves.due(step + 1) or (loc is not None and saves.enabled and loc.crossed(step + 1, every)))
+
+    def _keep_residuals(self, step: int) -> None:
+        """After update `step`'s sum: every worker's residual to the coordinator, where the state is saved
+        (a checkpoint's vote, or the phase's last step: the final state is saved too)."""
+        if self.feedback is None or not (self.saving or self.stop or self.last):
+            return
+        if self.saves is not None and self.saving:
+            self.saves.mark(step + 1)
+        self.residuals, self.residuals_at = self.feedback.residuals(), step + 1
+
     def reduce_and_apply(self, step: int, last: bool = False) -> float:
         """Sum over workers (the reducer), divide by the summed weight, apply; returns the mean loss.
         With --local-steps H, the step is this worker's own, and every H steps (and the `last`) an
         outer step follows (local_step)."""
+        self.saving, self.last = False, last
         if self.local is not None:
             return self.local_step(step, last)
         return self.apply(step, self._average(step))
 
     def _average(self, step: int) -> float | None:
-        """Sum [values..., loss, weight, stop and room votes, stamp] over the workers, check the exact slots (`torn`),
-        divide by the weight (each worker's 1); the votes are the same sum on every worker, so all stop
-        after this step. A worker alone returns its loss (as float32, as the buffer would hold it); None:
+        """Sum [values..., loss, weight, stop, room and save votes, stamp] over the workers, check the exact
+        slots (`torn`), divide by the weight (each worker's 1); the votes are the same sum on every worker, so
+        all stop (or give their residuals) after this step. A worker alone returns its loss (as float32, as the buffer would hold it); None:
         it is in buf."""
         buf, n, ctx = self.buf, self.n, self.ctx
         if self.reducer.alone:
             self.stop, loss = ctx.stop.due, float(np.float32(self.own_loss))
+            self.saving = bool(self._save_vote(step))
+            self._keep_residuals(step)
             return loss
         stamp = 1 + step % self.period
         buf[n + STAMP] = stamp
-        votes = self._votes()  # this worker's own, unless a sum comes back
+        buf[n + SAVE_VOTE] = self._save_vote(step)
+        votes = (*self._votes(), float(buf[n + SAVE_VOTE]))  # this worker's own, unless a sum comes back
         if self.reducer.sum(buf):
             tail = [float(x) for x in ctx.backend.to_host(buf[n:])]  # one copy from a GPU
-            votes = tail[VOTE], tail[ROOM_VOTE]
+            votes = tail[VOTE], tail[ROOM_VOTE], tail[SAVE_VOTE]
             weight = ctx.workers if self.local is not None or self.deal is None else self.deal.weight(step)
             why = torn(ctx.workers, tail[WEIGHT], votes, tail[STAMP], stamp, weight)
             if why:
@@ -169,7 +203,9 @@ class SyncStep:
             ctx.stop.make_room()
         # The sum's votes alone: a word heard during the Allreduce (after this worker voted) is the next
         # step's vote, or this worker would end the phase a step before the others (a hang, seen in a join).
-        self.stop = any(votes)
+        self.stop = any(votes[:2])
+        self.saving = bool(votes[2])
+        self._keep_residuals(step)
         return None
 
     def local_step(self, step: int, last: bool) -> float:
@@ -218,7 +254,7 @@ def stamp_period(compress: str, workers: int) -> int:
     return max(1, min(STAMPS, exact // max(workers, 1)))
 
 
-def torn(workers: int, weight: float, votes: tuple[float, float], stamped: float, stamp: int,
+def torn(workers: int, weight: float, votes: tuple[float, ...], stamped: float, stamp: int,
          weights: int | None = None) -> str | None:
     """Why a sum's exact slots say it is not every worker's whole part of this step (None: they agree).
     MPICH completed an Allreduce on a survivor with a part a dying worker had only half sent: applied,
@@ -233,7 +269,7 @@ def torn(workers: int, weight: float, votes: tuple[float, float], stamped: float
         return f"the sum holds a weight of {weight:g}, not {weights}: a worker died sending its part"
     if stamped != workers * stamp:
         return f"the sum's step stamp is {stamped:g}, not {workers * stamp}: a part is torn or of another step"
-    for kind, vote in zip(("stop", "room"), votes):
+    for kind, vote in zip(("stop", "room", "save"), votes):
         if vote not in range(workers + 1):
             return f"the sum holds {vote:g} {kind} votes of {workers} workers: a part is torn"
     return None
@@ -318,6 +354,7 @@ def work(ctx: Context, loop=train) -> WorkerResult:
                 if regroup is not None:
                     notices.ready(ctx, regroup.gen)  # until rank 0's GO: every worker left is ready
                     ctx, start = elastic.regroup(ctx, regroup)
+                    start.residuals = None  # error feedback restarts from zero with the regrouped workers
                     gen, regroup = regroup.gen, None
                     if ctx.worker_index == 0:
                         report = report or CoordinatorReport(ctx)
@@ -380,6 +417,9 @@ class SyncMode(Mode):
 
     def global_batch(self, cfg, workers: int) -> int:
         return cfg.batch_size * (cfg.quorum or workers)
+
+    def keeps_feedback(self, cfg) -> bool:
+        return scheme(cfg.compress, cfg.sparsify) is not None  # (the gathered parts' error feedback)
 
     def quorum(self, cfg, workers: int) -> int | None:
         return cfg.quorum if cfg.quorum is not None else workers

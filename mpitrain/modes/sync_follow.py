@@ -15,8 +15,8 @@ from mpitrain.duties.chief import ChiefDuties, Clock, ServerState, begin, record
 from mpitrain.duties.metrics import Progress
 from mpitrain.duties.observe import WAIT
 from mpitrain.exchange.mpi import ABANDONED
-from mpitrain.exchange.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_FINAL, FLAG_REGROUPED, TAG_LEFT_OUT,
-                                        TAG_SHARD, TAG_STATUS, Message, ProtocolError)
+from mpitrain.exchange.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_FINAL, FLAG_REGROUPED, TAG_FEEDBACK,
+                                        TAG_LEFT_OUT, TAG_SHARD, TAG_STATUS, Message, ProtocolError)
 from mpitrain.exchange.shards import Gather, assemble
 from mpitrain.exchange.transport import CHIEF_POLL_S, Poller
 from mpitrain.exchange.waiting import poll
@@ -42,6 +42,7 @@ def follow_coordinator(ctx: Context, progress: Progress) -> ServerState:
     arbiter = elastic.Arbiter(ctx) if ctx.regroups else None  # else a lost worker ends the job (trainer.py)
     layout = ctx.layout
     final_seen = False
+    residuals = None  # Mode.keeps_feedback: the workers' residuals sent with the state that arrived
     while not final_seen:
         ctx.activity.enter(WAIT, state.global_step)
         try:
@@ -55,8 +56,10 @@ def follow_coordinator(ctx: Context, progress: Progress) -> ServerState:
             for i in done.arrived:
                 if i:
                     arbiter.ready(ready_ranks[i - 1])
-            if 0 in done.arrived and ctx.mode.leaves_out and box.flags & (FLAG_CKPT | FLAG_FINAL):
-                left_out = receive_left_out(ctx, coordinator)  # sent just before the state
+            if 0 in done.arrived and box.flags & (FLAG_CKPT | FLAG_FINAL):  # each sent just before the state
+                if ctx.mode.leaves_out:
+                    left_out = receive_left_out(ctx, coordinator)
+                residuals = receive_residuals(ctx, coordinator) if ctx.mode.keeps_feedback(cfg) else None
         except PeerLost as e:
             if arbiter is None:
                 raise
@@ -92,6 +95,8 @@ def follow_coordinator(ctx: Context, progress: Progress) -> ServerState:
         if received is not None:
             received.dealt, received.deal_shards = state.dealt, state.deal_shards
             received.left_out = dict(state.left_out)
+            if box.flags & (FLAG_CKPT | FLAG_FINAL):
+                received.residuals = residuals
         state.bytes_in += box.buf.nbytes if full else 0
         if final and box.flags & FLAG_DIVERGED:  # the why and the loss come in the coordinator's report
             state.diverged = Diverged(box.step)  # before the save: a diverged state is never saved
@@ -117,11 +122,24 @@ def follow_coordinator(ctx: Context, progress: Progress) -> ServerState:
 def receive_left_out(ctx: Context, coordinator: int) -> dict[int, int]:
     """--quorum: the coordinator's count of the batches its updates left out, by epoch (TAG_LEFT_OUT), sent
     just before the state that arrived: for the checkpoint and the summary."""
+    return {int(e): int(n) for e, n in _rows_before_state(ctx, coordinator, TAG_LEFT_OUT, np.int64, 2)}
+
+
+def receive_residuals(ctx: Context, coordinator: int) -> np.ndarray | None:
+    """Mode.keeps_feedback: every worker's error-feedback residual at the step of the state that arrived
+    (TAG_FEEDBACK, sent just before it), for the checkpoint; None where the coordinator had none."""
+    rows = _rows_before_state(ctx, coordinator, TAG_FEEDBACK, np.float32, ctx.model.n_params)
+    return rows if len(rows) else None
+
+
+def _rows_before_state(ctx: Context, coordinator: int, tag: int, dtype, width: int) -> np.ndarray:
+    """The rows of `width` the coordinator sent on `tag` just before the state that arrived (not a Message)."""
     status = MPI.Status()
-    poll(lambda: ctx.comm.Iprobe(source=coordinator, tag=TAG_LEFT_OUT, status=status), CHIEF_POLL_S, ctx.watch)
-    pairs = np.empty((status.Get_count(MPI.INT64_T) // 2, 2), np.int64)
-    ctx.comm.Recv([pairs, MPI.INT64_T], source=coordinator, tag=TAG_LEFT_OUT)
-    return {int(e): int(n) for e, n in pairs}
+    mpi_type = MPI.INT64_T if dtype == np.int64 else MPI.FLOAT
+    poll(lambda: ctx.comm.Iprobe(source=coordinator, tag=tag, status=status), CHIEF_POLL_S, ctx.watch)
+    rows = np.empty((status.Get_count(mpi_type) // width, width), dtype)
+    ctx.comm.Recv([rows, mpi_type], source=coordinator, tag=tag)
+    return rows
 
 
 def _received(ctx: Context, gather: Gather, box: Message, names: list[str]) -> TrainState:
