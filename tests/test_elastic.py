@@ -29,6 +29,7 @@ from conftest import (
     wait_for_training,
 )
 
+from mpitrain.duties import checkpoint
 from mpitrain.launch.mpiimpl import FAREWELL_MIN_S
 from mpitrain.membership.faults import rank_pids
 from mpitrain.membership.liveness import ENDS_THE_JOB
@@ -79,7 +80,10 @@ def kill_during_training(tmp_path, np_: int, args: tuple[str, ...], victims: lis
                               "quorum-local-steps-chief", "int8-worker"])
 def test_a_sync_job_goes_on_without_a_worker_killed_from_outside(tmp_path, mode, victim):
     rng = random.Random(f"{mode}{victim}{time.time()}")
-    proc, s, _ = kill_during_training(tmp_path, 4, MODE_FLAGS[mode] + ("--steps", str(STEPS[mode])), [victim], rng)
+    ck = tmp_path / "ck"  # int8: checkpoints keep each worker's error feedback, before the loss and after it
+    saves = ("--checkpoint-dir", str(ck), "--checkpoint-every-steps", "500") if mode == "int8" else ()
+    proc, s, _ = kill_during_training(tmp_path, 4, MODE_FLAGS[mode] + ("--steps", str(STEPS[mode])) + saves,
+                                      [victim], rng)
     out = proc.stdout + proc.stderr
     assert proc.returncode == ExitCode.WORKER_LOST, out  # finished, one worker short (exit 8, under hydra too)
     assert "Traceback" not in out and not proc.leftovers
@@ -96,6 +100,10 @@ def test_a_sync_job_goes_on_without_a_worker_killed_from_outside(tmp_path, mode,
     whole = [e for e in s["epochs"] if e["complete"]]
     assert {(e["samples"] + e["dropped"], e["missed"], e["repeated"]) for e in whole} == {(EPOCH_SAMPLES[3], 0, 0)}
     assert (sum(e["dropped"] for e in whole) > 0) == ("quorum" in mode)
+    if saves:  # 3 rows before the regroup, 2 after (the lost worker's residual is lost with it)
+        states = [checkpoint.load(path) for path in checkpoint.list_checkpoints(ck)]
+        assert states[-1].global_step == STEPS[mode] and states[-1].residuals.shape == (2, len(states[-1].params))
+        assert {st.residuals.shape[0] for st in states} <= {2, 3}
 
 
 def kill_rank_2_mid_epoch(tmp_path, *flags: str):
