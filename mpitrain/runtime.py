@@ -361,12 +361,22 @@ def broadcast_start(ctx: Context) -> checkpoint.TrainState:
             arr = state.array(name) if ctx.rank == PS_RANK else np.empty(ctx.model.n_params, np.float32)
             ctx.comm.Bcast([arr, MPI.FLOAT], root=PS_RANK)
             state.set_array(name, arr)
-    if ctx.mode.keeps_feedback(ctx.cfg):
-        state.residuals = checkpoint.bcast_residuals(ctx.comm, state.residuals, ctx.model.n_params, PS_RANK)
-        if state.residuals is not None and len(state.residuals) != W and ctx.rank == PS_RANK:
-            say(f"error feedback starts from zero: the checkpoint kept it for {len(state.residuals)} workers, "
-                f"this run has {W}")
+    names = ctx.mode.worker_arrays(ctx.cfg)
+    if names:
+        state.per_worker = checkpoint.bcast_per_worker(ctx.comm, state.per_worker, names, ctx.model.n_params, PS_RANK)
+        rows = len(state.per_worker[names[0]]) if state.per_worker else W
+        if rows != W and ctx.rank == PS_RANK:
+            say(f"each worker's own state ({worker_arrays_words(names)}) is not resumed: the checkpoint kept it for "
+                f"{rows} workers, this run has {W}")
     return state
+
+
+def worker_arrays_words(names: tuple[str, ...]) -> str:
+    """Mode.worker_arrays' names as a user reads them."""
+    words = ["error feedback"] if checkpoint.RESIDUAL in names else []
+    if any(name.startswith(checkpoint.INNER) for name in names):
+        words.append("the inner optimizer's state")
+    return " and ".join(words)
 
 
 def nothing_to_train(ctx: Context) -> bool:

@@ -44,27 +44,32 @@ def test_keeps_the_last_k_and_ignores_interrupted_saves(tmp_path):
     assert st.global_step == 4
 
 
-def test_a_checkpoint_keeps_error_feedback_a_row_per_worker_and_refuses_rows_that_do_not_fit(tmp_path):
+def test_a_checkpoint_keeps_each_workers_own_arrays_a_row_per_worker_and_refuses_rows_that_do_not_fit(tmp_path):
     state = _state(7)
-    state.residuals = np.arange(2 * 5, dtype=np.float32).reshape(2, 5) / 7
+    state.per_worker = {"residual": np.arange(10, dtype=np.float32).reshape(2, 5) / 7,
+                        "inner_m": np.ones((2, 5), np.float32)}
     back = checkpoint.load(checkpoint.save(tmp_path, state, FP, keep=2), FP)
-    np.testing.assert_array_equal(back.residuals, state.residuals)
-    assert checkpoint.load(checkpoint.save(tmp_path / "none", _state(7), FP, keep=2), FP).residuals is None
-    for bad in (np.zeros((2, 4), np.float32), np.zeros((2, 5), np.float64), np.full((1, 5), np.nan, np.float32)):
-        state.residuals = bad  # another model's, another type, or a diverged run's: never sent on
-        with pytest.raises(UsageError, match="error-feedback residuals that do not fit its parameters.*--fresh"):
+    assert back.per_worker.keys() == state.per_worker.keys()
+    for name, rows in state.per_worker.items():
+        np.testing.assert_array_equal(back.per_worker[name], rows)
+    assert checkpoint.load(checkpoint.save(tmp_path / "none", _state(7), FP, keep=2), FP).per_worker == {}
+    for bad in (np.zeros((2, 4), np.float32), np.zeros((2, 5), np.float64), np.full((2, 5), np.nan, np.float32),
+                np.zeros((3, 5), np.float32)):  # another model's, another type, a diverged run's, other workers'
+        state.per_worker["residual"] = bad
+        with pytest.raises(UsageError, match="workers' own arrays .* that do not fit its parameters.*--fresh"):
             checkpoint.load(checkpoint.save(tmp_path / "bad", state, FP, keep=2), FP)
 
 
 @only_on("mpich", NUMBERS_ONLY)
-def test_a_resume_with_another_number_of_workers_starts_error_feedback_from_zero_and_says_so(tmp_path):
+def test_a_resume_with_another_number_of_workers_does_not_resume_error_feedback_and_says_so(tmp_path):
     ck = tmp_path / "ck"
     args = ["--mode", "sync", "--compress", "int8", "--checkpoint-dir", str(ck)]
     train(3, tmp_path, *args, "--steps", "10")
     s = train(4, tmp_path, *args, "--steps", "20")
     assert s["resumed_from"].endswith("ckpt-000000010.npz") and s["global_step"] == 20
-    assert "error feedback starts from zero: the checkpoint kept it for 2 workers, this run has 3" in s["_stdout"]
-    assert checkpoint.load(ck / "ckpt-000000020.npz").residuals.shape[0] == 3
+    assert ("each worker's own state (error feedback) is not resumed: the checkpoint kept it for 2 workers, this "
+            "run has 3") in s["_stdout"]
+    assert checkpoint.load(ck / "ckpt-000000020.npz").per_worker["residual"].shape[0] == 3
 
 
 def test_truncated_checkpoint_is_a_usage_error_and_stays(tmp_path):
@@ -110,8 +115,10 @@ def test_checkpointer_schedule():
 @only_on("mpich", NUMBERS_ONLY)
 @pytest.mark.parametrize("optimizer,flags", [
     ("adam", "--compress none"), ("momentum", "--compress none"), ("adam", "--compress bf16"),
-    # error feedback: every worker's residual is in the checkpoint (Mode.keeps_feedback), and the outer exchange's
-    ("adam", "--compress int8"), ("sgd", "--compress int4 --sparsify 5 --local-steps 4")])
+    # each worker's own arrays are in the checkpoint (Mode.worker_arrays): its error feedback, the outer exchange's
+    # with --local-steps, and the inner optimizer's state
+    ("adam", "--compress int8"), ("sgd", "--compress int4 --sparsify 5 --local-steps 4"),
+    ("momentum", "--local-steps 4")])
 def test_sync_resume_is_exact(tmp_path, optimizer, flags):
     args = ["--mode", "sync", "--optimizer", optimizer, "--lr", "0.01" if optimizer == "adam" else "0.05",
             *flags.split()]
@@ -126,8 +133,10 @@ def test_sync_resume_is_exact(tmp_path, optimizer, flags):
     a = checkpoint.load_latest(ck, None)[1].params
     b = checkpoint.load(ck / "ckpt-000000060.npz").params
     np.testing.assert_array_equal(a, b)
-    if "int" in flags:  # a row for each worker, as the run that saved it left them
-        assert checkpoint.load(ck / "ckpt-000000060.npz").residuals.shape == (2, len(a))
+    kept = checkpoint.load(ck / "ckpt-000000060.npz").per_worker  # a row for each worker, as the run left them
+    assert {name: rows.shape for name, rows in kept.items()} == {
+        **({"residual": (2, len(a))} if "int" in flags else {}),
+        **({"inner_m": (2, len(a))} if "local" in flags and optimizer == "momentum" else {})}
 
 
 @only_on("mpich", NUMBERS_ONLY)

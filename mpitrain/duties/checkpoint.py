@@ -53,9 +53,10 @@ class TrainState:
     deal_shards: int = 0
     redeal: list = field(default_factory=list)
     left_out: dict[int, int] = field(default_factory=dict)
-    # Sync with error feedback (--compress int8|int4, --sparsify): each worker's residual at global_step, what
-    # it still owes the exchange, a row per worker in worker order (issue 80). None: none kept.
-    residuals: np.ndarray | None = None
+    # Sync: what each worker holds for itself at global_step (Mode.worker_arrays), a row per worker in worker
+    # order, by name: its error-feedback residual (RESIDUAL) and with --local-steps its inner optimizer's
+    # arrays (INNER + name). Empty: none kept (other modes, a regroup's or a take-over's state).
+    per_worker: dict[str, np.ndarray] = field(default_factory=dict)
 
     def deal_words(self) -> list[int]:
         """`dealt` and `deal_shards` as the two int64 words a broadcast carries (-1: no count)."""
@@ -83,6 +84,8 @@ class TrainState:
 # An optimizer's state array NAME is stored as "opt_NAME" (opt_m, opt_v: the files of earlier
 # versions load unchanged); "opt_t", its update count, is a scalar beside them.
 OPT_PREFIX, OPT_COUNT = "opt_", "opt_t"
+WORKER_PREFIX = "worker_"  # a TrainState.per_worker array's name in a checkpoint file
+RESIDUAL, INNER = "residual", "inner_"  # per_worker's names: error feedback; an inner optimizer's array by its name
 
 
 def state_arrays(cfg) -> list[str]:
@@ -199,19 +202,27 @@ def bcast_pairs(comm, pairs, root: int) -> list[tuple[int, int]]:
     return [(int(a), int(b)) for a, b in arr]
 
 
-def bcast_residuals(comm, rows: np.ndarray | None, width: int, root: int) -> np.ndarray | None:
-    """`root`'s error-feedback residuals (rows of `width` float32, or None) on every rank of `comm`: at a start
-    (a resume), where each worker takes its row (modes/sync.SyncStep)."""
+def split_rows(rows: np.ndarray, names: tuple[str, ...], n: int) -> dict[str, np.ndarray]:
+    """TrainState.per_worker from its one matrix on the wire, a row per worker of each name's `n` values in turn."""
+    return {name: rows[:, k * n:(k + 1) * n].copy() for k, name in enumerate(names)}
+
+
+def bcast_per_worker(comm, per_worker: dict[str, np.ndarray], names: tuple[str, ...], width: int,
+                     root: int) -> dict[str, np.ndarray]:
+    """`root`'s TrainState.per_worker (rows of `width` float32 under each of `names`; none unless it holds every
+    name) on every rank of `comm`: at a start (a resume), where each worker takes its rows (modes/sync.SyncStep)."""
     from mpi4py import MPI
 
     mine = comm.Get_rank() == root
-    count = np.array([0 if rows is None or not mine else len(rows)], np.int64)
+    held = mine and all(name in per_worker for name in names)
+    count = np.array([len(per_worker[names[0]]) if held and names else 0], np.int64)
     comm.Bcast([count, MPI.INT64_T], root=root)
-    if not count[0]:
-        return None
-    arr = np.ascontiguousarray(rows, np.float32) if mine else np.empty((count[0], width), np.float32)
-    comm.Bcast([arr, MPI.FLOAT], root=root)
-    return arr
+    out = {}
+    for name in names if count[0] else ():
+        arr = np.ascontiguousarray(per_worker[name], np.float32) if mine else np.empty((count[0], width), np.float32)
+        comm.Bcast([arr, MPI.FLOAT], root=root)
+        out[name] = arr
+    return out
 
 
 def bcast_ledger(comm, mine, into, root: int) -> None:
@@ -246,8 +257,7 @@ def save(directory: Path, state: TrainState, fp: dict, keep: int) -> Path:
         arrays["dealt"], arrays["deal_shards"] = np.int64(state.dealt), np.int64(state.deal_shards)
         arrays["redeal"] = np.asarray(state.redeal, np.int64).reshape(-1, 2)
         arrays["left_out"] = np.asarray(sorted(state.left_out.items()), np.int64).reshape(-1, 2)
-    if state.residuals is not None:
-        arrays["residuals"] = state.residuals
+    arrays.update({WORKER_PREFIX + name: rows for name, rows in state.per_worker.items()})
     target = write_atomic(path_for(directory, state.global_step), lambda f: np.savez(f, **arrays), binary=True)
     prune(directory, keep)
     return target
@@ -304,14 +314,15 @@ def load(path: Path, fp: dict | None = None) -> TrainState:
     if (left_out.dtype != np.int64 or left_out.ndim != 2 or left_out.shape[1] != 2 or (left_out < 0).any()
             or (dealt is not None and left_out[:, 1].sum() > dealt)):
         raise UsageError(f"checkpoint {path} holds more batches left out of the updates than were dealt; {fix}")
-    residuals = data.get("residuals")
-    if residuals is not None and (residuals.dtype != np.float32 or residuals.ndim != 2
-                                  or residuals.shape[1] != params.size or not np.isfinite(residuals).all()):
-        raise UsageError(f"checkpoint {path} holds error-feedback residuals that do not fit its parameters; {fix}")
+    per_worker = {k[len(WORKER_PREFIX):]: a for k, a in data.items() if k.startswith(WORKER_PREFIX)}
+    if any(a.dtype != np.float32 or a.ndim != 2 or a.shape[1] != params.size or not np.isfinite(a).all()
+           for a in per_worker.values()) or len({len(a) for a in per_worker.values()}) > 1:
+        raise UsageError(f"checkpoint {path} holds workers' own arrays (error feedback, inner optimizer) that do not "
+                         f"fit its parameters; {fix}")
     return TrainState(params=params, global_step=int(data["global_step"]), opt_t=int(data[OPT_COUNT]),
                       opt_state=opt_state, positions=[int(p) for p in data["positions"]], ema=data.get("ema"),
                       dealt=dealt, deal_shards=shards, redeal=[(int(a), int(b)) for a, b in redeal],
-                      left_out={int(e): int(n) for e, n in left_out}, residuals=residuals)
+                      left_out={int(e): int(n) for e, n in left_out}, per_worker=per_worker)
 
 
 def saved_fingerprint(path: Path) -> dict:

@@ -56,21 +56,6 @@ class GatherReducer(WorkersCollective):
         self.ctx.activity.moved(size, size * (len(self.parts) // size - 1))
         return True
 
-    def residuals(self) -> np.ndarray | None:
-        """Every worker's error-feedback residual, a float32 row each in worker order, on worker 0 (None on
-        the others): what it still owes the exchange, for a checkpoint. A collective of the workers."""
-        mine = np.array(self.be.to_host(self.compressor.residual), np.float32)
-        if self.alone:
-            return mine[None]
-        rows = np.empty((self.comm.Get_size(), self.n), np.float32) if self.me == 0 else None
-        req = self.comm.Igather([mine, MPI.FLOAT], None if rows is None else [rows, MPI.FLOAT], root=0)
-        watch_collective(self.ctx, self.waiter, req, (mine, rows))
-        return rows
-
-    def restore(self, residual: np.ndarray) -> None:
-        """This worker's residual as a checkpoint kept it."""
-        self.compressor.residual[...] = self.be.asarray(np.asarray(residual, np.float32))
-
 
 def reducer_for(ctx: Context, n: int, tail: int):
     """Sync's reducer of [n values][tail exact slots]: MPI's Allreduce, or the gather of compressed parts."""

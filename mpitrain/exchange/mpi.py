@@ -50,6 +50,16 @@ class WorkersCollective:
     def alone(self) -> bool:
         return self.comm is None or self.comm.Get_size() == 1
 
+    def gather_rows(self, mine: np.ndarray) -> np.ndarray | None:
+        """Each worker's `mine` (float32, as long on each) as a row of a matrix in worker order, on worker 0
+        (None on the others): what every worker holds for itself, for a checkpoint. Watched as the sum is."""
+        if self.alone:
+            return mine[None].copy()
+        rows = np.empty((self.comm.Get_size(), mine.size), np.float32) if self.comm.Get_rank() == 0 else None
+        req = self.comm.Igather([mine, MPI.FLOAT], None if rows is None else [rows, MPI.FLOAT], root=0)
+        watch_collective(self.ctx, self.waiter, req, (mine, rows))
+        return rows
+
 
 class MPIReducer(WorkersCollective):
     """The workers' Allreduce, in the wire type of --compress, staged through host memory where MPI

@@ -26,7 +26,7 @@ VERSION = 18  # bump when the layout below changes (2: heartbeats carry an activ
 #               13: one meaning per name: FLAG_ENDED out of FLAG_STOP (now FLAG_FINAL), H_BUDGET out of H_STEP,
 #               H_LOCAL_STEP renamed H_PUSHED; 14: H_SIGNAL's ROOM, sync's room vote slot; 15: a sync status's H_PUSHED
 #               counts the deal's batches; 16: H_LEASE, H_LEASE_N, async's data leases; 17: --quorum deals,
-#               TAG_LEFT_OUT; 18: TAG_FEEDBACK, sync's save vote slot)
+#               TAG_LEFT_OUT; 18: TAG_PER_WORKER, sync's save vote slot)
 
 # Tags (one per message kind, so a posted receive can never match the wrong kind).
 TAG_GRAD = 11  # worker -> PS: a gradient (async)
@@ -46,8 +46,9 @@ TAG_ADOPT = 24  # rank 0's successor <-> a waiting spare (--spares, --on-lost-se
 TAG_MAIL = 25  # async, rank 0 -> a worker of another launch on its host: its mailbox's path (exchange/mailbox.py); back: 1 byte
 TAG_LEFT_OUT = 26  # sync --quorum, coordinator -> PS just before a state flagged CKPT or FINAL: the batches left out of
 #                    the updates by epoch (int64 pairs, not a Message; report.py, sync_follow.py)
-TAG_FEEDBACK = 27  # sync with error feedback, coordinator -> PS just before a state flagged CKPT or FINAL: every
-#                    worker's residual at that step (float32 rows, or none; not a Message; report.py, sync_follow.py)
+TAG_PER_WORKER = 27  # sync, coordinator -> PS just before a state flagged CKPT or FINAL where Mode.worker_arrays
+#                      is not empty: every worker's own arrays at that step (float32, a row per worker, or none;
+#                      not a Message; report.py, sync_follow.py)
 
 # Header slots.
 H_MAGIC = 0

@@ -45,12 +45,13 @@ class Mode:
     # Rank 0 lends its workers blocks of the deal with each reply (core/ledger.Leases: async over messages).
     leases = False
 
-    def keeps_feedback(self, cfg) -> bool:
-        """Whether its checkpoints keep every worker's error-feedback residual (plain sync with --compress
-        int8|int4 or --sparsify: the coordinator gathers them where it saves and sends them to rank 0 with
-        the state, TAG_FEEDBACK; a resume with as many workers goes on with them). Async's and --quorum's
-        pushes keep theirs on each worker only: a resume starts them from zero."""
-        return False
+    def worker_arrays(self, cfg) -> tuple[str, ...]:
+        """The arrays each worker holds for itself that its checkpoints keep, a row per worker
+        (TrainState.per_worker), so that a resume goes on as if never stopped: plain sync's error-feedback
+        residual (--compress int8|int4, --sparsify) and, with --local-steps, its inner optimizer's state.
+        The coordinator gathers them where it saves and sends them to rank 0 with the state (TAG_PER_WORKER).
+        Async's and --quorum's workers keep theirs to themselves: a resume starts them afresh."""
+        return ()
 
     def run(self, ctx, progress=None) -> Trained:
         """This rank's part of the run, by its role (Layout.role)."""

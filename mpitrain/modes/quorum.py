@@ -455,8 +455,8 @@ class QuorumMode(SyncMode):
     # left below the worker count are not dealt, and the last epoch says so (not complete)
     leaves_out = True
 
-    def keeps_feedback(self, cfg) -> bool:
-        return False  # its pushes' residuals stay on each worker (Mode.keeps_feedback)
+    def worker_arrays(self, cfg) -> tuple[str, ...]:
+        return ()  # its pushes' residuals and inner optimizers stay on each worker (Mode.worker_arrays)
 
     def worker(self, ctx: Context, progress=None) -> Trained:
         return Trained(worker=work(ctx, train))

@@ -13,8 +13,8 @@ from mpitrain.core.layout import PS_RANK
 from mpitrain.core.reports import WorkerResult
 from mpitrain.duties.checkpoint import Checkpointer, TrainState, state_arrays, to_flat
 from mpitrain.duties.observe import PUSH
-from mpitrain.exchange.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_FINAL, FLAG_REGROUPED, TAG_FEEDBACK,
-                                        TAG_LEFT_OUT, TAG_STATUS, Message)
+from mpitrain.exchange.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_FINAL, FLAG_REGROUPED, TAG_LEFT_OUT,
+                                        TAG_PER_WORKER, TAG_STATUS, Message)
 from mpitrain.exchange.shards import cut
 from mpitrain.exchange.transport import WORKER_POLL_S, Poller, tested
 from mpitrain.runtime import Context
@@ -46,8 +46,9 @@ class CoordinatorReport:
         self.pending = [MPI.REQUEST_NULL] * (1 + len(self.servers))  # a status, a full message per server
         self.left_out = [MPI.REQUEST_NULL]  # --quorum: the batches left out, by epoch, before a state rank 0 saves
         self.left_out_buf = np.zeros((0, 2), np.int64)
-        self.feedback = [MPI.REQUEST_NULL]  # Mode.keeps_feedback: every worker's residual, before a state rank 0 saves
-        self.feedback_buf = np.zeros((0, self.n), np.float32)
+        self.keeps = ctx.mode.worker_arrays(ctx.cfg)  # every worker's own arrays, before a state rank 0 saves
+        self.own = [MPI.REQUEST_NULL]
+        self.own_buf = np.zeros((0, self.n * len(self.keeps)), np.float32)
         self.last_sent = 0.0
         self.ckpt = Checkpointer(ctx.cfg, ctx.fingerprint)  # only decides when; rank 0 writes
         self.waiter = Poller(WORKER_POLL_S, ctx.watch)  # a full message waits for its server: never a dead one
@@ -60,10 +61,11 @@ class CoordinatorReport:
             self.waiter.all(self.left_out, [PS_RANK])
             self.left_out_buf = np.asarray(sorted(state.left_out.items()), np.int64).reshape(-1, 2)
             self.left_out[0] = ctx.comm.Isend([self.left_out_buf, MPI.INT64_T], dest=PS_RANK, tag=TAG_LEFT_OUT)
-        if ctx.mode.keeps_feedback(ctx.cfg) and flags & (FLAG_CKPT | FLAG_FINAL):  # none: a state without them
-            self.waiter.all(self.feedback, [PS_RANK])
-            self.feedback_buf = np.zeros((0, self.n), np.float32) if state.residuals is None else state.residuals
-            self.feedback[0] = ctx.comm.Isend([self.feedback_buf, MPI.FLOAT], dest=PS_RANK, tag=TAG_FEEDBACK)
+        if self.keeps and flags & (FLAG_CKPT | FLAG_FINAL):  # no rows: a state without them (a diverged end)
+            self.waiter.all(self.own, [PS_RANK])
+            kept = [state.per_worker[name] for name in self.keeps] if state.per_worker else []
+            self.own_buf = np.ascontiguousarray(np.concatenate(kept, axis=1) if kept else self.own_buf[:0])
+            self.own[0] = ctx.comm.Isend([self.own_buf, MPI.FLOAT], dest=PS_RANK, tag=TAG_PER_WORKER)
         flat = to_flat(state, self.names)
         for k, (full, s, rank) in enumerate(zip(self.fulls, self.slices, self.servers), 1):
             cut(flat, self.names, self.n, s, full.payload)
@@ -73,7 +75,7 @@ class CoordinatorReport:
     def report(self, step: int, loss: float, sync_step) -> None:
         """After global step `step` (sync_step: the SyncStep that took it)."""
         ctx, local = self.ctx, sync_step.local
-        saves = sync_step.saves  # with error feedback the step decided, and the workers gave theirs
+        saves = sync_step.saves  # with Mode.worker_arrays the step decided, and the workers gave theirs
         if local is None:
             save = sync_step.saving if saves is not None else self.ckpt.due(step)
             flags = (FLAG_EVAL if ctx.eval_due(step) else 0) | (FLAG_CKPT if save else 0)
@@ -105,4 +107,4 @@ class CoordinatorReport:
 
     def final(self, result: WorkerResult) -> None:
         self.send_full(result.train_state, FLAG_FINAL | (FLAG_DIVERGED if result.diverged else 0), result.recent_loss)
-        self.waiter.all(self.pending + self.left_out + self.feedback, [PS_RANK] + self.servers + [PS_RANK] * 2)
+        self.waiter.all(self.pending + self.left_out + self.own, [PS_RANK] + self.servers + [PS_RANK] * 2)

@@ -20,10 +20,11 @@ from mpitrain.core.codec import CODECS
 from mpitrain.core.compress import gather_words, scheme
 from mpitrain.core.guard import NON_FINITE, Diverged, LossGuard
 from mpitrain.core.ledger import SyncDeal
+from mpitrain.core.optim import REGISTRY as OPTIMIZERS
 from mpitrain.core.optim import Optimizer, make_ema
 from mpitrain.core.outer import LocalSteps
 from mpitrain.core.reports import LOSS_WINDOW, WorkerResult, mean_loss
-from mpitrain.duties.checkpoint import Checkpointer, TrainState
+from mpitrain.duties.checkpoint import INNER, RESIDUAL, Checkpointer, TrainState, split_rows
 from mpitrain.duties.metrics import Progress
 from mpitrain.duties.observe import ALLREDUCE, APPLY, COMPUTE, WAIT
 from mpitrain.exchange.base import Reducer
@@ -49,8 +50,8 @@ class SyncStep:
     [gradient..., loss, weight, stop, room, save, stamp]: the loss rides along so every worker knows the mean
     loss, the weight (1 from each worker) so the sum divides by the number of gradients in it, three votes
     (1 from a worker that knows of a stop request; 1 from one that knows rank 0 makes room for a new
-    member; 1 from the coordinator where a checkpoint will keep every worker's error feedback) so that every
-    worker ends the phase after the same step (`stop`) and knows why, or gives its residual (`saving`), and the
+    member; 1 from the coordinator where a checkpoint will keep every worker's own arrays) so that every
+    worker ends the phase after the same step (`stop`) and knows why, or gives its own arrays (`saving`), and the
     step's stamp (the same from each worker) so that a sum holding a part of
     another step, or garbage, is never taken for this one (`torn`). --quorum sums its gradients on the
     coordinator instead (QuorumCoordinator) and every worker `apply`s the mean."""
@@ -82,16 +83,23 @@ class SyncStep:
         self.own_weight = 1.0  # 0 in a step where the deal has no batch left for this worker
         # --quorum: the batches dealt to a worker not in an update's Q, by epoch, as of the updates applied
         self.left_out: dict[int, int] = dict(start.left_out) if start is not None else {}
-        # Error feedback a checkpoint keeps (Mode.keeps_feedback): the coordinator decides where it saves before
-        # the step's sum and votes so (its own Checkpointer: rank 0's follows the states it is sent), every
-        # worker then gives its residual (`residuals`, on the coordinator, of global step `residuals_at`).
-        self.feedback = self.reducer if ctx.mode.keeps_feedback(cfg) else None
-        self.saves = Checkpointer(cfg, ctx.fingerprint) if self.feedback and ctx.worker_index == 0 else None
+        # What each worker holds for itself that a checkpoint keeps (Mode.worker_arrays: error feedback, the inner
+        # optimizer's state): the coordinator decides where it saves before the step's sum and votes so (its own
+        # Checkpointer: rank 0's follows the states it is sent), every worker then gives its rows (`kept`, on
+        # the coordinator, of global step `kept_at`).
+        self.keeps = ctx.mode.worker_arrays(cfg)
+        self.saves = Checkpointer(cfg, ctx.fingerprint) if self.keeps and ctx.worker_index == 0 else None
         self.saving, self.last = False, False
-        self.residuals, self.residuals_at = None, -1
-        if self.feedback and start is not None and start.residuals is not None:
-            if len(start.residuals) == ctx.workers:  # (with another number of workers they start from zero)
-                self.feedback.restore(start.residuals[ctx.worker_index])
+        self.kept, self.kept_at = {}, -1
+        rows = start.per_worker if start is not None else {}
+        if self.keeps and rows and len(rows[self.keeps[0]]) == ctx.workers:  # (else they start afresh: broadcast_start)
+            for name, mine in self._own().items():
+                mine[...] = be.asarray(rows[name][ctx.worker_index])
+
+    def _own(self) -> dict:
+        """This worker's arrays of Mode.worker_arrays, by name (on its device)."""
+        return {name: self.reducer.compressor.residual if name == RESIDUAL else self.opt.state[name[len(INNER):]]
+                for name in self.keeps}
 
     def dealt_at(self, step: int) -> int | None:
         """The deal's batches in the updates up to global step `step` (None: nothing deals them)."""
@@ -120,8 +128,8 @@ class SyncStep:
         else:
             state = TrainState(host(self.params), step, self.opt.t, {k: host(a) for k, a in self.opt.state.items()},
                                [step] * self.ctx.workers, host(self.ema.avg) if self.ema else None)
-        if self.residuals_at == step:  # (gathered at this step only: a regroup's state has none, and they restart)
-            state.residuals = self.residuals
+        if self.kept_at == step:  # (gathered at this step only: a regroup's state has none, and they start afresh)
+            state.per_worker = self.kept
         return self._dealt(state)
 
     def compute(self, source: GradientSource) -> float:
@@ -149,21 +157,25 @@ class SyncStep:
         return float(self.ctx.stop.requested), float(self.ctx.stop.room)
 
     def _save_vote(self, step: int) -> float:
-        """The coordinator's: 1 where the state after update `step` is a checkpoint's (error feedback only)."""
+        """The coordinator's: 1 where the state after update `step` is a checkpoint's (Mode.worker_arrays only)."""
         saves, loc = self.saves, self.local
         if saves is None:
             return 0.0
         every = self.ctx.cfg.checkpoint_every_steps  # --local-steps: the first outer step at or past a multiple
         return float(saves.due(step + 1) or (loc is not None and saves.enabled and loc.crossed(step + 1, every)))
 
-    def _keep_residuals(self, step: int) -> None:
-        """After update `step`'s sum: every worker's residual to the coordinator, where the state is saved
+    def _keep_own(self, step: int) -> None:
+        """After update `step`'s sum: every worker's own arrays to the coordinator, where the state is saved
         (a checkpoint's vote, or the phase's last step: the final state is saved too)."""
-        if self.feedback is None or not (self.saving or self.stop or self.last):
+        if not self.keeps or not (self.saving or self.stop or self.last):
             return
         if self.saves is not None and self.saving:
             self.saves.mark(step + 1)
-        self.residuals, self.residuals_at = self.feedback.residuals(), step + 1
+        be, n = self.ctx.backend, self.n
+        rows = self.reducer.gather_rows(np.concatenate([np.asarray(be.to_host(a), np.float32)
+                                                        for a in self._own().values()]))
+        self.kept = {} if rows is None else split_rows(rows, self.keeps, n)
+        self.kept_at = step + 1
 
     def reduce_and_apply(self, step: int, last: bool = False) -> float:
         """Sum over workers (the reducer), divide by the summed weight, apply; returns the mean loss.
@@ -177,13 +189,13 @@ class SyncStep:
     def _average(self, step: int) -> float | None:
         """Sum [values..., loss, weight, stop, room and save votes, stamp] over the workers, check the exact
         slots (`torn`), divide by the weight (each worker's 1); the votes are the same sum on every worker, so
-        all stop (or give their residuals) after this step. A worker alone returns its loss (as float32, as the buffer would hold it); None:
-        it is in buf."""
+        all stop (or give their own arrays) after this step. A worker alone returns its loss (as float32, as
+        the buffer would hold it); None: it is in buf."""
         buf, n, ctx = self.buf, self.n, self.ctx
         if self.reducer.alone:
             self.stop, loss = ctx.stop.due, float(np.float32(self.own_loss))
             self.saving = bool(self._save_vote(step))
-            self._keep_residuals(step)
+            self._keep_own(step)
             return loss
         stamp = 1 + step % self.period
         buf[n + STAMP] = stamp
@@ -205,7 +217,7 @@ class SyncStep:
         # step's vote, or this worker would end the phase a step before the others (a hang, seen in a join).
         self.stop = any(votes[:2])
         self.saving = bool(votes[2])
-        self._keep_residuals(step)
+        self._keep_own(step)
         return None
 
     def local_step(self, step: int, last: bool) -> float:
@@ -354,7 +366,7 @@ def work(ctx: Context, loop=train) -> WorkerResult:
                 if regroup is not None:
                     notices.ready(ctx, regroup.gen)  # until rank 0's GO: every worker left is ready
                     ctx, start = elastic.regroup(ctx, regroup)
-                    start.residuals = None  # error feedback restarts from zero with the regrouped workers
+                    start.per_worker = {}  # each worker's own arrays start afresh with the regrouped workers
                     gen, regroup = regroup.gen, None
                     if ctx.worker_index == 0:
                         report = report or CoordinatorReport(ctx)
@@ -418,8 +430,9 @@ class SyncMode(Mode):
     def global_batch(self, cfg, workers: int) -> int:
         return cfg.batch_size * (cfg.quorum or workers)
 
-    def keeps_feedback(self, cfg) -> bool:
-        return scheme(cfg.compress, cfg.sparsify) is not None  # (the gathered parts' error feedback)
+    def worker_arrays(self, cfg) -> tuple[str, ...]:
+        names = (RESIDUAL,) if scheme(cfg.compress, cfg.sparsify) is not None else ()  # the gathered parts'
+        return names + (tuple(INNER + a for a in OPTIMIZERS[cfg.optimizer].state) if cfg.local_steps > 1 else ())
 
     def quorum(self, cfg, workers: int) -> int | None:
         return cfg.quorum if cfg.quorum is not None else workers

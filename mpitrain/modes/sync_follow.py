@@ -15,8 +15,8 @@ from mpitrain.duties.chief import ChiefDuties, Clock, ServerState, begin, record
 from mpitrain.duties.metrics import Progress
 from mpitrain.duties.observe import WAIT
 from mpitrain.exchange.mpi import ABANDONED
-from mpitrain.exchange.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_FINAL, FLAG_REGROUPED, TAG_FEEDBACK,
-                                        TAG_LEFT_OUT, TAG_SHARD, TAG_STATUS, Message, ProtocolError)
+from mpitrain.exchange.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_FINAL, FLAG_REGROUPED, TAG_LEFT_OUT,
+                                        TAG_PER_WORKER, TAG_SHARD, TAG_STATUS, Message, ProtocolError)
 from mpitrain.exchange.shards import Gather, assemble
 from mpitrain.exchange.transport import CHIEF_POLL_S, Poller
 from mpitrain.exchange.waiting import poll
@@ -42,7 +42,7 @@ def follow_coordinator(ctx: Context, progress: Progress) -> ServerState:
     arbiter = elastic.Arbiter(ctx) if ctx.regroups else None  # else a lost worker ends the job (trainer.py)
     layout = ctx.layout
     final_seen = False
-    residuals = None  # Mode.keeps_feedback: the workers' residuals sent with the state that arrived
+    per_worker: dict = {}  # Mode.worker_arrays: the workers' own arrays sent with the state that arrived
     while not final_seen:
         ctx.activity.enter(WAIT, state.global_step)
         try:
@@ -59,7 +59,7 @@ def follow_coordinator(ctx: Context, progress: Progress) -> ServerState:
             if 0 in done.arrived and box.flags & (FLAG_CKPT | FLAG_FINAL):  # each sent just before the state
                 if ctx.mode.leaves_out:
                     left_out = receive_left_out(ctx, coordinator)
-                residuals = receive_residuals(ctx, coordinator) if ctx.mode.keeps_feedback(cfg) else None
+                per_worker = receive_per_worker(ctx, coordinator, ctx.mode.worker_arrays(cfg))
         except PeerLost as e:
             if arbiter is None:
                 raise
@@ -96,7 +96,7 @@ def follow_coordinator(ctx: Context, progress: Progress) -> ServerState:
             received.dealt, received.deal_shards = state.dealt, state.deal_shards
             received.left_out = dict(state.left_out)
             if box.flags & (FLAG_CKPT | FLAG_FINAL):
-                received.residuals = residuals
+                received.per_worker = per_worker
         state.bytes_in += box.buf.nbytes if full else 0
         if final and box.flags & FLAG_DIVERGED:  # the why and the loss come in the coordinator's report
             state.diverged = Diverged(box.step)  # before the save: a diverged state is never saved
@@ -125,11 +125,14 @@ def receive_left_out(ctx: Context, coordinator: int) -> dict[int, int]:
     return {int(e): int(n) for e, n in _rows_before_state(ctx, coordinator, TAG_LEFT_OUT, np.int64, 2)}
 
 
-def receive_residuals(ctx: Context, coordinator: int) -> np.ndarray | None:
-    """Mode.keeps_feedback: every worker's error-feedback residual at the step of the state that arrived
-    (TAG_FEEDBACK, sent just before it), for the checkpoint; None where the coordinator had none."""
-    rows = _rows_before_state(ctx, coordinator, TAG_FEEDBACK, np.float32, ctx.model.n_params)
-    return rows if len(rows) else None
+def receive_per_worker(ctx: Context, coordinator: int, names: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """Mode.worker_arrays: every worker's own arrays at the step of the state that arrived (TAG_PER_WORKER,
+    sent just before it), by name, for the checkpoint; none where there are none or the coordinator had none."""
+    if not names:
+        return {}
+    n = ctx.model.n_params
+    rows = _rows_before_state(ctx, coordinator, TAG_PER_WORKER, np.float32, n * len(names))
+    return checkpoint.split_rows(rows, names, n) if len(rows) else {}
 
 
 def _rows_before_state(ctx: Context, coordinator: int, tag: int, dtype, width: int) -> np.ndarray:
