@@ -340,7 +340,7 @@ def broadcast_start(ctx: Context) -> checkpoint.TrainState:
     if ctx.rank == PS_RANK:
         if ctx.handover is not None:  # rank 0 was lost: the survivors' freshest state (failover.py)
             state = ctx.handover.state
-            state.per_worker = {}  # (a join's or a take-over's phase: each worker's own arrays start afresh)
+            state.per_worker = {}  # (a take-over's phase: each worker's own arrays start afresh)
         else:
             state = ctx.resume[1] if ctx.resume else checkpoint.TrainState(ctx.model.init_params(ctx.cfg.seed))
         # a run resumed with another number of workers re-shards: positions beyond the saved ones start at 0
