@@ -72,6 +72,8 @@ FRESH, REDEAL = 0, 1
 
 def held(w: int) -> int:
     return 3 + 2 * w
+
+
 # A worker's `active` slot: 1 training, 0 done (or stopped), LOST rank 0 declared it lost (so that
 # the other servers, which have no loop of their own, take it for lost too and not for done).
 LOST = -1

@@ -25,6 +25,7 @@ import sys
 import time
 
 from mpitrain.launch.mpiimpl import needs_supervisor
+from mpitrain.launch.samehost import stat_fields
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 PR_SET_NAME = 15
@@ -181,11 +182,7 @@ def _hold_output_past_death(limit_s: float = 10.0) -> None:
     if os.fork() != 0:
         return
     try:  # the child: nothing of Python's beyond os, and never back into the caller
-        for fd in range(3, 256):  # (the PMI socket is closed already: only the output pipes are held)
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        os.closerange(3, 256)  # (the PMI socket is closed already: only the output pipes are held)
         deadline = time.monotonic() + limit_s
         while time.monotonic() < deadline and not _dead(supervisor):
             time.sleep(0.005)
@@ -196,8 +193,7 @@ def _hold_output_past_death(limit_s: float = 10.0) -> None:
 def _dead(pid: int) -> bool:
     """A zombie, or reaped already."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
+        return stat_fields(pid)[0] in ("Z", "X")
     except (OSError, IndexError):
         return True
 

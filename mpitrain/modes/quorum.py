@@ -22,35 +22,17 @@ from mpitrain.core.outer import round_span
 from mpitrain.core.reports import LOSS_WINDOW, WorkerResult, mean_loss
 from mpitrain.duties.checkpoint import TrainState
 from mpitrain.duties.observe import COMPUTE, PUSH, WAIT
-from mpitrain.exchange.protocol import (
-    FLAG_LATE,
-    FLAG_LEAVING,
-    FLAG_STOP_STEP,
-    HEADER_BYTES,
-    TAG_QGRAD,
-    TAG_UPDATE,
-    Message,
-    ProtocolError,
-)
+from mpitrain.exchange.protocol import (FLAG_LATE, FLAG_LEAVING, FLAG_STOP_STEP, HEADER_BYTES, TAG_QGRAD, TAG_UPDATE,
+                                        Message, ProtocolError)
 from mpitrain.exchange.transport import WORKER_POLL_S, Poller
 from mpitrain.exchange.waiting import poll
 from mpitrain.membership.elastic import interrupted_at
 from mpitrain.membership.faults import Kill
 from mpitrain.modes.base import Trained
+from mpitrain.modes.quorum_parts import (OWED_MARGIN_S, PACE_SLACK, SWITCH_INTERVAL_S, UNHEARD_HOLDS, CoordinatorPace,
+                                         ContributionSource, GradientThread, QuorumUpdate, UpdateRing, arrived,
+                                         between_workers)
 from mpitrain.modes.gradients import sync_deal
-from mpitrain.modes.quorum_parts import (
-    OWED_MARGIN_S,
-    PACE_SLACK,
-    SWITCH_INTERVAL_S,
-    UNHEARD_HOLDS,
-    ContributionSource,
-    CoordinatorPace,
-    GradientThread,
-    QuorumUpdate,
-    UpdateRing,
-    arrived,
-    between_workers,
-)
 from mpitrain.modes.sync import SyncMode, SyncStep, sync_result, sync_total, work
 from mpitrain.runtime import Context
 
