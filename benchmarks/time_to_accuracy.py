@@ -55,6 +55,8 @@ MODES = {"sync": ["--mode", "sync"], "async": ["--mode", "async"],
          # sync's gathered exchange (issue 80): quantised, and top-k of a quantised part, with error feedback
          "sync-int8": ["--mode", "sync", "--compress", "int8"], "sync-int4": ["--mode", "sync", "--compress", "int4"],
          "sync-top2-int8": ["--mode", "sync", "--compress", "int8", "--sparsify", "2"],
+         # sync's outer exchange in flight during H/2 inner steps (--outer-overlap, flags(); no row at H 1)
+         "sync-overlap": ["--mode", "sync"],
          # async: the pushes compressed, rank 0's replies in float32
          "async-int8": ["--mode", "async", "--compress", "int8"], "async-int4": ["--mode", "async", "--compress", "int4"],
          "async-top2-int8": ["--mode", "async", "--compress", "int8", "--sparsify", "2"]}
@@ -63,7 +65,8 @@ MODES = {"sync": ["--mode", "sync"], "async": ["--mode", "async"],
 def flags(dataset: list[str], mode: str, h: int, epochs: int, eval_every: int, seed: int) -> list[str]:
     return [*dataset, *MODES[mode], "--epochs", str(epochs), "--eval-every", str(eval_every), "--seed", str(seed),
             "--eval-at-end",
-            *(["--local-steps", str(h)] if h > 1 else [])]
+            *(["--local-steps", str(h)] if h > 1 else []),
+            *(["--outer-overlap", str(h // 2)] if mode == "sync-overlap" else [])]
 
 
 def run_across(names, addrs, wrapper, layout: str, args: list[str]) -> dict:
@@ -135,7 +138,8 @@ def main() -> int:
     def runs(go) -> None:
         for mode in modes:
             for h in hs:
-                measure(link, mode, h, go)
+                if h > 1 or mode != "sync-overlap":
+                    measure(link, mode, h, go)
 
     for link in [x for x in links if LINKS[x] is None]:
         measure(link, ONE, 1, lambda a: run_mpitrain(0, a))  # no mpirun, no link: the baseline distributing has to beat

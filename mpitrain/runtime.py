@@ -375,9 +375,11 @@ def broadcast_start(ctx: Context) -> checkpoint.TrainState:
 def worker_arrays_words(names: tuple[str, ...]) -> str:
     """Mode.worker_arrays' names as a user reads them."""
     words = ["error feedback"] if checkpoint.RESIDUAL in names else []
+    if checkpoint.OWN_MODEL in names:
+        words.append("its own steps since the last outer step")
     if any(name.startswith(checkpoint.INNER) for name in names):
         words.append("the inner optimizer's state")
-    return " and ".join(words)
+    return ", ".join(words[:-1]) + (" and " if len(words) > 1 else "") + words[-1]
 
 
 def nothing_to_train(ctx: Context) -> bool:

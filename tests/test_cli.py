@@ -295,6 +295,11 @@ INVALID = [
     (["--log-every", "0"], "--log-every must be a positive number of global steps"),
     (["--eval-every", "-1"], "--eval-every must be a positive number of global steps"),
     (["--checkpoint-every-steps", "0"], "--checkpoint-every-steps must be a positive number of global steps"),
+    (["--local-steps", "4", "--outer-overlap", "2"], "--outer-overlap applies to --mode sync without --quorum"),
+    (["--mode", "sync", "--quorum", "2", "--local-steps", "4", "--outer-overlap", "2"], "without --quorum"),
+    (["--mode", "sync", "--outer-overlap", "0"], "--outer-overlap applies with --local-steps H above 1"),
+    (["--mode", "sync", "--local-steps", "4", "--outer-overlap", "4"], "H - 1 inner steps of --local-steps H .got 4 "),
+    (["--mode", "sync", "--local-steps", "4", "--outer-overlap", "-1"], "inner steps of --local-steps H .got -1 with"),
 ]
 
 

@@ -9,6 +9,7 @@ from conftest import NUMBERS_ONLY, only_on, train
 
 from mpitrain.cli import parse_args
 from mpitrain.core.outer import LocalSteps, OuterOptimizer
+from mpitrain.duties import checkpoint
 from mpitrain.exchange.protocol import HEADER_BYTES
 
 
@@ -100,21 +101,44 @@ def test_local_steps_learn_with_identical_replicas(tmp_path, outer):
 
 
 @only_on("mpich", NUMBERS_ONLY)
-def test_a_resumed_run_ends_bit_for_bit_where_an_uninterrupted_one_does(tmp_path):
+@pytest.mark.parametrize("overlap", [None, "2"], ids=["at-once", "outer-overlap-2"])
+def test_a_resumed_run_ends_bit_for_bit_where_an_uninterrupted_one_does(tmp_path, overlap):
     """The checkpoint holds the global model of an outer step and the outer momentum: stopping at
     step 100 and going on to 200 gives the parameters of one run to 200. Saves asked for every 10
-    steps land on the outer steps after them (multiples of 4)."""
-    flags = ("--mode", "sync", "--local-steps", "4", "--seed", "3")
+    steps land on the outer steps after them (multiples of 4). With --outer-overlap 2 they land with the
+    outer step, 2 steps later, while each worker's own model has moved on: the checkpoint keeps it (a row
+    per worker), and a resume from there is exact too."""
+    flags = ("--mode", "sync", "--local-steps", "4", "--seed", "3", *(("--outer-overlap", overlap) if overlap else ()))
     whole = train(3, tmp_path, *flags, "--steps", "200")
+    assert whole["test_accuracy"] >= 0.9, whole["_stdout"]
     ck = tmp_path / "ck"
     first = train(3, tmp_path, *flags, "--steps", "100", "--checkpoint-dir", str(ck), "--checkpoint-every-steps", "10",
                   "--keep-checkpoints", "100")
     saved = sorted(int(p.stem.removeprefix("ckpt-")) for p in ck.glob("ckpt-*.npz"))
-    assert saved[:3] == [12, 20, 32] and saved[-1] == 100, saved
+    late = int(overlap or 0)
+    assert saved[:3] == [12 + late, 20 + late, 32 + late] and saved[-1] == 100, saved
+    rows = checkpoint.load(ck / f"ckpt-{saved[2]:09d}.npz").per_worker
+    assert ("model" in rows) == bool(overlap) and (not overlap or rows["model"].shape == (2, 7510))
+    if overlap:  # the landed outer step's global model is not any worker's own
+        assert not np.array_equal(rows["model"][0], checkpoint.load(ck / f"ckpt-{saved[2]:09d}.npz").params)
+    for later in saved[3:]:  # resume from the third, in the middle of the run
+        (ck / f"ckpt-{later:09d}.npz").unlink()
     again = train(3, tmp_path, *flags, "--steps", "200", "--checkpoint-dir", str(ck))
-    assert "resuming from" in again["_stdout"] and first["global_step"] == 100
+    assert f"resuming from {ck / f'ckpt-{saved[2]:09d}.npz'}" in again["_stdout"] and first["global_step"] == 100
     assert f"in {again['worker_exchanges']} exchanges since the resume" in again["_stdout"]  # a process's own count
     assert again["param_digest"] == whole["param_digest"]
+
+
+@only_on("mpich", NUMBERS_ONLY)
+def test_an_outer_overlap_of_zero_is_the_outer_step_at_once_and_the_start_line_says_it(tmp_path):
+    """--outer-overlap 0 goes through the overlap's path (sent, then landed at once): bit for bit the run
+    without it; 3 changes the run (each outer step lands 3 steps late) and the start line says so."""
+    flags = ("--mode", "sync", "--local-steps", "4", "--steps", "40")
+    at_once, zero, three = (train(3, tmp_path, *flags, *more) for more in ((), ("--outer-overlap", "0"),
+                                                                             ("--outer-overlap", "3")))
+    assert zero["param_digest"] == at_once["param_digest"] != three["param_digest"]
+    assert "its outer step lands 3 inner steps later (--outer-overlap 3)" in three["_stdout"]
+    assert "lands" not in at_once["_stdout"]
 
 
 def test_async_inner_steps_push_how_far_they_moved_and_the_server_steps_the_global_model_there():

@@ -1,6 +1,8 @@
 """The seams a next feature plugs into, each used here: the sync step's reducer (NCCL would be
 another), and (below) a user's own model through the API."""
 
+import types
+
 import numpy as np
 import pytest
 from conftest import NUMBERS_ONLY, only_on, own_lines
@@ -499,3 +501,55 @@ def test_a_word_heard_during_the_sum_is_the_next_step_s_vote_not_this_one_s():
     assert not step.stop and ctx.stop.room
     step.compute(source)  # the next step votes it
     assert step.buf[step.n + ROOM_VOTE] == 1.0
+
+
+class InFlightAsIfAnotherWorkerSentZeros(AsIfAnotherWorkerSentZeros):
+    """The same other worker, summed through start / progress / finish (SyncStep's --outer-overlap)."""
+
+    def __init__(self):
+        super().__init__()
+        self.started, self.looks, self.landed = [], 0, []
+
+    def start(self, buf):
+        self.started.append(buf.copy())
+        return types.SimpleNamespace(buf=buf)
+
+    def progress(self, flight) -> None:
+        self.looks += 1
+
+    def finish(self, flight) -> None:
+        self.landed.append(self.looks)
+        self.sum(flight.buf)
+
+
+@only_on("mpich", NUMBERS_ONLY)
+def test_an_overlapped_outer_step_lands_t_steps_later_with_the_workers_own_steps_kept_on_top():
+    """--local-steps 4 --outer-overlap 2: the outer gradient of step 4 is sent, the worker takes steps 5 and 6
+    meanwhile (giving the exchange a turn after each), and at step 6 the outer step lands: the global model
+    moves by it, and the worker's model is that plus its own two steps since sending."""
+    from mpitrain.modes.gradients import GradientSource
+    from mpitrain.modes.sync import STAMP, SyncStep
+
+    ctx = sync_worker_context("--local-steps", "4", "--outer-overlap", "2", "--outer-optimizer", "sgd",
+                              "--outer-lr", "1", "--optimizer", "sgd")
+    n, reducer = ctx.model.n_params, InFlightAsIfAnotherWorkerSentZeros()
+    step = SyncStep(ctx, ctx.model.init_params(0), reducer=reducer)
+    source = GradientSource(ctx, dealt_batches(ctx))
+    start, synced, grads = step.params.copy(), [], {}
+    for s in range(6):
+        step.compute(source)
+        grads[s] = step.buf[:n].copy()
+        step.reduce_and_apply(s)
+        synced.append(step.synced)
+        if s == 3:  # update 3 makes global step 4: its outer gradient anchor - local is sent
+            sent, at_send = reducer.started[0][:n], step.params.copy()
+            np.testing.assert_array_equal(sent, start - at_send)
+            # its exact slots were written before MPI was given the buffer, not after (then the sum was torn)
+            assert reducer.started[0][n + STAMP] == step.overlap.stamp > 0
+    assert synced == [False] * 5 + [True] and reducer.landed == [2]  # two looks at it before it landed
+    # sgd at lr 1 with the other's zeros: the global model moves half the way this worker had moved ...
+    np.testing.assert_allclose(step.local.anchor, start - sent / 2, rtol=1e-5, atol=1e-6)
+    # ... and the worker's model is it plus the two plain sgd steps it took since sending
+    own = sum(np.float32(ctx.lr_at(s)) * grads[s] for s in (4, 5))
+    np.testing.assert_allclose(step.params, step.local.anchor - own, rtol=1e-5, atol=1e-6)
+    assert step.overlap.sent_at == 4 and step.overlap.flight is None

@@ -148,6 +148,10 @@ class TrainConfig:
         None, "--local-steps H with (delayed-)nesterov: the outer momentum", metavar="M",
         shown=f"{DEFAULT_OUTER_MOMENTUM:g}, {DEFAULT_OUTER_MOMENTUM_OVER_MOMENTUM:g} over an --optimizer with its own "
         "momentum (momentum, adam)")
+    outer_overlap: int | None = PARALLELISM(
+        None, "sync with --local-steps H: send each outer step's exchange and keep computing, its outer step landing "
+        "T inner steps later (0 to H - 1; Streaming DiLoCo's overlap): the link's time hides behind compute",
+        shown="off", metavar="T")
     max_staleness: int | None = PARALLELISM(
         None, "async: hold back a worker's reply so that no applied gradient is more than S updates stale "
         "(implies --no-overlap; with --local-steps, S outer steps)", shown="unbounded", metavar="S")

@@ -136,6 +136,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if cfg.outer_optimizer == "delayed-nesterov" and cfg.mode != "async":
         raise UsageError("--outer-optimizer delayed-nesterov is async's (pushes one by one); sync's outer step "
                          "averages every worker: use nesterov")
+    if cfg.outer_overlap is not None:
+        _outer_overlap(cfg)
     if cfg.outer_momentum is not None and not 0 <= cfg.outer_momentum < 1:
         raise UsageError(f"--outer-momentum must be in [0, 1) (got {cfg.outer_momentum})")
     if cfg.ps_transport == "shm":  # as far as it goes so far (docs/modes.md, "One host")
@@ -199,3 +201,17 @@ def _gathered_exchange(cfg: TrainConfig) -> None:
     if cfg.mode == "async" and cfg.num_ps != 1:
         raise UsageError(f"{what} compresses async's pushes to one server, not yet --num-ps {cfg.num_ps}'s shards: "
                          f"drop one of the two, or use --compress bf16")
+
+
+def _outer_overlap(cfg: TrainConfig) -> None:
+    """--outer-overlap T: sync's, with --local-steps H, and T inner steps of the next H."""
+    if cfg.mode != "sync" or cfg.quorum is not None:
+        raise UsageError("--outer-overlap applies to --mode sync without --quorum (async's workers do not wait for "
+                         "one another, a quorum's round is its own); "
+                         "e.g. --mode sync --local-steps 16 --outer-overlap 8")
+    if cfg.local_steps == 1:
+        raise UsageError("--outer-overlap applies with --local-steps H above 1 (an outer step to overlap); "
+                         "e.g. --local-steps 16 --outer-overlap 8")
+    if not 0 <= cfg.outer_overlap < cfg.local_steps:
+        raise UsageError(f"--outer-overlap takes 0 to H - 1 inner steps of --local-steps H (got {cfg.outer_overlap} "
+                         f"with --local-steps {cfg.local_steps}); e.g. --local-steps 16 --outer-overlap 8")

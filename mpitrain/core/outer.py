@@ -219,6 +219,47 @@ class LocalSteps:
         return bool(every) and step // every > (step - self.h) // every
 
 
+class Overlap:
+    """--outer-overlap T (sync; Streaming DiLoCo's overlap, Douillard et al. 2025, arXiv 2501.18512): the outer
+    exchange sent at an outer step lands T inner steps later, the worker computing on meanwhile from its own
+    model. Landed, the outer step moves the global model (the anchor) exactly as it would have at once, and
+    the worker's own steps since are kept on top of it: local = anchor + (local - sent). Streaming DiLoCo
+    mixes the two instead (its alpha); kept whole, T 0 is the outer step without overlap bit for bit, and
+    the next outer gradient (anchor - local) carries those T steps to the others."""
+
+    def __init__(self, t: int, params, xp=np):
+        self.t, self.xp = t, xp
+        self.sent = xp.empty_like(params)  # this worker's model when its outer gradient was sent
+        self.flight = None  # the exchange in flight (exchange/mpi.InFlight), its step stamp, where it lands
+        self.stamp = self.lands_at = 0
+        self.sent_at = 0  # the global step of the outer step in flight (or last landed): what the anchor holds
+        self.moved = False  # whether an inner step moved this worker's model since it was sent
+
+    @staticmethod
+    def words(t: int | None) -> str:
+        """--outer-overlap T, for the start line."""
+        if t is None:
+            return ""
+        if t == 0:
+            return "; its outer step lands at once (--outer-overlap 0)"
+        return f"; its outer step lands {t} inner steps later (--outer-overlap {t}), each worker computing on meanwhile"
+
+    def launch(self, flight, stamp: int, params, step: int, last: bool) -> None:
+        """The outer gradient of update `step` sent (`flight`): it lands T steps on, at once if `last`."""
+        self.flight, self.stamp, self.moved = flight, stamp, False
+        self.sent[...] = params
+        self.sent_at = step + 1
+        self.lands_at = step + 1 + (0 if last else self.t)
+
+    def rebase(self, params, anchor) -> None:
+        """The outer step landed in `anchor`: `params` becomes it plus this worker's steps since sending."""
+        if not self.moved:
+            params[...] = anchor
+            return
+        self.xp.subtract(anchor, self.sent, out=self.sent)
+        params += self.sent
+
+
 def round_span(step: int, total: int, h: int) -> int:
     """The global steps a round from global step `step` covers: H, fewer at the budget's end."""
     return max(1, min(h, total - step))

@@ -85,7 +85,8 @@ class TrainState:
 # versions load unchanged); "opt_t", its update count, is a scalar beside them.
 OPT_PREFIX, OPT_COUNT = "opt_", "opt_t"
 WORKER_PREFIX = "worker_"  # a TrainState.per_worker array's name in a checkpoint file
-RESIDUAL, INNER = "residual", "inner_"  # per_worker's names: error feedback; an inner optimizer's array by its name
+# per_worker's names: error feedback; an inner optimizer's array by its name; --outer-overlap: the worker's own model
+RESIDUAL, INNER, OWN_MODEL = "residual", "inner_", "model"
 
 
 def state_arrays(cfg) -> list[str]:

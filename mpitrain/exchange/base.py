@@ -13,11 +13,19 @@ class Reducer(Protocol):
     weight, stop vote, step stamp]. MPIReducer is the one mpitrain uses; another transport (NCCL between GPUs)
     is another class with this one method. `sum` returns whether it summed anything (False: this
     worker is alone, the buffer is already the sum). `alone` says so beforehand: SyncStep then keeps
-    its loss and stop vote on the host (on a GPU, four scalar writes and a host read fewer a step)."""
+    its loss and stop vote on the host (on a GPU, four scalar writes and a host read fewer a step).
+    --outer-overlap takes the sum in three parts: `start` it (a handle; MPI reads `buf` from then on),
+    `progress` it between inner steps (one look, no wait), `finish` it (the sum in that `buf`)."""
 
     alone: bool
 
     def sum(self, buf) -> bool: ...
+
+    def start(self, buf): ...
+
+    def progress(self, flight) -> None: ...
+
+    def finish(self, flight) -> None: ...
 
 
 class PushPull(Protocol):

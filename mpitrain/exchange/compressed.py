@@ -16,8 +16,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpitrain.core.compress import Compressor, scheme
-from mpitrain.duties.observe import ALLREDUCE
-from mpitrain.exchange.mpi import MPIReducer, WorkersCollective, watch_collective
+from mpitrain.exchange.mpi import InFlight, MPIReducer, WorkersCollective
 from mpitrain.runtime import Context
 
 ALIGN = 8  # each part starts on an 8-byte boundary: its scales and tail are read as float32 in place
@@ -36,16 +35,19 @@ class GatherReducer(WorkersCollective):
         self.me = 0 if self.alone else self.comm.Get_rank()
         self.parts = np.zeros(workers * self.part, np.uint8)  # every worker's, in rank order
 
-    def sum(self, buf) -> bool:
-        if self.alone:
-            return False
-        be, xp, n, body, size = self.be, self.be.xp, self.n, self.body, self.part
-        self.ctx.activity.enter(ALLREDUCE)
-        mine = self.parts[self.me * size: (self.me + 1) * size]
+    def start(self, buf) -> InFlight:
+        """Compress this worker's part of `buf` (with its error feedback) and start gathering every part."""
+        be, n, body = self.be, self.n, self.body
+        mine = self.parts[self.me * self.part: (self.me + 1) * self.part]
         self.compressor.compress_to_host(buf[:n], mine[:body], be.to_host)
         mine[body: body + 4 * self.tail].view(np.float32)[...] = be.to_host(buf[n:])
         spec = [self.parts, MPI.BYTE]
-        watch_collective(self.ctx, self.waiter, self.comm.Iallgather(MPI.IN_PLACE, spec), spec)
+        return InFlight(self.comm.Iallgather(MPI.IN_PLACE, spec), spec, buf)
+
+    def finish(self, flight: InFlight) -> None:
+        """Wait for the parts, then their sum into the buffer given to `start`."""
+        self.land(flight)
+        be, xp, n, body, size, buf = self.be, self.be.xp, self.n, self.body, self.part, flight.buf
         parts = self.parts if xp is np else be.asarray(self.parts)
         tails = np.zeros(self.tail, np.float32)
         for w in range(len(self.parts) // size):  # rank order on every worker: the same sum everywhere
@@ -54,7 +56,6 @@ class GatherReducer(WorkersCollective):
             tails += self.parts[w * size + body: w * size + body + 4 * self.tail].view(np.float32)
         buf[n:] = be.asarray(tails)
         self.ctx.activity.moved(size, size * (len(self.parts) // size - 1))
-        return True
 
 
 def reducer_for(ctx: Context, n: int, tail: int):

@@ -36,6 +36,20 @@ def wire_sum(compress: str):
     return MPI.UINT16_T, _SUM_OPS[compress]
 
 
+class InFlight:
+    """A workers' collective started and not yet awaited (a Reducer's `start`): its request, what MPI
+    reads and writes (`spec`), the buffer the result lands in, and a failure a progress look found."""
+
+    def __init__(self, req, spec, buf):
+        self.req, self.spec, self.buf = req, spec, buf
+        self.failed: str | None = None
+
+    def abandon(self) -> None:
+        """Left unawaited (a regroup, a lost peer): kept alive, as watch_collective keeps its own."""
+        if self.req:
+            ABANDONED.append((self.req, self.spec, self.buf))
+
+
 class WorkersCollective:
     """A collective of the workers on their own communicator (rank 0 is not in it). Always
     nonblocking and watched (watch_collective): a blocking one cannot notice that rank 0 died (the
@@ -49,6 +63,30 @@ class WorkersCollective:
     @property
     def alone(self) -> bool:
         return self.comm is None or self.comm.Get_size() == 1
+
+    def progress(self, flight: InFlight) -> None:
+        """One look at a collective in flight, no wait: MPICH moves a nonblocking collective only inside an MPI
+        call (no progress thread by default), so a worker computing meanwhile gives it a turn every step. A
+        failure found here is kept for `land`, which waits for rank 0's verdict on it."""
+        if flight.req and flight.failed is None:
+            done = self.waiter.test([flight.req])
+            if done is not None and done.failed:
+                flight.failed = done.failed[0]
+
+    def land(self, flight: InFlight) -> None:
+        """Wait for the collective in flight to complete (watched, as every collective's wait)."""
+        self.ctx.activity.enter(ALLREDUCE)
+        if flight.failed is not None:
+            await_verdict(self.ctx, flight.failed)
+        watch_collective(self.ctx, self.waiter, flight.req, flight.spec)
+
+    def sum(self, buf) -> bool:
+        """Exchange.base.Reducer's: the sum started and awaited at once."""
+        if self.alone:
+            return False
+        self.ctx.activity.enter(ALLREDUCE)
+        self.finish(self.start(buf))
+        return True
 
     def gather_rows(self, mine: np.ndarray) -> np.ndarray | None:
         """Each worker's `mine` (float32, as long on each) as a row of a matrix in worker order, on worker 0
@@ -74,24 +112,24 @@ class MPIReducer(WorkersCollective):
             self.wire = be.host_alloc(wire.itemsize * count).view(wire)
         self.mpi_type, self.op = wire_sum(cfg.compress)
 
-    def sum(self, buf) -> bool:
-        if self.alone:
-            return False
-        be = self.be
-        self.ctx.activity.enter(ALLREDUCE)
+    def start(self, buf) -> InFlight:
+        """Start summing `buf` over the workers, in place (staged through the wire buffer where MPI cannot
+        read it, or it travels in another type)."""
         if self.wire is not None:
-            be.download(buf, self.wire)
-            self._allreduce([self.wire, self.mpi_type], self.op)
-            be.upload(buf, self.wire)
+            self.be.download(buf, self.wire)
+            spec, op = [self.wire, self.mpi_type], self.op
         else:
-            be.download(buf, buf)  # NumPy: nothing; CUDA-aware: finish compute before MPI reads
-            self._allreduce([buf, MPI.FLOAT], MPI.SUM)
-        nbytes = (self.wire if self.wire is not None else buf).nbytes
-        self.ctx.activity.moved(nbytes, nbytes)
-        return True
+            self.be.download(buf, buf)  # NumPy: nothing; CUDA-aware: finish compute before MPI reads
+            spec, op = [buf, MPI.FLOAT], MPI.SUM
+        return InFlight(self.comm.Iallreduce(MPI.IN_PLACE, spec, op=op), spec, buf)
 
-    def _allreduce(self, spec, op) -> None:
-        watch_collective(self.ctx, self.waiter, self.comm.Iallreduce(MPI.IN_PLACE, spec, op=op), spec)
+    def finish(self, flight: InFlight) -> None:
+        """Wait for the sum started by `start`; it is then in that buffer."""
+        self.land(flight)
+        if self.wire is not None:
+            self.be.upload(flight.buf, self.wire)
+        nbytes = (self.wire if self.wire is not None else flight.buf).nbytes
+        self.ctx.activity.moved(nbytes, nbytes)
 
 
 def watch_collective(ctx: Context, waiter: Poller, req, spec) -> None:

@@ -13,18 +13,18 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from contextlib import contextmanager
 
 import numpy as np
 
-from mpitrain.core.codec import CODECS
 from mpitrain.core.compress import gather_words, scheme
 from mpitrain.core.guard import NON_FINITE, Diverged, LossGuard
 from mpitrain.core.ledger import SyncDeal
 from mpitrain.core.optim import REGISTRY as OPTIMIZERS
 from mpitrain.core.optim import Optimizer, make_ema
-from mpitrain.core.outer import LocalSteps
+from mpitrain.core.outer import LocalSteps, Overlap
 from mpitrain.core.reports import LOSS_WINDOW, WorkerResult, mean_loss
-from mpitrain.duties.checkpoint import INNER, RESIDUAL, Checkpointer, TrainState, split_rows
+from mpitrain.duties.checkpoint import INNER, OWN_MODEL, RESIDUAL, Checkpointer, TrainState, split_rows
 from mpitrain.duties.metrics import Progress
 from mpitrain.duties.observe import ALLREDUCE, APPLY, COMPUTE, WAIT
 from mpitrain.exchange.base import Reducer
@@ -37,11 +37,8 @@ from mpitrain.membership.liveness import PeerLost
 from mpitrain.modes.base import Mode, Trained
 from mpitrain.modes.gradients import DealtBatches, GradientSource, sync_deal
 from mpitrain.modes.report import CoordinatorReport
+from mpitrain.modes.sync_slots import LOSS, ROOM_VOTE, SAVE_VOTE, STAMP, SYNC_SLOTS, VOTE, WEIGHT, stamp_period, torn
 from mpitrain.runtime import Context, start_state
-
-LOSS, WEIGHT, VOTE, ROOM_VOTE, SAVE_VOTE, STAMP = range(6)  # the slots behind a sync step's gradient (SyncStep)
-SYNC_SLOTS = STAMP + 1
-STAMPS = 8  # the step stamp cycles through 1..STAMPS (fewer where the wire cannot sum W of them exactly)
 
 
 class SyncStep:
@@ -77,6 +74,10 @@ class SyncStep:
         self.local = None  # --local-steps H > 1: an Allreduce every H steps (outer.py)
         if cfg.local_steps > 1:
             self.local = LocalSteps(cfg, params, be.xp, start.opt_state if start else None)
+        self.overlap = None  # --outer-overlap T: the outer exchange in flight during T inner steps (outer.Overlap)
+        if self.local is not None and cfg.outer_overlap is not None and not self.reducer.alone:
+            self.overlap = Overlap(cfg.outer_overlap, params, be.xp)
+            self.spare = be.xp.zeros_like(self.buf)  # the inner steps' gradients while buf is in flight
         self.synced = True  # the step just taken ended with the workers' models identical
         self.activity = ctx.activity
         self.deal: SyncDeal | None = None  # this worker's share of the data deal (train, quorum.train)
@@ -98,8 +99,8 @@ class SyncStep:
 
     def _own(self) -> dict:
         """This worker's arrays of Mode.worker_arrays, by name (on its device)."""
-        return {name: self.reducer.compressor.residual if name == RESIDUAL else self.opt.state[name[len(INNER):]]
-                for name in self.keeps}
+        mine = {RESIDUAL: lambda: self.reducer.compressor.residual, OWN_MODEL: lambda: self.params}
+        return {name: mine[name]() if name in mine else self.opt.state[name[len(INNER):]] for name in self.keeps}
 
     def dealt_at(self, step: int) -> int | None:
         """The deal's batches in the updates up to global step `step` (None: nothing deals them)."""
@@ -121,13 +122,11 @@ class SyncStep:
         def host(a):
             return None if a is None else np.array(self.ctx.backend.to_host(a), np.float32)
 
-        if self.local is not None:  # the global model of the last outer step, and the outer momentum
-            opt = {**self.opt.state, **self.local.outer.state()}
-            state = TrainState(host(self.local.anchor), step, self.opt.t, {k: host(a) for k, a in opt.items()},
-                               [step] * self.ctx.workers, host(self.ema.avg) if self.ema else None)
-        else:
-            state = TrainState(host(self.params), step, self.opt.t, {k: host(a) for k, a in self.opt.state.items()},
-                               [step] * self.ctx.workers, host(self.ema.avg) if self.ema else None)
+        loc = self.local  # with --local-steps: the global model of the last outer step, and the outer momentum
+        opt = self.opt.state if loc is None else {**self.opt.state, **loc.outer.state()}
+        state = TrainState(host(self.params if loc is None else loc.anchor), step, self.opt.t,
+                           {k: host(a) for k, a in opt.items()}, [step] * self.ctx.workers,
+                           host(self.ema.avg) if self.ema else None)
         if self.kept_at == step:  # (gathered at this step only: a regroup's state has none, and they start afresh)
             state.per_worker = self.kept
         return self._dealt(state)
@@ -191,24 +190,34 @@ class SyncStep:
         slots (`torn`), divide by the weight (each worker's 1); the votes are the same sum on every worker, so
         all stop (or give their own arrays) after this step. A worker alone returns its loss (as float32, as
         the buffer would hold it); None: it is in buf."""
-        buf, n, ctx = self.buf, self.n, self.ctx
+        buf, ctx = self.buf, self.ctx
         if self.reducer.alone:
             self.stop, loss = ctx.stop.due, float(np.float32(self.own_loss))
             self.saving = bool(self._save_vote(step))
             self._keep_own(step)
             return loss
+        stamp = self._stamp(step)
+        self.reducer.sum(buf)
+        self._summed(step, stamp)
+        self._keep_own(step)
+
+    def _stamp(self, step: int) -> int:
+        """The exact slots this worker writes before update `step`'s sum: its step stamp and the save vote."""
         stamp = 1 + step % self.period
-        buf[n + STAMP] = stamp
-        buf[n + SAVE_VOTE] = self._save_vote(step)
-        votes = (*self._votes(), float(buf[n + SAVE_VOTE]))  # this worker's own, unless a sum comes back
-        if self.reducer.sum(buf):
-            tail = [float(x) for x in ctx.backend.to_host(buf[n:])]  # one copy from a GPU
-            votes = tail[VOTE], tail[ROOM_VOTE], tail[SAVE_VOTE]
-            weight = ctx.workers if self.local is not None or self.deal is None else self.deal.weight(step)
-            why = torn(ctx.workers, tail[WEIGHT], votes, tail[STAMP], stamp, weight)
-            if why:
-                await_verdict(ctx, why)
-            buf *= ctx.backend.xp.float32(1.0) / buf[n + WEIGHT]
+        self.buf[self.n + STAMP] = stamp
+        self.buf[self.n + SAVE_VOTE] = self._save_vote(step)
+        return stamp
+
+    def _summed(self, step: int, stamp: int) -> None:
+        """The sum in buf: check its exact slots, divide by the weight, act on the votes (after update `step`)."""
+        buf, n, ctx = self.buf, self.n, self.ctx
+        tail = [float(x) for x in ctx.backend.to_host(buf[n:])]  # one copy from a GPU
+        votes = tail[VOTE], tail[ROOM_VOTE], tail[SAVE_VOTE]
+        weight = ctx.workers if self.local is not None or self.deal is None else self.deal.weight(step)
+        why = torn(ctx.workers, tail[WEIGHT], votes, tail[STAMP], stamp, weight)
+        if why:
+            await_verdict(ctx, why)
+        buf *= ctx.backend.xp.float32(1.0) / buf[n + WEIGHT]
         if votes[0]:
             ctx.stop.request()
         if votes[1]:
@@ -217,8 +226,6 @@ class SyncStep:
         # step's vote, or this worker would end the phase a step before the others (a hang, seen in a join).
         self.stop = any(votes[:2])
         self.saving = bool(votes[2])
-        self._keep_own(step)
-        return None
 
     def local_step(self, step: int, last: bool) -> float:
         """--local-steps H: apply this worker's own gradient (its own loss comes back); at an outer
@@ -231,12 +238,42 @@ class SyncStep:
         if self.own_weight:  # a step without a batch for this worker leaves its model as it is
             self.opt.step(self.params, buf[:n], ctx.lr_at(step))
             loc.losses.append(self.own_loss)
-        if not loc.due(step, last):
+        ov, due = self.overlap, loc.due(step, last)
+        if ov is not None and ov.flight is not None:
+            ov.moved = ov.moved or bool(self.own_weight)
+            self.reducer.progress(ov.flight)
+            if step + 1 >= ov.lands_at or due:  # T steps later, or sooner where the next outer step is due
+                loss = self._land(step)
+                if self.why or self.stop or not due:
+                    return loss
+        if not due:
             return self.own_loss
-        be.xp.subtract(loc.anchor, self.params, out=buf[:n])
+        be.xp.subtract(loc.anchor, self.params, out=self.buf[:n])
         self._weigh(float(np.mean(loc.losses)) if loc.losses else 0.0)
         loc.losses.clear()
-        return self.apply(step, self._average(step))
+        if ov is None:
+            return self.apply(step, self._average(step))
+        stamp = self._stamp(step)  # written before the start: MPI reads the buffer from then on
+        ov.launch(self.reducer.start(self.buf), stamp, self.params, step, last)
+        self.buf, self.spare = self.spare, self.buf
+        return self._land(step) if ov.lands_at == step + 1 else self.own_loss
+
+    def _land(self, step: int) -> float:
+        """--outer-overlap: the outer exchange in flight lands after update `step`: the outer step, and this
+        worker's own steps since it was sent kept on top of the new global model (Overlap.rebase)."""
+        flight, stamp = self.overlap.flight, self.overlap.stamp
+        self.reducer.finish(flight)
+        self.overlap.flight = None
+        self.buf, self.spare = flight.buf, self.buf  # the gradient just computed was applied already
+        self._summed(step, stamp)
+        loss = self.apply(step)
+        self._keep_own(step)  # after the rebase: a checkpoint keeps the model this worker goes on from
+        return loss
+
+    def abandon(self) -> None:
+        """The loop left with an outer exchange in flight (a regroup, a lost peer): MPI may still write it."""
+        if self.overlap is not None and self.overlap.flight is not None:
+            self.overlap.flight.abandon()
 
     def apply(self, step: int, loss: float | None = None) -> float:
         """Apply the mean gradient in buf (mean loss behind it, unless given) as update `step`, unless that loss
@@ -252,39 +289,14 @@ class SyncStep:
             self.opt.step(self.params, buf[:n], ctx.lr_at(step))
         else:
             loc.outer.step(loc.anchor, buf[:n])
-            self.params[...] = loc.anchor
+            if self.overlap is None:
+                self.params[...] = loc.anchor
+            else:
+                self.overlap.rebase(self.params, loc.anchor)
             self.synced = True
         if self.ema:
-            self.ema.update(self.params)
+            self.ema.update(self.params if loc is None else loc.anchor)
         return loss
-
-
-def stamp_period(compress: str, workers: int) -> int:
-    """How many stamps the step cycles through: `workers` of the largest must sum exactly on the wire
-    (float32's 2**24 where the slots travel as they are: a codec of none, or a gathered part)."""
-    exact = CODECS.get(compress, CODECS["none"]).exact
-    return max(1, min(STAMPS, exact // max(workers, 1)))
-
-
-def torn(workers: int, weight: float, votes: tuple[float, ...], stamped: float, stamp: int,
-         weights: int | None = None) -> str | None:
-    """Why a sum's exact slots say it is not every worker's whole part of this step (None: they agree).
-    MPICH completed an Allreduce on a survivor with a part a dying worker had only half sent: applied,
-    the parameters exploded and a regroup went on from them (tests/test_elastic.py, 1 in ~20 under
-    load): hence the weight, each worker's 1. Then one completed with every weight and a stop vote
-    that no worker had cast: the job stopped as if signalled (exit 143) one step after its regroup
-    (CI, 2026-11-29; 5 in ~150 chaos trials under load, the coordinator killed): hence the stamp, and
-    votes that must count workers. Such a sum is never applied: a worker died in it (await_verdict).
-    `weights`: the batches in the step, where fewer than the workers (the deal's last step)."""
-    weights = workers if weights is None else weights
-    if weight != weights:
-        return f"the sum holds a weight of {weight:g}, not {weights}: a worker died sending its part"
-    if stamped != workers * stamp:
-        return f"the sum's step stamp is {stamped:g}, not {workers * stamp}: a part is torn or of another step"
-    for kind, vote in zip(("stop", "room", "save"), votes):
-        if vote not in range(workers + 1):
-            return f"the sum holds {vote:g} {kind} votes of {workers} workers: a part is torn"
-    return None
 
 
 def train(ctx: Context, start: TrainState, on_step=None) -> WorkerResult:
@@ -303,7 +315,7 @@ def train(ctx: Context, start: TrainState, on_step=None) -> WorkerResult:
     recent = deque([float("nan")], maxlen=LOSS_WINDOW)  # nan only if resumed at the budget
     done = max(total, start.global_step)
     applied = start.global_step  # updates applied: where a regroup takes this worker's state from
-    with interrupted_at(lambda: step_fn.train_state(applied)):
+    with interrupted_at(lambda: step_fn.train_state(applied)), abandoned(step_fn):
         for step in range(start.global_step, total):
             # A worker alone (the others lost) never waits, and a wait is where the watch is looked
             # at: rank 0's stop request (a worker joining) and its death must still reach it.
@@ -316,7 +328,7 @@ def train(ctx: Context, start: TrainState, on_step=None) -> WorkerResult:
             if step_fn.why:
                 return sync_result(step_fn, applied, loss, act.times(), contributed=step)
             if step_fn.synced:  # with --local-steps, only an outer step's state is the same on every worker
-                applied = step + 1
+                applied = step + 1 if step_fn.overlap is None else step_fn.overlap.sent_at
             recent.append(loss)
             if on_step is not None:
                 on_step(step + 1, loss, step_fn)
@@ -324,6 +336,15 @@ def train(ctx: Context, start: TrainState, on_step=None) -> WorkerResult:
                 done = step + 1
                 break
     return sync_result(step_fn, done, mean_loss(recent), act.times(), contributed=done)
+
+
+@contextmanager
+def abandoned(step_fn: SyncStep):
+    """Whatever ends the loop, an outer exchange left in flight stays alive (SyncStep.abandon)."""
+    try:
+        yield
+    finally:
+        step_fn.abandon()
 
 
 def sync_total(ctx: Context, deal: SyncDeal) -> int:
@@ -432,7 +453,10 @@ class SyncMode(Mode):
 
     def worker_arrays(self, cfg) -> tuple[str, ...]:
         names = (RESIDUAL,) if scheme(cfg.compress, cfg.sparsify) is not None else ()  # the gathered parts'
-        return names + (tuple(INNER + a for a in OPTIMIZERS[cfg.optimizer].state) if cfg.local_steps > 1 else ())
+        if cfg.local_steps == 1:
+            return names
+        own = (OWN_MODEL,) if cfg.outer_overlap else ()  # --outer-overlap: the steps since its last outer step
+        return names + own + tuple(INNER + a for a in OPTIMIZERS[cfg.optimizer].state)
 
     def quorum(self, cfg, workers: int) -> int | None:
         return cfg.quorum if cfg.quorum is not None else workers
@@ -450,7 +474,7 @@ class SyncMode(Mode):
             how = "plain averaging" if cfg.outer_learning_rate == 1 else "no momentum"
         return (f"sync, local steps: every {cfg.local_steps} steps {self.averaging(cfg, workers)} and take an "
                 f"outer {cfg.outer_rule} step (lr {cfg.outer_learning_rate:g}, {how}); each inner step applies one "
-                f"worker's batch at --lr")
+                f"worker's batch at --lr{Overlap.words(cfg.outer_overlap)}")
 
     def averaging(self, cfg, workers: int) -> str:
         """--local-steps H: whose models an outer step averages, and what it costs."""
