@@ -43,11 +43,12 @@ from test_ledger import EPOCH_SAMPLES, assert_each_epoch_once, read_leases, read
 # MPI and the kill came after the budget; quorum at 2500 once under 2 s); --local-steps 8 takes an
 # Allreduce every 8 steps, about twice sync's pace on one host
 STEPS = {"sync": 8000, "quorum": 8000, "local": 12000, "quorum-local": 16000,  # quorum H 8: ~2,000 steps/s
-         "int8": 8000}
+         "int8": 8000, "overlap": 12000}
 MODE_FLAGS = {"sync": ("--mode", "sync"), "quorum": ("--mode", "sync", "--quorum", "2"),
               "local": ("--mode", "sync", "--local-steps", "8"),
               "quorum-local": ("--mode", "sync", "--quorum", "2", "--local-steps", "8"),
-              "int8": ("--mode", "sync", "--compress", "int8")}  # the gathered exchange (exchange/compressed.py)
+              "int8": ("--mode", "sync", "--compress", "int8"),  # the gathered exchange (exchange/compressed.py)
+              "overlap": ("--mode", "sync", "--local-steps", "8", "--outer-overlap", "4")}  # an outer step in flight
 
 
 def kill_during_training(tmp_path, np_: int, args: tuple[str, ...], victims: list[int], rng: random.Random,
@@ -75,13 +76,14 @@ def kill_during_training(tmp_path, np_: int, args: tuple[str, ...], victims: lis
 @pytest.mark.parametrize("mode,victim", [("sync", 3), *(pytest.param(m, v, marks=only_on("mpich", OWN_LOGIC))
                                                        for m, v in [("sync", 1), ("quorum", 2), ("quorum", 1),
                                                                     ("local", 2), ("quorum-local", 1),
-                                                                    ("int8", 2)])],
+                                                                    ("int8", 2), ("overlap", 2)])],
                          ids=["sync-worker", "sync-chief", "quorum-worker", "quorum-chief", "local-steps-worker",
-                              "quorum-local-steps-chief", "int8-worker"])
+                              "quorum-local-steps-chief", "int8-worker", "outer-overlap-worker"])
 def test_a_sync_job_goes_on_without_a_worker_killed_from_outside(tmp_path, mode, victim):
     rng = random.Random(f"{mode}{victim}{time.time()}")
-    ck = tmp_path / "ck"  # int8: checkpoints keep each worker's error feedback, before the loss and after it
-    saves = ("--checkpoint-dir", str(ck), "--checkpoint-every-steps", "500") if mode == "int8" else ()
+    ck = tmp_path / "ck"  # checkpoints keep each worker's error feedback (int8), own model (overlap), before the
+    row = {"int8": "residual", "overlap": "model"}.get(mode)  # loss and after it
+    saves = ("--checkpoint-dir", str(ck), "--checkpoint-every-steps", "500") if row else ()
     proc, s, _ = kill_during_training(tmp_path, 4, MODE_FLAGS[mode] + ("--steps", str(STEPS[mode])) + saves,
                                       [victim], rng)
     out = proc.stdout + proc.stderr
@@ -100,11 +102,11 @@ def test_a_sync_job_goes_on_without_a_worker_killed_from_outside(tmp_path, mode,
     whole = [e for e in s["epochs"] if e["complete"]]
     assert {(e["samples"] + e["dropped"], e["missed"], e["repeated"]) for e in whole} == {(EPOCH_SAMPLES[3], 0, 0)}
     assert (sum(e["dropped"] for e in whole) > 0) == ("quorum" in mode)
-    if saves:  # 3 rows before the regroup, 2 after (the lost worker's residual is lost with it)
+    if saves:  # 3 rows before the regroup, 2 after (the lost worker's rows are lost with it)
         states = [checkpoint.load(path) for path in checkpoint.list_checkpoints(ck)]
         last = states[-1]
-        assert last.global_step == STEPS[mode] and last.per_worker["residual"].shape == (2, len(last.params))
-        assert {len(st.per_worker["residual"]) for st in states} <= {2, 3}
+        assert last.global_step == STEPS[mode] and last.per_worker[row].shape == (2, len(last.params))
+        assert {len(st.per_worker[row]) for st in states} <= {2, 3}
 
 
 def kill_rank_2_mid_epoch(tmp_path, *flags: str):
