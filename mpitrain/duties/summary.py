@@ -56,7 +56,7 @@ def worker_report(ctx: Context, wres: WorkerResult, evaluation: tuple[float, flo
     t = wres.time
     wall = max(t["wall_s"], 1e-9)
     breakdown = {"compute": t["compute_s"] / wall, "communication_and_wait": t["wait_s"] / wall,
-                 "other": max(0.0, 1 - (t["compute_s"] + t["wait_s"]) / wall)}
+                 "other": max(0.0, 1 - (t["compute_s"] + t["wait_s"]) / wall), "wall_seconds": t["wall_s"]}
     act = ctx.activity
     return WorkerReport(ctx.rank, wres.pushed, wres.dropped, as_dict(wres.diverged), wres.contributed, evaluation[0],
                         evaluation[1], digest(wres.params), breakdown, act.report(), stop_signal=ctx.stop.signum,

@@ -170,7 +170,7 @@ def keep_store(ctx: Context) -> ServerState:
     the store (open_store: every rank takes part) and waits until no worker is left training, watching the
     others' heartbeats as every server does; a lost worker is rank 0's to report, a lost server ends it."""
     start, state, _ = begin(ctx)
-    clock = Clock()
+    clock = Clock(ctx)
     store = shm.open_store(ctx, start)
     lost: set[int] = set()
 

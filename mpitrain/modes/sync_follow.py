@@ -163,7 +163,7 @@ def keep_shard(ctx: Context) -> ServerState:
     slice of the state, which the coordinator sends it at eval, checkpoint and end, and
     forwards each to rank 0 for the whole state (one message, the same header, tag TAG_SHARD)."""
     _, state, _ = begin(ctx)
-    clock = Clock()
+    clock = Clock(ctx)
     names, s = checkpoint.state_arrays(ctx.cfg), ctx.shard
     m, coordinator = s.stop - s.start, ctx.layout.worker_rank(0)
     box = Message(m * len(names))
