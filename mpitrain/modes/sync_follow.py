@@ -24,6 +24,7 @@ from mpitrain.membership import elastic
 from mpitrain.membership.liveness import PeerLost
 from mpitrain.runtime import Context
 
+
 def follow_coordinator(ctx: Context, progress: Progress) -> ServerState:
     """Follow the coordinator: header-only status messages for the bar, full ones (FLAG_EVAL)
     to evaluate, and the last one (FLAG_FINAL) with the final parameters; one tag, so MPI's
