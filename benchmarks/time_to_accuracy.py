@@ -57,16 +57,22 @@ MODES = {"sync": ["--mode", "sync"], "async": ["--mode", "async"],
          "sync-top2-int8": ["--mode", "sync", "--compress", "int8", "--sparsify", "2"],
          # sync's outer exchange in flight during H/2 inner steps (--outer-overlap, flags(); no row at H 1)
          "sync-overlap": ["--mode", "sync"],
+         # the outer exchange in 4 fragments, one every H/4 steps (--fragments, flags(); no row at H 1)
+         "sync-fragments": ["--mode", "sync"],
          # async: the pushes compressed, rank 0's replies in float32
          "async-int8": ["--mode", "async", "--compress", "int8"], "async-int4": ["--mode", "async", "--compress", "int4"],
          "async-top2-int8": ["--mode", "async", "--compress", "int8", "--sparsify", "2"]}
+
+
+FRAGMENTS = 4  # sync-fragments' F (H 4 and up)
 
 
 def flags(dataset: list[str], mode: str, h: int, epochs: int, eval_every: int, seed: int) -> list[str]:
     return [*dataset, *MODES[mode], "--epochs", str(epochs), "--eval-every", str(eval_every), "--seed", str(seed),
             "--eval-at-end",
             *(["--local-steps", str(h)] if h > 1 else []),
-            *(["--outer-overlap", str(h // 2)] if mode == "sync-overlap" else [])]
+            *(["--outer-overlap", str(h // 2)] if mode == "sync-overlap" else []),
+            *(["--fragments", str(FRAGMENTS)] if mode == "sync-fragments" else [])]
 
 
 def run_across(names, addrs, wrapper, layout: str, args: list[str]) -> dict:
@@ -138,7 +144,7 @@ def main() -> int:
     def runs(go) -> None:
         for mode in modes:
             for h in hs:
-                if h > 1 or mode != "sync-overlap":
+                if h > 1 or mode not in ("sync-overlap", "sync-fragments"):
                     measure(link, mode, h, go)
 
     for link in [x for x in links if LINKS[x] is None]:

@@ -300,6 +300,11 @@ INVALID = [
     (["--mode", "sync", "--outer-overlap", "0"], "--outer-overlap applies with --local-steps H above 1"),
     (["--mode", "sync", "--local-steps", "4", "--outer-overlap", "4"], "H - 1 inner steps of --local-steps H .got 4 "),
     (["--mode", "sync", "--local-steps", "4", "--outer-overlap", "-1"], "inner steps of --local-steps H .got -1 with"),
+    (["--local-steps", "4", "--fragments", "2"], "--fragments applies to --mode sync with --local-steps H above 1"),
+    (["--mode", "sync", "--fragments", "2"], "--fragments applies to --mode sync with --local-steps H above 1"),
+    (["--mode", "sync", "--local-steps", "4", "--fragments", "3"], "must divide --local-steps H .got F 3, H 4"),
+    (["--mode", "sync", "--local-steps", "4", "--fragments", "0"], "must divide --local-steps H .got F 0, H 4"),
+    (["--mode", "sync", "--local-steps", "4", "--fragments", "2", "--compress", "int8"], "does not go with"),
 ]
 
 

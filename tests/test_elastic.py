@@ -43,12 +43,13 @@ from test_ledger import EPOCH_SAMPLES, assert_each_epoch_once, read_leases, read
 # MPI and the kill came after the budget; quorum at 2500 once under 2 s); --local-steps 8 takes an
 # Allreduce every 8 steps, about twice sync's pace on one host
 STEPS = {"sync": 8000, "quorum": 8000, "local": 12000, "quorum-local": 16000,  # quorum H 8: ~2,000 steps/s
-         "int8": 8000, "overlap": 12000}
+         "int8": 8000, "overlap": 12000, "fragments": 12000}
 MODE_FLAGS = {"sync": ("--mode", "sync"), "quorum": ("--mode", "sync", "--quorum", "2"),
               "local": ("--mode", "sync", "--local-steps", "8"),
               "quorum-local": ("--mode", "sync", "--quorum", "2", "--local-steps", "8"),
               "int8": ("--mode", "sync", "--compress", "int8"),  # the gathered exchange (exchange/compressed.py)
-              "overlap": ("--mode", "sync", "--local-steps", "8", "--outer-overlap", "4")}  # an outer step in flight
+              "overlap": ("--mode", "sync", "--local-steps", "8", "--outer-overlap", "4"),  # an outer step in flight
+              "fragments": ("--mode", "sync", "--local-steps", "8", "--fragments", "4")}  # the parts at other ages
 
 
 def kill_during_training(tmp_path, np_: int, args: tuple[str, ...], victims: list[int], rng: random.Random,
@@ -76,13 +77,15 @@ def kill_during_training(tmp_path, np_: int, args: tuple[str, ...], victims: lis
 @pytest.mark.parametrize("mode,victim", [("sync", 3), *(pytest.param(m, v, marks=only_on("mpich", OWN_LOGIC))
                                                        for m, v in [("sync", 1), ("quorum", 2), ("quorum", 1),
                                                                     ("local", 2), ("quorum-local", 1),
-                                                                    ("int8", 2), ("overlap", 2)])],
+                                                                    ("int8", 2), ("overlap", 2),
+                                                                    ("fragments", 1)])],
                          ids=["sync-worker", "sync-chief", "quorum-worker", "quorum-chief", "local-steps-worker",
-                              "quorum-local-steps-chief", "int8-worker", "outer-overlap-worker"])
+                              "quorum-local-steps-chief", "int8-worker", "outer-overlap-worker",
+                              "fragments-chief"])
 def test_a_sync_job_goes_on_without_a_worker_killed_from_outside(tmp_path, mode, victim):
     rng = random.Random(f"{mode}{victim}{time.time()}")
     ck = tmp_path / "ck"  # checkpoints keep each worker's error feedback (int8), own model (overlap), before the
-    row = {"int8": "residual", "overlap": "model"}.get(mode)  # loss and after it
+    row = {"int8": "residual", "overlap": "model", "fragments": "model"}.get(mode)  # loss and after it
     saves = ("--checkpoint-dir", str(ck), "--checkpoint-every-steps", "500") if row else ()
     proc, s, _ = kill_during_training(tmp_path, 4, MODE_FLAGS[mode] + ("--steps", str(STEPS[mode])) + saves,
                                       [victim], rng)

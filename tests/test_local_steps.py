@@ -101,25 +101,28 @@ def test_local_steps_learn_with_identical_replicas(tmp_path, outer):
 
 
 @only_on("mpich", NUMBERS_ONLY)
-@pytest.mark.parametrize("overlap", [None, "2"], ids=["at-once", "outer-overlap-2"])
-def test_a_resumed_run_ends_bit_for_bit_where_an_uninterrupted_one_does(tmp_path, overlap):
+@pytest.mark.parametrize("more,first_saves", [((), [12, 20, 32]), (("--outer-overlap", "2"), [14, 22, 34]),
+                                              (("--fragments", "2"), [10, 20, 30])],
+                         ids=["at-once", "outer-overlap-2", "fragments-2"])
+def test_a_resumed_run_ends_bit_for_bit_where_an_uninterrupted_one_does(tmp_path, more, first_saves):
     """The checkpoint holds the global model of an outer step and the outer momentum: stopping at
     step 100 and going on to 200 gives the parameters of one run to 200. Saves asked for every 10
     steps land on the outer steps after them (multiples of 4). With --outer-overlap 2 they land with the
     outer step, 2 steps later, while each worker's own model has moved on: the checkpoint keeps it (a row
-    per worker), and a resume from there is exact too."""
-    flags = ("--mode", "sync", "--local-steps", "4", "--seed", "3", *(("--outer-overlap", overlap) if overlap else ()))
+    per worker), and a resume from there is exact too. With --fragments 2 an outer step (of half the
+    parameters) comes every 2 steps, and each worker's own model, the other half's steps, is kept too."""
+    flags = ("--mode", "sync", "--local-steps", "4", "--seed", "3", *more)
+    own = bool(more)
     whole = train(3, tmp_path, *flags, "--steps", "200")
     assert whole["test_accuracy"] >= 0.9, whole["_stdout"]
     ck = tmp_path / "ck"
     first = train(3, tmp_path, *flags, "--steps", "100", "--checkpoint-dir", str(ck), "--checkpoint-every-steps", "10",
                   "--keep-checkpoints", "100")
     saved = sorted(int(p.stem.removeprefix("ckpt-")) for p in ck.glob("ckpt-*.npz"))
-    late = int(overlap or 0)
-    assert saved[:3] == [12 + late, 20 + late, 32 + late] and saved[-1] == 100, saved
+    assert saved[:3] == first_saves and saved[-1] == 100, saved
     rows = checkpoint.load(ck / f"ckpt-{saved[2]:09d}.npz").per_worker
-    assert ("model" in rows) == bool(overlap) and (not overlap or rows["model"].shape == (2, 7510))
-    if overlap:  # the landed outer step's global model is not any worker's own
+    assert ("model" in rows) == own and (not own or rows["model"].shape == (2, 7510))
+    if own:  # the landed outer step's global model is not any worker's own
         assert not np.array_equal(rows["model"][0], checkpoint.load(ck / f"ckpt-{saved[2]:09d}.npz").params)
     for later in saved[3:]:  # resume from the third, in the middle of the run
         (ck / f"ckpt-{later:09d}.npz").unlink()

@@ -553,3 +553,50 @@ def test_an_overlapped_outer_step_lands_t_steps_later_with_the_workers_own_steps
     own = sum(np.float32(ctx.lr_at(s)) * grads[s] for s in (4, 5))
     np.testing.assert_allclose(step.params, step.local.anchor - own, rtol=1e-5, atol=1e-6)
     assert step.overlap.sent_at == 4 and step.overlap.flight is None
+
+
+class RecordingSizes(AsIfAnotherWorkerSentZeros):
+    """The same other worker, recording how many values each sum carried."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes = []
+
+    def sum(self, buf) -> bool:
+        self.sizes.append(len(buf))
+        return super().sum(buf)
+
+
+@only_on("mpich", NUMBERS_ONLY)
+def test_fragments_average_one_part_of_the_parameters_in_turn_each_every_h_steps():
+    """--local-steps 4 --fragments 2: an outer step every 2 steps, of half the parameters in turn (the second
+    half at step 2, the first at step 4, ...), each exchange carrying that half and the exact slots; the
+    other half stays this worker's own. With sgd at lr 1 and a worker of zeros, a part's global model moves
+    half the way this worker had moved it."""
+    from mpitrain.modes.gradients import GradientSource
+    from mpitrain.modes.sync import SYNC_SLOTS, SyncStep
+
+    ctx = sync_worker_context("--local-steps", "4", "--fragments", "2", "--outer-optimizer", "sgd",
+                              "--outer-lr", "1", "--optimizer", "sgd")
+    n, reducer = ctx.model.n_params, RecordingSizes()
+    step = SyncStep(ctx, ctx.model.init_params(0), reducer=reducer)
+    source = GradientSource(ctx, dealt_batches(ctx))
+    half = n // 2
+    first, second = slice(0, half), slice(half, n)
+    start, own = step.params.copy(), np.zeros(n, np.float32)
+    for s in range(2):
+        step.compute(source)
+        own += np.float32(ctx.lr_at(s)) * step.buf[:n]
+        step.reduce_and_apply(s)
+    assert reducer.sizes == [n - half + SYNC_SLOTS]  # global step 2: the second half alone
+    np.testing.assert_allclose(step.local.anchor[second], (start - own / 2)[second], rtol=1e-5, atol=1e-6)
+    moved = start - step.params  # (before the outer step: the second half was reset to the anchor)
+    np.testing.assert_array_equal(step.local.anchor[first], start[first])  # the first half not averaged yet
+    np.testing.assert_array_equal(step.params[second], step.local.anchor[second])
+    assert np.abs(moved[first]).sum() > 0  # ... and this worker's own steps there are kept
+    for s in range(2, 4):
+        step.compute(source)
+        step.reduce_and_apply(s)
+    assert reducer.sizes == [n - half + SYNC_SLOTS, half + SYNC_SLOTS]  # global step 4: the first half
+    np.testing.assert_array_equal(step.params[first], step.local.anchor[first])
+    assert not np.array_equal(step.params[second], step.local.anchor[second])  # its 2 steps since

@@ -152,6 +152,9 @@ class TrainConfig:
         None, "sync with --local-steps H: send each outer step's exchange and keep computing, its outer step landing "
         "T inner steps later (0 to H - 1; Streaming DiLoCo's overlap): the link's time hides behind compute",
         shown="off", metavar="T")
+    fragments: int = PARALLELISM(
+        1, "sync with --local-steps H: each outer step averages 1/F of the parameters, fragment f every H steps from "
+        "step f x H/F (Streaming DiLoCo's fragments): the link's peak load 1/F, the same bytes in all", metavar="F")
     max_staleness: int | None = PARALLELISM(
         None, "async: hold back a worker's reply so that no applied gradient is more than S updates stale "
         "(implies --no-overlap; with --local-steps, S outer steps)", shown="unbounded", metavar="S")

@@ -138,6 +138,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
                          "averages every worker: use nesterov")
     if cfg.outer_overlap is not None:
         _outer_overlap(cfg)
+    if cfg.fragments != 1:
+        _fragments(cfg)
     if cfg.outer_momentum is not None and not 0 <= cfg.outer_momentum < 1:
         raise UsageError(f"--outer-momentum must be in [0, 1) (got {cfg.outer_momentum})")
     if cfg.ps_transport == "shm":  # as far as it goes so far (docs/modes.md, "One host")
@@ -215,3 +217,18 @@ def _outer_overlap(cfg: TrainConfig) -> None:
     if not 0 <= cfg.outer_overlap < cfg.local_steps:
         raise UsageError(f"--outer-overlap takes 0 to H - 1 inner steps of --local-steps H (got {cfg.outer_overlap} "
                          f"with --local-steps {cfg.local_steps}); e.g. --local-steps 16 --outer-overlap 8")
+
+
+def _fragments(cfg: TrainConfig) -> None:
+    """--fragments F: sync's, with --local-steps H that F divides, the outer exchange in float32."""
+    from mpitrain.core.compress import scheme
+
+    eg = "e.g. --mode sync --local-steps 16 --fragments 4"
+    if cfg.mode != "sync" or cfg.quorum is not None or cfg.local_steps == 1:
+        raise UsageError(f"--fragments applies to --mode sync with --local-steps H above 1, without --quorum; {eg}")
+    if cfg.fragments < 1 or cfg.local_steps % cfg.fragments:
+        raise UsageError(f"--fragments F must divide --local-steps H (got F {cfg.fragments}, H {cfg.local_steps}), "
+                         f"so that each fragment's outer step comes every H steps; {eg}")
+    if cfg.outer_overlap is not None or scheme(cfg.compress, cfg.sparsify) is not None:
+        raise UsageError("--fragments does not go with --outer-overlap, --compress int8|int4 or --sparsify yet "
+                         f"(each fragment's exchange is float32 and lands at once): drop one; {eg}")

@@ -52,10 +52,11 @@ class OuterOptimizer:
         self.period = max(1, period)
         self.tmp = xp.empty(n, xp.float32)
 
-    def step(self, anchor, delta, lr: float | None = None, t: int = 0) -> None:
+    def step(self, anchor, delta, lr: float | None = None, t: int = 0, part: slice = slice(None)) -> None:
         """One outer step of `anchor` along `delta`, at `lr` (default: the outer learning rate); `t`:
-        the outer steps before it (delayed-nesterov's count of pushes)."""
-        xp, f32, tmp = self.xp, self.xp.float32, self.tmp
+        the outer steps before it (delayed-nesterov's count of pushes); `part`: of the parameters only (--fragments:
+        `delta` is that part's, the momentum's part moves)."""
+        xp, f32, tmp = self.xp, self.xp.float32, self.tmp[part]
         lr = self.lr if lr is None else lr
         if self.buf is not None:
             self._delayed(anchor, delta, lr, t)
@@ -63,12 +64,13 @@ class OuterOptimizer:
         if self.v is None:
             xp.multiply(delta, f32(lr), out=tmp)
         else:
-            self.v *= f32(self.mu)
-            self.v += delta
-            xp.multiply(self.v, f32(self.mu), out=tmp)
+            v = self.v[part]
+            v *= f32(self.mu)
+            v += delta
+            xp.multiply(v, f32(self.mu), out=tmp)
             tmp += delta
             tmp *= f32(lr)
-        anchor -= tmp
+        anchor[part] -= tmp
 
     def _delayed(self, anchor, delta, lr: float, t: int) -> None:
         xp, f32, tmp, n = self.xp, self.xp.float32, self.tmp, self.period
@@ -203,6 +205,10 @@ class LocalSteps:
 
     def __init__(self, cfg, params, xp, saved_outer: dict | None = None):
         self.h = cfg.local_steps
+        # --fragments F: the parameters in F contiguous parts, part f's outer step every H steps from step f x H/F
+        self.span, n = self.h // cfg.fragments, params.shape[0]
+        cuts = [n * f // cfg.fragments for f in range(cfg.fragments + 1)]
+        self.parts = [slice(a, b) for a, b in zip(cuts, cuts[1:])]
         self.anchor = params.copy()
         self.outer = OuterOptimizer(cfg.outer_rule, cfg.outer_learning_rate, cfg.outer_beta,
                                     params.shape[0], xp, saved_outer)
@@ -210,13 +216,27 @@ class LocalSteps:
 
     def due(self, step: int, last: bool) -> bool:
         """Whether update `step` (making global step step + 1) ends with an outer step: every H
-        global steps, and at the budget's end, so that a run always ends on the global model."""
-        return (step + 1) % self.h == 0 or last
+        global steps (H/F with --fragments F: one part's), and at the budget's end, so that a run always ends on
+        the global model."""
+        return (step + 1) % self.span == 0 or last
+
+    @staticmethod
+    def words(fragments: int) -> str:
+        """--fragments F, for the start line."""
+        if fragments == 1:
+            return ""
+        return (f"; in {fragments} fragments (--fragments {fragments}): each outer step averages the next "
+                f"1/{fragments} of the parameters in turn, each fragment every H steps")
+
+    def part(self, step: int, last: bool) -> slice:
+        """The parameters the outer step after update `step` averages: every H/F steps the next part in turn,
+        all of them at the budget's end."""
+        return slice(0, self.anchor.shape[0]) if last else self.parts[(step + 1) // self.span % len(self.parts)]
 
     def crossed(self, step: int, every: int) -> bool:
-        """Whether the H steps ending at global step `step` crossed a multiple of `every`
+        """Whether the steps since the last outer step, ending at global step `step`, crossed a multiple of `every`
         (--eval-every, --checkpoint-every-steps: done at the outer step after it)."""
-        return bool(every) and step // every > (step - self.h) // every
+        return bool(every) and step // every > (step - self.span) // every
 
 
 class Overlap:

@@ -115,9 +115,10 @@ class MPIReducer(WorkersCollective):
     def start(self, buf) -> InFlight:
         """Start summing `buf` over the workers, in place (staged through the wire buffer where MPI cannot
         read it, or it travels in another type)."""
-        if self.wire is not None:
-            self.be.download(buf, self.wire)
-            spec, op = [self.wire, self.mpi_type], self.op
+        if self.wire is not None:  # (`buf` may be the tail of SyncStep's: --fragments' part)
+            wire = self.wire[:buf.shape[0]]
+            self.be.download(buf, wire)
+            spec, op = [wire, self.mpi_type], self.op
         else:
             self.be.download(buf, buf)  # NumPy: nothing; CUDA-aware: finish compute before MPI reads
             spec, op = [buf, MPI.FLOAT], MPI.SUM
@@ -126,9 +127,9 @@ class MPIReducer(WorkersCollective):
     def finish(self, flight: InFlight) -> None:
         """Wait for the sum started by `start`; it is then in that buffer."""
         self.land(flight)
+        nbytes = flight.buf.nbytes if self.wire is None else flight.spec[0].nbytes
         if self.wire is not None:
-            self.be.upload(flight.buf, self.wire)
-        nbytes = (self.wire if self.wire is not None else flight.buf).nbytes
+            self.be.upload(flight.buf, flight.spec[0])
         self.ctx.activity.moved(nbytes, nbytes)
 
 

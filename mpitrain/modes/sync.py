@@ -72,6 +72,7 @@ class SyncStep:
             if ctx.worker_index == 0:  # the coordinator (or the single-process run) keeps the moving average
                 self.ema = make_ema(cfg.ema_decay, params, be.xp, start.global_step, start.ema)
         self.local = None  # --local-steps H > 1: an Allreduce every H steps (outer.py)
+        self.part = slice(0, n)  # the parameters the outer step in buf averages (--fragments: buf[n - len:n])
         if cfg.local_steps > 1:
             self.local = LocalSteps(cfg, params, be.xp, start.opt_state if start else None)
         self.overlap = None  # --outer-overlap T: the outer exchange in flight during T inner steps (outer.Overlap)
@@ -183,23 +184,23 @@ class SyncStep:
         self.saving, self.last = False, last
         if self.local is not None:
             return self.local_step(step, last)
-        return self.apply(step, self._average(step))
+        loss = self.apply(step, self._average(step))
+        self._keep_own(step)
+        return loss
 
-    def _average(self, step: int) -> float | None:
+    def _average(self, step: int, lo: int = 0) -> float | None:
         """Sum [values..., loss, weight, stop, room and save votes, stamp] over the workers, check the exact
         slots (`torn`), divide by the weight (each worker's 1); the votes are the same sum on every worker, so
         all stop (or give their own arrays) after this step. A worker alone returns its loss (as float32, as
-        the buffer would hold it); None: it is in buf."""
+        the buffer would hold it); None: it is in buf. `lo`: the values start there (--fragments' part)."""
         buf, ctx = self.buf, self.ctx
         if self.reducer.alone:
             self.stop, loss = ctx.stop.due, float(np.float32(self.own_loss))
             self.saving = bool(self._save_vote(step))
-            self._keep_own(step)
             return loss
         stamp = self._stamp(step)
-        self.reducer.sum(buf)
+        self.reducer.sum(buf[lo:] if lo else buf)
         self._summed(step, stamp)
-        self._keep_own(step)
 
     def _stamp(self, step: int) -> int:
         """The exact slots this worker writes before update `step`'s sum: its step stamp and the save vote."""
@@ -248,11 +249,15 @@ class SyncStep:
                     return loss
         if not due:
             return self.own_loss
-        be.xp.subtract(loc.anchor, self.params, out=self.buf[:n])
+        self.part = part = loc.part(step, last)  # (all of them but with --fragments)
+        lo = n - (part.stop - part.start)
+        be.xp.subtract(loc.anchor[part], self.params[part], out=self.buf[lo:n])
         self._weigh(float(np.mean(loc.losses)) if loc.losses else 0.0)
         loc.losses.clear()
         if ov is None:
-            return self.apply(step, self._average(step))
+            loss = self.apply(step, self._average(step, lo))
+            self._keep_own(step)  # after the outer step: a checkpoint keeps the model this worker goes on from
+            return loss
         stamp = self._stamp(step)  # written before the start: MPI reads the buffer from then on
         ov.launch(self.reducer.start(self.buf), stamp, self.params, step, last)
         self.buf, self.spare = self.spare, self.buf
@@ -288,9 +293,10 @@ class SyncStep:
         if loc is None:
             self.opt.step(self.params, buf[:n], ctx.lr_at(step))
         else:
-            loc.outer.step(loc.anchor, buf[:n])
+            part = self.part
+            loc.outer.step(loc.anchor, buf[n - (part.stop - part.start):n], part=part)
             if self.overlap is None:
-                self.params[...] = loc.anchor
+                self.params[part] = loc.anchor[part]
             else:
                 self.overlap.rebase(self.params, loc.anchor)
             self.synced = True
@@ -455,7 +461,8 @@ class SyncMode(Mode):
         names = (RESIDUAL,) if scheme(cfg.compress, cfg.sparsify) is not None else ()  # the gathered parts'
         if cfg.local_steps == 1:
             return names
-        own = (OWN_MODEL,) if cfg.outer_overlap else ()  # --outer-overlap: the steps since its last outer step
+        # --outer-overlap: its steps since its last outer step; --fragments: those of the parts not synced since
+        own = (OWN_MODEL,) if cfg.outer_overlap or cfg.fragments > 1 else ()
         return names + own + tuple(INNER + a for a in OPTIMIZERS[cfg.optimizer].state)
 
     def quorum(self, cfg, workers: int) -> int | None:
@@ -474,7 +481,7 @@ class SyncMode(Mode):
             how = "plain averaging" if cfg.outer_learning_rate == 1 else "no momentum"
         return (f"sync, local steps: every {cfg.local_steps} steps {self.averaging(cfg, workers)} and take an "
                 f"outer {cfg.outer_rule} step (lr {cfg.outer_learning_rate:g}, {how}); each inner step applies one "
-                f"worker's batch at --lr{Overlap.words(cfg.outer_overlap)}")
+                f"worker's batch at --lr{Overlap.words(cfg.outer_overlap)}{LocalSteps.words(cfg.fragments)}")
 
     def averaging(self, cfg, workers: int) -> str:
         """--local-steps H: whose models an outer step averages, and what it costs."""
