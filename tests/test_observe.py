@@ -313,10 +313,10 @@ def test_a_stall_is_reported_once_naming_who_the_others_wait_for(tmp_path, how):
 
 
 @only_on("mpich", OWN_LOGIC)
-@pytest.mark.parametrize("mode", ["async", "sync-quorum"])
+@pytest.mark.parametrize("mode", ["async", "sync-quorum", "sync"])
 def test_the_timeline_is_a_trace_with_every_ranks_phases(tmp_path, mode):
     trace = tmp_path / "trace.json"
-    extra = ["--mode", "sync", "--quorum", "1"] if mode == "sync-quorum" else []
+    extra = {"sync-quorum": ["--mode", "sync", "--quorum", "1"], "sync": ["--mode", "sync"]}.get(mode, [])
     proc = start(3, "--no-progress", "--epochs", "3", "--timeline", str(trace), "--timeline-steps", "10",
                  "--eval-every", "20", *extra)
     out, _ = finish(proc)
@@ -330,6 +330,10 @@ def test_the_timeline_is_a_trace_with_every_ranks_phases(tmp_path, mode):
     if mode == "async":
         assert "apply" in by_rank[0]
         assert all({"compute", "push", "pull"} <= by_rank[r] for r in (1, 2))
+    elif mode == "sync":  # one Allreduce span a step (the sum's staging and its wait are one phase)
+        assert all({"compute", "allreduce", "apply"} <= by_rank[r] for r in (1, 2))
+        steps = [(e["pid"], e["args"]["global_step"]) for e in spans if e["name"] == "allreduce"]
+        assert steps and len(steps) == len(set(steps)), sorted(steps)
     else:  # rank 1, the chief, computes, gathers and sends each step's update; rank 2 computes and pushes to it
         assert {"compute", "wait", "push", "apply"} <= by_rank[1] and "allreduce" not in by_rank[1]
         assert {"compute", "push", "wait", "apply"} <= by_rank[2]

@@ -85,7 +85,8 @@ class TrainState:
 # versions load unchanged); "opt_t", its update count, is a scalar beside them.
 OPT_PREFIX, OPT_COUNT = "opt_", "opt_t"
 WORKER_PREFIX = "worker_"  # a TrainState.per_worker array's name in a checkpoint file
-# per_worker's names: error feedback; an inner optimizer's array by its name; --outer-overlap: the worker's own model
+# per_worker's names: error feedback; an inner optimizer's array by its name; the worker's own model (--outer-overlap,
+# --fragments: it is not the global model between outer steps)
 RESIDUAL, INNER, OWN_MODEL = "residual", "inner_", "model"
 
 

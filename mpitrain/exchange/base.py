@@ -15,7 +15,8 @@ class Reducer(Protocol):
     worker is alone, the buffer is already the sum). `alone` says so beforehand: SyncStep then keeps
     its loss and stop vote on the host (on a GPU, four scalar writes and a host read fewer a step).
     --outer-overlap takes the sum in three parts: `start` it (a handle; MPI reads `buf` from then on),
-    `progress` it between inner steps (one look, no wait), `finish` it (the sum in that `buf`)."""
+    `progress` it between inner steps (one look, no wait), `finish` it (the sum in that `buf`; the caller
+    accounts the wait as ALLREDUCE, as `sum` does)."""
 
     alone: bool
 

@@ -74,8 +74,8 @@ class WorkersCollective:
                 flight.failed = done.failed[0]
 
     def land(self, flight: InFlight) -> None:
-        """Wait for the collective in flight to complete (watched, as every collective's wait)."""
-        self.ctx.activity.enter(ALLREDUCE)
+        """Wait for the collective in flight to complete (watched, as every collective's wait). The caller has
+        entered ALLREDUCE: `sum` before its start, SyncStep before an overlapped exchange lands."""
         if flight.failed is not None:
             await_verdict(self.ctx, flight.failed)
         watch_collective(self.ctx, self.waiter, flight.req, flight.spec)
@@ -127,10 +127,10 @@ class MPIReducer(WorkersCollective):
     def finish(self, flight: InFlight) -> None:
         """Wait for the sum started by `start`; it is then in that buffer."""
         self.land(flight)
-        nbytes = flight.buf.nbytes if self.wire is None else flight.spec[0].nbytes
+        travelled = flight.spec[0]  # `buf` itself, or the wire's part it was staged through
         if self.wire is not None:
-            self.be.upload(flight.buf, flight.spec[0])
-        self.ctx.activity.moved(nbytes, nbytes)
+            self.be.upload(flight.buf, travelled)
+        self.ctx.activity.moved(travelled.nbytes, travelled.nbytes)
 
 
 def watch_collective(ctx: Context, waiter: Poller, req, spec) -> None:

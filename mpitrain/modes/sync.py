@@ -150,11 +150,8 @@ class SyncStep:
             return
         self.buf[self.n + LOSS] = loss
         self.buf[self.n + WEIGHT] = weight
-        self.buf[self.n + VOTE], self.buf[self.n + ROOM_VOTE] = self._votes()
-
-    def _votes(self) -> tuple[float, float]:
-        """This worker's own [stop, room] votes."""
-        return float(self.ctx.stop.requested), float(self.ctx.stop.room)
+        stop = self.ctx.stop  # this worker's own stop and room votes
+        self.buf[self.n + VOTE], self.buf[self.n + ROOM_VOTE] = float(stop.requested), float(stop.room)
 
     def _save_vote(self, step: int) -> float:
         """The coordinator's: 1 where the state after update `step` is a checkpoint's (Mode.worker_arrays only)."""
@@ -267,6 +264,7 @@ class SyncStep:
         """--outer-overlap: the outer exchange in flight lands after update `step`: the outer step, and this
         worker's own steps since it was sent kept on top of the new global model (Overlap.rebase)."""
         flight, stamp = self.overlap.flight, self.overlap.stamp
+        self.activity.enter(ALLREDUCE)
         self.reducer.finish(flight)
         self.overlap.flight = None
         self.buf, self.spare = flight.buf, self.buf  # the gradient just computed was applied already
@@ -293,7 +291,7 @@ class SyncStep:
         if loc is None:
             self.opt.step(self.params, buf[:n], ctx.lr_at(step))
         else:
-            part = self.part
+            part = self.part  # (its outer gradient at the end of buf's values, as local_step put it)
             loc.outer.step(loc.anchor, buf[n - (part.stop - part.start):n], part=part)
             if self.overlap is None:
                 self.params[part] = loc.anchor[part]
