@@ -61,7 +61,9 @@ MODES = {"sync": ["--mode", "sync"], "async": ["--mode", "async"],
          "sync-fragments": ["--mode", "sync"],
          # async: the pushes compressed, rank 0's replies in float32
          "async-int8": ["--mode", "async", "--compress", "int8"], "async-int4": ["--mode", "async", "--compress", "int4"],
-         "async-top2-int8": ["--mode", "async", "--compress", "int8", "--sparsify", "2"]}
+         "async-top2-int8": ["--mode", "async", "--compress", "int8", "--sparsify", "2"],
+         # async: a worker's next steps computed while its push travels (with --local-steps: from its own model)
+         "async-overlap": ["--mode", "async", "--overlap"]}
 
 
 FRAGMENTS = 4  # sync-fragments' F (H 4 and up)

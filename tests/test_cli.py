@@ -47,7 +47,7 @@ BAD = [
     (["--mode", "sync", "--staleness-lr"], "--staleness-lr applies to --mode async"),
     (["--staleness-lr", "-2"], "--staleness-lr takes a K of zero (off) or more"),
     (["--mode", "sync", "--local-steps", "0"], "--local-steps must be at least 1"),
-    (["--local-steps", "4", "--overlap"], "--local-steps in async mode does not go with --overlap"),
+    (["--local-steps", "4", "--delay-compensation"], "--local-steps in async mode does not go with --delay-comp"),
     (["--mode", "sync", "--outer-lr", "0.5"], "apply with --local-steps H above 1"),
     (["--outer-momentum", "0.5"], "apply with --local-steps H above 1"),  # its default depends on --optimizer
     (["--mode", "sync", "--local-steps", "4", "--outer-momentum", "1"], "--outer-momentum must be in [0, 1)"),
@@ -295,7 +295,7 @@ INVALID = [
     (["--log-every", "0"], "--log-every must be a positive number of global steps"),
     (["--eval-every", "-1"], "--eval-every must be a positive number of global steps"),
     (["--checkpoint-every-steps", "0"], "--checkpoint-every-steps must be a positive number of global steps"),
-    (["--local-steps", "4", "--outer-overlap", "2"], "--outer-overlap applies to --mode sync without --quorum"),
+    (["--local-steps", "4", "--outer-overlap", "2"], "--outer-overlap is sync's: in async, --overlap computes"),
     (["--mode", "sync", "--quorum", "2", "--local-steps", "4", "--outer-overlap", "2"], "without --quorum"),
     (["--mode", "sync", "--outer-overlap", "0"], "--outer-overlap applies with --local-steps H above 1"),
     (["--mode", "sync", "--local-steps", "4", "--outer-overlap", "4"], "H - 1 inner steps of --local-steps H .got 4 "),

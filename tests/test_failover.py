@@ -38,6 +38,7 @@ from mpitrain.core.exitcodes import ExitCode
 
 SAME = "the take-over is sync's (tested under both MPIs); --quorum only changes the loop it leaves"
 THIRD = "a third server only adds peers to watch; the take-over of a shard is tested with 2 under both MPIs"
+OVERLAP = "async's take-over is tested under both MPIs; --local-steps with --overlap only changes what a worker holds"
 STORE = "the store's take-over is tested under both MPIs with rank 0 killed; a shard's adds nothing MPI does"
 # Digits, 3 workers: a few seconds of training; the kill comes past the first checkpoint (step 500),
 # or a second in, so it lands mid-run with most of the budget left for the successor: the take-overs
@@ -69,12 +70,14 @@ def kill_mid_run(cmd: list[str], np_: int, victim: int | tuple[int, ...], ck=Non
     return proc, out, err, leftovers
 
 
-@pytest.mark.parametrize("mode", ["sync", pytest.param("quorum", marks=only_on("mpich", SAME)), "async", "shm"])
+@pytest.mark.parametrize("mode", ["sync", pytest.param("quorum", marks=only_on("mpich", SAME)), "async", "shm",
+                                  pytest.param("async-local-overlap", marks=only_on("mpich", OVERLAP))])
 def test_rank_0_killed_mid_run_a_worker_takes_over_and_the_job_reaches_its_budget(tmp_path, mode):
     ck, summary, trace = tmp_path / "ck", tmp_path / "summary.json", tmp_path / "trace"
     trace.mkdir()
     how = {"quorum": ("--mode", "sync", "--quorum", "2"), "shm": ("--mode", "async", "--ps-transport", "shm",
-                                                                 "--optimizer", "adam")}.get(mode, ("--mode", mode))
+                                                                 "--optimizer", "adam"),
+           "async-local-overlap": ("--mode", "async", "--local-steps", "4", "--overlap")}.get(mode, ("--mode", mode))
     cmd = mpitrain_cmd(4, *how, "--no-progress", "--steps", str(BUDGET), "--worker-timeout", "1",
                        "--on-lost-server", "continue", "--checkpoint-dir", str(ck), "--checkpoint-every-steps", "500",
                        "--summary-json", str(summary), launcher_flags=keep_going())
@@ -93,6 +96,9 @@ def test_rank_0_killed_mid_run_a_worker_takes_over_and_the_job_reaches_its_budge
     # take-over's step: sync [4203, 4203] of 5000; async more than the global steps between them)
     if mode == "sync":
         assert s["worker_steps"] == s["gradients_pushed"] == [BUDGET] * 2, s["worker_steps"]
+    elif mode == "async-local-overlap":  # a push carries 4 inner steps (fewer at the data's end)
+        assert sum(s["worker_steps"]) <= BUDGET, s["worker_steps"]
+        assert all(-(-n // 4) <= p for n, p in zip(s["worker_steps"], s["gradients_pushed"])), s["gradients_pushed"]
     elif mode != "quorum":
         assert sum(s["worker_steps"]) <= BUDGET, s["worker_steps"]
         assert all(0 <= p - n <= 2 for n, p in zip(s["worker_steps"], s["gradients_pushed"])), s["gradients_pushed"]
@@ -107,8 +113,8 @@ def test_rank_0_killed_mid_run_a_worker_takes_over_and_the_job_reaches_its_budge
     elif mode == "shm":  # the store outlives rank 0: every update applied, and Adam's state, go on
         assert fo["updates_lost_at_most"] == 0, fo
         assert fo["state_kept"] == ["opt_m", "opt_v"] and "no update lost; kept: m, v" in err, err
-    else:  # at most what the 3 workers had in flight (one each; two with --overlap)
-        assert 0 <= fo["updates_lost_at_most"] <= 6, fo
+    else:  # at most what the 3 workers had in flight (one each; two with --overlap; of 4 inner steps with H 4)
+        assert 0 <= fo["updates_lost_at_most"] <= 6 * (4 if mode == "async-local-overlap" else 1), fo
     took = [ln for ln in err.splitlines() if "took over as rank 0" in ln]
     assert len(took) == 1 and f"at global step {fo['global_step']}" in took[0], err
     newest = checkpoint.list_checkpoints(ck)[-1]  # the successor saves into the same folder, under its lock

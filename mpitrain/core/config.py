@@ -304,8 +304,10 @@ class TrainConfig:
         """Async with this many workers: --overlap as given, else on up to AUTO_OVERLAP_MAX_WORKERS.
         --max-staleness works by holding back replies, which only binds a worker that waits for its
         reply before computing: it implies --no-overlap."""
-        if self.max_staleness is not None or self.ps_transport == "shm" or self.local_steps > 1:
-            return False  # shm: no round trip to hide; --local-steps: a worker's next H steps start from the reply
+        if self.max_staleness is not None or self.ps_transport == "shm":
+            return False  # shm: no round trip to hide
+        if self.local_steps > 1:  # the next H steps from the worker's own model (outer.InnerSteps): an option so far
+            return bool(self.overlap)
         return self.overlap if self.overlap is not None else workers <= AUTO_OVERLAP_MAX_WORKERS
 
     @property

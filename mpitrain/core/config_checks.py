@@ -126,8 +126,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if cfg.local_steps < 1:
         raise UsageError(f"--local-steps must be at least 1 (got {cfg.local_steps}); e.g. --local-steps 16")
     if cfg.local_steps > 1 and cfg.mode == "async":
-        _not_with("--local-steps in async mode", (cfg.overlap, "--overlap"),
-                  (cfg.delay_compensation is not None, "--delay-compensation"))
+        _not_with("--local-steps in async mode", (cfg.delay_compensation is not None, "--delay-compensation"))
     if cfg.local_steps == 1 and any(x is not None for x in (cfg.outer_optimizer, cfg.outer_lr, cfg.outer_momentum)):
         raise UsageError("--outer-optimizer, --outer-lr and --outer-momentum apply with --local-steps H above 1; "
                          "e.g. --local-steps 16 --outer-optimizer sgd")
@@ -207,9 +206,11 @@ def _gathered_exchange(cfg: TrainConfig) -> None:
 
 def _outer_overlap(cfg: TrainConfig) -> None:
     """--outer-overlap T: sync's, with --local-steps H, and T inner steps of the next H."""
-    if cfg.mode != "sync" or cfg.quorum is not None:
-        raise UsageError("--outer-overlap applies to --mode sync without --quorum (async's workers do not wait for "
-                         "one another, a quorum's round is its own); "
+    if cfg.mode != "sync":
+        raise UsageError("--outer-overlap is sync's: in async, --overlap computes a worker's next H steps while its "
+                         "outer gradient travels; e.g. --local-steps 16 --overlap")
+    if cfg.quorum is not None:
+        raise UsageError("--outer-overlap applies to --mode sync without --quorum (a quorum's round is its own); "
                          "e.g. --mode sync --local-steps 16 --outer-overlap 8")
     if cfg.local_steps == 1:
         raise UsageError("--outer-overlap applies with --local-steps H above 1 (an outer step to overlap); "

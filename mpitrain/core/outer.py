@@ -169,22 +169,32 @@ def in_pushes(staleness: int, h: int) -> int:
 
 class InnerSteps:
     """An async worker's H steps between two pushes: --optimizer on its own copy of the parameters
-    (the optimizer's state is the worker's own, never sent), then the outer gradient anchor - local
-    (how far it moved from the global model it pulled) into the push's buffer."""
+    (the optimizer's state is the worker's own, never sent), then the outer gradient start - local
+    (how far it moved from the global model it pulled) into the push's buffer.
 
-    def __init__(self, cfg, n: int, xp=np):
-        self.h, self.xp = cfg.local_steps, xp
+    With `own` (async --overlap; eager local SGD, as Streaming DiLoCo's overlap and arXiv 2502.12996) a
+    worker does not wait for the reply to its push: its next H steps go on from its own model, and their
+    outer gradient is how far they moved it. When the reply lands, the worker's model becomes the global
+    model it brings plus the steps not in it yet (`rebase`): those of the run computed since the push,
+    which its next push carries. Each outer step then reaches a worker one push later."""
+
+    def __init__(self, cfg, n: int, xp=np, own: bool = False):
+        self.h, self.xp, self.own = cfg.local_steps, xp, own
         self.opt = Optimizer(cfg.optimizer, n, xp, momentum=cfg.momentum)
         self.local, self.grad = xp.empty(n, xp.float32), xp.empty(n, xp.float32)
         self.count = 0  # inner steps taken in this run: each push carries it (protocol.H_PUSHED)
+        self.begun = False  # whether `local` holds a model yet (with `own`, each run goes on from it)
 
     def run(self, anchor, out, compute: Callable, exhausted: Callable[[], bool], lr_at: Callable[[int], float],
             version: int, steps: int | None = None) -> float:
         """Up to H steps (or `steps`: a --quorum round cut short by the budget) from `anchor` (of
         global step `version`), fewer when the worker's data runs out or a loss is not finite (the
-        push then carries it: the server stops the run); `out` gets anchor - local. Returns the
-        mean loss of the steps."""
-        self.local[...] = anchor
+        push then carries it: the server stops the run); `out` gets start - local, where start is
+        `anchor` (with `own`: the worker's model, `anchor` at the first run). Returns the mean loss of the steps."""
+        if not (self.own and self.begun):
+            self.local[...] = anchor
+        self.begun = True
+        out[...] = self.local  # the start (anchor - local, as before, where it is the anchor: the same float32 bits)
         losses: list[float] = []
         for i in range(self.h if steps is None else steps):
             loss = compute(self.local, self.grad)
@@ -194,9 +204,16 @@ class InnerSteps:
             self.opt.step(self.local, self.grad, lr_at(version + i))
             if exhausted():
                 break
-        self.xp.subtract(anchor, self.local, out=out)
+        out -= self.local
         self.count += len(losses)
         return float(np.mean(losses))
+
+    def rebase(self, params, unsent=None) -> None:
+        """`own`: a reply landed with the global model `params`; this worker's model becomes it, less `unsent`
+        (the outer gradient start - local of a run computed since the push it answers, not pushed yet)."""
+        self.local[...] = params
+        if unsent is not None:
+            self.local -= unsent
 
 
 class LocalSteps:

@@ -46,6 +46,8 @@ class PushPull(Protocol):
     def push(self, slot: int, loss: float, versions: list[int], count: int, last: bool,
              lease: tuple[int, int] | None = None) -> None: ...  # `lease`: the block it was computed on
 
+    def progress(self) -> None: ...  # one look at the push in flight, no wait (between --local-steps' inner steps)
+
     def pull(self, count: int) -> bool: ...  # True: a server stopped this worker (after `count` pushes)
 
     def leave(self, count: int) -> None: ...  # it stops with nothing pushed: tell every server

@@ -241,6 +241,9 @@ class MailPushPull:
     def gradient(self, slot: int):
         return self.grads[slot]
 
+    def progress(self) -> None:
+        pass  # nothing to move: a push is in the segment once written
+
     def push(self, slot: int, loss: float, versions: list[int], count: int, last: bool, lease=None) -> None:
         msg = self.seg.grads[slot]
         self.be.download(self.grads[slot], msg.payload)

@@ -204,6 +204,7 @@ class MPIPushPull:
         self.versions = [start.global_step] * len(self.servers)  # each server's step of those parameters
         self.poller = Poller(WORKER_POLL_S, ctx.watch)
         self.reqs: list = []  # the exchange in flight: a receive from each server, then a send to each
+        self.failed = None  # what `progress` found failed in it (transport.Completed)
         self.diverged_at: int | None = None
         self.lent = None
 
@@ -226,9 +227,20 @@ class MPIPushPull:
                      + [comm.Isend(part.spec(), dest=rank, tag=TAG_GRAD)
                         for part, rank in zip(self.outparts[slot], self.servers)])
 
+    def progress(self) -> None:
+        """One look at the exchange in flight, no wait (--local-steps with --overlap: once an inner step). MPICH
+        moves a message only inside an MPI call, and a gradient of a few hundred KB goes by rendezvous: without a
+        look, its transfer would wait for the pull. A request that failed is kept for `pull`, which raises it."""
+        if self.reqs and self.failed is None:
+            done = self.poller.test(self.reqs)
+            if done is not None and done.failed:
+                self.failed = done
+
     def pull(self, count: int) -> bool:
         """Wait for the exchange in flight; make its answers the current parameters. True when a
         server stopped this worker (the others, still waiting for its next gradient, are told)."""
+        if self.failed is not None:  # found by `progress` (MPICH frees a failed Testsome's requests: now null)
+            self.poller.lost(self.failed, self.peers)
         self.poller.all(self.reqs, self.peers)
         self.reqs = []
         nxt = 1 - self.cur

@@ -94,6 +94,9 @@ class ShmPushPull:
     def gradient(self, slot: int):
         return self.grads[slot]
 
+    def progress(self) -> None:
+        pass  # nothing to move: a push is applied when it is made
+
     def push(self, slot: int, loss: float, versions: list[int], count: int, last: bool, lease=None) -> None:
         """`count`: the worker's gradients so far, this one's included (--local-steps: its inner steps)."""
         self.count += 1

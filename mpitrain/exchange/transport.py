@@ -121,13 +121,17 @@ class Poller:
         while True:
             done = self.some(reqs)
             if done.failed:
-                lost = {peers[i]: why for i, why in done.failed.items()}
-                if self.watch is not None:
-                    for rank, why in lost.items():
-                        self.watch.declare(rank, why)
-                raise PeerLost(lost)
+                self.lost(done, peers)
             if not done:
                 return
+
+    def lost(self, done: Completed, peers: list[int]) -> None:
+        """Raise PeerLost naming the peers of `done`'s failed requests (declared in the watch)."""
+        lost = {peers[i]: why for i, why in done.failed.items()}
+        if self.watch is not None:
+            for rank, why in lost.items():
+                self.watch.declare(rank, why)
+        raise PeerLost(lost)
 
     def _test(self, reqs: list, active: list[int]) -> Completed | None:
         if len(self._statuses) < len(reqs):

@@ -370,10 +370,12 @@ class AsyncMode(Mode):
 
     def overlap_words(self, cfg, workers: int) -> str:
         """Whether a worker's next steps overlap its push and pull, and which flag decided it."""
-        if cfg.local_steps > 1:
-            return "no overlap (--local-steps: a worker's next steps start from the reply)"
         if cfg.max_staleness is not None:
             return "no overlap (--max-staleness)"
+        if cfg.local_steps > 1 and cfg.overlaps(workers):
+            return "overlap (--overlap: a worker's next H steps go on from its own model while its push travels)"
+        if cfg.local_steps > 1:
+            return "no overlap (--local-steps: a worker's next steps start from the reply; --overlap turns it on)"
         if cfg.overlap is not None:
             return "overlap (--overlap)" if cfg.overlap else "no overlap (--no-overlap)"
         if cfg.overlaps(workers):

@@ -34,7 +34,8 @@ class AsyncWorker:
         self.source = GradientSource(ctx, batches=self.batches)
         self.kill = Kill(ctx.rank)
         n, xp = ctx.model.n_params, self.be.xp
-        self.inner = InnerSteps(ctx.cfg, n, xp) if ctx.cfg.local_steps > 1 else None  # --local-steps H
+        # --local-steps H; with --overlap each run goes on from its own model while its push travels
+        self.inner = InnerSteps(ctx.cfg, n, xp, own=self.overlap) if ctx.cfg.local_steps > 1 else None
         self.pushed = 0
         self.counted = 0  # its gradients in the pushes so far: pushes, or (--local-steps) the inner steps they carried
         self.diverged: Diverged | None = None  # set when a server stops the run because a loss diverged
@@ -61,7 +62,7 @@ class AsyncWorker:
             slot = self.pushed % 2
             lease = self.batches.begin()
             loss, used_versions = self._compute(slot)
-            if ex.in_flight and self._pull():
+            if ex.in_flight and self._pull(unsent=slot):
                 break  # the gradient just computed is not pushed: training is over
             self._push(slot, loss, used_versions, lease)
         held = self.exchange.held()  # what a take-over would start from, should rank 0 be lost after this
@@ -83,6 +84,8 @@ class AsyncWorker:
     def _step(self, params, grad) -> float:
         loss = self.source.compute(params, grad)
         self.act.stepped()
+        if self.inner is not None and self.inner.own and self.exchange.in_flight:
+            self.exchange.progress()  # the push in flight moves on while the inner steps compute
         return loss
 
     def _more(self) -> bool:
@@ -97,12 +100,16 @@ class AsyncWorker:
         self.pushed += 1
         self.counted = count
 
-    def _pull(self) -> bool:
-        """The answer to the push in flight becomes the parameters. True when told to stop."""
+    def _pull(self, unsent: int | None = None) -> bool:
+        """The answer to the push in flight becomes the parameters (--local-steps with --overlap: the worker's
+        model, plus the run in `unsent`'s slot, computed since that push). True when told to stop."""
         self.act.enter(PULL)
-        stopped = self.exchange.pull(self.pushed)
-        if not stopped and self.exchange.lent:
-            self.batches.lend(self.exchange.lent)
-        if self.exchange.diverged_at is not None:
-            self.diverged = Diverged(self.exchange.diverged_at)
+        ex = self.exchange
+        stopped = ex.pull(self.pushed)
+        if not stopped and self.inner is not None and self.inner.own:
+            self.inner.rebase(ex.params, None if unsent is None else ex.gradient(unsent))
+        if not stopped and ex.lent:
+            self.batches.lend(ex.lent)
+        if ex.diverged_at is not None:
+            self.diverged = Diverged(ex.diverged_at)
         return stopped
