@@ -260,13 +260,16 @@ def test_async_local_steps_learn_and_count_samples_as_without(tmp_path, flags):
     assert sum(s["gradients_pushed"]) == 75 and min(s["gradients_pushed"]) > 0
     evals = [e["global_step"] for e in s["eval_history"]]  # at the push that crossed each multiple of 100
     assert len(evals) == 6 and all(0 <= step - 100 * k < 8 for k, step in enumerate(evals, 1)), evals
-    # each push one push staler with --overlap: 0.925-0.944 in 5 runs with two servers, 0.953-0.961 without
-    assert s["test_accuracy"] >= (0.90 if "--overlap" in flags else 0.93), s["_stdout"]
+    # each push one push staler with --overlap: 0.939-0.947 in 10 runs (one and two servers), 0.953-0.961 without
+    assert s["test_accuracy"] >= (0.92 if "--overlap" in flags else 0.93), s["_stdout"]
     assert "local steps: each worker takes 8 steps on its own" in s["_stdout"]
-    assert "outer delayed-nesterov step (lr 0.7, momentum 0.9 once every 3 pushes)" in s["_stdout"]
     assert "every push undamped (--staleness-lr K damps the stale ones)" in s["_stdout"]
     assert ("overlap (--overlap: a worker's next H steps go on from its own model while its push travels)"
             in s["_stdout"]) == ("--overlap" in flags), s["_stdout"]
+    # with --overlap the outer momentum's default is lower (config.DEFAULT_OUTER_MOMENTUM_OVER_MOMENTUM): 0.9 lost
+    # 6 points on Fashion-MNIST at H 16
+    momentum = f"momentum {0.5 if '--overlap' in flags else 0.9} once every 3 pushes"
+    assert momentum in s["_stdout"] and ("one push staler" in s["_stdout"]) == ("--overlap" in flags)
 
 
 @only_on("mpich", NUMBERS_ONLY)
