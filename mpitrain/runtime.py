@@ -368,7 +368,7 @@ def broadcast_start(ctx: Context) -> checkpoint.TrainState:
         rows = len(state.per_worker[names[0]]) if state.per_worker else W
         if rows != W and ctx.rank == PS_RANK:
             say(f"each worker's own state ({worker_arrays_words(names)}) is not resumed: the checkpoint kept it for "
-                f"{rows} workers, this run has {W}")
+                f"{rows} worker{'s' if rows != 1 else ''}, this run has {W}")
     return state
 
 
