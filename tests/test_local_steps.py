@@ -102,8 +102,9 @@ def test_local_steps_learn_with_identical_replicas(tmp_path, outer):
 
 @only_on("mpich", NUMBERS_ONLY)
 @pytest.mark.parametrize("more,first_saves", [((), [12, 20, 32]), (("--outer-overlap", "2"), [14, 22, 34]),
-                                              (("--fragments", "2"), [10, 20, 30])],
-                         ids=["at-once", "outer-overlap-2", "fragments-2"])
+                                              (("--fragments", "2"), [10, 20, 30]),
+                                              (("--fragments", "2", "--compress", "int8"), [10, 20, 30])],
+                         ids=["at-once", "outer-overlap-2", "fragments-2", "fragments-2-int8"])
 def test_a_resumed_run_ends_bit_for_bit_where_an_uninterrupted_one_does(tmp_path, more, first_saves):
     """The checkpoint holds the global model of an outer step and the outer momentum: stopping at
     step 100 and going on to 200 gives the parameters of one run to 200. Saves asked for every 10
@@ -122,6 +123,9 @@ def test_a_resumed_run_ends_bit_for_bit_where_an_uninterrupted_one_does(tmp_path
     assert saved[:3] == first_saves and saved[-1] == 100, saved
     rows = checkpoint.load(ck / f"ckpt-{saved[2]:09d}.npz").per_worker
     assert ("model" in rows) == own and (not own or rows["model"].shape == (2, 7510))
+    # int8: each worker's error feedback, of both parts (one row: a part's is a view of the whole's)
+    assert ("residual" in rows) == ("int8" in more) and ("int8" not in more or rows["residual"][:, :3755].any()
+                                                          and rows["residual"][:, 3755:].any())
     if own:  # the landed outer step's global model is not any worker's own
         assert not np.array_equal(rows["model"][0], checkpoint.load(ck / f"ckpt-{saved[2]:09d}.npz").params)
     for later in saved[3:]:  # resume from the third, in the middle of the run

@@ -28,7 +28,7 @@ class AsIfAnotherWorkerSentZeros:
     def __init__(self):
         self.calls = 0
 
-    def sum(self, buf) -> bool:
+    def sum(self, buf, part=None) -> bool:
         from mpitrain.modes.sync import STAMP, SYNC_SLOTS, WEIGHT
 
         self.calls += 1
@@ -70,7 +70,7 @@ class AsIfTheOtherDiedSendingIt(AsIfAnotherWorkerSentZeros):
         super().__init__()
         self.slot, self.value = slot, value
 
-    def sum(self, buf) -> bool:
+    def sum(self, buf, part=None) -> bool:
         from mpitrain.modes import sync
 
         super().sum(buf)
@@ -444,7 +444,7 @@ class AsIfTheOtherVoted(AsIfAnotherWorkerSentZeros):
         super().__init__()
         self.slot = slot
 
-    def sum(self, buf) -> bool:
+    def sum(self, buf, part=None) -> bool:
         from mpitrain.modes import sync
 
         super().sum(buf)
@@ -479,7 +479,7 @@ class AsIfRank0SpokeDuringTheSum(AsIfAnotherWorkerSentZeros):
         super().__init__()
         self.stop = stop
 
-    def sum(self, buf) -> bool:
+    def sum(self, buf, part=None) -> bool:
         self.stop.make_room()
         return super().sum(buf)
 
@@ -560,10 +560,11 @@ class RecordingSizes(AsIfAnotherWorkerSentZeros):
 
     def __init__(self):
         super().__init__()
-        self.sizes = []
+        self.sizes, self.parts = [], []
 
-    def sum(self, buf) -> bool:
+    def sum(self, buf, part=None) -> bool:
         self.sizes.append(len(buf))
+        self.parts.append(part)
         return super().sum(buf)
 
 
@@ -598,5 +599,30 @@ def test_fragments_average_one_part_of_the_parameters_in_turn_each_every_h_steps
         step.compute(source)
         step.reduce_and_apply(s)
     assert reducer.sizes == [n - half + SYNC_SLOTS, half + SYNC_SLOTS]  # global step 4: the first half
+    assert reducer.parts == [second, first]  # each sum says which (a compressed one keeps each part's feedback)
     np.testing.assert_array_equal(step.params[first], step.local.anchor[first])
     assert not np.array_equal(step.params[second], step.local.anchor[second])  # its 2 steps since
+
+
+def test_a_fragment_s_compressed_exchange_keeps_its_error_feedback_in_the_whole_model_s():
+    """--fragments with --compress int8: each part has a compressor whose residual is a view of the whole's, so
+    an exchange of one part holds back its own and leaves the other part's alone; the checkpoint's row (the
+    whole's residual) holds every part's, and an exchange of all of them (the run's last) sends them all."""
+    from mpitrain.exchange.compressed import GatherReducer
+    from mpitrain.modes.sync import SYNC_SLOTS
+
+    ctx = sync_worker_context("--local-steps", "4", "--fragments", "2", "--compress", "int8")
+    n = ctx.model.n_params
+    reducer = GatherReducer(ctx, n, SYNC_SLOTS)
+    first, second = slice(0, n // 2), slice(n // 2, n)
+    part = reducer._for(second)
+    assert part is reducer._for(second) and reducer._for(None) is reducer._for(slice(0, n)) is reducer.compressor
+    assert np.shares_memory(part.residual, reducer.compressor.residual)
+    values = np.random.default_rng(0).normal(size=n - n // 2).astype(np.float32)
+    wire = np.empty(part.wire_bytes, np.uint8)
+    part.compress(values, wire)
+    held = reducer.compressor.residual
+    assert np.abs(held[second]).max() > 0 and not held[first].any()  # int8 held some back, of that part alone
+    sent = np.empty_like(values)
+    part.decompress(wire, sent)
+    np.testing.assert_allclose(sent + held[second], values, rtol=0, atol=1e-6)  # sent + held back = what was owed

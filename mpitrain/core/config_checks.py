@@ -221,15 +221,13 @@ def _outer_overlap(cfg: TrainConfig) -> None:
 
 
 def _fragments(cfg: TrainConfig) -> None:
-    """--fragments F: sync's, with --local-steps H that F divides, the outer exchange in float32."""
-    from mpitrain.core.compress import scheme
-
+    """--fragments F: sync's, with --local-steps H that F divides, each fragment's exchange landing at once."""
     eg = "e.g. --mode sync --local-steps 16 --fragments 4"
     if cfg.mode != "sync" or cfg.quorum is not None or cfg.local_steps == 1:
         raise UsageError(f"--fragments applies to --mode sync with --local-steps H above 1, without --quorum; {eg}")
     if cfg.fragments < 1 or cfg.local_steps % cfg.fragments:
         raise UsageError(f"--fragments F must divide --local-steps H (got F {cfg.fragments}, H {cfg.local_steps}), "
                          f"so that each fragment's outer step comes every H steps; {eg}")
-    if cfg.outer_overlap is not None or scheme(cfg.compress, cfg.sparsify) is not None:
-        raise UsageError("--fragments does not go with --outer-overlap, --compress int8|int4 or --sparsify yet "
-                         f"(each fragment's exchange is float32 and lands at once): drop one; {eg}")
+    if cfg.outer_overlap is not None:
+        raise UsageError(f"--fragments does not go with --outer-overlap yet (each fragment's exchange lands at once): "
+                         f"drop one; {eg}")

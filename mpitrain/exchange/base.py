@@ -16,13 +16,14 @@ class Reducer(Protocol):
     its loss and stop vote on the host (on a GPU, four scalar writes and a host read fewer a step).
     --outer-overlap takes the sum in three parts: `start` it (a handle; MPI reads `buf` from then on),
     `progress` it between inner steps (one look, no wait), `finish` it (the sum in that `buf`; the caller
-    accounts the wait as ALLREDUCE, as `sum` does)."""
+    accounts the wait as ALLREDUCE, as `sum` does). `part`: which parameters buf's values are, where they
+    are not all of them (--fragments; a compressed exchange keeps error feedback for each)."""
 
     alone: bool
 
-    def sum(self, buf) -> bool: ...
+    def sum(self, buf, part: slice | None = None) -> bool: ...
 
-    def start(self, buf): ...
+    def start(self, buf, part: slice | None = None): ...
 
     def progress(self, flight) -> None: ...
 

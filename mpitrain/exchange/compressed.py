@@ -23,39 +23,61 @@ ALIGN = 8  # each part starts on an 8-byte boundary: its scales and tail are rea
 
 
 class GatherReducer(WorkersCollective):
-    """exchange.base.Reducer over a buffer of `n` compressed values and `tail` exact float32 slots."""
+    """exchange.base.Reducer over a buffer of `n` compressed values and `tail` exact float32 slots (or of a
+    part's values: --fragments)."""
 
     def __init__(self, ctx: Context, n: int, tail: int):
         super().__init__(ctx)
         self.n, self.tail = n, tail
-        self.compressor = Compressor(scheme(ctx.cfg.compress, ctx.cfg.sparsify), n, self.be.xp)
-        self.body = self.compressor.wire_bytes
-        self.part = -(-(self.body + 4 * tail) // ALIGN) * ALIGN
-        workers = 1 if self.alone else self.comm.Get_size()
+        self.scheme = scheme(ctx.cfg.compress, ctx.cfg.sparsify)
+        self.compressor = Compressor(self.scheme, n, self.be.xp)  # its residual: every parameter's error feedback
+        self.by_part: dict[tuple[int, int], Compressor] = {}  # --fragments: a part's, its residual a view of that
+        self.workers = 1 if self.alone else self.comm.Get_size()
         self.me = 0 if self.alone else self.comm.Get_rank()
-        self.parts = np.zeros(workers * self.part, np.uint8)  # every worker's, in rank order
+        self.parts = np.zeros(self.workers * self._size(self.compressor), np.uint8)  # every worker's, in rank order
 
-    def start(self, buf) -> InFlight:
+    def _size(self, c: Compressor) -> int:
+        """The bytes of a worker's part through `c`: its values compressed, then the tail, aligned."""
+        return -(-(c.wire_bytes + 4 * self.tail) // ALIGN) * ALIGN
+
+    def _for(self, part: slice | None) -> Compressor:
+        """The compressor of `part` of the parameters (all of them: None). A part's residual is a view of the
+        whole's, so that a checkpoint's row holds every part's error feedback, and a last exchange of them all
+        sends what each part held back."""
+        if part is None or (part.start, part.stop) == (0, self.n):
+            return self.compressor
+        key = (part.start, part.stop)
+        if key not in self.by_part:
+            c = Compressor(self.scheme, part.stop - part.start, self.be.xp)
+            c.residual = self.compressor.residual[part]
+            self.by_part[key] = c
+        return self.by_part[key]
+
+    def start(self, buf, part: slice | None = None) -> InFlight:
         """Compress this worker's part of `buf` (with its error feedback) and start gathering every part."""
-        be, n, body = self.be, self.n, self.body
-        mine = self.parts[self.me * self.part: (self.me + 1) * self.part]
-        self.compressor.compress_to_host(buf[:n], mine[:body], be.to_host)
-        mine[body: body + 4 * self.tail].view(np.float32)[...] = be.to_host(buf[n:])
-        spec = [self.parts, MPI.BYTE]
+        be, c = self.be, self._for(part)
+        values, body, size = c.n, c.wire_bytes, self._size(c)
+        parts = self.parts[: self.workers * size]
+        mine = parts[self.me * size: (self.me + 1) * size]
+        c.compress_to_host(buf[:values], mine[:body], be.to_host)
+        mine[body: body + 4 * self.tail].view(np.float32)[...] = be.to_host(buf[values:])
+        spec = [parts, MPI.BYTE]
         return InFlight(self.comm.Iallgather(MPI.IN_PLACE, spec), spec, buf)
 
     def finish(self, flight: InFlight) -> None:
         """Wait for the parts, then their sum into the buffer given to `start`."""
         self.land(flight)
-        be, xp, n, body, size, buf = self.be, self.be.xp, self.n, self.body, self.part, flight.buf
-        parts = self.parts if xp is np else be.asarray(self.parts)
+        be, xp, buf, gathered = self.be, self.be.xp, flight.buf, flight.spec[0]
+        values, size = buf.shape[0] - self.tail, gathered.size // self.workers
+        body = self.scheme.wire_bytes(values)
+        parts = gathered if xp is np else be.asarray(gathered)
         tails = np.zeros(self.tail, np.float32)
-        for w in range(len(self.parts) // size):  # rank order on every worker: the same sum everywhere
+        for w in range(self.workers):  # rank order on every worker: the same sum everywhere
             part = parts[w * size: (w + 1) * size]
-            self.compressor.decompress(part[:body], buf[:n], add=w > 0)
-            tails += self.parts[w * size + body: w * size + body + 4 * self.tail].view(np.float32)
-        buf[n:] = be.asarray(tails)
-        self.ctx.activity.moved(size, size * (len(self.parts) // size - 1))
+            self.compressor.decompress(part[:body], buf[:values], add=w > 0)  # (the scheme's: any part's size)
+            tails += gathered[w * size + body: w * size + body + 4 * self.tail].view(np.float32)
+        buf[values:] = be.asarray(tails)
+        self.ctx.activity.moved(size, size * (self.workers - 1))
 
 
 def reducer_for(ctx: Context, n: int, tail: int):

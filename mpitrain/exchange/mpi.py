@@ -80,12 +80,12 @@ class WorkersCollective:
             await_verdict(self.ctx, flight.failed)
         watch_collective(self.ctx, self.waiter, flight.req, flight.spec)
 
-    def sum(self, buf) -> bool:
+    def sum(self, buf, part: slice | None = None) -> bool:
         """Exchange.base.Reducer's: the sum started and awaited at once."""
         if self.alone:
             return False
         self.ctx.activity.enter(ALLREDUCE)
-        self.finish(self.start(buf))
+        self.finish(self.start(buf, part))
         return True
 
     def gather_rows(self, mine: np.ndarray) -> np.ndarray | None:
@@ -112,9 +112,9 @@ class MPIReducer(WorkersCollective):
             self.wire = be.host_alloc(wire.itemsize * count).view(wire)
         self.mpi_type, self.op = wire_sum(cfg.compress)
 
-    def start(self, buf) -> InFlight:
+    def start(self, buf, part: slice | None = None) -> InFlight:
         """Start summing `buf` over the workers, in place (staged through the wire buffer where MPI cannot
-        read it, or it travels in another type)."""
+        read it, or it travels in another type). `part`: an elementwise sum needs no word of which it is."""
         if self.wire is not None:  # (`buf` may be the tail of SyncStep's: --fragments' part)
             wire = self.wire[:buf.shape[0]]
             self.be.download(buf, wire)

@@ -196,7 +196,7 @@ class SyncStep:
             self.saving = bool(self._save_vote(step))
             return loss
         stamp = self._stamp(step)
-        self.reducer.sum(buf[lo:] if lo else buf)
+        self.reducer.sum(buf[lo:] if lo else buf, self.part if lo else None)
         self._summed(step, stamp)
 
     def _stamp(self, step: int) -> int:
