@@ -60,6 +60,8 @@ MODES = {"sync": ["--mode", "sync"], "async": ["--mode", "async"],
          # the outer exchange in 4 fragments, one every H/4 steps (--fragments, flags(); no row at H 1)
          "sync-fragments": ["--mode", "sync"],
          "sync-fragments-int4": ["--mode", "sync", "--compress", "int4"],  # each fragment's exchange in int4
+         # Streaming DiLoCo's three: fragments, each in flight for H/F/2 inner steps, in int4
+         "sync-streaming": ["--mode", "sync", "--compress", "int4"],
          # async: the pushes compressed, rank 0's replies in float32
          "async-int8": ["--mode", "async", "--compress", "int8"], "async-int4": ["--mode", "async", "--compress", "int4"],
          "async-top2-int8": ["--mode", "async", "--compress", "int8", "--sparsify", "2"],
@@ -75,7 +77,8 @@ def flags(dataset: list[str], mode: str, h: int, epochs: int, eval_every: int, s
             "--eval-at-end",
             *(["--local-steps", str(h)] if h > 1 else []),
             *(["--outer-overlap", str(h // 2)] if mode == "sync-overlap" else []),
-            *(["--fragments", str(FRAGMENTS)] if mode.startswith("sync-fragments") else [])]
+            *(["--outer-overlap", str(max(1, h // FRAGMENTS // 2))] if mode == "sync-streaming" else []),
+            *(["--fragments", str(FRAGMENTS)] if mode.startswith("sync-fragments") or mode == "sync-streaming" else [])]
 
 
 def run_across(names, addrs, wrapper, layout: str, args: list[str]) -> dict:
@@ -147,7 +150,7 @@ def main() -> int:
     def runs(go) -> None:
         for mode in modes:
             for h in hs:
-                if h > 1 or mode not in ("sync-overlap", "sync-fragments", "sync-fragments-int4"):
+                if h > 1 or mode not in ("sync-overlap", "sync-fragments", "sync-fragments-int4", "sync-streaming"):
                     measure(link, mode, h, go)
 
     for link in [x for x in links if LINKS[x] is None]:

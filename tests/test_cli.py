@@ -304,7 +304,7 @@ INVALID = [
     (["--mode", "sync", "--fragments", "2"], "--fragments applies to --mode sync with --local-steps H above 1"),
     (["--mode", "sync", "--local-steps", "4", "--fragments", "3"], "must divide --local-steps H .got F 3, H 4"),
     (["--mode", "sync", "--local-steps", "4", "--fragments", "0"], "must divide --local-steps H .got F 0, H 4"),
-    (["--mode", "sync", "--local-steps", "4", "--fragments", "2", "--outer-overlap", "1"], "not go with --outer-overl"),
+    (["--mode", "sync", "--local-steps", "4", "--fragments", "2", "--outer-overlap", "2"], "T takes 0 to H/F - 1 .got"),
 ]
 
 

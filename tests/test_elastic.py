@@ -49,7 +49,9 @@ MODE_FLAGS = {"sync": ("--mode", "sync"), "quorum": ("--mode", "sync", "--quorum
               "quorum-local": ("--mode", "sync", "--quorum", "2", "--local-steps", "8"),
               "int8": ("--mode", "sync", "--compress", "int8"),  # the gathered exchange (exchange/compressed.py)
               "overlap": ("--mode", "sync", "--local-steps", "8", "--outer-overlap", "4"),  # an outer step in flight
-              "fragments": ("--mode", "sync", "--local-steps", "8", "--fragments", "4")}  # the parts at other ages
+              # the parts at other ages, each fragment's exchange in flight for an inner step, in int4
+              "fragments": ("--mode", "sync", "--local-steps", "8", "--fragments", "4", "--outer-overlap", "1",
+                            "--compress", "int4")}
 
 
 def kill_during_training(tmp_path, np_: int, args: tuple[str, ...], victims: list[int], rng: random.Random,
@@ -85,7 +87,8 @@ def kill_during_training(tmp_path, np_: int, args: tuple[str, ...], victims: lis
 def test_a_sync_job_goes_on_without_a_worker_killed_from_outside(tmp_path, mode, victim):
     rng = random.Random(f"{mode}{victim}{time.time()}")
     ck = tmp_path / "ck"  # checkpoints keep each worker's error feedback (int8), own model (overlap), before the
-    row = {"int8": "residual", "overlap": "model", "fragments": "model"}.get(mode)  # loss and after it
+    row = {"int8": "residual", "overlap": "model", "fragments": "model"}.get(mode)  # loss and after it (fragments:
+    # the residual too)
     saves = ("--checkpoint-dir", str(ck), "--checkpoint-every-steps", "500") if row else ()
     proc, s, _ = kill_during_training(tmp_path, 4, MODE_FLAGS[mode] + ("--steps", str(STEPS[mode])) + saves,
                                       [victim], rng)
@@ -110,6 +113,7 @@ def test_a_sync_job_goes_on_without_a_worker_killed_from_outside(tmp_path, mode,
         last = states[-1]
         assert last.global_step == STEPS[mode] and last.per_worker[row].shape == (2, len(last.params))
         assert {len(st.per_worker[row]) for st in states} <= {2, 3}
+        assert mode != "fragments" or last.per_worker["residual"].shape == (2, len(last.params))
 
 
 def kill_rank_2_mid_epoch(tmp_path, *flags: str):

@@ -103,8 +103,9 @@ def test_local_steps_learn_with_identical_replicas(tmp_path, outer):
 @only_on("mpich", NUMBERS_ONLY)
 @pytest.mark.parametrize("more,first_saves", [((), [12, 20, 32]), (("--outer-overlap", "2"), [14, 22, 34]),
                                               (("--fragments", "2"), [10, 20, 30]),
-                                              (("--fragments", "2", "--compress", "int8"), [10, 20, 30])],
-                         ids=["at-once", "outer-overlap-2", "fragments-2", "fragments-2-int8"])
+                                              (("--fragments", "2", "--compress", "int8"), [10, 20, 30]),
+                                              (("--fragments", "2", "--outer-overlap", "1"), [11, 21, 31])],
+                         ids=["at-once", "outer-overlap-2", "fragments-2", "fragments-2-int8", "fragments-2-overlap-1"])
 def test_a_resumed_run_ends_bit_for_bit_where_an_uninterrupted_one_does(tmp_path, more, first_saves):
     """The checkpoint holds the global model of an outer step and the outer momentum: stopping at
     step 100 and going on to 200 gives the parameters of one run to 200. Saves asked for every 10
@@ -146,6 +147,10 @@ def test_an_outer_overlap_of_zero_is_the_outer_step_at_once_and_the_start_line_s
     assert zero["param_digest"] == at_once["param_digest"] != three["param_digest"]
     assert "its outer step lands 3 inner steps later (--outer-overlap 3)" in three["_stdout"]
     assert "lands" not in at_once["_stdout"]
+    # With --fragments 2 each half's exchange is overlapped alone: 0 is the fragments' run, 1 another
+    at_once, zero, one = (train(3, tmp_path, *flags, "--fragments", "2", *more)
+                          for more in ((), ("--outer-overlap", "0"), ("--outer-overlap", "1")))
+    assert zero["param_digest"] == at_once["param_digest"] != one["param_digest"]
 
 
 def test_async_inner_steps_push_how_far_they_moved_and_the_server_steps_the_global_model_there():

@@ -510,7 +510,7 @@ class InFlightAsIfAnotherWorkerSentZeros(AsIfAnotherWorkerSentZeros):
         super().__init__()
         self.started, self.looks, self.landed = [], 0, []
 
-    def start(self, buf):
+    def start(self, buf, part=None):
         self.started.append(buf.copy())
         return types.SimpleNamespace(buf=buf)
 

@@ -221,13 +221,15 @@ def _outer_overlap(cfg: TrainConfig) -> None:
 
 
 def _fragments(cfg: TrainConfig) -> None:
-    """--fragments F: sync's, with --local-steps H that F divides, each fragment's exchange landing at once."""
+    """--fragments F: sync's, with --local-steps H that F divides (with --outer-overlap T: T below H/F)."""
     eg = "e.g. --mode sync --local-steps 16 --fragments 4"
     if cfg.mode != "sync" or cfg.quorum is not None or cfg.local_steps == 1:
         raise UsageError(f"--fragments applies to --mode sync with --local-steps H above 1, without --quorum; {eg}")
     if cfg.fragments < 1 or cfg.local_steps % cfg.fragments:
         raise UsageError(f"--fragments F must divide --local-steps H (got F {cfg.fragments}, H {cfg.local_steps}), "
                          f"so that each fragment's outer step comes every H steps; {eg}")
-    if cfg.outer_overlap is not None:
-        raise UsageError(f"--fragments does not go with --outer-overlap yet (each fragment's exchange lands at once): "
-                         f"drop one; {eg}")
+    span = cfg.local_steps // cfg.fragments if cfg.fragments >= 1 else 0
+    if cfg.outer_overlap is not None and cfg.outer_overlap >= span:
+        raise UsageError(f"--outer-overlap T with --fragments F lands each fragment before the next one is sent: T "
+                         f"takes 0 to H/F - 1 (got T {cfg.outer_overlap}, H/F {span}); e.g. --local-steps 16 "
+                         f"--fragments 4 --outer-overlap 2")

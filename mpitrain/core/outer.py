@@ -269,6 +269,7 @@ class Overlap:
         self.sent = xp.empty_like(params)  # this worker's model when its outer gradient was sent
         self.flight = None  # the exchange in flight (exchange/mpi.InFlight), its step stamp, where it lands
         self.stamp = self.lands_at = 0
+        self.buf, self.part = None, slice(None)  # the step's buffer it was sent from, and its part (--fragments)
         self.sent_at = 0  # the global step of the outer step in flight (or last landed): what the anchor holds
         self.moved = False  # whether an inner step moved this worker's model since it was sent
 
@@ -281,20 +282,23 @@ class Overlap:
             return "; its outer step lands at once (--outer-overlap 0)"
         return f"; its outer step lands {t} inner steps later (--outer-overlap {t}), each worker computing on meanwhile"
 
-    def launch(self, flight, stamp: int, params, step: int, last: bool) -> None:
-        """The outer gradient of update `step` sent (`flight`): it lands T steps on, at once if `last`."""
-        self.flight, self.stamp, self.moved = flight, stamp, False
-        self.sent[...] = params
+    def launch(self, flight, stamp: int, params, step: int, last: bool, buf, part: slice = slice(None)) -> None:
+        """The outer gradient of update `step` sent (`flight`, from the step's buffer `buf`; of `part` of the
+        parameters with --fragments): it lands T steps on, at once if `last`."""
+        self.flight, self.stamp, self.moved, self.buf, self.part = flight, stamp, False, buf, part
+        self.sent[part] = params[part]
         self.sent_at = step + 1
         self.lands_at = step + 1 + (0 if last else self.t)
 
     def rebase(self, params, anchor) -> None:
-        """The outer step landed in `anchor`: `params` becomes it plus this worker's steps since sending."""
+        """The outer step landed in `anchor` (its part): `params` becomes it plus this worker's steps since sending."""
+        part = self.part
         if not self.moved:
-            params[...] = anchor
+            params[part] = anchor[part]
             return
-        self.xp.subtract(anchor, self.sent, out=self.sent)
-        params += self.sent
+        sent = self.sent[part]
+        self.xp.subtract(anchor[part], sent, out=sent)
+        params[part] += sent
 
 
 def round_span(step: int, total: int, h: int) -> int:

@@ -256,7 +256,8 @@ class SyncStep:
             self._keep_own(step)  # after the outer step: a checkpoint keeps the model this worker goes on from
             return loss
         stamp = self._stamp(step)  # written before the start: MPI reads the buffer from then on
-        ov.launch(self.reducer.start(self.buf), stamp, self.params, step, last)
+        flight = self.reducer.start(self.buf[lo:], part if lo else None)
+        ov.launch(flight, stamp, self.params, step, last, self.buf, part)
         self.buf, self.spare = self.spare, self.buf
         return self._land(step) if ov.lands_at == step + 1 else self.own_loss
 
@@ -267,7 +268,7 @@ class SyncStep:
         self.activity.enter(ALLREDUCE)
         self.reducer.finish(flight)
         self.overlap.flight = None
-        self.buf, self.spare = flight.buf, self.buf  # the gradient just computed was applied already
+        self.buf, self.spare = self.overlap.buf, self.buf  # the gradient just computed was applied already
         self._summed(step, stamp)
         loss = self.apply(step)
         self._keep_own(step)  # after the rebase: a checkpoint keeps the model this worker goes on from
