@@ -65,6 +65,9 @@ MODES = {"sync": ["--mode", "sync"], "async": ["--mode", "async"],
          # async: the pushes compressed, rank 0's replies in float32
          "async-int8": ["--mode", "async", "--compress", "int8"], "async-int4": ["--mode", "async", "--compress", "int4"],
          "async-top2-int8": ["--mode", "async", "--compress", "int8", "--sparsify", "2"],
+         # ... and rank 0's replies in the same scheme (--compress-replies)
+         "async-int8-replies": ["--mode", "async", "--compress", "int8", "--compress-replies"],
+         "async-int4-replies": ["--mode", "async", "--compress", "int4", "--compress-replies"],
          # async: a worker's next steps computed while its push travels (with --local-steps: from its own model)
          "async-overlap": ["--mode", "async", "--overlap"]}
 

@@ -106,6 +106,38 @@ def test_async_pushes_in_int8_learn_and_send_a_quarter_of_the_push(tmp_path):
             "replies with the parameters in float32") in s["_stdout"]
     assert s["test_accuracy"] >= plain["test_accuracy"] - 0.03 and s["global_step"] == plain["global_step"]
     assert abs(s["bytes_per_sample"] / plain["bytes_per_sample"] - (7800 + 30040) / 60080) < 0.02
+    # --compress-replies: the replies are int8 too (the change since what each worker holds), as many bytes
+    both = train(3, tmp_path, "--epochs", "10", "--compress", "int8", "--compress-replies")
+    assert "rank 0 replies with the parameters' change since what the worker holds, int8 too" in both["_stdout"]
+    assert both["test_accuracy"] >= plain["test_accuracy"] - 0.03 and both["global_step"] == plain["global_step"]
+    assert abs(both["bytes_per_sample"] / plain["bytes_per_sample"] - (7800 + 7800) / 60080) < 0.02
+
+
+@pytest.mark.parametrize("compress,sparsify", [("int8", None), ("int4", None), ("int8", 10.0)])
+def test_a_compressed_reply_is_what_the_worker_holds_and_the_next_one_carries_what_it_held_back(compress, sparsify):
+    """--compress-replies (core/compress.Replies): the server encodes the change since what the worker holds and
+    adds what it sent to its copy; the worker adds the same and holds, bit for bit, what the server thinks it
+    holds. Parameters that stop moving are reached: each reply carries what the last one could not."""
+    from types import SimpleNamespace
+
+    from mpitrain.core.backend import make_backend
+    from mpitrain.core.compress import Replies
+
+    cfg = SimpleNamespace(compress=compress, sparsify=sparsify, compress_replies=True, wire_dtype=np.float32)
+    be = make_backend("cpu", 0)
+    server, worker = Replies(cfg, N, be), Replies(cfg, N, be)
+    start = values(1)
+    server.start(0, start)
+    mine, payload = start.copy(), np.zeros(server.count, server.dtype)
+    assert payload.nbytes == scheme(compress, sparsify).wire_bytes(N) < N * 4
+    target = values(2)
+    gaps = []
+    for _ in range(12):  # the server's parameters moved to `target`, then stay there
+        server.write(0, target, payload)
+        worker.read(payload, mine)
+        np.testing.assert_array_equal(mine, server.held[0])
+        gaps.append(float(np.abs(mine - target).max()))
+    assert gaps[-1] < gaps[0] / 20 and gaps[-1] < 1e-3 * float(np.abs(target - start).max()), gaps
 
 
 @only_on("mpich", NUMBERS_ONLY)

@@ -197,6 +197,49 @@ class Pushes:
             self.scheme.decode(self.be.xp, self.be.asarray(payload), out)
 
 
+class Replies:
+    """How async's replies travel (the server writes, a worker reads): the parameters as they are (in
+    --compress's elementwise type), or with --compress-replies each worker's as their change since what it
+    holds, in the pushes' scheme. The server keeps what each worker holds (`held`: the worker adds what it
+    decodes, the server the same, bit for bit), so what one reply holds back the next one carries: error
+    feedback without a residual of its own. A worker's parameters then trail the server's by one reply's
+    compression error."""
+
+    def __init__(self, cfg, n: int, be):
+        self.n, self.be = n, be
+        self.scheme = scheme(cfg.compress, cfg.sparsify) if cfg.compress_replies else None
+        self.count, self.dtype = (n, cfg.wire_dtype) if self.scheme is None else (self.scheme.wire_bytes(n), np.uint8)
+        self.held: dict[int, object] = {}  # the server's: worker -> the parameters it holds
+        self._delta = None
+
+    def start(self, worker: int, params) -> None:
+        """The server's: `worker` holds `params` (the phase's start state, which it was given too)."""
+        if self.scheme is not None:
+            self.held[worker] = params.copy()
+
+    def write(self, worker: int, params, payload) -> None:
+        """The server's: the reply to `worker` into the message's payload (a copy: params change in flight)."""
+        if self.scheme is None:
+            self.be.download(params, payload)
+            return
+        xp, held = self.be.xp, self.held[worker]
+        if self._delta is None:
+            self._delta = xp.empty(self.n, xp.float32)
+        xp.subtract(params, held, out=self._delta)
+        wire = payload if xp is np else xp.empty(payload.size, xp.uint8)
+        self.scheme.encode(xp, self._delta, wire)
+        self.scheme.decode(xp, wire, held, add=True)  # what the worker will hold
+        if xp is not np:
+            payload[...] = self.be.to_host(wire)
+
+    def read(self, payload, params) -> None:
+        """A worker's: a reply's payload into its `params` (on its device)."""
+        if self.scheme is None:
+            self.be.upload(params, payload)
+        else:
+            self.scheme.decode(self.be.xp, self.be.asarray(payload), params, add=True)
+
+
 def push_words(cfg, n: int, pushes: str = "async pushes", answer: str = "rank 0 replies with the parameters") \
         -> str | None:
     """For the start line (async, --quorum): what a push is when a scheme compresses it (None: the
@@ -204,7 +247,11 @@ def push_words(cfg, n: int, pushes: str = "async pushes", answer: str = "rank 0 
     s = scheme(cfg.compress, cfg.sparsify)
     if s is None:
         return None
-    return f"{pushes}: {s.name} with error feedback, {_fewer(s, n)} a push; {answer} in {np.dtype(cfg.wire_dtype).name}"
+    if cfg.compress_replies:
+        answer = f"rank 0 replies with the parameters' change since what the worker holds, {s.name} too"
+    else:
+        answer = f"{answer} in {np.dtype(cfg.wire_dtype).name}"
+    return f"{pushes}: {s.name} with error feedback, {_fewer(s, n)} a push; {answer}"
 
 
 def gather_words(cfg, n: int, workers: int) -> str | None:

@@ -136,6 +136,9 @@ class TrainConfig:
     sparsify: float | None = PARALLELISM(
         None, "each worker's exchange sends only the P percent of entries largest in magnitude (top-k, with error "
         "feedback; with --compress none, int8 or int4)", shown="every entry", metavar="P")
+    compress_replies: bool = PARALLELISM(
+        False, "async with --compress int8|int4 or --sparsify: rank 0's replies too, each the parameters' change "
+        "since what that worker holds, in the same scheme (what one reply holds back, the next carries)")
     quorum: int | None = PARALLELISM(
         None, "sync: each update averages the first Q fresh gradients; later ones are dropped and counted",
         shown="every worker, a plain Allreduce", metavar="Q", first=True)

@@ -197,8 +197,17 @@ def _gathered_exchange(cfg: TrainConfig) -> None:
             raise UsageError(f"--sparsify sends float32 or quantised values, not {cfg.compress}: use it with "
                              f"--compress none, {' or '.join(QUANTIZERS)}")
     if cfg.compress not in QUANTIZERS and cfg.sparsify is None:
+        if cfg.compress_replies:
+            raise UsageError("--compress-replies sends rank 0's replies in the pushes' scheme: give one, e.g. "
+                             "--compress int8 --compress-replies")
         return
     what = f"--compress {cfg.compress}" if cfg.compress in QUANTIZERS else "--sparsify"
+    if cfg.compress_replies and cfg.mode != "async":
+        raise UsageError(f"--compress-replies is async's (rank 0's replies); sync's {what} compresses every "
+                         f"exchange already: drop --compress-replies")
+    if cfg.compress_replies and cfg.ps_transport == "shm":
+        raise UsageError("--compress-replies does not go with --ps-transport shm yet (a worker on the store's "
+                         "host reads the parameters there); drop one of the two")
     if cfg.mode == "async" and cfg.num_ps != 1:
         raise UsageError(f"{what} compresses async's pushes to one server, not yet --num-ps {cfg.num_ps}'s shards: "
                          f"drop one of the two, or use --compress bf16")

@@ -7,7 +7,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpitrain.core.codec import CODECS
-from mpitrain.core.compress import Pushes
+from mpitrain.core.compress import Pushes, Replies
 from mpitrain.core.layout import PS_RANK
 from mpitrain.duties.checkpoint import TrainState
 from mpitrain.duties.observe import ALLREDUCE
@@ -184,21 +184,22 @@ class MPIPushPull:
     def __init__(self, ctx: Context, start: TrainState):
         be = ctx.backend
         self.ctx, self.be, self.comm = ctx, be, ctx.comm
-        n, wire = ctx.model.n_params, ctx.cfg.wire_dtype
+        n = ctx.model.n_params
         self.servers = list(ctx.layout.server_ranks)
         slices = ctx.layout.shard_slices(n)
         self.pushes = Pushes(ctx.cfg, n, be)  # a scheme's part with --compress int8|int4 / --sparsify (one server)
-        self.inbox = [Message(n, be.host_alloc, wire), Message(n, be.host_alloc, wire)]  # current / next parameters
+        self.replies = Replies(ctx.cfg, n, be)  # the parameters, or with --compress-replies their change
+        self.inbox = [Message(self.replies.count, be.host_alloc, self.replies.dtype) for _ in range(2)]  # now / next
         self.outbox = [Message(self.pushes.count, be.host_alloc, self.pushes.dtype) for _ in range(2)]  # one in flight
         self.inparts = [m.shard_parts(slices) for m in self.inbox]  # [buffer][server]; one server: the buffers
         self.outparts = [m.shard_parts(slices, sending=True) for m in self.outbox]
         self.peers = self.servers + self.servers  # of reqs: a receive from each server, then a send to each
-        self.zero_copy = be.mirror(self.inbox[0].payload) is self.inbox[0].payload
+        self.zero_copy = self.replies.scheme is None and be.mirror(self.inbox[0].payload) is self.inbox[0].payload
         if self.zero_copy:
             self.inbox[0].payload[:] = start.params
             self.params = self.inbox[0].payload
-        else:
-            self.params = be.asarray(start.params)
+        else:  # its own array, which each reply overwrites (or, compressed, adds to)
+            self.params = be.asarray(np.array(start.params, np.float32))
         self.grads = [self.pushes.gradient(m.payload) for m in self.outbox]
         self.cur = 0  # which inbox holds the parameters in use
         self.versions = [start.global_step] * len(self.servers)  # each server's step of those parameters
@@ -251,7 +252,7 @@ class MPIPushPull:
         if self.zero_copy:
             self.params = self.inbox[nxt].payload
         else:
-            self.be.upload(self.params, self.inbox[nxt].payload)
+            self.replies.read(self.inbox[nxt].payload, self.params)
         parts = self.inparts[nxt]
         self.versions = [part.step for part in parts]
         self.lent = parts[0].lease  # rank 0's: it keeps the ledger

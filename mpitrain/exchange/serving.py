@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from mpi4py import MPI
 
-from mpitrain.core.compress import Pushes
+from mpitrain.core.compress import Pushes, Replies
 from mpitrain.exchange.mailbox import ServerMail
 from mpitrain.exchange.protocol import TAG_GRAD, TAG_PARAMS, Message
 from mpitrain.exchange.transport import END_POLL_S, Completed, Poller, tested
@@ -32,12 +32,13 @@ class WorkerLinks:
     wait, its watch, its stuck-MPI hook)."""
 
     def __init__(self, ctx, n: int, ranks: list[int], poller: Poller):
-        be, wire = ctx.backend, ctx.cfg.wire_dtype
+        be = ctx.backend
         self.ctx, self.comm, self.ranks, self.poller = ctx, ctx.comm, list(ranks), poller
         W = len(ranks)
         self.pushes = Pushes(ctx.cfg, n, be)  # a scheme's part with --compress int8|int4 / --sparsify: read()
         self.inbox = [Message(self.pushes.count, be.host_alloc, self.pushes.dtype) for _ in range(W)]
-        self.outbox = [Message(n, be.host_alloc, wire) for _ in range(W)]
+        self.replies = Replies(ctx.cfg, n, be)  # the parameters, or with --compress-replies their change: write()
+        self.outbox = [Message(self.replies.count, be.host_alloc, self.replies.dtype) for _ in range(W)]
         self.message_bytes = (self.inbox[0].buf.nbytes, self.outbox[0].buf.nbytes) if W else (0, 0)
         self.sends = [MPI.REQUEST_NULL] * W
         # A worker of another launch on this host is offered a mailbox (exchange/mailbox.py): recv[i] awaits

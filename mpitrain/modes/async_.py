@@ -81,6 +81,8 @@ class AsyncServer:
         # rank 0 can sleep longer between polls and leave the cores to the workers.
         self.poller = Poller(PS_POLL_S if cfg.overlaps(ctx.workers) else PS_POLL_NO_OVERLAP_S, ctx.watch)
         self.links = SERVER_SIDES[cfg.ps_transport](ctx, n, self.worker_ranks, self.poller)
+        for w in range(W):  # with --compress-replies a reply is the change since what the worker holds: this start
+            self.links.replies.start(w, self.params)
         # NumPy + float32: a gradient is applied from its receive buffer. Otherwise it is staged
         # (widened from float16 / bfloat16, or copied to the GPU) into one float32 buffer first.
         inbox = self.links.inbox
@@ -343,7 +345,7 @@ class AsyncServer:
                 stop = True
         self.ctx.activity.enter(PUSH)
         reply = self.links.reply_to(w)
-        self.be.download(self.params, reply.payload)  # a copy (narrowed with --compress): params change in flight
+        self.links.replies.write(w, self.params, reply.payload)  # a copy (narrowed, or compressed): params change
         flags = (FLAG_FINAL | (FLAG_DIVERGED if state.diverged else 0)) if stop else 0
         reply.stamp(TAG_PARAMS, state.global_step, state.worker_steps[w], flags, lease=lease)
         self.links.send(w, more=not stop)
