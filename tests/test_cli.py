@@ -18,7 +18,7 @@ BAD = [
     (["--batch-size", "0"], "--batch-size must be a positive integer"),
     (["--compress-replies"], "--compress-replies sends rank 0's replies in the pushes' scheme: give one"),
     (["--mode", "sync", "--compress", "int8", "--compress-replies"], "--compress-replies is async's"),
-    (["--compress", "int8", "--compress-replies", "--ps-transport", "shm"], "--compress-replies does not go with --ps-"),
+    (["--compress", "int8", "--compress-replies", "--ps-transport", "shm"], "--compress-replies does not go with"),
     (["--compress", "int8", "--num-ps", "2"], "--compress int8 compresses async's pushes to one server, not yet "
                                              "--num-ps 2's shards"),
     (["--mode", "sync", "--sparsify", "0"], "--sparsify takes the percent of entries each exchange sends"),
