@@ -19,8 +19,6 @@ BAD = [
     (["--compress-replies"], "--compress-replies sends rank 0's replies in the pushes' scheme: give one"),
     (["--mode", "sync", "--compress", "int8", "--compress-replies"], "--compress-replies is async's"),
     (["--compress", "int8", "--compress-replies", "--ps-transport", "shm"], "--compress-replies does not go with"),
-    (["--compress", "int8", "--num-ps", "2"], "--compress int8 compresses async's pushes to one server, not yet "
-                                             "--num-ps 2's shards"),
     (["--mode", "sync", "--sparsify", "0"], "--sparsify takes the percent of entries each exchange sends"),
     (["--mode", "sync", "--sparsify", "2", "--compress", "fp16"], "--sparsify sends float32 or quantised values"),
     (["--lr", "-1"], "--lr must be positive"),

@@ -97,7 +97,7 @@ def test_a_sync_job_in_int8_keeps_its_workers_identical_and_sends_under_half(tmp
 
 
 @only_on("mpich", NUMBERS_ONLY)
-def test_async_pushes_in_int8_learn_and_send_a_quarter_of_the_push(tmp_path):
+def test_async_pushes_in_int8_learn_and_send_a_quarter_of_the_push(tmp_path):  # and the replies, and shards
     """Each worker's pushes go as int8 with its own error feedback and rank 0 decodes them; its replies stay
     float32: a push 7,800 bytes, a reply 30,040, so the bytes through MPI fall to (7,800 + 30,040) / 60,080."""
     plain = train(3, tmp_path, "--epochs", "10")
@@ -111,6 +111,10 @@ def test_async_pushes_in_int8_learn_and_send_a_quarter_of_the_push(tmp_path):
     assert "rank 0 replies with the parameters' change since what the worker holds, int8 too" in both["_stdout"]
     assert both["test_accuracy"] >= plain["test_accuracy"] - 0.03 and both["global_step"] == plain["global_step"]
     assert abs(both["bytes_per_sample"] / plain["bytes_per_sample"] - (7800 + 7800) / 60080) < 0.02
+    # With --num-ps 2 each server's slice goes as a part of its own, with its own error feedback, both ways
+    shards = train(4, tmp_path, "--epochs", "10", "--compress", "int8", "--compress-replies", "--num-ps", "2")
+    assert shards["test_accuracy"] >= plain["test_accuracy"] - 0.03 and shards["global_step"] == plain["global_step"]
+    assert abs(shards["bytes_per_sample"] / plain["bytes_per_sample"] - (7800 + 7800) / 60080) < 0.02
 
 
 @pytest.mark.parametrize("compress,sparsify", [("int8", None), ("int4", None), ("int8", 10.0)])

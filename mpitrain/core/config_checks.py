@@ -186,7 +186,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
 
 def _gathered_exchange(cfg: TrainConfig) -> None:
     """--compress int8 / int4 and --sparsify (core/compress.py): sync's gathered parts, async's and --quorum's
-    pushes; not yet --num-ps's shards."""
+    pushes (with --num-ps K, each server's slice), and async's replies with --compress-replies."""
     from mpitrain.core.compress import QUANTIZERS
 
     if cfg.sparsify is not None:
@@ -208,9 +208,6 @@ def _gathered_exchange(cfg: TrainConfig) -> None:
     if cfg.compress_replies and cfg.ps_transport == "shm":
         raise UsageError("--compress-replies does not go with --ps-transport shm yet (a worker on the store's "
                          "host reads the parameters there); drop one of the two")
-    if cfg.mode == "async" and cfg.num_ps != 1:
-        raise UsageError(f"{what} compresses async's pushes to one server, not yet --num-ps {cfg.num_ps}'s shards: "
-                         f"drop one of the two, or use --compress bf16")
 
 
 def _outer_overlap(cfg: TrainConfig) -> None:

@@ -186,21 +186,24 @@ class MPIPushPull:
         self.ctx, self.be, self.comm = ctx, be, ctx.comm
         n = ctx.model.n_params
         self.servers = list(ctx.layout.server_ranks)
-        slices = ctx.layout.shard_slices(n)
-        self.pushes = Pushes(ctx.cfg, n, be)  # a scheme's part with --compress int8|int4 / --sparsify (one server)
-        self.replies = Replies(ctx.cfg, n, be)  # the parameters, or with --compress-replies their change
-        self.inbox = [Message(self.replies.count, be.host_alloc, self.replies.dtype) for _ in range(2)]  # now / next
-        self.outbox = [Message(self.pushes.count, be.host_alloc, self.pushes.dtype) for _ in range(2)]  # one in flight
-        self.inparts = [m.shard_parts(slices) for m in self.inbox]  # [buffer][server]; one server: the buffers
-        self.outparts = [m.shard_parts(slices, sending=True) for m in self.outbox]
+        self.slices = slices = ctx.layout.shard_slices(n)
+        # How each server's slice travels (--num-ps K: K ways, each of its slice), each way one of two buffers:
+        # a gradient or the parameters as they are, one flat message a part per server; else (--compress
+        # int8|int4, --sparsify) a message of its own per server, each with its error feedback.
+        self.pushes = [Pushes(ctx.cfg, s.stop - s.start, be) for s in slices]
+        self.replies = [Replies(ctx.cfg, s.stop - s.start, be) for s in slices]  # with --compress-replies: changes
+        self.inbox, self.inparts, self.in_bytes = self._buffers(self.replies, n, False)  # the parameters now / next
+        self.outbox, self.outparts, self.out_bytes = self._buffers(self.pushes, n, True)  # one may be in flight
         self.peers = self.servers + self.servers  # of reqs: a receive from each server, then a send to each
-        self.zero_copy = self.replies.scheme is None and be.mirror(self.inbox[0].payload) is self.inbox[0].payload
+        self.zero_copy = self.inbox is not None and be.mirror(self.inbox[0].payload) is self.inbox[0].payload
         if self.zero_copy:
             self.inbox[0].payload[:] = start.params
             self.params = self.inbox[0].payload
         else:  # its own array, which each reply overwrites (or, compressed, adds to)
             self.params = be.asarray(np.array(start.params, np.float32))
-        self.grads = [self.pushes.gradient(m.payload) for m in self.outbox]
+        flat = self.pushes[0].scheme is None  # computed into the flat message itself where it can be
+        self.grads = [self.pushes[0].gradient(m.payload) if flat else be.xp.zeros(n, be.xp.float32)
+                      for m in (self.outbox or range(2))]
         self.cur = 0  # which inbox holds the parameters in use
         self.versions = [start.global_step] * len(self.servers)  # each server's step of those parameters
         self.poller = Poller(WORKER_POLL_S, ctx.watch)
@@ -208,6 +211,16 @@ class MPIPushPull:
         self.failed = None  # what `progress` found failed in it (transport.Completed)
         self.diverged_at: int | None = None
         self.lent = None
+
+    def _buffers(self, ways: list, n: int, sending: bool) -> tuple[list | None, list[list], int]:
+        """Two buffers of a way (pushes or replies): (the flat messages or None, each buffer's message per server,
+        the bytes one buffer moves through MPI)."""
+        alloc = self.be.host_alloc
+        if ways[0].scheme is None:
+            flat = [Message(n, alloc, ways[0].dtype) for _ in range(2)]
+            return flat, [m.shard_parts(self.slices, sending) for m in flat], flat[0].buf.nbytes
+        own = [[Message(w.count, alloc, w.dtype) for w in ways] for _ in range(2)]
+        return None, own, sum(m.buf.nbytes for m in own[0])
 
     @property
     def in_flight(self) -> bool:
@@ -218,11 +231,16 @@ class MPIPushPull:
 
     def push(self, slot: int, loss: float, versions: list[int], count: int, last: bool, lease=None) -> None:
         """Send the gradient of `slot` to every server and post the receives of their answers."""
-        self.pushes.write(self.grads[slot], self.outbox[slot].payload)
+        grad = self.grads[slot]
+        if self.outbox is not None:  # the flat message: the gradient is in it (or written there whole)
+            self.pushes[0].write(grad, self.outbox[slot].payload)
+        else:
+            for way, part, s in zip(self.pushes, self.outparts[slot], self.slices):
+                way.write(grad[s], part.payload)
         for part, version in zip(self.outparts[slot], versions):
             part.refresh()
             part.stamp(TAG_GRAD, version, count, FLAG_LAST if last else 0, loss, lease=lease)
-        self.ctx.activity.moved(sent=self.outbox[slot].buf.nbytes)
+        self.ctx.activity.moved(sent=self.out_bytes)
         comm, nxt = self.comm, self.inparts[1 - self.cur]
         self.reqs = ([comm.Irecv(part.spec(), source=rank, tag=TAG_PARAMS) for part, rank in zip(nxt, self.servers)]
                      + [comm.Isend(part.spec(), dest=rank, tag=TAG_GRAD)
@@ -245,14 +263,15 @@ class MPIPushPull:
         self.poller.all(self.reqs, self.peers)
         self.reqs = []
         nxt = 1 - self.cur
-        self.ctx.activity.moved(received=self.inbox[nxt].buf.nbytes)
+        self.ctx.activity.moved(received=self.in_bytes)
         for part, rank in zip(self.inparts[nxt], self.servers):
             part.check(TAG_PARAMS, rank)
         self.cur = nxt
         if self.zero_copy:
             self.params = self.inbox[nxt].payload
         else:
-            self.replies.read(self.inbox[nxt].payload, self.params)
+            for way, part, s in zip(self.replies, self.inparts[nxt], self.slices):
+                way.read(part.payload, self.params[s])
         parts = self.inparts[nxt]
         self.versions = [part.step for part in parts]
         self.lent = parts[0].lease  # rank 0's: it keeps the ledger
