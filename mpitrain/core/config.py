@@ -119,7 +119,8 @@ class TrainConfig:
         "rank 0 stays the chief that evaluates, logs and checkpoints", metavar="K")
     overlap: bool | None = PARALLELISM(
         None, "async: receive the next parameters while computing the next gradient (one exchange staler, "
-        "no idle round trip)", shown=f"on up to {AUTO_OVERLAP_MAX_WORKERS} workers, off above")
+        "no idle round trip); with --local-steps H, the next H steps from the worker's own model",
+        shown=f"on up to {AUTO_OVERLAP_MAX_WORKERS} workers, off above and with --local-steps")
     ps_transport: str = PARALLELISM(
         "mpi", "async: mpi (each gradient a message that rank 0 applies) or shm (the parameters in rank 0's host's "
         "shared memory, each worker there applies its own gradient under a lock; workers on other hosts send theirs "
