@@ -38,7 +38,8 @@ from mpitrain.core.exitcodes import ExitCode
 
 SAME = "the take-over is sync's (tested under both MPIs); --quorum only changes the loop it leaves"
 THIRD = "a third server only adds peers to watch; the take-over of a shard is tested with 2 under both MPIs"
-OVERLAP = "async's take-over is tested under both MPIs; --local-steps with --overlap only changes what a worker holds"
+OVERLAP = "async's take-over is tested under both MPIs; --overlap with --local-steps, compressed replies change what a "\
+    "worker holds"
 STORE = "the store's take-over is tested under both MPIs with rank 0 killed; a shard's adds nothing MPI does"
 # Digits, 3 workers: a few seconds of training; the kill comes past the first checkpoint (step 500),
 # or a second in, so it lands mid-run with most of the budget left for the successor: the take-overs
@@ -71,13 +72,16 @@ def kill_mid_run(cmd: list[str], np_: int, victim: int | tuple[int, ...], ck=Non
 
 
 @pytest.mark.parametrize("mode", ["sync", pytest.param("quorum", marks=only_on("mpich", SAME)), "async", "shm",
-                                  pytest.param("async-local-overlap", marks=only_on("mpich", OVERLAP))])
+                                  pytest.param("async-local-overlap", marks=only_on("mpich", OVERLAP)),
+                                  pytest.param("async-int8-both-ways", marks=only_on("mpich", OVERLAP))])
 def test_rank_0_killed_mid_run_a_worker_takes_over_and_the_job_reaches_its_budget(tmp_path, mode):
     ck, summary, trace = tmp_path / "ck", tmp_path / "summary.json", tmp_path / "trace"
     trace.mkdir()
     how = {"quorum": ("--mode", "sync", "--quorum", "2"), "shm": ("--mode", "async", "--ps-transport", "shm",
                                                                  "--optimizer", "adam"),
-           "async-local-overlap": ("--mode", "async", "--local-steps", "4", "--overlap")}.get(mode, ("--mode", mode))
+           "async-local-overlap": ("--mode", "async", "--local-steps", "4", "--overlap"),
+           "async-int8-both-ways": ("--mode", "async", "--compress", "int8", "--compress-replies")}.get(mode,
+                                                                                                   ("--mode", mode))
     cmd = mpitrain_cmd(4, *how, "--no-progress", "--steps", str(BUDGET), "--worker-timeout", "1",
                        "--on-lost-server", "continue", "--checkpoint-dir", str(ck), "--checkpoint-every-steps", "500",
                        "--summary-json", str(summary), launcher_flags=keep_going())
