@@ -68,6 +68,7 @@ MODES = {"sync": ["--mode", "sync"], "async": ["--mode", "async"],
          # ... and rank 0's replies in the same scheme (--compress-replies)
          "async-int8-replies": ["--mode", "async", "--compress", "int8", "--compress-replies"],
          "async-int4-replies": ["--mode", "async", "--compress", "int4", "--compress-replies"],
+         "async-int4-replies-overlap": ["--mode", "async", "--compress", "int4", "--compress-replies", "--overlap"],
          # async: a worker's next steps computed while its push travels (with --local-steps: from its own model)
          "async-overlap": ["--mode", "async", "--overlap"]}
 
@@ -112,7 +113,9 @@ def row(summaries: list[dict], target: float) -> dict:
             "sps": statistics.median(s["samples_per_second"] for s in summaries),
             # a run that never reached the target took longer than its whole training time: the bound its ratios use
             "whole": statistics.median(s["eval_history"][-1]["training_seconds"] for s in summaries),
-            "reached": f"{len(times)}/{len(summaries)}"}
+            "reached": f"{len(times)}/{len(summaries)}",
+            # the share of the workers' wall time spent computing (issue 80's utilisation; one process: none)
+            "util": statistics.median(s.get("compute_utilisation") or 0 for s in summaries)}
 
 
 def main() -> int:
@@ -199,7 +202,8 @@ def report(results: dict, args, links: list[str], hs: list[int], modes: list[str
              f"- across the link: {LAYOUTS[args.layout][1]}, every message over TCP; on one host all 5 ranks share "
              "the 2 cores", "",
              "| link | mode | H | time to target (s) | seeds that reached it | vs H 1 of the mode | vs plain sync | vs one process "
-             "| accuracy at the end | bytes through MPI per sample | samples/s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| accuracy at the end | bytes through MPI per sample | samples/s | workers computing |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     one = results.get(("one-host", ONE, 1))  # no link: every link's rows are compared with it
     for link in links:
         base_sync = results.get((link, "sync", 1))
@@ -210,9 +214,10 @@ def report(results: dict, args, links: list[str], hs: list[int], modes: list[str
                 if r is None:
                     continue
                 t = r["tta"]
+                util = f"{r['util']:.0%}" if r.get("util") else ""
                 lines.append(f"| {link} | {mode} | {h} | {'-' if t is None else f'{t:.2f}'} | {r['reached']} | "
                              f"{ratio(base, t)} | {ratio(base_sync, t)} | {ratio(one, t)} | {r['final']:.4f} | {r['bytes']:,.0f} | "
-                             f"{r['sps']:,.0f} |")
+                             f"{r['sps']:,.0f} | {util} |")
     return lines
 
 
