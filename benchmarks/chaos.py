@@ -201,6 +201,16 @@ CASES = [
     # ... with --spares 1 (both MPIs): the successor takes the spare over and lets it in at once (spares.adopt)
     Case("failover-spare", ("--mode", "async", "--spares", "1", *FAILOVER), "rank0", 20000),
     Case("failover-spare-sync", ("--mode", "sync", "--spares", "1", *FAILOVER), "rank0", 4000),
+    # Issue 80's exchanges: async --local-steps with --overlap (a push in flight while the next H steps run), int8
+    # both ways (--compress-replies: rank 0 keeps what each worker holds), and Streaming DiLoCo's three in sync (a
+    # fragment's int4 gather in flight): a worker killed, or rank 0 under --on-lost-server continue
+    Case("local-overlap", ("--mode", "async", "--local-steps", "4", "--overlap"), "worker", 20000),
+    Case("failover-local-overlap", ("--mode", "async", "--local-steps", "4", "--overlap", *FAILOVER), "rank0", 20000),
+    Case("int8-both-ways", ("--mode", "async", "--compress", "int8", "--compress-replies"), "worker", 20000),
+    Case("failover-int8-both-ways", ("--mode", "async", "--compress", "int8", "--compress-replies", *FAILOVER), "rank0",
+         20000),
+    Case("streaming", ("--mode", "sync", "--local-steps", "8", "--fragments", "4", "--outer-overlap", "1", "--compress",
+                       "int4"), "worker", 12000),
 ]
 DEFAULT_TRIALS = {"async": 5, "async-staleness": 4, "async-big": 6, "sync": 4, "sync-quorum": 4, "coordinator-quorum": 3,
                   "quorum-big": 3, "sync-big": 3, "coordinator-sync": 3, "sync-stop": 2, "rank0-async": 4, "rank0-sync": 3, "supervisor": 3, "shm-async": 5, "rank0-shm": 3, "shm-early": 3, "shm-2ps": 3,
@@ -212,7 +222,8 @@ DEFAULT_TRIALS = {"async": 5, "async-staleness": 4, "async-big": 6, "sync": 4, "
                   "failover-async": 6, "failover-big": 4, "failover-shard-async": 5, "failover-shard-sync": 4,
                   "failover-duties-sync": 5, "failover-duties-async": 5, "failover-shm": 5, "failover-join": 6,
                   "failover-respawn": 6, "failover-spare": 6, "failover-spare-sync": 4, "spare-async": 4,
-                  "spare-sync": 4, "spare-killed": 4, "spare-joining": 6}
+                  "spare-sync": 4, "spare-killed": 4, "spare-joining": 6, "local-overlap": 4, "failover-local-overlap": 4,
+                  "int8-both-ways": 4, "failover-int8-both-ways": 4, "streaming": 4}
 
 
 @dataclass
@@ -684,6 +695,8 @@ def failed_over_as_documented(case: Case, trial: Trial, err: str, code: int, sum
     if unreadable:
         problems.append(f"checkpoints that do not load: {unreadable}")
     limit = 0 if case.mode == "sync" or "shm" in case.args else 2 * (NP if case.target == "rank0-join" else NP - 1)
+    if "--local-steps" in case.args:  # each push in flight carries H inner steps, each a global step
+        limit *= int(case.args[case.args.index("--local-steps") + 1])
     if fo["updates_lost_at_most"] > limit:
         problems.append(f"{fo['updates_lost_at_most']} updates lost (more than {limit})")
     if case.mode == "sync" and summary["worker_param_digests"] != [summary["param_digest"]] * len(summary["worker_ranks"]):
