@@ -86,9 +86,10 @@ def kill_during_training(tmp_path, np_: int, args: tuple[str, ...], victims: lis
                               "fragments-chief"])
 def test_a_sync_job_goes_on_without_a_worker_killed_from_outside(tmp_path, mode, victim):
     rng = random.Random(f"{mode}{victim}{time.time()}")
-    ck = tmp_path / "ck"  # checkpoints keep each worker's error feedback (int8), own model (overlap), before the
-    row = {"int8": "residual", "overlap": "model", "fragments": "model"}.get(mode)  # loss and after it (fragments:
-    # the residual too)
+    # checkpoints keep each worker's error feedback (int8; fragments, in int4, too), own model (overlap,
+    # fragments), before the loss and after it
+    ck = tmp_path / "ck"
+    row = {"int8": "residual", "overlap": "model", "fragments": "model"}.get(mode)
     saves = ("--checkpoint-dir", str(ck), "--checkpoint-every-steps", "500") if row else ()
     proc, s, _ = kill_during_training(tmp_path, 4, MODE_FLAGS[mode] + ("--steps", str(STEPS[mode])) + saves,
                                       [victim], rng)

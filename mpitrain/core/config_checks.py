@@ -234,7 +234,7 @@ def _fragments(cfg: TrainConfig) -> None:
     if cfg.fragments < 1 or cfg.local_steps % cfg.fragments:
         raise UsageError(f"--fragments F must divide --local-steps H (got F {cfg.fragments}, H {cfg.local_steps}), "
                          f"so that each fragment's outer step comes every H steps; {eg}")
-    span = cfg.local_steps // cfg.fragments if cfg.fragments >= 1 else 0
+    span = cfg.local_steps // cfg.fragments
     if cfg.outer_overlap is not None and cfg.outer_overlap >= span:
         raise UsageError(f"--outer-overlap T with --fragments F lands each fragment before the next one is sent: T "
                          f"takes 0 to H/F - 1 (got T {cfg.outer_overlap}, H/F {span}); e.g. --local-steps 16 "

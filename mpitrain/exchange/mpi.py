@@ -201,9 +201,9 @@ class MPIPushPull:
             self.params = self.inbox[0].payload
         else:  # its own array, which each reply overwrites (or, compressed, adds to)
             self.params = be.asarray(np.array(start.params, np.float32))
-        flat = self.pushes[0].scheme is None  # computed into the flat message itself where it can be
-        self.grads = [self.pushes[0].gradient(m.payload) if flat else be.xp.zeros(n, be.xp.float32)
-                      for m in (self.outbox or range(2))]
+        # computed into the flat message itself where it can be; else into an array each push compresses from
+        self.grads = ([self.pushes[0].gradient(m.payload) for m in self.outbox] if self.outbox is not None
+                      else [be.xp.zeros(n, be.xp.float32) for _ in range(2)])
         self.cur = 0  # which inbox holds the parameters in use
         self.versions = [start.global_step] * len(self.servers)  # each server's step of those parameters
         self.poller = Poller(WORKER_POLL_S, ctx.watch)

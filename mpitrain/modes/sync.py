@@ -196,7 +196,7 @@ class SyncStep:
             self.saving = bool(self._save_vote(step))
             return loss
         stamp = self._stamp(step)
-        self.reducer.sum(buf[lo:] if lo else buf, self.part if lo else None)
+        self.reducer.sum(buf[lo:], self.part)  # (all of buf and every parameter but with --fragments)
         self._summed(step, stamp)
 
     def _stamp(self, step: int) -> int:
@@ -256,8 +256,7 @@ class SyncStep:
             self._keep_own(step)  # after the outer step: a checkpoint keeps the model this worker goes on from
             return loss
         stamp = self._stamp(step)  # written before the start: MPI reads the buffer from then on
-        flight = self.reducer.start(self.buf[lo:], part if lo else None)
-        ov.launch(flight, stamp, self.params, step, last, self.buf, part)
+        ov.launch(self.reducer.start(self.buf[lo:], part), stamp, self.params, step, last, self.buf, part)
         self.buf, self.spare = self.spare, self.buf
         return self._land(step) if ov.lands_at == step + 1 else self.own_loss
 
