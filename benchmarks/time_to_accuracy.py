@@ -60,6 +60,10 @@ MODES = {"sync": ["--mode", "sync"], "async": ["--mode", "async"],
          # the outer exchange in 4 fragments, one every H/4 steps (--fragments, flags(); no row at H 1)
          "sync-fragments": ["--mode", "sync"],
          "sync-fragments-int4": ["--mode", "sync", "--compress", "int4"],  # each fragment's exchange in int4
+         # ... as a reduce-scatter whose sums go in int4 too (--compress-replies: 2(W-1)/W of a part received, not W-1)
+         "sync-int4-sums": ["--mode", "sync", "--compress", "int4", "--compress-replies"],
+         "sync-int2-sums": ["--mode", "sync", "--compress", "int2", "--compress-replies"],
+         "sync-fragments-int4-sums": ["--mode", "sync", "--compress", "int4", "--compress-replies"],
          # Streaming DiLoCo's three: fragments, each in flight for H/F/2 inner steps, in int4
          "sync-streaming": ["--mode", "sync", "--compress", "int4"],
          # async: the pushes compressed, rank 0's replies in float32
@@ -68,6 +72,7 @@ MODES = {"sync": ["--mode", "sync"], "async": ["--mode", "async"],
          # ... and rank 0's replies in the same scheme (--compress-replies)
          "async-int8-replies": ["--mode", "async", "--compress", "int8", "--compress-replies"],
          "async-int4-replies": ["--mode", "async", "--compress", "int4", "--compress-replies"],
+         "async-int2-replies": ["--mode", "async", "--compress", "int2", "--compress-replies"],
          "async-int4-replies-overlap": ["--mode", "async", "--compress", "int4", "--compress-replies", "--overlap"],
          # async: a worker's next steps computed while its push travels (with --local-steps: from its own model)
          "async-overlap": ["--mode", "async", "--overlap"]}
@@ -156,7 +161,7 @@ def main() -> int:
     def runs(go) -> None:
         for mode in modes:
             for h in hs:
-                if h > 1 or mode not in ("sync-overlap", "sync-fragments", "sync-fragments-int4", "sync-streaming"):
+                if h > 1 or not (mode.startswith("sync-fragments") or mode in ("sync-overlap", "sync-streaming")):
                     measure(link, mode, h, go)
 
     for link in [x for x in links if LINKS[x] is None]:

@@ -118,6 +118,7 @@ def test_checkpointer_schedule():
     # each worker's own arrays are in the checkpoint (Mode.worker_arrays): its error feedback, the outer exchange's
     # with --local-steps, and the inner optimizer's state
     ("adam", "--compress int8"), ("sgd", "--compress int4 --sparsify 5 --local-steps 4"),
+    ("adam", "--compress int8 --compress-replies"),  # and the sums' error feedback (ScatterReducer)
     ("momentum", "--local-steps 4")])
 def test_sync_resume_is_exact(tmp_path, optimizer, flags):
     args = ["--mode", "sync", "--optimizer", optimizer, "--lr", "0.01" if optimizer == "adam" else "0.05",
@@ -136,6 +137,7 @@ def test_sync_resume_is_exact(tmp_path, optimizer, flags):
     kept = checkpoint.load(ck / "ckpt-000000060.npz").per_worker  # a row for each worker, as the run left them
     assert {name: rows.shape for name, rows in kept.items()} == {
         **({"residual": (2, len(a))} if "int" in flags else {}),
+        **({"sums": (2, len(a))} if "replies" in flags else {}),
         **({"inner_m": (2, len(a))} if "local" in flags and optimizer == "momentum" else {})}
 
 

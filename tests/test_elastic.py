@@ -43,7 +43,7 @@ from test_ledger import EPOCH_SAMPLES, assert_each_epoch_once, read_leases, read
 # MPI and the kill came after the budget; quorum at 2500 once under 2 s); --local-steps 8 takes an
 # Allreduce every 8 steps, about twice sync's pace on one host
 STEPS = {"sync": 8000, "quorum": 8000, "local": 12000, "quorum-local": 16000,  # quorum H 8: ~2,000 steps/s
-         "int8": 8000, "overlap": 12000, "fragments": 12000}
+         "int8": 8000, "overlap": 12000, "fragments": 12000, "sums": 12000}
 MODE_FLAGS = {"sync": ("--mode", "sync"), "quorum": ("--mode", "sync", "--quorum", "2"),
               "local": ("--mode", "sync", "--local-steps", "8"),
               "quorum-local": ("--mode", "sync", "--quorum", "2", "--local-steps", "8"),
@@ -51,7 +51,10 @@ MODE_FLAGS = {"sync": ("--mode", "sync"), "quorum": ("--mode", "sync", "--quorum
               "overlap": ("--mode", "sync", "--local-steps", "8", "--outer-overlap", "4"),  # an outer step in flight
               # the parts at other ages, each fragment's exchange in flight for an inner step, in int4
               "fragments": ("--mode", "sync", "--local-steps", "8", "--fragments", "4", "--outer-overlap", "1",
-                            "--compress", "int4")}
+                            "--compress", "int4"),
+              # a fragment's reduce-scatter in flight (its sums, compressed again, start while inner steps run)
+              "sums": ("--mode", "sync", "--local-steps", "8", "--fragments", "2", "--outer-overlap", "2",
+                       "--compress", "int8", "--compress-replies")}
 
 
 def kill_during_training(tmp_path, np_: int, args: tuple[str, ...], victims: list[int], rng: random.Random,
@@ -80,16 +83,16 @@ def kill_during_training(tmp_path, np_: int, args: tuple[str, ...], victims: lis
                                                        for m, v in [("sync", 1), ("quorum", 2), ("quorum", 1),
                                                                     ("local", 2), ("quorum-local", 1),
                                                                     ("int8", 2), ("overlap", 2),
-                                                                    ("fragments", 1)])],
+                                                                    ("fragments", 1), ("sums", 2)])],
                          ids=["sync-worker", "sync-chief", "quorum-worker", "quorum-chief", "local-steps-worker",
                               "quorum-local-steps-chief", "int8-worker", "outer-overlap-worker",
-                              "fragments-chief"])
+                              "fragments-chief", "reduce-scatter-worker"])
 def test_a_sync_job_goes_on_without_a_worker_killed_from_outside(tmp_path, mode, victim):
     rng = random.Random(f"{mode}{victim}{time.time()}")
     # checkpoints keep each worker's error feedback (int8; fragments, in int4, too), own model (overlap,
     # fragments), before the loss and after it
     ck = tmp_path / "ck"
-    row = {"int8": "residual", "overlap": "model", "fragments": "model"}.get(mode)
+    row = {"int8": "residual", "overlap": "model", "fragments": "model", "sums": "sums"}.get(mode)
     saves = ("--checkpoint-dir", str(ck), "--checkpoint-every-steps", "500") if row else ()
     proc, s, _ = kill_during_training(tmp_path, 4, MODE_FLAGS[mode] + ("--steps", str(STEPS[mode])) + saves,
                                       [victim], rng)

@@ -25,12 +25,13 @@ import numpy as np
 from mpitrain.core.codec import CODECS
 
 BLOCK = 256  # values per scale: 4 bytes of scale per 256 (int8: 1.6% on top of the 1 byte each)
-LEVELS = {8: 127, 4: 7}  # the largest integer each width sends (symmetric: no zero-point to carry)
+LEVELS = {8: 127, 4: 7, 2: 1}  # the largest integer each width sends (symmetric: no zero-point to carry)
 
 
 class BlockQuantizer:
-    """`bits`-bit integers with a float32 scale per BLOCK values. Wire: [scales][integers] (int4:
-    two per byte, low nibble first, each stored + 8)."""
+    """`bits`-bit integers with a float32 scale per BLOCK values. Wire: [scales][integers] (int4, int2:
+    two or four per byte, the first in the lowest bits, each stored + 8 or + 2; int2 sends -1, 0 or 1 of its
+    block's largest magnitude, SparseLoCo's 2 bits, error feedback carrying the rest)."""
 
     def __init__(self, bits: int):
         self.bits, self.levels = bits, LEVELS[bits]
@@ -58,9 +59,12 @@ class BlockQuantizer:
         body = out[4 * nb:]
         if self.bits == 8:
             body.view(xp.int8)[...] = q.ravel()
-        else:
-            u = (q.ravel() + 8).astype(xp.uint8).reshape(-1, 2)
-            body[...] = u[:, 0] | (u[:, 1] << 4)
+            return
+        per = 8 // self.bits
+        u = (q.ravel() + (1 << (self.bits - 1))).astype(xp.uint8).reshape(-1, per)
+        body[...] = u[:, 0]
+        for i in range(1, per):
+            body |= u[:, i] << (self.bits * i)
 
     def decode(self, xp, wire, out, add: bool = False) -> None:
         """`wire` -> float32 `out` (its length is the values' count); `add`: out += the values."""
@@ -70,10 +74,11 @@ class BlockQuantizer:
         if self.bits == 8:
             q = body.view(xp.int8).astype(xp.float32)
         else:
-            q = xp.empty(2 * body.size, xp.float32)
-            q[0::2] = body & 15
-            q[1::2] = body >> 4
-            q -= 8
+            per, mask = 8 // self.bits, (1 << self.bits) - 1
+            q = xp.empty(per * body.size, xp.float32)
+            for i in range(per):
+                q[i::per] = (body >> (self.bits * i)) & mask
+            q -= 1 << (self.bits - 1)
         values = (q.reshape(nb, BLOCK) * scales[:, None]).ravel()[:n]
         if add:
             out += values
@@ -123,7 +128,7 @@ class TopK:
         out[idx] += picked  # indices are distinct: no two adds to one entry
 
 
-QUANTIZERS = {q.name: q for q in (BlockQuantizer(8), BlockQuantizer(4))}
+QUANTIZERS = {q.name: q for q in (BlockQuantizer(8), BlockQuantizer(4), BlockQuantizer(2))}
 NAMES = (*CODECS, *QUANTIZERS)  # --compress's choices: the elementwise codecs, then these
 
 
@@ -259,8 +264,12 @@ def gather_words(cfg, n: int, workers: int) -> str | None:
     s = scheme(cfg.compress, cfg.sparsify)
     if s is None:
         return None
-    return (f"sync exchange: {s.name} with error feedback, {_fewer(s, n)} a worker a step; an Allgather: each "
-            f"worker receives {workers - 1} other part{'s' if workers != 2 else ''}")
+    if cfg.compress_replies:
+        how = (f"a reduce-scatter: each worker adds 1/{workers} of every part and sends that sum in {s.name} too, "
+               f"receiving {2 * (workers - 1) / workers:.2g} of a part")
+    else:
+        how = f"an Allgather: each worker receives {workers - 1} other part{'s' if workers != 2 else ''}"
+    return f"sync exchange: {s.name} with error feedback, {_fewer(s, n)} a worker a step; {how}"
 
 
 def _fewer(s, n: int) -> str:

@@ -132,14 +132,16 @@ class TrainConfig:
         "0.70x as fast)", choices=JOINED_LINKS)
     compress: str = PARALLELISM(
         "none", "send gradients and parameters as float16 or bfloat16 (half the bytes; bf16 converts faster on a "
-        "CPU); or each worker's gradient as int8 or int4 (a scale per 256 values, error feedback); update in float32",
+        "CPU); or each worker's gradient as int8, int4 or int2 (a scale per 256 values, error feedback); update in "
+        "float32",
         choices=codec_names)
     sparsify: float | None = PARALLELISM(
         None, "each worker's exchange sends only the P percent of entries largest in magnitude (top-k, with error "
-        "feedback; with --compress none, int8 or int4)", shown="every entry", metavar="P")
+        "feedback; with --compress none, int8, int4 or int2)", shown="every entry", metavar="P")
     compress_replies: bool = PARALLELISM(
-        False, "async with --compress int8|int4 or --sparsify: rank 0's replies too, each the parameters' change "
-        "since what that worker holds, in the same scheme (what one reply holds back, the next carries)")
+        False, "with --compress int8|int4 or --sparsify: async, rank 0's replies too, each the parameters' change "
+        "since what that worker holds, in the same scheme (what one reply holds back, the next carries); sync, the "
+        "sums too: a reduce-scatter of compressed chunks, each worker receiving 2(W-1)/W of a part, not W-1 parts")
     quorum: int | None = PARALLELISM(
         None, "sync: each update averages the first Q fresh gradients; later ones are dropped and counted",
         shown="every worker, a plain Allreduce", metavar="Q", first=True)

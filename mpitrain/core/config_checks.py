@@ -186,7 +186,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
 
 def _gathered_exchange(cfg: TrainConfig) -> None:
     """--compress int8 / int4 and --sparsify (core/compress.py): sync's gathered parts, async's and --quorum's
-    pushes (with --num-ps K, each server's slice), and async's replies with --compress-replies."""
+    pushes (with --num-ps K, each server's slice), and with --compress-replies async's replies and sync's sums."""
     from mpitrain.core.compress import QUANTIZERS
 
     if cfg.sparsify is not None:
@@ -202,9 +202,9 @@ def _gathered_exchange(cfg: TrainConfig) -> None:
                              "--compress int8 --compress-replies")
         return
     what = f"--compress {cfg.compress}" if cfg.compress in QUANTIZERS else "--sparsify"
-    if cfg.compress_replies and cfg.mode != "async":
-        raise UsageError(f"--compress-replies is async's (rank 0's replies); sync's {what} compresses every "
-                         f"exchange already: drop --compress-replies")
+    if cfg.compress_replies and cfg.quorum is not None:
+        raise UsageError(f"--compress-replies does not go with --quorum: its {what} pushes go to the coordinator, "
+                         f"which sends each step's average in float32; drop --compress-replies")
     if cfg.compress_replies and cfg.ps_transport == "shm":
         raise UsageError("--compress-replies does not go with --ps-transport shm yet (a worker on the store's "
                          "host reads the parameters there); drop one of the two")

@@ -86,8 +86,8 @@ class TrainState:
 OPT_PREFIX, OPT_COUNT = "opt_", "opt_t"
 WORKER_PREFIX = "worker_"  # a TrainState.per_worker array's name in a checkpoint file
 # per_worker's names: error feedback; an inner optimizer's array by its name; the worker's own model (--outer-overlap,
-# --fragments: it is not the global model between outer steps)
-RESIDUAL, INNER, OWN_MODEL = "residual", "inner_", "model"
+# --fragments: it is not the global model between outer steps); the sums' error feedback (--compress-replies)
+RESIDUAL, INNER, OWN_MODEL, SUMS = "residual", "inner_", "model", "sums"
 
 
 def state_arrays(cfg) -> list[str]:

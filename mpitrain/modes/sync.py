@@ -24,7 +24,7 @@ from mpitrain.core.optim import REGISTRY as OPTIMIZERS
 from mpitrain.core.optim import Optimizer, make_ema
 from mpitrain.core.outer import LocalSteps, Overlap
 from mpitrain.core.reports import LOSS_WINDOW, WorkerResult, mean_loss
-from mpitrain.duties.checkpoint import INNER, OWN_MODEL, RESIDUAL, Checkpointer, TrainState, split_rows
+from mpitrain.duties.checkpoint import INNER, OWN_MODEL, RESIDUAL, SUMS, Checkpointer, TrainState, split_rows
 from mpitrain.duties.metrics import Progress
 from mpitrain.duties.observe import ALLREDUCE, APPLY, COMPUTE, WAIT
 from mpitrain.exchange.base import Reducer
@@ -100,7 +100,8 @@ class SyncStep:
 
     def _own(self) -> dict:
         """This worker's arrays of Mode.worker_arrays, by name (on its device)."""
-        mine = {RESIDUAL: lambda: self.reducer.compressor.residual, OWN_MODEL: lambda: self.params}
+        mine = {RESIDUAL: lambda: self.reducer.compressor.residual, SUMS: lambda: self.reducer.sums,
+                OWN_MODEL: lambda: self.params}
         return {name: mine[name]() if name in mine else self.opt.state[name[len(INNER):]] for name in self.keeps}
 
     def dealt_at(self, step: int) -> int | None:
@@ -456,7 +457,8 @@ class SyncMode(Mode):
         return cfg.batch_size * (cfg.quorum or workers)
 
     def worker_arrays(self, cfg) -> tuple[str, ...]:
-        names = (RESIDUAL,) if scheme(cfg.compress, cfg.sparsify) is not None else ()  # the gathered parts'
+        # the gathered parts' error feedback (and with --compress-replies the sums' it adds)
+        names = (RESIDUAL, SUMS)[: 1 + cfg.compress_replies] if scheme(cfg.compress, cfg.sparsify) else ()
         if cfg.local_steps == 1:
             return names
         # --outer-overlap: its steps since its last outer step; --fragments: those of the parts not synced since
