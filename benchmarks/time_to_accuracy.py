@@ -63,6 +63,7 @@ MODES = {"sync": ["--mode", "sync"], "async": ["--mode", "async"],
          # ... as a reduce-scatter whose sums go in int4 too (--compress-replies: 2(W-1)/W of a part received, not W-1)
          "sync-int4-sums": ["--mode", "sync", "--compress", "int4", "--compress-replies"],
          "sync-int2-sums": ["--mode", "sync", "--compress", "int2", "--compress-replies"],
+         "sync-overlap-int2-sums": ["--mode", "sync", "--compress", "int2", "--compress-replies"],  # and H/2 in flight
          "sync-fragments-int4-sums": ["--mode", "sync", "--compress", "int4", "--compress-replies"],
          # Streaming DiLoCo's three: fragments, each in flight for H/F/2 inner steps, in int4
          "sync-streaming": ["--mode", "sync", "--compress", "int4"],
@@ -85,7 +86,7 @@ def flags(dataset: list[str], mode: str, h: int, epochs: int, eval_every: int, s
     return [*dataset, *MODES[mode], "--epochs", str(epochs), "--eval-every", str(eval_every), "--seed", str(seed),
             "--eval-at-end",
             *(["--local-steps", str(h)] if h > 1 else []),
-            *(["--outer-overlap", str(h // 2)] if mode == "sync-overlap" else []),
+            *(["--outer-overlap", str(h // 2)] if mode.startswith("sync-overlap") else []),
             *(["--outer-overlap", str(max(1, h // FRAGMENTS // 2))] if mode == "sync-streaming" else []),
             *(["--fragments", str(FRAGMENTS)] if mode.startswith("sync-fragments") or mode == "sync-streaming" else [])]
 
@@ -161,7 +162,7 @@ def main() -> int:
     def runs(go) -> None:
         for mode in modes:
             for h in hs:
-                if h > 1 or not (mode.startswith("sync-fragments") or mode in ("sync-overlap", "sync-streaming")):
+                if h > 1 or not mode.startswith(("sync-fragments", "sync-overlap", "sync-streaming")):
                     measure(link, mode, h, go)
 
     for link in [x for x in links if LINKS[x] is None]:
