@@ -44,7 +44,7 @@ class GatherReducer(WorkersCollective):
         self.by_part: dict[tuple[int, int], Compressor] = {}  # --fragments: a part's, its residual a view of that
         self.workers = 1 if self.alone else self.comm.Get_size()
         self.me = 0 if self.alone else self.comm.Get_rank()
-        self.parts = np.zeros(self.workers * self._size(self.compressor), np.uint8)  # every worker's, in rank order
+        self.parts = np.zeros(0, np.uint8)  # every worker's part, in rank order (start: the largest exchange's size)
 
     def _size(self, c: Compressor) -> int:
         """The bytes of a worker's part through `c`: its values compressed, then the tail, aligned."""
@@ -67,6 +67,8 @@ class GatherReducer(WorkersCollective):
         """Compress this worker's part of `buf` (with its error feedback) and start gathering every part."""
         be, c = self.be, self._for(part)
         values, body, size = c.n, c.wire_bytes, self._size(c)
+        if self.parts.size < self.workers * size:  # (a flight left in flight keeps the old one alive: abandon)
+            self.parts = np.zeros(self.workers * size, np.uint8)
         parts = self.parts[: self.workers * size]
         mine = parts[self.me * size: (self.me + 1) * size]
         c.compress_to_host(buf[:values], mine[:body], be.to_host)
@@ -101,7 +103,7 @@ class Scattered(InFlight):
 class ScatterReducer(GatherReducer):
     """--compress-replies in sync: the sum as a reduce-scatter of compressed chunks and an Allgather of
     compressed sums (module doc). `sums` is the sums' error feedback, of the chunks this worker adds
-    (a row of the checkpoint's beside the residual: SUMS_RESIDUAL)."""
+    (a row of the checkpoint's beside the residual: checkpoint.SUMS)."""
 
     def __init__(self, ctx: Context, n: int, tail: int):
         super().__init__(ctx, n, tail)
@@ -182,15 +184,16 @@ class ScatterReducer(GatherReducer):
         chunks = self._chunks(flight.lo, flight.lo + buf.shape[0] - self.tail)
         into = flight.spec[1]
         parts = into if be.xp is np else be.asarray(into)
-        tails = None
+        tails, whole = None, True
         for w, (a, b) in enumerate(chunks):
             body = self.scheme.wire_bytes(b - a)
             self.scheme.decode(be.xp, parts[w * piece: w * piece + body], buf[a - flight.lo: b - flight.lo])
-            its = into[w * piece + body: w * piece + body + 4 * self.tail].view(np.float32)
+            its = into[w * piece + body: w * piece + body + 4 * self.tail]
             if tails is None:
-                tails = its.copy()
-            elif not np.array_equal(its, tails):  # a sum that did not arrive whole: no weight, read as torn
-                tails[...] = 0
+                tails = its.view(np.float32).copy()
+            whole = whole and np.array_equal(its, tails.view(np.uint8))  # (bytes: a NaN loss equals itself)
+        if not whole:  # a sum that did not arrive whole: no weight, read as torn
+            tails[...] = 0
         buf[buf.shape[0] - self.tail:] = be.asarray(tails)
         self.ctx.activity.moved(self.workers * piece, 2 * (self.workers - 1) * piece)
 
