@@ -63,6 +63,7 @@ def world(cfg: TrainConfig | None = None):
             init_returned()
     from mpi4py import MPI
 
+    mpiimpl.ignore_death_notices()
     comm = MPI.COMM_WORLD
     if comm.Get_size() > 1 and MPI.Query_thread() < MPI.THREAD_MULTIPLE:  # the caller's own MPI init
         raise UsageError("MPI was initialised without MPI_THREAD_MULTIPLE, which the heartbeat thread needs; "

@@ -264,6 +264,23 @@ def hydra_env(env=os.environ) -> bool:
     return "PMI_FD" in env and "MPI_LOCALRANKID" in env
 
 
+def ignore_death_notices(env=os.environ) -> None:
+    """After MPI_Init, under hydra: SIGUSR1 ignored. Hydra signals every rank's process group SIGUSR1 when a
+    rank dies (-disable-auto-cleanup), and MPICH's ch4 answers it in its next progress pass by asking the
+    PMI server for the list of dead processes, which it then frees unread (ch4_globals.c,
+    MPIDI_check_for_failed_procs). If this rank dies before the answer comes, hydra's proxy fails to write
+    it (EBADF or EPIPE, which its HYDU_sock_write does not take for a closed peer), exits, and mpiexec
+    exits 255 (`control_cb ... assert (!closed) failed`) instead of the documented code: reproduced 1 in 25 with
+    every rank SIGKILLed beside a CPU burner (tests/test_lost_workers.py). mpitrain learns of deaths itself
+    (liveness.py). A handler of the caller's own (the Python API's) is left alone; main thread only."""
+    import signal
+    import threading
+
+    if hydra_env(env) and threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGUSR1) in (None, signal.SIG_DFL):  # (None: MPICH's, set in C)
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+
+
 def needs_supervisor(env=os.environ) -> bool:
     """Under hydra, unless turned off (MPITRAIN_SUPERVISE=0): see supervise.py."""
     return hydra_env(env) and env.get("MPITRAIN_SUPERVISE", "1") != "0"

@@ -60,8 +60,9 @@ def supervise() -> None:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
         _die_with(parent)
         _name(f"mpitrain {who} training: {command}", f"mpitrain-rank{rank}")
-        # The rank keeps every signal's default: hydra's SIGUSR1 ("a peer died") goes to its own
-        # children only, the supervisors, which ignore it.
+        # The rank keeps every signal's default but hydra's SIGUSR1 ("a peer died"), which reaches each
+        # supervisor's process group, the rank in it: the supervisor and the rank (once MPI is up:
+        # mpiimpl.ignore_death_notices) ignore it.
         return
     os.close(started_w)
     _wait_for(pid, started_r)

@@ -41,8 +41,8 @@ def force_exit(signum: int) -> None:
 
 def handled(env=os.environ) -> tuple[signal.Signals, ...]:
     """The signals that stop a run here: SIGUSR1 too, but under MPICH's hydra, which sends every rank
-    SIGUSR1 when a peer dies (measured with -disable-auto-cleanup): MPICH's own handler for it must
-    stay there, and a dead peer must not stop the run. Slurm's `--signal=USR1` reaches srun's tasks,
+    SIGUSR1 when a peer dies (measured with -disable-auto-cleanup): there it is ignored
+    (mpiimpl.ignore_death_notices), and a dead peer must not stop the run. Slurm's `--signal=USR1` reaches srun's tasks,
     which hydra does not start."""
     from mpitrain.launch.mpiimpl import hydra_env
 
