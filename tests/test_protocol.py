@@ -42,7 +42,7 @@ def test_every_compression_has_a_wire_type_that_round_trips_and_a_sum_of_its_wid
     from mpitrain.core.codec import CODECS
 
     assert tuple(CODECS) == ("none", "fp16", "bf16")
-    assert codec_names() == (*CODECS, "int8", "int4")  # then the gathered ones (core/compress.py)
+    assert codec_names() == (*CODECS, "int8", "int4", "int2")  # then the gathered ones (core/compress.py)
     values = np.array([0.0, 1.0, -2.5, 3.0e-3, 1024.0], np.float32)
     for name, codec in CODECS.items():
         wire, back = np.empty(len(values), codec.wire), np.empty(len(values), np.float32)
