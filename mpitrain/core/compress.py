@@ -269,7 +269,10 @@ def gather_words(cfg, n: int, workers: int) -> str | None:
                f"receiving {2 * (workers - 1) / workers:.2g} of a part")
     else:
         how = f"an Allgather: each worker receives {workers - 1} other part{'s' if workers != 2 else ''}"
-    return f"sync exchange: {s.name} with error feedback, {_fewer(s, n)} a worker a step; {how}"
+    when = "a step" if cfg.local_steps == 1 else f"an outer step (every {cfg.local_steps} steps)"
+    if cfg.fragments > 1:
+        when = f"for all the parameters, 1/{cfg.fragments} of them an exchange (--fragments {cfg.fragments})"
+    return f"sync exchange: {s.name} with error feedback, {_fewer(s, n)} a worker {when}; {how}"
 
 
 def _fewer(s, n: int) -> str:

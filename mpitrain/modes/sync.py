@@ -485,7 +485,7 @@ class SyncMode(Mode):
 
     def averaging(self, cfg, workers: int) -> str:
         """--local-steps H: whose models an outer step averages, and what it costs."""
-        return f"the {workers} workers average their models (one Allreduce instead of {cfg.local_steps})"
+        return f"the {workers} workers average their models (one exchange instead of {cfg.local_steps})"
 
     def exchange_words(self, cfg, n: int, workers: int) -> str | None:
         return gather_words(cfg, n, workers)
