@@ -211,6 +211,11 @@ CASES = [
          20000),
     Case("streaming", ("--mode", "sync", "--local-steps", "8", "--fragments", "4", "--outer-overlap", "1", "--compress",
                        "int4"), "worker", 12000),
+    # sync's reduce-scatter (--compress-replies): each sum compressed again by the worker that adds it; a worker killed
+    # in either stage (every step an exchange), and with fragments in flight during the inner steps
+    Case("sums", ("--mode", "sync", "--compress", "int2", "--compress-replies"), "worker", 8000),
+    Case("streaming-sums", ("--mode", "sync", "--local-steps", "8", "--fragments", "2", "--outer-overlap", "2",
+                            "--compress", "int8", "--compress-replies"), "worker", 12000),
 ]
 DEFAULT_TRIALS = {"async": 5, "async-staleness": 4, "async-big": 6, "sync": 4, "sync-quorum": 4, "coordinator-quorum": 3,
                   "quorum-big": 3, "sync-big": 3, "coordinator-sync": 3, "sync-stop": 2, "rank0-async": 4, "rank0-sync": 3, "supervisor": 3, "shm-async": 5, "rank0-shm": 3, "shm-early": 3, "shm-2ps": 3,
@@ -223,7 +228,7 @@ DEFAULT_TRIALS = {"async": 5, "async-staleness": 4, "async-big": 6, "sync": 4, "
                   "failover-duties-sync": 5, "failover-duties-async": 5, "failover-shm": 5, "failover-join": 6,
                   "failover-respawn": 6, "failover-spare": 6, "failover-spare-sync": 4, "spare-async": 4,
                   "spare-sync": 4, "spare-killed": 4, "spare-joining": 6, "local-overlap": 4, "failover-local-overlap": 4,
-                  "int8-both-ways": 4, "failover-int8-both-ways": 4, "streaming": 4}
+                  "int8-both-ways": 4, "failover-int8-both-ways": 4, "streaming": 4, "sums": 5, "streaming-sums": 5}
 
 
 @dataclass
