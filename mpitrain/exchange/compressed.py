@@ -46,6 +46,10 @@ class GatherReducer(WorkersCollective):
         self.me = 0 if self.alone else self.comm.Get_rank()
         self.parts = np.zeros(0, np.uint8)  # every worker's part, in rank order (start: the largest exchange's size)
 
+    def _slots(self, piece: np.ndarray, body: int) -> np.ndarray:
+        """The exact slots (float32) behind a piece's compressed `body` bytes."""
+        return piece[body: body + 4 * self.tail].view(np.float32)
+
     def _size(self, c: Compressor) -> int:
         """The bytes of a worker's part through `c`: its values compressed, then the tail, aligned."""
         return -(-(c.wire_bytes + 4 * self.tail) // ALIGN) * ALIGN
@@ -72,7 +76,7 @@ class GatherReducer(WorkersCollective):
         parts = self.parts[: self.workers * size]
         mine = parts[self.me * size: (self.me + 1) * size]
         c.compress_to_host(buf[:values], mine[:body], be.to_host)
-        mine[body: body + 4 * self.tail].view(np.float32)[...] = be.to_host(buf[values:])
+        self._slots(mine, body)[...] = be.to_host(buf[values:])
         spec = [parts, MPI.BYTE]
         return InFlight(self.comm.Iallgather(MPI.IN_PLACE, spec), spec, buf)
 
@@ -87,7 +91,7 @@ class GatherReducer(WorkersCollective):
         for w in range(self.workers):  # rank order on every worker: the same sum everywhere
             part = parts[w * size: (w + 1) * size]
             self.compressor.decompress(part[:body], buf[:values], add=w > 0)  # (the scheme's: any part's size)
-            tails += gathered[w * size + body: w * size + body + 4 * self.tail].view(np.float32)
+            tails += self._slots(gathered[w * size:], body)
         buf[values:] = be.asarray(tails)
         self.ctx.activity.moved(size, size * (self.workers - 1))
 
@@ -95,9 +99,10 @@ class GatherReducer(WorkersCollective):
 class Scattered(InFlight):
     """A ScatterReducer's sum in flight: the Alltoall of chunks (stage 1), then the Allgather of sums (2)."""
 
-    def __init__(self, req, spec, buf, lo: int, piece: int):
+    def __init__(self, req, spec, buf, chunks: list[tuple[int, int]], piece: int):
         super().__init__(req, spec, buf)
-        self.lo, self.piece, self.stage = lo, piece, 1
+        self.chunks, self.piece, self.stage = chunks, piece, 1  # (chunk j: parameters a..b, worker j adds it)
+        self.lo = chunks[0][0]  # the first parameter buf's values are
 
 
 class ScatterReducer(GatherReducer):
@@ -108,7 +113,7 @@ class ScatterReducer(GatherReducer):
     def __init__(self, ctx: Context, n: int, tail: int):
         super().__init__(ctx, n, tail)
         self.sums = self.be.xp.zeros(n, self.be.xp.float32)
-        self.feedback: dict[tuple[int, int, bool], Compressor] = {}  # (first, end, of a sum): views of a residual
+        self.by_sum: dict[tuple[int, int], Compressor] = {}  # a chunk's sum's, its residual a view of `sums`
         self.out = self.into = np.zeros(0, np.uint8)  # the chunks this worker sends, then its sum; those it adds,
         # then every worker's sum (_buffers: as large as the largest exchange's, a fragment's or the whole model's)
 
@@ -121,12 +126,12 @@ class ScatterReducer(GatherReducer):
             step = -(-step // BLOCK) * BLOCK
         return [(lo + min(n, j * step), lo + min(n, (j + 1) * step)) for j in range(w)]
 
-    def _compressor(self, a: int, b: int, of_sum: bool) -> Compressor:
-        key = (a, b, of_sum)
-        if key not in self.feedback:
-            c = self.feedback[key] = Compressor(self.scheme, b - a, self.be.xp)
-            c.residual = (self.sums if of_sum else self.compressor.residual)[a:b]
-        return self.feedback[key]
+    def _for_sum(self, a: int, b: int) -> Compressor:
+        """The compressor of the sum of chunk a..b that this worker adds (a chunk it sends: GatherReducer._for)."""
+        if (a, b) not in self.by_sum:
+            c = self.by_sum[a, b] = Compressor(self.scheme, b - a, self.be.xp)
+            c.residual = self.sums[a:b]
+        return self.by_sum[a, b]
 
     def _piece(self, chunks) -> int:
         """The bytes of one chunk or sum on the wire, the largest chunk's (MPI's Alltoall sends equal pieces)."""
@@ -145,11 +150,11 @@ class ScatterReducer(GatherReducer):
         out, into = self._buffers(self.workers * piece)
         tail = self.be.to_host(buf[buf.shape[0] - self.tail:])
         for j, (a, b) in enumerate(chunks):
-            c, mine = self._compressor(a, b, False), out[j * piece: (j + 1) * piece]
+            c, mine = self._for(slice(a, b)), out[j * piece: (j + 1) * piece]
             c.compress_to_host(buf[a - lo: b - lo], mine[: c.wire_bytes], self.be.to_host)
-            mine[c.wire_bytes: c.wire_bytes + 4 * self.tail].view(np.float32)[...] = tail
+            self._slots(mine, c.wire_bytes)[...] = tail
         req = self.comm.Ialltoall([out, MPI.BYTE], [into, MPI.BYTE])
-        return Scattered(req, (out, into), buf, lo, piece)
+        return Scattered(req, (out, into), buf, chunks, piece)
 
     def progress(self, flight: Scattered) -> None:
         """One look (WorkersCollective's); the chunks in, this worker's sum goes out at once."""
@@ -160,17 +165,17 @@ class ScatterReducer(GatherReducer):
     def _add(self, flight: Scattered) -> None:
         """Stage 1 landed: add the chunks this worker was sent, in rank order, and start sending the sum."""
         be, buf, piece, me = self.be, flight.buf, flight.piece, self.me
-        a, b = self._chunks(flight.lo, flight.lo + buf.shape[0] - self.tail)[me]
+        a, b = flight.chunks[me]
         out, into = flight.spec
         parts = into if be.xp is np else be.asarray(into)
         body = self.scheme.wire_bytes(b - a)
         mine, tails = buf[a - flight.lo: b - flight.lo], np.zeros(self.tail, np.float32)
         for w in range(self.workers):
             self.scheme.decode(be.xp, parts[w * piece: w * piece + body], mine, add=w > 0)
-            tails += into[w * piece + body: w * piece + body + 4 * self.tail].view(np.float32)
-        c, sent = self._compressor(a, b, True), out[me * piece: (me + 1) * piece]
-        c.compress_to_host(mine, sent[:body], be.to_host)
-        sent[body: body + 4 * self.tail].view(np.float32)[...] = tails
+            tails += self._slots(into[w * piece:], body)
+        sent = out[me * piece: (me + 1) * piece]
+        self._for_sum(a, b).compress_to_host(mine, sent[:body], be.to_host)
+        self._slots(sent, body)[...] = tails
         flight.req = self.comm.Iallgather([sent, MPI.BYTE], [into, MPI.BYTE])
         flight.stage = 2
 
@@ -180,18 +185,16 @@ class ScatterReducer(GatherReducer):
         if flight.stage == 1:
             self._add(flight)
             self.land(flight)
-        be, buf, piece = self.be, flight.buf, flight.piece
-        chunks = self._chunks(flight.lo, flight.lo + buf.shape[0] - self.tail)
-        into = flight.spec[1]
+        be, buf, piece, into = self.be, flight.buf, flight.piece, flight.spec[1]
         parts = into if be.xp is np else be.asarray(into)
         tails, whole = None, True
-        for w, (a, b) in enumerate(chunks):
+        for w, (a, b) in enumerate(flight.chunks):
             body = self.scheme.wire_bytes(b - a)
             self.scheme.decode(be.xp, parts[w * piece: w * piece + body], buf[a - flight.lo: b - flight.lo])
-            its = into[w * piece + body: w * piece + body + 4 * self.tail]
+            its = self._slots(into[w * piece:], body)
             if tails is None:
-                tails = its.view(np.float32).copy()
-            whole = whole and np.array_equal(its, tails.view(np.uint8))  # (bytes: a NaN loss equals itself)
+                tails = its.copy()
+            whole = whole and np.array_equal(its.view(np.uint8), tails.view(np.uint8))  # (bytes: NaN equals NaN)
         if not whole:  # a sum that did not arrive whole: no weight, read as torn
             tails[...] = 0
         buf[buf.shape[0] - self.tail:] = be.asarray(tails)
