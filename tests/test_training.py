@@ -7,6 +7,21 @@ from test_data import write_mnist_dir
 from mpitrain.core.reports import SUMMARY_KEYS
 
 
+# How far a worker's training time may end after rank 0's: rank 0 stops its clock once it has handed MPI its
+# last stop reply, a worker once that reply has reached it, so the two ends are ordered only by one message's
+# delivery (1 ms on an oversubscribed core: CI, 2026-12-07). The starts are ordered: the collective that
+# starts the phase is rooted at rank 0, which leaves it first.
+END_SKEW_S = 0.01
+
+
+def assert_rank0_time_covers_the_workers(s: dict) -> None:
+    """Rank 0's training time covers each worker's, from the collectives that start the phase. It once
+    started when rank 0 had set its duties up, 30-50 ms late (0.00 s and 70 million samples/s on a short
+    run): that still fails here."""
+    assert s["wall_seconds"] >= max(w["wall_seconds"] for w in s["time_breakdown"]) - END_SKEW_S
+    assert min(w["wall_seconds"] for w in s["time_breakdown"]) > 0
+
+
 def test_main_job_async_np3_learns_digits(tmp_path):
     s = train(3, tmp_path)  # the README's main job, defaults only
     assert s["mode"] == "async" and s["world_size"] == 3 and s["workers"] == 2
@@ -16,9 +31,7 @@ def test_main_job_async_np3_learns_digits(tmp_path):
     assert s["global_step"] == sum(s["worker_steps"]) and all(k > 0 for k in s["worker_steps"])
     assert s["worker_steps"] == s["gradients_pushed"]  # epochs end cleanly: every push applied
     assert s["wall_seconds"] < 60
-    # rank 0's training time covers each worker's, from the collectives that start the phase (it once started
-    # when rank 0 had set its duties up, 30-50 ms late: 0.00 s and 70 million samples/s on a short run)
-    assert s["wall_seconds"] >= max(w["wall_seconds"] for w in s["time_breakdown"]) > 0
+    assert_rank0_time_covers_the_workers(s)
     # exactly the typed summary's fields, whatever the mode (reports.Summary is their one place)
     assert set(s) - {"_stdout", "_stderr"} == set(SUMMARY_KEYS)
     assert s["dataset"] == "digits" and s["model"] == "mlp" and s["dropped_gradients"] == 0
@@ -36,7 +49,7 @@ def test_sync_np3_learns_and_replicas_stay_identical(tmp_path):
     assert s["worker_param_digests"][0] == s["param_digest"]
     assert s["worker_test_accuracy"] == [s["test_accuracy"]] * 2
     assert s["worker_steps"] == [s["global_step"]] * 2
-    assert s["wall_seconds"] >= max(w["wall_seconds"] for w in s["time_breakdown"]) > 0  # as async's (above)
+    assert_rank0_time_covers_the_workers(s)
 
 
 @only_on("mpich", NUMBERS_ONLY)
