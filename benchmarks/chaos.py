@@ -498,6 +498,8 @@ def judge(case: Case, trial: Trial, job: Job, code: int | None, leftovers: bool,
     problems = expected(case, trial, err, code, summary, tmp, job.text("joiner"), job.text("out"))
     if case.sig == signal.SIGKILL:  # a stop's blocks out are missed until a resume: only a kill's run must be whole
         problems += ledger_problems(summary)
+    if problems and summary and summary.get("stopped"):  # where a stop nobody asked for began (summary.stop_origin)
+        problems.append(f"stopped from {summary['stopped'].get('origin')}")
     trial.outcome = "documented" if not problems else "other"
     trial.why = "; ".join(problems) + (f"\n{err[-1500:]}" if problems else "")
 

@@ -59,8 +59,8 @@ def signal_target(proc: subprocess.Popen, target: str, sig: int) -> None:
     pytest.fail(f"no training process of rank {rank} found")
 
 
-STOP_LINE = re.compile(r"^mpitrain stopped \((SIG\w+)\) at global step ([\d,]+); the newest checkpoint is (\S+); "
-                       r"resume with the same command$", re.M)
+STOP_LINE = re.compile(r"^mpitrain stopped \((SIG\w+)\) at global step ([\d,]+) \(from rank \d+: SIG\w+ received\); "
+                       r"the newest checkpoint is (\S+); resume with the same command$", re.M)
 
 CASES = {
     "async, SIGTERM to mpirun": (3, "launcher", signal.SIGTERM, ()),
@@ -114,6 +114,9 @@ def test_a_signal_stops_at_a_step_saves_and_resumes(tmp_path, case, mpi):
     assert newest.endswith(f"ckpt-{step:09d}.npz") and os.path.exists(newest)  # the final state, saved
     s = json.loads(summary.read_text())
     assert s["stopped"]["signal"] == name and s["stopped"]["global_step"] == step == s["global_step"]
+    # where it began: the rank signalled (a signal to the launcher reaches every rank: any of them)
+    who = target.split()[1] if target.startswith("rank") else r"\d+"
+    assert re.fullmatch(rf"rank {who}: {name} received", s["stopped"]["origin"]), s["stopped"]
     # The same command (a shorter budget, to keep the test short) goes on from there.
     resumed = tmp_path / "r.json"
     proc = run_mpitrain(np_, *LONG[:2], *flags, "--no-progress", "--steps", str(step + 30), "--checkpoint-dir",

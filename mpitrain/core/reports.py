@@ -61,6 +61,7 @@ class WorkerReport:
     max_rss_mb: list[float] | None = None  # [start, end] of training (a single-process run's own report: None)
     timeline: list[dict] = field(default_factory=list)  # --timeline spans
     stop_signal: int = 0  # the signal that asked this rank to stop, if it knows one (stopping.py)
+    stop_origin: str = ""  # what asked it to stop first (core/stop.StopRequest.origin)
     bytes_moved: list[int] | None = None  # [sent, received] through MPI
     exchanges: int = 0  # what it sent its work in: async pushes, sync Allreduces (--local-steps: its outer steps)
     counted: int | None = None  # async: the gradients its pushes carried (gradients.WorkerResult.counted)
@@ -84,13 +85,14 @@ class ShardReport:
     diverged: dict | None
     timeline: list[dict] = field(default_factory=list)
     stop_signal: int = 0
+    stop_origin: str = ""
 
     role = "shard"
 
     def entry(self) -> dict:
         """The summary's ps_shards entry (the spans go to the trace)."""
         out = asdict(self)
-        del out["timeline"], out["stop_signal"]
+        del out["timeline"], out["stop_signal"], out["stop_origin"]
         return out
 
 

@@ -16,6 +16,10 @@ import time
 
 UNKNOWN = -1  # on the wire: a stop was requested, by a signal this sender does not know
 ROOM = -2  # on the wire: no stop, but rank 0 ends this phase to let a worker in (membership/lobby.py)
+# Origins that pass a stop on (StopRequest.origin): a peer's word, and the sync workers' sum of their votes
+# (each vote is a worker's own stop request: its origin is the one to name).
+HEARD = "heard from rank "
+VOTED = "the workers' stop vote"
 
 
 def signal_name(signum: int) -> str:
@@ -34,15 +38,20 @@ class StopRequest:
         self.signum = 0  # the signal, once known (0: none, or not known here)
         self.since: float | None = None  # when it was first requested (time.monotonic)
         self.room = False  # the phase ends for a new member; the job goes on
+        # What asked this process to stop, first: a signal it received, a peer's message, the sync workers'
+        # vote. The summary names the rank it began at (duties/summary.stop_origin): a stop whose signal no
+        # rank knows is reported as SIGTERM (exit 143), and without it nobody could tell where it came from.
+        self.origin = ""
 
     @property
     def due(self) -> bool:
         """Whether this phase ends at the next step boundary (a stop, or room to make)."""
         return self.requested or self.room
 
-    def request(self, signum: int = 0) -> None:
+    def request(self, signum: int = 0, origin: str = "") -> None:
         if not self.requested:
             self.since = time.monotonic()
+            self.origin = origin or (f"{signal_name(signum)} received" if signum > 0 else "a stop request")
         self.requested = True
         if signum > 0 and not self.signum:
             self.signum = signum
@@ -61,15 +70,15 @@ class StopRequest:
             return self.signum or UNKNOWN
         return ROOM if self.room else 0
 
-    def heard(self, value: int) -> None:
-        """A peer's header said `value` (0: nothing)."""
+    def heard(self, value: int, sender: int = -1) -> None:
+        """Rank `sender`'s header said `value` (0: nothing)."""
         if value == ROOM:
             self.room = True
         elif value:
-            self.request(max(int(value), 0))
+            self.request(max(int(value), 0), f"{HEARD}{sender}")
 
     def reset(self) -> None:
-        self.requested, self.signum, self.since, self.room = False, 0, None, False
+        self.requested, self.signum, self.since, self.room, self.origin = False, 0, None, False, ""
 
 
 STOP = StopRequest()  # one per process: signal handlers and message headers both reach it

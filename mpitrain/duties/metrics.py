@@ -350,7 +350,8 @@ def human_summary(s: dict) -> list[str]:
 def summary_stop_line(s: dict) -> str:
     """The one line a stopped run ends with (stdout, last line of the summary)."""
     st = s["stopped"]
-    return f"mpitrain stopped ({st['signal']}) at global step {st['global_step']:,}; {st['resume']}"
+    origin = f" (from {st['origin']})" if st.get("origin") else ""
+    return f"mpitrain stopped ({st['signal']}) at global step {st['global_step']:,}{origin}; {st['resume']}"
 
 
 def slow_lines(s: dict) -> list[str]:

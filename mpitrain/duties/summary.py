@@ -19,7 +19,7 @@ from mpitrain.core.exitcodes import ExitCode, interrupted
 from mpitrain.core.guard import Diverged
 from mpitrain.core.model import model_name
 from mpitrain.core.reports import Outcome, RoleResult, ShardReport, Summary, WorkerReport, WorkerResult
-from mpitrain.core.stop import signal_name
+from mpitrain.core.stop import HEARD, VOTED, signal_name
 from mpitrain.duties import checkpoint, observe
 from mpitrain.duties.metrics import human_summary, staleness_summary, summary_stop_line, to_json, write_json_atomic
 from mpitrain.duties.outputs import WRITES
@@ -48,7 +48,8 @@ def shard_report(ctx: Context, state) -> ShardReport:
     s = ctx.shard
     return ShardReport(ctx.rank, ctx.host, ctx.layout.shard_index(ctx.rank), s.stop - s.start, state.busy_fraction,
                        state.global_step, state.bytes_in, state.bytes_out, staleness_summary(state.staleness),
-                       as_dict(state.diverged), stop_signal=ctx.stop.signum)
+                       as_dict(state.diverged), stop_signal=ctx.stop.signum,
+                       stop_origin=ctx.stop.origin)
 
 
 def worker_report(ctx: Context, wres: WorkerResult, evaluation: tuple[float, float]) -> WorkerReport:
@@ -60,6 +61,7 @@ def worker_report(ctx: Context, wres: WorkerResult, evaluation: tuple[float, flo
     act = ctx.activity
     return WorkerReport(ctx.rank, wres.pushed, wres.dropped, as_dict(wres.diverged), wres.contributed, evaluation[0],
                         evaluation[1], digest(wres.params), breakdown, act.report(), stop_signal=ctx.stop.signum,
+                        stop_origin=ctx.stop.origin,
                         bytes_moved=[act.bytes_sent, act.bytes_received],
                         exchanges=act.exchanges if ctx.mode.averages else wres.pushed,  # async: to the store too
                         counted=wres.counted)
@@ -165,9 +167,18 @@ def stop_record(ctx: Context, state, reports: list, diverged: Diverged | None) -
     if diverged or not stop.requested or ctx.budget_reached(state):
         return None
     signum = stop.signum or next((r.stop_signal for r in reports if r.stop_signal), 0) or int(signal.SIGTERM)
+    origin = stop_origin(stop.origin, reports)
     stop.request(signum)  # the goodbye tells the workers which one (their exit code)
-    return {"signal": signal_name(signum), "global_step": state.global_step,
+    return {"signal": signal_name(signum), "global_step": state.global_step, "origin": origin,
             "resume": resume_hint(ctx, 0) if ctx.cfg.checkpoint_dir else "no --checkpoint-dir: nothing was saved"}
+
+
+def stop_origin(mine: str, reports: list) -> str:
+    """Where a stop began ("rank 2: SIGTERM received"): the first rank (rank 0, then the reports' order)
+    that knows it at first hand, else one that took it from the sync workers' vote, else rank 0's word."""
+    origins = [(PS_RANK, mine)] + [(r.rank, r.stop_origin) for r in reports if r.stop_origin]
+    rank, origin = min(origins, key=lambda ko: 2 if ko[1].startswith(HEARD) else 1 if ko[1].startswith(VOTED) else 0)
+    return f"rank {rank}: {origin or 'not known'}"
 
 
 def publish(ctx: Context, mine: RoleResult, reports: list, placements: list[str],

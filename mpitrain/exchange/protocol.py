@@ -170,7 +170,7 @@ class Framed:
         if h[H_COUNT] != count:
             raise ProtocolError(f"rank {source} sent {int(h[H_COUNT])} parameters where {count} were expected: "
                                 "start every rank with the same model flags (and --num-ps)")
-        STOP.heard(int(h[H_SIGNAL]))
+        STOP.heard(int(h[H_SIGNAL]), source)
 
     def refresh(self) -> None:
         """Before sending: bring the payload up to date with the buffer it stands for (a

@@ -24,6 +24,7 @@ from mpitrain.core.optim import REGISTRY as OPTIMIZERS
 from mpitrain.core.optim import Optimizer, make_ema
 from mpitrain.core.outer import LocalSteps, Overlap
 from mpitrain.core.reports import LOSS_WINDOW, WorkerResult, mean_loss
+from mpitrain.core.stop import VOTED
 from mpitrain.duties.checkpoint import INNER, OWN_MODEL, RESIDUAL, SUMS, Checkpointer, TrainState, split_rows
 from mpitrain.duties.metrics import Progress
 from mpitrain.duties.observe import ALLREDUCE, APPLY, COMPUTE, WAIT
@@ -49,15 +50,14 @@ class SyncStep:
     (1 from a worker that knows of a stop request; 1 from one that knows rank 0 makes room for a new
     member; 1 from the coordinator where a checkpoint will keep every worker's own arrays) so that every
     worker ends the phase after the same step (`stop`) and knows why, or gives its own arrays (`saving`), and the
-    step's stamp (the same from each worker) so that a sum holding a part of
-    another step, or garbage, is never taken for this one (`torn`). --quorum sums its gradients on the
+    step's stamp (the same from each worker) so that a sum holding a part of another step, or garbage, is never
+    taken for this one (`torn`). --quorum sums its gradients on the
     coordinator instead (QuorumCoordinator) and every worker `apply`s the mean."""
 
     def __init__(self, ctx: Context, params, start: TrainState | None = None, reducer: Reducer | None = None):
         cfg, be, model = ctx.cfg, ctx.backend, ctx.model
         self.ctx, self.params = ctx, params
-        n = model.n_params
-        self.n = n
+        self.n = n = model.n_params
         self.buf = be.xp.zeros(n + SYNC_SLOTS, be.xp.float32)
         self.reducer = reducer or reducer_for(ctx, n, SYNC_SLOTS)
         self.opt = Optimizer(cfg.optimizer, n, be.xp, momentum=cfg.momentum)
@@ -218,7 +218,7 @@ class SyncStep:
             await_verdict(ctx, why)
         buf *= ctx.backend.xp.float32(1.0) / buf[n + WEIGHT]
         if votes[0]:
-            ctx.stop.request()
+            ctx.stop.request(origin=f"{VOTED} ({votes[0]:g} of {ctx.workers}) in the sum of update {step + 1}")
         if votes[1]:
             ctx.stop.make_room()
         # The sum's votes alone: a word heard during the Allreduce (after this worker voted) is the next
