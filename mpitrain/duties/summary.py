@@ -177,7 +177,8 @@ def stop_origin(mine: str, reports: list) -> str:
     """Where a stop began ("rank 2: SIGTERM received"): the first rank (rank 0, then the reports' order)
     that knows it at first hand, else one that took it from the sync workers' vote, else rank 0's word."""
     origins = [(PS_RANK, mine)] + [(r.rank, r.stop_origin) for r in reports if r.stop_origin]
-    rank, origin = min(origins, key=lambda ko: 2 if ko[1].startswith(HEARD) else 1 if ko[1].startswith(VOTED) else 0)
+    rank, origin = min(origins, key=lambda ko: 3 if not ko[1] else 2 if ko[1].startswith(HEARD) else
+                       1 if ko[1].startswith(VOTED) else 0)
     return f"rank {rank}: {origin or 'not known'}"
 
 
