@@ -178,7 +178,8 @@ def test_a_job_warned_by_usr1_saves_requeues_itself_and_finishes(slurm, tmp_path
     info = slurm.wait(job, timeout=400)
     out = out_file.read_text()
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", f"{info}\n{out}"
-    stopped = re.findall(r"mpitrain stopped \(SIGUSR1\) at global step ([\d,]+); the newest checkpoint is (\S+);", out)
+    stopped = re.findall(r"mpitrain stopped \(SIGUSR1\) at global step ([\d,]+) \(from rank \d+: SIGUSR1 received\); "
+                         r"the newest checkpoint is (\S+);", out)
     assert len(stopped) == 1, out
     step = int(stopped[0][0].replace(",", ""))
     assert 0 < step < steps and f"resuming from {stopped[0][1]}" in out
@@ -206,7 +207,8 @@ def test_a_job_at_its_time_limit_stops_and_saves(slurm, tmp_path):
                        sbatch_args=["--time=1", "--signal=USR1@20"])
     info = slurm.wait(job, timeout=300)
     out = (tmp_path / f"mpitrain-{job}.out").read_text()
-    found = re.findall(r"mpitrain stopped \((SIG\w+)\) at global step ([\d,]+); the newest checkpoint is (\S+);", out)
+    found = re.findall(r"mpitrain stopped \((SIG\w+)\) at global step ([\d,]+) \(from rank \d+: SIG\w+ received\); "
+                       r"the newest checkpoint is (\S+);", out)
     assert len(found) == 1, f"{info}\n{out}"
     expected = {"SIGUSR1": ("FAILED", "138:0"), "SIGTERM": ("TIMEOUT", None)}[found[0][0]]
     assert info["JobState"] == expected[0] and (expected[1] is None or info["ExitCode"] == expected[1]), info

@@ -26,7 +26,9 @@ decision, with the reply that is sent anyway (two header slots), and costs nothi
 
 What is not exact, named: with --num-ps K a worker that dies half-way through a push may have reached
 another server but not rank 0, which deals the block again (that slice applies it twice, uncounted); a
-take-over of rank 0 starts a new ledger from the global step (the blocks out at the loss are unknown).
+take-over of rank 0 puts the ledger together from what the survivors were lent (failover.lent_ledger): each
+block pushed and not answered is dealt again and may be trained twice (named in the take-over's record), and
+the blocks rank 0 was about to deal again, or had lent to workers lost with it, are missed.
 The few samples past the last whole batch of each shard wait for a later epoch's reshuffle (`left`).
 Over the shm store the same Leases live in the store's arrays (PairQueue): a worker grants itself its next
 block in the hold of the lock it applies under, and rank 0 puts a lost worker's back.

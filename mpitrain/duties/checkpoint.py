@@ -47,11 +47,14 @@ class TrainState:
     versions: list[int] | None = None
     # The deal (core/ledger.py): sync, the job's batches in the updates applied; async, the next batch number never
     # dealt. The workers every epoch is cut for; async's blocks (first, count) dealt and not applied, to deal again.
-    # None, 0 and none in a state from before the ledger (an older checkpoint, an async take-over's).
+    # None, 0 and none in a state from before the ledger (an older checkpoint). An async worker's offer at a
+    # take-over: the furthest number lent to it, and its blocks not known applied (failover.lent_ledger).
     # --quorum: the batches dealt that the updates left out (a worker not in the Q), by epoch
     dealt: int | None = None
     deal_shards: int = 0
     redeal: list = field(default_factory=list)
+    in_flight: list = field(default_factory=list)  # an async worker's offer: the block pushed, not answered yet,
+    answered: list = field(default_factory=list)  # ... and its last blocks answered (applied)
     left_out: dict[int, int] = field(default_factory=dict)
     # Sync: what each worker holds for itself at global_step (Mode.worker_arrays), a row per worker in worker
     # order, by name: its error-feedback residual (RESIDUAL) and with --local-steps its inner optimizer's

@@ -25,8 +25,11 @@ What is lost: sync (and --quorum) nothing but the step in flight; rank 0 held no
 too. Async: the updates the dead server applied after the freshest reply a survivor holds (at most
 the phase's gradients pushed, less that reply's global step: `updates_lost_at_most`), and the
 optimizer's state and moving average, which lived on rank 0 only (they start again; plain SGD,
-async's default, has none). Until the new world's heartbeats run, join.Carry.start_forming bounds
-every collective: a rank killed during the take-over ends the others in one line, never a hang.
+async's default, has none). Async's data deal, which rank 0 kept, is put together from what the survivors
+were lent (lent_ledger): the blocks they had not had applied are dealt again; the one each had pushed and not
+had answered may so be trained twice (`batches_in_flight`). Until the new world's heartbeats run,
+join.Carry.start_forming bounds every collective: a rank killed during the take-over ends the others in one
+line, never a hang.
 """
 
 from __future__ import annotations
@@ -113,6 +116,7 @@ def take_over(ctx, e: PeerLost, carry) -> tuple[object, Handover] | None:
     world = mpiimpl.survivors(ctx.comm, chosen, NEWWORLD_TAG, NEWWORLD_STRINGTAG)
     lost_shards = [k for k, r in enumerate(ctx.layout.server_ranks) if r not in chosen]
     state, lost_at_most = freshest(ctx, world, mine, pushed, lost_shards)
+    in_flight = [[int(a), int(n)] for a, n in state.in_flight]
     K = ctx.layout.shards
     extra = state_arrays(cfg)[1:]  # the optimizer's state and the moving average: the same on every rank of world
     # the workers of this phase not in the new world: lost before rank 0 (which alone knew when) or with it
@@ -120,6 +124,7 @@ def take_over(ctx, e: PeerLost, carry) -> tuple[object, Handover] | None:
     record = {"lost": why, "successor": chosen[0], "servers": chosen[:K], "lost_shards": lost_shards,
               "workers_left_out": left_out,
               "global_step": state.global_step, "ranks": len(chosen), "updates_lost_at_most": lost_at_most,
+              "batches_in_flight": in_flight,
               "state_kept": [a for a in extra if state.array(a) is not None],
               "state_restarted": [a for a in extra if state.array(a) is None],
               "seconds": round(time.monotonic() - t0, 2)}
@@ -234,7 +239,10 @@ def freshest(ctx, world, mine: TrainState, pushed: int, lost_shards: list[int]) 
     world.Allreduce(MPI.IN_PLACE, total_pushed, op=MPI.SUM)
     names = state_arrays(ctx.cfg)  # params, the optimizer's arrays, the moving average
     state = TrainState(np.zeros(n, np.float32), int(top[0]))
-    bcast_ledger(world, mine, state, int(roots[0]))  # sync: the freshest's deal
+    if ctx.mode.leases and ctx.cfg.ps_transport != "shm" and 0 in lost_shards:  # (the store keeps its own)
+        lent_ledger(world, mine, state)
+    else:  # sync: the freshest's deal; async: rank 0's, where it is left (a shard was lost)
+        bcast_ledger(world, mine, state, int(roots[0]))
     for k, part in enumerate(ctx.layout.shard_slices(n)):
         root = int(roots[k])
         meta = np.array([mine.opt_t, *(mine.array(a) is not None for a in names)], np.int64)
@@ -254,3 +262,40 @@ def freshest(ctx, world, mine: TrainState, pushed: int, lost_shards: list[int]) 
     lost = 0 if ctx.mode.averages else max(
         [0, *(ctx.start.global_step + int(total_pushed[0]) - int(top[k]) for k in lost_shards)])
     return state, lost
+
+
+def lent_ledger(world, mine: TrainState, state: TrainState) -> None:
+    """Async's deal into `state` when rank 0, which kept it (core/ledger.Leases), is lost (issue 81): what each
+    survivor knew of it (AsyncWorker._held) put together. Blocks are lent in order, so every number below the
+    oldest block a survivor still holds was applied, in the freshest copy too (each answer a survivor had came
+    before its copy's version); above it, up to the furthest number lent, a block a survivor holds or had lent
+    in an answer that never came (a gap: none had it answered) is dealt again first, the one each had pushed
+    and not had answered too: the freshest copy lacks it unless rank 0 applied it before its answer to another
+    worker, and it is then trained twice (`in_flight`, named in the record). Lost with rank 0, and missed: the
+    blocks it was about to deal again (a worker lost before it), and those of workers lost with it."""
+    words = np.array([-1 if mine.dealt is None else mine.dealt, mine.deal_shards], np.int64)
+    world.Allreduce(MPI.IN_PLACE, words, op=MPI.MAX)  # (a server's offer knows nothing: -1, 0)
+    state.dealt, state.deal_shards = (None if words[0] < 0 else int(words[0])), int(words[1])
+    held = allgather_pairs(world, mine.redeal)
+    state.in_flight = sorted(allgather_pairs(world, mine.in_flight))
+    if state.dealt is None:
+        return
+    low = min((first for first, _ in held), default=state.dealt)
+    known = sorted(held + [b for b in allgather_pairs(world, mine.answered) if b[0] >= low])
+    gaps, at = [], low
+    for first, n in known + [(state.dealt, 0)]:
+        if first > at:
+            gaps.append((at, first - at))
+        at = max(at, first + n)
+    state.redeal = sorted(held + gaps)
+
+
+def allgather_pairs(comm, pairs) -> list[tuple[int, int]]:
+    """Every rank's (int, int) pairs, on every rank of `comm`, in rank order (no pickle)."""
+    mine = np.array(pairs, np.int64).reshape(-1)
+    counts = np.zeros(comm.Get_size(), np.int64)
+    comm.Allgather([np.array([mine.size], np.int64), MPI.INT64_T], [counts, MPI.INT64_T])
+    out = np.zeros(int(counts.sum()), np.int64)
+    displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    comm.Allgatherv([mine, MPI.INT64_T], [out, (counts.tolist(), displs.tolist()), MPI.INT64_T])
+    return [(int(a), int(n)) for a, n in out.reshape(-1, 2)]

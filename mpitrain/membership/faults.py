@@ -48,7 +48,9 @@ MPITRAIN_FORM_LIMIT_S=SEC       how long every rank waits for such a world befor
 
 MPITRAIN_TRACE_BATCHES=DIR      every sync worker appends to DIR/rank-R.txt, for each batch it takes, a line
                                 "PHASE STEP EPOCH ROW...": the samples, for a test to check what each epoch
-                                trained from the workers' side (core/ledger.py; tests/test_ledger.py)
+                                trained from the workers' side (core/ledger.py; tests/test_ledger.py); in
+                                async rank 0 appends to DIR/applied-PID.txt "FIRST COUNT STEP" for each block
+                                of batches it applies (AppliedTrace; tests/test_failover.py)
 
 MPITRAIN_TEST_BACKEND=server     the parameter servers compute on CopyingBackend: NumPy arrays
                                 that never share memory with message buffers, as a GPU's do not
@@ -315,6 +317,24 @@ class BatchTrace:
 def batch_trace(rank: int, step0: int, env=os.environ) -> BatchTrace | None:
     directory = env.get("MPITRAIN_TRACE_BATCHES")
     return BatchTrace(directory, rank, step0) if directory else None
+
+
+class AppliedTrace:
+    """MPITRAIN_TRACE_BATCHES, async: one line per block of batch numbers rank 0 applies, `FIRST COUNT STEP` (the
+    global step the update made), in a file of this process's own: a successor after a take-over writes its own,
+    and a reader keeps the lost rank 0's lines up to the step the take-over went on from."""
+
+    def __init__(self, directory: str):
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
+        self.fd = os.open(os.path.join(directory, f"applied-{os.getpid()}.txt"), flags, 0o644)
+
+    def applied(self, block, step: int) -> None:
+        os.write(self.fd, f"{int(block[0])} {int(block[1])} {step}\n".encode())  # one write: a whole line if killed
+
+
+def applied_trace(env=os.environ) -> AppliedTrace | None:
+    directory = env.get("MPITRAIN_TRACE_BATCHES")
+    return AppliedTrace(directory) if directory else None
 
 
 def offhost_ranks(env=os.environ) -> set[int]:

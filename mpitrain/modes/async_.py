@@ -43,7 +43,7 @@ from mpitrain.exchange.serving import SERVER_SIDES
 from mpitrain.exchange.shards import Gather, ShardService, assemble
 from mpitrain.exchange.transport import PS_POLL_NO_OVERLAP_S, PS_POLL_S, Poller
 from mpitrain.membership.elastic import interrupted_at
-from mpitrain.membership.faults import never_returns, stuck_from
+from mpitrain.membership.faults import applied_trace, never_returns, stuck_from
 from mpitrain.membership.liveness import PeerLost
 from mpitrain.membership.stuck import WATCHDOG
 from mpitrain.modes.async_worker import AsyncWorker
@@ -99,6 +99,7 @@ class AsyncServer:
         # Rank 0 lends the data (core/ledger.Leases): a block with each reply, marked applied when its push is.
         # A worker it has nothing for while another still holds blocks waits, parked, for what a loss returns.
         self.leases = start_leases(ctx, ctx.start) if self.chief else None
+        self.trace = applied_trace() if self.leases is not None else None
         self.parked: list[int] = []
         if self.leases is not None:
             self.state.deal_shards = ctx.deal(ctx.start).shards
@@ -111,7 +112,7 @@ class AsyncServer:
 
     def _offer(self) -> TrainState:
         """A take-over's (failover.py): this server's slice of the state, in arrays of the whole
-        model's size, and its version."""
+        model's size, and its version; rank 0's, the deal too (a shard lost, rank 0 left: its ledger goes on)."""
         own, part, n = self._own_state(), self.ctx.shard, self.ctx.model.n_params
         versions = [-1] * self.ctx.layout.shards
         versions[self.ctx.layout.shard_index(self.ctx.rank)] = own.global_step
@@ -124,7 +125,8 @@ class AsyncServer:
             return out
 
         return TrainState(whole(own.params), own.global_step, own.opt_t, {k: whole(a) for k, a in own.opt_state.items()},
-                          ema=whole(own.ema), versions=versions)
+                          ema=whole(own.ema), versions=versions, dealt=own.dealt, deal_shards=own.deal_shards,
+                          redeal=list(own.redeal))
 
     def _run(self) -> ServerState:
         while self.active:
@@ -301,6 +303,8 @@ class AsyncServer:
         self.update.apply(grad, self.ctx.lr_at(state.global_step), staleness, w, basis)
         state.global_step += inner
         state.worker_steps[w] += inner
+        if self.trace is not None:
+            self.trace.applied(msg.lease, state.global_step)
         state.staleness[outer_staleness] += 1  # --local-steps: in outer steps, as --max-staleness counts
         state.recent_losses.append(loss)
         # --steps counts rank 0's updates, the run's global step. Another server's count can run ahead

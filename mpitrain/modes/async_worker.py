@@ -4,9 +4,12 @@ gradient is computed while the answer travels. The servers' side is async_.py's 
 
 from __future__ import annotations
 
+from collections import deque
+
 from mpitrain.core.guard import Diverged
 from mpitrain.core.outer import InnerSteps
 from mpitrain.core.reports import WorkerResult
+from mpitrain.duties.checkpoint import TrainState
 from mpitrain.duties.observe import COMPUTE, PULL, PUSH
 from mpitrain.exchange.base import PushPull
 from mpitrain.exchange.mpi import MPIPushPull
@@ -15,6 +18,10 @@ from mpitrain.membership.elastic import interrupted_at
 from mpitrain.membership.faults import Kill
 from mpitrain.modes.gradients import GradientSource, LeasedBatches
 from mpitrain.runtime import Context, start_state
+
+# Blocks answered that a worker remembers for a take-over (failover.lent_ledger): the others answered while its
+# oldest block was out, which tells a block applied from one lent in an answer that never came.
+ANSWERED = 1024
 
 
 class AsyncWorker:
@@ -37,14 +44,30 @@ class AsyncWorker:
         # --local-steps H; with --overlap each run goes on from its own model while its push travels
         self.inner = InnerSteps(ctx.cfg, n, xp, own=self.overlap) if ctx.cfg.local_steps > 1 else None
         self.pushed = 0
+        self.begun = None  # the block computed on and not pushed yet
+        self.unanswered = None  # the block pushed whose answer has not come (rank 0 may have applied it)
+        self.answered: deque = deque(maxlen=ANSWERED)  # the last blocks whose push was answered: applied
         self.counted = 0  # its gradients in the pushes so far: pushes, or (--local-steps) the inner steps they carried
         self.diverged: Diverged | None = None  # set when a server stops the run because a loss diverged
 
     def run(self) -> WorkerResult:
         # Rank 0 lost (--on-lost-server continue): the take-over starts from the freshest copy.
         # (What a server may have applied: the pushes, not inner steps not pushed yet, which no store or server has.)
-        with interrupted_at(self.exchange.held, lambda: (self.counted, 0)):
+        with interrupted_at(self._held, lambda: (self.counted, 0)):
             return self._train()
+
+    def _held(self) -> TrainState:
+        """What a take-over starts from (rank 0 lost, failover.py): the exchange's copy and, where it holds no
+        ledger (the message path: rank 0 kept it), what this worker knows of the deal (failover.lent_ledger): the
+        furthest batch number lent to it and its blocks not known applied, the one pushed and not answered first."""
+        held = self.exchange.held()
+        if held.dealt is None:
+            b = self.batches
+            held.dealt, held.deal_shards = b.frontier, self.ctx.deal(self.ctx.start).shards
+            held.in_flight = [self.unanswered] if self.unanswered else []
+            held.redeal = held.in_flight + ([self.begun] if self.begun else []) + list(b.blocks)
+            held.answered = list(self.answered)
+        return held
 
     def _train(self) -> WorkerResult:
         ex = self.exchange
@@ -60,7 +83,7 @@ class AsyncWorker:
                 if not self._more():
                     raise ProtocolError("the parameter server neither lent this worker more data nor stopped it")
             slot = self.pushed % 2
-            lease = self.batches.begin()
+            lease = self.begun = self.batches.begin()
             loss, used_versions = self._compute(slot)
             if ex.in_flight and self._pull(unsent=slot):
                 break  # the gradient just computed is not pushed: training is over
@@ -97,6 +120,7 @@ class AsyncWorker:
         self.act.enter(PUSH)
         count = self.pushed + 1 if self.inner is None else self.inner.count  # its gradients: pushes, or inner steps
         self.exchange.push(slot, loss, used_versions, count, False, lease)  # never its last: the ledger says when
+        self.unanswered, self.begun = lease, None
         self.pushed += 1
         self.counted = count
 
@@ -106,6 +130,9 @@ class AsyncWorker:
         self.act.enter(PULL)
         ex = self.exchange
         stopped = ex.pull(self.pushed)
+        if self.unanswered is not None:
+            self.answered.append(self.unanswered)
+            self.unanswered = None
         if not stopped and self.inner is not None and self.inner.own:
             self.inner.rebase(ex.params, None if unsent is None else ex.gradient(unsent))
         if not stopped and ex.lent:

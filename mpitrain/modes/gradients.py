@@ -93,12 +93,15 @@ class LeasedBatches(Numbered):
 
     def __init__(self, ctx: Context):
         super().__init__(ctx, ctx.deal(ctx.start), ctx.start.global_step)
-        self.blocks: deque[Block] = deque(start_leases(ctx, ctx.start).out[ctx.worker_index])  # lent, not begun
+        first = start_leases(ctx, ctx.start)
+        self.blocks: deque[Block] = deque(first.out[ctx.worker_index])  # lent, not begun
+        self.frontier = first.fresh  # the furthest batch number this worker knows was dealt (a take-over's)
         self.block: Block | None = None  # the one being computed
         self.taken = 0  # of it
 
     def lend(self, block: Block) -> None:
         self.blocks.append(block)
+        self.frontier = max(self.frontier, block[0] + block[1])
 
     @property
     def held(self) -> bool:
