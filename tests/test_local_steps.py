@@ -222,6 +222,7 @@ def test_async_overlap_goes_on_from_the_worker_s_own_model_and_rebases_it_on_eac
     grads = [np.array([1.0, 2.0], np.float32), np.array([0.5, -1.0], np.float32)]
     worker = AsyncWorker.__new__(AsyncWorker)
     worker.act, worker.inner, worker.pushed, worker.diverged = SimpleNamespace(enter=lambda *a: None), inner, 1, None
+    worker.unanswered, worker.answered = None, []  # the take-over ledger's record (AsyncWorker._held)
     worker.exchange = SimpleNamespace(params=reply, lent=None, diverged_at=None, pull=lambda count: False,
                                       gradient=grads.__getitem__)
     assert not worker._pull(unsent=1)  # after computing into slot 1, before pushing it
