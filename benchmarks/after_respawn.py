@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from mpitrain.launch import mpiimpl
-from mpitrain.membership.faults import rank_pids, spawned_pids  # noqa: E402
+from mpitrain.launch.faults import rank_pids, spawned_pids  # noqa: E402
 
 KILL_AT_S = 9.0
 # --kills: whom each kill hits, in order (a rank the job started with, or "spawned": the newest replacement)

@@ -53,7 +53,7 @@ from mpitrain.core.exitcodes import ExitCode  # noqa: E402
 from mpitrain.core.layout import Layout  # noqa: E402
 from mpitrain.duties import checkpoint
 from mpitrain.launch import mpiimpl
-from mpitrain.membership.faults import LINGER_S, kill_session, rank_pids, spawned_pids  # noqa: E402
+from mpitrain.launch.faults import LINGER_S, kill_session, rank_pids, spawned_pids  # noqa: E402
 from mpitrain.membership.join import FORM_LIMIT_S  # noqa: E402
 from mpitrain.membership.stuck import STUCK_LINE  # noqa: E402
 

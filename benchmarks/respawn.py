@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from mpitrain.launch import mpiimpl
-from mpitrain.membership.faults import rank_pids  # noqa: E402
+from mpitrain.launch.faults import rank_pids  # noqa: E402
 from mpitrain.core.exitcodes import ExitCode
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from results import record  # noqa: E402  (same folder)

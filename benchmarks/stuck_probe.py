@@ -81,7 +81,7 @@ def rank_main() -> None:
 def trial(rng: random.Random) -> str:
     from run import env, mpirun
 
-    from mpitrain.membership.faults import kill_session, rank_pids
+    from mpitrain.launch.faults import kill_session, rank_pids
 
     proc = subprocess.Popen([mpirun(), "-disable-auto-cleanup", "-np", "3", sys.executable, __file__, RANK_ARG],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env(),

@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         err = None
     if cfg is not None and cfg.join:
-        from mpitrain.membership import faults
+        from mpitrain.launch import faults
 
         faults.slow_start()
     comm = world(cfg)

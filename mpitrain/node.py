@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 
 from mpitrain.core.config import TrainConfig, UsageError, can_take_joiners
 from mpitrain.core.layout import Layout
-from mpitrain.launch import mpiimpl, samehost
+from mpitrain.launch import faults, mpiimpl, samehost
 
 
 @dataclass(frozen=True)
@@ -92,13 +92,6 @@ def node_info(comm) -> Node:
     return info
 
 
-def stranger_ranks(env=os.environ) -> set[int]:
-    """MPITRAIN_INJECT_STRANGER, a test's hook (the others are in membership/faults.py, which this layer does
-    not import): ranks to treat as another launch's on this host, so that async's mailbox
-    (exchange/mailbox.py) is used without a --respawn or a --join."""
-    return {int(r) for r in env.get("MPITRAIN_INJECT_STRANGER", "").split(",") if r.strip()}
-
-
 def strangers_here(comm) -> tuple[int, ...]:
     """Collective over `comm`: its ranks on this host (samehost's key: the kernel's boot and pid
     namespace) that are not in this process's MPI_COMM_WORLD. Every rank of one launch answers alike about
@@ -113,7 +106,7 @@ def strangers_here(comm) -> tuple[int, ...]:
     group.Free()
     launch.Free()
     found = {r for r, key, w in zip(ranks, keys, in_world) if key and key == mine and w == MPI.UNDEFINED}
-    injected, me = stranger_ranks(), comm.Get_rank()  # MPITRAIN_INJECT_STRANGER: a test's other launch
+    injected, me = faults.stranger_ranks(), comm.Get_rank()  # MPITRAIN_INJECT_STRANGER: a test's other launch
     found |= {r for r in ranks if r != me and (r in injected) != (me in injected)}
     return tuple(sorted(found))
 

@@ -21,9 +21,9 @@ from mpitrain.core.stop import STOP
 from mpitrain.ending import free_worker_comm, retire_heartbeats, say_goodbye
 from mpitrain.exchange.protocol import FLAG_PEER_LOST, Message
 from mpitrain.exchange.transport import error_text
-from mpitrain.launch import mpiimpl, supervise
+from mpitrain.launch import faults, mpiimpl, supervise
 from mpitrain.launch.lock import exit_without_finalize
-from mpitrain.membership import failover, faults, join, spares
+from mpitrain.membership import failover, join, spares
 from mpitrain.membership.join import why_not_there
 from mpitrain.membership.joiner import join_job
 from mpitrain.membership.lobby import Lobby

@@ -31,7 +31,7 @@ from mpitrain.duties import checkpoint
 from mpitrain.duties.metrics import JobOutputs
 from mpitrain.duties.observe import Activity
 from mpitrain.launch import lock, mpiimpl
-from mpitrain.membership.faults import copying_backend_for
+from mpitrain.launch.faults import copying_backend_for
 from mpitrain.node import Node
 
 __all__ = ["PS_RANK", "Context", "Layout", "setup", "start_state"]

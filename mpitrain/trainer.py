@@ -24,7 +24,7 @@ from mpitrain.ending import (abort_job, await_goodbye, collect_reports, finalize
 from mpitrain.exchange.protocol import FLAG_PEER_LOST, FLAG_REFORM, FLAG_STOPPED, ProtocolError
 from mpitrain.launch import lock, supervise
 from mpitrain.membership import join, liveness, spares, stopping
-from mpitrain.membership.faults import Kill
+from mpitrain.launch.faults import Kill
 from mpitrain.membership.liveness import PeerLost
 from mpitrain.membership.stalls import server_stall_line, worker_stall_line
 from mpitrain.phases import (after_the_spawned, grow_with_joiner, joined, leave_after_a_loss, make_room, no_room,

@@ -176,7 +176,7 @@ def kill_session(proc: subprocess.Popen) -> bool:
     """SIGKILL whatever is left of a command started in its own session, faults.LINGER_S after it
     ended; True if anything was (with the keep-going flag ranks may outlive mpirun: a test says
     whether they did)."""
-    from mpitrain.membership import faults
+    from mpitrain.launch import faults
 
     return faults.kill_session(proc.pid, faults.LINGER_S if proc.poll() is not None else 0.0)
 

@@ -350,7 +350,7 @@ def test_mpitrain_run_gives_a_script_the_supervisor_and_a_worker_killed_from_out
     worker SIGKILLed from outside ended the whole job (issue 82). Run by mpitrain it is supervised as
     the CLI's ranks are: the script's next line runs on every survivor, with its own arguments, and
     mpirun exits with rank 0's verdict."""
-    from mpitrain.membership.faults import rank_pids
+    from mpitrain.launch.faults import rank_pids
 
     (tmp_path / "train.py").write_text(SCRIPT)
     cmd = [*launcher(), *keep_going(), "-np", "3", sys.executable, "-m", "mpitrain", "run", "train.py", "--x", "1"]

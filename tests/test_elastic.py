@@ -31,7 +31,7 @@ from conftest import (
 
 from mpitrain.duties import checkpoint
 from mpitrain.launch.mpiimpl import FAREWELL_MIN_S
-from mpitrain.membership.faults import rank_pids
+from mpitrain.launch.faults import rank_pids
 from mpitrain.membership.liveness import ENDS_THE_JOB
 from mpitrain.core.exitcodes import ExitCode
 

@@ -34,7 +34,7 @@ from mpitrain.duties import checkpoint
 from mpitrain.launch import mpiimpl
 from mpitrain.launch.lock import NAME as LOCK
 from mpitrain.membership import failover
-from mpitrain.membership.faults import rank_pids
+from mpitrain.launch.faults import rank_pids
 from mpitrain.core.exitcodes import ExitCode
 
 SAME = "the take-over is sync's (tested under both MPIs); --quorum only changes the loop it leaves"

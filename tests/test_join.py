@@ -31,7 +31,7 @@ from conftest import (
 
 from mpitrain.launch import mpiimpl
 from mpitrain.membership import join
-from mpitrain.membership.faults import rank_pids
+from mpitrain.launch.faults import rank_pids
 from mpitrain.core.exitcodes import ExitCode
 
 # Long enough that the joiner, which starts in ~1-3 s, finds the job training: measured on 2 cores

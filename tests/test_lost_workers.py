@@ -31,7 +31,7 @@ from conftest import (
 
 from mpitrain.duties import checkpoint
 from mpitrain.launch.mpiimpl import MPICH, needs_supervisor
-from mpitrain.membership.faults import rank_pids
+from mpitrain.launch.faults import rank_pids
 from mpitrain.membership.liveness import PeerLost, Watch
 from mpitrain.core.exitcodes import ExitCode
 

@@ -29,7 +29,7 @@ from mpitrain.core.config import TrainConfig, UsageError
 from mpitrain.core.config_checks import validate
 from mpitrain.duties import observe
 from mpitrain.exchange.protocol import BEAT_FIELDS, BEAT_GLOBAL_STEP, BEAT_PHASE, BEAT_STEPS
-from mpitrain.membership.faults import Kill, rank_pids
+from mpitrain.launch.faults import Kill, rank_pids
 from mpitrain.runtime import check_output_path
 
 LONG_RUN = ("--dataset", "synthetic", "--no-progress")

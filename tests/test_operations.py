@@ -30,8 +30,8 @@ from conftest import (
 from mpitrain.core.config import UsageError
 from mpitrain.duties import plot
 from mpitrain.launch import lock
+from mpitrain.launch.faults import rank_pids
 from mpitrain.launch.mpiimpl import OPENMPI
-from mpitrain.membership.faults import rank_pids
 
 LONG = ("--dataset", "synthetic", "--steps", "1000000", "--no-progress")  # never reached: the signal ends it
 STOP_WITHIN_S = 20  # from the signal to the end of the job, the final checkpoint and summary included

@@ -28,7 +28,7 @@ from conftest import (
 
 from mpitrain.launch import mpiimpl
 from mpitrain.membership import join, respawn
-from mpitrain.membership.faults import rank_pids
+from mpitrain.launch.faults import rank_pids
 from mpitrain.membership.lobby import Lobby
 from mpitrain.core.exitcodes import ExitCode
 from mpitrain.core.stop import StopRequest

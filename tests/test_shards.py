@@ -30,7 +30,7 @@ from mpitrain.core.model import build
 from mpitrain.duties import checkpoint
 from mpitrain.duties.summary import digest
 from mpitrain.exchange.protocol import HEADER_BYTES
-from mpitrain.membership.faults import rank_pids
+from mpitrain.launch.faults import rank_pids
 
 
 @pytest.mark.parametrize("n,k", [(7510, 2), (7510, 3), (10, 3), (5, 5), (101_770, 4)])

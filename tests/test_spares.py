@@ -27,7 +27,7 @@ from conftest import (
 
 from mpitrain.launch import mpiimpl
 from mpitrain.membership import join
-from mpitrain.membership.faults import rank_pids
+from mpitrain.launch.faults import rank_pids
 from mpitrain.membership.lobby import Lobby
 from mpitrain.membership.spares import Pool, Spare
 from mpitrain.core.stop import StopRequest

@@ -19,7 +19,7 @@ import pytest
 from conftest import MPI_TIMEOUT_S, child_env, keep_going, kill_session, logged_step, mpi_impl, mpitrain_cmd, only_on
 
 from mpitrain.core.exitcodes import ExitCode
-from mpitrain.membership.faults import rank_pids
+from mpitrain.launch.faults import rank_pids
 
 # Start-up made long enough to land in: each rank makes its 60,000 synthetic examples before the
 # agreement (about 1-2 s on 2 cores), and a kill comes 0-1 s after the victim's process appears.

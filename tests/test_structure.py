@@ -45,6 +45,7 @@ def test_the_import_contracts_hold():
     ("core/optim.py", "from mpi4py import MPI", "the core imports no MPI"),
     ("exchange/waiting.py", "from mpitrain.modes import base", "never import a mode"),
     ("core/layout.py", "from mpitrain.core import worldcheck", "no import cycle"),
+    ("modes/single.py", "from mpi4py import MPI", "modes post no MPI message"),
 ])
 def test_an_import_against_the_contracts_fails_them(tmp_path, module, line, broken):
     """Each contract fails on a copy of the package with one import that breaks it (one inside a
@@ -55,6 +56,23 @@ def test_an_import_against_the_contracts_fails_them(tmp_path, module, line, brok
     proc = lint_imports(tmp_path)
     verdicts = [line for line in proc.stdout.splitlines() if broken in line]
     assert proc.returncode != 0 and verdicts and "BROKEN" in verdicts[0], proc.stdout[-3000:]
+
+
+# A communicator's calls that move data or wait on peers (mpi4py's buffer and object forms; not the object
+# form's send/recv: exchange's own objects have a send).
+MPI_CALLS = {"Isend", "Irecv", "Send", "Recv", "Issend", "Ssend", "Iprobe", "Probe", "Sendrecv", "Bcast", "Ibcast",
+             "Allreduce", "Iallreduce", "Reduce", "Allgather", "Iallgather", "Alltoall", "Ialltoall", "Barrier",
+             "Ibarrier", "isend", "irecv", "bcast", "allgather", "allreduce", "barrier"}
+
+
+def test_no_mode_posts_an_mpi_message_itself():
+    """Issue 78's server-side seam: the modes hold, apply and decide; every message they send or receive is
+    posted by exchange/ (a Message's send/listen, a table, a PushPull, WorkerLinks), so another transport
+    is a file there. With the import contract above this catches a call on a communicator handed in."""
+    found = [f"{path.name}:{node.lineno} {node.func.attr}" for path in sorted((PACKAGE / "modes").glob("*.py"))
+             for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Call)
+             and isinstance(node.func, ast.Attribute) and node.func.attr in MPI_CALLS]
+    assert not found, found
 
 
 def test_the_package_root_holds_the_doors_and_the_phases_only():

@@ -46,7 +46,7 @@ from mpitrain.exchange.protocol import (FLAG_DIVERGED, FLAG_LAST, FLAG_LEAVING, 
                                         TAG_MAIL, TAG_PARAMS, Message)
 from mpitrain.exchange.transport import END_POLL_S, WORKER_POLL_S, Poller
 from mpitrain.exchange.waiting import poll
-from mpitrain.membership.faults import kill_here, store_kill
+from mpitrain.launch.faults import kill_here, store_kill
 
 PREFIX = "mpitrain-mail"
 PUSHED, ANSWERED = 0, 1  # the header's counters: the worker's pushes announced, rank 0's answers announced

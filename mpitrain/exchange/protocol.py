@@ -129,6 +129,19 @@ class Framed:
             spec = self._spec = [self.buf, MPI.BYTE]
         return spec
 
+    def send(self, comm, dest: int, tag: int, nbytes: int | None = None):
+        """Start sending this message to `dest` on `tag` (its first `nbytes` alone: a header without
+        its payload); the request. The modes post every message through here and `listen`."""
+        if nbytes is None:
+            return comm.Isend(self.spec(), dest=dest, tag=tag)
+        from mpi4py import MPI
+
+        return comm.Isend([self.buf[:nbytes], MPI.BYTE], dest=dest, tag=tag)
+
+    def listen(self, comm, source: int, tag: int):
+        """Post the receive of `source`'s next message on `tag` into this buffer; the request."""
+        return comm.Irecv(self.spec(), source=source, tag=tag)
+
     @functools.cached_property
     def _floats(self) -> np.ndarray:
         """The header's slots as float64 (H_LOSS, H_SECONDS): one view, not one per access."""

@@ -41,8 +41,8 @@ import numpy as np
 from mpitrain.core.layout import PS_RANK
 from mpitrain.core.ledger import Leases, PairQueue
 from mpitrain.duties.checkpoint import OPT_PREFIX, TrainState, state_arrays
+from mpitrain.launch.faults import kill_here, store_kill
 from mpitrain.launch.mpiimpl import orphans
-from mpitrain.membership.faults import kill_here, store_kill
 
 SHM_DIR = "/dev/shm"
 PREFIX = "mpitrain-store"
@@ -325,7 +325,7 @@ def open_store(ctx, start: TrainState, hold_at: int = 0, here: bool = True,
 
 
 class StoreKill:
-    """MPITRAIN_INJECT_KILL=RANK:STEP:POINT (membership/faults.py): this rank SIGKILLs itself at its push STEP's
+    """MPITRAIN_INJECT_KILL=RANK:STEP:POINT (launch/faults.py): this rank SIGKILLs itself at its push STEP's
     POINT in the store (0: opening it), as the fault tests ask; the store's one door to the fault hooks."""
 
     __slots__ = ("when",)

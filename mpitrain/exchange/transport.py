@@ -21,6 +21,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 from mpi4py import MPI
 
 from mpitrain.exchange.waiting import poll
@@ -178,6 +179,28 @@ class Poller:
             self.unattributed.append(mpi_error_reason(str(error)))
             return None
         return done
+
+
+NO_REQUEST = MPI.REQUEST_NULL  # a request slot with nothing in flight (tested, waited on: at once)
+
+# A table: rows of `width` int64 or float32 values, a message of its own without a header (its length
+# says how many rows), sent on a tag of its own just before the message it goes with (the sync
+# coordinator's --quorum left-out counts and the workers' own arrays, before a state to save).
+_TABLE_TYPES = {np.dtype(np.int64): MPI.INT64_T, np.dtype(np.float32): MPI.FLOAT}
+
+
+def send_table(comm, rows: np.ndarray, dest: int, tag: int):
+    """Start sending `rows` (C-contiguous, kept alive by the caller until the request completes)."""
+    return comm.Isend([rows, _TABLE_TYPES[rows.dtype]], dest=dest, tag=tag)
+
+
+def receive_table(comm, source: int, tag: int, dtype, width: int, watch) -> np.ndarray:
+    """The table `source` sent on `tag`, however many rows it has; waits for it watching `watch`."""
+    status, mpi_type = MPI.Status(), _TABLE_TYPES[np.dtype(dtype)]
+    poll(lambda: comm.Iprobe(source=source, tag=tag, status=status), CHIEF_POLL_S, watch)
+    rows = np.empty((status.Get_count(mpi_type) // width, width), dtype)
+    comm.Recv([rows, mpi_type], source=source, tag=tag)
+    return rows
 
 
 def error_text(code: int) -> str:

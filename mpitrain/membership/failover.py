@@ -47,7 +47,7 @@ from mpitrain.duties.checkpoint import TrainState, bcast_ledger, state_arrays
 from mpitrain.exchange.protocol import TAG_FAILOVER
 from mpitrain.exchange.waiting import poll
 from mpitrain.launch import mpiimpl, samehost
-from mpitrain.membership.faults import Kill
+from mpitrain.launch.faults import Kill
 from mpitrain.membership.liveness import ENDED_GRACE_S, ENDS_THE_JOB, PeerLost
 
 AGREE_FACTOR = 2.0  # the take-over's bound, in --worker-timeouts (+1 s): the survivors notice the loss apart

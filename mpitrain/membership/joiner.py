@@ -17,7 +17,7 @@ from mpitrain.core.config import TrainConfig, UsageError
 from mpitrain.core.console import say
 from mpitrain.exchange.protocol import FLAG_ENDED
 from mpitrain.launch import mpiimpl
-from mpitrain.membership import faults
+from mpitrain.launch import faults
 from mpitrain.membership.join import (ANSWER_S, GAVE_UP, GIVEN_UP_S, REQUESTS, TOKEN, TOUCH_S, Carry, answer_go,
                                       await_go, dead_here, into_job, job_folder, recv_json, remove, remove_folder,
                                       send_json, write_private)

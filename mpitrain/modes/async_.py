@@ -42,8 +42,8 @@ from mpitrain.exchange.protocol import (
 from mpitrain.exchange.serving import SERVER_SIDES
 from mpitrain.exchange.shards import Gather, ShardService, assemble
 from mpitrain.exchange.transport import PS_POLL_NO_OVERLAP_S, PS_POLL_S, Poller
+from mpitrain.launch.faults import applied_trace, never_returns, stuck_from
 from mpitrain.membership.elastic import interrupted_at
-from mpitrain.membership.faults import applied_trace, never_returns, stuck_from
 from mpitrain.membership.liveness import PeerLost
 from mpitrain.membership.stuck import WATCHDOG
 from mpitrain.modes.async_worker import AsyncWorker

@@ -14,8 +14,8 @@ from mpitrain.duties.observe import COMPUTE, PULL, PUSH
 from mpitrain.exchange.base import PushPull
 from mpitrain.exchange.mpi import MPIPushPull
 from mpitrain.exchange.protocol import ProtocolError
+from mpitrain.launch.faults import Kill
 from mpitrain.membership.elastic import interrupted_at
-from mpitrain.membership.faults import Kill
 from mpitrain.modes.gradients import GradientSource, LeasedBatches
 from mpitrain.runtime import Context, start_state
 

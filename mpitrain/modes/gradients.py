@@ -16,7 +16,7 @@ from collections import deque
 import numpy as np
 
 from mpitrain.core.ledger import Block, Deal, Leases, SyncDeal
-from mpitrain.membership.faults import batch_trace, injected_step
+from mpitrain.launch.faults import batch_trace, injected_step
 from mpitrain.runtime import Context
 
 

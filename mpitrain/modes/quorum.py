@@ -15,7 +15,6 @@ import time
 from collections import deque
 
 import numpy as np
-from mpi4py import MPI
 
 from mpitrain.core.compress import Pushes, push_words
 from mpitrain.core.outer import round_span
@@ -24,10 +23,10 @@ from mpitrain.duties.checkpoint import TrainState
 from mpitrain.duties.observe import COMPUTE, PUSH, WAIT
 from mpitrain.exchange.protocol import (FLAG_LATE, FLAG_LEAVING, FLAG_STOP_STEP, HEADER_BYTES, TAG_QGRAD, TAG_UPDATE,
                                         Message, ProtocolError)
-from mpitrain.exchange.transport import WORKER_POLL_S, Poller
+from mpitrain.exchange.transport import NO_REQUEST, WORKER_POLL_S, Poller
 from mpitrain.exchange.waiting import poll
 from mpitrain.membership.elastic import interrupted_at
-from mpitrain.membership.faults import Kill
+from mpitrain.launch.faults import Kill
 from mpitrain.modes.base import Trained
 from mpitrain.modes.quorum_parts import (OWED_MARGIN_S, PACE_SLACK, SWITCH_INTERVAL_S, UNHEARD_HOLDS, CoordinatorPace,
                                          ContributionSource, GradientThread, QuorumUpdate, UpdateRing, arrived,
@@ -244,7 +243,7 @@ class QuorumCoordinator:
         self.recv[i] = self._post(msg, rank)
 
     def _post(self, msg: Message, rank: int):
-        return self.ctx.worker_comm.Irecv(msg.spec(), source=self.ctx.layout.worker_index(rank), tag=TAG_QGRAD)
+        return msg.listen(self.ctx.worker_comm, self.ctx.layout.worker_index(rank), TAG_QGRAD)
 
     def _add(self, w: int, grad, loss: float) -> None:
         buf, n = self.step_fn.buf, self.n
@@ -311,7 +310,7 @@ class QuorumFollower:
         self.pushes = Pushes(ctx.cfg, n, be)  # a scheme's part with --compress int8|int4 / --sparsify
         self.outs = [Message(self.pushes.count, be.host_alloc, self.pushes.dtype) for _ in range(2)]
         self.grads = [self.pushes.gradient(m.payload) for m in self.outs]
-        self.sends = [MPI.REQUEST_NULL] * 2
+        self.sends = [NO_REQUEST] * 2
         self.update = QuorumUpdate(ctx)
         self.step_fn.deal = sync_deal(ctx, start)
         self.total = sync_total(ctx, self.step_fn.deal)
@@ -320,7 +319,7 @@ class QuorumFollower:
         self.poller = Poller(WORKER_POLL_S, ctx.watch)
         self.h = ctx.cfg.local_steps  # global steps per update (outer.round_span)
         self.step = start.global_step  # updates applied: the parameters are those of this step
-        self.pending = MPI.REQUEST_NULL
+        self.pending = NO_REQUEST
         self.mine: int | None = None  # the step of the gradient pushed and not yet answered
         self.my_loss = 0.0
         self.computed = self.contributed = self.dropped = 0
@@ -376,13 +375,12 @@ class QuorumFollower:
         nbytes = push_bytes(out)
         if nbytes == out.buf.nbytes:  # (a header alone sends nothing of the gradient: no feedback taken)
             self.pushes.write(self.grads[slot], out.payload)
-        self.sends[slot] = self.ctx.worker_comm.Isend([out.buf[:nbytes], MPI.BYTE], dest=COORDINATOR_INDEX,
-                                                      tag=TAG_QGRAD)
+        self.sends[slot] = out.send(self.ctx.worker_comm, COORDINATOR_INDEX, TAG_QGRAD, nbytes)
         self.ctx.activity.moved(sent=nbytes)
 
     def _post(self) -> None:
         if self.step < self.total:
-            self.pending = self.ctx.worker_comm.Irecv(self.update.msg.spec(), source=COORDINATOR_INDEX, tag=TAG_UPDATE)
+            self.pending = self.update.msg.listen(self.ctx.worker_comm, COORDINATOR_INDEX, TAG_UPDATE)
 
     def _take_updates(self) -> bool:
         """Apply every update that came, in order; True if any did."""

@@ -205,9 +205,8 @@ class UpdateRing:
         return oldest
 
     def send(self, update: QuorumUpdate) -> None:
-        spec = update.msg.spec()
         comm, index = self.ctx.worker_comm, self.ctx.layout.worker_index
-        update.reqs = [comm.Isend(spec, dest=index(r), tag=TAG_UPDATE) for r in self.peers]
+        update.reqs = [update.msg.send(comm, index(r), TAG_UPDATE) for r in self.peers]
         self.ctx.activity.moved(sent=update.msg.buf.nbytes * len(self.peers))
         self.busy.append(update)
 

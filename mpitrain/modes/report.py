@@ -7,7 +7,6 @@ from __future__ import annotations
 import time
 
 import numpy as np
-from mpi4py import MPI
 
 from mpitrain.core.layout import PS_RANK
 from mpitrain.core.reports import WorkerResult
@@ -16,7 +15,7 @@ from mpitrain.duties.observe import PUSH
 from mpitrain.exchange.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_FINAL, FLAG_REGROUPED, TAG_LEFT_OUT,
                                         TAG_PER_WORKER, TAG_STATUS, Message)
 from mpitrain.exchange.shards import cut
-from mpitrain.exchange.transport import WORKER_POLL_S, Poller, tested
+from mpitrain.exchange.transport import NO_REQUEST, WORKER_POLL_S, Poller, send_table, tested
 from mpitrain.runtime import Context
 
 STATUS_EVERY_S = 0.2  # sync coordinator -> PS progress reports; off the hot path
@@ -43,11 +42,11 @@ class CoordinatorReport:
         self.slices = ctx.layout.shard_slices(n)
         self.status = Message(0)
         self.fulls = [Message((s.stop - s.start) * len(self.names)) for s in self.slices]  # one per server
-        self.pending = [MPI.REQUEST_NULL] * (1 + len(self.servers))  # a status, a full message per server
-        self.left_out = [MPI.REQUEST_NULL]  # --quorum: the batches left out, by epoch, before a state rank 0 saves
+        self.pending = [NO_REQUEST] * (1 + len(self.servers))  # a status, a full message per server
+        self.left_out = [NO_REQUEST]  # --quorum: the batches left out, by epoch, before a state rank 0 saves
         self.left_out_buf = np.zeros((0, 2), np.int64)
         self.keeps = ctx.mode.worker_arrays(ctx.cfg)  # every worker's own arrays, before a state rank 0 saves
-        self.own = [MPI.REQUEST_NULL]
+        self.own = [NO_REQUEST]
         self.own_buf = np.zeros((0, self.n * len(self.keeps)), np.float32)
         self.last_sent = 0.0
         self.ckpt = Checkpointer(ctx.cfg, ctx.fingerprint)  # only decides when; rank 0 writes
@@ -60,17 +59,17 @@ class CoordinatorReport:
         if ctx.mode.leaves_out and flags & (FLAG_CKPT | FLAG_FINAL):  # first: rank 0 takes it with the state
             self.waiter.all(self.left_out, [PS_RANK])
             self.left_out_buf = np.asarray(sorted(state.left_out.items()), np.int64).reshape(-1, 2)
-            self.left_out[0] = ctx.comm.Isend([self.left_out_buf, MPI.INT64_T], dest=PS_RANK, tag=TAG_LEFT_OUT)
+            self.left_out[0] = send_table(ctx.comm, self.left_out_buf, PS_RANK, TAG_LEFT_OUT)
         if self.keeps and flags & (FLAG_CKPT | FLAG_FINAL):  # no rows: a state without them (a diverged end)
             self.waiter.all(self.own, [PS_RANK])
             kept = [state.per_worker[name] for name in self.keeps] if state.per_worker else []
             self.own_buf = np.ascontiguousarray(np.concatenate(kept, axis=1) if kept else self.own_buf[:0])
-            self.own[0] = ctx.comm.Isend([self.own_buf, MPI.FLOAT], dest=PS_RANK, tag=TAG_PER_WORKER)
+            self.own[0] = send_table(ctx.comm, self.own_buf, PS_RANK, TAG_PER_WORKER)
         flat = to_flat(state, self.names)
         for k, (full, s, rank) in enumerate(zip(self.fulls, self.slices, self.servers), 1):
             cut(flat, self.names, self.n, s, full.payload)
             full.stamp(TAG_STATUS, state.global_step, pushed_by(state.global_step, state.dealt), flags, loss)
-            self.pending[k] = ctx.comm.Isend(full.spec(), dest=rank, tag=TAG_STATUS)
+            self.pending[k] = full.send(ctx.comm, rank, TAG_STATUS)
 
     def report(self, step: int, loss: float, sync_step) -> None:
         """After global step `step` (sync_step: the SyncStep that took it)."""
@@ -103,7 +102,7 @@ class CoordinatorReport:
 
     def _status(self, step: int, flags: int, loss: float, dealt: int | None = None, generation: int = 0) -> None:
         self.status.stamp(TAG_STATUS, step, pushed_by(step, dealt), flags, loss, generation=generation)
-        self.pending[0] = self.ctx.comm.Isend(self.status.spec(), dest=PS_RANK, tag=TAG_STATUS)
+        self.pending[0] = self.status.send(self.ctx.comm, PS_RANK, TAG_STATUS)
 
     def final(self, result: WorkerResult) -> None:
         self.send_full(result.train_state, FLAG_FINAL | (FLAG_DIVERGED if result.diverged else 0), result.recent_loss)

@@ -27,7 +27,7 @@ from mpitrain.exchange.protocol import (FLAG_DIVERGED, FLAG_FINAL, FLAG_LAST, FL
 from mpitrain.exchange.serving import SERVER_SIDES
 from mpitrain.exchange.shm_push import SharedUpdate
 from mpitrain.exchange.transport import PS_POLL_NO_OVERLAP_S, Poller
-from mpitrain.membership.faults import offhost_ranks
+from mpitrain.launch.faults import offhost_ranks
 from mpitrain.membership.liveness import PeerLost
 
 POLL_S = PS_POLL_NO_OVERLAP_S  # with remote workers rank 0's loop answers them: their reply is on their critical path

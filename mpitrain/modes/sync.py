@@ -31,9 +31,9 @@ from mpitrain.duties.observe import ALLREDUCE, APPLY, COMPUTE, WAIT
 from mpitrain.exchange.base import Reducer
 from mpitrain.exchange.compressed import reducer_for
 from mpitrain.exchange.mpi import await_verdict
+from mpitrain.launch.faults import Kill
 from mpitrain.membership import elastic
 from mpitrain.membership.elastic import interrupted_at
-from mpitrain.membership.faults import Kill
 from mpitrain.membership.liveness import PeerLost
 from mpitrain.modes.base import Mode, Trained
 from mpitrain.modes.gradients import DealtBatches, GradientSource, sync_deal

@@ -5,7 +5,6 @@ The workers' side is modes/sync.py."""
 from __future__ import annotations
 
 import numpy as np
-from mpi4py import MPI
 
 from mpitrain.core.guard import Diverged
 from mpitrain.core.layout import PS_RANK
@@ -18,8 +17,7 @@ from mpitrain.exchange.mpi import ABANDONED
 from mpitrain.exchange.protocol import (FLAG_CKPT, FLAG_DIVERGED, FLAG_EVAL, FLAG_FINAL, FLAG_REGROUPED, TAG_LEFT_OUT,
                                         TAG_PER_WORKER, TAG_SHARD, TAG_STATUS, Message, ProtocolError)
 from mpitrain.exchange.shards import Gather, assemble
-from mpitrain.exchange.transport import CHIEF_POLL_S, Poller
-from mpitrain.exchange.waiting import poll
+from mpitrain.exchange.transport import CHIEF_POLL_S, NO_REQUEST, Poller, receive_table
 from mpitrain.membership import elastic
 from mpitrain.membership.liveness import PeerLost
 from mpitrain.runtime import Context
@@ -39,7 +37,7 @@ def follow_coordinator(ctx: Context, progress: Progress) -> ServerState:
     box = Message(full_count)
     poller = Poller(CHIEF_POLL_S, ctx.watch)  # PeerLost ends the job (trainer.py)
     gather = Gather(ctx, poller)  # --num-ps: the other servers forward their slices of the same step
-    status = ctx.comm.Irecv(box.spec(), source=coordinator, tag=TAG_STATUS)
+    status = box.listen(ctx.comm, coordinator, TAG_STATUS)
     arbiter = elastic.Arbiter(ctx) if ctx.regroups else None  # else a lost worker ends the job (trainer.py)
     layout = ctx.layout
     final_seen = False
@@ -73,7 +71,7 @@ def follow_coordinator(ctx: Context, progress: Progress) -> ServerState:
                 # (`torn`), which must not land in the new coordinator's messages.
                 ABANDONED.append((status, box))
                 coordinator, box = layout.worker_rank(0), Message(full_count)
-                status = ctx.comm.Irecv(box.spec(), source=coordinator, tag=TAG_STATUS)
+                status = box.listen(ctx.comm, coordinator, TAG_STATUS)
             continue
         if 0 not in done.arrived:
             continue
@@ -81,7 +79,7 @@ def follow_coordinator(ctx: Context, progress: Progress) -> ServerState:
             # sent before the coordinator regrouped: superseded (the workers redo it from the agreed step)
             if box.flags & FLAG_REGROUPED and arbiter.regrouped(box.generation, box.step, W):
                 box.check(TAG_STATUS, coordinator, count=0)
-            status = ctx.comm.Irecv(box.spec(), source=coordinator, tag=TAG_STATUS)
+            status = box.listen(ctx.comm, coordinator, TAG_STATUS)
             continue
         final, full = bool(box.flags & FLAG_FINAL), bool(box.flags & (FLAG_FINAL | FLAG_EVAL | FLAG_CKPT))
         box.check(TAG_STATUS, coordinator, count=full_count if full else 0)
@@ -111,9 +109,9 @@ def follow_coordinator(ctx: Context, progress: Progress) -> ServerState:
             state.params[:] = received.params
             state.ema = received.ema
             final_seen = True
-            status = MPI.REQUEST_NULL
+            status = NO_REQUEST
         else:
-            status = ctx.comm.Irecv(box.spec(), source=coordinator, tag=TAG_STATUS)
+            status = box.listen(ctx.comm, coordinator, TAG_STATUS)
     if arbiter is not None:
         arbiter.done(layout)
     state.worker_steps = [state.global_step] * W
@@ -123,7 +121,7 @@ def follow_coordinator(ctx: Context, progress: Progress) -> ServerState:
 def receive_left_out(ctx: Context, coordinator: int) -> dict[int, int]:
     """--quorum: the coordinator's count of the batches its updates left out, by epoch (TAG_LEFT_OUT), sent
     just before the state that arrived: for the checkpoint and the summary."""
-    return {int(e): int(n) for e, n in _rows_before_state(ctx, coordinator, TAG_LEFT_OUT, np.int64, 2)}
+    return {int(e): int(n) for e, n in receive_table(ctx.comm, coordinator, TAG_LEFT_OUT, np.int64, 2, ctx.watch)}
 
 
 def receive_per_worker(ctx: Context, coordinator: int, names: tuple[str, ...]) -> dict[str, np.ndarray]:
@@ -132,18 +130,8 @@ def receive_per_worker(ctx: Context, coordinator: int, names: tuple[str, ...]) -
     if not names:
         return {}
     n = ctx.model.n_params
-    rows = _rows_before_state(ctx, coordinator, TAG_PER_WORKER, np.float32, n * len(names))
+    rows = receive_table(ctx.comm, coordinator, TAG_PER_WORKER, np.float32, n * len(names), ctx.watch)
     return checkpoint.split_rows(rows, names, n) if len(rows) else {}
-
-
-def _rows_before_state(ctx: Context, coordinator: int, tag: int, dtype, width: int) -> np.ndarray:
-    """The rows of `width` the coordinator sent on `tag` just before the state that arrived (not a Message)."""
-    status = MPI.Status()
-    mpi_type = MPI.INT64_T if dtype == np.int64 else MPI.FLOAT
-    poll(lambda: ctx.comm.Iprobe(source=coordinator, tag=tag, status=status), CHIEF_POLL_S, ctx.watch)
-    rows = np.empty((status.Get_count(mpi_type) // width, width), dtype)
-    ctx.comm.Recv([rows, mpi_type], source=coordinator, tag=tag)
-    return rows
 
 
 def _received(ctx: Context, gather: Gather, box: Message, names: list[str]) -> TrainState:
@@ -171,13 +159,13 @@ def keep_shard(ctx: Context) -> ServerState:
     poller = Poller(CHIEF_POLL_S, ctx.watch)
     while True:
         ctx.activity.enter(WAIT, state.global_step)
-        poller.all([ctx.comm.Irecv(box.spec(), source=coordinator, tag=TAG_STATUS)], [coordinator])
+        poller.all([box.listen(ctx.comm, coordinator, TAG_STATUS)], [coordinator])
         box.check(TAG_STATUS, coordinator)
         state.global_step = box.step
         state.params[s] = box.payload[:m]
         state.bytes_in += box.buf.nbytes
         box.stamp(TAG_SHARD, box.step, box.pushed, box.flags, box.loss, generation=box.generation)
-        poller.all([ctx.comm.Isend(box.spec(), dest=PS_RANK, tag=TAG_SHARD)], [PS_RANK])
+        poller.all([box.send(ctx.comm, PS_RANK, TAG_SHARD)], [PS_RANK])
         state.bytes_out += box.buf.nbytes
         if box.flags & FLAG_FINAL:
             if box.flags & FLAG_DIVERGED:  # rank 0 and the workers say why

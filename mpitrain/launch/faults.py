@@ -1,4 +1,5 @@
-"""Fault injection for the fault tests (tests/test_faults.py), read from the environment:
+"""Fault injection for the fault tests (tests/test_faults.py), read from the environment (in launch/, the
+lowest layer that knows processes: the exchange and the runtime fire these hooks too):
 
 MPITRAIN_INJECT_NAN=RANK:STEP   worker RANK reports a NaN loss at its own step STEP
 MPITRAIN_INJECT_KILL=RANK:STEP  worker RANK SIGKILLs itself at its own step STEP (as the OOM
@@ -41,8 +42,8 @@ MPITRAIN_INJECT_SLOW_START=SEC  a --join worker (one the job started with --resp
 MPITRAIN_INJECT_OFFHOST=RANK,...  --ps-transport shm: these workers take the message path as a worker on
                                 another host than rank 0's does (modes/shm_remote.py, tested on one host)
 MPITRAIN_INJECT_STRANGER=RANK,...  these ranks count as another launch's on this host (a --respawn's or a
-                                --join's): async's exchange with rank 0 takes a mailbox (read in node.py, below
-                                this layer)
+                                --join's): async's exchange with rank 0 takes a mailbox (stranger_ranks,
+                                read in node.py)
 MPITRAIN_FORM_LIMIT_S=SEC       how long every rank waits for such a world before it ends itself
                                 (join.FORM_LIMIT_S, 30 s; the test that kills there waits less)
 
@@ -382,3 +383,9 @@ def joiner_vanishes(when: str) -> None:
     "formed": once the new world has formed)."""
     if os.environ.get("MPITRAIN_INJECT_JOIN") == when:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def stranger_ranks(env=os.environ) -> set[int]:
+    """MPITRAIN_INJECT_STRANGER: ranks to treat as another launch's on this host, so that async's mailbox
+    (exchange/mailbox.py) is used without a --respawn or a --join."""
+    return {int(r) for r in env.get("MPITRAIN_INJECT_STRANGER", "").split(",") if r.strip()}
