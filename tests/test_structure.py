@@ -2,6 +2,7 @@
 pyproject.toml (import-linter), the folders, the size of a module, where --mode is read."""
 
 import ast
+import inspect
 import os
 import shutil
 import subprocess
@@ -73,6 +74,24 @@ def test_no_mode_posts_an_mpi_message_itself():
              for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Call)
              and isinstance(node.func, ast.Attribute) and node.func.attr in MPI_CALLS]
     assert not found, found
+
+
+def test_the_server_loops_use_only_the_server_side_seam_and_every_transport_has_all_of_it():
+    """exchange/base.ServerSide is what a new async transport implements: every `self.links.X` the server loops
+    use is in it, and every class of serving.SERVER_SIDES has each of its members (methods, or attributes its
+    constructor sets), so docs/architecture.md's "a transport is a class with these" holds."""
+    from mpitrain.exchange.base import ServerSide
+    from mpitrain.exchange.serving import SERVER_SIDES
+
+    seam = {name for name in vars(ServerSide) if not name.startswith("_")} | set(ServerSide.__annotations__)
+    used = {node.attr for path in (PACKAGE / "modes").glob("*.py") for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and node.value.attr == "links"}
+    assert used and used <= seam, sorted(used - seam)
+    for cls in SERVER_SIDES.values():
+        made = {node.attr for node in ast.walk(ast.parse(inspect.getsource(cls))) if isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name) and node.value.id == "self" and isinstance(node.ctx, ast.Store)}
+        missing = {name for name in seam if not hasattr(cls, name) and name not in made}
+        assert not missing, (cls.__name__, sorted(missing))
 
 
 def test_the_package_root_holds_the_doors_and_the_phases_only():

@@ -1,4 +1,5 @@
-"""The exchange's interfaces, which a mode's loop is written against (MPI's in mpi.py)."""
+"""The exchange's interfaces, which a mode's loop is written against: Reducer (sync), PushPull (an async
+worker), ServerSide (an async server). MPI's are in mpi.py and serving.py."""
 
 from __future__ import annotations
 
@@ -54,5 +55,35 @@ class PushPull(Protocol):
     def leave(self, count: int) -> None: ...  # it stops with nothing pushed: tell every server
 
     def held(self) -> TrainState: ...  # what a take-over starts from, should rank 0 be lost (failover.py)
+
+    def close(self) -> None: ...
+
+
+class ServerSide(Protocol):
+    """A server's side of async's push/pull (WorkerLinks is MPI's, exchange/serving.py), the seam the server loops
+    (modes/async_.py, modes/shm_remote.py) are written against: `next` arrivals (their pushes in `inbox[i]`, as
+    `pushes` reads them), the buffer of i's answer (`reply_to`, written as `replies` writes), `send` it, `drop` a
+    lost worker, `drain` the last replies, `close`. A new transport is a class with these, named in
+    serving.SERVER_SIDES under the --ps-transport value that picks it (tests/test_structure.py holds the loops
+    to this list)."""
+
+    inbox: list  # worker i's last push (a protocol.Message)
+    outbox: list  # worker i's reply buffers (shm's remote workers reply straight from them)
+    pushes: object  # core.compress.Pushes: what a push carries, read into a gradient
+    replies: object  # core.compress.Replies: what an answer carries, written from the parameters
+
+    def awaits(self, i: int) -> bool: ...
+
+    def next(self, extra: list | None = None, wait: bool = True): ...  # transport.Completed
+
+    def over_mpi(self, i: int, reply: bool = False) -> int: ...
+
+    def reply_to(self, i: int): ...
+
+    def send(self, i: int, more: bool) -> None: ...
+
+    def drop(self, i: int) -> None: ...
+
+    def drain(self, poller=None) -> None: ...
 
     def close(self) -> None: ...

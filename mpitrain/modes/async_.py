@@ -27,6 +27,7 @@ from mpitrain.duties.checkpoint import TrainState
 from mpitrain.duties.chief import ChiefDuties, ServerState, record_lost
 from mpitrain.duties.metrics import Progress
 from mpitrain.duties.observe import APPLY, PUSH, WAIT
+from mpitrain.exchange.base import ServerSide
 from mpitrain.exchange.mailbox import worker_exchange
 from mpitrain.exchange.protocol import (
     FLAG_CKPT,
@@ -80,7 +81,7 @@ class AsyncServer:
         # With --overlap a reply is not awaited until the worker's next gradient is computed, so
         # rank 0 can sleep longer between polls and leave the cores to the workers.
         self.poller = Poller(PS_POLL_S if cfg.overlaps(ctx.workers) else PS_POLL_NO_OVERLAP_S, ctx.watch)
-        self.links = SERVER_SIDES[cfg.ps_transport](ctx, n, self.worker_ranks, self.poller)
+        self.links: ServerSide = SERVER_SIDES[cfg.ps_transport](ctx, n, self.worker_ranks, self.poller)
         for w in range(W):  # with --compress-replies a reply is the change since what the worker holds: this start
             self.links.replies.start(w, self.params)
         # NumPy + float32: a gradient is applied from its receive buffer. Otherwise it is staged

@@ -63,7 +63,7 @@ class CoordinatorReport:
         if self.keeps and flags & (FLAG_CKPT | FLAG_FINAL):  # no rows: a state without them (a diverged end)
             self.waiter.all(self.own, [PS_RANK])
             kept = [state.per_worker[name] for name in self.keeps] if state.per_worker else []
-            self.own_buf = np.ascontiguousarray(np.concatenate(kept, axis=1) if kept else self.own_buf[:0])
+            self.own_buf = np.ascontiguousarray(np.concatenate(kept, axis=1) if kept else self.own_buf[:0], np.float32)
             self.own[0] = send_table(ctx.comm, self.own_buf, PS_RANK, TAG_PER_WORKER)
         flat = to_flat(state, self.names)
         for k, (full, s, rank) in enumerate(zip(self.fulls, self.slices, self.servers), 1):

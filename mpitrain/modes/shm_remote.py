@@ -22,6 +22,7 @@ from mpitrain.core.layout import PS_RANK
 from mpitrain.core.optim import StalenessHold
 from mpitrain.core.outer import PushSpans
 from mpitrain.exchange import shm
+from mpitrain.exchange.base import ServerSide
 from mpitrain.exchange.protocol import (FLAG_DIVERGED, FLAG_FINAL, FLAG_LAST, FLAG_LEAVING, TAG_GRAD, TAG_PARAMS,
                                         ProtocolError)
 from mpitrain.exchange.serving import SERVER_SIDES
@@ -56,7 +57,7 @@ class RemoteWorkers:
         self.workers = workers
         self.ranks = [ctx.layout.worker_ranks[w] for w in workers]
         self.poller = Poller(POLL_S, ctx.watch)
-        self.links = SERVER_SIDES["mpi"](ctx, n, self.ranks, self.poller)  # messages: the store is not there
+        self.links: ServerSide = SERVER_SIDES["mpi"](ctx, n, self.ranks, self.poller)  # messages: the store is not there
         # --compress: a push not in float32 is widened or decoded first
         self.widened = np.empty(n, np.float32) if np.dtype(self.links.pushes.dtype) != np.float32 else None
         self.shared = SharedUpdate(ctx.cfg, store, np, workers=ctx.workers)
