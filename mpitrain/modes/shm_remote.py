@@ -57,7 +57,7 @@ class RemoteWorkers:
         self.workers = workers
         self.ranks = [ctx.layout.worker_ranks[w] for w in workers]
         self.poller = Poller(POLL_S, ctx.watch)
-        self.links: ServerSide = SERVER_SIDES["mpi"](ctx, n, self.ranks, self.poller)  # messages: the store is not there
+        self.links: ServerSide = SERVER_SIDES["mpi"](ctx, n, self.ranks, self.poller)  # messages: no store there
         # --compress: a push not in float32 is widened or decoded first
         self.widened = np.empty(n, np.float32) if np.dtype(self.links.pushes.dtype) != np.float32 else None
         self.shared = SharedUpdate(ctx.cfg, store, np, workers=ctx.workers)
