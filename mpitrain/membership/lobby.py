@@ -18,23 +18,9 @@ from mpitrain.exchange.protocol import FLAG_PEER_LOST
 from mpitrain.launch import faults
 from mpitrain.launch.faults import Kill
 from mpitrain.membership import respawn
-from mpitrain.membership.join import (
-    ANSWER_S,
-    CONNECT_TIMEOUT_S,
-    FRESH_S,
-    REQUESTS,
-    SCAN_EVERY_S,
-    Carry,
-    Joiner,
-    dead_here,
-    gave_up,
-    job_folder,
-    last_line,
-    recv_json,
-    remove,
-    send_json,
-    tell_to_leave,
-)
+from mpitrain.membership.join import (ANSWER_S, CONNECT_TIMEOUT_S, FRESH_S, REQUESTS, SCAN_EVERY_S, Carry, Joiner,
+                                      dead_here, gave_up, job_folder, last_line, recv_json, remove, send_json,
+                                      tell_to_leave)
 from mpitrain.membership.stuck import WATCHDOG
 
 
