@@ -312,3 +312,31 @@ def test_an_optimizer_added_to_the_registry_is_stepped_saved_and_resumed_by_its_
     flat = checkpoint.to_flat(got, ["params", "opt_s"])  # what the sync chief hands rank 0
     back = checkpoint.from_flat(flat, ["params", "opt_s"], 4, 1, [1])
     np.testing.assert_array_equal(back.opt_state["s"], opt.state["s"])
+
+
+def test_pairs_broadcast_to_a_receiver_arrive_in_an_int64_buffer_made_for_them(monkeypatch):
+    """bcast_pairs on a rank that is not the root: the buffer MPI fills is made int64 (a float one, made
+    with np.empty and then cast, turned the garbage it held into a RuntimeWarning after a respawn).
+    np.empty's garbage made NaN wherever it is float, as it was then."""
+    import warnings
+
+    real_empty = np.empty
+    monkeypatch.setattr(checkpoint.np, "empty", lambda shape, dtype=float: (
+        np.full(shape, np.nan) if np.dtype(dtype).kind == "f" else real_empty(shape, dtype)))
+
+    from mpitrain.duties.checkpoint import bcast_pairs
+
+    sent = [np.array([2], np.int64), np.array([[3, 4], [7, 9]], np.int64)]
+
+    class Receiver:
+        def Get_rank(self):
+            return 1
+
+        def Bcast(self, spec, root):
+            buf, _ = spec
+            assert buf.dtype == np.int64, buf.dtype
+            buf[...] = sent.pop(0)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert bcast_pairs(Receiver(), None, root=0) == [(3, 4), (7, 9)]

@@ -384,6 +384,28 @@ def test_supervisor_turns_a_killed_rank_into_an_exit_and_forwards_signals(tmp_pa
     assert not needs_supervisor({"OMPI_COMM_WORLD_RANK": "0", "PMIX_RANK": "0"})  # Open MPI: none
 
 
+def test_a_supervised_rank_starting_up_outlives_hydras_death_notice():
+    """Hydra sends SIGUSR1 to every rank's process group when a rank dies; a replacement still importing
+    (rank 0 spawning it) died of it, its default until MPI_Init (test_respawn's slow spawn, once the
+    notice came later). The supervisor ignores it for both processes from its start; the notice sent
+    to the group, as hydra's proxy does, before MPI, leaves both running. A handler of the caller's own
+    stays."""
+    code = ("import os, signal, sys; {own}from mpitrain.launch.supervise import supervise; supervise(); "
+            "os.killpg(0, signal.SIGUSR1); print('went on', signal.getsignal(signal.SIGUSR1), flush=True)")
+    r, w = os.pipe()
+    env = {**child_env(), "PMI_FD": str(r), "MPI_LOCALRANKID": "0", "PMI_RANK": "2"}
+    try:
+        plain = subprocess.run([sys.executable, "-c", code.format(own="")], env=env, pass_fds=(r,),
+                               capture_output=True, text=True, timeout=60, start_new_session=True)
+        own = subprocess.run([sys.executable, "-c", code.format(own="signal.signal(signal.SIGUSR1, print); ")],
+                             env=env, pass_fds=(r,), capture_output=True, text=True, timeout=60, start_new_session=True)
+    finally:
+        os.close(r)
+        os.close(w)
+    assert plain.returncode == 0 and plain.stdout.split() == ["went", "on", "1"]  # SIG_IGN, plain
+    assert own.returncode == 0 and "went on <built-in function print>" in own.stdout, own
+
+
 def test_workers_stop_when_rank_0_dies(tmp_path):
     import signal
     import time

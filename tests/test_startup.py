@@ -63,6 +63,53 @@ def test_a_worker_killed_during_start_up_ends_the_job_at_once(tmp_path, trial):
     assert took < 1 + 30 + 5, took  # never longer than --worker-timeout + 30 s (and a few seconds to end)
 
 
+def _in(pid: int, kernel_function: str) -> bool:
+    try:
+        return kernel_function in open(f"/proc/{pid}/wchan").read()
+    except OSError:
+        return False
+
+
+@only_on("mpich", "hydra's proxy owes a rank its PMI answers; Open MPI's prterun has no supervisor to hold them")
+def test_a_worker_killed_while_hydra_owes_it_an_answer_ends_the_job_in_its_line_not_a_launcher_crash():
+    """MPI_Init waits on hydra (a PMI barrier sent on to mpiexec): a rank killed then left the proxy to
+    write the answer into the socket it had closed on the rank's EOF; the write failed, the proxy and
+    mpiexec died (-13 or 255) and the supervisor's line was lost (clean-clone CI, once). Made certain here:
+    mpiexec is stopped while the ranks wait on it, rank 2 is killed, and mpiexec goes on once the
+    supervisor has seen the death. Without supervise._let_answers_land: rc -13, no line, 3 of 3."""
+    from mpitrain.launch.samehost import stat_fields
+
+    cmd = mpitrain_cmd(3, "--steps", "50", "--no-progress", "--worker-timeout", "1", launcher_flags=keep_going())
+    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
+                           start_new_session=True)
+    try:
+        pid = victim_pid(job, 2, time.monotonic() + 60)
+        os.kill(job.pid, signal.SIGSTOP)  # mpiexec: every answer it owes waits
+        try:
+            supervisor = int(stat_fields(pid)[1])
+            pmi_fd = next(v.split(b"=")[1] for v in open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+                          if v.startswith(b"PMI_FD="))
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:  # rank 2 reads its PMI socket: in MPI_Init, waiting on mpiexec
+                syscall = open(f"/proc/{pid}/syscall").read().split()
+                if syscall[0] == "0" and int(syscall[1], 16) == int(pmi_fd):
+                    break
+                time.sleep(0.02)
+            else:
+                raise AssertionError("rank 2 never waited on hydra")
+            os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline and not _in(supervisor, "poll"):  # it saw the death, holds the socket
+                time.sleep(0.005)
+        finally:
+            os.kill(job.pid, signal.SIGCONT)
+        out, err = job.communicate(timeout=MPI_TIMEOUT_S)
+    finally:
+        leftovers = kill_session(job)
+    assert not leftovers and "Traceback" not in err, err
+    assert ENDED_AT_START["mpich"] in err and job.returncode > 0 and "HYDU_sock_write" not in err, (job.returncode, err)
+
+
 def test_a_supervisor_killed_in_start_up_is_a_zombie_by_the_time_its_output_ends():
     """hydra's proxy looks for a dead child (waitpid, WNOHANG) once per event, and the supervisor's own
     output ending is its last. The kernel closes a dying process's files before it makes it a zombie, and on

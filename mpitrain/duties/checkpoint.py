@@ -202,7 +202,9 @@ def bcast_pairs(comm, pairs, root: int) -> list[tuple[int, int]]:
     comm.Bcast([count, MPI.INT64_T], root=root)
     if not count[0]:
         return []
-    arr = np.ascontiguousarray(np.asarray(pairs if mine else np.empty((count[0], 2)), np.int64).reshape(-1, 2))
+    # (the receivers' buffer made as int64: a float one cast to it warned of the garbage it held, NaN)
+    arr = (np.ascontiguousarray(np.asarray(pairs, np.int64).reshape(-1, 2)) if mine
+           else np.empty((count[0], 2), np.int64))
     comm.Bcast([arr, MPI.INT64_T], root=root)
     return [(int(a), int(b)) for a, b in arr]
 

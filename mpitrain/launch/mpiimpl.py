@@ -277,7 +277,8 @@ def ignore_death_notices(env=os.environ) -> None:
     import threading
 
     if hydra_env(env) and threading.current_thread() is threading.main_thread() and \
-            signal.getsignal(signal.SIGUSR1) in (None, signal.SIG_DFL):  # (None: MPICH's, set in C)
+            signal.getsignal(signal.SIGUSR1) in (None, signal.SIG_DFL, signal.SIG_IGN):
+        # (None: MPICH's, set in C. SIG_IGN: Python's record of supervise's, which MPI_Init replaced in C.)
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 

@@ -30,6 +30,7 @@ from mpitrain.launch.samehost import stat_fields
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 PR_SET_NAME = 15
 WAIT_S = 0.05  # the supervisor looks at its rank this often (_wait_for)
+ANSWER_S = 0.5  # a rank killed by a signal: its PMI socket is held open this long after (_let_answers_land)
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR2, signal.SIGCONT)
 
 
@@ -44,6 +45,12 @@ def supervise() -> None:
     # handlers are installed stays pending instead of killing it (measured: a SIGTERM sent as soon
     # as the rank printed found the supervisor still starting up, and it died of it).
     signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
+    # Hydra's SIGUSR1 ("a peer died") reaches every rank's process group, and a rank starting up (a
+    # replacement importing while rank 0 spawns it) died of it (its default) before MPI_Init, after which
+    # mpiimpl.ignore_death_notices ignores it: ignored from here on, in both processes. A handler of the
+    # caller's own (the Python API's) is left alone.
+    if signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL:
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     # The title lives in the command line's own bytes (_name): the interpreter's path gives its room
     # to the words that say which rank this is, and the arguments follow as far as they fit.
     command = " ".join(sys.orig_argv[1:])
@@ -88,12 +95,14 @@ def started() -> None:
     _started_fd = None
 
 
-def _had_started(started_r: int) -> bool:
+def _word(started_r: int) -> bool | None:
+    """The rank's word on its start-up: True (over), False (its end of the pipe closed without it: it
+    died or exited in start-up), None (not yet: the pipe's write end is still open)."""
     os.set_blocking(started_r, False)
     try:
         return os.read(started_r, 1) == b"1"
-    except BlockingIOError:  # a fork of the rank still holds the write end: no word either way, and the
-        return True          # job goes on as it did before start-ups were told apart
+    except BlockingIOError:
+        return None
 
 
 def _name(title: str, name: str) -> None:
@@ -123,8 +132,14 @@ def _die_with(parent: int) -> None:
 
 
 def _wait_for(pid: int, started_r: int) -> None:
-    # The rank's death must close hydra's PMI socket: that is how hydra learns of it.
-    os.close(int(os.environ["PMI_FD"]))
+    # hydra learns of the rank's death when its PMI socket closes (the proxy's end reads EOF). During
+    # start-up, hydra may owe the rank an answer: the supervisor holds the socket open until the rank says
+    # its start-up is over, and past its death (_let_answers_land). After, the rank's death alone closes it,
+    # as soon as it dies: a later EOF, at the supervisor's own exit, made mpiexec die of SIGPIPE at the
+    # end of a job with a spawned worker, every time (it signals each other proxy of a death, and one had
+    # just exited with its rank).
+    pmi_fd: int | None = int(os.environ["PMI_FD"])
+    started = None
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     # The forwarded signals stay blocked (since before the fork) and are taken here one by one with
     # sigtimedwait, which also paces the look at the rank: no Python-level handler. With handlers (run
@@ -135,24 +150,32 @@ def _wait_for(pid: int, started_r: int) -> None:
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
             break
+        if started is None and (started := _word(started_r)) and pmi_fd is not None:
+            os.close(pmi_fd)
+            pmi_fd = None
         caught = signal.sigtimedwait(FORWARDED, WAIT_S)
         if caught is not None:
             _forward(pid, caught.si_signo)
+    if started is None:
+        started = _word(started_r)
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
         # A process the job spawned (--respawn) is rank 0 of its own launch: its PMI_RANK would name
         # the job's rank 0, which is alive (rank 0's own line names the rank it had in the job).
         spawned = os.environ.get("PMI_SPAWNED") == "1"
         who = "a worker the job started" if spawned else f"rank {os.environ.get('PMI_RANK', '?')}"
-        if not spawned and not _had_started(started_r):  # a spawned one's start-up is the job's to handle
-            killed_during_start_up(who, pid, sig)
+        # (None: a fork of the rank still holds the pipe's write end: no word either way, and the job goes
+        # on as it did before start-ups were told apart.) A spawned one's start-up is the job's to handle.
+        if not spawned and started is False:
+            killed_during_start_up(who, pid, sig, pmi_fd)
         os.write(2, f"mpitrain: {who} (pid {pid}) was killed by signal {sig} "
                     f"({signal.Signals(sig).name})\n".encode())
+        _let_answers_land(pmi_fd)
         os._exit(killed_exit(sig, rank_0=not spawned and os.environ.get("PMI_RANK") == "0"))
     os._exit(os.waitstatus_to_exitcode(status))
 
 
-def killed_during_start_up(who: str, pid: int, sig: int) -> None:
+def killed_during_start_up(who: str, pid: int, sig: int, pmi_fd: int | None = None) -> None:
     """The rank died before its start-up was over: the others wait for it in a collective that MPICH
     never ends. Dying by the same signal makes hydra end every rank at once, as a default `mpirun`
     does when a rank dies (the job had trained nothing yet; the same command starts it again)."""
@@ -162,12 +185,43 @@ def killed_during_start_up(who: str, pid: int, sig: int) -> None:
     from mpitrain.launch import reaper
 
     reaper.start(why="start-up")  # hydra's mpiexec once waited on with no rank left (1 kill in 30)
+    _let_answers_land(pmi_fd)
     _hold_output_past_death()
     if sig not in (signal.SIGKILL, signal.SIGSTOP):  # (those two have no handler to take back)
         signal.signal(sig, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, [sig])
     os.kill(os.getpid(), sig)
     os._exit(128 + sig)  # a signal that does not end a process (SIGCONT, ...) cannot have killed the rank
+
+
+def _let_answers_land(pmi_fd: int | None, limit_s: float = ANSWER_S) -> None:
+    """Hold the dead rank's PMI socket open a moment longer, reading what hydra still sends it.
+
+    Why (MPICH 5.0.2, proxy/pmip_cb.c): a rank killed while hydra owed it an answer (a KVS `get` sent on
+    to mpiexec, a barrier's end: MPI_Init is made of them; a spawn) breaks hydra's proxy. Seeing the
+    socket's EOF, the proxy closes its end at once; the answer then comes and its write fails (EBADF, or
+    SIGPIPE on a socket whose peer is gone), the proxy exits and mpiexec with it (255), every rank killed
+    and this supervisor's line lost (clean-clone CI, once, a worker killed in start-up). Held here, the
+    answer lands in a socket nobody reads; the proxy sees the EOF when this process ends, after it.
+    Only a rank killed by a signal is waited for: one that exits has had every answer it asked for."""
+    if pmi_fd is None:
+        return
+    import select
+
+    watch = select.poll()
+    watch.register(pmi_fd, select.POLLIN)
+    deadline = time.monotonic() + limit_s
+    while (left := deadline - time.monotonic()) > 0:
+        if watch.poll(left * 1000) and not _drained(pmi_fd):
+            return  # the proxy closed its end: it owes nothing more
+
+
+def _drained(fd: int) -> bool:
+    """Read what is there; False at the end of the stream (or a socket that cannot be read)."""
+    try:
+        return bool(os.read(fd, 4096))
+    except OSError:
+        return False
 
 
 def _hold_output_past_death(limit_s: float = 10.0) -> None:
