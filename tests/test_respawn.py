@@ -165,6 +165,44 @@ def test_a_slow_spawn_is_not_taken_for_a_lost_rank_0(tmp_path):
     assert s["global_step"] == budget
 
 
+@only_on("mpich", "hydra's mpiexec signals each launch's proxy of a death; Open MPI's prterun has no such notice")
+def test_a_job_with_a_replacement_ends_with_its_code_however_late_its_launcher_reads_the_ends(tmp_path):
+    """Each rank's exit closed its PMI socket, and hydra's proxy told mpiexec of a death; mpiexec then
+    signalled every other launch's proxy, the replacement's too, which is the same proxy process: a notice
+    read after that proxy had exited made mpiexec die of SIGPIPE (-13, 141 in a shell) in place of the
+    job's code (pyproject.toml had a rerun for it). Made certain here: mpiexec and hydra's proxy are
+    stopped once the replacement is in, the job trains to its budget and every rank ends, the proxy goes on
+    and exits, then mpiexec. The supervisors hold each socket until the proxy is gone
+    (supervise._hold_past_the_proxy): no notice of a plain exit, exit 8. Without: -13, 3 of 3."""
+    from mpitrain.launch.reaper import PROXY, _children, _comm
+    from mpitrain.launch.supervise import _dead
+
+    proc, lines = start_job(tmp_path, "--mode", "async", "--steps", "20000", "--respawn", "1", timeout=1)
+    try:
+        os.kill(rank_pids(proc.pid)[2][0], signal.SIGKILL)
+        assert lines.wait("joined as rank 2", 1, 90), lines.text()
+        proxies = [pid for pid, _ in _children(proc.pid) if _comm(pid).startswith(PROXY)]
+        os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            for proxy in proxies:
+                os.kill(proxy, signal.SIGSTOP)
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and any(_children(proxy) for proxy in proxies):
+                time.sleep(0.05)  # (a supervisor that exited is a zombie: its proxy is stopped)
+            for proxy in proxies:
+                os.kill(proxy, signal.SIGCONT)
+            while time.monotonic() < deadline and not all(_dead(proxy) for proxy in proxies):
+                time.sleep(0.01)
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        proc.wait(MPI_TIMEOUT_S)
+    finally:
+        leftovers = kill_session(proc)
+    text = lines.text()
+    assert proc.returncode == ExitCode.WORKER_LOST and not leftovers, (proc.returncode, text)
+    assert read_summary(tmp_path / "s.json", text)["global_step"] == 20000
+
+
 class _Watch:
     def __init__(self):
         self.lost: dict[int, dict] = {}
