@@ -191,6 +191,27 @@ def read_summary(path, output: str) -> dict:
         return json.load(f)
 
 
+def waiting_on_hydra(pid: int, deadline: float) -> bool:
+    """Whether process `pid` (a rank under hydra) comes to wait on its PMI socket before `deadline`: a read
+    of the PMI_FD it was given, as MPI_Init's exchanges and MPI_Comm_spawn wait on hydra's answer."""
+    pmi_fd = next(int(v.split(b"=")[1]) for v in open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+                  if v.startswith(b"PMI_FD="))
+    while time.monotonic() < deadline:
+        syscall = open(f"/proc/{pid}/syscall").read().split()
+        if syscall[0] == "0" and int(syscall[1], 16) == pmi_fd:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def in_kernel(pid: int, function: str) -> bool:
+    """Whether process `pid` sleeps in a kernel function whose name holds `function` (/proc/PID/wchan)."""
+    try:
+        return function in open(f"/proc/{pid}/wchan").read()
+    except OSError:
+        return False
+
+
 def communicate_or_kill(proc: subprocess.Popen, timeout: float = MPI_TIMEOUT_S) -> tuple[str, str]:
     """(stdout, stderr) of a command started in its own session; past the timeout the whole
     session is killed and the test fails."""

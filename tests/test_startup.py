@@ -16,7 +16,18 @@ import time
 
 import numpy as np
 import pytest
-from conftest import MPI_TIMEOUT_S, child_env, keep_going, kill_session, logged_step, mpi_impl, mpitrain_cmd, only_on
+from conftest import (
+    MPI_TIMEOUT_S,
+    child_env,
+    in_kernel,
+    keep_going,
+    kill_session,
+    logged_step,
+    mpi_impl,
+    mpitrain_cmd,
+    only_on,
+    waiting_on_hydra,
+)
 
 from mpitrain.core.exitcodes import ExitCode
 from mpitrain.launch.faults import rank_pids
@@ -63,13 +74,6 @@ def test_a_worker_killed_during_start_up_ends_the_job_at_once(tmp_path, trial):
     assert took < 1 + 30 + 5, took  # never longer than --worker-timeout + 30 s (and a few seconds to end)
 
 
-def _in(pid: int, kernel_function: str) -> bool:
-    try:
-        return kernel_function in open(f"/proc/{pid}/wchan").read()
-    except OSError:
-        return False
-
-
 @only_on("mpich", "hydra's proxy owes a rank its PMI answers; Open MPI's prterun has no supervisor to hold them")
 def test_a_worker_killed_while_hydra_owes_it_an_answer_ends_the_job_in_its_line_not_a_launcher_crash():
     """MPI_Init waits on hydra (a PMI barrier sent on to mpiexec): a rank killed then left the proxy to
@@ -87,19 +91,10 @@ def test_a_worker_killed_while_hydra_owes_it_an_answer_ends_the_job_in_its_line_
         os.kill(job.pid, signal.SIGSTOP)  # mpiexec: every answer it owes waits
         try:
             supervisor = int(stat_fields(pid)[1])
-            pmi_fd = next(v.split(b"=")[1] for v in open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
-                          if v.startswith(b"PMI_FD="))
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:  # rank 2 reads its PMI socket: in MPI_Init, waiting on mpiexec
-                syscall = open(f"/proc/{pid}/syscall").read().split()
-                if syscall[0] == "0" and int(syscall[1], 16) == int(pmi_fd):
-                    break
-                time.sleep(0.02)
-            else:
-                raise AssertionError("rank 2 never waited on hydra")
+            assert waiting_on_hydra(pid, time.monotonic() + 60), "rank 2 never waited on hydra"  # in MPI_Init
             os.kill(pid, signal.SIGKILL)
             deadline = time.monotonic() + 5
-            while time.monotonic() < deadline and not _in(supervisor, "poll"):  # it saw the death, holds the socket
+            while time.monotonic() < deadline and not in_kernel(supervisor, "poll"):  # it saw the death, holds the socket
                 time.sleep(0.005)
         finally:
             os.kill(job.pid, signal.SIGCONT)

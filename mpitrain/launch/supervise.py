@@ -135,9 +135,9 @@ def _wait_for(pid: int, started_r: int) -> None:
     # hydra's proxy learns of the rank's end when its PMI socket closes (the proxy's end reads EOF): under
     # the keep-going flag it then tells mpiexec, which signals every other launch's proxy (a replacement's
     # is one), and mpiexec died of SIGPIPE (-13, 141 in a shell) when that proxy had just exited. So the
-    # supervisor holds its copy of the socket: a rank killed by a signal has it closed at once (after
-    # _let_answers_land in start-up, where hydra may owe it an answer), a rank that exited has it held
-    # until its proxy is gone (_hold_past_the_proxy): hydra hears of no plain exit through it.
+    # supervisor holds its copy of the socket: a rank killed by a signal has it closed once any answer
+    # hydra owed it has landed (_let_answers_land), a rank that exited has it held until its proxy is
+    # gone (_hold_past_the_proxy): hydra hears of no plain exit through it.
     pmi_fd = int(os.environ["PMI_FD"])
     started = None
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
@@ -167,11 +167,10 @@ def _wait_for(pid: int, started_r: int) -> None:
         # on as it did before start-ups were told apart.) A spawned one's start-up is the job's to handle.
         if not spawned and started is False:
             killed_during_start_up(who, pid, sig, pmi_fd)
-        if started is False:
-            _let_answers_land(pmi_fd)
-        os.close(pmi_fd)
         os.write(2, f"mpitrain: {who} (pid {pid}) was killed by signal {sig} "
                     f"({signal.Signals(sig).name})\n".encode())
+        _let_answers_land(pmi_fd)  # (a rank 0 killed as it spawned a replacement was owed the spawn's answer)
+        os.close(pmi_fd)
         os._exit(killed_exit(sig, rank_0=not spawned and os.environ.get("PMI_RANK") == "0"))
     _hold_past_the_proxy(pmi_fd)
     os._exit(os.waitstatus_to_exitcode(status))
