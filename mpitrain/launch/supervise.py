@@ -136,8 +136,8 @@ def _wait_for(pid: int, started_r: int) -> None:
     # the keep-going flag it then tells mpiexec, which signals every other launch's proxy (a replacement's
     # is one), and mpiexec died of SIGPIPE (-13, 141 in a shell) when that proxy had just exited. So the
     # supervisor holds its copy of the socket: a rank killed by a signal has it closed once any answer
-    # hydra owed it has landed (_let_answers_land), a rank that exited has it held until its proxy is
-    # gone (_hold_past_the_proxy): hydra hears of no plain exit through it.
+    # hydra may have owed it has landed (_let_answers_land), a rank that exited has it held until its
+    # proxy is gone (_hold_past_the_proxy): hydra hears of no plain exit through it.
     pmi_fd = int(os.environ["PMI_FD"])
     started = None
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
@@ -169,9 +169,14 @@ def _wait_for(pid: int, started_r: int) -> None:
             killed_during_start_up(who, pid, sig, pmi_fd)
         os.write(2, f"mpitrain: {who} (pid {pid}) was killed by signal {sig} "
                     f"({signal.Signals(sig).name})\n".encode())
-        _let_answers_land(pmi_fd)  # (a rank 0 killed as it spawned a replacement was owed the spawn's answer)
+        rank_0 = not spawned and os.environ.get("PMI_RANK") == "0"
+        # Held only where hydra may owe an answer: a start-up, or rank 0, which spawns replacements. A worker
+        # killed mid-run asked hydra nothing, and its death is told at once, as rank 0's spawn waits for
+        # (respawn.AFTER_LOSS_S: a notice during a replacement's start-up killed it, and hydra the job, 2 in 10).
+        if started is False or rank_0:
+            _let_answers_land(pmi_fd)
         os.close(pmi_fd)
-        os._exit(killed_exit(sig, rank_0=not spawned and os.environ.get("PMI_RANK") == "0"))
+        os._exit(killed_exit(sig, rank_0=rank_0))
     _hold_past_the_proxy(pmi_fd)
     os._exit(os.waitstatus_to_exitcode(status))
 
