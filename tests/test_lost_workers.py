@@ -406,6 +406,22 @@ def test_a_supervised_rank_starting_up_outlives_hydras_death_notice():
     assert own.returncode == 0 and "went on <built-in function print>" in own.stdout, own
 
 
+def test_python_m_mpitrain_ignores_hydras_death_notice_from_its_first_line_but_not_slurms_warning():
+    """`python -m mpitrain` (how a replacement is started) ignores SIGUSR1 before its imports under hydra,
+    where it is the notice of a peer's death; under srun (PMI_FD, no MPI_LOCALRANKID) it stays the
+    time limit's warning, which stopping.py turns into a stop."""
+    code = ("import runpy, signal, sys; sys.argv = ['mpitrain', '--version']\n"
+            "try:\n    runpy.run_module('mpitrain', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+            "print('disposition', int(signal.getsignal(signal.SIGUSR1)))")
+    base = {k: v for k, v in child_env().items() if not k.startswith(("PMI_", "MPI_LOCALRANKID"))}
+    said = {}
+    for name, extra in (("hydra", {"PMI_FD": "9", "MPI_LOCALRANKID": "0"}), ("srun", {"PMI_FD": "9"})):
+        run = subprocess.run([sys.executable, "-c", code], env={**base, **extra}, capture_output=True, text=True,
+                             timeout=60)
+        said[name] = run.stdout.split("disposition")[-1].strip()
+    assert said == {"hydra": str(int(signal.SIG_IGN)), "srun": str(int(signal.SIG_DFL))}, said
+
+
 def test_workers_stop_when_rank_0_dies(tmp_path):
     import signal
     import time

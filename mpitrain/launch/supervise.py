@@ -30,7 +30,7 @@ from mpitrain.launch.samehost import stat_fields
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 PR_SET_NAME = 15
 WAIT_S = 0.05  # the supervisor looks at its rank this often (_wait_for)
-ANSWER_S = 0.5  # a rank killed by a signal: its PMI socket is held open this long after (_let_answers_land)
+ANSWER_S = 0.5  # a rank killed where hydra may owe it an answer: its PMI socket held so long (_let_answers_land)
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR2, signal.SIGCONT)
 
 
