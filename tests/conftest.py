@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -210,6 +211,25 @@ def in_kernel(pid: int, function: str) -> bool:
         return function in open(f"/proc/{pid}/wchan").read()
     except OSError:
         return False
+
+
+def kill_while_hydra_owes_it(launcher: int, victim: int, what: str, wait_s: float) -> None:
+    """SIGKILL `victim` (a rank under hydra) while hydra owes it an answer, for certain: mpiexec (`launcher`)
+    is stopped so that every answer it owes waits, `victim` is killed once it waits on its PMI socket, and
+    mpiexec goes on once the victim's supervisor has seen the death and holds the socket (it polls it:
+    supervise._let_answers_land). Without that hold the proxy's late write killed hydra, every time."""
+    from mpitrain.launch.samehost import stat_fields
+
+    supervisor = int(stat_fields(victim)[1])
+    os.kill(launcher, signal.SIGSTOP)
+    try:
+        assert waiting_on_hydra(victim, time.monotonic() + wait_s), f"{what} never waited on hydra"
+        os.kill(victim, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not in_kernel(supervisor, "poll"):
+            time.sleep(0.005)
+    finally:
+        os.kill(launcher, signal.SIGCONT)
 
 
 def communicate_or_kill(proc: subprocess.Popen, timeout: float = MPI_TIMEOUT_S) -> tuple[str, str]:

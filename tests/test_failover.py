@@ -17,9 +17,9 @@ import pytest
 from conftest import (
     child_env,
     communicate_or_kill,
-    in_kernel,
     keep_going,
     kill_session,
+    kill_while_hydra_owes_it,
     mpi_impl,
     mpirun_path,
     mpitrain_cmd,
@@ -28,16 +28,15 @@ from conftest import (
     read_summary,
     wait_for_checkpoint,
     wait_for_training,
-    waiting_on_hydra,
 )
 from test_ledger import EPOCH_SAMPLES, assert_each_epoch_once, read_trace
 
+from mpitrain.core.exitcodes import ExitCode
 from mpitrain.duties import checkpoint
 from mpitrain.launch import mpiimpl
+from mpitrain.launch.faults import rank_pids
 from mpitrain.launch.lock import NAME as LOCK
 from mpitrain.membership import failover
-from mpitrain.launch.faults import rank_pids
-from mpitrain.core.exitcodes import ExitCode
 
 SAME = "the take-over is sync's (tested under both MPIs); --quorum only changes the loop it leaves"
 THIRD = "a third server only adds peers to watch; the take-over of a shard is tested with 2 under both MPIs"
@@ -289,8 +288,6 @@ def test_rank_0_killed_while_hydra_owes_it_a_spawns_answer_is_taken_over_not_a_l
     spawned; docs/failover.md said 141 under hydra). Made certain here: mpiexec is stopped as rank 0 loses
     worker 3, rank 0 is killed once it waits on hydra, and mpiexec goes on once rank 0's supervisor holds
     the socket (supervise._let_answers_land): the others take over and finish the budget."""
-    from mpitrain.launch.samehost import stat_fields
-
     budget, summary = 20000, tmp_path / "summary.json"
     cmd = [mpirun_path(), *mpiimpl.local_flags(mpi_impl(), spawns=True), *keep_going(), "-np", "4", sys.executable,
            "-m", "mpitrain", "--mode", "async", "--no-progress", "--steps", str(budget), "--worker-timeout", "1",
@@ -303,16 +300,7 @@ def test_rank_0_killed_while_hydra_owes_it_a_spawns_answer_is_taken_over_not_a_l
         time.sleep(1)
         rank_0 = rank_pids(proc.pid)[0][0]
         os.kill(rank_pids(proc.pid)[3][0], signal.SIGKILL)
-        os.kill(proc.pid, signal.SIGSTOP)  # mpiexec: the spawn rank 0 asks for 0.3 s after the loss waits
-        try:
-            assert waiting_on_hydra(rank_0, time.monotonic() + 30), "rank 0 never spawned"
-            supervisor = int(stat_fields(rank_0)[1])
-            os.kill(rank_0, signal.SIGKILL)
-            deadline = time.monotonic() + 5
-            while time.monotonic() < deadline and not in_kernel(supervisor, "poll"):
-                time.sleep(0.005)
-        finally:
-            os.kill(proc.pid, signal.SIGCONT)
+        kill_while_hydra_owes_it(proc.pid, rank_0, "rank 0 spawning a replacement", 30)  # 0.3 s after the loss
         _, err = communicate_or_kill(proc, 120)
     finally:
         leftovers = kill_session(proc)

@@ -19,14 +19,13 @@ import pytest
 from conftest import (
     MPI_TIMEOUT_S,
     child_env,
-    in_kernel,
     keep_going,
     kill_session,
+    kill_while_hydra_owes_it,
     logged_step,
     mpi_impl,
     mpitrain_cmd,
     only_on,
-    waiting_on_hydra,
 )
 
 from mpitrain.core.exitcodes import ExitCode
@@ -81,23 +80,11 @@ def test_a_worker_killed_while_hydra_owes_it_an_answer_ends_the_job_in_its_line_
     mpiexec died (-13 or 255) and the supervisor's line was lost (clean-clone CI, once). Made certain here:
     mpiexec is stopped while the ranks wait on it, rank 2 is killed, and mpiexec goes on once the
     supervisor has seen the death. Without supervise._let_answers_land: rc -13, no line, 3 of 3."""
-    from mpitrain.launch.samehost import stat_fields
-
     cmd = mpitrain_cmd(3, "--steps", "50", "--no-progress", "--worker-timeout", "1", launcher_flags=keep_going())
     job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
                            start_new_session=True)
     try:
-        pid = victim_pid(job, 2, time.monotonic() + 60)
-        os.kill(job.pid, signal.SIGSTOP)  # mpiexec: every answer it owes waits
-        try:
-            supervisor = int(stat_fields(pid)[1])
-            assert waiting_on_hydra(pid, time.monotonic() + 60), "rank 2 never waited on hydra"  # in MPI_Init
-            os.kill(pid, signal.SIGKILL)
-            deadline = time.monotonic() + 5
-            while time.monotonic() < deadline and not in_kernel(supervisor, "poll"):  # it saw the death, holds the socket
-                time.sleep(0.005)
-        finally:
-            os.kill(job.pid, signal.SIGCONT)
+        kill_while_hydra_owes_it(job.pid, victim_pid(job, 2, time.monotonic() + 60), "rank 2 in MPI_Init", 60)
         out, err = job.communicate(timeout=MPI_TIMEOUT_S)
     finally:
         leftovers = kill_session(job)

@@ -265,7 +265,9 @@ def hydra_env(env=os.environ) -> bool:
 
 
 def ignore_death_notices(env=os.environ) -> None:
-    """After MPI_Init, under hydra: SIGUSR1 ignored. Hydra signals every rank's process group SIGUSR1 when a
+    """Under hydra: SIGUSR1 ignored. Called three times: before the package's imports (__main__.py: a worker
+    the job spawns is still importing when a death is told), in the supervisor before its fork (supervise.py),
+    and after MPI_Init, which replaces the disposition in C. Hydra signals every rank's process group SIGUSR1 when a
     rank dies (-disable-auto-cleanup), and MPICH's ch4 answers it in its next progress pass by asking the
     PMI server for the list of dead processes, which it then frees unread (ch4_globals.c,
     MPIDI_check_for_failed_procs). If this rank dies before the answer comes, hydra's proxy fails to write

@@ -24,7 +24,7 @@ import signal
 import sys
 import time
 
-from mpitrain.launch.mpiimpl import needs_supervisor
+from mpitrain.launch.mpiimpl import ignore_death_notices, needs_supervisor
 from mpitrain.launch.samehost import stat_fields
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -45,12 +45,9 @@ def supervise() -> None:
     # handlers are installed stays pending instead of killing it (measured: a SIGTERM sent as soon
     # as the rank printed found the supervisor still starting up, and it died of it).
     signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
-    # Hydra's SIGUSR1 ("a peer died") reaches every rank's process group, and a rank starting up (a
-    # replacement importing while rank 0 spawns it) died of it (its default) before MPI_Init, after which
-    # mpiimpl.ignore_death_notices ignores it: ignored from here on, in both processes. A handler of the
-    # caller's own (the Python API's) is left alone.
-    if signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL:
-        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    # Hydra's SIGUSR1 ("a peer died"): ignored from here on, in both processes (a replacement importing
+    # while rank 0 spawned it died of its default before MPI_Init).
+    ignore_death_notices()
     # The title lives in the command line's own bytes (_name): the interpreter's path gives its room
     # to the words that say which rank this is, and the arguments follow as far as they fit.
     command = " ".join(sys.orig_argv[1:])
@@ -181,29 +178,22 @@ def _wait_for(pid: int, started_r: int) -> None:
     os._exit(os.waitstatus_to_exitcode(status))
 
 
-def _hold_past_the_proxy(pmi_fd: int, limit_s: float = 3600.0) -> None:
-    """The rank exited: its PMI socket held, in a forked child with nothing else open, until this
-    supervisor's parent (hydra's proxy) is gone. Measured (MPICH 5.0.2, a job with a replacement, hydra's
-    proxy and mpiexec stopped as the ranks ended, the proxy let go first): the ranks' closed sockets
-    became notices that mpiexec read after the proxy had exited, and it died of SIGPIPE writing to it,
-    3 of 3; with the sockets held, no notice, exit 8 (tests/test_respawn.py)."""
+def _hold_past_the_proxy(pmi_fd: int) -> None:
+    """The rank exited: its PMI socket held, in a forked child, until this supervisor's parent (hydra's
+    proxy) is gone. Measured (MPICH 5.0.2, a job with a replacement, hydra's proxy and mpiexec stopped as
+    the ranks ended, the proxy let go first): the ranks' closed sockets became notices that mpiexec read
+    after the proxy had exited, and it died of SIGPIPE writing to it, 3 of 3; with the sockets held, no
+    notice, exit 8 (tests/test_respawn.py). Its output is not held: the proxy ends once every rank's is
+    closed."""
     from mpitrain.launch.reaper import PROXY, _comm
 
     proxy = os.getppid()
     try:
         under_hydra = _comm(proxy).startswith(PROXY)
     except OSError:
-        under_hydra = False
-    if not under_hydra or os.fork() != 0:  # (not under hydra's proxy: a test's hand-made environment)
-        return
-    try:  # the child: nothing of Python's beyond os, and never back into the caller
-        os.closerange(0, pmi_fd)  # its output above all: the proxy ends once every rank's output is closed
-        os.closerange(pmi_fd + 1, 4096)
-        deadline = time.monotonic() + limit_s
-        while time.monotonic() < deadline and not _dead(proxy):
-            time.sleep(0.01)
-    finally:
-        os._exit(0)
+        under_hydra = False  # (not under hydra's proxy: a test's hand-made environment)
+    if under_hydra:
+        _hold_until_gone(proxy, keep=(pmi_fd,), limit_s=3600.0, every_s=0.01)
 
 
 def killed_during_start_up(who: str, pid: int, sig: int, pmi_fd: int | None = None) -> None:
@@ -255,7 +245,7 @@ def _drained(fd: int) -> bool:
         return False
 
 
-def _hold_output_past_death(limit_s: float = 10.0) -> None:
+def _hold_output_past_death() -> None:
     """Keep this supervisor's stdout and stderr open, in a forked child, until the supervisor is a zombie.
 
     Why: hydra's proxy calls waitpid(WNOHANG) once per event it sees (proxy/pmip.c) and ends every rank
@@ -264,16 +254,27 @@ def _hold_output_past_death(limit_s: float = 10.0) -> None:
     zombie: a proxy quick enough looked before and found nothing, and then waited for good while the
     others spun in a start-up collective (CI, once; 1 kill in 12 at 0.7-1.2 s, reproduced). Closed here
     only once the supervisor is a zombie, the pipes' end is an event after which waitpid finds it."""
-    supervisor = os.getpid()
+    _hold_until_gone(os.getpid(), keep=(0, 1, 2), limit_s=10.0, every_s=0.005)
+
+
+def _hold_until_gone(pid: int, keep: tuple[int, ...], limit_s: float, every_s: float) -> None:
+    """Fork a child that keeps only the descriptors `keep` open until process `pid` is a zombie or gone
+    (or `limit_s` has passed); the caller returns at once. Its exit closes them: the event they stand for
+    (an EOF, the end of an output) comes after `pid`'s end, never before."""
     if os.fork() != 0:
         return
     try:  # the child: nothing of Python's beyond os, and never back into the caller
-        os.closerange(3, 256)  # (the PMI socket is closed already: only the output pipes are held)
+        low = 0
+        for fd in sorted(keep):
+            if low < fd:  # (os.closerange(0, 0) closes every descriptor: close_range(0, -1 as unsigned))
+                os.closerange(low, fd)
+            low = fd + 1
+        os.closerange(low, 4096)
         deadline = time.monotonic() + limit_s
-        while time.monotonic() < deadline and not _dead(supervisor):
-            time.sleep(0.005)
+        while time.monotonic() < deadline and not _dead(pid):
+            time.sleep(every_s)
     finally:
-        os._exit(0)  # its exit closes the pipes
+        os._exit(0)
 
 
 def _dead(pid: int) -> bool:
