@@ -48,7 +48,8 @@ ACCURACY = [
     ("sync --quorum 1", 4, "--mode sync --quorum 1 --lr 0.1 --epochs 30"),
 ]
 
-SPEED = {"async": (3, "--mode async"), "sync": (3, "--mode sync"),  # the speed A/B's modes: ranks, flags
+SPEED = {"async": (3, "--mode async"), "async-softmax": (3, "--mode async --model softmax"),  # ranks, flags
+         "sync": (3, "--mode sync"),  # (the speed A/B's modes)
          "quorum": (4, "--mode sync --quorum 2"), "shm": (3, "--mode async --ps-transport shm"),
          "shm-softmax": (3, "--mode async --ps-transport shm --model softmax")}
 

@@ -116,6 +116,73 @@ def test_async_leases_apply_every_batch_once_across_losses_phase_ends_and_resume
     assert [e["samples"] for e in ledger.epochs(deal, fresh, redeal)] == whole
 
 
+@pytest.mark.parametrize("seed", range(40))
+def test_a_take_over_deals_again_every_batch_its_copy_lacks_and_counts_those_it_had(seed):
+    """Rank 0 (its Leases) is lost at a random moment of a random async run, perhaps between applying a push
+    and answering it, perhaps with workers lost before it (their blocks in its queue to deal again) and with
+    it (their blocks gone with them). From what the survivors hold, were answered and were told (the mark of
+    each answer), put_together deals again every number the freshest copy lacks (none missed) and counts
+    exactly those it deals again that the copy had applied; by epoch, the same total."""
+    rng = random.Random(seed)
+    per_epoch, workers, span = rng.choice([5, 12, 100]), rng.randint(2, 6), rng.choice([1, 1, 3])
+    fresh0 = rng.randint(0, 50)
+    redeal0 = [(b, 1) for b in sorted(rng.sample(range(fresh0), min(fresh0, rng.randint(0, 3))))]
+    leases = ledger.Leases(fresh0, redeal0, workers, rng.choice([1, 2]), span, None)
+    version, applied_at = 0, {g: -1 for g in range(fresh0) if all(g != b for b, _ in redeal0)}  # number -> version
+    lent = [collections.deque(leases.out[w]) for w in range(workers)]
+    frontier = [max((a + n for a, n in lent[w]), default=0) for w in range(workers)]
+    pushed, answered = [None] * workers, [[] for _ in range(workers)]
+    copy = [(0, leases.mark())] * workers  # (version, mark) of the parameters each holds
+    live, arrived = set(range(workers)), []
+    for _ in range(rng.randint(0, 400)):
+        ready = [w for w in live if lent[w] and pushed[w] is None]
+        if arrived and (not ready or rng.random() < 0.5):  # rank 0 applies a push that came, and answers it
+            w = arrived.pop(rng.randrange(len(arrived)))
+            assert leases.applied(w, pushed[w])
+            version += 1
+            applied_at.update({g: version for g in range(pushed[w][0], sum(pushed[w]))})
+            block = leases.grant(w)
+            lent[w].append(block)
+            frontier[w] = max(frontier[w], sum(block))
+            answered[w].append(pushed[w])
+            pushed[w], copy[w] = None, (version, leases.mark())
+            assert copy[w][1] == ledger.mark(leases.fresh, leases.unapplied())  # kept as it goes, as computed
+        elif ready and rng.random() < 0.97:
+            w = rng.choice(ready)
+            pushed[w] = lent[w].popleft()
+            arrived.append(w)
+        elif len(live) > 2:  # a worker lost before rank 0: its push never applied, its blocks dealt again
+            w = rng.choice(sorted(live))
+            live.discard(w)
+            arrived = [v for v in arrived if v != w]
+            leases.lose(w)
+    for w in list(arrived):  # rank 0 applied these and died before it answered
+        if rng.random() < 0.5:
+            version += 1
+            applied_at.update({g: version for g in range(pushed[w][0], sum(pushed[w]))})
+    survivors = [w for w in sorted(live) if rng.random() < 0.7] or [min(live)]  # the others died with rank 0
+    top, (low, applied) = max(copy[w] for w in survivors)
+    in_copy = {g for g, v in applied_at.items() if v <= top}
+    dealt = max(frontier[w] for w in survivors)
+    held = [b for w in survivors for b in ([pushed[w]] if pushed[w] else []) + list(lent[w])]
+    in_flight = [pushed[w] for w in survivors if pushed[w]]
+    redeal, twice, by_epoch = ledger.put_together(dealt, low, applied, [b for w in survivors for b in answered[w]],
+                                                  held, in_flight, per_epoch)
+    again = {g for a, n in redeal for g in range(a, a + n)}
+    assert not {g for g in range(dealt) if g not in in_copy} - again, "missed"
+    assert all(g < dealt and not any(a <= g < a + n for w in survivors for a, n in answered[w]) for g in again)
+    dealt_twice = (again | set(range(dealt, max([dealt, *applied_at]) + 1))) & in_copy
+    assert twice == len(dealt_twice) and sum(by_epoch.values()) == twice, (twice, sorted(dealt_twice))
+
+
+def test_a_take_over_that_loses_rank_0s_queue_deals_it_again():
+    """The case that was missed: rank 0 held a lost worker's block (3) to deal again, and the survivors' oldest
+    block was above it; the mark of their last answers (low 3) makes it dealt again."""
+    redeal, twice, by_epoch = ledger.put_together(10, 3, 8, [(4, 1), (5, 1), (6, 1)], [(7, 1), (8, 1)], [(7, 1)], 5)
+    assert redeal == [(3, 1), (7, 3)] and twice == 2 and by_epoch == {0: 1, 1: 1}  # 7 pushed, and 3 or 9
+    assert ledger.put_together(10, 3, 5, [(4, 1), (5, 1), (6, 1)], [], [], 5)[1] is None  # the two disagree
+
+
 def test_the_account_counts_blocks_out_at_the_end_as_missed():
     deal = Deal(1000, 10, 2, 0)  # 100 batches per epoch
     account = ledger.epochs(deal, 230, [(98, 2), (229, 1)])

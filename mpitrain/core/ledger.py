@@ -26,9 +26,11 @@ decision, with the reply that is sent anyway (two header slots), and costs nothi
 
 What is not exact, named: with --num-ps K a worker that dies half-way through a push may have reached
 another server but not rank 0, which deals the block again (that slice applies it twice, uncounted); a
-take-over of rank 0 puts the ledger together from what the survivors were lent (failover.lent_ledger): each
-block pushed and not answered is dealt again and may be trained twice (named in the take-over's record), and
-the blocks rank 0 was about to deal again, or had lent to workers lost with it, are missed.
+take-over of rank 0 puts the ledger together from what the survivors were lent and told (failover.lent_ledger):
+each reply says below which number every batch is applied, and how many are (Leases.mark), so every number
+above the freshest copy's mark that no survivor had answered is dealt again (none is missed: rank 0's own
+blocks to deal again, those of workers lost with it), and those the copy had applied are counted `repeated`
+(a block pushed and not answered, or answered to a worker lost with rank 0).
 The few samples past the last whole batch of each shard wait for a later epoch's reshuffle (`left`).
 Over the shm store the same Leases live in the store's arrays (PairQueue): a worker grants itself its next
 block in the hold of the lock it applies under, and rank 0 puts a lost worker's back.
@@ -232,6 +234,7 @@ class Leases:
         self.span, self.end = span, end
         self.redeal = deque(redeal)
         self.out: list[deque] = [deque() for _ in range(workers)]
+        self._unapplied, self._low = sum(n for _, n in redeal), None  # mark's, kept as it goes: it runs per reply
         for _ in range(depth):
             for w in range(workers):
                 self.grant(w)
@@ -242,6 +245,7 @@ class Leases:
         rank 0 takes a lost one's back, each under the store's lock): `fresh` a one-int sequence (memoryview)."""
         leases = cls.__new__(cls)
         leases._fresh, leases.redeal, leases.out, leases.span, leases.end = fresh, redeal, out, span, end
+        leases._unapplied, leases._low = 0, None  # (no mark: the store's ledger outlives rank 0 itself)
         return leases
 
     @property
@@ -265,6 +269,7 @@ class Leases:
                 return None
             first = self.fresh
             self.fresh += n
+            self._unapplied += n
         self.out[w].append((first, n))
         return first, n
 
@@ -274,6 +279,9 @@ class Leases:
         if not self.out[w] or self.out[w][0] != block:
             return False
         self.out[w].popleft()
+        self._unapplied -= block[1]
+        if block[0] == self._low:
+            self._low = None
         return True
 
     def lose(self, w: int) -> None:
@@ -291,14 +299,83 @@ class Leases:
         """Every block dealt and not applied: what a checkpoint keeps to deal again."""
         return list(self.redeal) + [b for q in self.out for b in q]
 
+    def mark(self) -> tuple[int, int]:
+        """What every reply tells its worker of the parameters it carries (mark). The lowest number out is looked
+        for again only once the block that held it is applied (0.7 us with 2 workers, 2 us with 16)."""
+        if self._low is None:
+            low = self.fresh
+            for q in (self.redeal, *self.out):
+                for first, _ in q:
+                    if first < low:
+                        low = first
+            self._low = low
+        return self._low, self.fresh - self._unapplied
 
-def epochs(deal: Deal, dealt: int, unapplied: list[Block] = (), left_out: dict[int, int] | None = None) -> list[dict]:
+
+def mark(fresh: int, unapplied: list[Block]) -> tuple[int, int]:
+    """(low, applied) of parameters whose deal is at `fresh` with these blocks not applied: every number below
+    `low` is applied in them, and `applied` numbers in all. A take-over (failover.lent_ledger) deals again
+    every number from the freshest copy's `low` that no survivor had answered, so none is missed, and counts
+    as repeated those of them the copy holds: `applied` less `low`, less those answered."""
+    return min((first for first, _ in unapplied), default=fresh), fresh - sum(n for _, n in unapplied)
+
+
+def put_together(dealt: int, low: int, applied: int, answered: list[Block], held: list[Block], in_flight: list[Block],
+                 per_epoch: int) -> tuple[list[Block], int | None, dict[int, int]]:
+    """A take-over's deal when rank 0, which kept the Leases, is lost (failover.lent_ledger): from the freshest
+    copy's mark (`low`, `applied`), the furthest number lent to a survivor (`dealt`), the blocks they were
+    `answered` (applied), `held` (lent, begun or pushed) and pushed with no answer (`in_flight`, of `held`).
+
+    Returns the blocks to deal again first: every number from `low` up to `dealt` that no survivor had answered
+    (none is missed: rank 0's own blocks to deal again and those of workers lost with it are among them; the
+    numbers from `dealt` on are dealt afresh). The copy holds `applied` - `low` numbers from `low` on, and those
+    that no survivor had answered are dealt twice: their count (None: the mark and the answers disagree), and
+    by epoch, counted in the first numbers dealt again that no survivor held unpushed (which are not known)."""
+    answered = _union(b for b in answered if b[0] + b[1] > low)
+    redeal = _less(dealt, low, answered)
+    twice = left = applied - low - sum(first + n - max(first, low) for first, n in answered)
+    if twice < 0:
+        return redeal, None, {}
+    by_epoch: dict[int, int] = {}
+    unpushed = _union(b for b in held if b not in in_flight)
+    for first, n in [*_less(dealt, low, _union(answered + unpushed)), (dealt, twice)]:
+        for g in range(first, first + min(n, left)):
+            by_epoch[g // per_epoch] = by_epoch.get(g // per_epoch, 0) + 1
+        left -= min(n, left)
+    return redeal, twice, by_epoch
+
+
+def _union(blocks) -> list[Block]:
+    """Blocks as the fewest that cover the same numbers, in order."""
+    out: list[list[int]] = []
+    for first, n in sorted(blocks):
+        if out and first <= out[-1][0] + out[-1][1]:
+            out[-1][1] = max(out[-1][1], first + n - out[-1][0])
+        else:
+            out.append([first, n])
+    return [(a, n) for a, n in out]
+
+
+def _less(end: int, low: int, covered: list[Block]) -> list[Block]:
+    """The numbers from `low` up to `end` that `covered` (_union's) does not hold, as blocks."""
+    gaps, at = [], low
+    for first, n in covered + [(end, 0)]:
+        if first > at:
+            gaps.append((at, min(first, end) - at))
+        at = max(at, first + n)
+        if at >= end:
+            break
+    return [g for g in gaps if g[1] > 0]
+
+
+def epochs(deal: Deal, dealt: int, unapplied: list[Block] = (), left_out: dict[int, int] | None = None,
+           repeated: dict[int, int] | None = None) -> list[dict]:
     """The summary's account of every epoch begun: the numbers below `dealt` were dealt, each applied once
     but those in `unapplied` (async: a block out, or to deal again, when the run ended; a resume deals it
     again: `missed` until then) and those `left_out` of the updates by --quorum (`dropped`, by epoch).
-    Nothing is applied twice: a sync step's numbers are the step's, and rank 0 marks an async block applied
-    once, with the push that names it (`repeated` is always 0 here)."""
-    left_out = left_out or {}
+    A sync step's numbers are the step's, and rank 0 marks an async block applied once, with the push that
+    names it: only a take-over of rank 0 deals again numbers its copy had applied (`repeated`, by epoch)."""
+    left_out, repeated = left_out or {}, repeated or {}
     P = deal.per_epoch
     begun = -(-dealt // P)
     missed = np.zeros(begun, np.int64)
@@ -310,6 +387,6 @@ def epochs(deal: Deal, dealt: int, unapplied: list[Block] = (), left_out: dict[i
         took = min(dealt, (e + 1) * P) - e * P
         dropped = left_out.get(e, 0)
         out.append({"epoch": e, "complete": took == P, "samples": int(took - missed[e] - dropped) * deal.batch,
-                    "missed": int(missed[e]) * deal.batch, "repeated": 0, "dropped": dropped * deal.batch,
+                    "missed": int(missed[e]) * deal.batch, "repeated": repeated.get(e, 0) * deal.batch, "dropped": dropped * deal.batch,
                     "left": deal.left})
     return out

@@ -55,7 +55,10 @@ class TrainState:
     redeal: list = field(default_factory=list)
     in_flight: list = field(default_factory=list)  # an async worker's offer: the block pushed, not answered yet,
     answered: list = field(default_factory=list)  # ... and its last blocks answered (applied)
+    mark: tuple[int, int] | None = None  # ... and what rank 0's answer said of its parameters (ledger.mark)
     left_out: dict[int, int] = field(default_factory=dict)
+    # Async: the batches a take-over of rank 0 dealt again that its copy had applied, by epoch (ledger.epochs)
+    repeated: dict[int, int] = field(default_factory=dict)
     # Sync: what each worker holds for itself at global_step (Mode.worker_arrays), a row per worker in worker
     # order, by name: its error-feedback residual (RESIDUAL) and with --local-steps its inner optimizer's
     # arrays (INNER + name). Empty: none kept (other modes, a regroup's or a take-over's state).
@@ -243,6 +246,7 @@ def bcast_ledger(comm, mine, into, root: int) -> None:
     into.take_deal_words(words)
     into.redeal = bcast_pairs(comm, mine.redeal, root)
     into.left_out = dict(bcast_pairs(comm, sorted(mine.left_out.items()), root))
+    into.repeated = dict(bcast_pairs(comm, sorted(mine.repeated.items()), root))
 
 
 def list_checkpoints(directory: Path) -> list[Path]:
@@ -264,6 +268,7 @@ def save(directory: Path, state: TrainState, fp: dict, keep: int) -> Path:
         arrays["dealt"], arrays["deal_shards"] = np.int64(state.dealt), np.int64(state.deal_shards)
         arrays["redeal"] = np.asarray(state.redeal, np.int64).reshape(-1, 2)
         arrays["left_out"] = np.asarray(sorted(state.left_out.items()), np.int64).reshape(-1, 2)
+        arrays["repeated"] = np.asarray(sorted(state.repeated.items()), np.int64).reshape(-1, 2)
     arrays.update({WORKER_PREFIX + name: rows for name, rows in state.per_worker.items()})
     target = write_atomic(path_for(directory, state.global_step), lambda f: np.savez(f, **arrays), binary=True)
     prune(directory, keep)
@@ -317,10 +322,11 @@ def load(path: Path, fp: dict | None = None) -> TrainState:
     if (redeal.dtype != np.int64 or redeal.ndim != 2 or redeal.shape[1] != 2 or (redeal[:, 0] < 0).any()
             or (redeal[:, 1] < 1).any() or (dealt is not None and (redeal.sum(axis=1) > dealt).any())):
         raise UsageError(f"checkpoint {path} holds batches to deal again that no deal made; {fix}")
-    left_out = data.get("left_out", np.zeros((0, 2), np.int64))
-    if (left_out.dtype != np.int64 or left_out.ndim != 2 or left_out.shape[1] != 2 or (left_out < 0).any()
-            or (dealt is not None and left_out[:, 1].sum() > dealt)):
-        raise UsageError(f"checkpoint {path} holds more batches left out of the updates than were dealt; {fix}")
+    left_out, repeated = (data.get(k, np.zeros((0, 2), np.int64)) for k in ("left_out", "repeated"))
+    for by_epoch, what in ((left_out, "left out of the updates"), (repeated, "dealt twice")):
+        if (by_epoch.dtype != np.int64 or by_epoch.ndim != 2 or by_epoch.shape[1] != 2 or (by_epoch < 0).any()
+                or (dealt is not None and by_epoch[:, 1].sum() > dealt)):
+            raise UsageError(f"checkpoint {path} holds more batches {what} than were dealt; {fix}")
     per_worker = {k[len(WORKER_PREFIX):]: a for k, a in data.items() if k.startswith(WORKER_PREFIX)}
     if any(a.dtype != np.float32 or a.ndim != 2 or a.shape[1] != params.size or not np.isfinite(a).all()
            for a in per_worker.values()) or len({len(a) for a in per_worker.values()}) > 1:
@@ -329,7 +335,8 @@ def load(path: Path, fp: dict | None = None) -> TrainState:
     return TrainState(params=params, global_step=int(data["global_step"]), opt_t=int(data[OPT_COUNT]),
                       opt_state=opt_state, positions=[int(p) for p in data["positions"]], ema=data.get("ema"),
                       dealt=dealt, deal_shards=shards, redeal=[(int(a), int(b)) for a, b in redeal],
-                      left_out={int(e): int(n) for e, n in left_out}, per_worker=per_worker)
+                      left_out={int(e): int(n) for e, n in left_out}, repeated={int(e): int(n) for e, n in repeated},
+                      per_worker=per_worker)
 
 
 def saved_fingerprint(path: Path) -> dict:

@@ -42,6 +42,7 @@ class PushPull(Protocol):
     diverged_at: int | None  # a server stopped the run at this step because a loss diverged
     in_flight: bool  # a push whose answer has not been pulled
     lent: tuple[int, int] | None  # the block of batch numbers rank 0's last answer lent (core/ledger.Leases)
+    mark: tuple[int, int]  # what that answer (or the start) said of `params`' deal (core/ledger.mark)
 
     def gradient(self, slot: int): ...
 

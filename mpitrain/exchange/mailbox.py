@@ -37,6 +37,7 @@ import threading
 import numpy as np
 from mpi4py import MPI
 
+from mpitrain.core import ledger
 from mpitrain.core.compress import scheme
 from mpitrain.core.layout import PS_RANK
 from mpitrain.duties.checkpoint import TrainState
@@ -231,6 +232,7 @@ class MailPushPull:
         self.versions = [start.global_step]
         self.diverged_at: int | None = None
         self.lent = None
+        self.mark = ledger.mark(ctx.dealt(start), start.redeal)
         self.sent = self.pulled = 0  # pushes announced; answers made the parameters
         self.kill_at = store_kill(ctx.rank)  # MPITRAIN_INJECT_KILL=RANK:STEP:mailing
 
@@ -273,7 +275,7 @@ class MailPushPull:
         else:
             self.be.upload(self.params, msg.payload)
         self.versions = [msg.step]
-        self.lent = msg.lease
+        self.lent, self.mark = msg.lease, msg.mark
         if msg.flags & FLAG_DIVERGED:
             self.diverged_at = msg.step
         return bool(msg.flags & FLAG_FINAL)

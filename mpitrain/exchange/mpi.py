@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
+from mpitrain.core import ledger
 from mpitrain.core.codec import CODECS
 from mpitrain.core.compress import Pushes, Replies
 from mpitrain.core.layout import PS_RANK
@@ -153,7 +154,8 @@ def held_copy(ex) -> TrainState:
     """A message-path exchange's held() (MPIPushPull, mailbox.MailPushPull): what a take-over starts from
     (rank 0 lost, failover.py), the parameters this worker holds at the global step each server answered
     them at."""
-    return TrainState(np.array(ex.be.to_host(ex.params), np.float32), ex.versions[0], versions=list(ex.versions))
+    return TrainState(np.array(ex.be.to_host(ex.params), np.float32), ex.versions[0], versions=list(ex.versions),
+                      mark=ex.mark)
 
 
 def await_verdict(ctx: Context, why: str) -> None:
@@ -211,6 +213,7 @@ class MPIPushPull:
         self.failed = None  # what `progress` found failed in it (transport.Completed)
         self.diverged_at: int | None = None
         self.lent = None
+        self.mark = ledger.mark(ctx.dealt(start), start.redeal)
 
     def _buffers(self, ways: list, n: int, sending: bool) -> tuple[list | None, list[list], int]:
         """Two buffers of a way (pushes or replies): (the flat messages or None, each buffer's message per server,
@@ -274,7 +277,7 @@ class MPIPushPull:
                 way.read(part.payload, self.params[s])
         parts = self.inparts[nxt]
         self.versions = [part.step for part in parts]
-        self.lent = parts[0].lease  # rank 0's: it keeps the ledger
+        self.lent, self.mark = parts[0].lease, parts[0].mark  # rank 0's: it keeps the ledger
         if any(part.flags & FLAG_DIVERGED for part in parts):
             self.diverged_at = self.versions[0]
         stopped = [bool(part.flags & FLAG_FINAL) for part in parts]

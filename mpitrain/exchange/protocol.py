@@ -18,7 +18,7 @@ import numpy as np
 from mpitrain.core.stop import STOP
 
 MAGIC = 0x4D505452  # "MPTR": catches a peer that is not mpitrain, or a misrouted buffer
-VERSION = 18  # bump when the layout below changes (2: heartbeats carry an activity snapshot; 3: --quorum messages;
+VERSION = 19  # bump when the layout below changes (2: heartbeats carry an activity snapshot; 3: --quorum messages;
 #               4: H_SECONDS; 5: H_SIGNAL, FLAG_STOP_STEP, FLAG_STOPPED; 6: TAG_REGROUP, FLAG_REGROUPED;
 #               7: TAG_JOIN, FLAG_REFORM, the goodbye's payload; 8: FLAG_LEAVING out of FLAG_STOP, H_GENERATION
 #               and H_JOINER out of H_STEP and H_LOCAL_STEP; 9: TAG_STORE, the shm store's name point to point;
@@ -26,7 +26,7 @@ VERSION = 18  # bump when the layout below changes (2: heartbeats carry an activ
 #               13: one meaning per name: FLAG_ENDED out of FLAG_STOP (now FLAG_FINAL), H_BUDGET out of H_STEP,
 #               H_LOCAL_STEP renamed H_PUSHED; 14: H_SIGNAL's ROOM, sync's room vote slot; 15: a sync status's H_PUSHED
 #               counts the deal's batches; 16: H_LEASE, H_LEASE_N, async's data leases; 17: --quorum deals,
-#               TAG_LEFT_OUT; 18: TAG_PER_WORKER, sync's save vote slot)
+#               TAG_LEFT_OUT; 18: TAG_PER_WORKER, sync's save vote slot; 19: H_LOW, H_APPLIED, 18 slots)
 
 # Tags (one per message kind, so a posted receive can never match the wrong kind).
 TAG_GRAD = 11  # worker -> PS: a gradient (async)
@@ -68,7 +68,10 @@ H_BUDGET = 12  # the job's step budget: rank 0 -> a waiting spare (spares.py: it
 H_LEASE = 13  # async, rank 0 -> worker: the first batch number of the block it is lent (core/ledger.Leases);
 #              worker -> servers: the block its gradient was computed on
 H_LEASE_N = 14  # how many numbers the block holds (0: none lent with this reply)
-HEADER_SLOTS = 16  # slot 15 is free: 128 bytes keep the payload 16-byte aligned for SIMD loads
+H_LOW = 15  # async, rank 0 -> worker: every batch number below it is applied in these parameters, and
+H_APPLIED = 16  # how many numbers are (core/ledger.Leases.mark): a take-over deals the rest again, and counts
+#               what it deals twice (membership/failover.lent_ledger)
+HEADER_SLOTS = 18  # slot 17 is free: 144 bytes keep the payload 16-byte aligned for SIMD loads
 HEADER_BYTES = HEADER_SLOTS * 8
 
 # A heartbeat's payload (float64): the sender's activity (observe.Activity.snapshot), so a peer
@@ -149,7 +152,7 @@ class Framed:
 
     def stamp(self, tag: int, step: int = 0, pushed: int = 0, flags: int = 0, loss: float = 0.0,
               seconds: float = 0.0, generation: int = 0, joiner: int = 0, budget: int = 0,
-              lease: tuple[int, int] | None = None) -> None:
+              lease: tuple[int, int] | None = None, mark: tuple[int, int] = (0, 0)) -> None:
         h = self.header
         h[H_MAGIC] = MAGIC
         h[H_VERSION] = VERSION
@@ -166,6 +169,7 @@ class Framed:
         h[H_JOINER] = joiner
         h[H_BUDGET] = budget
         h[H_LEASE], h[H_LEASE_N] = lease or (0, 0)
+        h[H_LOW], h[H_APPLIED] = mark
 
     def check(self, tag: int, source: int, count: int | None = None) -> None:
         """Raise ProtocolError unless this buffer holds a well-formed message of kind `tag`
@@ -204,6 +208,11 @@ class Framed:
         """The block of batch numbers this message lends or names (None: none)."""
         n = int(self.header[H_LEASE_N])
         return (int(self.header[H_LEASE]), n) if n else None
+
+    @property
+    def mark(self) -> tuple[int, int]:
+        """Rank 0's reply: (every batch number below this applied, how many are) in its parameters."""
+        return int(self.header[H_LOW]), int(self.header[H_APPLIED])
 
     @property
     def loss(self) -> float:

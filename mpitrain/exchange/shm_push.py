@@ -84,6 +84,7 @@ class ShmPushPull:
         self.versions = [start.global_step] * len(self.parts)
         self.diverged_at: int | None = None
         self.lent = None  # the block this worker took with its last push (None: none, or no deal)
+        self.mark = (0, 0)  # (unused: the store keeps the deal, and a take-over reads it there)
         self.in_flight = False
         self.stopped = False
         self.count = 0  # this worker's pushes so far, the one in hand included (the fault injection's step)

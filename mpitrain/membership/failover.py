@@ -26,8 +26,9 @@ too. Async: the updates the dead server applied after the freshest reply a survi
 the phase's gradients pushed, less that reply's global step: `updates_lost_at_most`), and the
 optimizer's state and moving average, which lived on rank 0 only (they start again; plain SGD,
 async's default, has none). Async's data deal, which rank 0 kept, is put together from what the survivors
-were lent (lent_ledger): the blocks they had not had applied are dealt again; the one each had pushed and not
-had answered may so be trained twice (`batches_in_flight`). Until the new world's heartbeats run,
+were lent and told (lent_ledger): every batch not known applied is dealt again, none missed; those the copy
+had applied (a block pushed and not answered: `batches_in_flight`) are trained twice, counted
+(`batches_repeated`, and by epoch in the summary's `repeated`). Until the new world's heartbeats run,
 join.Carry.start_forming bounds every collective: a rank killed during the take-over ends the others in one
 line, never a hang.
 """
@@ -41,6 +42,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from mpitrain.core import ledger
 from mpitrain.core.console import say
 from mpitrain.core.layout import PS_RANK
 from mpitrain.duties.checkpoint import TrainState, bcast_ledger, state_arrays
@@ -115,7 +117,7 @@ def take_over(ctx, e: PeerLost, carry) -> tuple[object, Handover] | None:
     ctx.stop.room_made()  # the room rank 0 was making when it died (as phases._regrow); a stop stays
     world = mpiimpl.survivors(ctx.comm, chosen, NEWWORLD_TAG, NEWWORLD_STRINGTAG)
     lost_shards = [k for k, r in enumerate(ctx.layout.server_ranks) if r not in chosen]
-    state, lost_at_most = freshest(ctx, world, mine, pushed, lost_shards)
+    state, lost_at_most, twice = freshest(ctx, world, mine, pushed, lost_shards)
     in_flight = [[int(a), int(n)] for a, n in state.in_flight]
     K = ctx.layout.shards
     extra = state_arrays(cfg)[1:]  # the optimizer's state and the moving average: the same on every rank of world
@@ -124,7 +126,7 @@ def take_over(ctx, e: PeerLost, carry) -> tuple[object, Handover] | None:
     record = {"lost": why, "successor": chosen[0], "servers": chosen[:K], "lost_shards": lost_shards,
               "workers_left_out": left_out,
               "global_step": state.global_step, "ranks": len(chosen), "updates_lost_at_most": lost_at_most,
-              "batches_in_flight": in_flight,
+              "batches_in_flight": in_flight, "batches_repeated": twice,
               "state_kept": [a for a in extra if state.array(a) is not None],
               "state_restarted": [a for a in extra if state.array(a) is None],
               "seconds": round(time.monotonic() - t0, 2)}
@@ -223,12 +225,13 @@ def gather_within(reqs: dict, deadline: float, until_all: bool) -> list:
         time.sleep(POLL_S)
 
 
-def freshest(ctx, world, mine: TrainState, pushed: int, lost_shards: list[int]) -> tuple[TrainState, int]:
+def freshest(ctx, world, mine: TrainState, pushed: int, lost_shards: list[int]) -> tuple[TrainState, int, int]:
     """Step 3, shard by shard (one with a single server): the slice of the survivor holding the
     newest version of it (the lowest such rank: a surviving server before a worker's copy, since
     servers come first), with its optimizer state where it has one (a worker's async copy has none:
-    zeros), on every rank of `world`; and the updates a lost async server may have applied that its
-    slice now lacks (at most: the survivors' pushes in this phase, less the version kept)."""
+    zeros), on every rank of `world`; the updates a lost async server may have applied that its
+    slice now lacks (at most: the survivors' pushes in this phase, less the version kept); and the batches
+    an async take-over deals again that the copy had applied (lent_ledger)."""
     n, K = ctx.model.n_params, ctx.layout.shards
     versions = np.array(mine.versions if mine.versions is not None else [mine.global_step] * K, np.int64)
     top = versions.copy()
@@ -238,9 +241,9 @@ def freshest(ctx, world, mine: TrainState, pushed: int, lost_shards: list[int]) 
     total_pushed = np.array([pushed], np.int64)
     world.Allreduce(MPI.IN_PLACE, total_pushed, op=MPI.SUM)
     names = state_arrays(ctx.cfg)  # params, the optimizer's arrays, the moving average
-    state = TrainState(np.zeros(n, np.float32), int(top[0]))
+    state, twice = TrainState(np.zeros(n, np.float32), int(top[0])), 0
     if ctx.mode.leases and ctx.cfg.ps_transport != "shm" and 0 in lost_shards:  # (the store keeps its own)
-        lent_ledger(world, mine, state)
+        twice = lent_ledger(world, mine, state, ctx.deal)
     else:  # sync: the freshest's deal; async: rank 0's, where it is left (a shard was lost)
         bcast_ledger(world, mine, state, int(roots[0]))
     for k, part in enumerate(ctx.layout.shard_slices(n)):
@@ -261,41 +264,44 @@ def freshest(ctx, world, mine: TrainState, pushed: int, lost_shards: list[int]) 
     state.positions = [state.global_step] * (world.Get_size() - K)  # each worker's new shard, from this step
     lost = 0 if ctx.mode.averages else max(
         [0, *(ctx.start.global_step + int(total_pushed[0]) - int(top[k]) for k in lost_shards)])
-    return state, lost
+    return state, lost, twice
 
 
-def lent_ledger(world, mine: TrainState, state: TrainState) -> None:
+def lent_ledger(world, mine: TrainState, state: TrainState, deal_of) -> int:
     """Async's deal into `state` when rank 0, which kept it (core/ledger.Leases), is lost (issue 81): what each
-    survivor knew of it (AsyncWorker._held) put together. Blocks are lent in order, so every number below the
-    oldest block a survivor still holds was applied, in the freshest copy too (each answer a survivor had came
-    before its copy's version); above it, up to the furthest number lent, a block a survivor holds or had lent
-    in an answer that never came (a gap: none had it answered) is dealt again first, the one each had pushed
-    and not had answered too: the freshest copy lacks it unless rank 0 applied it before its answer to another
-    worker, and it is then trained twice (`in_flight`, named in the record). Lost with rank 0, and missed: the
-    blocks it was about to deal again (a worker lost before it), and those of workers lost with it."""
+    survivor knew of it (AsyncWorker._held: the blocks it was lent, pushed and answered, and the mark of rank 0's
+    last answer) gathered and put together (core/ledger.put_together): every batch not known applied is dealt
+    again, none missed. Returns how many of them the copy had applied (trained twice), also added to the
+    summary's `repeated` by epoch (`deal_of(state)`: the epochs' size)."""
     words = np.array([-1 if mine.dealt is None else mine.dealt, mine.deal_shards], np.int64)
     world.Allreduce(MPI.IN_PLACE, words, op=MPI.MAX)  # (a server's offer knows nothing: -1, 0)
     state.dealt, state.deal_shards = (None if words[0] < 0 else int(words[0])), int(words[1])
     held = allgather_pairs(world, mine.redeal)
     state.in_flight = sorted(allgather_pairs(world, mine.in_flight))
-    if state.dealt is None:
-        return
-    low = min((first for first, _ in held), default=state.dealt)
-    known = sorted(held + [b for b in allgather_pairs(world, mine.answered) if b[0] >= low])
-    gaps, at = [], low
-    for first, n in known + [(state.dealt, 0)]:
-        if first > at:
-            gaps.append((at, first - at))
-        at = max(at, first + n)
-    state.redeal = sorted(held + gaps)
+    earlier = allgather_pairs(world, sorted(mine.repeated.items()))  # a take-over before this one's, by epoch
+    state.repeated = {e: max(n for e2, n in earlier if e2 == e) for e, _ in earlier}
+    version = (mine.versions or [mine.global_step])[0]  # of rank 0's slice (-1: a server's offer holds none)
+    marks = allgather_pairs(world, [(version, *mine.mark)] if mine.mark is not None else [], width=3)
+    if state.dealt is None or not marks:
+        return 0
+    _, low, applied = max(marks)  # the freshest copy's: same version, same mark
+    state.redeal, twice, by_epoch = ledger.put_together(state.dealt, low, applied, allgather_pairs(world, mine.answered),
+                                                        held, state.in_flight, deal_of(state).per_epoch)
+    if twice is None:  # (never seen: a bug, said rather than made a crash of a take-over that can go on)
+        say(f"mpitrain: warning: rank 0's last answer said {applied} batches applied, every one below {low}, but the "
+            "survivors were answered more: the summary's count of batches trained twice is not exact", sys.stderr)
+        return 0
+    for e, n in by_epoch.items():
+        state.repeated[e] = state.repeated.get(e, 0) + n
+    return twice
 
 
-def allgather_pairs(comm, pairs) -> list[tuple[int, int]]:
-    """Every rank's (int, int) pairs, on every rank of `comm`, in rank order (no pickle)."""
+def allgather_pairs(comm, pairs, width: int = 2) -> list[tuple[int, ...]]:
+    """Every rank's (int, int) pairs (tuples of `width`), on every rank of `comm`, in rank order (no pickle)."""
     mine = np.array(pairs, np.int64).reshape(-1)
     counts = np.zeros(comm.Get_size(), np.int64)
     comm.Allgather([np.array([mine.size], np.int64), MPI.INT64_T], [counts, MPI.INT64_T])
     out = np.zeros(int(counts.sum()), np.int64)
     displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
     comm.Allgatherv([mine, MPI.INT64_T], [out, (counts.tolist(), displs.tolist()), MPI.INT64_T])
-    return [(int(a), int(n)) for a, n in out.reshape(-1, 2)]
+    return [tuple(int(v) for v in row) for row in out.reshape(-1, width)]

@@ -242,6 +242,7 @@ class AsyncServer:
                          list(st.worker_steps), self._ema_avg)
         if self.leases is not None:  # the blocks out are not applied in this state: a resume deals them again
             own.dealt, own.deal_shards, own.redeal = self.leases.fresh, st.deal_shards, self.leases.unapplied()
+            own.repeated = dict(st.repeated)
         return own
 
     def _full_state(self, flags: int) -> TrainState:
@@ -254,7 +255,7 @@ class AsyncServer:
         names, n = self.gather.names, self.ctx.model.n_params
         mine = (self.ctx.shard, checkpoint.to_flat(own, names))
         whole = assemble([mine] + pieces, names, n, own.global_step, own.opt_t, own.positions)
-        whole.dealt, whole.deal_shards, whole.redeal = own.dealt, own.deal_shards, own.redeal
+        whole.dealt, whole.deal_shards, whole.redeal, whole.repeated = own.dealt, own.deal_shards, own.redeal, own.repeated
         return whole
 
     def _oldest_held(self) -> int:
@@ -352,7 +353,8 @@ class AsyncServer:
         reply = self.links.reply_to(w)
         self.links.replies.write(w, self.params, reply.payload)  # a copy (narrowed, or compressed): params change
         flags = (FLAG_FINAL | (FLAG_DIVERGED if state.diverged else 0)) if stop else 0
-        reply.stamp(TAG_PARAMS, state.global_step, state.worker_steps[w], flags, lease=lease)
+        reply.stamp(TAG_PARAMS, state.global_step, state.worker_steps[w], flags, lease=lease,
+                    mark=self.leases.mark() if self.leases is not None else (0, 0))
         self.links.send(w, more=not stop)
         state.bytes_out += self.links.over_mpi(w, reply=True)
         self.basis[w] = state.global_step

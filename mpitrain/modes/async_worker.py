@@ -59,7 +59,8 @@ class AsyncWorker:
     def _held(self) -> TrainState:
         """What a take-over starts from (rank 0 lost, failover.py): the exchange's copy and, where it holds no
         ledger (the message path: rank 0 kept it), what this worker knows of the deal (failover.lent_ledger): the
-        furthest batch number lent to it and its blocks not known applied, the one pushed and not answered first."""
+        furthest batch number lent to it and its blocks not known applied, the one pushed and not answered first,
+        the last blocks answered, and (in the copy: exchange.mark) what rank 0's answer said of its deal."""
         held = self.exchange.held()
         if held.dealt is None:
             b = self.batches
@@ -67,6 +68,7 @@ class AsyncWorker:
             held.in_flight = [self.unanswered] if self.unanswered else []
             held.redeal = held.in_flight + ([self.begun] if self.begun else []) + list(b.blocks)
             held.answered = list(self.answered)
+            held.repeated = dict(self.ctx.start.repeated)  # a take-over before this one's, as the phase began
         return held
 
     def _train(self) -> WorkerResult:
