@@ -504,11 +504,18 @@ def judge(case: Case, trial: Trial, job: Job, code: int | None, leftovers: bool,
     trial.why = "; ".join(problems) + (f"\n{err[-1500:]}" if problems else "")
 
 
-def ledger_problems(summary: dict | None) -> list[str]:
+def ledger_problems(summary: dict | None, batch: int = 100) -> list[str]:
     """Issue 81's promise: every epoch dealt whole applied each of its batches once (the summary's `epochs`,
-    every mode's: --quorum's left-out batches are `dropped`, not missed)."""
-    bad = [e["epoch"] for e in (summary or {}).get("epochs") or [] if e["complete"] and (e["missed"] or e["repeated"])]
-    return [f"{len(bad)} complete epoch(s) missed or repeated samples (first: epoch {bad[0]})"] if bad else []
+    every mode's: --quorum's left-out batches are `dropped`, not missed), but those an async take-over of rank 0
+    dealt again that its copy had applied: as many as its record counts (`batches_repeated`; the cases' batch
+    is the default 100)."""
+    epochs, failovers = (summary or {}).get("epochs") or [], (summary or {}).get("failovers") or []
+    bad = [e["epoch"] for e in epochs if e["complete"] and e["missed"]]
+    problems = [f"{len(bad)} complete epoch(s) missed samples (first: epoch {bad[0]})"] if bad else []
+    repeated, said = sum(e["repeated"] for e in epochs), sum(fo.get("batches_repeated", 0) for fo in failovers) * batch
+    if repeated != said:
+        problems.append(f"the epochs count {repeated} samples trained twice, the take-overs {said}")
+    return problems
 
 
 def expected(case: Case, trial: Trial, err: str, code: int, summary: dict | None, tmp: Path,

@@ -90,13 +90,18 @@ class _Req:
         return not self.done
 
 
-def test_the_chaos_judge_fails_a_complete_epoch_that_missed_or_repeated_samples():
+def test_the_chaos_judge_fails_a_complete_epoch_that_missed_or_repeated_samples_no_take_over_counted():
     whole = {"epoch": 0, "complete": True, "samples": 1200, "missed": 0, "repeated": 0, "dropped": 0, "left": 38}
     assert chaos.ledger_problems({"epochs": [whole, {**whole, "epoch": 1, "complete": False, "missed": 100}]}) == []
     assert chaos.ledger_problems({"epochs": None}) == chaos.ledger_problems(None) == []
     assert chaos.ledger_problems({"epochs": [whole, {**whole, "epoch": 1, "samples": 1100, "missed": 100}]}) == [
-        "1 complete epoch(s) missed or repeated samples (first: epoch 1)"]
-    assert chaos.ledger_problems({"epochs": [{**whole, "repeated": 100}]})
+        "1 complete epoch(s) missed samples (first: epoch 1)"]
+    assert chaos.ledger_problems({"epochs": [{**whole, "repeated": 100}]}) == [
+        "the epochs count 100 samples trained twice, the take-overs 0"]
+    took_over = {"epochs": [{**whole, "repeated": 100}, {**whole, "epoch": 1, "complete": False, "repeated": 100}],
+                 "failovers": [{"batches_repeated": 2}]}
+    assert chaos.ledger_problems(took_over) == []  # counted by the take-over, wherever its epochs put them
+    assert chaos.ledger_problems({**took_over, "failovers": [{"batches_repeated": 1}]})
 
 
 def test_poller_sorts_a_failed_testsome_into_arrived_and_failed():
