@@ -21,7 +21,7 @@ def test_every_summary_key_is_documented_in_the_readme():
     missing = [k for k in SUMMARY_KEYS if k not in named]
     assert not missing, f"summary keys not in the README: {missing}"
     # words in backticks that are not keys are the nested fields the paragraph explains
-    nested = {"origin", "batches_in_flight", "mean", "p50", "p99", "max", "why", "count", "first", "newest_checkpoint", "seconds", "training_seconds",
+    nested = {"origin", "batches_in_flight", "batches_repeated", "mean", "p50", "p99", "max", "why", "count", "first", "newest_checkpoint", "seconds", "training_seconds",
               "test_accuracy", "test_loss", "sent", "received", "successor", "ranks", "updates_lost_at_most", "servers", "lost_shards",
               "state_kept", "state_restarted", "workers_left_out",
               "epoch", "complete", "samples", "missed", "repeated", "dropped", "left", "compute"}
