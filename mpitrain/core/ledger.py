@@ -323,7 +323,7 @@ def mark(fresh: int, unapplied: list[Block]) -> tuple[int, int]:
 def put_together(dealt: int, low: int, applied: int, answered: list[Block], held: list[Block], in_flight: list[Block],
                  per_epoch: int) -> tuple[list[Block], int | None, dict[int, int]]:
     """A take-over's deal when rank 0, which kept the Leases, is lost (failover.lent_ledger): from the freshest
-    copy's mark (`low`, `applied`), the furthest number lent to a survivor (`dealt`), the blocks they were
+    copy's mark (`low`, `applied`), the furthest number lent to a survivor or `low` (`dealt`), the blocks they were
     `answered` (applied), `held` (lent, begun or pushed) and pushed with no answer (`in_flight`, of `held`).
 
     Returns the blocks to deal again first: every number from `low` up to `dealt` that no survivor had answered

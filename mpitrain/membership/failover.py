@@ -285,6 +285,7 @@ def lent_ledger(world, mine: TrainState, state: TrainState, deal_of) -> int:
     if state.dealt is None or not marks:
         return 0
     _, low, applied = max(marks)  # the freshest copy's: same version, same mark
+    state.dealt = max(state.dealt, low)  # (the survivors held nothing: rank 0 had lent further, and it was applied)
     state.redeal, twice, by_epoch = ledger.put_together(state.dealt, low, applied, allgather_pairs(world, mine.answered),
                                                         held, state.in_flight, deal_of(state).per_epoch)
     if twice is None:  # (never seen: a bug, said rather than made a crash of a take-over that can go on)
