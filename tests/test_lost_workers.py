@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -382,6 +383,47 @@ def test_supervisor_turns_a_killed_rank_into_an_exit_and_forwards_signals(tmp_pa
     assert not needs_supervisor({"PMI_FD": "9"})  # Slurm's pmi2: no supervisor
     assert not needs_supervisor({"PMI_FD": "9", "MPI_LOCALRANKID": "0", "MPITRAIN_SUPERVISE": "0"})
     assert not needs_supervisor({"OMPI_COMM_WORLD_RANK": "0", "PMIX_RANK": "0"})  # Open MPI: none
+
+
+@only_on("mpich", "hydra's proxy is the supervisors' parent; Open MPI's prterun has no supervisor")
+def test_the_ranks_die_with_hydras_proxy_rather_than_spin_on_without_it():
+    """hydra's proxy SIGKILLed (the OOM killer, a `pkill -9`, mpiexec and it killed together): it cannot end its
+    ranks. Before, the supervisors and their ranks went on for good, re-parented, training on (two ranks of a
+    job hung in a test spun for an hour beside CI). Each supervisor dies with its proxy now (PR_SET_PDEATHSIG),
+    and its rank with it."""
+    from mpitrain.launch.samehost import stat_fields
+
+    cmd = mpitrain_cmd(3, "--steps", "100000000", "--no-progress", launcher_flags=keep_going())
+    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
+                           start_new_session=True)
+    ranks: list[int] = []
+    try:
+        wait_for_training(job, 3)
+        ranks = [pid for pids in rank_pids(job.pid).values() for pid in pids]  # (training, supervisor) each
+        [proxy] = {int(stat_fields(supervisor)[1]) for _, supervisor in rank_pids(job.pid).values()}
+        os.kill(proxy, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(_running(pid) for pid in ranks):
+            time.sleep(0.05)
+        left = [pid for pid in ranks if _running(pid)]
+    finally:
+        for pid in ranks:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        kill_session(job)
+        job.communicate()
+    assert len(ranks) == 6 and not left, left
+
+
+def _running(pid: int) -> bool:
+    from mpitrain.launch.samehost import stat_fields
+
+    try:
+        return stat_fields(pid)[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
 
 
 def test_a_supervised_rank_starting_up_outlives_hydras_death_notice():

@@ -10,7 +10,7 @@ of being killed; hydra then only notifies the survivors (SIGUSR1, which we ignor
 
 Without -disable-auto-cleanup nothing changes for the user: the rank's death closes its PMI
 socket, hydra SIGKILLs the supervisors, and the kernel kills their ranks with them
-(PR_SET_PDEATHSIG), so the whole job still ends at once.
+(PR_SET_PDEATHSIG), so the whole job still ends at once. A supervisor dies with hydra's proxy the same way.
 
 The supervisor is the same process forked before MPI is initialised (no second interpreter
 start). MPITRAIN_SUPERVISE=0 turns it off (mpiimpl.needs_supervisor). Open MPI's prterun needs
@@ -56,6 +56,9 @@ def supervise() -> None:
     # Named before the fork, so that nobody (ps, a test) ever sees the supervisor under the plain command
     # line once its rank runs: named after, a look from the rank at its parent could come first (CI, once).
     _name(f"mpitrain {who} supervisor: {command}", f"mpitrain-sup{rank}")
+    # It dies with its parent, hydra's proxy, and its rank with it (the rank's own _die_with, below): a proxy
+    # killed with mpiexec (`pkill -9`, the OOM killer) cannot end the ranks, which spun on for good.
+    _die_with(os.getppid())
     pid = os.fork()
     if pid == 0:
         global _started_fd
@@ -124,7 +127,7 @@ def _die_with(parent: int) -> None:
 
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:  # the supervisor died before prctl took effect
+    if os.getppid() != parent:  # the parent died before prctl took effect
         os._exit(1)
 
 
