@@ -161,11 +161,13 @@ def test_rank_0_killed_just_after_a_worker_the_take_over_deals_again_what_both_h
     """A worker and then rank 0 SIGKILLed: the worker's blocks were in rank 0's queue to deal again (it noticed
     the loss) or with the worker (it had not), below every survivor's oldest block: missed before, and the
     summary said nothing. Dealt again now, and what the copy had applied counted (assert_async_deal_went_on)."""
-    summary, trace = tmp_path / "summary.json", tmp_path / "trace"
+    ck, summary, trace = tmp_path / "ck", tmp_path / "summary.json", tmp_path / "trace"
     trace.mkdir()
     cmd = mpitrain_cmd(4, "--mode", "async", "--no-progress", "--steps", str(BUDGET), "--worker-timeout", "1",
-                       "--on-lost-server", "continue", "--summary-json", str(summary), launcher_flags=keep_going())
-    proc, _, err, leftovers = kill_mid_run(cmd, 4, (3, 0), env={**child_env(), "MPITRAIN_TRACE_BATCHES": str(trace)})
+                       "--on-lost-server", "continue", "--checkpoint-dir", str(ck), "--checkpoint-every-steps", "500",
+                       "--summary-json", str(summary), launcher_flags=keep_going())
+    # killed once the first checkpoint is there (step 500 of 5000): a second in, a quiet machine had finished
+    proc, _, err, leftovers = kill_mid_run(cmd, 4, (3, 0), ck, env={**child_env(), "MPITRAIN_TRACE_BATCHES": str(trace)})
     assert "Traceback" not in err and not leftovers, err
     s = read_summary(summary, err)
     [fo] = s["failovers"]

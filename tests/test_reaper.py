@@ -3,6 +3,7 @@ or without a proxy child, or a child with a PMIx rank): the real partitions are 
 
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -57,3 +58,29 @@ def test_a_launcher_with_a_rank_here_is_waited_for_and_one_that_exits_is_left_al
     other.kill()
     other.wait()
     assert not reaper.watch(other.pid)  # gone
+
+
+def test_the_watchers_line_never_waits_on_a_pipe_nobody_reads():
+    """mpiexec's stderr a pipe whose reader stopped reading (a test's, a wrapper's), full: the line is given
+    up, not waited for; the watcher would have blocked in the write and outlived everything (seen once)."""
+    import os
+
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    try:
+        while True:
+            os.write(w, b"x" * 65536)
+    except BlockingIOError:  # full
+        pass
+    os.set_blocking(w, True)
+    stand_in = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], stderr=w)
+    try:
+        telling = threading.Thread(target=reaper._tell, args=(stand_in.pid, "mpitrain: a line\n"), daemon=True)
+        telling.start()
+        telling.join(5)
+        assert not telling.is_alive(), "the watcher waits on a full pipe"
+    finally:  # (closing the read end ends a write still waiting: EPIPE)
+        stand_in.kill()
+        stand_in.wait()
+        os.close(r)
+        os.close(w)

@@ -179,9 +179,10 @@ def _end_left(left: list[tuple[int, str]]) -> None:
 
 
 def _tell(pid: int, line: str) -> None:
-    """One line on mpiexec's own stderr: where the job's output goes (a terminal, a batch log)."""
+    """One line on mpiexec's own stderr: where the job's output goes (a terminal, a batch log). Never waited
+    for: a pipe whose reader stopped reading (a test's, a wrapper's) would have held the watcher for good."""
     try:
-        fd = os.open(f"/proc/{pid}/fd/2", os.O_WRONLY | os.O_APPEND)
+        fd = os.open(f"/proc/{pid}/fd/2", os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK)
     except OSError:
         return
     try:
