@@ -33,6 +33,7 @@ from conftest import (
 from mpitrain.duties import checkpoint
 from mpitrain.launch.mpiimpl import MPICH, needs_supervisor
 from mpitrain.launch.faults import rank_pids
+from mpitrain.launch.supervise import _dead
 from mpitrain.membership.liveness import PeerLost, Watch
 from mpitrain.core.exitcodes import ExitCode
 
@@ -403,9 +404,9 @@ def test_the_ranks_die_with_hydras_proxy_rather_than_spin_on_without_it():
         [proxy] = {int(stat_fields(supervisor)[1]) for _, supervisor in rank_pids(job.pid).values()}
         os.kill(proxy, signal.SIGKILL)
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and any(_running(pid) for pid in ranks):
+        while time.monotonic() < deadline and any(not _dead(pid) for pid in ranks):
             time.sleep(0.05)
-        left = [pid for pid in ranks if _running(pid)]
+        left = [pid for pid in ranks if not _dead(pid)]
     finally:
         for pid in ranks:
             try:
@@ -415,15 +416,6 @@ def test_the_ranks_die_with_hydras_proxy_rather_than_spin_on_without_it():
         kill_session(job)
         job.communicate()
     assert len(ranks) == 6 and not left, left
-
-
-def _running(pid: int) -> bool:
-    from mpitrain.launch.samehost import stat_fields
-
-    try:
-        return stat_fields(pid)[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
 
 
 def test_a_supervised_rank_starting_up_outlives_hydras_death_notice():

@@ -37,12 +37,11 @@ import threading
 import numpy as np
 from mpi4py import MPI
 
-from mpitrain.core import ledger
 from mpitrain.core.compress import scheme
 from mpitrain.core.layout import PS_RANK
 from mpitrain.duties.checkpoint import TrainState
 from mpitrain.exchange import shm
-from mpitrain.exchange.mpi import held_copy
+from mpitrain.exchange.mpi import first_mark, held_copy
 from mpitrain.exchange.protocol import (FLAG_DIVERGED, FLAG_LAST, FLAG_LEAVING, FLAG_FINAL, HEADER_BYTES, TAG_GRAD,
                                         TAG_MAIL, TAG_PARAMS, Message)
 from mpitrain.exchange.transport import END_POLL_S, WORKER_POLL_S, Poller
@@ -232,7 +231,7 @@ class MailPushPull:
         self.versions = [start.global_step]
         self.diverged_at: int | None = None
         self.lent = None
-        self.mark = ledger.mark(ctx.dealt(start), start.redeal)
+        self.mark = first_mark(ctx, start)
         self.sent = self.pulled = 0  # pushes announced; answers made the parameters
         self.kill_at = store_kill(ctx.rank)  # MPITRAIN_INJECT_KILL=RANK:STEP:mailing
 

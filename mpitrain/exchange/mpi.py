@@ -158,6 +158,12 @@ def held_copy(ex) -> TrainState:
                       mark=ex.mark)
 
 
+def first_mark(ctx: Context, start: TrainState) -> tuple[int, int]:
+    """A message-path exchange's mark until rank 0's first answer: what the start's parameters hold (the
+    checkpoint's deal, core/ledger.mark), so a take-over before that answer misses nothing."""
+    return ledger.mark(ctx.dealt(start), start.redeal)
+
+
 def await_verdict(ctx: Context, why: str) -> None:
     """The gradient Allreduce failed: a worker died in the middle of it. Rank 0 notices within
     --worker-timeout and either tells the workers left to regroup (elastic.Regroup is raised here)
@@ -213,7 +219,7 @@ class MPIPushPull:
         self.failed = None  # what `progress` found failed in it (transport.Completed)
         self.diverged_at: int | None = None
         self.lent = None
-        self.mark = ledger.mark(ctx.dealt(start), start.redeal)
+        self.mark = first_mark(ctx, start)
 
     def _buffers(self, ways: list, n: int, sending: bool) -> tuple[list | None, list[list], int]:
         """Two buffers of a way (pushes or replies): (the flat messages or None, each buffer's message per server,
