@@ -40,14 +40,12 @@ import threading
 import time
 from pathlib import Path
 
-from chaos import IMPL  # same folder
+from support import IMPL, mpiimpl, rank_pids, spawned_pids  # noqa: E402  (same folder: mpitrain's insides, the fault hooks)
 from run import env, machine, mpirun
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from mpitrain.launch import mpiimpl
-from mpitrain.launch.faults import rank_pids, spawned_pids  # noqa: E402
 
 KILL_AT_S = 9.0
 # --kills: whom each kill hits, in order (a rank the job started with, or "spawned": the newest replacement)

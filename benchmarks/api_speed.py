@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from results import record  # noqa: E402  (same folder)
 from run import machine, mpirun  # noqa: E402  (same folder)
 
-from mpitrain.launch.mpiimpl import local_flags, of_mpirun  # noqa: E402
+from support import local_flags, of_mpirun  # noqa: E402  (same folder: mpitrain's insides, the fault hooks)
 
 SCRIPT = """
 import sys

@@ -42,14 +42,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from chaos import IMPL, Job  # same folder
+from support import IMPL, Job, mpiimpl, rank_pids, spawned_pids  # noqa: E402  (same folder: mpitrain's insides, the fault hooks)
 from run import machine, mpirun
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from mpitrain.launch import mpiimpl
-from mpitrain.launch.faults import rank_pids, spawned_pids  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from results import record  # noqa: E402  (same folder)
 

@@ -87,10 +87,7 @@ def staging(hidden: str, batch: int, reps: int = 200) -> dict:
     import cupy
     import numpy as np
 
-    from mpitrain.core.backend import make_backend
-    from mpitrain.core.codec import WIRE_DTYPES
-    from mpitrain.core.data import make_synthetic
-    from mpitrain.core.model import MLP
+    from support import MLP, WIRE_DTYPES, make_backend, make_synthetic
 
     be = make_backend("gpu", 0)
     sizes = (784, *map(int, hidden.split(",")), 10)

@@ -15,7 +15,7 @@ import sys
 if sys.argv[1] not in ("one", "two"):
     sys.exit("usage: gpu_one_read.py one|two MPITRAIN_FLAGS...")
 if sys.argv[1] == "two":
-    from mpitrain.modes import gradients
+    from support import gradients  # beside this script
 
     shipped = gradients.GradientSource.__init__
 

@@ -39,8 +39,7 @@ def cupy_steps(hidden: str, batch: int):
     """name -> a function doing one step, for each variant; and a synchronize."""
     import cupy
 
-    from mpitrain.core.data import make_synthetic
-    from mpitrain.core.model import MLP, PlainOps
+    from support import MLP, PlainOps, make_synthetic
 
     sizes = (784, *map(int, hidden.split(",")), 10)
     model = MLP(sizes, 0.0, cupy)
@@ -118,7 +117,7 @@ def cupy_steps(hidden: str, batch: int):
 def torch_steps(hidden: str, batch: int):
     import torch
 
-    from mpitrain.core.data import make_synthetic
+    from support import make_synthetic
 
     sizes = [784, *map(int, hidden.split(",")), 10]
     layers = []

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from run import machine, run_mpitrain  # same folder
 
-from mpitrain.core.config import AUTO_OVERLAP_MAX_WORKERS, DEFAULT_EPOCHS, DEFAULT_STALENESS_TOLERANCE
+from support import AUTO_OVERLAP_MAX_WORKERS, DEFAULT_EPOCHS, DEFAULT_STALENESS_TOLERANCE  # noqa: E402  (same folder: mpitrain's insides, the fault hooks)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from results import record  # noqa: E402  (same folder)
 

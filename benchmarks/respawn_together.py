@@ -27,15 +27,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-from chaos import IMPL, Job, end_problems  # same folder
+from support import IMPL, ExitCode, Job, end_problems, mpiimpl, rank_pids  # noqa: E402  (same folder: mpitrain's insides, the fault hooks)
 from run import machine, mpirun
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from mpitrain.launch import mpiimpl
-from mpitrain.launch.faults import rank_pids  # noqa: E402
-from mpitrain.core.exitcodes import ExitCode
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from results import record  # noqa: E402  (same folder)
 

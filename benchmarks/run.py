@@ -14,8 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import shutil
 import statistics
 import subprocess
 import sys
@@ -24,26 +22,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from mpitrain.launch.mpiimpl import local_flags, of_mpirun  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from results import record  # noqa: E402  (same folder)
-
-PY = sys.executable
+from support import PY, env, local_flags, machine, mpirun, of_mpirun  # noqa: E402, F401  (scripts import them here too)
 TRACE = os.path.join(tempfile.gettempdir(), "mpitrain-benchmark-trace.json")  # --timeline rows (overwritten)
-
-
-def mpirun() -> str:
-    beside = Path(PY).parent / "mpirun"
-    return str(beside) if beside.exists() else (shutil.which("mpirun") or "mpirun")
-
-
-def env() -> dict:
-    e = dict(os.environ)
-    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
-        e[var] = "1"
-    e.pop("SLURM_NTASKS", None)
-    return e
 
 
 def mpitrain_cmd(np_: int, args: list[str], summary: str) -> list[str]:
@@ -230,33 +212,6 @@ def startup(reps: int) -> tuple[float, float]:
                        check=True, cwd=ROOT)
         mains.append(time.perf_counter() - t0)
     return statistics.median(helps), statistics.median(mains)
-
-
-def machine() -> str:
-    cpu = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    import numpy
-
-    try:
-        from mpi4py import MPI
-
-        mpi = MPI.Get_library_version().splitlines()[0].split(",")[0].strip()  # "MPICH Version: 5.0.2", "Open MPI v5.0.11"
-    except ImportError:
-        mpi = "no mpi4py"
-    try:
-        import torch
-
-        tv = torch.__version__
-    except ImportError:
-        tv = "not installed"
-    return (f"{os.cpu_count()} cores ({cpu}), Python {platform.python_version()}, NumPy {numpy.__version__}, "
-            f"{' '.join(mpi.split())}, PyTorch {tv}; no GPU on this machine")
 
 
 def fmt_row(name: str, r: dict | None, limit: float, ddp: float | None) -> str:

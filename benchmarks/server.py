@@ -49,7 +49,8 @@ import ast
 import sys
 import numpy as np
 import mpitrain
-from mpitrain.modes import gradients
+sys.path.insert(0, BENCHMARKS)  # this folder, written in by served()
+from support import gradients  # (PYTHONPATH=TREE's, with --against)
 
 rng = np.random.default_rng(mpitrain.rank())
 fixed = {}
@@ -105,7 +106,7 @@ def option_kwargs(args: list[str]) -> list[str]:
 
 def served(k: int, size: str, steps: int, tmp: Path, tree: str | None = None) -> dict:
     script, summary = tmp / "fake_workers.py", tmp / "served.json"
-    script.write_text(CHILD)
+    script.write_text(CHILD.replace("BENCHMARKS", repr(str(Path(__file__).resolve().parent)), 1))
     kw = option_kwargs(SIZES[size] + DATA + ["--steps", str(steps)])
     cmd = [mpirun(), "-np", str(k + 1), sys.executable, str(script), str(summary), *kw]
     e = env() if tree is None else {**env(), "PYTHONPATH": tree}  # before the editable install's path

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from results import record  # noqa: E402  (same folder)
 from run import machine, mpirun  # noqa: E402
 
-from mpitrain.launch import mpiimpl  # noqa: E402
+from support import mpiimpl  # noqa: E402  (same folder: mpitrain's insides, the fault hooks)
 
 ROOT = Path(__file__).resolve().parent.parent
 FAULT_TESTS = ["tests/test_startup.py", "tests/test_lost_workers.py", "tests/test_respawn.py", "tests/test_spares.py",

@@ -85,7 +85,7 @@ def ranks() -> None:
     """Under mpirun -np 2: print 'own R' and 'spawned R' (exchanges/s) from rank 0."""
     from mpi4py import MPI
 
-    from mpitrain.exchange.transport import PS_POLL_S, TESTS_PER_WAKE, WORKER_POLL_S
+    from support import PS_POLL_S, TESTS_PER_WAKE, WORKER_POLL_S
 
     tests = int(os.environ.get("LINK_TESTS", TESTS_PER_WAKE))
     parent = MPI.Comm.Get_parent()

@@ -38,7 +38,7 @@ from results import record  # noqa: E402  (same folder)
 from run import env as bench_env  # noqa: E402  (same folder)
 from run import machine, mpirun  # noqa: E402
 
-from mpitrain.launch import faults, mpiimpl  # noqa: E402
+from support import faults, mpiimpl  # noqa: E402  (same folder: mpitrain's insides, the fault hooks)
 
 ARGS = ("--dataset", "synthetic", "--synthetic-samples", "60000", "--steps", "2000", "--no-progress",
         "--worker-timeout", "1")

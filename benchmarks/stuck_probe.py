@@ -40,16 +40,13 @@ RANK_ARG = "--rank-of-mpitrain-probe"  # the ranks' command (faults.rank_pids fi
 
 
 def rank_main() -> None:
-    from mpitrain.launch.supervise import supervise
+    from support import supervise
 
     supervise()  # a killed sender must not take rank 0 with it (hydra)
     import numpy as np
     from mpi4py import MPI
 
-    from mpitrain.exchange.transport import Poller
-    from mpitrain.launch.mpiimpl import MPICH
-    from mpitrain.membership.stuck import WATCHDOG
-    from mpitrain.node import unlink_init_shm
+    from support import MPICH, WATCHDOG, Poller, unlink_init_shm
 
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -81,7 +78,7 @@ def rank_main() -> None:
 def trial(rng: random.Random) -> str:
     from run import env, mpirun
 
-    from mpitrain.launch.faults import kill_session, rank_pids
+    from support import kill_session, rank_pids
 
     proc = subprocess.Popen([mpirun(), "-disable-auto-cleanup", "-np", "3", sys.executable, __file__, RANK_ARG],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env(),

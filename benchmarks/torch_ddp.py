@@ -28,7 +28,7 @@ def worker(rank: int, world: int, port: int, args, out_q) -> None:
     import torch
     import torch.distributed as dist
 
-    from mpitrain.core.data import epoch_batches, make_synthetic
+    from support import epoch_batches, make_synthetic  # beside this script
 
     torch.set_num_threads(1)  # as mpitrain: one BLAS thread per process
     ds = make_synthetic(args.samples, args.features, 10, args.seed)

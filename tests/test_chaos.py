@@ -22,6 +22,8 @@ from mpitrain.membership.liveness import PeerLost
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import chaos  # noqa: E402
+import chaos_judge  # noqa: E402
+from chaos_cases import Case  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -34,13 +36,13 @@ pytestmark = pytest.mark.timeout(300)
 # 128 + the signal and resume. One CI run (2026-11-29) failed "sync": rank 1 killed 1.37 s in, the job
 # regrouped at step 339 and stopped at 340 (exit 143): MPICH had completed a survivor's Allreduce with
 # the dead worker's stale part and a stop vote nobody cast (docs/notes/dead-peer.md; modes/sync.torn).
-QUICK = [chaos.Case("async-big", ("--mode", "async", "--hidden", "2000"), "worker", 500),
-         chaos.Case("sync", ("--mode", "sync"), "worker", 2000),
-         chaos.Case("coordinator-quorum", ("--mode", "sync", "--quorum", "2"), "coordinator", 1000),
-         chaos.Case("rank0-async", ("--mode", "async", "--hidden", "2000"), "rank0", 500),
-         chaos.Case("shm-async", ("--mode", "async", "--ps-transport", "shm"), "worker", 5000),
-         chaos.Case("term-rank-sync", ("--mode", "sync"), "worker", 2000, signal.SIGTERM),  # stops, saves, resumes
-         chaos.Case("int-mpirun-async", ("--mode", "async", "--hidden", "2000"), "launcher", 500, signal.SIGINT)]
+QUICK = [Case("async-big", ("--mode", "async", "--hidden", "2000"), "worker", 500),
+         Case("sync", ("--mode", "sync"), "worker", 2000),
+         Case("coordinator-quorum", ("--mode", "sync", "--quorum", "2"), "coordinator", 1000),
+         Case("rank0-async", ("--mode", "async", "--hidden", "2000"), "rank0", 500),
+         Case("shm-async", ("--mode", "async", "--ps-transport", "shm"), "worker", 5000),
+         Case("term-rank-sync", ("--mode", "sync"), "worker", 2000, signal.SIGTERM),  # stops, saves, resumes
+         Case("int-mpirun-async", ("--mode", "async", "--hidden", "2000"), "launcher", 500, signal.SIGINT)]
 
 
 # The store's kills do not depend on the MPI (tests/test_shm.py kills in it under both): MPICH only.
@@ -92,16 +94,16 @@ class _Req:
 
 def test_the_chaos_judge_fails_a_complete_epoch_that_missed_or_repeated_samples_no_take_over_counted():
     whole = {"epoch": 0, "complete": True, "samples": 1200, "missed": 0, "repeated": 0, "dropped": 0, "left": 38}
-    assert chaos.ledger_problems({"epochs": [whole, {**whole, "epoch": 1, "complete": False, "missed": 100}]}) == []
-    assert chaos.ledger_problems({"epochs": None}) == chaos.ledger_problems(None) == []
-    assert chaos.ledger_problems({"epochs": [whole, {**whole, "epoch": 1, "samples": 1100, "missed": 100}]}) == [
+    assert chaos_judge.ledger_problems({"epochs": [whole, {**whole, "epoch": 1, "complete": False, "missed": 100}]}) == []
+    assert chaos_judge.ledger_problems({"epochs": None}) == chaos_judge.ledger_problems(None) == []
+    assert chaos_judge.ledger_problems({"epochs": [whole, {**whole, "epoch": 1, "samples": 1100, "missed": 100}]}) == [
         "1 complete epoch(s) missed samples (first: epoch 1)"]
-    assert chaos.ledger_problems({"epochs": [{**whole, "repeated": 100}]}) == [
+    assert chaos_judge.ledger_problems({"epochs": [{**whole, "repeated": 100}]}) == [
         "the epochs count 100 samples trained twice, the take-overs 0"]
     took_over = {"epochs": [{**whole, "repeated": 100}, {**whole, "epoch": 1, "complete": False, "repeated": 100}],
                  "failovers": [{"batches_repeated": 2}]}
-    assert chaos.ledger_problems(took_over) == []  # counted by the take-over, wherever its epochs put them
-    assert chaos.ledger_problems({**took_over, "failovers": [{"batches_repeated": 1}]})
+    assert chaos_judge.ledger_problems(took_over) == []  # counted by the take-over, wherever its epochs put them
+    assert chaos_judge.ledger_problems({**took_over, "failovers": [{"batches_repeated": 1}]})
 
 
 def test_poller_sorts_a_failed_testsome_into_arrived_and_failed():

@@ -36,7 +36,8 @@ from mpitrain.membership.liveness import ENDS_THE_JOB
 from mpitrain.core.exitcodes import ExitCode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-import chaos  # noqa: E402  (its reading of a stuck rank's line and exit, as the chaos suite judges them)
+import chaos_cases  # noqa: E402
+import chaos_judge  # noqa: E402  (its reading of a stuck rank's line and exit, as the chaos suite judges them)
 from test_ledger import EPOCH_SAMPLES, assert_each_epoch_once, read_leases, read_trace  # noqa: E402  (the workers' own account)
 
 # 3-6 s on 2 cores, so that a kill 0.2-1.5 s in lands mid-run (sync at 3000 once took 1.2 s under Open
@@ -185,10 +186,10 @@ def rank0_stuck(proc) -> bool:
     --checkpoint-dir here: nothing to save), and the job ended with PEER_LOST (hydra ORs in the
     killed rank's 137): the documented ending of that kill, checked whole, since no test chooses
     where a kill lands."""
-    if 0 not in chaos.stuck_ranks(proc.stderr):
+    if 0 not in chaos_judge.stuck_ranks(proc.stderr):
         return False
-    assert mpi_impl().name == "mpich" and chaos.stuck_ranks(proc.stderr).count(0) == 1, proc.stderr
-    assert proc.returncode in chaos.STUCK_EXITS, proc.stderr
+    assert mpi_impl().name == "mpich" and chaos_judge.stuck_ranks(proc.stderr).count(0) == 1, proc.stderr
+    assert proc.returncode in chaos_cases.STUCK_EXITS, proc.stderr
     return True
 
 

@@ -16,7 +16,7 @@ import pytest
 from conftest import NUMBERS_ONLY, only_on, run_mpitrain
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from chaos import fill  # noqa: E402  (the chaos suite's disk-full case fills a disk the same way)
+from support import fill  # noqa: E402  (the chaos suite's disk-full case fills a disk the same way)
 
 from mpitrain.core.config import defaults
 from mpitrain.core.exitcodes import ExitCode

@@ -256,3 +256,33 @@ def test_one_meaning_per_name():
     slots = {k: v for k, v in vars(protocol).items() if k.startswith("H_")}
     assert sorted(slots.values()) == list(range(len(slots))) and len(slots) <= protocol.HEADER_SLOTS
     assert "FLAG_STOP" not in flags and "H_LOCAL_STEP" not in slots and protocol.HEADER_BYTES % 16 == 0
+
+
+BENCHMARKS = PACKAGE.parent / "benchmarks"
+
+
+def test_a_benchmark_reaches_mpitrains_insides_through_its_support_module_only():
+    """docs/benchmarks.md: a script runs mpitrain as a user does (mpirun, `import mpitrain`) and takes the fault
+    hooks and the pieces a probe times from benchmarks/support.py alone, which names the module of each (a code
+    string a script hands a rank counts too). Every such name loads, so a module moved inside the package fails
+    here and not in a benchmark nobody ran this month; no script is longer than a module may be."""
+    import re
+
+    reaches_in = re.compile(r"^\s*(from|import)\s+mpitrain\.", re.M)
+    scripts = [p for p in sorted(BENCHMARKS.glob("*.py")) if p.name != "support.py"]
+    assert len(scripts) > 20 and not [p.name for p in scripts if reaches_in.search(p.read_text())]
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import support
+
+        missing = []
+        for name in support.INSIDE:
+            try:
+                getattr(support, name)
+            except (ImportError, AttributeError) as e:
+                missing.append(f"{name}: {e}")
+        assert not missing and support.IMPL.name in ("mpich", "openmpi")
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    long = {p.name: n for p in [*scripts, BENCHMARKS / "support.py"] if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, long
