@@ -15,15 +15,17 @@ from support import IMPL, STUCK_LINE, ExitCode, checkpoint, env
 
 def ledger_problems(summary: dict | None, batch: int = 100) -> list[str]:
     """Issue 81's promise: every epoch dealt whole applied each of its batches once (the summary's `epochs`,
-    every mode's: --quorum's left-out batches are `dropped`, not missed), but those an async take-over of rank 0
-    dealt again that its copy had applied: as many as its record counts (`batches_repeated`; the cases' batch
-    is the default 100)."""
-    epochs, failovers = (summary or {}).get("epochs") or [], (summary or {}).get("failovers") or []
+    every mode's: --quorum's left-out batches are `dropped`, not missed), but those dealt again though applied:
+    by an async take-over of rank 0 (its copy had applied them), or after a worker lost inside its apply to the
+    shm store; as many as their records count (`batches_repeated` of a take-over, of a lost worker; the cases'
+    batch is the default 100)."""
+    s = summary or {}
+    epochs, records = s.get("epochs") or [], [*(s.get("failovers") or []), *(s.get("lost_workers") or [])]
     bad = [e["epoch"] for e in epochs if e["complete"] and e["missed"]]
     problems = [f"{len(bad)} complete epoch(s) missed samples (first: epoch {bad[0]})"] if bad else []
-    repeated, said = sum(e["repeated"] for e in epochs), sum(fo.get("batches_repeated", 0) for fo in failovers) * batch
+    repeated, said = sum(e["repeated"] for e in epochs), sum(r.get("batches_repeated", 0) for r in records) * batch
     if repeated != said:
-        problems.append(f"the epochs count {repeated} samples trained twice, the take-overs {said}")
+        problems.append(f"the epochs count {repeated} samples trained twice, the take-overs and losses {said}")
     return problems
 
 

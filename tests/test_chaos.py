@@ -99,11 +99,13 @@ def test_the_chaos_judge_fails_a_complete_epoch_that_missed_or_repeated_samples_
     assert chaos_judge.ledger_problems({"epochs": [whole, {**whole, "epoch": 1, "samples": 1100, "missed": 100}]}) == [
         "1 complete epoch(s) missed samples (first: epoch 1)"]
     assert chaos_judge.ledger_problems({"epochs": [{**whole, "repeated": 100}]}) == [
-        "the epochs count 100 samples trained twice, the take-overs 0"]
+        "the epochs count 100 samples trained twice, the take-overs and losses 0"]
     took_over = {"epochs": [{**whole, "repeated": 100}, {**whole, "epoch": 1, "complete": False, "repeated": 100}],
                  "failovers": [{"batches_repeated": 2}]}
     assert chaos_judge.ledger_problems(took_over) == []  # counted by the take-over, wherever its epochs put them
     assert chaos_judge.ledger_problems({**took_over, "failovers": [{"batches_repeated": 1}]})
+    lost_in_apply = {**took_over, "failovers": [{"batches_repeated": 1}], "lost_workers": [{"batches_repeated": 1}]}
+    assert chaos_judge.ledger_problems(lost_in_apply) == []  # a worker lost inside its apply to the shm store
 
 
 def test_poller_sorts_a_failed_testsome_into_arrived_and_failed():

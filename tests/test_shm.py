@@ -115,6 +115,43 @@ def test_a_worker_killed_in_the_store_leaves_a_job_that_finishes_its_budget(tmp_
     assert "Traceback" not in proc.stderr and not proc.leftovers and _none_left(before)
 
 
+@only_on("mpich", "the store's ledger, the same under either MPI; a worker killed in the store runs under both")
+@pytest.mark.parametrize("point,twice", [("applying", 1), ("stepped", 0)])
+def test_a_worker_killed_in_its_apply_leaves_its_block_trained_once_or_counted_twice(tmp_path, point, twice):
+    """Issue 81, the store's window of one apply: a worker applies its gradient, counts the step, then marks its
+    block of the deal applied. Killed before the mark, its block was dealt again and trained twice, and nothing
+    counted it. Now rank 0 reads where the push got to (Store.settle): killed after the step's count
+    (MPITRAIN_INJECT_KILL=R:STEP:stepped), the block is marked applied and trained once; killed inside the apply
+    or before the count (applying), it is dealt again and counted (`batches_repeated` of the lost worker, the
+    epochs' `repeated`). Read from the workers' side (MPITRAIN_TRACE_BATCHES: each block a worker applied)."""
+    import collections
+
+    summary, trace = tmp_path / "s.json", tmp_path / "trace"
+    trace.mkdir()
+    proc, _ = run_detached(mpitrain_cmd(4, "--no-progress", "--ps-transport", "shm", "--steps", "600",
+                                        "--worker-timeout", "2", "--summary-json", str(summary),
+                                        launcher_flags=keep_going()),
+                           env={**child_env(), "MPITRAIN_INJECT_KILL": f"2:40:{point}",
+                                "MPITRAIN_TRACE_BATCHES": str(trace)}, timeout=120)
+    assert proc.returncode == ExitCode.WORKER_LOST, proc.stdout + proc.stderr
+    s = json.loads(summary.read_text())
+    assert s["global_step"] == 600 and [w["rank"] for w in s["lost_workers"]] == [2], s["lost_workers"]
+    assert s["lost_workers"][0].get("batches_repeated", 0) == twice, s["lost_workers"]
+    applied = collections.Counter()
+    for f in trace.glob("applied-*.txt"):
+        for line in f.read_text().splitlines():
+            first, n, _ = map(int, line.split())
+            applied.update(range(first, first + n))
+    per_epoch = EPOCH_SAMPLES[3] // 100
+    complete = [e for e in s["epochs"] if e["complete"]]
+    assert len(complete) >= 600 // per_epoch - 2, s["epochs"][-3:]
+    for e in complete:
+        wrong = {g: applied[g] for g in range(e["epoch"] * per_epoch, (e["epoch"] + 1) * per_epoch) if applied[g] != 1}
+        assert sum(n - 1 for n in wrong.values()) * 100 == e["repeated"] and 0 not in wrong.values(), (e, wrong)
+        assert e["missed"] == 0 and e["samples"] == per_epoch * 100, e
+    assert sum(n - 1 for n in applied.values()) == twice == sum(e["repeated"] for e in s["epochs"]) // 100
+
+
 def test_a_ledger_change_cut_short_by_a_death_is_undone_by_the_next_lock_holder(tmp_path):
     """The store's ledger (Store.leases) changes in several words under shard 0's lock; a worker SIGKILLed
     between two of them (the kernel frees its lock) leaves the record open, and the next holder puts the words

@@ -345,6 +345,13 @@ def put_together(dealt: int, low: int, applied: int, answered: list[Block], held
     return redeal, twice, by_epoch
 
 
+def count_twice(repeated: dict[int, int], block: Block, per_epoch: int) -> None:
+    """A block dealt again though (part of) its gradient is in the parameters: its numbers into `repeated`, by
+    epoch (the summary's `repeated`)."""
+    for g in range(block[0], block[0] + block[1]):
+        repeated[g // per_epoch] = repeated.get(g // per_epoch, 0) + 1
+
+
 def _union(blocks) -> list[Block]:
     """Blocks as the fewest that cover the same numbers, in order."""
     out: list[list[int]] = []
@@ -374,7 +381,8 @@ def epochs(deal: Deal, dealt: int, unapplied: list[Block] = (), left_out: dict[i
     but those in `unapplied` (async: a block out, or to deal again, when the run ended; a resume deals it
     again: `missed` until then) and those `left_out` of the updates by --quorum (`dropped`, by epoch).
     A sync step's numbers are the step's, and rank 0 marks an async block applied once, with the push that
-    names it: only a take-over of rank 0 deals again numbers its copy had applied (`repeated`, by epoch)."""
+    names it: only a take-over of rank 0 deals again numbers its copy had applied, and the shm store a block
+    whose worker died inside its apply (`repeated`, by epoch)."""
     left_out, repeated = left_out or {}, repeated or {}
     P = deal.per_epoch
     begun = -(-dealt // P)

@@ -167,10 +167,12 @@ def beat_step_times(ctx: Context) -> dict[int, dict]:
     return {r: step_time_from_beat(b) for r, (b, _, _) in seen_workers(ctx).items() if b is not None}
 
 
-def record_lost(state: ServerState, rank: int, why: str, then: str = "", loud: bool = True) -> None:
+def record_lost(state: ServerState, rank: int, why: str, then: str = "", loud: bool = True, repeated: int = 0) -> None:
     """A worker declared lost: in the summary (lost_workers), on stderr (rank 0's line; `loud`),
-    and in the log."""
+    and in the log. `repeated`: the batches of its last push dealt again though in the parameters (the store's)."""
     info = {"rank": rank, "global_step": state.global_step, "reason": why}
+    if repeated:
+        info["batches_repeated"] = repeated
     state.lost_workers.append(info)
     if loud:
         say(f"mpitrain: worker rank {rank} lost at global step {state.global_step} ({why}){then}", sys.stderr)

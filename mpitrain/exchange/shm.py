@@ -82,13 +82,14 @@ LOST = -1
 def _sections(n: int, workers: int, state_names: tuple[str, ...], ema: bool, dc: bool,
               shards: int, redeal: int) -> list[tuple[str, type, int]]:
     """The segment's layout, in order: (name, dtype, length); the 8-byte ones first (aligned).
-    `bases`: the version of the parameters each worker computes on (--max-staleness reads it). The data
+    `bases`: the version of the parameters each worker computes on (--max-staleness reads it); `applying`: the
+    block a worker is applying and has not yet marked applied (Store.settle). The data
     ledger (core/ledger.Leases over PairQueues): the next number never dealt, the blocks to deal again (room
     for `redeal`, the start's and every worker's, each lost at most once in a phase) and each worker's
     block, with their queues' [head, length]."""
     return ([("header", np.int64, HEADER * shards), ("active", np.int64, workers), ("bases", np.int64, workers),
-             ("diverged_loss", np.float64, 1), ("ring_loss", np.float64, RING), ("ring_basis", np.int64, RING),
-             ("ring_worker", np.int64, RING), ("ring_span", np.int64, RING),
+             ("applying", np.int64, workers), ("diverged_loss", np.float64, 1), ("ring_loss", np.float64, RING),
+             ("ring_basis", np.int64, RING), ("ring_worker", np.int64, RING), ("ring_span", np.int64, RING),
              ("ledger", np.int64, held(workers)), ("ledger_journal", np.int64, JOURNAL),
              ("ledger_redeal", np.int64, 2 * redeal),
              ("ledger_out", np.int64, 2 * LEASES_HELD * workers), ("params", np.float32, n)]
@@ -153,7 +154,7 @@ class Store:
         v = self.views
         self.rows = v["header"].reshape(shards, HEADER)  # each shard's counts
         self.header = self.rows[0]  # shard 0's, and the run's slots
-        self.active, self.params, self.ema = v["active"], v["params"], v.get("ema")
+        self.active, self.params, self.ema, self.applying = v["active"], v["params"], v.get("ema"), v["applying"]
         self.opt = {name: v[f"opt_{name}"] for name in state_names}
         self.locks = [ShardLock(self.fd, k) for k in range(shards)]
         self._ledger = (memoryview(v["ledger"]), memoryview(v["ledger_journal"]), memoryview(v["ledger_redeal"]))
@@ -181,6 +182,22 @@ class Store:
 
     def ledger_end(self) -> None:
         self._ledger[1][0] = 0
+
+    def settle(self, w: int, leases: Leases):
+        """Rank 0, worker w lost, under shard 0's lock after ledger_begin(w): where its last push got to (issue 81).
+        Its `applying` slot says -(first + 1) from before its apply to the step's count, first + 1 from then until
+        its block is marked applied, 0 after. A block applied and counted whose mark it did not live to write is
+        marked now (trained once, not dealt again); a block whose gradient may be in the parameters, in whole or in
+        part (killed inside the apply, a window of about 20 us), is returned: it is dealt again, trained twice,
+        and the caller counts it (the summary's `repeated`). None: nothing of its block is in the parameters."""
+        mark, self.applying[w] = int(self.applying[w]), 0
+        head = leases.out[w][0] if leases.out[w] else None
+        if head is None or head[0] != abs(mark) - 1:
+            return None
+        if mark > 0:
+            leases.applied(w, head)
+            return None
+        return head
 
     def ledger_undo(self) -> bool:
         """Under shard 0's lock: a change its process did not finish, undone (True); False when none is open."""
@@ -222,6 +239,7 @@ class Store:
         self.views["bases"][:] = start.global_step
         self.views["ledger"][:] = 0
         self.views["ledger_journal"][:] = 0
+        self.applying[:] = 0
         if deal is not None:
             shared = self.leases(deal.span, deal.end)
             shared.fresh = deal.fresh

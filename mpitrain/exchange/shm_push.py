@@ -17,6 +17,7 @@ from mpitrain.duties.checkpoint import TrainState
 from mpitrain.exchange.shm import (DC_T, DIVERGED_STEP, EMA_T, HOLD_POLL_S, LOST, OPT_T, STOP, VERSION, Store,
                                    StoreKill, open_store)
 from mpitrain.exchange.waiting import poll
+from mpitrain.launch.faults import applied_trace
 
 
 class SharedUpdate:
@@ -91,6 +92,7 @@ class ShmPushPull:
         self.spans = PushSpans(ctx.cfg.local_steps, 1)  # the global steps each push makes (--local-steps: H)
         self.hold = StalenessHold(ctx.cfg.max_staleness, ctx.cfg.local_steps)
         self.kill = StoreKill(ctx.rank)
+        self.trace = applied_trace() if self.leases is not None else None  # MPITRAIN_TRACE_BATCHES: its applies
 
     def gradient(self, slot: int):
         return self.grads[slot]
@@ -138,16 +140,22 @@ class ShmPushPull:
         if not math.isfinite(loss):  # never applied; rank 0 stops the run (a diverged run saves nothing more)
             s.diverged(self.ctx.rank, v, loss)
             return self._stop()
-        part = self.parts[0]
+        part, first = self.parts[0], -1 if lease is None else lease[0]
+        s.applying[self.worker] = -(first + 1)  # killed from here to the step's count: dealt again, counted twice
         self.shared[0].apply(grad[part], self.ctx.lr_at(v), v - basis, basis, self.host_params[part])
+        if self.trace is not None and lease is not None:
+            self.trace.applied(lease, v + span)
         self._injected("applying")
         s.stepped(v, loss, basis, self.worker, span)
+        s.applying[self.worker] = first + 1  # ... from here to its mark: rank 0 marks it (Store.settle)
+        self._injected("stepped")
         if self.leases is not None:
             s.ledger_begin(self.worker)
             if lease is not None and not self.leases.applied(self.worker, lease):
                 raise RuntimeError(f"the store's ledger holds no block {lease} of worker {self.worker}")
             self.lent = self.leases.grant(self.worker)
             s.ledger_end()
+        s.applying[self.worker] = 0
         self.host_params[part] = s.params[part]
         self.versions[0] = v + span
         return False

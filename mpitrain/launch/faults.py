@@ -13,6 +13,7 @@ MPITRAIN_INJECT_KILL=RANK:takeover ... a successor, once it has told the others 
 MPITRAIN_INJECT_KILL=RANK:STEP:locked   --ps-transport shm: ... holding the store's lock, before applying
 MPITRAIN_INJECT_KILL=RANK:STEP:applying ... with its gradient applied to the store, the version not yet
                                 advanced (half-way through its step, as rank 0 and the others see it)
+MPITRAIN_INJECT_KILL=RANK:STEP:stepped  ... its step counted, its block of the deal not yet marked applied
 MPITRAIN_INJECT_KILL=RANK:0:opening ... before it has the store's name from rank 0 (open_store)
 MPITRAIN_INJECT_KILL=RANK:STEP:mailing async, a worker with a mailbox (exchange/mailbox.py): half-way
                                 through writing its push, before the counter announces it
@@ -154,10 +155,10 @@ class Kill:
 
 
 # Where in a --ps-transport shm push (exchange/shm.py): holding shard 0's lock, half-way through its
-# apply, half-way through shard 1's (--num-ps 2: shard 0 applied, the rest not); or, at step 0, before
-# the worker has mapped the store at all (open_store). Async's mailbox (exchange/mailbox.py): half-way
-# through writing a push, its counter not yet announcing it.
-STORE_KILL_POINTS = ("locked", "applying", "sharded", "opening", "mailing")
+# apply, its step counted and its block not yet marked, half-way through shard 1's (--num-ps 2: shard 0
+# applied, the rest not); or, at step 0, before the worker has mapped the store at all (open_store).
+# Async's mailbox (exchange/mailbox.py): half-way through writing a push, its counter not yet announcing it.
+STORE_KILL_POINTS = ("locked", "applying", "stepped", "sharded", "opening", "mailing")
 
 
 def store_kill(rank: int, env=os.environ) -> tuple[int, str] | None:

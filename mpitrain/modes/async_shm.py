@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 
+from mpitrain.core import ledger
 from mpitrain.core.compress import push_words
 from mpitrain.core.console import say
 from mpitrain.core.guard import NON_FINITE, Diverged, LossGuard
@@ -159,10 +160,14 @@ class ShmServer:
             self.store.active[w] = shm.LOST  # its basis no longer holds the others back (--max-staleness)
             with self.store.locked():  # its block is dealt again, first in line, to whoever pushes next
                 self.store.ledger_begin(w)  # (first undoing what it was half-way through, if it died so)
+                twice = self.store.settle(w, self.leases)  # what of its last push is in the parameters
                 self.leases.lose(w)
                 self.store.ledger_end()
+            if twice is not None:
+                ledger.count_twice(self.state.repeated, twice, self.ctx.deal(self.state).per_epoch)
             left = self.ctx.workers - len(self.lost)
-            record_lost(self.state, rank, why, f"; continuing with {left} worker(s)" if left else "")
+            record_lost(self.state, rank, why, f"; continuing with {left} worker(s)" if left else "",
+                        repeated=0 if twice is None else twice[1])
 
 
 def keep_store(ctx: Context) -> ServerState:
