@@ -143,6 +143,29 @@ def test_synthetic_is_seeded_scaled_and_sized():
     assert 0 <= a.x_train.min() and a.x_train.max() <= 1
 
 
+@pytest.mark.parametrize("n,features", [(1, 784), (data.SYNTHETIC_ROWS + 1, 784), (3 * data.SYNTHETIC_ROWS, 20),
+                                        (12000, 784)])
+def test_synthetic_made_in_slices_is_the_one_expression_bit_for_bit(n, features):
+    """make_synthetic makes its rows a slice at a time (no float64 arrays of the set's size); every deterministic
+    run's digest rests on its numbers being those of the one expression it replaced, across slice edges."""
+    got = data.make_synthetic(n, features, 10, seed=3)
+    rng = np.random.default_rng([3, 0x5E7])
+    centres, projection = rng.normal(0.0, 1.0, (10, 16)), rng.normal(0.0, 1.0 / np.sqrt(16), (16, features))
+    y = rng.integers(0, 10, size=n)
+    x = np.clip((centres[y] + rng.normal(0.0, 0.8, (n, 16))) @ projection - 0.5, 0.0, 1.0).astype(np.float32)
+    test = max(1, n // 6)
+    assert np.array_equal(got.x_train, x[test:]) and np.array_equal(got.x_test, x[:test])
+    assert np.array_equal(got.y_train, y[test:]) and got.x_train.dtype == np.float32
+
+
+def test_pixels_are_scaled_as_they_were():
+    """uint8 images are divided in place (one array, not two): the same float32 numbers as astype / 255.0."""
+    x = np.arange(256, dtype=np.uint8).repeat(6).reshape(64, 4, 6)
+    got = data.pixels(x)
+    assert got.dtype == np.float32 and got.shape == (64, 24)
+    assert np.array_equal(got, x.reshape(64, -1).astype(np.float32) / 255.0) and got[-1, -1] == 1.0
+
+
 @pytest.mark.parametrize("n,workers,batch", [(1437, 2, 100), (1000, 3, 7), (50, 1, 50)])
 def test_shards_are_disjoint_complete_and_reshuffled(n, workers, batch):
     spe = steps_per_epoch(n, workers, batch)

@@ -78,13 +78,21 @@ def scaled_features(x: np.ndarray, where: str) -> np.ndarray:
     if x.ndim < 2 or x.shape[0] == 0:
         raise UsageError(f"{where} must hold one row (or image) per example, at least one; got shape {x.shape}")
     if x.dtype == np.uint8:
-        return x.reshape(x.shape[0], -1).astype(np.float32) / 255.0
+        return pixels(x)
     if x.dtype.kind != "f":
         raise UsageError(f"{where} has dtype {x.dtype}; features must be uint8 (scaled to [0, 1]) or float "
                          f"(standardised): convert with .astype(np.float32)")
     out = x.reshape(x.shape[0], -1).astype(np.float32)
     if not np.isfinite(out).all():
         raise UsageError(f"{where} holds NaN or infinite values; drop or impute them before training")
+    return out
+
+
+def pixels(x: np.ndarray) -> np.ndarray:
+    """uint8 images -> float32 rows in [0, 1], divided in place: one array of the set's size, not two (the
+    second's first touch of its pages cost as much as the division: an MNIST-sized set, twice, at every start)."""
+    out = x.reshape(x.shape[0], -1).astype(np.float32)
+    out /= np.float32(255.0)
     return out
 
 
@@ -209,6 +217,9 @@ def load_digits() -> Dataset:
 
 # --- synthetic: seeded, learnable, any size ---------------------------------------------------
 
+SYNTHETIC_ROWS = 1024  # rows of the synthetic set made at a time (6 MB of float64 at 784 features)
+
+
 def make_synthetic(n: int, features: int, classes: int, seed: int) -> Dataset:
     """MNIST-like but generated: classes are overlapping Gaussian clusters in a 16-d latent
     space, projected to `features` dimensions and clipped to [0, 1] (about 2/3 zeros, like
@@ -219,7 +230,17 @@ def make_synthetic(n: int, features: int, classes: int, seed: int) -> Dataset:
     projection = rng.normal(0.0, 1.0 / np.sqrt(latent), (latent, features))
     y = rng.integers(0, classes, size=n)
     z = centres[y] + rng.normal(0.0, 0.8, (n, latent))
-    x = np.clip(z @ projection - 0.5, 0.0, 1.0).astype(np.float32)
+    # np.clip(z @ projection - 0.5, 0, 1) as float32, a slice of rows at a time: the same numbers (each row's
+    # own dot products; tests/test_data.py holds it to the one expression), without three float64 arrays of the
+    # set's size (60,000 rows: 1.5 s, mostly first touches of fresh pages, at every start and every respawn)
+    x = np.empty((n, features), np.float32)
+    rows = np.empty((min(n, SYNTHETIC_ROWS), features))
+    for at in range(0, n, SYNTHETIC_ROWS):
+        part = rows[:min(n, at + SYNTHETIC_ROWS) - at]
+        np.matmul(z[at:at + len(part)], projection, out=part)
+        part -= 0.5
+        np.clip(part, 0.0, 1.0, out=part)
+        x[at:at + len(part)] = part
     n_test = max(1, n // 6)
     y = y.astype(np.int64)
     return Dataset("synthetic", x[n_test:], y[n_test:], x[:n_test], y[:n_test], classes)
@@ -258,7 +279,7 @@ def _idx_pair(images: Path, labels: Path, classes: int | None) -> tuple[np.ndarr
     if x.shape[0] != y.shape[0]:
         raise UsageError(f"{images.name} has {x.shape[0]} images but {labels.name} has {y.shape[0]} labels; "
                          "they must come from the same release")
-    return x.reshape(x.shape[0], -1).astype(np.float32) / 255.0, class_labels(y, str(labels), len(y), classes)
+    return pixels(x), class_labels(y, str(labels), len(y), classes)
 
 
 def load_idx_dir(directory: Path, name: str) -> Dataset:
