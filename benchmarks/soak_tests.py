@@ -4,7 +4,7 @@
                                     [--out benchmarks/SOAK.md]
 
 Each round runs pytest once over the fault tests (kills, joins, respawns, take-overs, spares, start-up and
-shutdown kills) under the MPI of this install's mpirun, while --burners processes spin on the machine's cores
+shutdown kills, kills in the shm store) under the MPI of this install's mpirun, while --burners processes spin on the machine's cores
 as a loaded cluster node's neighbours do; a second install (the Open MPI venv's python) soaks under the other
 MPI. Reported per test: runs, passes, skips, failures, and the first line of each failure. A test that fails
 once here is fixed at its cause, never retried (the watchdog's rerun rule aside: tests/conftest.py).
@@ -32,7 +32,8 @@ ROOT = Path(__file__).resolve().parent.parent
 FAULT_TESTS = ["tests/test_startup.py", "tests/test_lost_workers.py", "tests/test_respawn.py", "tests/test_spares.py",
                "tests/test_failover.py", "tests/test_join.py", "tests/test_elastic.py", "tests/test_chaos.py",
                "tests/test_serving.py", "tests/test_observe.py",  # observe: stalls are timed, as kills are
-               "tests/test_slurm.py"]  # kills and stops through srun: a task killed mid-training, a USR1 requeue
+               "tests/test_slurm.py",  # kills and stops through srun: a task killed mid-training, a USR1 requeue
+               "tests/test_shm.py"]  # a worker killed in the store, at each point of its push
 
 
 def burn() -> None:
@@ -40,8 +41,10 @@ def burn() -> None:
         pass
 
 
-def one_round(files: list[str], xml: Path) -> dict[str, tuple[str, str]]:
-    """pytest over `files` once: test id -> (outcome, the first line of its failure)."""
+def one_round(files: list[str], xml: Path, keep: Path | None = None) -> dict[str, tuple[str, str]]:
+    """pytest over `files` once: test id -> (outcome, the first line of its failure). `keep`: a folder that gets
+    each failure's whole text (the assertion, its output, the traceback), one file a failure: a first line is
+    rarely enough to find a cause (soak of 2026-12-07: a job's exit code, the message its standard output)."""
     subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}", *files],
                    cwd=ROOT, capture_output=True, text=True)
     outcomes = {}
@@ -51,6 +54,10 @@ def one_round(files: list[str], xml: Path) -> dict[str, tuple[str, str]]:
         bad = bad if bad is not None else case.find("error")
         if bad is not None:
             outcomes[name] = ("failed", (bad.get("message") or "").splitlines()[0][:160] if bad.get("message") else "")
+            if keep is not None:
+                keep.mkdir(parents=True, exist_ok=True)
+                path = keep / f"{xml.stem}-{''.join(c if c.isalnum() else '_' for c in name)[:150]}.txt"
+                path.write_text(f"{name}\n{bad.get('message') or ''}\n\n{bad.text or ''}")
         elif case.find("skipped") is not None:
             outcomes[name] = ("skipped", "")
         else:
@@ -64,6 +71,7 @@ def main() -> int:
     p.add_argument("--burners", type=int, default=1)
     p.add_argument("--files", nargs="*", default=FAULT_TESTS)
     p.add_argument("--out", default=None)
+    p.add_argument("--keep", default=None, help="a folder for each failure's whole text (default: none kept)")
     a = p.parse_args()
     impl = mpiimpl.of_mpirun(mpirun())
     burners = [multiprocessing.Process(target=burn, daemon=True) for _ in range(a.burners)]
@@ -75,7 +83,8 @@ def main() -> int:
     try:
         with tempfile.TemporaryDirectory() as tmp:
             for r in range(a.rounds):
-                for name, (outcome, line) in one_round(a.files, Path(tmp) / f"r{r}.xml").items():
+                keep = Path(a.keep) if a.keep else None
+                for name, (outcome, line) in one_round(a.files, Path(tmp) / f"r{r + 1}.xml", keep).items():
                     seen[name][outcome] += 1
                     if outcome == "failed":
                         why[name].append(f"round {r + 1}: {line}")
