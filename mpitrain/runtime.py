@@ -25,6 +25,7 @@ from mpitrain.core.layout import PS_RANK, WORKER, Layout
 from mpitrain.core.ledger import Deal
 from mpitrain.core.model import Model, build
 from mpitrain.core.optim import decayed_lr, preload_blas
+from mpitrain.core.outer import falls_due
 from mpitrain.core.stop import STOP, StopRequest
 from mpitrain.core.worldcheck import validate_for_world
 from mpitrain.duties import checkpoint
@@ -116,9 +117,10 @@ class Context:
             return "With --worker-timeout 0 nobody tells the others to regroup"
         return None
 
-    def eval_due(self, step: int) -> bool:
-        """--eval-every: rank 0 evaluates after global step `step`."""
-        return bool(self.cfg.eval_every) and step % self.cfg.eval_every == 0
+    def eval_due(self, step: int, span: int = 1) -> bool:
+        """--eval-every: rank 0 evaluates after global step `step` (or after any of the `span` steps an update
+        ending at `step` made: async --local-steps)."""
+        return falls_due(self.cfg.eval_every, step, span)
 
     @property
     def steps_per_epoch(self) -> int:

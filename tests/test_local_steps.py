@@ -8,7 +8,7 @@ import pytest
 from conftest import NUMBERS_ONLY, only_on, train
 
 from mpitrain.cli import parse_args
-from mpitrain.core.outer import LocalSteps, OuterOptimizer
+from mpitrain.core.outer import LocalSteps, OuterOptimizer, falls_due
 from mpitrain.duties import checkpoint
 from mpitrain.exchange.protocol import HEADER_BYTES
 
@@ -87,6 +87,17 @@ def test_an_outer_step_comes_every_h_steps_and_at_the_end_and_saves_wait_for_it(
     # --checkpoint-every-steps 10 / --eval-every 10: at the outer step after each multiple of 10
     assert [s for s in (4, 8, 12, 16, 20, 24) if loc.crossed(s, 10)] == [12, 20]
     assert not any(loc.crossed(s, 0) for s in (4, 8))
+
+
+
+def test_a_duty_falls_due_at_an_update_when_any_of_its_steps_is_one_of_its_multiples():
+    """outer.falls_due (rank 0's --eval-every and --checkpoint-every-steps after an update of `span` global steps,
+    async --local-steps' pushes among them): the arithmetic is the step-by-step look it replaced, everywhere."""
+    for every in (0, 1, 3, 10, 100):
+        for span in (1, 2, 7, 16):
+            for step in range(0, 260):
+                looked = bool(every) and any(s % every == 0 for s in range(step - span + 1, step + 1))
+                assert falls_due(every, step, span) == looked, (every, span, step)
 
 
 @only_on("mpich", NUMBERS_ONLY)

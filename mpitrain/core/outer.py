@@ -253,7 +253,13 @@ class LocalSteps:
     def crossed(self, step: int, every: int) -> bool:
         """Whether the steps since the last outer step, ending at global step `step`, crossed a multiple of `every`
         (--eval-every, --checkpoint-every-steps: done at the outer step after it)."""
-        return bool(every) and step // every > (step - self.span) // every
+        return falls_due(every, step, self.span)
+
+
+def falls_due(every: int, step: int, span: int = 1) -> bool:
+    """Whether one of the `span` global steps ending at `step` is a multiple of `every` (0: never): a duty due at
+    any step an update made (--eval-every, --checkpoint-every-steps), with no step looked at one by one."""
+    return bool(every) and step // every > (step - span) // every
 
 
 class Overlap:

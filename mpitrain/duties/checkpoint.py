@@ -25,7 +25,7 @@ from mpitrain.core.atomic import write_atomic
 from mpitrain.core.config import UsageError
 from mpitrain.core.model import builtin_spec
 from mpitrain.core.optim import REGISTRY as OPTIMIZER_REGISTRY
-from mpitrain.core.outer import OUTER_STATES
+from mpitrain.core.outer import OUTER_STATES, falls_due
 from mpitrain.duties.outputs import WRITES
 
 NAME = re.compile(r"^ckpt-(\d{9})\.npz$")
@@ -132,11 +132,12 @@ class Checkpointer:
         self.last_step = None
         self.saved: list[str] = []
 
-    def due(self, step: int) -> bool:
+    def due(self, step: int, span: int = 1) -> bool:
+        """A save is due after global step `step` (or any of the `span` steps an update ending there made)."""
         if not self.enabled:
             return False
-        every = self.cfg.checkpoint_every_steps
-        return bool(every and step % every == 0) or self.clock() - self.last_time >= self.cfg.checkpoint_every_secs
+        return (falls_due(self.cfg.checkpoint_every_steps, step, span)
+                or self.clock() - self.last_time >= self.cfg.checkpoint_every_secs)
 
     def mark(self, step: int) -> None:
         """A save was started at `step` (by rank 0, or by the sync coordinator sending its state)."""

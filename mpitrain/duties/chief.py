@@ -246,9 +246,8 @@ class ChiefDuties:
         global steps this update made (async --local-steps: a push's inner steps); what fell due
         at any of them is done now."""
         self.stepped(step, loss, basis=basis, **log_extra)
-        steps = range(step - span + 1, step + 1)
-        evaluate = any(self.ctx.eval_due(s) for s in steps)
-        save = any(self.save_due(s) for s in steps) and step < self.ctx.global_step_budget
+        evaluate = self.ctx.eval_due(step, span)
+        save = self.save_due(step, span) and step < self.ctx.global_step_budget
         if not (evaluate or save):
             return
         state = whole(evaluate, save)
@@ -257,8 +256,8 @@ class ChiefDuties:
         if evaluate:
             self.evaluate(state, step)
 
-    def save_due(self, step: int) -> bool:
-        return (self.deferred or self.ckpt.due(step)) and self.sound.ok and self.state.diverged is None
+    def save_due(self, step: int, span: int = 1) -> bool:
+        return (self.deferred or self.ckpt.due(step, span)) and self.sound.ok and self.state.diverged is None
 
     def evaluate(self, whole: TrainState, step: int) -> None:
         record_eval(self.ctx, self.state, self.clock, whole.params, step, whole.ema)
