@@ -175,6 +175,8 @@ def _wait_for(pid: int, started_r: int) -> None:
         # (respawn.AFTER_LOSS_S: a notice during a replacement's start-up killed it, and hydra the job, 2 in 10).
         if started is False or rank_0:
             _let_answers_land(pmi_fd)
+        else:
+            _told_before_exit(pmi_fd)
         os.close(pmi_fd)
         os._exit(killed_exit(sig, rank_0=rank_0))
     _hold_past_the_proxy(pmi_fd)
@@ -238,6 +240,25 @@ def _let_answers_land(pmi_fd: int | None, limit_s: float = ANSWER_S) -> None:
     while (left := deadline - time.monotonic()) > 0:
         if watch.poll(left * 1000) and not _drained(pmi_fd):
             return  # the proxy closed its end: it owes nothing more
+
+
+def _told_before_exit(pmi_fd: int, limit_s: float = ANSWER_S) -> None:
+    """A worker killed mid-run: its death told to hydra's proxy now (the socket's EOF), and this supervisor's
+    exit 0 only once the proxy has taken it in (it closes its end on the EOF). Closed and exited at once, the
+    proxy could reap the exit first and take the EOF after it for a process that ended well: without
+    -disable-auto-cleanup the job then went on without the worker instead of ending (clean-clone CI
+    2026-12-07: a sync job finished its 100,000 steps on one worker, no line from hydra)."""
+    import socket
+
+    try:
+        sock = socket.socket(fileno=pmi_fd)
+        try:
+            sock.shutdown(socket.SHUT_WR)
+        finally:
+            sock.detach()
+    except OSError:
+        return
+    _let_answers_land(pmi_fd, limit_s)
 
 
 def _drained(fd: int) -> bool:
