@@ -339,8 +339,7 @@ def put_together(dealt: int, low: int, applied: int, answered: list[Block], held
     by_epoch: dict[int, int] = {}
     unpushed = _union(b for b in held if b not in in_flight)
     for first, n in [*_less(dealt, low, _union(answered + unpushed)), (dealt, twice)]:
-        for g in range(first, first + min(n, left)):
-            by_epoch[g // per_epoch] = by_epoch.get(g // per_epoch, 0) + 1
+        count_twice(by_epoch, (first, min(n, left)), per_epoch)
         left -= min(n, left)
     return redeal, twice, by_epoch
 
