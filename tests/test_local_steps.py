@@ -85,8 +85,8 @@ def test_an_outer_step_comes_every_h_steps_and_at_the_end_and_saves_wait_for_it(
     assert [s + 1 for s in range(12) if loc.due(s, last=False)] == [4, 8, 12]
     assert loc.due(5, last=True)  # a budget that is no multiple of H still ends on the global model
     # --checkpoint-every-steps 10 / --eval-every 10: at the outer step after each multiple of 10
-    assert [s for s in (4, 8, 12, 16, 20, 24) if loc.crossed(s, 10)] == [12, 20]
-    assert not any(loc.crossed(s, 0) for s in (4, 8))
+    assert [s for s in (4, 8, 12, 16, 20, 24) if falls_due(10, s, loc.span)] == [12, 20]
+    assert not any(falls_due(0, s, loc.span) for s in (4, 8))
 
 
 

@@ -250,11 +250,6 @@ class LocalSteps:
         all of them at the budget's end."""
         return slice(0, self.anchor.shape[0]) if last else self.parts[(step + 1) // self.span % len(self.parts)]
 
-    def crossed(self, step: int, every: int) -> bool:
-        """Whether the steps since the last outer step, ending at global step `step`, crossed a multiple of `every`
-        (--eval-every, --checkpoint-every-steps: done at the outer step after it)."""
-        return falls_due(every, step, self.span)
-
 
 def falls_due(every: int, step: int, span: int = 1) -> bool:
     """Whether one of the `span` global steps ending at `step` is a multiple of `every` (0: never): a duty due at

@@ -79,10 +79,8 @@ class CoordinatorReport:
             save = sync_step.saving if saves is not None else self.ckpt.due(step)
             flags = (FLAG_EVAL if ctx.eval_due(step) else 0) | (FLAG_CKPT if save else 0)
         elif sync_step.synced:  # --local-steps: the global model exists after an outer step only
-            every = ctx.cfg.checkpoint_every_steps
-            save = sync_step.saving if saves is not None else (
-                self.ckpt.due(step) or (self.ckpt.enabled and local.crossed(step, every)))
-            flags = (FLAG_EVAL if local.crossed(step, ctx.cfg.eval_every) else 0) | (FLAG_CKPT if save else 0)
+            save = sync_step.saving if saves is not None else self.ckpt.due(step, local.span)
+            flags = (FLAG_EVAL if ctx.eval_due(step, local.span) else 0) | (FLAG_CKPT if save else 0)
         else:
             flags = 0
         if flags:

@@ -159,8 +159,8 @@ class SyncStep:
         saves, loc = self.saves, self.local
         if saves is None:
             return 0.0
-        every = self.ctx.cfg.checkpoint_every_steps  # --local-steps: the first outer step at or past a multiple
-        return float(saves.due(step + 1) or (loc is not None and saves.enabled and loc.crossed(step + 1, every)))
+        # --local-steps: the first outer step at or past a multiple (any of its span's steps)
+        return float(saves.due(step + 1, 1 if loc is None else loc.span))
 
     def _keep_own(self, step: int) -> None:
         """After update `step`'s sum: every worker's own arrays to the coordinator, where the state is saved
