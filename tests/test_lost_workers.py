@@ -540,3 +540,30 @@ def test_unlink_init_shm_removes_only_mapped_init_segments(tmp_path):
                     f"7f03-7f04 rw-p 00000000 00:00 0 \n")
     assert unlink_init_shm("mpich_shm_", str(maps), str(shm)) == [f"{shm}/mpich_shm_ab_0"]
     assert sorted(p.name for p in shm.iterdir()) == ["mpich_shm_cd_0", "other_seg"]  # not ours, or not init
+
+
+def test_sweep_init_shm_removes_only_old_unmapped_segments_of_this_user(tmp_path):
+    """Start-up kills leave MPI's init segments (issue 82): a later job's set-up removes those no live
+    process maps. A segment a real process maps stays until that process is gone; a fresh one stays."""
+    from mpitrain.node import sweep_init_shm
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    for name in ("mpich_shm_old_0", "mpich_shm_mapped_0", "mpich_shm_new_0", "other_old"):
+        (shm / name).write_bytes(b"x" * 4096)
+    old = time.time() - 600
+    for name in ("mpich_shm_old_0", "mpich_shm_mapped_0", "other_old"):
+        os.utime(shm / name, (old, old))
+    # mapped by a live process (a child, so that this test's own maps are not what keeps it)
+    child = subprocess.Popen([sys.executable, "-c", "import mmap, sys\nf = open(sys.argv[1], 'r+b')\n"
+                              "m = mmap.mmap(f.fileno(), 4096)\nprint('mapped', flush=True)\nsys.stdin.read()",
+                              str(shm / "mpich_shm_mapped_0")], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        assert child.stdout.readline().strip() == "mapped"
+        assert sweep_init_shm("mpich_shm_", str(shm)) == [str(shm / "mpich_shm_old_0")]
+        assert sorted(p.name for p in shm.iterdir()) == ["mpich_shm_mapped_0", "mpich_shm_new_0", "other_old"]
+    finally:
+        child.communicate("", timeout=30)
+    assert sweep_init_shm("mpich_shm_", str(shm)) == [str(shm / "mpich_shm_mapped_0")]  # its process is gone
+    assert sweep_init_shm("mpich_shm_", str(shm), min_age_s=0) == [str(shm / "mpich_shm_new_0")]
