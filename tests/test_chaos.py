@@ -93,7 +93,8 @@ class _Req:
 
 
 def test_the_chaos_judge_fails_a_complete_epoch_that_missed_or_repeated_samples_no_take_over_counted():
-    whole = {"epoch": 0, "complete": True, "samples": 1200, "missed": 0, "repeated": 0, "dropped": 0, "left": 38}
+    whole = {"epoch": 0, "complete": True, "samples": 1200, "missed": 0, "repeated": 0, "dropped": 0,
+             "partial": 0, "left": 38}
     assert chaos_judge.ledger_problems({"epochs": [whole, {**whole, "epoch": 1, "complete": False, "missed": 100}]}) == []
     assert chaos_judge.ledger_problems({"epochs": None}) == chaos_judge.ledger_problems(None) == []
     assert chaos_judge.ledger_problems({"epochs": [whole, {**whole, "epoch": 1, "samples": 1100, "missed": 100}]}) == [

@@ -19,11 +19,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import child_env, communicate_or_kill, mpitrain_cmd, run_mpitrain, wait_for_training
+from conftest import (child_env, communicate_or_kill, keep_going, mpitrain_cmd, only_on, run_detached, run_mpitrain,
+                      wait_for_training)
 
 from mpitrain.core import ledger
 from mpitrain.core.config import UsageError
 from mpitrain.core.data import epoch_batches
+from mpitrain.core.exitcodes import ExitCode
 from mpitrain.core.ledger import Deal, SyncDeal
 from mpitrain.duties import checkpoint
 
@@ -191,17 +193,24 @@ def test_the_account_counts_blocks_out_at_the_end_as_missed():
     account = ledger.epochs(deal, 230, [(98, 2), (229, 1)])
     assert [(e["samples"], e["missed"]) for e in account] == [(980, 20), (1000, 0), (290, 10)]
     assert ledger.epochs(deal, 200) == [
-        {"epoch": e, "complete": True, "samples": 1000, "missed": 0, "repeated": 0, "dropped": 0, "left": 0}
+        {"epoch": e, "complete": True, "samples": 1000, "missed": 0, "repeated": 0, "dropped": 0,
+         "partial": 0, "left": 0}
         for e in (0, 1)]
     assert [e["complete"] for e in ledger.epochs(deal, 250)] == [True, True, False]
 
 
 def test_a_checkpoint_keeps_the_deal_and_one_without_it_still_loads(tmp_path):
     state = checkpoint.TrainState(np.zeros(4, np.float32), 30, 30, positions=[30, 30], dealt=75, deal_shards=3,
-                                  redeal=[(70, 2), (12, 1)])
+                                  redeal=[(70, 2), (12, 1)], repeated={1: 2}, partial={0: 1, 5: 1},
+                                  left_out={3: 4})
     path = checkpoint.save(tmp_path, state, {}, keep=2)
     back = checkpoint.load(path)
     assert (back.dealt, back.deal_shards, back.redeal) == (75, 3, [(70, 2), (12, 1)])
+    assert (back.repeated, back.partial, back.left_out) == ({1: 2}, {0: 1, 5: 1}, {3: 4})
+    state.partial = {0: 80}  # more than were dealt
+    with pytest.raises(UsageError, match="more batches applied in part than were dealt"):
+        checkpoint.load(checkpoint.save(tmp_path / "bad-partial", state, {}, keep=2))
+    state.partial = {}
     state.redeal = [(74, 2)]  # past the deal: a checkpoint no run wrote
     with pytest.raises(UsageError, match="batches to deal again"):
         checkpoint.load(checkpoint.save(tmp_path / "bad", state, {}, keep=2))
@@ -377,15 +386,70 @@ def test_an_async_run_stopped_with_blocks_out_deals_them_again_when_resumed(tmp_
     assert twice <= {g for first, n in saved.redeal for g in range(first, first + n)}  # others were not begun)
 
 
+def applied_numbers(files) -> collections.Counter:
+    """How many times each batch number was applied, from AppliedTrace files (`FIRST COUNT STEP` lines)."""
+    applied = collections.Counter()
+    for f in files:
+        for line in f.read_text().splitlines():
+            first, n, _ = map(int, line.split())
+            applied.update(range(first, first + n))
+    return applied
+
+
+@only_on("mpich", "rank 0's arithmetic over what each server says it applied; the kill is the same under either MPI")
+def test_a_worker_killed_between_its_pushes_to_two_servers_is_counted_as_partial(tmp_path):
+    """--num-ps 2 over messages: a worker SIGKILLed once its push reached server 1 and not rank 0
+    (MPITRAIN_INJECT_KILL=R:STEP:parted). Server 1's slice holds that block's gradient, rank 0 deals the block
+    again, and server 1 gets it twice; a push rank 0 held as it stopped the run, which server 1 applied, is
+    the same. The summary counts them (`partial`, by epoch) as each server's own trace of the blocks it applied
+    says: the batches applied a different number of times on the two slices. Before, nothing counted them."""
+    trace, summary = tmp_path / "trace", tmp_path / "s.json"
+    trace.mkdir()
+    # 2,400 steps (about 1.6 s): the loss is noticed (0.3-0.4 s after the kill) before the end
+    proc, _ = run_detached(mpitrain_cmd(5, "--mode", "async", "--no-progress", "--num-ps", "2", "--steps", "2400",
+                                        "--worker-timeout", "2", "--summary-json", str(summary),
+                                        launcher_flags=keep_going()),
+                           env={**child_env(), "MPITRAIN_INJECT_KILL": "3:40:parted",
+                                "MPITRAIN_TRACE_BATCHES": str(trace)}, timeout=120)
+    assert proc.returncode == ExitCode.WORKER_LOST, proc.stdout + proc.stderr
+    s = json.loads(summary.read_text())
+    assert s["global_step"] == 2400 and [w["rank"] for w in s["lost_workers"]] == [3], s["lost_workers"]
+    rank0, server1 = applied_numbers(trace.glob("applied-*.txt")), applied_numbers(trace.glob("server1-*.txt"))
+    per_epoch, differ = EPOCH_SAMPLES[3] // 100, collections.Counter()
+    for g in set(rank0) | set(server1):
+        differ[g // per_epoch] += abs(server1[g] - rank0[g])
+    killed = min(g for g in server1 if server1[g] > rank0[g])  # its block, dealt again (the others: the end's)
+    assert server1[killed] == 2 and rank0[killed] == 1, (killed, server1[killed], rank0[killed])
+    assert {e["epoch"]: e["partial"] // 100 for e in s["epochs"] if e["partial"]} == {
+        e: n for e, n in differ.items() if n}, s["epochs"]
+
+
+def test_a_block_counted_twice_that_nobody_took_again_is_uncounted_in_part():
+    """The store's lost worker's block is counted twice when dealt again (Store.settle); the part of it still out
+    when the run ends was trained once: ledger.within finds it, count_twice(-1) takes it out."""
+    repeated: dict[int, int] = {}
+    ledger.count_twice(repeated, (10, 4), 12)  # numbers 10..13: epochs 0 and 1
+    assert repeated == {0: 2, 1: 2}
+    assert ledger.within((10, 4), [(0, 3), (12, 5), (40, 1)]) == [(12, 2)]
+    assert ledger.within((10, 4), [(14, 2)]) == []
+    for part in ledger.within((10, 4), [(12, 5)]):
+        ledger.count_twice(repeated, part, 12, -1)
+    assert repeated == {0: 2, 1: 0}
+
+
 def test_the_summary_names_the_last_complete_epoch_only_when_it_was_not_whole():
     from mpitrain.duties.metrics import epoch_lines
 
-    whole = {"epoch": 0, "complete": True, "samples": 1200, "missed": 0, "repeated": 0, "dropped": 0, "left": 38}
+    whole = {"epoch": 0, "complete": True, "samples": 1200, "missed": 0, "repeated": 0, "dropped": 0,
+             "partial": 0, "left": 38}
     cut = {**whole, "epoch": 1, "samples": 1000, "missed": 200}
     assert epoch_lines({"epochs": [whole, {**whole, "epoch": 1, "complete": False, "missed": 100}]}) == []
     assert epoch_lines({"epochs": None}) == []
     assert epoch_lines({"epochs": [whole, cut, {**whole, "epoch": 2, "complete": False}]}) == [
         "  epoch 1: 1,000 samples applied, 200 missed, 0 repeated, 0 dropped (a resume deals the missed again)"]
+    assert epoch_lines({"epochs": [{**whole, "partial": 100}]}) == [
+        "  epoch 0: 1,200 samples applied, 0 missed, 0 repeated, 0 dropped (100 applied in part: on some servers' "
+        "slices only)"]
 
 
 def test_the_ledger_stays_a_few_blocks_however_long_the_run():

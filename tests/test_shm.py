@@ -116,26 +116,31 @@ def test_a_worker_killed_in_the_store_leaves_a_job_that_finishes_its_budget(tmp_
 
 
 @only_on("mpich", "the store's ledger, the same under either MPI; a worker killed in the store runs under both")
-@pytest.mark.parametrize("point,twice", [("applying", 1), ("stepped", 0)])
-def test_a_worker_killed_in_its_apply_leaves_its_block_trained_once_or_counted_twice(tmp_path, point, twice):
+@pytest.mark.parametrize("point,servers,twice", [("applying", 1, 1), ("stepped", 1, 0), ("sharded", 2, 1),
+                                                ("stepped", 2, 0)])
+def test_a_worker_killed_in_its_apply_leaves_its_block_trained_once_or_counted_twice(tmp_path, point, servers,
+                                                                                     twice):
     """Issue 81, the store's window of one apply: a worker applies its gradient, counts the step, then marks its
     block of the deal applied. Killed before the mark, its block was dealt again and trained twice, and nothing
     counted it. Now rank 0 reads where the push got to (Store.settle): killed after the step's count
     (MPITRAIN_INJECT_KILL=R:STEP:stepped), the block is marked applied and trained once; killed inside the apply
     or before the count (applying), it is dealt again and counted (`batches_repeated` of the lost worker, the
-    epochs' `repeated`). Read from the workers' side (MPITRAIN_TRACE_BATCHES: each block a worker applied)."""
+    epochs' `repeated`). With --num-ps 2 its block is marked once both shards hold the gradient: killed between
+    the shards (sharded), it is dealt again and counted; killed after the last one (stepped), trained once.
+    Read from the workers' side (MPITRAIN_TRACE_BATCHES: each block a worker applied, at shard 0)."""
     import collections
 
     summary, trace = tmp_path / "s.json", tmp_path / "trace"
     trace.mkdir()
-    proc, _ = run_detached(mpitrain_cmd(4, "--no-progress", "--ps-transport", "shm", "--steps", "600",
-                                        "--worker-timeout", "2", "--summary-json", str(summary),
-                                        launcher_flags=keep_going()),
-                           env={**child_env(), "MPITRAIN_INJECT_KILL": f"2:40:{point}",
+    # 8,000 steps (about 1 s; 600 took 0.1 s): the loss is noticed (0.3-0.4 s after the kill, seen) before the end
+    proc, _ = run_detached(mpitrain_cmd(3 + servers, "--no-progress", "--ps-transport", "shm", "--steps", "8000",
+                                        "--num-ps", str(servers), "--worker-timeout", "2", "--summary-json",
+                                        str(summary), launcher_flags=keep_going()),
+                           env={**child_env(), "MPITRAIN_INJECT_KILL": f"{servers + 1}:40:{point}",
                                 "MPITRAIN_TRACE_BATCHES": str(trace)}, timeout=120)
     assert proc.returncode == ExitCode.WORKER_LOST, proc.stdout + proc.stderr
     s = json.loads(summary.read_text())
-    assert s["global_step"] == 600 and [w["rank"] for w in s["lost_workers"]] == [2], s["lost_workers"]
+    assert s["global_step"] == 8000 and [w["rank"] for w in s["lost_workers"]] == [servers + 1], s["lost_workers"]
     assert s["lost_workers"][0].get("batches_repeated", 0) == twice, s["lost_workers"]
     applied = collections.Counter()
     for f in trace.glob("applied-*.txt"):
@@ -144,7 +149,7 @@ def test_a_worker_killed_in_its_apply_leaves_its_block_trained_once_or_counted_t
             applied.update(range(first, first + n))
     per_epoch = EPOCH_SAMPLES[3] // 100
     complete = [e for e in s["epochs"] if e["complete"]]
-    assert len(complete) >= 600 // per_epoch - 2, s["epochs"][-3:]
+    assert len(complete) >= 8000 // per_epoch - 2, s["epochs"][-3:]
     for e in complete:
         wrong = {g: applied[g] for g in range(e["epoch"] * per_epoch, (e["epoch"] + 1) * per_epoch) if applied[g] != 1}
         assert sum(n - 1 for n in wrong.values()) * 100 == e["repeated"] and 0 not in wrong.values(), (e, wrong)

@@ -344,11 +344,18 @@ def put_together(dealt: int, low: int, applied: int, answered: list[Block], held
     return redeal, twice, by_epoch
 
 
-def count_twice(repeated: dict[int, int], block: Block, per_epoch: int) -> None:
+def count_twice(repeated: dict[int, int], block: Block, per_epoch: int, times: int = 1) -> None:
     """A block dealt again though (part of) its gradient is in the parameters: its numbers into `repeated`, by
-    epoch (the summary's `repeated`)."""
+    epoch (the summary's `repeated`); `times` -1 takes them out again."""
     for g in range(block[0], block[0] + block[1]):
-        repeated[g // per_epoch] = repeated.get(g // per_epoch, 0) + 1
+        repeated[g // per_epoch] = repeated.get(g // per_epoch, 0) + times
+
+
+def within(block: Block, blocks: list[Block]) -> list[Block]:
+    """The parts of `block` that `blocks` hold."""
+    a, end = block[0], block[0] + block[1]
+    parts = [(max(a, f), min(end, f + n) - max(a, f)) for f, n in blocks]
+    return [p for p in parts if p[1] > 0]
 
 
 def _union(blocks) -> list[Block]:
@@ -375,14 +382,15 @@ def _less(end: int, low: int, covered: list[Block]) -> list[Block]:
 
 
 def epochs(deal: Deal, dealt: int, unapplied: list[Block] = (), left_out: dict[int, int] | None = None,
-           repeated: dict[int, int] | None = None) -> list[dict]:
+           repeated: dict[int, int] | None = None, partial: dict[int, int] | None = None) -> list[dict]:
     """The summary's account of every epoch begun: the numbers below `dealt` were dealt, each applied once
     but those in `unapplied` (async: a block out, or to deal again, when the run ended; a resume deals it
     again: `missed` until then) and those `left_out` of the updates by --quorum (`dropped`, by epoch).
     A sync step's numbers are the step's, and rank 0 marks an async block applied once, with the push that
     names it: only a take-over of rank 0 deals again numbers its copy had applied, and the shm store a block
-    whose worker died inside its apply (`repeated`, by epoch)."""
-    left_out, repeated = left_out or {}, repeated or {}
+    whose worker died inside its apply (`repeated`, by epoch). With --num-ps a push can reach some servers and
+    not others (`partial`, by epoch: counted where rank 0 says, `samples` or `missed`, and here too)."""
+    left_out, repeated, partial = left_out or {}, repeated or {}, partial or {}
     P = deal.per_epoch
     begun = -(-dealt // P)
     missed = np.zeros(begun, np.int64)
@@ -394,6 +402,6 @@ def epochs(deal: Deal, dealt: int, unapplied: list[Block] = (), left_out: dict[i
         took = min(dealt, (e + 1) * P) - e * P
         dropped = left_out.get(e, 0)
         out.append({"epoch": e, "complete": took == P, "samples": int(took - missed[e] - dropped) * deal.batch,
-                    "missed": int(missed[e]) * deal.batch, "repeated": repeated.get(e, 0) * deal.batch, "dropped": dropped * deal.batch,
-                    "left": deal.left})
+                    "missed": int(missed[e]) * deal.batch, "repeated": repeated.get(e, 0) * deal.batch,
+                    "dropped": dropped * deal.batch, "partial": partial.get(e, 0) * deal.batch, "left": deal.left})
     return out

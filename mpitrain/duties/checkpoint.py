@@ -59,6 +59,9 @@ class TrainState:
     left_out: dict[int, int] = field(default_factory=dict)
     # Async: the batches a take-over of rank 0 dealt again that its copy had applied, by epoch (ledger.epochs)
     repeated: dict[int, int] = field(default_factory=dict)
+    # Async with --num-ps: batches whose gradient some servers' slices hold and others' not (a worker lost between
+    # its pushes, a push rank 0 stopped the run before applying), by epoch (AsyncServer._partial)
+    partial: dict[int, int] = field(default_factory=dict)
     # Sync: what each worker holds for itself at global_step (Mode.worker_arrays), a row per worker in worker
     # order, by name: its error-feedback residual (RESIDUAL) and with --local-steps its inner optimizer's
     # arrays (INNER + name). Empty: none kept (other modes, a regroup's or a take-over's state).
@@ -91,6 +94,8 @@ class TrainState:
 # versions load unchanged); "opt_t", its update count, is a scalar beside them.
 OPT_PREFIX, OPT_COUNT = "opt_", "opt_t"
 WORKER_PREFIX = "worker_"  # a TrainState.per_worker array's name in a checkpoint file
+# The ledger's counts by epoch a checkpoint keeps ((epoch, batches) rows), and what a bad file's line calls them
+BY_EPOCH = {"left_out": "left out of the updates", "repeated": "dealt twice", "partial": "applied in part"}
 # per_worker's names: error feedback; an inner optimizer's array by its name; the worker's own model (--outer-overlap,
 # --fragments: it is not the global model between outer steps); the sums' error feedback (--compress-replies)
 RESIDUAL, INNER, OWN_MODEL, SUMS = "residual", "inner_", "model", "sums"
@@ -268,8 +273,8 @@ def save(directory: Path, state: TrainState, fp: dict, keep: int) -> Path:
     if state.dealt is not None:
         arrays["dealt"], arrays["deal_shards"] = np.int64(state.dealt), np.int64(state.deal_shards)
         arrays["redeal"] = np.asarray(state.redeal, np.int64).reshape(-1, 2)
-        arrays["left_out"] = np.asarray(sorted(state.left_out.items()), np.int64).reshape(-1, 2)
-        arrays["repeated"] = np.asarray(sorted(state.repeated.items()), np.int64).reshape(-1, 2)
+        for name in BY_EPOCH:
+            arrays[name] = np.asarray(sorted(getattr(state, name).items()), np.int64).reshape(-1, 2)
     arrays.update({WORKER_PREFIX + name: rows for name, rows in state.per_worker.items()})
     target = write_atomic(path_for(directory, state.global_step), lambda f: np.savez(f, **arrays), binary=True)
     prune(directory, keep)
@@ -323,8 +328,8 @@ def load(path: Path, fp: dict | None = None) -> TrainState:
     if (redeal.dtype != np.int64 or redeal.ndim != 2 or redeal.shape[1] != 2 or (redeal[:, 0] < 0).any()
             or (redeal[:, 1] < 1).any() or (dealt is not None and (redeal.sum(axis=1) > dealt).any())):
         raise UsageError(f"checkpoint {path} holds batches to deal again that no deal made; {fix}")
-    left_out, repeated = (data.get(k, np.zeros((0, 2), np.int64)) for k in ("left_out", "repeated"))
-    for by_epoch, what in ((left_out, "left out of the updates"), (repeated, "dealt twice")):
+    counts = {k: data.get(k, np.zeros((0, 2), np.int64)) for k in BY_EPOCH}
+    for what, by_epoch in zip(BY_EPOCH.values(), counts.values()):
         if (by_epoch.dtype != np.int64 or by_epoch.ndim != 2 or by_epoch.shape[1] != 2 or (by_epoch < 0).any()
                 or (dealt is not None and by_epoch[:, 1].sum() > dealt)):
             raise UsageError(f"checkpoint {path} holds more batches {what} than were dealt; {fix}")
@@ -336,8 +341,7 @@ def load(path: Path, fp: dict | None = None) -> TrainState:
     return TrainState(params=params, global_step=int(data["global_step"]), opt_t=int(data[OPT_COUNT]),
                       opt_state=opt_state, positions=[int(p) for p in data["positions"]], ema=data.get("ema"),
                       dealt=dealt, deal_shards=shards, redeal=[(int(a), int(b)) for a, b in redeal],
-                      left_out={int(e): int(n) for e, n in left_out}, repeated={int(e): int(n) for e, n in repeated},
-                      per_worker=per_worker)
+                      per_worker=per_worker, **{k: {int(e): int(n) for e, n in a} for k, a in counts.items()})
 
 
 def saved_fingerprint(path: Path) -> dict:

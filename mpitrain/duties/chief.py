@@ -51,6 +51,7 @@ class ServerState:
     redeal: list = field(default_factory=list)
     left_out: dict[int, int] = field(default_factory=dict)
     repeated: dict[int, int] = field(default_factory=dict)
+    partial: dict[int, int] = field(default_factory=dict)
 
     @property
     def final_loss(self) -> float:
@@ -64,7 +65,7 @@ def copy_state(state: TrainState) -> TrainState:
                       {k: np.array(a) for k, a in state.opt_state.items()}, list(state.positions),
                       None if state.ema is None else np.array(state.ema), dealt=state.dealt,
                       deal_shards=state.deal_shards, redeal=list(state.redeal), left_out=dict(state.left_out),
-                      repeated=dict(state.repeated))
+                      repeated=dict(state.repeated), partial=dict(state.partial))
 
 
 def begin(ctx: Context) -> tuple[TrainState, ServerState, Checkpointer]:
@@ -78,7 +79,7 @@ def begin(ctx: Context) -> tuple[TrainState, ServerState, Checkpointer]:
         state.deal_shards, state.dealt, state.left_out = ctx.deal(start).shards, ctx.dealt(start), dict(start.left_out)
     elif ctx.mode.leases and start.dealt is not None:  # async's ledger as the start left it (AsyncServer keeps it on)
         state.deal_shards, state.dealt, state.redeal = ctx.deal(start).shards, start.dealt, list(start.redeal)
-        state.repeated = dict(start.repeated)
+        state.repeated, state.partial = dict(start.repeated), dict(start.partial)
     cfg = ctx.cfg
     if cfg.log_dir and ctx.rank == PS_RANK and ctx.outputs.log is not None:  # a later phase of the job: its log goes on
         state.log = ctx.outputs.log

@@ -362,11 +362,12 @@ def slow_lines(s: dict) -> list[str]:
 def epoch_lines(s: dict) -> list[str]:
     """The last epoch dealt whole, when it did not train each of its samples once (core/ledger.epochs)."""
     whole = [e for e in s.get("epochs") or [] if e["complete"]]
-    if not whole or not (whole[-1]["missed"] or whole[-1]["repeated"] or whole[-1]["dropped"]):
+    if not whole or not any(whole[-1][k] for k in ("missed", "repeated", "dropped", "partial")):
         return []
     e = whole[-1]
     why = [w for w, n in (("a resume deals the missed again", e["missed"]),
-                          ("dropped: in a worker's batch that the quorum's update left out", e["dropped"])) if n]
+                          ("dropped: in a worker's batch that the quorum's update left out", e["dropped"]),
+                          (f"{e['partial']:,} applied in part: on some servers' slices only", e["partial"])) if n]
     return [f"  epoch {e['epoch']}: {e['samples']:,} samples applied, {e['missed']:,} missed, {e['repeated']:,} repeated, "
             f"{e['dropped']:,} dropped" + (f" ({'; '.join(why)})" if why else "")]
 

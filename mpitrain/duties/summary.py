@@ -150,7 +150,7 @@ def epoch_account(ctx: Context, state) -> list[dict] | None:
     state from before the ledger."""
     if state.dealt is None or not (ctx.mode.deals or ctx.mode.leases):
         return None
-    return ledger.epochs(ctx.deal(state), state.dealt, state.redeal, state.left_out, state.repeated)
+    return ledger.epochs(ctx.deal(state), state.dealt, state.redeal, state.left_out, state.repeated, state.partial)
 
 
 def per_sample(moved: list[list[int] | None], samples: int) -> float | None:

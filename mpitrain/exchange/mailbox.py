@@ -46,7 +46,7 @@ from mpitrain.exchange.protocol import (FLAG_DIVERGED, FLAG_LAST, FLAG_LEAVING, 
                                         TAG_MAIL, TAG_PARAMS, Message)
 from mpitrain.exchange.transport import END_POLL_S, WORKER_POLL_S, Poller
 from mpitrain.exchange.waiting import poll
-from mpitrain.launch.faults import kill_here, store_kill
+from mpitrain.launch.faults import kill_here, push_kill
 
 PREFIX = "mpitrain-mail"
 PUSHED, ANSWERED = 0, 1  # the header's counters: the worker's pushes announced, rank 0's answers announced
@@ -233,7 +233,7 @@ class MailPushPull:
         self.lent = None
         self.mark = first_mark(ctx, start)
         self.sent = self.pulled = 0  # pushes announced; answers made the parameters
-        self.kill_at = store_kill(ctx.rank)  # MPITRAIN_INJECT_KILL=RANK:STEP:mailing
+        self.kill_at = push_kill(ctx.rank)  # MPITRAIN_INJECT_KILL=RANK:STEP:mailing
 
     @property
     def in_flight(self) -> bool:

@@ -16,6 +16,7 @@ from mpitrain.exchange.protocol import FLAG_DIVERGED, FLAG_FINAL, FLAG_LAST, FLA
 from mpitrain.exchange.transport import WORKER_POLL_S, Poller, collective_poll_s
 from mpitrain.exchange.waiting import poll
 from mpitrain.launch import mpiimpl
+from mpitrain.launch.faults import kill_here, push_kill
 from mpitrain.membership import elastic
 from mpitrain.membership.liveness import CHECK_EVERY_S as VERDICT_POLL_S
 from mpitrain.membership.liveness import PeerLost
@@ -220,6 +221,7 @@ class MPIPushPull:
         self.diverged_at: int | None = None
         self.lent = None
         self.mark = first_mark(ctx, start)
+        self.kill_at = push_kill(ctx.rank)  # MPITRAIN_INJECT_KILL=RANK:STEP:parted
 
     def _buffers(self, ways: list, n: int, sending: bool) -> tuple[list | None, list[list], int]:
         """Two buffers of a way (pushes or replies): (the flat messages or None, each buffer's message per server,
@@ -251,6 +253,11 @@ class MPIPushPull:
             part.stamp(TAG_GRAD, version, count, FLAG_LAST if last else 0, loss, lease=lease)
         self.ctx.activity.moved(sent=self.out_bytes)
         comm, nxt = self.comm, self.inparts[1 - self.cur]
+        if self.kill_at == (count, "parted") and len(self.servers) > 1:  # sent to the others, then killed
+            others = list(zip(self.outparts[slot], self.servers))[1:]
+            sends = [comm.Isend(part.spec(), dest=rank, tag=TAG_GRAD) for part, rank in others]
+            self.poller.all(sends, self.servers[1:])
+            kill_here()
         self.reqs = ([comm.Irecv(part.spec(), source=rank, tag=TAG_PARAMS) for part, rank in zip(nxt, self.servers)]
                      + [comm.Isend(part.spec(), dest=rank, tag=TAG_GRAD)
                         for part, rank in zip(self.outparts[slot], self.servers)])

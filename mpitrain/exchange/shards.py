@@ -19,6 +19,7 @@ import numpy as np
 from mpitrain.core.layout import PS_RANK
 from mpitrain.duties.checkpoint import TrainState, from_flat, state_arrays, to_flat
 from mpitrain.exchange.protocol import FLAG_FINAL, TAG_SHARD, Message
+from mpitrain.exchange.transport import receive_table, send_table
 
 
 def assemble(pieces: list[tuple[slice, np.ndarray]], names: list[str], n: int, step: int, opt_t: int,
@@ -74,6 +75,11 @@ class Gather:
         sends = [self.ctx.comm.Isend(self.ask.spec(), dest=r, tag=TAG_SHARD) for r in self.ranks]
         return self.wait(recvs + sends, self.ranks + self.ranks)
 
+    def tallies(self, workers: int) -> list[np.ndarray]:
+        """After the final pieces: each other server's counts of what it applied from each worker, a row
+        per worker (AsyncServer._tally)."""
+        return [receive_table(self.ctx.comm, r, TAG_SHARD, np.int64, 3, self.ctx.watch) for r in self.ranks]
+
     def steps(self) -> list[int]:
         """The global step each other server had reached in its last piece."""
         return [box.step for box in self.boxes]
@@ -102,12 +108,14 @@ class ShardService:
         self._send(state, poller)
         self.req = self.ctx.comm.Irecv(self.ask.spec(), source=PS_RANK, tag=TAG_SHARD)
 
-    def finish(self, state: TrainState, poller) -> None:
-        """After the serve loop: answer requests until the last one, then send the final state."""
+    def finish(self, state: TrainState, poller, tally: np.ndarray) -> None:
+        """After the serve loop: answer requests until the last one, then send the final state and `tally`
+        (Gather.tallies)."""
         while not self.last_asked:
             poller.all([self.req], [PS_RANK])
             self.handle(state, poller)
         self._send(state, poller)
+        poller.all([send_table(self.ctx.comm, tally, PS_RANK, TAG_SHARD)], [PS_RANK])
 
     def _send(self, state: TrainState, poller) -> None:
         self.out.payload[:] = to_flat(state, self.names)

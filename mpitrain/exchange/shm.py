@@ -41,7 +41,7 @@ import numpy as np
 from mpitrain.core.layout import PS_RANK
 from mpitrain.core.ledger import Leases, PairQueue
 from mpitrain.duties.checkpoint import OPT_PREFIX, TrainState, state_arrays
-from mpitrain.launch.faults import kill_here, store_kill
+from mpitrain.launch.faults import kill_here, push_kill
 from mpitrain.launch.mpiimpl import orphans
 
 SHM_DIR = "/dev/shm"
@@ -349,7 +349,7 @@ class StoreKill:
     __slots__ = ("when",)
 
     def __init__(self, rank: int):
-        self.when = store_kill(rank)
+        self.when = push_kill(rank)
 
     def at(self, count: int, point: str) -> None:
         if self.when == (count, point):

@@ -66,9 +66,10 @@ class SharedUpdate:
 class ShmPushPull:
     """An async worker's side on the store (exchange.base.PushPull): a push applies the gradient, marks its
     block of the deal applied, takes the next (Store.leases) and copies the new parameters out, all under
-    one hold of the lock, so `pull` only says whether the worker was stopped (or, with no block left to
-    take, waits for one a lost worker gives back, or for the end). With nothing to wait for there is no
-    overlap: each gradient is computed on the parameters of the worker's own last push."""
+    one hold of the lock (--num-ps K: one hold of each shard's, then shard 0's again to mark the block), so
+    `pull` only says whether the worker was stopped (or, with no block left to take, waits for one a lost
+    worker gives back, or for the end). With nothing to wait for there is no overlap: each gradient is
+    computed on the parameters of the worker's own last push."""
 
     def __init__(self, ctx, start: TrainState, deal: Leases | None = None):
         self.ctx, self.be = ctx, ctx.backend
@@ -115,12 +116,18 @@ class ShmPushPull:
             h = self.store.header  # rank 0 holds this step (evaluating, saving): wait outside the lock
             poll(lambda: h[STOP] or self.store.may_step(int(h[VERSION]), self.worker, self.hold), HOLD_POLL_S,
                  self.ctx.watch)
-        if not done:  # shard 0 applied: the others, in order, each under its own lock
+        if not done and len(self.parts) > 1:  # shard 0 applied: the others, in order, each under its own lock
             for k in range(1, len(self.parts)):
                 with self.store.locked(k):
                     self._apply_shard(k, grad, versions[k], span)
-            if last:
-                self.store.active[self.worker] = 0  # after its last shard: rank 0's final state holds it all
+            # Its block is marked applied once every shard holds it (one more hold of shard 0's lock): a worker
+            # lost between two shards is one killed inside its apply, its block dealt again and counted
+            self.store.applying[self.worker] = abs(int(self.store.applying[self.worker]))
+            self._injected("stepped")
+            with self.store.locked():
+                self._mark(lease)
+        if not done and last:
+            self.store.active[self.worker] = 0  # after its last shard: rank 0's final state holds it all
         self.stopped = done or last
         self.in_flight = True
         self.be.upload(self.params, self.host_params)  # NumPy: the same array, nothing to do
@@ -147,8 +154,17 @@ class ShmPushPull:
             self.trace.applied(lease, v + span)
         self._injected("applying")
         s.stepped(v, loss, basis, self.worker, span)
-        s.applying[self.worker] = first + 1  # ... from here to its mark: rank 0 marks it (Store.settle)
-        self._injected("stepped")
+        if len(self.parts) == 1:  # ... else it is in part until the last shard: push() marks it then
+            s.applying[self.worker] = first + 1  # ... from here to its mark: rank 0 marks it (Store.settle)
+            self._injected("stepped")
+            self._mark(lease)
+        self.host_params[part] = s.params[part]
+        self.versions[0] = v + span
+        return False
+
+    def _mark(self, lease) -> None:
+        """Under shard 0's lock, the push applied to every shard: its block marked applied, the next one taken."""
+        s = self.store
         if self.leases is not None:
             s.ledger_begin(self.worker)
             if lease is not None and not self.leases.applied(self.worker, lease):
@@ -156,9 +172,6 @@ class ShmPushPull:
             self.lent = self.leases.grant(self.worker)
             s.ledger_end()
         s.applying[self.worker] = 0
-        self.host_params[part] = s.params[part]
-        self.versions[0] = v + span
-        return False
 
     def _await_block(self) -> bool:
         """Nothing left to take when it pushed: wait for a block to deal again (a worker lost with one) or for

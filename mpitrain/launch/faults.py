@@ -158,14 +158,15 @@ class Kill:
 # apply, its step counted and its block not yet marked, half-way through shard 1's (--num-ps 2: shard 0
 # applied, the rest not); or, at step 0, before the worker has mapped the store at all (open_store).
 # Async's mailbox (exchange/mailbox.py): half-way through writing a push, its counter not yet announcing it.
-STORE_KILL_POINTS = ("locked", "applying", "stepped", "sharded", "opening", "mailing")
+# The message path with --num-ps (exchange/mpi.py): its push sent to the other servers, not to rank 0.
+PUSH_KILL_POINTS = ("locked", "applying", "stepped", "sharded", "opening", "mailing", "parted")
 
 
-def store_kill(rank: int, env=os.environ) -> tuple[int, str] | None:
+def push_kill(rank: int, env=os.environ) -> tuple[int, str] | None:
     """MPITRAIN_INJECT_KILL=RANK:STEP:POINT for this rank: (own step, point), else None."""
     spec, _, point = env.get("MPITRAIN_INJECT_KILL", "").rpartition(":")
     step = injected_step("MPITRAIN_INJECT_KILL", rank, {"MPITRAIN_INJECT_KILL": spec})
-    return (step, point) if step is not None and point in STORE_KILL_POINTS else None
+    return (step, point) if step is not None and point in PUSH_KILL_POINTS else None
 
 
 def kill_here() -> None:
@@ -324,19 +325,20 @@ def batch_trace(rank: int, step0: int, env=os.environ) -> BatchTrace | None:
 class AppliedTrace:
     """MPITRAIN_TRACE_BATCHES, async: one line per block of batch numbers rank 0 applies, `FIRST COUNT STEP` (the
     global step the update made), in a file of this process's own: a successor after a take-over writes its own,
-    and a reader keeps the lost rank 0's lines up to the step the take-over went on from."""
+    and a reader keeps the lost rank 0's lines up to the step the take-over went on from. Another server of
+    --num-ps writes `server<RANK>-applied-<PID>.txt`: the blocks its slice holds."""
 
-    def __init__(self, directory: str):
+    def __init__(self, directory: str, name: str = "applied"):
         flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
-        self.fd = os.open(os.path.join(directory, f"applied-{os.getpid()}.txt"), flags, 0o644)
+        self.fd = os.open(os.path.join(directory, f"{name}-{os.getpid()}.txt"), flags, 0o644)
 
     def applied(self, block, step: int) -> None:
         os.write(self.fd, f"{int(block[0])} {int(block[1])} {step}\n".encode())  # one write: a whole line if killed
 
 
-def applied_trace(env=os.environ) -> AppliedTrace | None:
+def applied_trace(name: str = "applied", env=os.environ) -> AppliedTrace | None:
     directory = env.get("MPITRAIN_TRACE_BATCHES")
-    return AppliedTrace(directory) if directory else None
+    return AppliedTrace(directory, name) if directory else None
 
 
 def offhost_ranks(env=os.environ) -> set[int]:

@@ -100,7 +100,10 @@ class AsyncServer:
         # Rank 0 lends the data (core/ledger.Leases): a block with each reply, marked applied when its push is.
         # A worker it has nothing for while another still holds blocks waits, parked, for what a loss returns.
         self.leases = start_leases(ctx, ctx.start) if self.chief else None
-        self.trace = applied_trace() if self.leases is not None else None
+        # MPITRAIN_TRACE_BATCHES: the blocks rank 0 applies (and another server's slice holds: --num-ps)
+        self.trace = applied_trace() if self.leases is not None else (
+            None if self.chief else applied_trace(f"server{ctx.rank}-applied"))
+        self.last_block = [-1] * W  # the first batch number of the last block applied from each worker
         self.parked: list[int] = []
         if self.leases is not None:
             self.state.deal_shards = ctx.deal(ctx.start).shards
@@ -141,11 +144,14 @@ class AsyncServer:
         self.duties.finish()
         if self.chief:
             final = self._full_state(FLAG_FINAL)
+            if self.gather:
+                self._count_partial(self.gather.tallies(len(self.worker_ranks)))
+                final.partial = dict(self.state.partial)
             self.state.params, self.state.ema = final.params, final.ema
             self.state.dealt, self.state.redeal = final.dealt, final.redeal
             self.duties.save(final, final=True)  # the final checkpoint
         else:
-            self.service.finish(self._own_state(), self.poller)
+            self.service.finish(self._own_state(), self.poller, self._tally())
             self.state.ema = self._ema_avg
         return self.state
 
@@ -242,7 +248,7 @@ class AsyncServer:
                          list(st.worker_steps), self._ema_avg)
         if self.leases is not None:  # the blocks out are not applied in this state: a resume deals them again
             own.dealt, own.deal_shards, own.redeal = self.leases.fresh, st.deal_shards, self.leases.unapplied()
-            own.repeated = dict(st.repeated)
+            own.repeated, own.partial = dict(st.repeated), dict(st.partial)
         return own
 
     def _full_state(self, flags: int) -> TrainState:
@@ -255,7 +261,8 @@ class AsyncServer:
         names, n = self.gather.names, self.ctx.model.n_params
         mine = (self.ctx.shard, checkpoint.to_flat(own, names))
         whole = assemble([mine] + pieces, names, n, own.global_step, own.opt_t, own.positions)
-        whole.dealt, whole.deal_shards, whole.redeal, whole.repeated = own.dealt, own.deal_shards, own.redeal, own.repeated
+        whole.dealt, whole.deal_shards, whole.redeal = own.dealt, own.deal_shards, own.redeal
+        whole.repeated, whole.partial = own.repeated, own.partial
         return whole
 
     def _oldest_held(self) -> int:
@@ -291,10 +298,11 @@ class AsyncServer:
             self.stopping = True
             self._reply(w, stop=True)
             return
-        loss, basis, last = msg.loss, msg.step, bool(msg.flags & FLAG_LAST)  # read before the reply: its
-        staleness = state.global_step - basis  # buffer takes the worker's next push once the reply is sent
-        if self.leases is not None and not self.leases.applied(w, msg.lease):
-            raise ProtocolError(f"rank {self.worker_ranks[w]} pushed a gradient of batches {msg.lease}, where rank 0 "
+        # read before the reply: its buffer takes the worker's next push once the reply is sent
+        loss, basis, last, lease = msg.loss, msg.step, bool(msg.flags & FLAG_LAST), msg.lease
+        staleness = state.global_step - basis
+        if self.leases is not None and not self.leases.applied(w, lease):
+            raise ProtocolError(f"rank {self.worker_ranks[w]} pushed a gradient of batches {lease}, where rank 0 "
                                 f"had lent it {list(self.leases.out[w])}")
         self.ctx.activity.enter(APPLY, state.global_step)
         grad = msg.payload
@@ -305,8 +313,10 @@ class AsyncServer:
         self.update.apply(grad, self.ctx.lr_at(state.global_step), staleness, w, basis)
         state.global_step += inner
         state.worker_steps[w] += inner
-        if self.trace is not None:
-            self.trace.applied(msg.lease, state.global_step)
+        if lease is not None:
+            self.last_block[w] = lease[0]
+            if self.trace is not None:
+                self.trace.applied(lease, state.global_step)
         state.staleness[outer_staleness] += 1  # --local-steps: in outer steps, as --max-staleness counts
         state.recent_losses.append(loss)
         # --steps counts rank 0's updates, the run's global step. Another server's count can run ahead
@@ -319,6 +329,30 @@ class AsyncServer:
         if self.chief:  # the bar, the log, --eval-every and checkpoints at this global step
             self.duties.advance(state.global_step, loss, self._whole_state, basis=basis, span=inner,
                                 staleness=outer_staleness, worker_steps=list(state.worker_steps))
+
+    def _tally(self) -> np.ndarray:
+        """Another server's, at the end: (worker, global steps applied from it, first batch number of its last block
+        applied), a row per worker, for rank 0's _count_partial."""
+        W = len(self.worker_ranks)
+        return np.array([(w, self.state.worker_steps[w], self.last_block[w]) for w in range(W)], np.int64).reshape(W, 3)
+
+    def _count_partial(self, tallies: list[np.ndarray]) -> None:
+        """Rank 0 at the end, --num-ps: a push that some servers applied and others not (its worker lost between
+        its messages, or held by rank 0 as it stopped the run while another server applied it) is in part of the
+        parameters. Each worker's count on another server against rank 0's says by how many batches; they are
+        counted (the summary's `partial`) in the epoch of the last block the server ahead applied."""
+        if self.leases is None:
+            return
+        per_epoch = self.ctx.deal(self.state).per_epoch
+        for w in range(len(self.worker_ranks)):
+            ahead, block = 0, -1
+            for rows in tallies:
+                d = int(rows[w, 1]) - self.state.worker_steps[w]
+                if abs(d) > abs(ahead):
+                    ahead, block = d, int(rows[w, 2]) if d > 0 else self.last_block[w]
+            if ahead and block >= 0:
+                e = block // per_epoch
+                self.state.partial[e] = self.state.partial.get(e, 0) + abs(ahead)
 
     def _settle_parked(self) -> None:
         """Answer the parked workers once there is something to say: blocks a loss returned, the last

@@ -52,6 +52,7 @@ class ShmServer:
         self.leases, self.shards = self.store.leases(deal.span, deal.end), ctx.deal(self.duties.start).shards
         self.guard = LossGuard(self.cfg.divergence_factor)
         self.lost: set[int] = set()  # worker indices
+        self.twice: list[tuple[dict, ledger.Block]] = []  # (lost worker's record, its block dealt again though applied)
         remote = off_host(ctx)  # workers on other hosts: their gradients come as messages, applied here
         self.remote = RemoteWorkers(ctx, self.store, remote, self.duties.start.params, self.leases) if remote else None
         self.poll_s = REMOTE_POLL_S if remote else SERVE_POLL_S
@@ -77,6 +78,8 @@ class ShmServer:
             self._follow()
             self.duties.finish()
             final = self._whole()
+            self._not_retrained(final.redeal)
+            final.repeated = dict(self.state.repeated)
             self.state.params, self.state.ema = final.params, final.ema
             self.state.dealt, self.state.redeal = final.dealt, final.redeal
             self.duties.save(final, final=True)
@@ -142,7 +145,20 @@ class ShmServer:
         return min([limit] + due)
 
     def _whole(self) -> TrainState:
-        return self.store.snapshot(self.state.worker_steps, self.leases, self.shards)
+        whole = self.store.snapshot(self.state.worker_steps, self.leases, self.shards)
+        whole.repeated = dict(self.state.repeated)  # (what the store does not hold: a checkpoint keeps it)
+        return whole
+
+    def _not_retrained(self, unapplied: list[ledger.Block]) -> None:
+        """At the end: a block counted twice when its worker was lost (Store.settle) that nobody took again
+        before the run ended is in the parameters once: not repeated, but missed (a resume deals it again)."""
+        per_epoch = self.ctx.deal(self.state).per_epoch
+        for record, block in self.twice:
+            for part in ledger.within(block, unapplied):
+                ledger.count_twice(self.state.repeated, part, per_epoch, -1)
+                record["batches_repeated"] -= part[1]
+                if not record["batches_repeated"]:
+                    del record["batches_repeated"]
 
     def _lose(self, lost: dict[int, str]) -> None:
         """Carry on without these workers (their half-applied step, if any, stays: a partial step)."""
@@ -168,6 +184,8 @@ class ShmServer:
             left = self.ctx.workers - len(self.lost)
             record_lost(self.state, rank, why, f"; continuing with {left} worker(s)" if left else "",
                         repeated=0 if twice is None else twice[1])
+            if twice is not None:
+                self.twice.append((self.state.lost_workers[-1], twice))
 
 
 def keep_store(ctx: Context) -> ServerState:
