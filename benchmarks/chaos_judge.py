@@ -18,12 +18,16 @@ def ledger_problems(summary: dict | None, batch: int = 100) -> list[str]:
     every mode's: --quorum's left-out batches are `dropped`, not missed), but those dealt again though applied:
     by an async take-over of rank 0 (its copy had applied them), or after a worker lost inside its apply to the
     shm store; as many as their records count (`batches_repeated` of a take-over, of a lost worker; the cases'
-    batch is the default 100)."""
+    batch is the default 100). A batch trained twice takes a step of --steps: as many of the last batches dealt
+    are then out when the run stops, missed in the last complete epochs (a resume deals them again)."""
     s = summary or {}
     epochs, records = s.get("epochs") or [], [*(s.get("failovers") or []), *(s.get("lost_workers") or [])]
-    bad = [e["epoch"] for e in epochs if e["complete"] and e["missed"]]
-    problems = [f"{len(bad)} complete epoch(s) missed samples (first: epoch {bad[0]})"] if bad else []
     repeated, said = sum(e["repeated"] for e in epochs), sum(r.get("batches_repeated", 0) for r in records) * batch
+    complete = [e for e in epochs if e["complete"]]
+    bad = [e["epoch"] for e in complete if e["missed"]]
+    last = {e["epoch"] for e in complete[-2:]}
+    budget = sum(e["missed"] for e in complete) <= repeated and set(bad) <= last
+    problems = [f"{len(bad)} complete epoch(s) missed samples (first: epoch {bad[0]})"] if bad and not budget else []
     if repeated != said:
         problems.append(f"the epochs count {repeated} samples trained twice, the take-overs and losses {said}")
     return problems

@@ -107,6 +107,13 @@ def test_the_chaos_judge_fails_a_complete_epoch_that_missed_or_repeated_samples_
     assert chaos_judge.ledger_problems({**took_over, "failovers": [{"batches_repeated": 1}]})
     lost_in_apply = {**took_over, "failovers": [{"batches_repeated": 1}], "lost_workers": [{"batches_repeated": 1}]}
     assert chaos_judge.ledger_problems(lost_in_apply) == []  # a worker lost inside its apply to the shm store
+    # a batch trained twice took a step of --steps: one of the last batches dealt was out at the stop
+    shifted = {"epochs": [{**whole, "repeated": 100}, {**whole, "epoch": 1}, {**whole, "epoch": 2, "missed": 100}],
+               "lost_workers": [{"batches_repeated": 1}]}
+    assert chaos_judge.ledger_problems(shifted) == []
+    assert chaos_judge.ledger_problems({**shifted, "epochs": [*shifted["epochs"][:2], {**whole, "epoch": 2, "missed": 200}]})
+    early = [{**whole, "repeated": 100, "missed": 100}, {**whole, "epoch": 1}, {**whole, "epoch": 2}, {**whole, "epoch": 3}]
+    assert chaos_judge.ledger_problems({**shifted, "epochs": early})  # not at the end: a batch really missed
 
 
 def test_poller_sorts_a_failed_testsome_into_arrived_and_failed():
