@@ -125,7 +125,10 @@ class ShmPushPull:
             self.store.applying[self.worker] = abs(int(self.store.applying[self.worker]))
             self._injected("stepped")
             with self.store.locked():
-                self._mark(lease)
+                if self.store.active[self.worker] == LOST:  # given up meanwhile (silent past the timeout): rank 0
+                    done = True  # dealt its block again and counted it (Store.settle); it stops here
+                else:
+                    self._mark(lease)
         if not done and last:
             self.store.active[self.worker] = 0  # after its last shard: rank 0's final state holds it all
         self.stopped = done or last
