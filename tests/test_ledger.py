@@ -424,6 +424,24 @@ def test_a_worker_killed_between_its_pushes_to_two_servers_is_counted_as_partial
         e: n for e, n in differ.items() if n}, s["epochs"]
 
 
+def test_partial_pushes_are_counted_from_the_servers_tallies_either_way_in_the_ahead_servers_epoch():
+    """ledger.count_partial: rows (worker, batches applied from it, first number of its last block). Server 1 ahead
+    of rank 0 by one batch of worker 0 (a push rank 0 never got): in the epoch of server 1's last block; rank 0
+    ahead of server 2 by 4 batches of worker 1 (--local-steps 4, a push server 2 never got): in rank 0's block's
+    epoch; the larger difference of two servers counts once; equal counts count nothing."""
+    mine = np.array([(0, 30, 25), (1, 40, 96), (2, 7, 3)], np.int64)
+    server1 = np.array([(0, 31, 26), (1, 40, 96), (2, 7, 3)], np.int64)
+    server2 = np.array([(0, 30, 25), (1, 36, 92), (2, 7, 3)], np.int64)
+    partial: dict[int, int] = {}
+    ledger.count_partial(partial, mine, [server1, server2], 12)
+    assert partial == {26 // 12: 1, 96 // 12: 4}
+    ledger.count_partial(partial, mine, [mine], 12)  # one more server, in step: nothing
+    assert partial == {2: 1, 8: 4}
+    both = np.array([(0, 32, 27), (1, 40, 96), (2, 7, 3)], np.int64)  # two servers ahead, by 1 and by 2: 2
+    ledger.count_partial(partial, mine, [server1, both], 12)
+    assert partial == {2: 3, 8: 4}
+
+
 def test_a_block_counted_twice_that_nobody_took_again_is_uncounted_in_part():
     """The store's lost worker's block is counted twice when dealt again (Store.settle); the part of it still out
     when the run ends was trained once: ledger.within finds it, count_twice(-1) takes it out."""

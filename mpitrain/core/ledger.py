@@ -351,6 +351,20 @@ def count_twice(repeated: dict[int, int], block: Block, per_epoch: int, times: i
         repeated[g // per_epoch] = repeated.get(g // per_epoch, 0) + times
 
 
+def count_partial(partial: dict[int, int], mine: np.ndarray, others: list[np.ndarray], per_epoch: int) -> None:
+    """--num-ps: each server's tally, a row per worker (worker, batches applied from it, first number of its last
+    block), rank 0's `mine` against the `others`. A worker whose count differs between servers had that many
+    batches applied on some slices only: into `partial`, in the epoch of the last block the server ahead applied."""
+    for w in range(len(mine)):
+        ahead, block = 0, -1
+        for rows in others:
+            d = int(rows[w, 1] - mine[w, 1])
+            if abs(d) > abs(ahead):
+                ahead, block = d, int(rows[w, 2] if d > 0 else mine[w, 2])
+        if ahead and block >= 0:
+            partial[block // per_epoch] = partial.get(block // per_epoch, 0) + abs(ahead)
+
+
 def within(block: Block, blocks: list[Block]) -> list[Block]:
     """The parts of `block` that `blocks` hold."""
     a, end = block[0], block[0] + block[1]

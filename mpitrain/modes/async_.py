@@ -16,6 +16,7 @@ import math
 
 import numpy as np
 
+from mpitrain.core import ledger
 from mpitrain.core.compress import push_words
 from mpitrain.core.config import AUTO_OVERLAP_MAX_WORKERS
 from mpitrain.core.guard import NON_FINITE, Diverged, LossGuard
@@ -331,8 +332,8 @@ class AsyncServer:
                                 staleness=outer_staleness, worker_steps=list(state.worker_steps))
 
     def _tally(self) -> np.ndarray:
-        """Another server's, at the end: (worker, global steps applied from it, first batch number of its last block
-        applied), a row per worker, for rank 0's _count_partial."""
+        """This server's account, at the end: (worker, global steps applied from it, first batch number of its last
+        block applied), a row per worker (another server's goes to rank 0: ledger.count_partial)."""
         W = len(self.worker_ranks)
         return np.array([(w, self.state.worker_steps[w], self.last_block[w]) for w in range(W)], np.int64).reshape(W, 3)
 
@@ -341,18 +342,8 @@ class AsyncServer:
         its messages, or held by rank 0 as it stopped the run while another server applied it) is in part of the
         parameters. Each worker's count on another server against rank 0's says by how many batches; they are
         counted (the summary's `partial`) in the epoch of the last block the server ahead applied."""
-        if self.leases is None:
-            return
-        per_epoch = self.ctx.deal(self.state).per_epoch
-        for w in range(len(self.worker_ranks)):
-            ahead, block = 0, -1
-            for rows in tallies:
-                d = int(rows[w, 1]) - self.state.worker_steps[w]
-                if abs(d) > abs(ahead):
-                    ahead, block = d, int(rows[w, 2]) if d > 0 else self.last_block[w]
-            if ahead and block >= 0:
-                e = block // per_epoch
-                self.state.partial[e] = self.state.partial.get(e, 0) + abs(ahead)
+        if self.leases is not None:
+            ledger.count_partial(self.state.partial, self._tally(), tallies, self.ctx.deal(self.state).per_epoch)
 
     def _settle_parked(self) -> None:
         """Answer the parked workers once there is something to say: blocks a loss returned, the last
