@@ -444,14 +444,14 @@ def test_partial_pushes_are_counted_from_the_servers_tallies_either_way_in_the_a
 
 def test_a_block_counted_twice_that_nobody_took_again_is_uncounted_in_part():
     """The store's lost worker's block is counted twice when dealt again (Store.settle); the part of it still out
-    when the run ends was trained once: ledger.within finds it, count_twice(-1) takes it out."""
+    when the run ends was trained once: ledger.within finds it, count_by_epoch(-1) takes it out."""
     repeated: dict[int, int] = {}
-    ledger.count_twice(repeated, (10, 4), 12)  # numbers 10..13: epochs 0 and 1
+    ledger.count_by_epoch(repeated, (10, 4), 12)  # numbers 10..13: epochs 0 and 1
     assert repeated == {0: 2, 1: 2}
     assert ledger.within((10, 4), [(0, 3), (12, 5), (40, 1)]) == [(12, 2)]
     assert ledger.within((10, 4), [(14, 2)]) == []
     for part in ledger.within((10, 4), [(12, 5)]):
-        ledger.count_twice(repeated, part, 12, -1)
+        ledger.count_by_epoch(repeated, part, 12, -1)
     assert repeated == {0: 2, 1: 0}
 
 

@@ -203,6 +203,35 @@ def test_a_ledger_change_cut_short_by_a_death_is_undone_by_the_next_lock_holder(
         store.close()
 
 
+def test_a_snapshot_taken_while_a_push_is_between_its_shards_says_what_of_its_block_is_in(tmp_path):
+    """--num-ps on the store: rank 0's checkpoint (Store.snapshot, under every lock) may fall while a worker is
+    between its shards. Its block, not yet marked, is out in the ledger: with some shards holding its gradient
+    (`applying` negative) a resume deals it again, and the snapshot returns it to be counted (`partial`); with
+    every shard holding it (positive) the state has it applied and a resume does not deal it again. Before,
+    both were dealt again uncounted."""
+    from mpitrain.core.ledger import Leases
+    from mpitrain.duties.checkpoint import TrainState
+
+    store = shm.Store(str(tmp_path / "store"), 10, 3, (), False, False, create=True, shards=2, redeal=1)
+    try:
+        store.fill(TrainState(np.zeros(10, np.float32)), 3, 100, deal=Leases(7, [], 3, 1, 1, None))
+        leases = store.leases(1, None)
+        held = [list(q) for q in leases.out]
+        first = held[1][0][0]
+        state, in_part = store.snapshot([0, 0, 0], leases, 3)
+        assert (first, 1) in state.redeal and in_part == []  # nothing applied yet: out, as any lent block
+        store.applying[1] = -(first + 1)  # shard 0 applied, shard 1 not yet
+        state, in_part = store.snapshot([0, 0, 0], leases, 3)
+        assert (first, 1) in state.redeal and in_part == [(first, 1)]
+        store.applying[1] = first + 1  # both shards applied, the mark not yet written
+        state, in_part = store.snapshot([0, 0, 0], leases, 3)
+        assert (first, 1) not in state.redeal and in_part == []
+        assert sorted(state.redeal) == sorted(b for w, q in enumerate(held) for b in q if w != 1)
+        assert [list(q) for q in leases.out] == held  # the live ledger is not changed
+    finally:
+        store.close()
+
+
 OFF_HOST = {**child_env(), "MPITRAIN_INJECT_OFFHOST": "2"}  # rank 2 takes another host's path (faults.py)
 
 

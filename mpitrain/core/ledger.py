@@ -339,16 +339,16 @@ def put_together(dealt: int, low: int, applied: int, answered: list[Block], held
     by_epoch: dict[int, int] = {}
     unpushed = _union(b for b in held if b not in in_flight)
     for first, n in [*_less(dealt, low, _union(answered + unpushed)), (dealt, twice)]:
-        count_twice(by_epoch, (first, min(n, left)), per_epoch)
+        count_by_epoch(by_epoch, (first, min(n, left)), per_epoch)
         left -= min(n, left)
     return redeal, twice, by_epoch
 
 
-def count_twice(repeated: dict[int, int], block: Block, per_epoch: int, times: int = 1) -> None:
-    """A block dealt again though (part of) its gradient is in the parameters: its numbers into `repeated`, by
-    epoch (the summary's `repeated`); `times` -1 takes them out again."""
+def count_by_epoch(counts: dict[int, int], block: Block, per_epoch: int, times: int = 1) -> None:
+    """A block's numbers into `counts`, by epoch (the summary's `repeated`: a block dealt again though (part of)
+    its gradient is in the parameters; `partial`); `times` -1 takes them out again."""
     for g in range(block[0], block[0] + block[1]):
-        repeated[g // per_epoch] = repeated.get(g // per_epoch, 0) + times
+        counts[g // per_epoch] = counts.get(g // per_epoch, 0) + times
 
 
 def count_partial(partial: dict[int, int], mine: np.ndarray, others: list[np.ndarray], per_epoch: int) -> None:

@@ -273,18 +273,26 @@ class Store:
         self.header[VERSION] = version + span
         v["bases"][worker] = version + span
 
-    def snapshot(self, positions: list[int], deal: Leases | None = None, shards: int = 0) -> TrainState:
+    def snapshot(self, positions: list[int], deal: Leases | None = None, shards: int = 0) -> tuple[TrainState, list]:
         """The whole training state at one version of shard 0 (copies, taken under every lock); with the
-        store's `deal`, how far it got and what is out (to deal again on a resume), over `shards`."""
+        store's `deal`, how far it got and what is out (to deal again on a resume), over `shards`. With
+        --num-ps a push may be between its shards (`applying`, Store.settle): a block every shard holds is
+        applied in this state, though not yet marked; one some shards hold is out (a resume deals it again)
+        and returned, for the checkpoint to count (the summary's `partial`)."""
         with self.locked_all():
             h = self.header
             state = TrainState(self.params.copy(), int(h[VERSION]), int(h[OPT_T]),
                                {k: a.copy() for k, a in self.opt.items()}, list(positions),
                                None if self.ema is None else self.ema.copy())
+            in_part = []
             if deal is not None:
                 self.ledger_undo()
                 state.dealt, state.deal_shards, state.redeal = deal.fresh, shards, deal.unapplied()
-            return state
+                for w, mark in enumerate(int(m) for m in self.applying):
+                    head = deal.out[w][0] if mark and deal.out[w] else None
+                    if head is not None and head[0] == abs(mark) - 1:
+                        (state.redeal.remove if mark > 0 else in_part.append)(head)
+            return state, in_part
 
     def close(self) -> None:
         self.views = self.rows = self.header = self.active = self.params = self.ema = self.opt = self._ledger = None

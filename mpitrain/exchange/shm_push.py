@@ -222,7 +222,7 @@ class ShmPushPull:
         """What a take-over starts from (rank 0 lost, failover.py): not this worker's copy but the
         store itself, the newest state any worker applied, optimizer state and moving average too
         (rank 0 only reads the store: its death leaves it whole, and the kernel releases any lock it held)."""
-        state = self.store.snapshot([])
+        state, _ = self.store.snapshot([])
         state.versions = [int(row[VERSION]) for row in self.store.rows]
         return state
 

@@ -145,8 +145,10 @@ class ShmServer:
         return min([limit] + due)
 
     def _whole(self) -> TrainState:
-        whole = self.store.snapshot(self.state.worker_steps, self.leases, self.shards)
-        whole.repeated = dict(self.state.repeated)  # (what the store does not hold: a checkpoint keeps it)
+        whole, in_part = self.store.snapshot(self.state.worker_steps, self.leases, self.shards)
+        whole.repeated, whole.partial = dict(self.state.repeated), dict(self.state.partial)  # (not in the store)
+        for block in in_part:  # a resume from this state deals it again: trained twice on the shards that had it
+            ledger.count_by_epoch(whole.partial, block, self.ctx.deal(self.state).per_epoch)
         return whole
 
     def _not_retrained(self, unapplied: list[ledger.Block]) -> None:
@@ -155,7 +157,7 @@ class ShmServer:
         per_epoch = self.ctx.deal(self.state).per_epoch
         for record, block in self.twice:
             for part in ledger.within(block, unapplied):
-                ledger.count_twice(self.state.repeated, part, per_epoch, -1)
+                ledger.count_by_epoch(self.state.repeated, part, per_epoch, -1)
                 record["batches_repeated"] -= part[1]
                 if not record["batches_repeated"]:
                     del record["batches_repeated"]
@@ -180,7 +182,7 @@ class ShmServer:
                 self.leases.lose(w)
                 self.store.ledger_end()
             if twice is not None:
-                ledger.count_twice(self.state.repeated, twice, self.ctx.deal(self.state).per_epoch)
+                ledger.count_by_epoch(self.state.repeated, twice, self.ctx.deal(self.state).per_epoch)
             left = self.ctx.workers - len(self.lost)
             record_lost(self.state, rank, why, f"; continuing with {left} worker(s)" if left else "",
                         repeated=0 if twice is None else twice[1])
