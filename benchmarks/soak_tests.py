@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
+import signal
 import subprocess
 import sys
 import tempfile
@@ -79,7 +80,8 @@ def main() -> int:
         b.start()
     seen: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     why: dict[str, list[str]] = defaultdict(list)
-    t0 = time.monotonic()
+    t0, rounds = time.monotonic(), 0
+    signal.signal(signal.SIGTERM, _interrupted)  # `kill`, `timeout`: as Ctrl-C
     try:
         with tempfile.TemporaryDirectory() as tmp:
             for r in range(a.rounds):
@@ -89,16 +91,20 @@ def main() -> int:
                     if outcome == "failed":
                         why[name].append(f"round {r + 1}: {line}")
                 failed = sum(1 for v in seen.values() if v["failed"])
+                rounds = r + 1
                 print(f"[{r + 1}/{a.rounds}] {time.monotonic() - t0:.0f} s, {failed} test(s) failed so far", flush=True)
+    except KeyboardInterrupt:  # Ctrl-C, SIGTERM: the rounds done are still worth their results file
+        print(f"interrupted: the results of the {rounds} whole round(s) done", flush=True)
     finally:
         for b in burners:
             b.terminate()
     minutes = (time.monotonic() - t0) / 60
     clean = [n for n, v in seen.items() if not v["failed"]]
     lines = [f"# Fault tests soaked, {impl.title}", "",
-             f"`python benchmarks/soak_tests.py --rounds {a.rounds} --burners {a.burners}` over "
+             f"`python benchmarks/soak_tests.py --rounds {a.rounds} --burners {a.burners}`"
+             f"{f' (interrupted after {rounds})' if rounds < a.rounds else ''} over "
              f"{', '.join(f'`{f}`' for f in a.files)}; {machine()}; {minutes:.0f} min.", "",
-             f"**{len(clean)} of {len(seen)} tests never failed** in {a.rounds} rounds beside {a.burners} spinning "
+             f"**{len(clean)} of {len(seen)} tests never failed** in {rounds} rounds beside {a.burners} spinning "
              f"process(es).", "", "| test | runs | passed | skipped | failed | first failures |",
              "|---|---|---|---|---|---|"]
     for name in sorted(seen, key=lambda n: (-seen[n]["failed"], n)):  # the failures first
@@ -111,6 +117,10 @@ def main() -> int:
     if a.out:
         record(a.out, text)
     return 0 if len(clean) == len(seen) else 1
+
+
+def _interrupted(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":
