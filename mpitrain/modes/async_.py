@@ -105,6 +105,8 @@ class AsyncServer:
         self.trace = applied_trace() if self.leases is not None else (
             None if self.chief else applied_trace(f"server{ctx.rank}-applied"))
         self.last_block = [-1] * W  # the first batch number of the last block applied from each worker
+        # each worker's steps as this phase began: a server that took a lost one's place counts from its own start
+        self.began = list(self.state.worker_steps)
         self.parked: list[int] = []
         if self.leases is not None:
             self.state.deal_shards = ctx.deal(ctx.start).shards
@@ -332,10 +334,10 @@ class AsyncServer:
                                 staleness=outer_staleness, worker_steps=list(state.worker_steps))
 
     def _tally(self) -> np.ndarray:
-        """This server's account, at the end: (worker, global steps applied from it, first batch number of its last
-        block applied), a row per worker (another server's goes to rank 0: ledger.count_partial)."""
-        W = len(self.worker_ranks)
-        return np.array([(w, self.state.worker_steps[w], self.last_block[w]) for w in range(W)], np.int64).reshape(W, 3)
+        """This server's account, at the end: (worker, global steps applied from it in this phase, first batch
+        number of its last block applied), a row per worker (another server's goes to rank 0: ledger.count_partial)."""
+        W, steps = len(self.worker_ranks), self.state.worker_steps
+        return np.array([(w, steps[w] - self.began[w], self.last_block[w]) for w in range(W)], np.int64).reshape(W, 3)
 
     def _count_partial(self, tallies: list[np.ndarray]) -> None:
         """Rank 0 at the end, --num-ps: a push that some servers applied and others not (its worker lost between
