@@ -35,7 +35,7 @@ pytestmark = pytest.mark.timeout(300)
 # lock or half-way through its apply; the SIGTERM / SIGINT cases stop the run, which must save, exit
 # 128 + the signal and resume. One CI run (2026-11-29) failed "sync": rank 1 killed 1.37 s in, the job
 # regrouped at step 339 and stopped at 340 (exit 143): MPICH had completed a survivor's Allreduce with
-# the dead worker's stale part and a stop vote nobody cast (docs/notes/dead-peer.md; modes/sync.torn).
+# the dead worker's stale part and a stop vote nobody cast (docs/notes/dead-peer.md; modes/sync_slots.torn).
 QUICK = [Case("async-big", ("--mode", "async", "--hidden", "2000"), "worker", 500),
          Case("sync", ("--mode", "sync"), "worker", 2000),
          Case("coordinator-quorum", ("--mode", "sync", "--quorum", "2"), "coordinator", 1000),

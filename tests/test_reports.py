@@ -24,7 +24,7 @@ def test_every_summary_key_is_documented_in_the_readme():
     nested = {"origin", "batches_in_flight", "batches_repeated", "mean", "p50", "p99", "max", "why", "count", "first", "newest_checkpoint", "seconds", "training_seconds",
               "test_accuracy", "test_loss", "sent", "received", "successor", "ranks", "updates_lost_at_most", "servers", "lost_shards",
               "state_kept", "state_restarted", "workers_left_out",
-              "epoch", "complete", "samples", "missed", "repeated", "dropped", "left", "compute"}
+              "epoch", "complete", "samples", "missed", "repeated", "dropped", "partial", "left", "compute"}
     assert named - set(SUMMARY_KEYS) <= nested, named - set(SUMMARY_KEYS) - nested
 
 

@@ -29,7 +29,7 @@ class AsIfAnotherWorkerSentZeros:
         self.calls = 0
 
     def sum(self, buf, part=None) -> bool:
-        from mpitrain.modes.sync import STAMP, SYNC_SLOTS, WEIGHT
+        from mpitrain.modes.sync_slots import STAMP, SYNC_SLOTS, WEIGHT
 
         self.calls += 1
         n = len(buf) - SYNC_SLOTS
@@ -48,12 +48,12 @@ def dealt_batches(ctx):
 
 def test_the_sync_step_sums_through_the_reducer_it_is_given():
     from mpitrain.modes.gradients import GradientSource
-    from mpitrain.modes.sync import SyncStep
+    from mpitrain.modes.sync_outer import step_for
 
     ctx = sync_worker_context()
     params = ctx.model.init_params(0)
     reducer = AsIfAnotherWorkerSentZeros()
-    step = SyncStep(ctx, params.copy(), reducer=reducer)
+    step = step_for(ctx, params.copy(), reducer=reducer)
     loss = step.compute(GradientSource(ctx, dealt_batches(ctx)))
     grad, before = step.buf[: ctx.model.n_params].copy(), step.params.copy()
     mean_loss = step.reduce_and_apply(0)
@@ -71,7 +71,7 @@ class AsIfTheOtherDiedSendingIt(AsIfAnotherWorkerSentZeros):
         self.slot, self.value = slot, value
 
     def sum(self, buf, part=None) -> bool:
-        from mpitrain.modes import sync
+        from mpitrain.modes import sync_step as sync
 
         super().sum(buf)
         buf[len(buf) - sync.SYNC_SLOTS + getattr(sync, self.slot)] = self.value
@@ -86,7 +86,7 @@ def test_a_sum_whose_exact_slots_disagree_is_never_applied_nor_taken_for_a_stop(
     the parameters are untouched and no stop is requested (on the old check, weight only, the 0.37 vote
     stopped the job as if signalled)."""
     from mpitrain.core.stop import STOP
-    from mpitrain.modes import sync
+    from mpitrain.modes import sync_step as sync
     from mpitrain.modes.gradients import GradientSource
 
     class Verdict(Exception):
@@ -114,7 +114,7 @@ def test_a_whole_sum_passes_the_check_on_every_wire_at_every_stamp(compress, wor
     """Every worker's tail [loss, weight, stop, room and save votes, stamp] summed as MPI would through --compress's
     wire (its own SUM op for 16 bits) is never taken for a torn one: a false alarm would stall the job."""
     from mpitrain.core.codec import CODECS, decode, encode
-    from mpitrain.modes.sync import ROOM_VOTE, SAVE_VOTE, STAMP, SYNC_SLOTS, VOTE, WEIGHT, stamp_period, torn
+    from mpitrain.modes.sync_slots import ROOM_VOTE, SAVE_VOTE, STAMP, SYNC_SLOTS, VOTE, WEIGHT, stamp_period, torn
 
     c = CODECS[compress]
     period = stamp_period(compress, workers)
@@ -140,10 +140,10 @@ def test_a_whole_sum_passes_the_check_on_every_wire_at_every_stamp(compress, wor
 def test_without_a_reducer_a_lone_sync_worker_uses_mpi_s_and_applies_its_own_gradient():
     from mpitrain.exchange.mpi import MPIReducer
     from mpitrain.modes.gradients import GradientSource
-    from mpitrain.modes.sync import SyncStep
+    from mpitrain.modes.sync_outer import step_for
 
     ctx = sync_worker_context()
-    step = SyncStep(ctx, ctx.model.init_params(0))
+    step = step_for(ctx, ctx.model.init_params(0))
     assert isinstance(step.reducer, MPIReducer) and step.reducer.sum(step.buf) is False  # no communicator: alone
     step.compute(GradientSource(ctx, dealt_batches(ctx)))
     grad, before = step.buf[: ctx.model.n_params].copy(), step.params.copy()
@@ -445,7 +445,7 @@ class AsIfTheOtherVoted(AsIfAnotherWorkerSentZeros):
         self.slot = slot
 
     def sum(self, buf, part=None) -> bool:
-        from mpitrain.modes import sync
+        from mpitrain.modes import sync_step as sync
 
         super().sum(buf)
         buf[len(buf) - sync.SYNC_SLOTS + getattr(sync, self.slot)] += 1.0
@@ -461,10 +461,10 @@ def test_a_sync_worker_ends_the_phase_on_a_peer_s_vote_and_knows_whether_it_is_a
 
     from mpitrain.core.stop import StopRequest
     from mpitrain.modes.gradients import GradientSource
-    from mpitrain.modes.sync import SyncStep
+    from mpitrain.modes.sync_outer import step_for
 
     ctx = dataclasses.replace(sync_worker_context(), stop=StopRequest())
-    step = SyncStep(ctx, ctx.model.init_params(0), reducer=AsIfTheOtherVoted(slot))
+    step = step_for(ctx, ctx.model.init_params(0), reducer=AsIfTheOtherVoted(slot))
     step.compute(GradientSource(ctx, dealt_batches(ctx)))
     assert not ctx.stop.due
     step.reduce_and_apply(0)
@@ -491,10 +491,11 @@ def test_a_word_heard_during_the_sum_is_the_next_step_s_vote_not_this_one_s():
 
     from mpitrain.core.stop import StopRequest
     from mpitrain.modes.gradients import GradientSource
-    from mpitrain.modes.sync import ROOM_VOTE, SyncStep
+    from mpitrain.modes.sync_slots import ROOM_VOTE
+    from mpitrain.modes.sync_outer import step_for
 
     ctx = dataclasses.replace(sync_worker_context(), stop=StopRequest())
-    step = SyncStep(ctx, ctx.model.init_params(0), reducer=AsIfRank0SpokeDuringTheSum(ctx.stop))
+    step = step_for(ctx, ctx.model.init_params(0), reducer=AsIfRank0SpokeDuringTheSum(ctx.stop))
     source = GradientSource(ctx, dealt_batches(ctx))
     step.compute(source)
     step.reduce_and_apply(0)
@@ -528,12 +529,13 @@ def test_an_overlapped_outer_step_lands_t_steps_later_with_the_workers_own_steps
     meanwhile (giving the exchange a turn after each), and at step 6 the outer step lands: the global model
     moves by it, and the worker's model is that plus its own two steps since sending."""
     from mpitrain.modes.gradients import GradientSource
-    from mpitrain.modes.sync import STAMP, SyncStep
+    from mpitrain.modes.sync_slots import STAMP
+    from mpitrain.modes.sync_outer import step_for
 
     ctx = sync_worker_context("--local-steps", "4", "--outer-overlap", "2", "--outer-optimizer", "sgd",
                               "--outer-lr", "1", "--optimizer", "sgd")
     n, reducer = ctx.model.n_params, InFlightAsIfAnotherWorkerSentZeros()
-    step = SyncStep(ctx, ctx.model.init_params(0), reducer=reducer)
+    step = step_for(ctx, ctx.model.init_params(0), reducer=reducer)
     source = GradientSource(ctx, dealt_batches(ctx))
     start, synced, grads = step.params.copy(), [], {}
     for s in range(6):
@@ -575,12 +577,13 @@ def test_fragments_average_one_part_of_the_parameters_in_turn_each_every_h_steps
     other half stays this worker's own. With sgd at lr 1 and a worker of zeros, a part's global model moves
     half the way this worker had moved it."""
     from mpitrain.modes.gradients import GradientSource
-    from mpitrain.modes.sync import SYNC_SLOTS, SyncStep
+    from mpitrain.modes.sync_slots import SYNC_SLOTS
+    from mpitrain.modes.sync_outer import step_for
 
     ctx = sync_worker_context("--local-steps", "4", "--fragments", "2", "--outer-optimizer", "sgd",
                               "--outer-lr", "1", "--optimizer", "sgd")
     n, reducer = ctx.model.n_params, RecordingSizes()
-    step = SyncStep(ctx, ctx.model.init_params(0), reducer=reducer)
+    step = step_for(ctx, ctx.model.init_params(0), reducer=reducer)
     source = GradientSource(ctx, dealt_batches(ctx))
     half = n // 2
     first, second = slice(0, half), slice(half, n)
@@ -609,7 +612,7 @@ def test_a_fragment_s_compressed_exchange_keeps_its_error_feedback_in_the_whole_
     an exchange of one part holds back its own and leaves the other part's alone; the checkpoint's row (the
     whole's residual) holds every part's, and an exchange of all of them (the run's last) sends them all."""
     from mpitrain.exchange.compressed import GatherReducer
-    from mpitrain.modes.sync import SYNC_SLOTS
+    from mpitrain.modes.sync_slots import SYNC_SLOTS
 
     ctx = sync_worker_context("--local-steps", "4", "--fragments", "2", "--compress", "int8")
     n = ctx.model.n_params

@@ -226,7 +226,7 @@ def split_rows(rows: np.ndarray, names: tuple[str, ...], n: int) -> dict[str, np
 def bcast_per_worker(comm, per_worker: dict[str, np.ndarray], names: tuple[str, ...], width: int,
                      root: int) -> dict[str, np.ndarray]:
     """`root`'s TrainState.per_worker (rows of `width` float32 under each of `names`; none unless it holds every
-    name) on every rank of `comm`: at a start (a resume), where each worker takes its rows (modes/sync.SyncStep)."""
+    name) on every rank of `comm`: at a start (a resume), where each worker takes its rows (modes/sync_step.SyncStep)."""
     from mpi4py import MPI
 
     mine = comm.Get_rank() == root

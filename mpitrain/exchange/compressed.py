@@ -14,7 +14,7 @@ Allgather), and every worker decodes the same W sums. Each worker receives 2 (W 
 instead of W - 1 parts (4 workers: 1.5 against 3), for a second compression of every value.
 
 A part is [the values, compressed with error feedback (core/compress.py)][the tail slots, float32
-as they are]: the loss, weight, votes and stamp that sync reads exactly (modes/sync.torn). In the
+as they are]: the loss, weight, votes and stamp that sync reads exactly (modes/sync_slots.torn). In the
 reduce-scatter every chunk carries its sender's tail and every sum the tails' sum: a worker that died
 sending a chunk leaves a short weight in that sum, and a sum that did not arrive whole a tail unlike
 the others' (both read as torn).

@@ -144,7 +144,7 @@ def watch_collective(ctx: Context, waiter: Poller, req, spec) -> None:
         # Left pending (a regroup, a lost peer): the live workers' parts may still arrive, and MPI
         # writes them into the buffer, which must never be memory that was freed and reused.
         # (First suspected of a CI run's regroup going on from exploded parameters; it was not
-        # that: sync's check of the sum's exact slots is what stopped it, modes/sync.torn.)
+        # that: sync's check of the sum's exact slots is what stopped it, modes/sync_slots.torn.)
         ABANDONED.append((req, spec))
         raise
     if done.failed:

@@ -32,7 +32,8 @@ from mpitrain.modes.quorum_parts import (OWED_MARGIN_S, PACE_SLACK, SWITCH_INTER
                                          ContributionSource, GradientThread, QuorumUpdate, UpdateRing, arrived,
                                          between_workers)
 from mpitrain.modes.gradients import sync_deal
-from mpitrain.modes.sync import SyncMode, SyncStep, sync_result, sync_total, work
+from mpitrain.modes.sync import SyncMode, sync_result, sync_total, work
+from mpitrain.modes.sync_outer import step_for
 from mpitrain.runtime import Context
 
 # The messages between workers travel on the workers' communicator (ranks: worker indices), not
@@ -63,7 +64,7 @@ class QuorumCoordinator:
         be, n = ctx.backend, ctx.model.n_params
         self.ctx, self.start, self.on_step, self.n, self.Q = ctx, start, on_step, n, ctx.cfg.quorum
         self.params = be.asarray(start.params)
-        self.step_fn = SyncStep(ctx, self.params, start)
+        self.step_fn = step_for(ctx, self.params, start)
         self.step_fn.deal = sync_deal(ctx, start)
         self.total = sync_total(ctx, self.step_fn.deal)
         self.h = ctx.cfg.local_steps  # global steps per update (round_span)
@@ -303,7 +304,7 @@ class QuorumFollower:
         be, n = ctx.backend, ctx.model.n_params
         self.ctx, self.start, self.n = ctx, start, n
         self.params = be.asarray(start.params)
-        self.step_fn = SyncStep(ctx, self.params, start)
+        self.step_fn = step_for(ctx, self.params, start)
         self.coordinator = ctx.layout.worker_rank(0)
         # Two push buffers, alternating: a push the coordinator did not need may still be in flight when
         # the next gradient is computed. NumPy float32: computed straight into the message.

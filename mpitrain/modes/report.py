@@ -73,16 +73,12 @@ class CoordinatorReport:
 
     def report(self, step: int, loss: float, sync_step) -> None:
         """After global step `step` (sync_step: the SyncStep that took it)."""
-        ctx, local = self.ctx, sync_step.local
+        ctx, span = self.ctx, sync_step.span
         saves = sync_step.saves  # with Mode.worker_arrays the step decided, and the workers gave theirs
-        if local is None:
-            save = sync_step.saving if saves is not None else self.ckpt.due(step)
-            flags = (FLAG_EVAL if ctx.eval_due(step) else 0) | (FLAG_CKPT if save else 0)
-        elif sync_step.synced:  # --local-steps: the global model exists after an outer step only
-            save = sync_step.saving if saves is not None else self.ckpt.due(step, local.span)
-            flags = (FLAG_EVAL if ctx.eval_due(step, local.span) else 0) | (FLAG_CKPT if save else 0)
-        else:
-            flags = 0
+        flags = 0
+        if sync_step.synced:  # --local-steps: the global model exists after an outer step only
+            save = sync_step.saving if saves is not None else self.ckpt.due(step, span)
+            flags = (FLAG_EVAL if ctx.eval_due(step, span) else 0) | (FLAG_CKPT if save else 0)
         if flags:
             if flags & FLAG_CKPT:
                 self.ckpt.mark(step)

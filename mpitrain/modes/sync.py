@@ -1,7 +1,7 @@
-"""Sync mode: the Allreduce step every worker takes (SyncStep, summing through an exchange Reducer), the
-workers' loop (train; the first worker also reports to rank 0: work); rank 0's follower of that
-coordinator and the other servers' loop are in sync_follow.py. --quorum's loop is in
-quorum.py and shares SyncStep. Who runs what: SyncMode, at the end.
+"""Sync mode: the workers' loop (train; the first worker also reports to rank 0: work) over the Allreduce
+step every worker takes (sync_step.SyncStep; with --local-steps, sync_outer.OuterSyncStep); rank 0's
+follower of that coordinator and the other servers' loop are in sync_follow.py. --quorum's loop is in
+quorum.py and shares the step. Who runs what: SyncMode, at the end.
 
 Rank 0 is not in the gradient Allreduce: the workers average among themselves on their own
 communicator and apply identical updates, so replicas stay bitwise identical. The coordinator
@@ -15,22 +15,15 @@ import math
 from collections import deque
 from contextlib import contextmanager
 
-import numpy as np
-
 from mpitrain.core.compress import gather_words, scheme
-from mpitrain.core.guard import NON_FINITE, Diverged, LossGuard
+from mpitrain.core.guard import Diverged
 from mpitrain.core.ledger import SyncDeal
 from mpitrain.core.optim import REGISTRY as OPTIMIZERS
-from mpitrain.core.optim import Optimizer, make_ema
 from mpitrain.core.outer import LocalSteps, Overlap
 from mpitrain.core.reports import LOSS_WINDOW, WorkerResult, mean_loss
-from mpitrain.core.stop import VOTED
-from mpitrain.duties.checkpoint import INNER, OWN_MODEL, RESIDUAL, SUMS, Checkpointer, TrainState, split_rows
+from mpitrain.duties.checkpoint import INNER, OWN_MODEL, RESIDUAL, SUMS, TrainState
 from mpitrain.duties.metrics import Progress
-from mpitrain.duties.observe import ALLREDUCE, APPLY, COMPUTE, WAIT
-from mpitrain.exchange.base import Reducer
-from mpitrain.exchange.compressed import reducer_for
-from mpitrain.exchange.mpi import await_verdict
+from mpitrain.duties.observe import ALLREDUCE, COMPUTE, WAIT
 from mpitrain.launch.faults import Kill
 from mpitrain.membership import elastic
 from mpitrain.membership.elastic import interrupted_at
@@ -38,270 +31,9 @@ from mpitrain.membership.liveness import PeerLost
 from mpitrain.modes.base import Mode, Trained
 from mpitrain.modes.gradients import DealtBatches, GradientSource, sync_deal
 from mpitrain.modes.report import CoordinatorReport
-from mpitrain.modes.sync_slots import LOSS, ROOM_VOTE, SAVE_VOTE, STAMP, SYNC_SLOTS, VOTE, WEIGHT, stamp_period, torn
+from mpitrain.modes.sync_outer import step_for
+from mpitrain.modes.sync_step import SyncStep
 from mpitrain.runtime import Context, start_state
-
-
-class SyncStep:
-    """One synchronous update: average the workers' gradients with Allreduce, then apply the same
-    optimizer step on every worker, so replicas stay bitwise identical. The buffer is
-    [gradient..., loss, weight, stop, room, save, stamp]: the loss rides along so every worker knows the mean
-    loss, the weight (1 from each worker) so the sum divides by the number of gradients in it, three votes
-    (1 from a worker that knows of a stop request; 1 from one that knows rank 0 makes room for a new
-    member; 1 from the coordinator where a checkpoint will keep every worker's own arrays) so that every
-    worker ends the phase after the same step (`stop`) and knows why, or gives its own arrays (`saving`), and the
-    step's stamp (the same from each worker) so that a sum holding a part of another step, or garbage, is never
-    taken for this one (`torn`). --quorum sums its gradients on the
-    coordinator instead (QuorumCoordinator) and every worker `apply`s the mean."""
-
-    def __init__(self, ctx: Context, params, start: TrainState | None = None, reducer: Reducer | None = None):
-        cfg, be, model = ctx.cfg, ctx.backend, ctx.model
-        self.ctx, self.params = ctx, params
-        self.n = n = model.n_params
-        self.buf = be.xp.zeros(n + SYNC_SLOTS, be.xp.float32)
-        self.reducer = reducer or reducer_for(ctx, n, SYNC_SLOTS)
-        self.opt = Optimizer(cfg.optimizer, n, be.xp, momentum=cfg.momentum)
-        self.ema = None
-        self.own_loss = 0.0  # this worker's own minibatch loss in the step being reduced
-        self.guard = LossGuard(cfg.divergence_factor)  # on the mean loss: every worker decides alike
-        self.why: str | None = None  # set when the step just reduced diverged (and was not applied)
-        self.stop = False  # set when the step just reduced is the last: a stop, or room to make (core/stop.py)
-        self.period = stamp_period(cfg.compress, ctx.workers)
-        if start is not None:
-            self.opt.restore(start.opt_t, start.opt_state)
-            if ctx.worker_index == 0:  # the coordinator (or the single-process run) keeps the moving average
-                self.ema = make_ema(cfg.ema_decay, params, be.xp, start.global_step, start.ema)
-        self.local = None  # --local-steps H > 1: an Allreduce every H steps (outer.py)
-        self.part = slice(0, n)  # the parameters the outer step in buf averages (--fragments: buf[n - len:n])
-        if cfg.local_steps > 1:
-            self.local = LocalSteps(cfg, params, be.xp, start.opt_state if start else None)
-        self.overlap = None  # --outer-overlap T: the outer exchange in flight during T inner steps (outer.Overlap)
-        if self.local is not None and cfg.outer_overlap is not None and not self.reducer.alone:
-            self.overlap = Overlap(cfg.outer_overlap, params, be.xp)
-            self.spare = be.xp.zeros_like(self.buf)  # the inner steps' gradients while buf is in flight
-        self.synced = True  # the step just taken ended with the workers' models identical
-        self.activity = ctx.activity
-        self.deal: SyncDeal | None = None  # this worker's share of the data deal (train, quorum.train)
-        self.own_weight = 1.0  # 0 in a step where the deal has no batch left for this worker
-        # --quorum: the batches dealt to a worker not in an update's Q, by epoch, as of the updates applied
-        self.left_out: dict[int, int] = dict(start.left_out) if start is not None else {}
-        # What each worker holds for itself that a checkpoint keeps (Mode.worker_arrays: error feedback, the inner
-        # optimizer's state): the coordinator decides where it saves before the step's sum and votes so (its own
-        # Checkpointer: rank 0's follows the states it is sent), every worker then gives its rows (`kept`, on
-        # the coordinator, of global step `kept_at`).
-        self.keeps = ctx.mode.worker_arrays(cfg)
-        self.saves = Checkpointer(cfg, ctx.fingerprint) if self.keeps and ctx.worker_index == 0 else None
-        self.saving, self.last = False, False
-        self.kept, self.kept_at = {}, -1
-        rows = start.per_worker if start is not None else {}
-        if self.keeps and rows and len(rows[self.keeps[0]]) == ctx.workers:  # (else they start afresh: broadcast_start)
-            for name, mine in self._own().items():
-                mine[...] = be.asarray(rows[name][ctx.worker_index])
-
-    def _own(self) -> dict:
-        """This worker's arrays of Mode.worker_arrays, by name (on its device)."""
-        mine = {RESIDUAL: lambda: self.reducer.compressor.residual, SUMS: lambda: self.reducer.sums,
-                OWN_MODEL: lambda: self.params}
-        return {name: mine[name]() if name in mine else self.opt.state[name[len(INNER):]] for name in self.keeps}
-
-    def dealt_at(self, step: int) -> int | None:
-        """The deal's batches in the updates up to global step `step` (None: nothing deals them)."""
-        return None if self.deal is None else self.deal.dealt_at(step)
-
-    def _dealt(self, state: TrainState) -> TrainState:
-        if self.deal is not None:
-            state.dealt, state.deal_shards = self.deal.dealt_at(state.global_step), self.deal.deal.shards
-            state.left_out = dict(self.left_out)
-        return state
-
-    def leave_out(self, step: int, span: int, chosen) -> None:
-        """--quorum: update `step + 1` (to `step + span`) took the batches of the workers in `chosen` only."""
-        for epoch, n in self.deal.left_out(step, span, chosen).items():
-            self.left_out[epoch] = self.left_out.get(epoch, 0) + n
-
-    def train_state(self, step: int) -> TrainState:
-        """Host copies of what a checkpoint needs (plain sync: every worker is at `step`)."""
-        def host(a):
-            return None if a is None else np.array(self.ctx.backend.to_host(a), np.float32)
-
-        loc = self.local  # with --local-steps: the global model of the last outer step, and the outer momentum
-        opt = self.opt.state if loc is None else {**self.opt.state, **loc.outer.state()}
-        state = TrainState(host(self.params if loc is None else loc.anchor), step, self.opt.t,
-                           {k: host(a) for k, a in opt.items()}, [step] * self.ctx.workers,
-                           host(self.ema.avg) if self.ema else None)
-        if self.kept_at == step:  # (gathered at this step only: a regroup's state has none, and they start afresh)
-            state.per_worker = self.kept
-        return self._dealt(state)
-
-    def compute(self, source: GradientSource) -> float:
-        """This worker's gradient on the current parameters, weight 1; weight 0 and a zero gradient
-        where the deal has no batch left for it in this step (the others' mean is the update)."""
-        if source.batches.idle:
-            source.batches.skip()
-            self.buf[: self.n] = 0
-            self._weigh(0.0, 0.0)
-            return 0.0
-        loss = source.compute(self.params, self.buf[: self.n])
-        self._weigh(loss)
-        return loss
-
-    def _weigh(self, loss: float, weight: float = 1.0) -> None:
-        self.own_loss, self.own_weight = loss, weight
-        if self.reducer.alone:  # nothing to sum: the loss and the vote stay here (_average)
-            return
-        self.buf[self.n + LOSS] = loss
-        self.buf[self.n + WEIGHT] = weight
-        stop = self.ctx.stop  # this worker's own stop and room votes
-        self.buf[self.n + VOTE], self.buf[self.n + ROOM_VOTE] = float(stop.requested), float(stop.room)
-
-    def _save_vote(self, step: int) -> float:
-        """The coordinator's: 1 where the state after update `step` is a checkpoint's (Mode.worker_arrays only)."""
-        saves, loc = self.saves, self.local
-        if saves is None:
-            return 0.0
-        # --local-steps: the first outer step at or past a multiple (any of its span's steps)
-        return float(saves.due(step + 1, 1 if loc is None else loc.span))
-
-    def _keep_own(self, step: int) -> None:
-        """After update `step`'s sum: every worker's own arrays to the coordinator, where the state is saved
-        (a checkpoint's vote, or the phase's last step: the final state is saved too)."""
-        if not self.keeps or not (self.saving or self.stop or self.last):
-            return
-        if self.saves is not None and self.saving:
-            self.saves.mark(step + 1)
-        be, n = self.ctx.backend, self.n
-        rows = self.reducer.gather_rows(np.concatenate([np.asarray(be.to_host(a), np.float32)
-                                                        for a in self._own().values()]))
-        self.kept = {} if rows is None else split_rows(rows, self.keeps, n)
-        self.kept_at = step + 1
-
-    def reduce_and_apply(self, step: int, last: bool = False) -> float:
-        """Sum over workers (the reducer), divide by the summed weight, apply; returns the mean loss.
-        With --local-steps H, the step is this worker's own, and every H steps (and the `last`) an
-        outer step follows (local_step)."""
-        self.saving, self.last = False, last
-        if self.local is not None:
-            return self.local_step(step, last)
-        loss = self.apply(step, self._average(step))
-        self._keep_own(step)
-        return loss
-
-    def _average(self, step: int, lo: int = 0) -> float | None:
-        """Sum [values..., loss, weight, stop, room and save votes, stamp] over the workers, check the exact
-        slots (`torn`), divide by the weight (each worker's 1); the votes are the same sum on every worker, so
-        all stop (or give their own arrays) after this step. A worker alone returns its loss (as float32, as
-        the buffer would hold it); None: it is in buf. `lo`: the values start there (--fragments' part)."""
-        buf, ctx = self.buf, self.ctx
-        if self.reducer.alone:
-            self.stop, loss = ctx.stop.due, float(np.float32(self.own_loss))
-            self.saving = bool(self._save_vote(step))
-            return loss
-        stamp = self._stamp(step)
-        self.reducer.sum(buf[lo:], self.part)  # (all of buf and every parameter but with --fragments)
-        self._summed(step, stamp)
-
-    def _stamp(self, step: int) -> int:
-        """The exact slots this worker writes before update `step`'s sum: its step stamp and the save vote."""
-        stamp = 1 + step % self.period
-        self.buf[self.n + STAMP] = stamp
-        self.buf[self.n + SAVE_VOTE] = self._save_vote(step)
-        return stamp
-
-    def _summed(self, step: int, stamp: int) -> None:
-        """The sum in buf: check its exact slots, divide by the weight, act on the votes (after update `step`)."""
-        buf, n, ctx = self.buf, self.n, self.ctx
-        tail = [float(x) for x in ctx.backend.to_host(buf[n:])]  # one copy from a GPU
-        votes = tail[VOTE], tail[ROOM_VOTE], tail[SAVE_VOTE]
-        weight = ctx.workers if self.local is not None or self.deal is None else self.deal.weight(step)
-        why = torn(ctx.workers, tail[WEIGHT], votes, tail[STAMP], stamp, weight)
-        if why:
-            await_verdict(ctx, why)
-        buf *= ctx.backend.xp.float32(1.0) / buf[n + WEIGHT]
-        if votes[0]:
-            ctx.stop.request(origin=f"{VOTED} ({votes[0]:g} of {ctx.workers}) in the sum of update {step + 1}")
-        if votes[1]:
-            ctx.stop.make_room()
-        # The sum's votes alone: a word heard during the Allreduce (after this worker voted) is the next
-        # step's vote, or this worker would end the phase a step before the others (a hang, seen in a join).
-        self.stop = any(votes[:2])
-        self.saving = bool(votes[2])
-
-    def local_step(self, step: int, last: bool) -> float:
-        """--local-steps H: apply this worker's own gradient (its own loss comes back); at an outer
-        step, then average the workers' outer gradients anchor - local with their mean inner loss
-        and stop votes, and apply the same outer step on every worker (the mean loss comes back). A
-        diverged mean is not applied: the anchor stays the last good global model."""
-        ctx, be, buf, n, loc = self.ctx, self.ctx.backend, self.buf, self.n, self.local
-        self.activity.enter(APPLY)
-        self.why, self.synced = None, False
-        if self.own_weight:  # a step without a batch for this worker leaves its model as it is
-            self.opt.step(self.params, buf[:n], ctx.lr_at(step))
-            loc.losses.append(self.own_loss)
-        ov, due = self.overlap, loc.due(step, last)
-        if ov is not None and ov.flight is not None:
-            ov.moved = ov.moved or bool(self.own_weight)
-            self.reducer.progress(ov.flight)
-            if step + 1 >= ov.lands_at or due:  # T steps later, or sooner where the next outer step is due
-                loss = self._land(step)
-                if self.why or self.stop or not due:
-                    return loss
-        if not due:
-            return self.own_loss
-        self.part = part = loc.part(step, last)  # (all of them but with --fragments)
-        lo = n - (part.stop - part.start)
-        be.xp.subtract(loc.anchor[part], self.params[part], out=self.buf[lo:n])
-        self._weigh(float(np.mean(loc.losses)) if loc.losses else 0.0)
-        loc.losses.clear()
-        if ov is None:
-            loss = self.apply(step, self._average(step, lo))
-            self._keep_own(step)  # after the outer step: a checkpoint keeps the model this worker goes on from
-            return loss
-        stamp = self._stamp(step)  # written before the start: MPI reads the buffer from then on
-        ov.launch(self.reducer.start(self.buf[lo:], part), stamp, self.params, step, last, self.buf, part)
-        self.buf, self.spare = self.spare, self.buf
-        return self._land(step) if ov.lands_at == step + 1 else self.own_loss
-
-    def _land(self, step: int) -> float:
-        """--outer-overlap: the outer exchange in flight lands after update `step`: the outer step, and this
-        worker's own steps since it was sent kept on top of the new global model (Overlap.rebase)."""
-        flight, stamp = self.overlap.flight, self.overlap.stamp
-        self.activity.enter(ALLREDUCE)
-        self.reducer.finish(flight)
-        self.overlap.flight = None
-        self.buf, self.spare = self.overlap.buf, self.buf  # the gradient just computed was applied already
-        self._summed(step, stamp)
-        loss = self.apply(step)
-        self._keep_own(step)  # after the rebase: a checkpoint keeps the model this worker goes on from
-        return loss
-
-    def abandon(self) -> None:
-        """The loop left with an outer exchange in flight (a regroup, a lost peer): MPI may still write it."""
-        if self.overlap is not None and self.overlap.flight is not None:
-            self.overlap.flight.abandon()
-
-    def apply(self, step: int, loss: float | None = None) -> float:
-        """Apply the mean gradient in buf (mean loss behind it, unless given) as update `step`, unless that loss
-        says the run diverged (`why`); returns the mean loss. With --local-steps the mean is of
-        outer gradients, and the outer optimizer steps the global model (the anchor) by it."""
-        ctx, buf, n, loc = self.ctx, self.buf, self.n, self.local
-        self.activity.enter(APPLY)
-        loss = float(buf[n + LOSS]) if loss is None else loss
-        self.why = NON_FINITE if not math.isfinite(loss) else self.guard.exploded(loss)
-        if self.why:
-            return loss  # diverged: every worker sees the same mean, and none applies it
-        if loc is None:
-            self.opt.step(self.params, buf[:n], ctx.lr_at(step))
-        else:
-            part = self.part  # (its outer gradient at the end of buf's values, as local_step put it)
-            loc.outer.step(loc.anchor, buf[n - (part.stop - part.start):n], part=part)
-            if self.overlap is None:
-                self.params[part] = loc.anchor[part]
-            else:
-                self.overlap.rebase(self.params, loc.anchor)
-            self.synced = True
-        if self.ema:
-            self.ema.update(self.params if loc is None else loc.anchor)
-        return loss
 
 
 def train(ctx: Context, start: TrainState, on_step=None) -> WorkerResult:
@@ -310,7 +42,7 @@ def train(ctx: Context, start: TrainState, on_step=None) -> WorkerResult:
     each step: to rank 0 (coordinator) or to the bar and checkpoints (single)."""
     be = ctx.backend
     params = be.asarray(start.params)
-    step_fn = SyncStep(ctx, params, start)
+    step_fn = step_for(ctx, params, start)
     step_fn.deal = sync_deal(ctx, start)
     source = GradientSource(ctx, batches=DealtBatches(ctx, step_fn.deal))
     kill, act = Kill(ctx.rank), ctx.activity

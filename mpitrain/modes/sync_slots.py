@@ -1,4 +1,4 @@
-"""The exact slots behind a sync step's values (modes/sync.SyncStep's buffer): [values..., loss, weight, stop
+"""The exact slots behind a sync step's values (modes/sync_step.SyncStep's buffer): [values..., loss, weight, stop
 vote, room vote, save vote, step stamp], and the check that a sum of them is every worker's whole part of
 one step (`torn`)."""
 
