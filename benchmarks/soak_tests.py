@@ -66,6 +66,16 @@ def one_round(files: list[str], xml: Path, keep: Path | None = None) -> dict[str
     return outcomes
 
 
+def tree_state() -> tuple[str, str]:
+    """The tree the rounds run (ROOT): its commit, and its uncommitted changes to tracked files. Soak a clone, not
+    the tree being edited: each round runs whatever the files hold then (2026-12-08: a soak of the working tree
+    while a module was split failed 6 tests on the half-edited imports)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+    return git("rev-parse", "--short", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--rounds", type=int, default=20)
@@ -80,7 +90,10 @@ def main() -> int:
         b.start()
     seen: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     why: dict[str, list[str]] = defaultdict(list)
-    t0, rounds = time.monotonic(), 0
+    t0, rounds, changed = time.monotonic(), 0, []
+    start = tree_state()
+    if start[1]:
+        print("warning: the tree has uncommitted changes (soak a clone of a commit)", flush=True)
     signal.signal(signal.SIGTERM, _interrupted)  # `kill`, `timeout`: as Ctrl-C
     try:
         with tempfile.TemporaryDirectory() as tmp:
@@ -92,6 +105,8 @@ def main() -> int:
                         why[name].append(f"round {r + 1}: {line}")
                 failed = sum(1 for v in seen.values() if v["failed"])
                 rounds = r + 1
+                if tree_state() != start:
+                    changed.append(rounds)
                 print(f"[{r + 1}/{a.rounds}] {time.monotonic() - t0:.0f} s, {failed} test(s) failed so far", flush=True)
     except KeyboardInterrupt:  # Ctrl-C, SIGTERM: the rounds done are still worth their results file
         print(f"interrupted: the results of the {rounds} whole round(s) done", flush=True)
@@ -102,7 +117,9 @@ def main() -> int:
     clean = [n for n, v in seen.items() if not v["failed"]]
     lines = [f"# Fault tests soaked, {impl.title}", "",
              f"`python benchmarks/soak_tests.py --rounds {a.rounds} --burners {a.burners}`"
-             f"{f' (interrupted after {rounds})' if rounds < a.rounds else ''} over "
+             f"{f' (interrupted after {rounds})' if rounds < a.rounds else ''} at {start[0]}"
+             f"{' with uncommitted changes' if start[1] else ''}"
+             f"{f' (the tree changed by round(s) {changed}: their results mix versions)' if changed else ''} over "
              f"{', '.join(f'`{f}`' for f in a.files)}; {machine()}; {minutes:.0f} min.", "",
              f"**{len(clean)} of {len(seen)} tests never failed** in {rounds} rounds beside {a.burners} spinning "
              f"process(es).", "", "| test | runs | passed | skipped | failed | first failures |",
