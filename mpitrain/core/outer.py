@@ -216,6 +216,29 @@ class InnerSteps:
             self.local -= unsent
 
 
+class OneStep:
+    """An async worker's step between two pushes without --local-steps (InnerSteps' interface): one gradient,
+    computed on the parameters it pulled straight into the push's buffer; its count is the pushes'."""
+
+    own = False  # nothing of its own goes on while a push travels: each step starts from the parameters pulled
+
+    def __init__(self):
+        self.count = 0
+
+    def run(self, anchor, out, compute: Callable, exhausted: Callable[[], bool], lr_at: Callable[[int], float],
+            version: int, steps: int | None = None) -> float:
+        self.count += 1
+        return compute(anchor, out)
+
+    def rebase(self, params, unsent=None) -> None:
+        pass
+
+
+def steps_for(cfg, n: int, xp=np, own: bool = False) -> InnerSteps | OneStep:
+    """An async worker's steps between two pushes: --local-steps H's (InnerSteps), or one gradient (OneStep)."""
+    return InnerSteps(cfg, n, xp, own=own) if cfg.local_steps > 1 else OneStep()
+
+
 class LocalSteps:
     """A sync worker's schedule with --local-steps H: which steps end with an outer step, the anchor,
     the outer optimizer, and the inner losses behind the next outer step's mean loss."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import deque
 
 from mpitrain.core.guard import Diverged
-from mpitrain.core.outer import InnerSteps
+from mpitrain.core.outer import steps_for
 from mpitrain.core.reports import WorkerResult
 from mpitrain.duties.checkpoint import TrainState
 from mpitrain.duties.observe import COMPUTE, PULL, PUSH
@@ -41,8 +41,8 @@ class AsyncWorker:
         self.source = GradientSource(ctx, batches=self.batches)
         self.kill = Kill(ctx.rank)
         n, xp = ctx.model.n_params, self.be.xp
-        # --local-steps H; with --overlap each run goes on from its own model while its push travels
-        self.inner = InnerSteps(ctx.cfg, n, xp, own=self.overlap) if ctx.cfg.local_steps > 1 else None
+        # one gradient a push, or --local-steps H (--overlap: each run goes on from its own model while it travels)
+        self.inner = steps_for(ctx.cfg, n, xp, own=self.overlap)
         self.pushed = 0
         self.begun = None  # the block computed on and not pushed yet
         self.unanswered = None  # the block pushed whose answer has not come (rank 0 may have applied it)
@@ -100,16 +100,15 @@ class AsyncWorker:
         ex = self.exchange
         self.act.enter(COMPUTE, ex.versions[0])
         used_versions = ex.versions
-        if self.inner is not None:  # H steps of its own, and how far they moved into the push
-            loss = self.inner.run(ex.params, ex.gradient(slot), self._step, lambda: self.source.exhausted,
-                                  self.ctx.lr_at, ex.versions[0])
-            return loss, used_versions
-        return self._step(ex.params, ex.gradient(slot)), used_versions
+        # (--local-steps: H steps of its own, and how far they moved into the push)
+        loss = self.inner.run(ex.params, ex.gradient(slot), self._step, lambda: self.source.exhausted,
+                              self.ctx.lr_at, ex.versions[0])
+        return loss, used_versions
 
     def _step(self, params, grad) -> float:
         loss = self.source.compute(params, grad)
         self.act.stepped()
-        if self.inner is not None and self.inner.own and self.exchange.in_flight:
+        if self.inner.own and self.exchange.in_flight:
             self.exchange.progress()  # the push in flight moves on while the inner steps compute
         return loss
 
@@ -120,7 +119,7 @@ class AsyncWorker:
     def _push(self, slot: int, loss: float, used_versions: list[int], lease) -> None:
         self.kill.at(self.pushed + 1)
         self.act.enter(PUSH)
-        count = self.pushed + 1 if self.inner is None else self.inner.count  # its gradients: pushes, or inner steps
+        count = self.inner.count  # its gradients: pushes, or (--local-steps) inner steps
         self.exchange.push(slot, loss, used_versions, count, False, lease)  # never its last: the ledger says when
         self.unanswered, self.begun = lease, None
         self.pushed += 1
@@ -135,7 +134,7 @@ class AsyncWorker:
         if self.unanswered is not None:
             self.answered.append(self.unanswered)
             self.unanswered = None
-        if not stopped and self.inner is not None and self.inner.own:
+        if not stopped and self.inner.own:
             self.inner.rebase(ex.params, None if unsent is None else ex.gradient(unsent))
         if not stopped and ex.lent:
             self.batches.lend(ex.lent)
