@@ -152,17 +152,17 @@ def test_a_worker_killed_in_its_apply_leaves_its_block_trained_once_or_counted_t
     per_epoch = EPOCH_SAMPLES[3] // 100
     complete = [e for e in s["epochs"] if e["complete"]]
     assert len(complete) >= 8000 // per_epoch - 2, s["epochs"][-3:]
-    # A batch trained twice whose step was counted (--num-ps 2: shard 0's) takes a step of --steps: as many of the
-    # last batches dealt are out at the stop, missed in the last complete epochs (chaos_judge.ledger_problems)
-    tail, shifted = {e["epoch"] for e in complete[-2:]}, 0
+    # At the stop a worker may hold a block it has not pushed yet (one at most: a slower worker's, dealt well
+    # before the last; seen 40 batches before the end in a soak): missed, and a resume deals it again. A batch
+    # trained twice whose step was counted (--num-ps 2: shard 0's) takes a step of --steps, one more such batch.
+    out_at_stop = 0
     for e in complete:
         wrong = {g: applied[g] for g in range(e["epoch"] * per_epoch, (e["epoch"] + 1) * per_epoch) if applied[g] != 1}
         missing = [g for g, n in wrong.items() if n == 0]
         assert sum(n - 1 for n in wrong.values() if n) * 100 == e["repeated"], (e, wrong)
-        assert e["missed"] == len(missing) * 100 and (not missing or e["epoch"] in tail), (e, wrong)
-        assert e["samples"] == (per_epoch - len(missing)) * 100, e
-        shifted += len(missing)
-    assert shifted <= (twice if servers > 1 else 0)
+        assert e["missed"] == len(missing) * 100 and e["samples"] == (per_epoch - len(missing)) * 100, (e, wrong)
+        out_at_stop += len(missing)
+    assert out_at_stop <= 2 + twice, out_at_stop  # the two workers left, and the budget's shift
     assert sum(n - 1 for n in applied.values() if n) == twice == sum(e["repeated"] for e in s["epochs"]) // 100
 
 
