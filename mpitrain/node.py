@@ -135,15 +135,20 @@ def mapped_paths(maps: str) -> set[str]:
 
 def unlink_init_shm(prefix: str, maps: str = "/proc/self/maps", shm_dir: str = "/dev/shm") -> list[str]:
     """Unlink the init segments this process maps; returns what it removed."""
+    # (not Linux: nothing mapped; a name already unlinked shows as "NAME (deleted)")
+    return _unlink([path for path in sorted(mapped_paths(maps)) if os.path.dirname(path) == shm_dir
+                    and os.path.basename(path).startswith(prefix) and " " not in os.path.basename(path)])
+
+
+def _unlink(paths: list[str]) -> list[str]:
+    """Unlink each of `paths` that can be; returns those unlinked."""
     removed = []
-    for path in sorted(mapped_paths(maps)):  # (not Linux: nothing)
-        name = os.path.basename(path)
-        if os.path.dirname(path) == shm_dir and name.startswith(prefix) and " " not in name:
-            try:  # (a name already unlinked shows as "NAME (deleted)")
-                os.unlink(path)
-                removed.append(path)
-            except OSError:
-                pass
+    for path in paths:
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except OSError:
+            pass
     return removed
 
 
@@ -166,25 +171,16 @@ def sweep_init_shm(prefix: str, shm_dir: str = "/dev/shm", proc: str = "/proc",
         names = sorted(os.listdir(shm_dir))
     except OSError:
         return []
-    for name in names:
-        path = os.path.join(shm_dir, name)
+    for path in (os.path.join(shm_dir, name) for name in names if name.startswith(prefix)):  # (stat theirs only)
         try:
             st = os.stat(path)
         except OSError:
             continue
-        if name.startswith(prefix) and st.st_uid == os.getuid() and now - st.st_mtime >= min_age_s:
+        if st.st_uid == os.getuid() and now - st.st_mtime >= min_age_s:
             stale.append(path)
     if not stale:  # the usual case: /proc is not read
         return []
     # (another user's process is not readable: its segments are not this user's to remove either)
     mapped = set().union(*(mapped_paths(os.path.join(proc, p, "maps")) for p in os.listdir(proc) if p.isdigit()))
-    removed = []
-    for path in stale:
-        if path not in mapped:
-            try:
-                os.unlink(path)
-                removed.append(path)
-            except OSError:
-                pass
-    return removed
+    return _unlink([path for path in stale if path not in mapped])
 

@@ -19,7 +19,7 @@ from mpitrain.core.console import say
 from mpitrain.core.guard import SMOOTHING, Diverged
 from mpitrain.core.layout import PS_RANK
 from mpitrain.core.reports import LOSS_WINDOW
-from mpitrain.duties.checkpoint import Checkpointer, TrainState
+from mpitrain.duties.checkpoint import BY_EPOCH, Checkpointer, TrainState
 from mpitrain.duties.metrics import Progress, RunLog
 from mpitrain.duties.observe import CHECKPOINT, EVAL, attribute, step_time_from_beat
 from mpitrain.runtime import Context, start_state
@@ -64,8 +64,8 @@ def copy_state(state: TrainState) -> TrainState:
     return TrainState(np.array(state.params), state.global_step, state.opt_t,
                       {k: np.array(a) for k, a in state.opt_state.items()}, list(state.positions),
                       None if state.ema is None else np.array(state.ema), dealt=state.dealt,
-                      deal_shards=state.deal_shards, redeal=list(state.redeal), left_out=dict(state.left_out),
-                      repeated=dict(state.repeated), partial=dict(state.partial))
+                      deal_shards=state.deal_shards, redeal=list(state.redeal),
+                      **{name: dict(getattr(state, name)) for name in BY_EPOCH})
 
 
 def begin(ctx: Context) -> tuple[TrainState, ServerState, Checkpointer]:

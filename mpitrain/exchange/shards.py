@@ -75,7 +75,7 @@ class Gather:
         sends = [self.ctx.comm.Isend(self.ask.spec(), dest=r, tag=TAG_SHARD) for r in self.ranks]
         return self.wait(recvs + sends, self.ranks + self.ranks)
 
-    def tallies(self, workers: int) -> list[np.ndarray]:
+    def tallies(self) -> list[np.ndarray]:
         """After the final pieces: each other server's counts of what it applied from each worker, a row
         per worker (AsyncServer._tally)."""
         return [receive_table(self.ctx.comm, r, TAG_SHARD, np.int64, 3, self.ctx.watch) for r in self.ranks]

@@ -148,7 +148,7 @@ class AsyncServer:
         if self.chief:
             final = self._full_state(FLAG_FINAL)
             if self.gather:
-                self._count_partial(self.gather.tallies(len(self.worker_ranks)))
+                self._count_partial(self.gather.tallies())
                 final.partial = dict(self.state.partial)
             self.state.params, self.state.ema = final.params, final.ema
             self.state.dealt, self.state.redeal = final.dealt, final.redeal
